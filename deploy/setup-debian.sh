@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages kvc needs to build, test and run its demo, skipping any that are
+# already present. Safe to run repeatedly. Needs root (or sudo) the first time.
+set -euo pipefail
+
+PKGS=(
+  build-essential cmake pkg-config git ca-certificates
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
+  libxxhash-dev libopenblas-dev
+  prometheus redis-server python3
+)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+# kubectl renders the Kubernetes manifests offline; any kubectl with kustomize will do.
+if ! command -v kubectl >/dev/null 2>&1; then missing+=(kubernetes-client); fi
+
+if ((${#missing[@]})); then
+  SUDO=""
+  if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+  echo "setup: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# The CUDA toolkit is optional: kvc builds its CUDA backend when nvcc is found.
+if ! command -v nvcc >/dev/null 2>&1 && [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  echo "setup: nvcc found at /usr/local/cuda/bin; add it to PATH to build the CUDA backend"
+fi
+echo "setup: ok"
