@@ -1,0 +1,28 @@
+// Decode attention computed directly on the compact (packed) form: new queries against the kept
+// tokens (pruned key channels simply absent from the dot product, quantized blocks dequantized on
+// the fly) plus optional uncompressed new tokens. Scale is 1/sqrt(D) with the full head_dim D.
+#ifndef KVC_ATTENTION_H_
+#define KVC_ATTENTION_H_
+
+#include "absl/status/status.h"
+#include "kvc/compact.h"
+
+namespace kvc {
+
+struct DecodeQuery {
+  int num_q_heads = 0;          // Hq, a multiple of the cache's num_kv_heads
+  int n_q = 0;                  // queries per head
+  const float* q = nullptr;     // [Hq, n_q, D] post-RoPE
+  int n_new = 0;                // uncompressed tokens appended after the cache (n_new >= n_q)
+  const float* k_new = nullptr; // [Hkv, n_new, D] post-RoPE; may be null when n_new == 0
+  const float* v_new = nullptr; // [Hkv, n_new, D]
+};
+
+// out: [Hq, n_q, D]. Query i attends to every cached token and to new tokens
+// [0, n_new - n_q + i] (causal within the new tokens). Errors name the field on shape mismatch.
+absl::Status PackedAttentionCpu(const CompactLayerView& cache, const DecodeQuery& query,
+                                float* out);
+
+}  // namespace kvc
+
+#endif  // KVC_ATTENTION_H_

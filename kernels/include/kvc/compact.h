@@ -1,0 +1,136 @@
+// The compact cache: one self-describing byte blob per layer. This is what the store keeps, what
+// GetCache(PACKED) sends, and what packed attention reads. Little-endian, every block 16-byte
+// aligned relative to the blob start.
+//
+//   LayerHeader                                   (64 bytes)
+//   HeadDesc[num_kv_heads]                        (32 bytes each)
+//   per head h, at HeadDesc.offset, in this order (m = n_kept - n_recent, r = n_recent):
+//     positions     int32[n_kept]        original prompt positions, strictly ascending
+//     key_idx       int32[T_k]           kept key channels, strictly ascending
+//     value_idx     int32[T_v]           kept value channels, strictly ascending
+//     keys (old)    bits == 0: dtype[m, T_k]
+//                   bits  > 0: scale f32[ceil(m/G), T_k], zero f32[ceil(m/G), T_k],
+//                              codes u8[m, ceil(T_k*bits/8)]  (per-channel groups of G tokens)
+//     keys (recent) dtype[r, D]          all channels, full precision
+//     values (old)  bits == 0: dtype[m, T_v]
+//                   bits  > 0: scale f32[m, ceil(T_v/G)], zero f32[m, ceil(T_v/G)],
+//                              codes u8[m, ceil(T_v*bits/8)]  (per-token groups of G channels)
+//     values(recent) dtype[r, D]
+// Dequantized value = code * scale + zero. Codes are packed little-endian within a byte (element 0
+// in the lowest bits); each row starts on a byte boundary.
+#ifndef KVC_COMPACT_H_
+#define KVC_COMPACT_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kvc/dtype.h"
+#include "kvc/layer.h"
+#include "kvc/selection.h"
+#include "kvc/spec.h"
+
+namespace kvc {
+
+inline constexpr uint32_t kCompactMagic = 0x4c43564bu;  // "KVCL"
+inline constexpr uint16_t kCompactVersion = 1;
+
+struct LayerHeader {
+  uint32_t magic = kCompactMagic;
+  uint16_t version = kCompactVersion;
+  uint8_t dtype = 0;        // DType of full-precision blocks (the input's dtype)
+  uint8_t quant_bits = 0;   // 0, 2, 4, 8
+  int32_t layer_index = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;     // D
+  int32_t seq_len = 0;      // original prompt length; new tokens continue at this position
+  int32_t quant_group = 0;  // G
+  uint8_t eviction_policy = 0;  // EvictionPolicy, informational
+  uint8_t channel_policy = 0;   // ChannelPolicy, informational
+  uint8_t reserved[34] = {};
+};
+static_assert(sizeof(LayerHeader) == 64);
+
+struct HeadDesc {
+  int32_t n_kept = 0;
+  int32_t n_recent = 0;
+  int32_t key_channels = 0;    // T_k
+  int32_t value_channels = 0;  // T_v
+  uint64_t offset = 0;         // of the head section, from the blob start
+  uint64_t size = 0;           // bytes of the head section
+};
+static_assert(sizeof(HeadDesc) == 32);
+
+// Pointers into a blob for one head. Unused pointers (e.g. scales when bits == 0) are null.
+struct CompactHead {
+  int n_kept = 0, n_recent = 0, key_channels = 0, value_channels = 0;
+  const int32_t* positions = nullptr;
+  const int32_t* key_idx = nullptr;
+  const int32_t* value_idx = nullptr;
+  const void* key_old = nullptr;  // bits == 0
+  const float* key_scale = nullptr;
+  const float* key_zero = nullptr;
+  const uint8_t* key_codes = nullptr;
+  const void* key_recent = nullptr;
+  const void* value_old = nullptr;  // bits == 0
+  const float* value_scale = nullptr;
+  const float* value_zero = nullptr;
+  const uint8_t* value_codes = nullptr;
+  const void* value_recent = nullptr;
+};
+
+// Owns one layer's blob.
+struct CompactLayer {
+  std::vector<uint8_t> bytes;
+};
+
+// A validated, non-owning view of a blob. Parse checks everything a reader relies on (magic,
+// version, sizes and offsets in range, positions ascending and < seq_len, channel indices
+// ascending and < D), so a corrupt or hostile blob yields an error, never an out-of-range read.
+class CompactLayerView {
+ public:
+  static absl::StatusOr<CompactLayerView> Parse(absl::Span<const uint8_t> blob);
+
+  const LayerHeader& header() const { return header_; }
+  DType dtype() const { return static_cast<DType>(header_.dtype); }
+  int num_kv_heads() const { return header_.num_kv_heads; }
+  int head_dim() const { return header_.head_dim; }
+  int seq_len() const { return header_.seq_len; }
+  const HeadDesc& desc(int h) const { return descs_[h]; }
+  CompactHead head(int h) const;
+  absl::Span<const uint8_t> blob() const { return blob_; }
+
+ private:
+  absl::Span<const uint8_t> blob_;
+  LayerHeader header_;
+  const HeadDesc* descs_ = nullptr;
+};
+
+// Builds the blob from the input and the selections: gather kept tokens and channels, quantize the
+// old block when spec.quant.bits > 0. Validates that selections match the input shape.
+absl::StatusOr<CompactLayer> PackLayer(const LayerInput& in, const TokenSelection& tokens,
+                                       const ChannelSelection& channels,
+                                       const CompressionSpec& spec);
+
+// Byte size PackLayer will produce (for budgets and benchmarks).
+size_t PackedSize(const LayerShape& shape, DType dtype, const TokenSelection& tokens,
+                  const ChannelSelection& channels, const CompressionSpec& spec);
+
+// DENSE export: kept tokens with pruned channels zero-filled and quantized blocks dequantized, in
+// the blob's dtype, HND [Hkv, n_kept, D]; positions [Hkv, n_kept]. Requires every head to keep the
+// same number of tokens (always true for blobs built by PackLayer).
+struct DenseLayer {
+  int num_kv_heads = 0, n_kept = 0, head_dim = 0, seq_len = 0;
+  DType dtype = DType::kF16;
+  std::vector<uint8_t> k, v;         // dtype elements
+  std::vector<int32_t> positions;
+};
+absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view);
+
+// Dequantized float copy of head h: keys and values [n_kept, D] with pruned channels zero.
+void UnpackHeadToFloat(const CompactLayerView& view, int h, float* keys, float* values);
+
+}  // namespace kvc
+
+#endif  // KVC_COMPACT_H_

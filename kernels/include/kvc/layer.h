@@ -1,0 +1,53 @@
+// One transformer layer's KV cache and observation queries, as non-owning views.
+#ifndef KVC_LAYER_H_
+#define KVC_LAYER_H_
+
+#include "absl/status/status.h"
+#include "kvc/dtype.h"
+
+namespace kvc {
+
+// Limits every backend accepts.
+inline constexpr int kMinHeadDim = 8;
+inline constexpr int kMaxHeadDim = 256;
+
+struct LayerShape {
+  int num_kv_heads = 0;  // Hkv >= 1
+  int num_q_heads = 0;   // Hq = g * Hkv (GQA group size g >= 1)
+  int seq_len = 0;       // S >= 1 prompt tokens
+  int head_dim = 0;      // D in [kMinHeadDim, kMaxHeadDim]
+  int obs_window = 0;    // W in [0, S]: observation queries for the last W prompt positions
+
+  int group_size() const { return num_kv_heads > 0 ? num_q_heads / num_kv_heads : 0; }
+};
+
+// Views of one layer's tensors, all post-RoPE, in host memory (the CUDA backend copies them to the
+// device itself). Element type `dtype`, layout `layout` for all three tensors:
+//   HND: K, V [Hkv, S, D], Q_obs [Hq, W, D]      NHD: K, V [S, Hkv, D], Q_obs [W, Hq, D]
+// Q_obs row t is the query of prompt position S - W + t. q_obs may be null only when W == 0.
+struct LayerInput {
+  LayerShape shape;
+  DType dtype = DType::kF16;
+  Layout layout = Layout::kHND;
+  int layer_index = 0;  // selects a per-layer budget override, and seeds per-layer noise
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* q_obs = nullptr;
+};
+
+// Checks shape limits and pointers; the message names the offending field, e.g.
+// "shape.head_dim: 300 is outside [8, 256]".
+absl::Status ValidateShape(const LayerShape& shape);
+absl::Status ValidateInput(const LayerInput& in);
+
+// Element offset of (head, token, channel) in a tensor of `heads` heads and `tokens` tokens.
+inline size_t ElementOffset(Layout layout, int heads, int tokens, int head_dim, int h, int t,
+                            int c) {
+  return layout == Layout::kHND
+             ? (static_cast<size_t>(h) * tokens + t) * head_dim + c
+             : (static_cast<size_t>(t) * heads + h) * head_dim + c;
+}
+
+}  // namespace kvc
+
+#endif  // KVC_LAYER_H_

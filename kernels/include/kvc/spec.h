@@ -1,0 +1,89 @@
+// What to do to a layer: token eviction, then channel pruning on the kept tokens, then
+// quantization. Formulas and defaults: DESIGN.md, "Compression policies".
+#ifndef KVC_SPEC_H_
+#define KVC_SPEC_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvc/layer.h"
+
+namespace kvc {
+
+// Values are part of the wire format: never renumber.
+enum class EvictionPolicy : uint8_t {
+  kNone = 0,  // keep every token
+  kStreaming = 1,
+  kH2O = 2,
+  kSnapKV = 3,
+  kKeyformer = 4,
+  kKNorm = 5,
+  kRandom = 6,
+};
+enum class ChannelPolicy : uint8_t { kNone = 0, kThink = 1, kL1 = 2, kL2 = 3 };
+enum class PoolKind : uint8_t { kMax = 0, kAvg = 1 };
+enum class Granularity : uint8_t { kPerHead = 0, kPerLayer = 1 };
+
+struct EvictionSpec {
+  EvictionPolicy policy = EvictionPolicy::kNone;
+  // Tokens kept per KV head: `budget` when > 0, else round(keep_ratio * S) (at least 1).
+  int budget = 0;
+  double keep_ratio = 1.0;  // (0, 1]
+  // Optional per-layer budgets in tokens (PyramidKV-style); entry i applies to layer i and wins
+  // over budget/keep_ratio. 0 entries fall back to the layer-independent budget.
+  std::vector<int> layer_budgets;
+  Granularity granularity = Granularity::kPerHead;
+
+  int sink_tokens = 4;             // streaming: first tokens always kept
+  double recent_fraction = -1.0;   // h2o 0.5, keyformer 0.3 when < 0
+  int pool_kernel = 7;             // snapkv: odd, >= 1
+  PoolKind pool = PoolKind::kMax;  // snapkv
+  double tau = 1.0;                // keyformer temperature, > 0
+  uint64_t seed = 0;               // keyformer Gumbel noise, random
+};
+
+struct ChannelSpec {
+  ChannelPolicy key_policy = ChannelPolicy::kNone;
+  double key_lambda = 0.0;     // [0, 1): keep T = D - floor(lambda * D) key channels per KV head
+  bool prune_values = false;   // query-driven value channel pruning (ThinK appendix)
+  double value_lambda = 0.0;   // [0, 1)
+};
+
+struct QuantSpec {
+  int bits = 0;         // 0 (off), 2, 4 or 8
+  int group_size = 32;  // keys: tokens per group (per channel); values: channels per group
+};
+
+struct CompressionSpec {
+  EvictionSpec eviction;
+  ChannelSpec channels;
+  QuantSpec quant;
+  // r: the most recent kept tokens stay unpruned and in full precision. Applies only when channel
+  // pruning or quantization is on (otherwise r = 0). Clamped to the kept count.
+  int recent_tokens = 32;
+};
+
+// Checks the spec against a layer shape; the message names the field, e.g.
+// "eviction.budget: 5000 exceeds seq_len 4096" or "channels.key_lambda: 1.5 is outside [0, 1)".
+absl::Status ValidateSpec(const CompressionSpec& spec, const LayerShape& shape, int layer_index);
+
+// Tokens kept per KV head for this layer (spec must be valid).
+int EffectiveBudget(const EvictionSpec& spec, int layer_index, int seq_len);
+// Channels kept of head_dim D at pruning ratio lambda: D - floor(lambda * D).
+int KeptChannels(double lambda, int head_dim);
+
+std::string_view PolicyName(EvictionPolicy p);   // "none", "streaming", "h2o", "snapkv", ...
+std::string_view PolicyName(ChannelPolicy p);    // "none", "think", "l1", "l2"
+absl::StatusOr<EvictionPolicy> ParseEvictionPolicy(std::string_view name);
+absl::StatusOr<ChannelPolicy> ParseChannelPolicy(std::string_view name);
+// Every policy name, for GetServerInfo and --help.
+std::vector<std::string> EvictionPolicyNames();
+std::vector<std::string> ChannelPolicyNames();
+
+}  // namespace kvc
+
+#endif  // KVC_SPEC_H_

@@ -1,0 +1,118 @@
+// CacheStore: the compact caches kvcd holds, under a byte budget, with LRU eviction, TTL expiry,
+// read leases and per-entry checksums.
+//
+// Thread-safety: every method may be called concurrently. Entries are immutable once inserted and
+// shared by pointer; a Lease keeps its entry alive and unevictable until the Lease is destroyed.
+#ifndef KVC_CACHE_STORE_H_
+#define KVC_CACHE_STORE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace kvc {
+
+// One stored cache. Built by the ingest path, then frozen.
+struct CacheEntry {
+  std::string id;                         // unique key (already tenant-qualified by the caller)
+  std::vector<std::vector<uint8_t>> layers;  // compact layer blobs (kvc/compact.h), in order
+  std::string metadata;                   // opaque to the store (kvcd keeps a serialized CacheInfo)
+  uint64_t input_bytes = 0;               // uncompressed K+V bytes, for ratios and metrics
+  absl::Time created;
+  absl::Time expires = absl::InfiniteFuture();
+  uint64_t checksum = 0;                  // set by FinalizeEntry
+
+  // Bytes charged against the budget: layer blobs + metadata + id.
+  uint64_t ChargedBytes() const;
+};
+
+// Computes and stores the checksum (XXH3-64 over the layer blobs in order).
+void FinalizeEntry(CacheEntry& entry);
+// OK when the stored checksum matches the blobs; DATA_LOSS otherwise.
+absl::Status VerifyEntry(const CacheEntry& entry);
+
+enum class EvictionReason { kCapacity, kTtl, kOverwrite, kDeleted };
+const char* EvictionReasonName(EvictionReason r);  // "capacity", "ttl", "overwrite", "deleted"
+
+class CacheStore {
+ public:
+  struct Options {
+    uint64_t capacity_bytes = uint64_t{1} << 30;
+    // Called (without locks held) for each entry removed other than by Delete.
+    std::function<void(const CacheEntry&, EvictionReason)> on_evict;
+    // Clock, replaceable in tests.
+    std::function<absl::Time()> now = [] { return absl::Now(); };
+  };
+
+  struct Stats {
+    uint64_t used_bytes = 0;      // includes deleted/evicted entries still held by a lease
+    uint64_t capacity_bytes = 0;
+    uint64_t entries = 0;
+  };
+
+  // A read lease: while it lives, the entry is neither evicted nor freed.
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(Lease&&) = default;
+    Lease& operator=(Lease&&) = default;
+    ~Lease();
+    const CacheEntry& entry() const { return *entry_; }
+    const CacheEntry* operator->() const { return entry_.get(); }
+
+   private:
+    friend class CacheStoreImpl;
+    std::shared_ptr<const CacheEntry> entry_;
+    std::shared_ptr<void> release_;  // runs the store's bookkeeping on destruction
+  };
+
+  static absl::StatusOr<std::unique_ptr<CacheStore>> Create(const Options& options);
+  virtual ~CacheStore() = default;
+  CacheStore(const CacheStore&) = delete;
+  CacheStore& operator=(const CacheStore&) = delete;
+
+  // Inserts a finalized entry, evicting least-recently-used unleased entries (and expired ones
+  // first) to make room. Errors change nothing:
+  //   ALREADY_EXISTS      the id exists and !overwrite
+  //   RESOURCE_EXHAUSTED  the entry exceeds the capacity, or cannot fit without evicting leased
+  //                       entries
+  //   INVALID_ARGUMENT    empty id or checksum mismatch
+  virtual absl::Status Insert(std::shared_ptr<const CacheEntry> entry, bool overwrite) = 0;
+
+  // Whether an entry of `bytes` could be inserted now (for early rejection before an upload).
+  virtual absl::Status CheckCanFit(uint64_t bytes) const = 0;
+
+  // Leases an entry and marks it most recently used. NOT_FOUND when absent or expired.
+  virtual absl::StatusOr<Lease> Acquire(const std::string& id) = 0;
+
+  // Metadata access without touching LRU order. NOT_FOUND when absent or expired.
+  virtual absl::StatusOr<std::shared_ptr<const CacheEntry>> Peek(const std::string& id) const = 0;
+
+  // Removes an entry; returns the bytes it was charged. Memory is released when the last lease
+  // ends. NOT_FOUND when absent.
+  virtual absl::StatusOr<uint64_t> Delete(const std::string& id) = 0;
+
+  // Entries with ids starting with `prefix` and greater than `start_after`, ordered by id, at most
+  // `limit` of them.
+  virtual std::vector<std::shared_ptr<const CacheEntry>> List(const std::string& prefix,
+                                                              const std::string& start_after,
+                                                              size_t limit) const = 0;
+
+  // Drops expired entries; returns how many. kvcd calls it periodically.
+  virtual size_t ExpireNow() = 0;
+
+  virtual Stats GetStats() const = 0;
+
+ protected:
+  CacheStore() = default;
+};
+
+}  // namespace kvc
+
+#endif  // KVC_CACHE_STORE_H_
