@@ -2,6 +2,9 @@
 #ifndef KVC_LAYER_H_
 #define KVC_LAYER_H_
 
+#include <cstddef>
+#include <cstdint>
+
 #include "absl/status/status.h"
 #include "kvc/dtype.h"
 
@@ -10,6 +13,8 @@ namespace kvc {
 // Limits every backend accepts.
 inline constexpr int kMinHeadDim = 8;
 inline constexpr int kMaxHeadDim = 256;
+// Elements of K (Hkv * S * D) or Q_obs (Hq * W * D) one layer may hold (2^36, 128 GiB of fp16).
+inline constexpr uint64_t kMaxLayerElements = uint64_t{1} << 36;
 
 struct LayerShape {
   int num_kv_heads = 0;  // Hkv >= 1
@@ -36,7 +41,10 @@ struct LayerInput {
 };
 
 // Checks shape limits and pointers; the message names the offending field, e.g.
-// "shape.head_dim: 300 is outside [8, 256]".
+// "shape.head_dim: 300 is outside [8, 256]". ValidateShape: Hkv >= 1, Hq a multiple of Hkv, S >= 1,
+// D in [kMinHeadDim, kMaxHeadDim], W in [0, S], element counts within kMaxLayerElements.
+// ValidateInput also checks dtype/layout values, layer_index >= 0 and that k, v (and q_obs when
+// W > 0) are non-null; it cannot check that the buffers are large enough.
 absl::Status ValidateShape(const LayerShape& shape);
 absl::Status ValidateInput(const LayerInput& in);
 

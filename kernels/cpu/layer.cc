@@ -1,0 +1,77 @@
+#include "kvc/layer.h"
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvc {
+namespace {
+
+absl::Status Invalid(const char* field, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+}
+
+}  // namespace
+
+absl::Status ValidateShape(const LayerShape& shape) {
+  if (shape.num_kv_heads < 1) {
+    return Invalid("shape.num_kv_heads", absl::StrCat(shape.num_kv_heads, " must be >= 1"));
+  }
+  if (shape.num_q_heads < 1) {
+    return Invalid("shape.num_q_heads", absl::StrCat(shape.num_q_heads, " must be >= 1"));
+  }
+  if (shape.num_q_heads % shape.num_kv_heads != 0) {
+    return Invalid("shape.num_q_heads",
+                   absl::StrCat(shape.num_q_heads, " is not a multiple of num_kv_heads ",
+                                shape.num_kv_heads));
+  }
+  if (shape.seq_len < 1) {
+    return Invalid("shape.seq_len", absl::StrCat(shape.seq_len, " must be >= 1"));
+  }
+  if (shape.head_dim < kMinHeadDim || shape.head_dim > kMaxHeadDim) {
+    return Invalid("shape.head_dim", absl::StrCat(shape.head_dim, " is outside [", kMinHeadDim,
+                                                  ", ", kMaxHeadDim, "]"));
+  }
+  if (shape.obs_window < 0 || shape.obs_window > shape.seq_len) {
+    return Invalid("shape.obs_window", absl::StrCat(shape.obs_window, " is outside [0, seq_len ",
+                                                    shape.seq_len, "]"));
+  }
+  // Products below are computed in 64 bits; the limit keeps every byte offset far from overflow.
+  const uint64_t kv_elems = static_cast<uint64_t>(shape.num_kv_heads) * shape.seq_len *
+                            static_cast<uint64_t>(shape.head_dim);
+  if (kv_elems > kMaxLayerElements) {
+    return Invalid("shape", absl::StrCat("K has ", kv_elems, " elements, above the limit ",
+                                         kMaxLayerElements));
+  }
+  const uint64_t q_elems = static_cast<uint64_t>(shape.num_q_heads) * shape.obs_window *
+                           static_cast<uint64_t>(shape.head_dim);
+  if (q_elems > kMaxLayerElements) {
+    return Invalid("shape", absl::StrCat("Q_obs has ", q_elems, " elements, above the limit ",
+                                         kMaxLayerElements));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateInput(const LayerInput& in) {
+  if (absl::Status s = ValidateShape(in.shape); !s.ok()) return s;
+  const auto dtype = static_cast<uint8_t>(in.dtype);
+  if (dtype > static_cast<uint8_t>(DType::kBF16)) {
+    return Invalid("dtype", absl::StrCat("unknown value ", dtype));
+  }
+  const auto layout = static_cast<uint8_t>(in.layout);
+  if (layout > static_cast<uint8_t>(Layout::kNHD)) {
+    return Invalid("layout", absl::StrCat("unknown value ", layout));
+  }
+  if (in.layer_index < 0) {
+    return Invalid("layer_index", absl::StrCat(in.layer_index, " must be >= 0"));
+  }
+  if (in.k == nullptr) return Invalid("k", "null pointer");
+  if (in.v == nullptr) return Invalid("v", "null pointer");
+  if (in.shape.obs_window > 0 && in.q_obs == nullptr) {
+    return Invalid("q_obs", absl::StrCat("null pointer with obs_window ", in.shape.obs_window));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvc

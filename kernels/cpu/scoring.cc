@@ -1,0 +1,202 @@
+// Token scoring. Attention-based policies compute, per KV head, one GEMM of the group's
+// observation queries against all keys ([g*W, D] x [D, S], OpenBLAS sgemm on fp32 copies), then a
+// causal row softmax whose rows are accumulated into the head's score. Query rows are processed in
+// blocks so the logits buffer stays bounded even when W == S.
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "cpu/engine.h"
+#include "cpu/simd.h"
+#include "kvc/convert.h"
+#include "kvc/noise.h"
+#include "kvc/selection.h"
+#include "kvc/status_macros.h"
+
+namespace kvc::cpu {
+namespace {
+
+// Logits kept per block of query rows (16 MiB of floats): all 128 rows of a Llama-3 group at 32K.
+constexpr size_t kLogitFloats = size_t{4} << 20;
+// Keys converted per chunk by the non-GEMM policies.
+constexpr int kTokenChunk = 1024;
+
+template <typename T>
+T* Grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// 1-D pooling over x[0, n) with an odd kernel, same-size output, window clipped at the edges
+// (max: max of the in-range values; avg: their mean).
+void Pool1D(float* x, int n, int kernel, PoolKind kind, std::vector<float>& tmp) {
+  if (kernel <= 1 || n <= 1) return;
+  tmp.assign(x, x + n);
+  const int half = kernel / 2;
+  for (int j = 0; j < n; ++j) {
+    const int lo = std::max(0, j - half), hi = std::min(n - 1, j + half);
+    if (kind == PoolKind::kMax) {
+      float m = tmp[lo];
+      for (int i = lo + 1; i <= hi; ++i) m = std::max(m, tmp[i]);
+      x[j] = m;
+    } else {
+      float s = 0.0f;
+      for (int i = lo; i <= hi; ++i) s += tmp[i];
+      x[j] = s / static_cast<float>(hi - lo + 1);
+    }
+  }
+}
+
+// score[j] = (1/g) * sum over the group's query heads and observation rows of softmax(a)_j, where
+// row t sees keys j <= S - W + t; keyformer adds Gumbel noise and divides by tau first.
+void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, float* out) {
+  const LayerShape& sh = in.shape;
+  const int S = sh.seq_len, D = sh.head_dim, W = sh.obs_window, g = sh.group_size();
+  const int rows = g * W;
+  Scratch& s = Scratch::ForThisThread();
+  float* q = Grow(s.q, static_cast<size_t>(rows) * D);
+  float* k = Grow(s.k, static_cast<size_t>(S) * D);
+  LoadQueryGroup(in, h, q);
+  LoadHeadRows(in, /*values=*/false, h, 0, S, k);
+
+  const int block = static_cast<int>(
+      std::clamp<size_t>(kLogitFloats / static_cast<size_t>(S), 1, static_cast<size_t>(rows)));
+  float* logits = Grow(s.logits, static_cast<size_t>(block) * S);
+  std::fill(out, out + S, 0.0f);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const bool gumbel = spec.policy == EvictionPolicy::kKeyformer;
+  const float inv_tau = static_cast<float>(1.0 / spec.tau);
+  const float inv_g = 1.0f / static_cast<float>(g);
+
+  for (int r0 = 0; r0 < rows; r0 += block) {
+    const int nr = std::min(block, rows - r0);
+    // Keys past the last row's causal limit are never read: trim the GEMM to them.
+    int max_len = 0;
+    for (int r = r0; r < r0 + nr; ++r) max_len = std::max(max_len, S - W + (r % W) + 1);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, max_len, D, scale,
+                q + static_cast<size_t>(r0) * D, D, k, D, 0.0f, logits, S);
+    for (int r = r0; r < r0 + nr; ++r) {
+      const int t = r % W;
+      const int len = S - W + t + 1;
+      float* row = logits + static_cast<size_t>(r - r0) * S;
+      if (gumbel) {
+        const uint32_t q_head = static_cast<uint32_t>(h * g + r / W);
+        for (int j = 0; j < len; ++j) {
+          const float noise = CounterGumbel(spec.seed, static_cast<uint32_t>(in.layer_index),
+                                            q_head, static_cast<uint32_t>(t),
+                                            static_cast<uint32_t>(j));
+          row[j] = (row[j] + noise) * inv_tau;
+        }
+      }
+      const float m = simd::Max(row, len);
+      const float sum = simd::ExpShiftSum(row, len, m);
+      simd::Axpy(inv_g / sum, row, out, len);
+    }
+  }
+  if (spec.policy == EvictionPolicy::kSnapKV) {
+    // SnapKV pools the prefix only; the observation window is kept unconditionally.
+    Pool1D(out, S - W, spec.pool_kernel, spec.pool, s.acc);
+  }
+}
+
+void KNormScoreHead(const LayerInput& in, int h, float* out) {
+  const int S = in.shape.seq_len, D = in.shape.head_dim;
+  Scratch& s = Scratch::ForThisThread();
+  float* k = Grow(s.k, static_cast<size_t>(kTokenChunk) * D);
+  for (int c0 = 0; c0 < S; c0 += kTokenChunk) {
+    const int n = std::min(kTokenChunk, S - c0);
+    LoadHeadRows(in, /*values=*/false, h, c0, n, k);
+    for (int j = 0; j < n; ++j) {
+      out[c0 + j] = -std::sqrt(simd::SumSquares(k + static_cast<size_t>(j) * D, D));
+    }
+  }
+}
+
+}  // namespace
+
+void PrepareBlas(const ThreadPool* pool) {
+  if (pool->num_threads() > 1 && openblas_get_num_threads() != 1) openblas_set_num_threads(1);
+}
+
+Scratch& Scratch::ForThisThread() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
+void LoadQueryGroup(const LayerInput& in, int h, float* dst) {
+  const LayerShape& sh = in.shape;
+  const int D = sh.head_dim, W = sh.obs_window, g = sh.group_size(), Hq = sh.num_q_heads;
+  const size_t esize = DTypeSize(in.dtype);
+  const auto* base = static_cast<const uint8_t*>(in.q_obs);
+  if (in.layout == Layout::kHND) {  // the group's heads are contiguous: [g, W, D]
+    ToFloat(base + static_cast<size_t>(h) * g * W * D * esize, in.dtype,
+            static_cast<size_t>(g) * W * D, dst);
+    return;
+  }
+  for (int i = 0; i < g; ++i) {  // NHD [W, Hq, D]: head (h*g+i) is a strided run of W rows
+    const size_t first = static_cast<size_t>(h * g + i) * D;
+    RowsToFloat(base + first * esize, in.dtype, static_cast<size_t>(Hq) * D, W, D,
+                dst + static_cast<size_t>(i) * W * D);
+  }
+}
+
+void LoadHeadRows(const LayerInput& in, bool values, int h, int first, int count, float* dst) {
+  const LayerShape& sh = in.shape;
+  const int S = sh.seq_len, D = sh.head_dim, H = sh.num_kv_heads;
+  const size_t esize = DTypeSize(in.dtype);
+  const auto* base = static_cast<const uint8_t*>(values ? in.v : in.k);
+  const size_t offset = ElementOffset(in.layout, H, S, D, h, first, 0);
+  const size_t stride = in.layout == Layout::kHND ? D : static_cast<size_t>(H) * D;
+  RowsToFloat(base + offset * esize, in.dtype, stride, count, D, dst);
+}
+
+void ScoreTokensImpl(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool,
+                     std::vector<float>* scores) {
+  const int S = in.shape.seq_len, H = in.shape.num_kv_heads;
+  scores->assign(static_cast<size_t>(H) * S, 0.0f);
+  float* out = scores->data();
+  switch (spec.policy) {
+    case EvictionPolicy::kNone:
+    case EvictionPolicy::kStreaming:
+      return;
+    case EvictionPolicy::kRandom:
+      for (int h = 0; h < H; ++h) {
+        for (int j = 0; j < S; ++j) {
+          out[static_cast<size_t>(h) * S + j] =
+              CounterUniform(spec.seed, static_cast<uint32_t>(in.layer_index),
+                             static_cast<uint32_t>(h), 0, static_cast<uint32_t>(j));
+        }
+      }
+      return;
+    case EvictionPolicy::kKNorm:
+      pool->ParallelFor(H, [&](int h) { KNormScoreHead(in, h, out + static_cast<size_t>(h) * S); });
+      return;
+    case EvictionPolicy::kH2O:
+    case EvictionPolicy::kSnapKV:
+    case EvictionPolicy::kKeyformer:
+      PrepareBlas(pool);
+      pool->ParallelFor(H, [&](int h) {
+        AttentionScoreHead(in, spec, h, out + static_cast<size_t>(h) * S);
+      });
+      return;
+  }
+}
+
+}  // namespace kvc::cpu
+
+namespace kvc {
+
+absl::StatusOr<std::vector<float>> ScoreTokens(const LayerInput& in, const EvictionSpec& spec) {
+  RETURN_IF_ERROR(ValidateInput(in));
+  CompressionSpec full;
+  full.eviction = spec;
+  RETURN_IF_ERROR(ValidateSpec(full, in.shape, in.layer_index));
+  std::vector<float> scores;
+  cpu::ScoreTokensImpl(in, spec, ThreadPool::Default(), &scores);
+  return scores;
+}
+
+}  // namespace kvc

@@ -1,0 +1,180 @@
+// The exp kernel is the classic Cephes single-precision scheme: n = round(x / ln 2), a degree-6
+// polynomial on the reduced argument, then scaling by 2^n through the exponent bits (relative
+// error ~1e-7). Softmax over 10^7+ logits per layer made libm's scalar expf the bottleneck.
+#include "cpu/simd.h"
+
+#include <cmath>
+#include <limits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define KVC_X86 1
+#endif
+
+namespace kvc::simd {
+namespace {
+
+#ifdef KVC_X86
+__attribute__((target("avx2,fma"))) inline float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 Exp8(__m256 x) {
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447505531f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // n in [-127, 128]; 2^n built in two halves so that n = 128 does not overflow the exponent.
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i half = _mm256_srai_epi32(ni, 1);
+  const __m256 s1 = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+__attribute__((target("avx2,fma"))) float MaxAvx2(const float* x, size_t n) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+  float r = _mm_cvtss_f32(s);
+  for (; i < n; ++i) r = x[i] > r ? x[i] : r;
+  return r;
+}
+
+__attribute__((target("avx2,fma"))) float ExpShiftSumAvx2(float* x, size_t n, float m) {
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = HorizontalSum(acc);
+  if (i < n) {  // tail through the same polynomial, so both paths see one exp definition
+    alignas(32) float tail[8];
+    const size_t rest = n - i;
+    for (size_t k = 0; k < 8; ++k) tail[k] = k < rest ? x[i + k] - m : -100.0f;
+    const __m256 e = Exp8(_mm256_load_ps(tail));
+    _mm256_store_ps(tail, e);
+    for (size_t k = 0; k < rest; ++k) {
+      x[i + k] = tail[k];
+      sum += tail[k];
+    }
+  }
+  return sum;
+}
+
+__attribute__((target("avx2,fma"))) void AxpyAvx2(float a, const float* x, float* y, size_t n) {
+  const __m256 va = _mm256_set1_ps(a);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  }
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+__attribute__((target("avx2,fma"))) void AccumulateSquaresAvx2(const float* x, float* y,
+                                                               size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(v, v, _mm256_loadu_ps(y + i)));
+  }
+  for (; i < n; ++i) y[i] += x[i] * x[i];
+}
+
+__attribute__((target("avx2,fma"))) float SumSquaresAvx2(const float* x, size_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float s = HorizontalSum(acc);
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+bool Detect() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+#else
+bool Detect() { return false; }
+#endif
+
+bool Have() {
+  static const bool have = Detect();
+  return have;
+}
+
+}  // namespace
+
+float Max(const float* x, size_t n) {
+#ifdef KVC_X86
+  if (Have()) return MaxAvx2(x, n);
+#endif
+  float r = -std::numeric_limits<float>::infinity();
+  for (size_t i = 0; i < n; ++i) r = x[i] > r ? x[i] : r;
+  return r;
+}
+
+float ExpShiftSum(float* x, size_t n, float m) {
+#ifdef KVC_X86
+  if (Have()) return ExpShiftSumAvx2(x, n, m);
+#endif
+  float sum = 0.0f;
+  for (size_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    sum += x[i];
+  }
+  return sum;
+}
+
+void Axpy(float a, const float* x, float* y, size_t n) {
+#ifdef KVC_X86
+  if (Have()) return AxpyAvx2(a, x, y, n);
+#endif
+  for (size_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+void AccumulateSquares(const float* x, float* y, size_t n) {
+#ifdef KVC_X86
+  if (Have()) return AccumulateSquaresAvx2(x, y, n);
+#endif
+  for (size_t i = 0; i < n; ++i) y[i] += x[i] * x[i];
+}
+
+void AccumulateAbs(const float* x, float* y, size_t n) {
+  // Auto-vectorized well enough at -O2/-O3 (no transcendental), and rare (l1 channels only).
+  for (size_t i = 0; i < n; ++i) y[i] += std::fabs(x[i]);
+}
+
+float SumSquares(const float* x, size_t n) {
+#ifdef KVC_X86
+  if (Have()) return SumSquaresAvx2(x, n);
+#endif
+  float s = 0.0f;
+  for (size_t i = 0; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+}  // namespace kvc::simd

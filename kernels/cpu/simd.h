@@ -1,0 +1,25 @@
+// Small vector kernels for the scoring and channel stages (internal to the CPU backend). Each has
+// an AVX2/FMA path chosen at run time and a scalar fallback; results agree to float rounding.
+#ifndef KVC_KERNELS_CPU_SIMD_H_
+#define KVC_KERNELS_CPU_SIMD_H_
+
+#include <cstddef>
+
+namespace kvc::simd {
+
+// max(x[0..n)), or -inf when n == 0.
+float Max(const float* x, size_t n);
+// x[i] = exp(x[i] - m) in place; returns the sum of the new values.
+float ExpShiftSum(float* x, size_t n, float m);
+// y[i] += a * x[i].
+void Axpy(float a, const float* x, float* y, size_t n);
+// y[i] += x[i] * x[i] (squares accumulate per element).
+void AccumulateSquares(const float* x, float* y, size_t n);
+// y[i] += |x[i]|.
+void AccumulateAbs(const float* x, float* y, size_t n);
+// sum of x[i]^2.
+float SumSquares(const float* x, size_t n);
+
+}  // namespace kvc::simd
+
+#endif  // KVC_KERNELS_CPU_SIMD_H_

@@ -1,0 +1,219 @@
+#include "kvc/spec.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace kvc {
+namespace {
+
+constexpr EvictionPolicy kEvictionPolicies[] = {
+    EvictionPolicy::kNone,      EvictionPolicy::kStreaming, EvictionPolicy::kH2O,
+    EvictionPolicy::kSnapKV,    EvictionPolicy::kKeyformer, EvictionPolicy::kKNorm,
+    EvictionPolicy::kRandom};
+constexpr ChannelPolicy kChannelPolicies[] = {ChannelPolicy::kNone, ChannelPolicy::kThink,
+                                              ChannelPolicy::kL1, ChannelPolicy::kL2};
+
+absl::Status Invalid(const std::string& field, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+}
+
+bool NeedsObservation(EvictionPolicy p) {
+  return p == EvictionPolicy::kH2O || p == EvictionPolicy::kSnapKV ||
+         p == EvictionPolicy::kKeyformer;
+}
+
+absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
+  if (static_cast<uint8_t>(e.policy) > static_cast<uint8_t>(EvictionPolicy::kRandom)) {
+    return Invalid("eviction.policy",
+                   absl::StrCat("unknown value ", static_cast<int>(e.policy)));
+  }
+  if (e.budget < 0) return Invalid("eviction.budget", absl::StrCat(e.budget, " must be >= 0"));
+  if (e.budget > shape.seq_len) {
+    return Invalid("eviction.budget",
+                   absl::StrCat(e.budget, " exceeds seq_len ", shape.seq_len));
+  }
+  // Written so that NaN fails too.
+  if (!(e.keep_ratio > 0.0 && e.keep_ratio <= 1.0)) {
+    return Invalid("eviction.keep_ratio", absl::StrCat(e.keep_ratio, " is outside (0, 1]"));
+  }
+  for (size_t i = 0; i < e.layer_budgets.size(); ++i) {
+    const int b = e.layer_budgets[i];
+    const std::string field = absl::StrCat("eviction.layer_budgets[", i, "]");
+    if (b < 0) return Invalid(field, absl::StrCat(b, " must be >= 0"));
+    if (b > shape.seq_len) {
+      return Invalid(field, absl::StrCat(b, " exceeds seq_len ", shape.seq_len));
+    }
+  }
+  if (static_cast<uint8_t>(e.granularity) > static_cast<uint8_t>(Granularity::kPerLayer)) {
+    return Invalid("eviction.granularity",
+                   absl::StrCat("unknown value ", static_cast<int>(e.granularity)));
+  }
+  if (e.sink_tokens < 0) {
+    return Invalid("eviction.sink_tokens", absl::StrCat(e.sink_tokens, " must be >= 0"));
+  }
+  // Negative means "the policy's default"; NaN is rejected.
+  if (std::isnan(e.recent_fraction) || e.recent_fraction > 1.0) {
+    return Invalid("eviction.recent_fraction",
+                   absl::StrCat(e.recent_fraction, " is outside [0, 1] (negative = default)"));
+  }
+  if (e.pool_kernel < 1 || e.pool_kernel % 2 == 0) {
+    return Invalid("eviction.pool_kernel",
+                   absl::StrCat(e.pool_kernel, " must be odd and >= 1"));
+  }
+  if (static_cast<uint8_t>(e.pool) > static_cast<uint8_t>(PoolKind::kAvg)) {
+    return Invalid("eviction.pool", absl::StrCat("unknown value ", static_cast<int>(e.pool)));
+  }
+  if (!(e.tau > 0.0) || std::isinf(e.tau)) {
+    return Invalid("eviction.tau", absl::StrCat(e.tau, " must be finite and > 0"));
+  }
+  if (NeedsObservation(e.policy) && shape.obs_window == 0) {
+    return Invalid("eviction.policy",
+                   absl::StrCat(std::string(PolicyName(e.policy)),
+                                " needs observation queries but shape.obs_window is 0"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateChannels(const ChannelSpec& c, const LayerShape& shape) {
+  if (static_cast<uint8_t>(c.key_policy) > static_cast<uint8_t>(ChannelPolicy::kL2)) {
+    return Invalid("channels.key_policy",
+                   absl::StrCat("unknown value ", static_cast<int>(c.key_policy)));
+  }
+  if (!(c.key_lambda >= 0.0 && c.key_lambda < 1.0)) {
+    return Invalid("channels.key_lambda", absl::StrCat(c.key_lambda, " is outside [0, 1)"));
+  }
+  if (!(c.value_lambda >= 0.0 && c.value_lambda < 1.0)) {
+    return Invalid("channels.value_lambda", absl::StrCat(c.value_lambda, " is outside [0, 1)"));
+  }
+  if (c.key_policy == ChannelPolicy::kThink && shape.obs_window == 0) {
+    return Invalid("channels.key_policy",
+                   "think needs observation queries but shape.obs_window is 0");
+  }
+  if (c.prune_values && shape.obs_window == 0) {
+    return Invalid("channels.prune_values",
+                   "value pruning needs observation queries but shape.obs_window is 0");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateQuant(const QuantSpec& q, const LayerShape& shape) {
+  if (q.bits != 0 && q.bits != 2 && q.bits != 4 && q.bits != 8) {
+    return Invalid("quant.bits", absl::StrCat(q.bits, " is not one of 0, 2, 4, 8"));
+  }
+  // group_size only matters when quantizing (the default 32 does not divide a head_dim of 8).
+  if (q.bits > 0) {
+    if (q.group_size < 1) {
+      return Invalid("quant.group_size", absl::StrCat(q.group_size, " must be >= 1"));
+    }
+    if (shape.head_dim % q.group_size != 0) {
+      return Invalid("quant.group_size", absl::StrCat(q.group_size, " does not divide head_dim ",
+                                                      shape.head_dim));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateSpec(const CompressionSpec& spec, const LayerShape& shape, int layer_index) {
+  if (layer_index < 0) {
+    return Invalid("layer_index", absl::StrCat(layer_index, " must be >= 0"));
+  }
+  if (absl::Status s = ValidateEviction(spec.eviction, shape); !s.ok()) return s;
+  if (absl::Status s = ValidateChannels(spec.channels, shape); !s.ok()) return s;
+  if (absl::Status s = ValidateQuant(spec.quant, shape); !s.ok()) return s;
+  if (spec.recent_tokens < 0) {
+    return Invalid("recent_tokens", absl::StrCat(spec.recent_tokens, " must be >= 0"));
+  }
+  return absl::OkStatus();
+}
+
+int EffectiveBudget(const EvictionSpec& spec, int layer_index, int seq_len) {
+  if (spec.policy == EvictionPolicy::kNone) return seq_len;
+  int b = 0;
+  if (layer_index >= 0 && static_cast<size_t>(layer_index) < spec.layer_budgets.size()) {
+    b = spec.layer_budgets[layer_index];
+  }
+  if (b <= 0) b = spec.budget;
+  if (b <= 0) b = static_cast<int>(std::lround(spec.keep_ratio * seq_len));
+  if (b < 1) b = 1;
+  if (b > seq_len) b = seq_len;
+  return b;
+}
+
+int KeptChannels(double lambda, int head_dim) {
+  return head_dim - static_cast<int>(std::floor(lambda * head_dim));
+}
+
+std::string_view PolicyName(EvictionPolicy p) {
+  switch (p) {
+    case EvictionPolicy::kNone:
+      return "none";
+    case EvictionPolicy::kStreaming:
+      return "streaming";
+    case EvictionPolicy::kH2O:
+      return "h2o";
+    case EvictionPolicy::kSnapKV:
+      return "snapkv";
+    case EvictionPolicy::kKeyformer:
+      return "keyformer";
+    case EvictionPolicy::kKNorm:
+      return "knorm";
+    case EvictionPolicy::kRandom:
+      return "random";
+  }
+  return "unknown";
+}
+
+std::string_view PolicyName(ChannelPolicy p) {
+  switch (p) {
+    case ChannelPolicy::kNone:
+      return "none";
+    case ChannelPolicy::kThink:
+      return "think";
+    case ChannelPolicy::kL1:
+      return "l1";
+    case ChannelPolicy::kL2:
+      return "l2";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<EvictionPolicy> ParseEvictionPolicy(std::string_view name) {
+  const std::string n = absl::AsciiStrToLower(std::string(name));
+  for (EvictionPolicy p : kEvictionPolicies) {
+    if (n == PolicyName(p)) return p;
+  }
+  return Invalid("eviction.policy",
+                 absl::StrCat("unknown '", std::string(name), "' (expected one of ",
+                              absl::StrJoin(EvictionPolicyNames(), ", "), ")"));
+}
+
+absl::StatusOr<ChannelPolicy> ParseChannelPolicy(std::string_view name) {
+  const std::string n = absl::AsciiStrToLower(std::string(name));
+  for (ChannelPolicy p : kChannelPolicies) {
+    if (n == PolicyName(p)) return p;
+  }
+  return Invalid("channels.key_policy",
+                 absl::StrCat("unknown '", std::string(name), "' (expected one of ",
+                              absl::StrJoin(ChannelPolicyNames(), ", "), ")"));
+}
+
+std::vector<std::string> EvictionPolicyNames() {
+  std::vector<std::string> names;
+  for (EvictionPolicy p : kEvictionPolicies) names.emplace_back(PolicyName(p));
+  return names;
+}
+
+std::vector<std::string> ChannelPolicyNames() {
+  std::vector<std::string> names;
+  for (ChannelPolicy p : kChannelPolicies) names.emplace_back(PolicyName(p));
+  return names;
+}
+
+}  // namespace kvc

@@ -1,0 +1,96 @@
+#include "cpu/thread_pool.h"
+
+#include <algorithm>
+#include <atomic>
+
+namespace kvc {
+
+struct ThreadPool::Job {
+  const std::function<void(int)>* fn = nullptr;
+  int n = 0;
+  std::atomic<int> next{0};
+  absl::Mutex mu;
+  int done ABSL_GUARDED_BY(mu) = 0;
+};
+
+ThreadPool::ThreadPool(int num_threads) {
+  if (num_threads <= 0) num_threads = static_cast<int>(std::thread::hardware_concurrency());
+  num_threads_ = std::max(1, num_threads);
+  workers_.reserve(num_threads_ - 1);
+  for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  for (std::thread& t : workers_) t.join();
+}
+
+ThreadPool* ThreadPool::Default() {
+  static ThreadPool* const pool = new ThreadPool(0);  // never destroyed: workers outlive statics
+  return pool;
+}
+
+void ThreadPool::RunJob(Job* job) {
+  int finished = 0;
+  for (int i = job->next.fetch_add(1); i < job->n; i = job->next.fetch_add(1)) {
+    (*job->fn)(i);
+    ++finished;
+  }
+  if (finished > 0) {
+    absl::MutexLock lock(&job->mu);
+    job->done += finished;
+  }
+}
+
+void ThreadPool::WorkerLoop() {
+  for (;;) {
+    std::shared_ptr<Job> job;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](ThreadPool* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) {
+            return p->stop_ || !p->queue_.empty();
+          },
+          this));
+      if (queue_.empty()) return;  // stop_ and nothing left
+      job = queue_.front();
+      // Every index of the front job is claimed once its counter passes n: retire it so workers
+      // move on to the next job.
+      if (job->next.load() >= job->n) {
+        queue_.pop_front();
+        continue;
+      }
+    }
+    RunJob(job.get());
+  }
+}
+
+void ThreadPool::ParallelFor(int n, const std::function<void(int)>& fn) {
+  if (n <= 0) return;
+  if (n == 1 || workers_.empty()) {
+    for (int i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  auto job = std::make_shared<Job>();
+  job->fn = &fn;
+  job->n = n;
+  {
+    absl::MutexLock lock(&mu_);
+    queue_.push_back(job);
+  }
+  RunJob(job.get());
+  {
+    absl::MutexLock lock(&job->mu);
+    job->mu.Await(absl::Condition(
+        +[](Job* j) ABSL_EXCLUSIVE_LOCKS_REQUIRED(j->mu) { return j->done == j->n; },
+        job.get()));
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = std::find(queue_.begin(), queue_.end(), job);
+  if (it != queue_.end()) queue_.erase(it);
+}
+
+}  // namespace kvc
