@@ -3,6 +3,14 @@
 //
 // Thread-safety: every method may be called concurrently. Entries are immutable once inserted and
 // shared by pointer; a Lease keeps its entry alive and unevictable until the Lease is destroyed.
+// A Lease may outlive the store that issued it (its bookkeeping keeps the shared state alive).
+//
+// Expiry: an entry is expired once `now() >= entry.expires`. Expired entries are invisible
+// (Acquire, Peek, List and Delete behave as if they were absent) but keep their bytes until
+// ExpireNow sweeps them or Insert evicts them (expired entries are evicted before live ones).
+//
+// Complexity: Insert, Acquire, Peek, Delete and lease release are O(log n) plus the entries they
+// evict; List is O(log n + entries visited); Insert also hashes the entry once (outside the lock).
 #ifndef KVC_CACHE_STORE_H_
 #define KVC_CACHE_STORE_H_
 
@@ -43,17 +51,20 @@ const char* EvictionReasonName(EvictionReason r);  // "capacity", "ttl", "overwr
 class CacheStore {
  public:
   struct Options {
-    uint64_t capacity_bytes = uint64_t{1} << 30;
-    // Called (without locks held) for each entry removed other than by Delete.
+    uint64_t capacity_bytes = uint64_t{1} << 30;  // must be > 0
+    // Called (without locks held, on the thread of the call that removed the entry) for each
+    // entry removed other than by Delete: kCapacity and kTtl from Insert, kOverwrite from Insert
+    // with overwrite, kTtl from ExpireNow. May call back into the store. Optional.
     std::function<void(const CacheEntry&, EvictionReason)> on_evict;
-    // Clock, replaceable in tests.
+    // Clock, replaceable in tests; must not be empty. Called without locks held.
     std::function<absl::Time()> now = [] { return absl::Now(); };
   };
 
   struct Stats {
     uint64_t used_bytes = 0;      // includes deleted/evicted entries still held by a lease
     uint64_t capacity_bytes = 0;
-    uint64_t entries = 0;
+    uint64_t entries = 0;         // entries in the index, expired-but-unswept included
+    uint64_t leased_bytes = 0;    // part of used_bytes held by leases (not evictable now)
   };
 
   // A read lease: while it lives, the entry is neither evicted nor freed.
@@ -72,6 +83,7 @@ class CacheStore {
     std::shared_ptr<void> release_;  // runs the store's bookkeeping on destruction
   };
 
+  // INVALID_ARGUMENT when capacity_bytes is 0 or `now` is empty.
   static absl::StatusOr<std::unique_ptr<CacheStore>> Create(const Options& options);
   virtual ~CacheStore() = default;
   CacheStore(const CacheStore&) = delete;
@@ -82,10 +94,14 @@ class CacheStore {
   //   ALREADY_EXISTS      the id exists and !overwrite
   //   RESOURCE_EXHAUSTED  the entry exceeds the capacity, or cannot fit without evicting leased
   //                       entries
-  //   INVALID_ARGUMENT    empty id or checksum mismatch
+  //   INVALID_ARGUMENT    null entry, empty id, checksum mismatch, or `expires` not in the future
+  // An expired entry with the same id does not count as existing (it is evicted with kTtl).
+  // Overwriting a leased entry is allowed: it leaves the index at once, but its bytes stay
+  // charged until its last lease ends, so they cannot make room for the new entry.
   virtual absl::Status Insert(std::shared_ptr<const CacheEntry> entry, bool overwrite) = 0;
 
-  // Whether an entry of `bytes` could be inserted now (for early rejection before an upload).
+  // Whether an entry of `bytes` could be inserted now (for early rejection before an upload):
+  // OK or RESOURCE_EXHAUSTED. Advisory: concurrent calls may change the answer.
   virtual absl::Status CheckCanFit(uint64_t bytes) const = 0;
 
   // Leases an entry and marks it most recently used. NOT_FOUND when absent or expired.
@@ -95,16 +111,17 @@ class CacheStore {
   virtual absl::StatusOr<std::shared_ptr<const CacheEntry>> Peek(const std::string& id) const = 0;
 
   // Removes an entry; returns the bytes it was charged. Memory is released when the last lease
-  // ends. NOT_FOUND when absent.
+  // ends. NOT_FOUND when absent or expired. Does not call on_evict.
   virtual absl::StatusOr<uint64_t> Delete(const std::string& id) = 0;
 
   // Entries with ids starting with `prefix` and greater than `start_after`, ordered by id, at most
-  // `limit` of them.
+  // `limit` of them (0 yields none). Expired entries are skipped.
   virtual std::vector<std::shared_ptr<const CacheEntry>> List(const std::string& prefix,
                                                               const std::string& start_after,
                                                               size_t limit) const = 0;
 
-  // Drops expired entries; returns how many. kvcd calls it periodically.
+  // Drops expired entries (leased ones leave the index; their bytes stay charged until released);
+  // returns how many. kvcd calls it periodically.
   virtual size_t ExpireNow() = 0;
 
   virtual Stats GetStats() const = 0;
