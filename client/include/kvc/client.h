@@ -8,7 +8,7 @@
 //   "dns:///name:port"           every address `name` resolves to (getaddrinfo), e.g. a Kubernetes
 //                                headless Service; each address is one replica "ip:port"
 // With several replicas, each cache id lives on the replica chosen by rendezvous hashing
-// (kvc/rendezvous.h), so every client given the same replica set agrees on where a cache lives.
+// (kvc/replicas.h), so every client given the same replica set agrees on where a cache lives.
 // PutCache, GetCache, StatCache and DeleteCache go to the owner; ListCaches fans out to every
 // replica; GetServerInfo asks one. A replica that is down yields UNAVAILABLE for its own caches;
 // the other replicas keep serving. The replica set is fixed when the client is created.

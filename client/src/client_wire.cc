@@ -1,0 +1,181 @@
+#include "kvc/client_wire.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvc {
+namespace {
+
+constexpr uint32_t kWireVarint = 0;
+constexpr uint32_t kWireFixed64 = 1;
+constexpr uint32_t kWireBytes = 2;
+constexpr uint32_t kWireFixed32 = 5;
+
+void AppendVarint(uint64_t v, std::string* out) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>((v & 0x7f) | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
+// Reads across slice boundaries; large payloads usually arrive as several slices.
+class SliceCursor {
+ public:
+  explicit SliceCursor(const std::vector<grpc::Slice>& slices) : slices_(slices) { Normalize(); }
+
+  bool done() const { return index_ == slices_.size(); }
+  size_t index() const { return index_; }
+  size_t offset() const { return offset_; }
+
+  bool ReadByte(uint8_t* b) {
+    if (done()) return false;
+    *b = slices_[index_].begin()[offset_];
+    ++offset_;
+    Normalize();
+    return true;
+  }
+
+  bool ReadVarint(uint64_t* v, std::string* copy) {
+    *v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      uint8_t b;
+      if (!ReadByte(&b)) return false;
+      if (copy != nullptr) copy->push_back(static_cast<char>(b));
+      *v |= static_cast<uint64_t>(b & 0x7f) << shift;
+      if ((b & 0x80) == 0) return true;
+    }
+    return false;
+  }
+
+  // Advances n bytes; appends them to `copy` when given, records them as pieces when given.
+  template <typename OnPiece>
+  bool Advance(uint64_t n, std::string* copy, OnPiece on_piece) {
+    while (n > 0) {
+      if (done()) return false;
+      const size_t avail = slices_[index_].size() - offset_;
+      const size_t take = static_cast<size_t>(std::min<uint64_t>(avail, n));
+      if (copy != nullptr) {
+        copy->append(reinterpret_cast<const char*>(slices_[index_].begin()) + offset_, take);
+      }
+      on_piece(index_, offset_, take);
+      offset_ += take;
+      n -= take;
+      Normalize();
+    }
+    return true;
+  }
+
+ private:
+  void Normalize() {
+    while (index_ < slices_.size() && offset_ == slices_[index_].size()) {
+      ++index_;
+      offset_ = 0;
+    }
+  }
+
+  const std::vector<grpc::Slice>& slices_;
+  size_t index_ = 0;
+  size_t offset_ = 0;
+};
+
+}  // namespace
+
+std::vector<ChunkSpan> SplitChunks(uint64_t total, uint64_t max_chunk) {
+  std::vector<ChunkSpan> chunks;
+  if (max_chunk == 0) return chunks;
+  chunks.reserve(static_cast<size_t>((total + max_chunk - 1) / max_chunk));
+  for (uint64_t off = 0; off < total; off += max_chunk) {
+    chunks.push_back({off, std::min(max_chunk, total - off)});
+  }
+  return chunks;
+}
+
+grpc::ByteBuffer FramePutChunk(const kvcache::v1::ChunkHeader& chunk, const void* data,
+                               size_t size) {
+  kvcache::v1::PutCacheRequest req;
+  *req.mutable_chunk() = chunk;
+  std::string prefix = req.SerializeAsString();
+  AppendVarint((kDataFieldNumber << 3) | kWireBytes, &prefix);
+  AppendVarint(size, &prefix);
+  grpc::Slice slices[2] = {grpc::Slice(prefix),
+                           grpc::Slice(data, size, grpc::Slice::STATIC_SLICE)};
+  return grpc::ByteBuffer(slices, size > 0 ? 2 : 1);
+}
+
+grpc::ByteBuffer FrameMessage(const google::protobuf::MessageLite& message) {
+  grpc::Slice slice(message.SerializeAsString());
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+void RawData::CopyTo(uint8_t* dst) const {
+  for (const Piece& p : pieces_) {
+    std::memcpy(dst, slices_[p.slice].begin() + p.offset, p.size);
+    dst += p.size;
+  }
+}
+
+absl::Status ParseRawMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* fields,
+                             RawData* data) {
+  data->slices_.clear();
+  data->pieces_.clear();
+  data->size_ = 0;
+  if (!buffer.Dump(&data->slices_).ok()) {
+    return absl::InvalidArgumentError("message: cannot read the received byte buffer");
+  }
+  SliceCursor cur(data->slices_);
+  std::string rest;  // every field but data, re-encoded for protobuf
+  auto no_piece = [](size_t, size_t, size_t) {};
+  while (!cur.done()) {
+    const size_t tag_start = rest.size();
+    uint64_t tag;
+    if (!cur.ReadVarint(&tag, &rest)) return absl::InvalidArgumentError("message: truncated tag");
+    const uint32_t field = static_cast<uint32_t>(tag >> 3);
+    const uint32_t wire = static_cast<uint32_t>(tag & 7);
+    if (field == 0) return absl::InvalidArgumentError("message: field number 0");
+    if (field == kDataFieldNumber && wire == kWireBytes) {
+      rest.resize(tag_start);
+      uint64_t len;
+      if (!cur.ReadVarint(&len, nullptr)) {
+        return absl::InvalidArgumentError("data: truncated length");
+      }
+      data->pieces_.clear();  // last occurrence wins
+      data->size_ = 0;
+      const bool ok = cur.Advance(len, nullptr, [data](size_t s, size_t off, size_t n) {
+        data->pieces_.push_back({s, off, n});
+        data->size_ += n;
+      });
+      if (!ok) return absl::InvalidArgumentError(absl::StrCat("data: truncated (", len, " bytes)"));
+      continue;
+    }
+    bool ok = true;
+    uint64_t v;
+    switch (wire) {
+      case kWireVarint:
+        ok = cur.ReadVarint(&v, &rest);
+        break;
+      case kWireFixed64:
+        ok = cur.Advance(8, &rest, no_piece);
+        break;
+      case kWireFixed32:
+        ok = cur.Advance(4, &rest, no_piece);
+        break;
+      case kWireBytes:
+        ok = cur.ReadVarint(&v, &rest) && cur.Advance(v, &rest, no_piece);
+        break;
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrCat("message: unsupported wire type ", wire, " for field ", field));
+    }
+    if (!ok) return absl::InvalidArgumentError(absl::StrCat("message: field ", field, " truncated"));
+  }
+  if (!fields->ParseFromString(rest)) {
+    return absl::InvalidArgumentError("message: fields do not parse as the expected message");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvc
