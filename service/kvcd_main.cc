@@ -1,0 +1,137 @@
+// kvcd: the KV-cache compression daemon. Flags (also from --flagfile, e.g. a mounted ConfigMap)
+// configure addresses and limits; see --help. SIGTERM/SIGINT drain and shut down cleanly.
+#include <signal.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "server/config.h"
+#include "server/server.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
+          "gRPC address host:port (port 0 picks a free port)");
+ABSL_FLAG(std::string, health_listen, "127.0.0.1:50052",
+          "plaintext grpc.health.v1-only address for probes; empty disables");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
+          "Prometheus /metrics address; empty disables; port 0 picks a free port");
+ABSL_FLAG(std::string, port_file, "", "if set, write the bound gRPC address to this file");
+ABSL_FLAG(std::string, store_bytes, "1GiB", "store budget (bytes, or with K/M/G[i][B] suffix)");
+ABSL_FLAG(uint32_t, default_ttl_seconds, 0, "TTL of caches whose upload sets none; 0 = none");
+ABSL_FLAG(std::string, max_message_bytes, "8MiB", "largest gRPC message accepted");
+ABSL_FLAG(std::string, max_chunk_bytes, "4MiB", "largest data payload of one stream message");
+ABSL_FLAG(std::string, max_cache_bytes, "",
+          "largest upload (K + V + Q_obs bytes) per cache; default: the store budget");
+ABSL_FLAG(uint32_t, max_concurrent_streams, 64,
+          "concurrent PutCache/GetCache streams; more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(std::string, backend, "auto", "compression backend: auto, cpu or cuda");
+ABSL_FLAG(int32_t, threads, 0, "engine and compression threads; 0 = hardware concurrency");
+ABSL_FLAG(double, drain_seconds, 5, "on SIGTERM, how long to wait for in-flight streams");
+ABSL_FLAG(double, shutdown_deadline_seconds, 10, "then, the deadline given to remaining calls");
+ABSL_FLAG(double, ttl_sweep_seconds, 1, "period of the TTL sweep and store gauge refresh");
+ABSL_FLAG(bool, enable_reflection, false, "serve gRPC server reflection");
+
+namespace {
+
+constexpr int kExitBadFlags = 2;
+
+absl::StatusOr<kvc::server::ServerConfig> ConfigFromFlags() {
+  kvc::server::ServerConfig c;
+  c.listen = absl::GetFlag(FLAGS_listen);
+  c.health_listen = absl::GetFlag(FLAGS_health_listen);
+  c.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  c.port_file = absl::GetFlag(FLAGS_port_file);
+  auto bytes = [](const char* name, const std::string& text) {
+    return kvc::server::ParseByteSize(name, text);
+  };
+  auto store = bytes("store_bytes", absl::GetFlag(FLAGS_store_bytes));
+  if (!store.ok()) return store.status();
+  c.store_bytes = *store;
+  auto msg = bytes("max_message_bytes", absl::GetFlag(FLAGS_max_message_bytes));
+  if (!msg.ok()) return msg.status();
+  c.max_message_bytes = *msg;
+  auto chunk = bytes("max_chunk_bytes", absl::GetFlag(FLAGS_max_chunk_bytes));
+  if (!chunk.ok()) return chunk.status();
+  c.max_chunk_bytes = *chunk;
+  if (!absl::GetFlag(FLAGS_max_cache_bytes).empty()) {
+    auto cache = bytes("max_cache_bytes", absl::GetFlag(FLAGS_max_cache_bytes));
+    if (!cache.ok()) return cache.status();
+    if (*cache == 0) return absl::InvalidArgumentError("--max_cache_bytes: must be > 0");
+    c.max_cache_bytes = *cache;
+  }
+  c.default_ttl_seconds = absl::GetFlag(FLAGS_default_ttl_seconds);
+  c.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  c.backend = absl::GetFlag(FLAGS_backend);
+  c.threads = absl::GetFlag(FLAGS_threads);
+  c.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
+  c.shutdown_deadline_seconds = absl::GetFlag(FLAGS_shutdown_deadline_seconds);
+  c.ttl_sweep_seconds = absl::GetFlag(FLAGS_ttl_sweep_seconds);
+  c.enable_reflection = absl::GetFlag(FLAGS_enable_reflection);
+  if (auto s = kvc::server::ValidateConfig(c); !s.ok()) return s;
+  return c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "kvcd: KV-cache compression service. Usage: kvcd [--flag=value ...] [--flagfile=FILE]");
+  absl::ParseCommandLine(argc, argv);
+  auto config = ConfigFromFlags();
+  if (!config.ok()) {
+    std::fprintf(stderr, "kvcd: %s\n", std::string(config.status().message()).c_str());
+    return kExitBadFlags;
+  }
+
+  // Block the shutdown signals in every thread (gRPC's included, which inherit the mask) so this
+  // thread alone receives them through sigwait.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  kvc::server::KvcServer::Options options;
+  options.config = *config;
+  // Further services (e.g. the NCCL transfer service) are appended to options.extra_services.
+  auto server = kvc::server::KvcServer::Create(std::move(options));
+  if (!server.ok()) {
+    std::fprintf(stderr, "kvcd: %s\n", std::string(server.status().message()).c_str());
+    return server.status().code() == absl::StatusCode::kInvalidArgument ? kExitBadFlags : 1;
+  }
+  std::printf("kvcd: listening on %s\n", (*server)->address().c_str());
+  if (!(*server)->health_address().empty()) {
+    std::printf("kvcd: health on %s\n", (*server)->health_address().c_str());
+  }
+  if (!(*server)->metrics_address().empty()) {
+    std::printf("kvcd: metrics on http://%s/metrics\n", (*server)->metrics_address().c_str());
+  }
+  std::fflush(stdout);
+  if (!config->port_file.empty()) {
+    // Write then rename, so a reader never sees a partial address.
+    const std::string tmp = config->port_file + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      out << (*server)->address() << "\n";
+    }
+    if (std::rename(tmp.c_str(), config->port_file.c_str()) != 0) {
+      std::fprintf(stderr, "kvcd: --port_file: cannot write %s\n", config->port_file.c_str());
+      return 1;
+    }
+  }
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::printf("kvcd: signal %d, draining\n", sig);
+  std::fflush(stdout);
+  (*server)->Drain();
+  (*server)->Shutdown();
+  std::printf("kvcd: stopped\n");
+  std::fflush(stdout);
+  return 0;
+}

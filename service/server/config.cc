@@ -1,0 +1,105 @@
+#include "server/config.h"
+
+#include <cctype>
+#include <limits>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvc::server {
+namespace {
+
+absl::Status CheckAddress(const std::string& flag, const std::string& addr, bool allow_empty) {
+  if (addr.empty()) {
+    if (allow_empty) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": must not be empty"));
+  }
+  const size_t colon = addr.rfind(':');
+  uint32_t port = 0;
+  if (colon == std::string::npos || colon == 0 ||
+      !absl::SimpleAtoi(addr.substr(colon + 1), &port) || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, ": '", addr, "' is not host:port (port 0..65535)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> ParseByteSize(const std::string& field, const std::string& text) {
+  const std::string t = std::string(absl::StripAsciiWhitespace(text));
+  size_t i = 0;
+  while (i < t.size() && std::isdigit(static_cast<unsigned char>(t[i]))) ++i;
+  uint64_t number = 0;
+  if (i == 0 || !absl::SimpleAtoi(t.substr(0, i), &number)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", field, ": '", text, "' is not a byte size (e.g. 1073741824, 64MiB)"));
+  }
+  std::string suffix = absl::AsciiStrToLower(t.substr(i));
+  int shift = 0;
+  if (suffix.empty() || suffix == "b") {
+    shift = 0;
+  } else {
+    const char unit = suffix[0];
+    const std::string rest = suffix.substr(1);
+    if (rest != "" && rest != "b" && rest != "i" && rest != "ib") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", field, ": unknown size suffix in '", text, "'"));
+    }
+    switch (unit) {
+      case 'k': shift = 10; break;
+      case 'm': shift = 20; break;
+      case 'g': shift = 30; break;
+      case 't': shift = 40; break;
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", field, ": unknown size suffix in '", text, "'"));
+    }
+  }
+  if (shift > 0 && number > (std::numeric_limits<uint64_t>::max() >> shift)) {
+    return absl::InvalidArgumentError(absl::StrCat("--", field, ": '", text, "' overflows"));
+  }
+  return number << shift;
+}
+
+absl::Status ValidateConfig(const ServerConfig& c) {
+  if (auto s = CheckAddress("listen", c.listen, false); !s.ok()) return s;
+  if (auto s = CheckAddress("health_listen", c.health_listen, true); !s.ok()) return s;
+  if (auto s = CheckAddress("metrics_listen", c.metrics_listen, true); !s.ok()) return s;
+  if (c.store_bytes == 0) return absl::InvalidArgumentError("--store_bytes: must be > 0");
+  if (c.max_message_bytes < 1024 || c.max_message_bytes > (1ull << 31) - 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_message_bytes: ", c.max_message_bytes, " is outside [1024, 2147483647]"));
+  }
+  if (c.max_chunk_bytes == 0) return absl::InvalidArgumentError("--max_chunk_bytes: must be > 0");
+  // A chunk plus its small header must fit one message.
+  if (c.max_chunk_bytes + 512 > c.max_message_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_chunk_bytes: ", c.max_chunk_bytes, " must be at least 512 bytes below ",
+        "--max_message_bytes (", c.max_message_bytes, ")"));
+  }
+  if (c.max_concurrent_streams == 0) {
+    return absl::InvalidArgumentError("--max_concurrent_streams: must be > 0");
+  }
+  if (c.backend != "auto" && c.backend != "cpu" && c.backend != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend: '", c.backend, "' is not auto, cpu or cuda"));
+  }
+  if (c.threads < 0 || c.threads > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("--threads: ", c.threads,
+                                                   " is outside [0, 1024]"));
+  }
+  if (!(c.drain_seconds >= 0 && c.drain_seconds <= 3600)) {
+    return absl::InvalidArgumentError("--drain_seconds: must be in [0, 3600]");
+  }
+  if (!(c.shutdown_deadline_seconds >= 0 && c.shutdown_deadline_seconds <= 3600)) {
+    return absl::InvalidArgumentError("--shutdown_deadline_seconds: must be in [0, 3600]");
+  }
+  if (!(c.ttl_sweep_seconds > 0 && c.ttl_sweep_seconds <= 3600)) {
+    return absl::InvalidArgumentError("--ttl_sweep_seconds: must be in (0, 3600]");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvc::server

@@ -1,0 +1,49 @@
+// kvcd's runtime configuration: every limit and address the daemon takes from its flags, with
+// parsing of byte sizes and validation. Flags are declared in kvcd_main.cc; this struct is what
+// the server code sees, so tests and embedders can build one directly.
+#ifndef KVC_SERVICE_SERVER_CONFIG_H_
+#define KVC_SERVICE_SERVER_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace kvc::server {
+
+struct ServerConfig {
+  std::string listen = "127.0.0.1:50051";         // host:port; port 0 picks a free port
+  std::string health_listen = "127.0.0.1:50052";  // plaintext health-only port; "" disables
+  std::string metrics_listen = "127.0.0.1:9464";  // Prometheus exposer; "" disables
+  std::string port_file;                          // if set, the bound address is written here
+  uint64_t store_bytes = uint64_t{1} << 30;
+  uint32_t default_ttl_seconds = 0;  // 0 = entries never expire
+  uint64_t max_message_bytes = 8ull << 20;
+  uint64_t max_chunk_bytes = 4ull << 20;
+  uint64_t max_cache_bytes = 0;  // 0 = the store capacity
+  uint32_t max_concurrent_streams = 64;
+  std::string backend = "auto";  // auto | cpu | cuda
+  int threads = 0;               // engine and compression pool threads; 0 = hardware concurrency
+  double drain_seconds = 5;
+  double shutdown_deadline_seconds = 10;
+  double ttl_sweep_seconds = 1;  // period of the TTL sweep and store gauge refresh
+  bool enable_reflection = false;
+};
+
+// Parses "1073741824", "512K", "64MiB", "1G", "1GiB", "4KB" (K/M/G/T are powers of 1024, with
+// or without "i"/"B"). INVALID_ARGUMENT naming `field` otherwise.
+absl::StatusOr<uint64_t> ParseByteSize(const std::string& field, const std::string& text);
+
+// Checks every field for consistency (addresses look like host:port, limits positive, chunk <=
+// message, ...). The message names the offending flag.
+absl::Status ValidateConfig(const ServerConfig& config);
+
+// max_cache_bytes with the default resolved (the store capacity when 0).
+inline uint64_t EffectiveMaxCacheBytes(const ServerConfig& c) {
+  return c.max_cache_bytes == 0 ? c.store_bytes : c.max_cache_bytes;
+}
+
+}  // namespace kvc::server
+
+#endif  // KVC_SERVICE_SERVER_CONFIG_H_

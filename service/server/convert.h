@@ -1,0 +1,49 @@
+// Conversions between the wire contract (kvcache.v1) and the engine's types, with validation.
+// Every error is INVALID_ARGUMENT and names the proto field, e.g. "header.shape.head_dim: ...".
+#ifndef KVC_SERVICE_SERVER_CONVERT_H_
+#define KVC_SERVICE_SERVER_CONVERT_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "grpcpp/support/status.h"
+#include "kvc/dtype.h"
+#include "kvc/layer.h"
+#include "kvc/spec.h"
+#include "kvcache/v1/kvcache.pb.h"
+
+namespace kvc::server {
+
+inline constexpr size_t kMaxCacheIdBytes = 256;
+
+// 1..256 bytes of [A-Za-z0-9._:/-].
+absl::Status ValidateCacheId(const std::string& field, const std::string& id);
+
+absl::StatusOr<DType> FromProto(kvcache::v1::DType dtype);
+kvcache::v1::DType ToProto(DType dtype);
+absl::StatusOr<Layout> FromProto(kvcache::v1::Layout layout);
+
+// The per-layer shape; num_layers is checked separately. Runs kvc::ValidateShape.
+absl::StatusOr<LayerShape> ShapeFromProto(const kvcache::v1::ModelShape& shape);
+
+// Maps the proto config onto kvc::CompressionSpec, unset optional fields keeping the engine's
+// defaults, then runs kvc::ValidateSpec for every layer of `shape`.
+absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConfig& config,
+                                              const LayerShape& shape, int num_layers);
+
+// Byte sizes of one layer's tensors.
+struct LayerBytes {
+  uint64_t k = 0, v = 0, q_obs = 0;
+};
+LayerBytes LayerTensorBytes(const LayerShape& shape, DType dtype);
+
+// Lower bound on the compact size of the whole cache (blob headers, kept tokens, kept channels,
+// quantized sizes; scales ignored): used only to reject uploads that can never fit.
+uint64_t EstimateStoredBytes(const LayerShape& shape, DType dtype, const CompressionSpec& spec,
+                             int num_layers);
+
+grpc::Status ToGrpc(const absl::Status& status);
+
+}  // namespace kvc::server
+
+#endif  // KVC_SERVICE_SERVER_CONVERT_H_

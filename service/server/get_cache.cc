@@ -1,0 +1,227 @@
+// GetCache: a server-streaming raw reactor. Holds the store lease for the whole stream (the entry
+// cannot be evicted or freed meanwhile), keeps exactly one write in flight and produces the next
+// message from OnWriteDone. PACKED chunks reference the stored blob in place; DENSE chunks
+// reference the exported layer, which lives until gRPC releases the last slice.
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kvc/compact.h"
+#include "server/convert.h"
+#include "server/service_impl.h"
+#include "server/wire.h"
+
+namespace kvc::server {
+namespace {
+
+class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+ public:
+  GetCacheReactor(ServiceState* state, grpc::CallbackServerContext* context,
+                  const grpc::ByteBuffer* request)
+      : state_(state), rec_(state, "GetCache") {
+    if (state_->draining) {
+      if (state_->metrics) state_->metrics->RecordRejection(RejectionReason::kDraining);
+      FinishOnce(grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvcd is shutting down"));
+      return;
+    }
+    if (!state_->TryAcquireStream()) {
+      if (state_->metrics) state_->metrics->RecordRejection(RejectionReason::kLimit);
+      FinishOnce(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                              absl::StrCat("too many concurrent streams (--max_concurrent_",
+                                           "streams=", state_->config.max_concurrent_streams,
+                                           ")")));
+      return;
+    }
+    holds_stream_ = true;
+    grpc::Status s = Begin(*request);
+    if (!s.ok()) {
+      FinishOnce(s);
+      return;
+    }
+    NextWrite();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      // The client went away or cancelled; nothing more can be sent.
+      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled"));
+      return;
+    }
+    if (state_->metrics && last_data_bytes_ > 0) {
+      state_->metrics->AddServedBytes(last_data_bytes_);
+    }
+    NextWrite();
+  }
+
+  void OnDone() override {
+    if (holds_stream_) state_->ReleaseStream();
+    delete this;
+  }
+
+ private:
+  // What the slices of an in-flight message keep alive.
+  struct Keepalive {
+    CacheStore::Lease lease;
+  };
+
+  grpc::Status Begin(const grpc::ByteBuffer& buffer) {
+    std::vector<grpc::Slice> slices;
+    if (!buffer.Dump(&slices).ok()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "unreadable GetCacheRequest");
+    }
+    std::string bytes;
+    for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    kvcache::v1::GetCacheRequest req;
+    if (!req.ParseFromString(bytes)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "malformed GetCacheRequest");
+    }
+    if (auto s = ValidateCacheId("cache_id", req.cache_id()); !s.ok()) return ToGrpc(s);
+    switch (req.format()) {
+      case kvcache::v1::FORMAT_UNSPECIFIED:
+      case kvcache::v1::FORMAT_PACKED: dense_ = false; break;
+      case kvcache::v1::FORMAT_DENSE: dense_ = true; break;
+      default:
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("format: ", static_cast<int>(req.format()),
+                                         " is not PACKED or DENSE"));
+    }
+    auto lease = state_->store->Acquire(req.cache_id());
+    if (!lease.ok()) return ToGrpc(lease.status());
+    keep_ = std::make_shared<Keepalive>();
+    keep_->lease = *std::move(lease);
+    const CacheEntry& entry = keep_->lease.entry();
+    if (auto s = VerifyEntry(entry); !s.ok()) {
+      return grpc::Status(grpc::StatusCode::DATA_LOSS,
+                          absl::StrCat("cache '", req.cache_id(), "': ",
+                                       std::string(s.message())));
+    }
+    kvcache::v1::GetCacheResponse first;
+    if (!first.mutable_info()->ParseFromString(entry.metadata)) {
+      return grpc::Status(grpc::StatusCode::DATA_LOSS, "stored metadata is unreadable");
+    }
+    const uint32_t num_layers = static_cast<uint32_t>(entry.layers.size());
+    layer_ = req.layer_begin();
+    layer_end_ = req.has_layer_end() ? req.layer_end() : num_layers;
+    if (layer_end_ > num_layers || layer_ > layer_end_) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("layer_begin/layer_end: [", layer_, ", ", layer_end_,
+                                       ") is not a range within [0, ", num_layers, "]"));
+    }
+    chunk_ = state_->config.max_chunk_bytes;
+    pending_ = SerializeToByteBuffer(first);
+    has_pending_ = true;
+    return grpc::Status::OK;
+  }
+
+  // Loads the parts of the current layer: the blob for PACKED, the three exported arrays for
+  // DENSE.
+  grpc::Status LoadLayer() {
+    const auto& blob = keep_->lease.entry().layers[layer_];
+    auto view = CompactLayerView::Parse(blob);
+    if (!view.ok()) {
+      return grpc::Status(grpc::StatusCode::DATA_LOSS,
+                          absl::StrCat("layer ", layer_, ": ", std::string(view.status().message())));
+    }
+    kept_tokens_ = view->num_kv_heads() > 0 ? view->desc(0).n_kept : 0;
+    parts_.clear();
+    if (!dense_) {
+      parts_.push_back({kvcache::v1::PART_PACKED, blob.data(), blob.size(), keep_});
+    } else {
+      auto dense = ExportDense(*view);
+      if (!dense.ok()) return ToGrpc(dense.status());
+      auto owned = std::make_shared<DenseLayer>(*std::move(dense));
+      parts_.push_back({kvcache::v1::PART_K, owned->k.data(), owned->k.size(), owned});
+      parts_.push_back({kvcache::v1::PART_V, owned->v.data(), owned->v.size(), owned});
+      parts_.push_back({kvcache::v1::PART_POSITIONS,
+                        reinterpret_cast<const uint8_t*>(owned->positions.data()),
+                        owned->positions.size() * sizeof(int32_t), owned});
+    }
+    part_ = 0;
+    offset_ = 0;
+    return grpc::Status::OK;
+  }
+
+  void NextWrite() {
+    if (has_pending_) {  // the info message
+      has_pending_ = false;
+      last_data_bytes_ = 0;
+      StartWrite(&pending_);
+      return;
+    }
+    for (;;) {
+      if (part_ >= parts_.size()) {
+        if (loaded_) ++layer_;
+        if (layer_ >= layer_end_) {
+          FinishOnce(grpc::Status::OK);
+          return;
+        }
+        grpc::Status s = LoadLayer();
+        if (!s.ok()) {
+          FinishOnce(s);
+          return;
+        }
+        loaded_ = true;
+      }
+      const Part& p = parts_[part_];
+      // An empty part still gets one (empty) message so the client learns its size.
+      if (offset_ < p.size || (p.size == 0 && offset_ == 0 && !sent_empty_)) {
+        const size_t n = std::min<uint64_t>(chunk_, p.size - offset_);
+        kvcache::v1::LayerChunk chunk;
+        chunk.set_layer(layer_);
+        chunk.set_part(p.kind);
+        chunk.set_offset(offset_);
+        chunk.set_total_bytes(p.size);
+        chunk.set_kept_tokens(kept_tokens_);
+        pending_ = MakeChunkResponse(chunk, p.data + offset_, n, p.owner);
+        offset_ += n;
+        last_data_bytes_ = n;
+        sent_empty_ = p.size == 0;
+        StartWrite(&pending_);
+        return;
+      }
+      ++part_;
+      offset_ = 0;
+      sent_empty_ = false;
+    }
+  }
+
+  void FinishOnce(const grpc::Status& status) {
+    rec_.Record(status.error_code());
+    Finish(status);
+  }
+
+  struct Part {
+    kvcache::v1::LayerPart kind;
+    const uint8_t* data;
+    size_t size;
+    std::shared_ptr<const void> owner;
+  };
+
+  ServiceState* const state_;
+  RpcRecorder rec_;
+  bool holds_stream_ = false;
+  bool dense_ = false;
+  std::shared_ptr<Keepalive> keep_;
+  uint32_t layer_ = 0, layer_end_ = 0;
+  bool loaded_ = false;
+  uint64_t chunk_ = 0;
+  int kept_tokens_ = 0;
+  std::vector<Part> parts_;
+  size_t part_ = 0;
+  uint64_t offset_ = 0;
+  bool sent_empty_ = false;
+  grpc::ByteBuffer pending_;
+  bool has_pending_ = false;
+  uint64_t last_data_bytes_ = 0;
+};
+
+}  // namespace
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* NewGetCacheReactor(
+    ServiceState* state, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
+  return new GetCacheReactor(state, context, request);
+}
+
+}  // namespace kvc::server

@@ -1,0 +1,351 @@
+#include "server/ingest.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kvc/compact.h"
+#include "kvc/status_macros.h"
+#include "server/convert.h"
+
+namespace kvc::server {
+namespace {
+
+constexpr const char* kTensorNames[3] = {"K", "V", "Q_obs"};
+
+}  // namespace
+
+const char* RejectReasonName(RejectReason r) {
+  switch (r) {
+    case RejectReason::kNone: return "none";
+    case RejectReason::kInvalid: return "invalid_argument";
+    case RejectReason::kTooLarge: return "too_large";
+    case RejectReason::kNoSpace: return "no_space";
+    case RejectReason::kExists: return "already_exists";
+    case RejectReason::kIncomplete: return "incomplete";
+    case RejectReason::kCompress: return "compress_failed";
+  }
+  return "unknown";
+}
+
+bool Upload::Coverage::Add(uint64_t begin, uint64_t end) {
+  if (begin == end) return true;
+  auto next = intervals.lower_bound(begin);
+  if (next != intervals.end() && next->first < end) return false;
+  if (next != intervals.begin()) {
+    auto prev = std::prev(next);
+    if (prev->second > begin) return false;
+    if (prev->second == begin) {  // extend the previous interval
+      begin = prev->first;
+      intervals.erase(prev);
+    }
+  }
+  if (next != intervals.end() && next->first == end) {
+    end = next->second;
+    intervals.erase(next);
+  }
+  intervals[begin] = end;
+  return true;
+}
+
+Upload::Upload(Backend* backend, CacheStore* store, ThreadPool* pool, const IngestLimits& limits)
+    : backend_(backend),
+      store_(store),
+      pool_(pool),
+      limits_(limits),
+      backend_name_(backend->name()),
+      start_(absl::Now()) {}
+
+RejectReason Upload::reject_reason() const {
+  absl::MutexLock lock(&mu_);
+  return reason_;
+}
+
+absl::Status Upload::Reject(RejectReason reason, absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  if (reason_ == RejectReason::kNone) reason_ = reason;
+  return status;
+}
+
+absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::string& store_id) {
+  auto invalid = [this](absl::Status s) { return Reject(RejectReason::kInvalid, std::move(s)); };
+  if (auto s = ValidateCacheId("header.cache_id", h.cache_id()); !s.ok()) return invalid(s);
+  if (h.shape().num_layers() < 1 || h.shape().num_layers() > 4096) {
+    return invalid(absl::InvalidArgumentError(absl::StrCat(
+        "header.shape.num_layers: ", h.shape().num_layers(), " is outside [1, 4096]")));
+  }
+  auto shape = ShapeFromProto(h.shape());
+  if (!shape.ok()) return invalid(shape.status());
+  auto dtype = FromProto(h.dtype());
+  if (!dtype.ok()) return invalid(dtype.status());
+  auto layout = FromProto(h.layout());
+  if (!layout.ok()) return invalid(layout.status());
+  const int num_layers = static_cast<int>(h.shape().num_layers());
+  auto spec = SpecFromProto(h.compression(), *shape, num_layers);
+  if (!spec.ok()) return invalid(spec.status());
+
+  const LayerBytes lb = LayerTensorBytes(*shape, *dtype);
+  const uint64_t total = (lb.k + lb.v + lb.q_obs) * num_layers;
+  if (total > limits_.max_cache_bytes) {
+    return Reject(RejectReason::kTooLarge,
+                  absl::ResourceExhaustedError(absl::StrCat(
+                      "header.shape: the upload is ", total, " bytes (K + V + Q_obs), over the ",
+                      "limit of ", limits_.max_cache_bytes, " bytes per cache")));
+  }
+  if (!h.overwrite() && store_->Peek(store_id).ok()) {
+    return Reject(RejectReason::kExists,
+                  absl::AlreadyExistsError(absl::StrCat(
+                      "header.cache_id: '", h.cache_id(), "' exists (set overwrite to replace)")));
+  }
+  const uint64_t estimate = EstimateStoredBytes(*shape, *dtype, *spec, num_layers);
+  if (auto s = store_->CheckCanFit(estimate); !s.ok()) {
+    return Reject(RejectReason::kNoSpace,
+                  absl::ResourceExhaustedError(absl::StrCat(
+                      "store: a compact cache of at least ", estimate,
+                      " bytes cannot fit: ", std::string(s.message()))));
+  }
+
+  header_ = h;
+  store_id_ = store_id;
+  shape_ = *shape;
+  dtype_ = *dtype;
+  layout_ = *layout;
+  spec_ = *spec;
+  tensor_bytes_[0] = lb.k;
+  tensor_bytes_[1] = lb.v;
+  tensor_bytes_[2] = lb.q_obs;
+  layers_.resize(num_layers);
+  {
+    absl::MutexLock lock(&mu_);
+    compact_.resize(num_layers);
+    compressed_.assign(num_layers, false);
+  }
+  has_header_ = true;
+  start_ = absl::Now();
+  return absl::OkStatus();
+}
+
+bool Upload::LayerComplete(const LayerState& layer) const {
+  for (int t = 0; t < 3; ++t) {
+    if (layer.coverage[t].received != tensor_bytes_[t]) return false;
+  }
+  return true;
+}
+
+absl::Status Upload::OnChunk(const RawPutRequest& req) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!compress_error_.ok()) return compress_error_;
+  }
+  const auto& c = req.chunk;
+  auto invalid = [this](std::string msg) {
+    return Reject(RejectReason::kInvalid, absl::InvalidArgumentError(std::move(msg)));
+  };
+  if (req.data_size > limits_.max_chunk_bytes) {
+    return Reject(RejectReason::kTooLarge,
+                  absl::ResourceExhaustedError(absl::StrCat(
+                      "data: ", req.data_size, " bytes in one chunk, over --max_chunk_bytes ",
+                      limits_.max_chunk_bytes)));
+  }
+  if (c.layer() >= layers_.size()) {
+    return invalid(absl::StrCat("chunk.layer: ", c.layer(), " is outside [0, ", layers_.size(),
+                                ")"));
+  }
+  int t;
+  switch (c.tensor()) {
+    case kvcache::v1::TENSOR_K: t = 0; break;
+    case kvcache::v1::TENSOR_V: t = 1; break;
+    case kvcache::v1::TENSOR_Q_OBS: t = 2; break;
+    default:
+      return invalid(absl::StrCat("chunk.tensor: ", static_cast<int>(c.tensor()),
+                                  " is not K, V or Q_OBS"));
+  }
+  const uint64_t size = tensor_bytes_[t];
+  if (c.offset() > size || req.data_size > size - c.offset()) {
+    return invalid(absl::StrCat("chunk.offset: [", c.offset(), ", ", c.offset() + req.data_size,
+                                ") is outside layer ", c.layer(), " tensor ", kTensorNames[t],
+                                " of ", size, " bytes"));
+  }
+  LayerState& layer = layers_[c.layer()];
+  if (req.data_size == 0) return absl::OkStatus();
+  // Coverage first: a complete layer may already be compressing and its staging must not be
+  // touched; any further chunk for it overlaps and is rejected here.
+  if (!layer.coverage[t].Add(c.offset(), c.offset() + req.data_size)) {
+    return invalid(absl::StrCat("chunk.offset: bytes [", c.offset(), ", ",
+                                c.offset() + req.data_size, ") of layer ", c.layer(),
+                                " tensor ", kTensorNames[t], " were already received"));
+  }
+  layer.coverage[t].received += req.data_size;
+  if (!layer.tensor[t]) layer.tensor[t].reset(new uint8_t[size]);
+  req.CopyDataTo(layer.tensor[t].get() + c.offset());
+  payload_bytes_ += req.data_size;
+  if (!layer.scheduled && LayerComplete(layer)) {
+    layer.scheduled = true;
+    {
+      absl::MutexLock lock(&mu_);
+      ++pending_;
+    }
+    const int index = static_cast<int>(c.layer());
+    pool_->Schedule([self = shared_from_this(), index] { self->CompressLayer(index); });
+  }
+  return absl::OkStatus();
+}
+
+void Upload::CompressLayer(int index) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (aborted_ || !compress_error_.ok()) {
+      --pending_;
+      for (auto& buf : layers_[index].tensor) buf.reset();
+      MaybeFinalize();
+      return;
+    }
+  }
+  LayerState& layer = layers_[index];
+  LayerInput in;
+  in.shape = shape_;
+  in.dtype = dtype_;
+  in.layout = layout_;
+  in.layer_index = index;
+  in.k = layer.tensor[0].get();
+  in.v = layer.tensor[1].get();
+  in.q_obs = shape_.obs_window > 0 ? layer.tensor[2].get() : nullptr;
+  CompressTimings t;
+  absl::StatusOr<CompactLayer> out = backend_->Compress(in, spec_, &t);
+  for (auto& buf : layer.tensor) buf.reset();  // staging is freed as soon as the layer is done
+
+  absl::MutexLock lock(&mu_);
+  --pending_;
+  if (aborted_) {
+    // Results of an abandoned upload are dropped.
+  } else if (!out.ok()) {
+    if (compress_error_.ok()) {
+      compress_error_ = absl::Status(
+          out.status().code() == absl::StatusCode::kInvalidArgument ? out.status().code()
+                                                                     : absl::StatusCode::kInternal,
+          absl::StrCat("layer ", index, ": ", std::string(out.status().message())));
+      if (reason_ == RejectReason::kNone) reason_ = RejectReason::kCompress;
+    }
+  } else {
+    compact_[index] = *std::move(out);
+    compressed_[index] = true;
+    timings_.score += t.score;
+    timings_.select += t.select;
+    timings_.pack += t.pack;
+    timings_.quantize += t.quantize;
+    timings_.total += t.total;
+  }
+  MaybeFinalize();
+}
+
+void Upload::Finish(DoneCallback done) {
+  absl::MutexLock lock(&mu_);
+  done_ = std::move(done);
+  finishing_ = true;
+  MaybeFinalize();
+}
+
+void Upload::Abort() {
+  absl::MutexLock lock(&mu_);
+  aborted_ = true;
+  compact_.clear();
+  compressed_.clear();
+}
+
+void Upload::MaybeFinalize() {
+  if (!finishing_ || pending_ > 0 || !done_) return;
+  DoneCallback done = std::move(done_);
+  done_ = nullptr;
+  auto result = Finalize();
+  // The callback may finish the RPC; run it without the lock so it can query this upload.
+  mu_.Unlock();
+  done(std::move(result));
+  mu_.Lock();
+}
+
+std::string Upload::IncompleteMessage() const {
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    for (int t = 0; t < 3; ++t) {
+      if (layers_[l].coverage[t].received != tensor_bytes_[t]) {
+        return absl::StrCat("layer ", l, " tensor ", kTensorNames[t], ": ",
+                            layers_[l].coverage[t].received, " of ", tensor_bytes_[t],
+                            " bytes received");
+      }
+    }
+  }
+  return "";
+}
+
+absl::StatusOr<kvcache::v1::PutCacheResponse> Upload::Finalize() {
+  if (aborted_) return absl::CancelledError("upload cancelled");
+  if (!compress_error_.ok()) return compress_error_;
+  if (!has_header_) {
+    reason_ = RejectReason::kInvalid;
+    return absl::InvalidArgumentError("header: the stream ended without a PutCacheHeader");
+  }
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    if (!compressed_[l]) {
+      reason_ = RejectReason::kIncomplete;
+      return absl::InvalidArgumentError(IncompleteMessage());
+    }
+  }
+  const absl::Time now = absl::Now();
+  auto entry = std::make_shared<CacheEntry>();
+  entry->id = store_id_;
+  entry->created = now;
+  const uint32_t ttl = header_.ttl_seconds() > 0 ? header_.ttl_seconds()
+                                                 : limits_.default_ttl_seconds;
+  if (ttl > 0) entry->expires = now + absl::Seconds(ttl);
+  const LayerBytes lb = LayerTensorBytes(shape_, dtype_);
+  entry->input_bytes = (lb.k + lb.v) * layers_.size();
+
+  kvcache::v1::CacheInfo info;
+  info.set_cache_id(header_.cache_id());
+  *info.mutable_shape() = header_.shape();
+  info.set_dtype(header_.dtype());
+  *info.mutable_compression() = header_.compression();
+  uint64_t stored = 0;
+  entry->layers.reserve(layers_.size());
+  for (auto& layer : compact_) {
+    auto view = CompactLayerView::Parse(layer.bytes);
+    if (!view.ok()) {
+      reason_ = RejectReason::kCompress;
+      return absl::InternalError(absl::StrCat("engine produced an unreadable layer: ",
+                                              std::string(view.status().message())));
+    }
+    info.add_kept_tokens(view->num_kv_heads() > 0 ? view->desc(0).n_kept : 0);
+    stored += layer.bytes.size();
+    entry->layers.push_back(std::move(layer.bytes));
+  }
+  compact_.clear();
+  FinalizeEntry(*entry);
+  info.set_input_bytes(entry->input_bytes);
+  info.set_stored_bytes(stored);
+  info.set_compression_ratio(stored > 0 ? static_cast<double>(entry->input_bytes) / stored : 0);
+  info.set_created_unix_ms(absl::ToUnixMillis(entry->created));
+  info.set_expires_unix_ms(ttl > 0 ? absl::ToUnixMillis(entry->expires) : 0);
+  info.set_checksum(entry->checksum);
+  entry->metadata = info.SerializeAsString();
+
+  if (absl::Status s = store_->Insert(entry, header_.overwrite()); !s.ok()) {
+    reason_ = s.code() == absl::StatusCode::kAlreadyExists ? RejectReason::kExists
+                                                            : RejectReason::kNoSpace;
+    return absl::Status(s.code(), absl::StrCat("store: ", std::string(s.message())));
+  }
+  kvcache::v1::PutCacheResponse resp;
+  resp.set_cache_id(header_.cache_id());
+  resp.set_input_bytes(entry->input_bytes);
+  resp.set_stored_bytes(stored);
+  resp.set_compression_ratio(info.compression_ratio());
+  auto* st = resp.mutable_compress();
+  st->set_score_seconds(timings_.score);
+  st->set_select_seconds(timings_.select);
+  st->set_pack_seconds(timings_.pack);
+  st->set_quantize_seconds(timings_.quantize);
+  st->set_total_seconds(timings_.total);
+  resp.set_elapsed_seconds(absl::ToDoubleSeconds(absl::Now() - start_));
+  resp.set_backend(backend_name_);
+  return resp;
+}
+
+}  // namespace kvc::server

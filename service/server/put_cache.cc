@@ -1,0 +1,167 @@
+// PutCache: a client-streaming raw reactor. Reads one message at a time (gRPC flow control then
+// paces the client), hands chunks to the Upload, and answers once the Upload has inserted the
+// cache. Compression runs on the pool, so the reactor never blocks a callback thread.
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "server/convert.h"
+#include "server/ingest.h"
+#include "server/service_impl.h"
+#include "server/wire.h"
+
+namespace kvc::server {
+namespace {
+
+absl::optional<RejectionReason> MetricReason(RejectReason r) {
+  switch (r) {
+    case RejectReason::kInvalid:
+    case RejectReason::kIncomplete: return RejectionReason::kInvalidArgument;
+    case RejectReason::kTooLarge: return RejectionReason::kTooLarge;
+    case RejectReason::kNoSpace: return RejectionReason::kBudget;
+    default: return absl::nullopt;
+  }
+}
+
+class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+ public:
+  PutCacheReactor(ServiceState* state, grpc::CallbackServerContext* context,
+                  grpc::ByteBuffer* response)
+      : state_(state), context_(context), response_(response), rec_(state, "PutCache") {
+    if (state_->draining) {
+      Reject(absl::nullopt, grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvcd is shutting down"),
+             RejectionReason::kDraining);
+      return;
+    }
+    if (!state_->TryAcquireStream()) {
+      Reject(absl::nullopt,
+             grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("too many concurrent streams (--max_concurrent_streams=",
+                                       state_->config.max_concurrent_streams, ")")),
+             RejectionReason::kLimit);
+      return;
+    }
+    holds_stream_ = true;
+    IngestLimits limits;
+    limits.max_chunk_bytes = state_->config.max_chunk_bytes;
+    limits.max_cache_bytes = EffectiveMaxCacheBytes(state_->config);
+    limits.default_ttl_seconds = state_->config.default_ttl_seconds;
+    upload_ = std::make_shared<Upload>(state_->backend, state_->store, state_->pool, limits);
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      if (context_->IsCancelled()) {
+        upload_->Abort();
+        FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "upload cancelled"));
+        return;
+      }
+      // Clean end of stream: the upload finishes when its last layer is compressed.
+      upload_->Finish([this](absl::StatusOr<kvcache::v1::PutCacheResponse> result) {
+        if (!result.ok()) {
+          FinishWithError(ToGrpc(result.status()));
+          return;
+        }
+        state_->RefreshStoreGauges();
+        if (state_->metrics) {
+          state_->metrics->ObserveCompressionRatio(result->compression_ratio());
+          CompressTimings t;
+          t.score = result->compress().score_seconds();
+          t.select = result->compress().select_seconds();
+          t.pack = result->compress().pack_seconds();
+          t.quantize = result->compress().quantize_seconds();
+          t.total = result->compress().total_seconds();
+          state_->metrics->ObserveCompressTimings(t);
+        }
+        *response_ = SerializeToByteBuffer(*result);
+        FinishOnce(grpc::Status::OK);
+      });
+      return;
+    }
+    absl::StatusOr<RawPutRequest> req = ParsePutRequest(&request_);
+    if (!req.ok()) return FinishWithError(ToGrpc(req.status()), RejectionReason::kInvalidArgument);
+    absl::Status s;
+    if (req->kind == RawPutRequest::Kind::kHeader) {
+      if (upload_->has_header()) {
+        return FinishWithError(
+            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                         "header: a second PutCacheHeader in one stream"),
+            RejectionReason::kInvalidArgument);
+      }
+      if (req->data_size > 0) {
+        return FinishWithError(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                            "data: must be empty in the header message"),
+                               RejectionReason::kInvalidArgument);
+      }
+      s = upload_->OnHeader(req->header, req->header.cache_id());
+    } else if (req->kind == RawPutRequest::Kind::kChunk) {
+      if (!upload_->has_header()) {
+        return FinishWithError(
+            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                         "header: the first message must be a PutCacheHeader, got a chunk"),
+            RejectionReason::kInvalidArgument);
+      }
+      s = upload_->OnChunk(*req);
+      if (state_->metrics && s.ok()) state_->metrics->AddIngestBytes(req->data_size);
+    } else {
+      return FinishWithError(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                          "kind: the message has neither header nor chunk"),
+                             RejectionReason::kInvalidArgument);
+    }
+    if (!s.ok()) return FinishWithError(ToGrpc(s));
+    StartRead(&request_);
+  }
+
+  void OnCancel() override {
+    // A cancelled upload must store nothing, even if its last layer is being finalized now.
+    if (upload_) upload_->Abort();
+  }
+
+  void OnDone() override {
+    if (holds_stream_) state_->ReleaseStream();
+    delete this;
+  }
+
+ private:
+  // Fails the stream; the reason for the metric is the explicit one or the upload's.
+  void FinishWithError(const grpc::Status& status,
+                       absl::optional<RejectionReason> reason = absl::nullopt) {
+    if (upload_) {
+      upload_->Abort();
+      if (!reason) reason = MetricReason(upload_->reject_reason());
+    }
+    Reject(reason, status, absl::nullopt);
+  }
+
+  void Reject(absl::optional<RejectionReason> reason, const grpc::Status& status,
+              absl::optional<RejectionReason> early) {
+    if (state_->metrics) {
+      if (reason) state_->metrics->RecordRejection(*reason);
+      if (early) state_->metrics->RecordRejection(*early);
+    }
+    FinishOnce(status);
+  }
+
+  void FinishOnce(const grpc::Status& status) {
+    rec_.Record(status.error_code());
+    Finish(status);
+  }
+
+  ServiceState* const state_;
+  grpc::CallbackServerContext* const context_;
+  grpc::ByteBuffer* const response_;
+  RpcRecorder rec_;
+  bool holds_stream_ = false;
+  std::shared_ptr<Upload> upload_;
+  grpc::ByteBuffer request_;
+};
+
+}  // namespace
+
+grpc::ServerReadReactor<grpc::ByteBuffer>* NewPutCacheReactor(
+    ServiceState* state, grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
+  return new PutCacheReactor(state, context, response);
+}
+
+}  // namespace kvc::server

@@ -1,0 +1,140 @@
+#include "server/server.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "kvc/status_macros.h"
+
+namespace kvc::server {
+namespace {
+
+std::string HostOf(const std::string& addr) { return addr.substr(0, addr.rfind(':')); }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
+  const ServerConfig& c = options.config;
+  RETURN_IF_ERROR(ValidateConfig(c));
+  std::unique_ptr<KvcServer> s(new KvcServer());
+  s->options_ = std::move(options);
+  const ServerConfig& config = s->options_.config;
+
+  ASSIGN_OR_RETURN(BackendKind kind, ParseBackendKind(config.backend));
+  BackendOptions bo;
+  bo.num_threads = config.threads;
+  ASSIGN_OR_RETURN(s->backend_, CreateBackend(kind, bo));
+
+  Metrics::Options mo;
+  mo.listen_address = config.metrics_listen;
+  ASSIGN_OR_RETURN(s->metrics_, Metrics::Create(mo));
+  if (!config.metrics_listen.empty()) {
+    s->metrics_address_ = absl::StrCat(HostOf(config.metrics_listen), ":", s->metrics_->port());
+  }
+  s->metrics_->SetBuildInfo(s->options_.version, std::string(s->backend_->name()));
+
+  CacheStore::Options so;
+  so.capacity_bytes = config.store_bytes;
+  Metrics* metrics = s->metrics_.get();
+  so.on_evict = [metrics](const CacheEntry&, EvictionReason reason) {
+    metrics->RecordEviction(reason);
+  };
+  ASSIGN_OR_RETURN(s->store_, CacheStore::Create(so));
+
+  int threads = config.threads;
+  if (threads == 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  s->pool_ = std::make_unique<ThreadPool>(threads);
+
+  s->state_ = std::make_unique<ServiceState>();
+  s->state_->config = config;
+  s->state_->backend = s->backend_.get();
+  s->state_->store = s->store_.get();
+  s->state_->metrics = s->metrics_.get();
+  s->state_->pool = s->pool_.get();
+  s->state_->version = s->options_.version;
+  s->state_->RefreshStoreGauges();
+  s->service_ = std::make_unique<KvCacheServiceImpl>(s->state_.get());
+
+  ServerResources res{&s->state_->config, s->backend_.get(), s->store_.get(), s->metrics_.get(),
+                      s->state_.get()};
+  for (const auto& factory : s->options_.extra_services) {
+    ASSIGN_OR_RETURN(auto service, factory(res));
+    s->extra_.push_back(std::move(service));
+  }
+
+  grpc::EnableDefaultHealthCheckService(true);
+  if (config.enable_reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  {
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
+    builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
+    builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
+    builder.RegisterService(s->service_.get());
+    for (auto& e : s->extra_) builder.RegisterService(e.get());
+    s->server_ = builder.BuildAndStart();
+    if (!s->server_ || port == 0) {
+      return absl::UnavailableError(absl::StrCat("--listen: cannot bind ", config.listen));
+    }
+    s->address_ = absl::StrCat(HostOf(config.listen), ":", port);
+  }
+  if (!config.health_listen.empty()) {
+    // A server with no services of its own: only the default health service, for probes.
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort(config.health_listen, grpc::InsecureServerCredentials(), &port);
+    s->health_server_ = builder.BuildAndStart();
+    if (!s->health_server_ || port == 0) {
+      s->server_->Shutdown();
+      return absl::UnavailableError(
+          absl::StrCat("--health_listen: cannot bind ", config.health_listen));
+    }
+    s->health_address_ = absl::StrCat(HostOf(config.health_listen), ":", port);
+  }
+  for (grpc::Server* srv : {s->server_.get(), s->health_server_.get()}) {
+    if (srv && srv->GetHealthCheckService()) srv->GetHealthCheckService()->SetServingStatus(true);
+  }
+  s->sweeper_ = std::thread([p = s.get()] { p->SweepLoop(); });
+  return s;
+}
+
+KvcServer::~KvcServer() { Shutdown(); }
+
+void KvcServer::SweepLoop() {
+  const absl::Duration period = absl::Seconds(options_.config.ttl_sweep_seconds);
+  while (!stop_sweep_.WaitForNotificationWithTimeout(period)) {
+    store_->ExpireNow();  // evictions are counted by the store's on_evict callback
+    state_->RefreshStoreGauges();
+  }
+}
+
+void KvcServer::Drain() {
+  if (!state_ || state_->draining.exchange(true)) return;
+  for (grpc::Server* srv : {server_.get(), health_server_.get()}) {
+    if (srv && srv->GetHealthCheckService()) srv->GetHealthCheckService()->SetServingStatus(false);
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(options_.config.drain_seconds);
+  while (state_->active_streams.load() > 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+}
+
+void KvcServer::Shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (state_) state_->draining = true;
+  const auto deadline = std::chrono::system_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(
+                            options_.config.shutdown_deadline_seconds * 1000));
+  if (server_) server_->Shutdown(deadline);
+  if (health_server_) health_server_->Shutdown(deadline);
+  if (server_) server_->Wait();
+  if (health_server_) health_server_->Wait();
+  stop_sweep_.Notify();
+  if (sweeper_.joinable()) sweeper_.join();
+  pool_.reset();  // runs queued compressions (their uploads are already finished or cancelled)
+}
+
+}  // namespace kvc::server

@@ -1,0 +1,106 @@
+// The KvCache gRPC service on the callback API. PutCache and GetCache are raw methods (ByteBuffer
+// in and out, see wire.h) so bulk bytes bypass protobuf parsing; the other methods are ordinary
+// unary callbacks.
+//
+// Status codes (every message names the offending field):
+//   INVALID_ARGUMENT    bad header/shape/dtype/layout/spec/id, no header, header twice, chunk
+//                       before header, unknown layer/tensor, out-of-range or overlapping chunk,
+//                       stream closed with bytes missing, bad layer range or format
+//   RESOURCE_EXHAUSTED  over --max_message_bytes (from gRPC), --max_chunk_bytes,
+//                       --max_cache_bytes or --max_concurrent_streams, or the store cannot make
+//                       room
+//   ALREADY_EXISTS      the id exists and the header does not set overwrite
+//   NOT_FOUND           unknown or expired cache
+//   DATA_LOSS           stored checksum mismatch
+//   CANCELLED / DEADLINE_EXCEEDED  from the client; the partial upload is discarded
+//   UNAVAILABLE         the server is draining
+//
+// Thread-safety: gRPC calls the methods concurrently; all shared state is in ServiceState.
+#ifndef KVC_SERVICE_SERVER_SERVICE_IMPL_H_
+#define KVC_SERVICE_SERVER_SERVICE_IMPL_H_
+
+#include <atomic>
+#include <string>
+
+#include "grpcpp/grpcpp.h"
+#include "kvc/backend.h"
+#include "kvc/cache_store.h"
+#include "kvc/metrics.h"
+#include "kvcache/v1/kvcache.grpc.pb.h"
+#include "server/config.h"
+#include "server/thread_pool.h"
+
+namespace kvc::server {
+
+// What every handler shares. Owned by the server; outlives the gRPC server.
+struct ServiceState {
+  ServerConfig config;
+  Backend* backend = nullptr;
+  CacheStore* store = nullptr;
+  Metrics* metrics = nullptr;
+  ThreadPool* pool = nullptr;
+  std::string version;
+  bool nccl_available = false;  // set by the transfer service when it is registered
+
+  std::atomic<bool> draining{false};
+  std::atomic<int> active_streams{0};
+  std::atomic<int> active_rpcs{0};  // all RPCs, streams included
+
+  // Takes a stream slot; false when --max_concurrent_streams are already open.
+  bool TryAcquireStream();
+  void ReleaseStream();
+  // Pushes the store's size and entry count to the gauges.
+  void RefreshStoreGauges();
+};
+
+// Books one RPC: counts it as started and in flight, and records its code and latency once.
+class RpcRecorder {
+ public:
+  RpcRecorder(ServiceState* state, const char* method);
+  ~RpcRecorder();  // records CANCELLED if Record was never called
+  void Record(grpc::StatusCode code);
+
+ private:
+  ServiceState* state_;
+  const char* method_;
+  absl::Time start_;
+  bool recorded_ = false;
+};
+
+using KvCacheBase = kvcache::v1::KvCache::WithRawCallbackMethod_PutCache<
+    kvcache::v1::KvCache::WithRawCallbackMethod_GetCache<kvcache::v1::KvCache::CallbackService>>;
+
+class KvCacheServiceImpl final : public KvCacheBase {
+ public:
+  explicit KvCacheServiceImpl(ServiceState* state) : state_(state) {}
+
+  grpc::ServerReadReactor<grpc::ByteBuffer>* PutCache(grpc::CallbackServerContext* context,
+                                                      grpc::ByteBuffer* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* GetCache(grpc::CallbackServerContext* context,
+                                                       const grpc::ByteBuffer* request) override;
+  grpc::ServerUnaryReactor* StatCache(grpc::CallbackServerContext* context,
+                                      const kvcache::v1::StatCacheRequest* request,
+                                      kvcache::v1::CacheInfo* response) override;
+  grpc::ServerUnaryReactor* DeleteCache(grpc::CallbackServerContext* context,
+                                        const kvcache::v1::DeleteCacheRequest* request,
+                                        kvcache::v1::DeleteCacheResponse* response) override;
+  grpc::ServerUnaryReactor* ListCaches(grpc::CallbackServerContext* context,
+                                       const kvcache::v1::ListCachesRequest* request,
+                                       kvcache::v1::ListCachesResponse* response) override;
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
+                                          const kvcache::v1::GetServerInfoRequest* request,
+                                          kvcache::v1::ServerInfo* response) override;
+
+ private:
+  ServiceState* const state_;
+};
+
+// Factories for the two stream reactors (put_cache.cc, get_cache.cc).
+grpc::ServerReadReactor<grpc::ByteBuffer>* NewPutCacheReactor(
+    ServiceState* state, grpc::CallbackServerContext* context, grpc::ByteBuffer* response);
+grpc::ServerWriteReactor<grpc::ByteBuffer>* NewGetCacheReactor(
+    ServiceState* state, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request);
+
+}  // namespace kvc::server
+
+#endif  // KVC_SERVICE_SERVER_SERVICE_IMPL_H_
