@@ -1,0 +1,150 @@
+// ScoreTokens: against a naive double-precision reference, and the per-policy conventions
+// (pooling, knorm sign, seeded noise).
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/select_util.h"
+#include "kvc/noise.h"
+#include "kvc/selection.h"
+
+namespace kvc {
+namespace {
+
+using testing::RandomLayer;
+using testing::ReferenceAttentionScores;
+using testing::TestLayer;
+
+void ExpectNearReference(const TestLayer& layer, const EvictionSpec& spec) {
+  absl::StatusOr<std::vector<float>> got = ScoreTokens(layer.input(), spec);
+  ASSERT_TRUE(got.ok()) << got.status();
+  const std::vector<double> want = ReferenceAttentionScores(layer, spec);
+  ASSERT_EQ(got->size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_NEAR((*got)[i], want[i], 2e-5 * layer.shape.obs_window + 1e-5 * want[i])
+        << "index " << i << " policy " << PolicyName(spec.policy);
+  }
+}
+
+TEST(ScoreTokensTest, H2OMatchesReferenceOverShapes) {
+  struct Case {
+    int hkv, g, S, D, W;
+  };
+  for (const Case& c : std::vector<Case>{{1, 1, 1, 8, 1},
+                                         {2, 4, 37, 16, 5},
+                                         {3, 2, 64, 64, 64},
+                                         {1, 8, 200, 128, 32}}) {
+    for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+      const LayerShape shape{c.hkv, c.hkv * c.g, c.S, c.D, c.W};
+      EvictionSpec spec;
+      spec.policy = EvictionPolicy::kH2O;
+      ExpectNearReference(RandomLayer(shape, 11 + c.S, t), spec);
+    }
+  }
+}
+
+TEST(ScoreTokensTest, KeyformerMatchesReferenceIncludingNoiseAndTau) {
+  const LayerShape shape{2, 4, 50, 32, 8};
+  TestLayer layer = RandomLayer(shape, 3, DType::kF16);
+  layer.layer_index = 5;  // the noise depends on the layer
+  EvictionSpec spec;
+  spec.policy = EvictionPolicy::kKeyformer;
+  spec.seed = 1234;
+  spec.tau = 1.0;
+  ExpectNearReference(layer, spec);
+  spec.tau = 1.7;
+  ExpectNearReference(layer, spec);
+}
+
+TEST(ScoreTokensTest, SnapKVPoolsThePrefixOnly) {
+  const LayerShape shape{1, 2, 40, 16, 6};
+  const TestLayer layer = RandomLayer(shape, 8);
+  EvictionSpec spec;
+  spec.policy = EvictionPolicy::kSnapKV;
+  spec.pool_kernel = 5;
+  const std::vector<double> raw = ReferenceAttentionScores(layer, spec);
+  for (PoolKind kind : {PoolKind::kMax, PoolKind::kAvg}) {
+    spec.pool = kind;
+    absl::StatusOr<std::vector<float>> got = ScoreTokens(layer.input(), spec);
+    ASSERT_TRUE(got.ok());
+    const int prefix = shape.seq_len - shape.obs_window;
+    for (int j = 0; j < shape.seq_len; ++j) {
+      double want = raw[j];
+      if (j < prefix) {  // window clipped to [0, prefix)
+        const int lo = std::max(0, j - 2), hi = std::min(prefix - 1, j + 2);
+        double acc = kind == PoolKind::kMax ? -1.0 : 0.0;
+        for (int i = lo; i <= hi; ++i) acc = kind == PoolKind::kMax ? std::max(acc, raw[i]) : acc + raw[i];
+        want = kind == PoolKind::kMax ? acc : acc / (hi - lo + 1);
+      }
+      EXPECT_NEAR((*got)[j], want, 1e-5) << j;
+    }
+  }
+}
+
+TEST(ScoreTokensTest, KNormIsNegativeL2Norm) {
+  const LayerShape shape{2, 2, 9, 8, 0};
+  std::vector<float> k(2 * 9 * 8, 0.0f);
+  for (int h = 0; h < 2; ++h) {
+    for (int s = 0; s < 9; ++s) k[(h * 9 + s) * 8 + (s % 8)] = static_cast<float>(s + h);
+  }
+  const TestLayer layer = testing::MakeLayer(shape, k, k, {});
+  EvictionSpec spec;
+  spec.policy = EvictionPolicy::kKNorm;
+  absl::StatusOr<std::vector<float>> got = ScoreTokens(layer.input(), spec);
+  ASSERT_TRUE(got.ok());
+  for (int h = 0; h < 2; ++h) {
+    for (int s = 0; s < 9; ++s) EXPECT_FLOAT_EQ((*got)[h * 9 + s], -static_cast<float>(s + h));
+  }
+}
+
+TEST(ScoreTokensTest, RandomIsSeededCounterNoise) {
+  const LayerShape shape{2, 2, 16, 8, 0};
+  TestLayer layer = RandomLayer(shape, 1);
+  layer.layer_index = 3;
+  EvictionSpec spec;
+  spec.policy = EvictionPolicy::kRandom;
+  spec.seed = 99;
+  absl::StatusOr<std::vector<float>> got = ScoreTokens(layer.input(), spec);
+  ASSERT_TRUE(got.ok());
+  for (int h = 0; h < 2; ++h) {
+    for (int j = 0; j < 16; ++j) EXPECT_EQ((*got)[h * 16 + j], CounterUniform(99, 3, h, 0, j));
+  }
+}
+
+TEST(ScoreTokensTest, StreamingAndNoneScoreZeroAndBadInputIsRejected) {
+  const TestLayer layer = RandomLayer({1, 1, 10, 8, 2}, 1);
+  EvictionSpec spec;
+  spec.policy = EvictionPolicy::kStreaming;
+  absl::StatusOr<std::vector<float>> got = ScoreTokens(layer.input(), spec);
+  ASSERT_TRUE(got.ok());
+  EXPECT_THAT(*got, ::testing::Each(0.0f));
+  spec.policy = EvictionPolicy::kH2O;
+  spec.tau = -1;
+  EXPECT_THAT(std::string(ScoreTokens(layer.input(), spec).status().message()),
+              ::testing::HasSubstr("eviction.tau"));
+  LayerInput in = layer.input();
+  in.k = nullptr;
+  EXPECT_EQ(ScoreTokens(in, EvictionSpec()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ScoreTokensTest, LargeWindowUsesRowBlocksCorrectly) {
+  // S * rows above the logits block size (4M floats) forces several row blocks.
+  const LayerShape shape{1, 2, 2100, 8, 1100};
+  const TestLayer layer = RandomLayer(shape, 5);
+  EvictionSpec spec;
+  spec.policy = EvictionPolicy::kH2O;
+  absl::StatusOr<std::vector<float>> got = ScoreTokens(layer.input(), spec);
+  ASSERT_TRUE(got.ok());
+  // Every softmax row sums to 1 and scores are averaged over g: the total is W.
+  double total = 0;
+  for (float x : *got) total += x;
+  EXPECT_NEAR(total, 1100.0, 1e-2);
+  // Spot-check a few positions against the reference (full reference would be slow here).
+  const std::vector<double> want = ReferenceAttentionScores(layer, spec);
+  for (int j : {0, 500, 999, 1000, 1500, 2099}) EXPECT_NEAR((*got)[j], want[j], 1e-4) << j;
+}
+
+}  // namespace
+}  // namespace kvc

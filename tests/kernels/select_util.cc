@@ -1,0 +1,123 @@
+#include "kernels/select_util.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "kvc/noise.h"
+
+namespace kvc::testing {
+namespace {
+
+// Writes an HND float tensor [heads, tokens, D] into bytes of the given dtype and layout.
+std::vector<uint8_t> Encode(const std::vector<float>& hnd, int heads, int tokens, int D, DType t,
+                            Layout layout) {
+  std::vector<uint8_t> out(hnd.size() * DTypeSize(t));
+  for (int h = 0; h < heads; ++h) {
+    for (int s = 0; s < tokens; ++s) {
+      for (int c = 0; c < D; ++c) {
+        const float x = hnd[(static_cast<size_t>(h) * tokens + s) * D + c];
+        StoreFromFloat(out.data(), t, ElementOffset(layout, heads, tokens, D, h, s, c), x);
+      }
+    }
+  }
+  return out;
+}
+
+float Load(const TestLayer& l, const std::vector<uint8_t>& buf, int heads, int tokens, int h,
+           int s, int c) {
+  return LoadAsFloat(buf.data(), l.dtype,
+                     ElementOffset(l.layout, heads, tokens, l.shape.head_dim, h, s, c));
+}
+
+}  // namespace
+
+LayerInput TestLayer::input() const {
+  LayerInput in;
+  in.shape = shape;
+  in.dtype = dtype;
+  in.layout = layout;
+  in.layer_index = layer_index;
+  in.k = k.data();
+  in.v = v.data();
+  in.q_obs = q.empty() ? nullptr : q.data();
+  return in;
+}
+
+TestLayer MakeLayer(const LayerShape& shape, const std::vector<float>& k_hnd,
+                    const std::vector<float>& v_hnd, const std::vector<float>& q_hnd, DType dtype,
+                    Layout layout) {
+  TestLayer l;
+  l.shape = shape;
+  l.dtype = dtype;
+  l.layout = layout;
+  l.k = Encode(k_hnd, shape.num_kv_heads, shape.seq_len, shape.head_dim, dtype, layout);
+  l.v = Encode(v_hnd, shape.num_kv_heads, shape.seq_len, shape.head_dim, dtype, layout);
+  l.q = Encode(q_hnd, shape.num_q_heads, shape.obs_window, shape.head_dim, dtype, layout);
+  return l;
+}
+
+std::vector<float> RandomValues(size_t n, uint64_t seed, float scale) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) {
+    float s = 0;
+    for (uint32_t j = 0; j < 4; ++j) {
+      s += CounterUniform(seed, 7, j, static_cast<uint32_t>(i >> 32), static_cast<uint32_t>(i));
+    }
+    v[i] = (s - 2.0f) * 1.7f * scale;
+  }
+  return v;
+}
+
+TestLayer RandomLayer(const LayerShape& shape, uint64_t seed, DType dtype, Layout layout) {
+  const size_t kv = static_cast<size_t>(shape.num_kv_heads) * shape.seq_len * shape.head_dim;
+  const size_t q = static_cast<size_t>(shape.num_q_heads) * shape.obs_window * shape.head_dim;
+  return MakeLayer(shape, RandomValues(kv, seed), RandomValues(kv, seed + 1),
+                   RandomValues(q, seed + 2), dtype, layout);
+}
+
+std::vector<int32_t> HeadPositions(const TokenSelection& sel, int h) {
+  auto first = sel.positions.begin() + static_cast<ptrdiff_t>(h) * sel.budget;
+  return std::vector<int32_t>(first, first + sel.budget);
+}
+
+std::vector<int32_t> HeadKeyChannels(const ChannelSelection& sel, int h) {
+  auto first = sel.key_idx.begin() + static_cast<ptrdiff_t>(h) * sel.key_channels;
+  return std::vector<int32_t>(first, first + sel.key_channels);
+}
+
+std::vector<int32_t> HeadValueChannels(const ChannelSelection& sel, int h) {
+  auto first = sel.value_idx.begin() + static_cast<ptrdiff_t>(h) * sel.value_channels;
+  return std::vector<int32_t>(first, first + sel.value_channels);
+}
+
+std::vector<double> ReferenceAttentionScores(const TestLayer& l, const EvictionSpec& spec) {
+  const LayerShape& sh = l.shape;
+  const int S = sh.seq_len, D = sh.head_dim, W = sh.obs_window, g = sh.group_size();
+  const int H = sh.num_kv_heads, Hq = sh.num_q_heads;
+  std::vector<double> out(static_cast<size_t>(H) * S, 0.0);
+  std::vector<double> a(S);
+  for (int qh = 0; qh < Hq; ++qh) {
+    const int h = qh / g;
+    for (int t = 0; t < W; ++t) {
+      const int len = S - W + t + 1;
+      double mx = -INFINITY;
+      for (int j = 0; j < len; ++j) {
+        double dot = 0;
+        for (int c = 0; c < D; ++c) {
+          dot += static_cast<double>(Load(l, l.q, Hq, W, qh, t, c)) * Load(l, l.k, H, S, h, j, c);
+        }
+        a[j] = dot / std::sqrt(static_cast<double>(D));
+        if (spec.policy == EvictionPolicy::kKeyformer) {
+          a[j] = (a[j] + CounterGumbel(spec.seed, l.layer_index, qh, t, j)) / spec.tau;
+        }
+        mx = std::max(mx, a[j]);
+      }
+      double sum = 0;
+      for (int j = 0; j < len; ++j) sum += std::exp(a[j] - mx);
+      for (int j = 0; j < len; ++j) out[static_cast<size_t>(h) * S + j] += std::exp(a[j] - mx) / sum / g;
+    }
+  }
+  return out;
+}
+
+}  // namespace kvc::testing

@@ -1,0 +1,207 @@
+#include "kvc/spec.h"
+
+#include <cmath>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvc {
+namespace {
+
+using ::testing::HasSubstr;
+
+LayerShape Shape(int W = 8) {
+  return {.num_kv_heads = 2, .num_q_heads = 4, .seq_len = 100, .head_dim = 64, .obs_window = W};
+}
+
+void ExpectInvalid(const CompressionSpec& spec, const std::string& field, int W = 8,
+                   int layer = 0) {
+  const absl::Status s = ValidateSpec(spec, Shape(W), layer);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << field;
+  EXPECT_THAT(std::string(s.message()), HasSubstr(field));
+}
+
+TEST(ValidateSpecTest, DefaultsAreValid) {
+  EXPECT_TRUE(ValidateSpec(CompressionSpec(), Shape(), 0).ok());
+  EXPECT_TRUE(ValidateSpec(CompressionSpec(), Shape(0), 0).ok());
+}
+
+TEST(ValidateSpecTest, EvictionLimits) {
+  CompressionSpec s;
+  s.eviction.policy = EvictionPolicy::kH2O;
+  s.eviction.budget = 100;  // == seq_len is fine
+  EXPECT_TRUE(ValidateSpec(s, Shape(), 0).ok());
+  s.eviction.budget = 101;
+  ExpectInvalid(s, "eviction.budget");
+  s.eviction.budget = -1;
+  ExpectInvalid(s, "eviction.budget");
+  s = {};
+  s.eviction.keep_ratio = 0.0;
+  ExpectInvalid(s, "eviction.keep_ratio");
+  s.eviction.keep_ratio = 1.0001;
+  ExpectInvalid(s, "eviction.keep_ratio");
+  s.eviction.keep_ratio = std::nan("");
+  ExpectInvalid(s, "eviction.keep_ratio");
+  s.eviction.keep_ratio = 1.0;
+  EXPECT_TRUE(ValidateSpec(s, Shape(), 0).ok());
+  s.eviction.keep_ratio = 1e-9;
+  EXPECT_TRUE(ValidateSpec(s, Shape(), 0).ok());
+  s = {};
+  s.eviction.layer_budgets = {10, 100, 101};
+  ExpectInvalid(s, "eviction.layer_budgets[2]");
+  s.eviction.layer_budgets = {10, -1};
+  ExpectInvalid(s, "eviction.layer_budgets[1]");
+  s = {};
+  s.eviction.policy = static_cast<EvictionPolicy>(7);
+  ExpectInvalid(s, "eviction.policy");
+  s = {};
+  s.eviction.granularity = static_cast<Granularity>(2);
+  ExpectInvalid(s, "eviction.granularity");
+  s = {};
+  s.eviction.sink_tokens = -1;
+  ExpectInvalid(s, "eviction.sink_tokens");
+  s = {};
+  s.eviction.recent_fraction = 1.5;
+  ExpectInvalid(s, "eviction.recent_fraction");
+  s.eviction.recent_fraction = std::nan("");
+  ExpectInvalid(s, "eviction.recent_fraction");
+  s.eviction.recent_fraction = 1.0;
+  EXPECT_TRUE(ValidateSpec(s, Shape(), 0).ok());
+  s = {};
+  s.eviction.pool_kernel = 6;
+  ExpectInvalid(s, "eviction.pool_kernel");
+  s.eviction.pool_kernel = 0;
+  ExpectInvalid(s, "eviction.pool_kernel");
+  s.eviction.pool_kernel = 1;
+  EXPECT_TRUE(ValidateSpec(s, Shape(), 0).ok());
+  s = {};
+  s.eviction.pool = static_cast<PoolKind>(3);
+  ExpectInvalid(s, "eviction.pool");
+  s = {};
+  s.eviction.tau = 0.0;
+  ExpectInvalid(s, "eviction.tau");
+  s.eviction.tau = -1.0;
+  ExpectInvalid(s, "eviction.tau");
+  s.eviction.tau = INFINITY;
+  ExpectInvalid(s, "eviction.tau");
+  s = {};
+  ExpectInvalid(s, "layer_index", 8, -1);
+}
+
+TEST(ValidateSpecTest, PoliciesThatNeedQueriesRejectEmptyWindow) {
+  for (EvictionPolicy p : {EvictionPolicy::kH2O, EvictionPolicy::kSnapKV,
+                           EvictionPolicy::kKeyformer}) {
+    CompressionSpec s;
+    s.eviction.policy = p;
+    ExpectInvalid(s, "eviction.policy", /*W=*/0);
+    EXPECT_TRUE(ValidateSpec(s, Shape(1), 0).ok());
+  }
+  for (EvictionPolicy p : {EvictionPolicy::kNone, EvictionPolicy::kStreaming,
+                           EvictionPolicy::kKNorm, EvictionPolicy::kRandom}) {
+    CompressionSpec s;
+    s.eviction.policy = p;
+    EXPECT_TRUE(ValidateSpec(s, Shape(0), 0).ok()) << PolicyName(p);
+  }
+  CompressionSpec s;
+  s.channels.key_policy = ChannelPolicy::kThink;
+  ExpectInvalid(s, "channels.key_policy", 0);
+  s.channels.key_policy = ChannelPolicy::kL2;  // magnitude needs no queries
+  EXPECT_TRUE(ValidateSpec(s, Shape(0), 0).ok());
+  s = {};
+  s.channels.prune_values = true;
+  ExpectInvalid(s, "channels.prune_values", 0);
+}
+
+TEST(ValidateSpecTest, ChannelAndQuantLimits) {
+  CompressionSpec s;
+  s.channels.key_lambda = 1.0;
+  ExpectInvalid(s, "channels.key_lambda");
+  s.channels.key_lambda = -0.1;
+  ExpectInvalid(s, "channels.key_lambda");
+  s.channels.key_lambda = 0.99;
+  EXPECT_TRUE(ValidateSpec(s, Shape(), 0).ok());
+  s = {};
+  s.channels.value_lambda = 1.0;
+  ExpectInvalid(s, "channels.value_lambda");
+  s = {};
+  s.channels.key_policy = static_cast<ChannelPolicy>(4);
+  ExpectInvalid(s, "channels.key_policy");
+  for (int bits : {1, 3, 5, 16, -2}) {
+    s = {};
+    s.quant.bits = bits;
+    ExpectInvalid(s, "quant.bits");
+  }
+  for (int bits : {0, 2, 4, 8}) {
+    s = {};
+    s.quant.bits = bits;
+    EXPECT_TRUE(ValidateSpec(s, Shape(), 0).ok()) << bits;
+  }
+  s = {};
+  s.quant.bits = 4;
+  s.quant.group_size = 0;
+  ExpectInvalid(s, "quant.group_size");
+  s.quant.group_size = 48;  // does not divide 64
+  ExpectInvalid(s, "quant.group_size");
+  s.quant.group_size = 64;
+  EXPECT_TRUE(ValidateSpec(s, Shape(), 0).ok());
+  s.quant.bits = 0;  // group size is irrelevant without quantization
+  s.quant.group_size = 48;
+  EXPECT_TRUE(ValidateSpec(s, Shape(), 0).ok());
+  s = {};
+  s.recent_tokens = -1;
+  ExpectInvalid(s, "recent_tokens");
+  s.recent_tokens = 0;
+  EXPECT_TRUE(ValidateSpec(s, Shape(), 0).ok());
+}
+
+TEST(EffectiveBudgetTest, CountRatioAndLayerOverrides) {
+  EvictionSpec e;
+  e.policy = EvictionPolicy::kH2O;
+  e.keep_ratio = 0.25;
+  EXPECT_EQ(EffectiveBudget(e, 0, 100), 25);
+  e.keep_ratio = 0.001;  // rounds to 0, at least 1 token
+  EXPECT_EQ(EffectiveBudget(e, 0, 100), 1);
+  e.keep_ratio = 0.255;
+  EXPECT_EQ(EffectiveBudget(e, 0, 100), 26);  // round(25.5) = 26
+  e.budget = 40;  // an explicit count wins over the ratio
+  EXPECT_EQ(EffectiveBudget(e, 0, 100), 40);
+  e.layer_budgets = {0, 7};
+  EXPECT_EQ(EffectiveBudget(e, 0, 100), 40);  // 0 entry falls back
+  EXPECT_EQ(EffectiveBudget(e, 1, 100), 7);
+  EXPECT_EQ(EffectiveBudget(e, 2, 100), 40);  // past the list
+  e.policy = EvictionPolicy::kNone;           // keeps everything
+  EXPECT_EQ(EffectiveBudget(e, 1, 100), 100);
+}
+
+TEST(KeptChannelsTest, FloorOfPrunedFraction) {
+  EXPECT_EQ(KeptChannels(0.0, 128), 128);
+  EXPECT_EQ(KeptChannels(0.5, 128), 64);
+  EXPECT_EQ(KeptChannels(0.4, 128), 77);   // floor(51.2) = 51 pruned
+  EXPECT_EQ(KeptChannels(0.99, 8), 1);     // floor(7.92) = 7 pruned
+}
+
+TEST(PolicyNamesTest, RoundTripAndUnknown) {
+  for (const std::string& n : EvictionPolicyNames()) {
+    absl::StatusOr<EvictionPolicy> p = ParseEvictionPolicy(n);
+    ASSERT_TRUE(p.ok()) << n;
+    EXPECT_EQ(PolicyName(*p), n);
+  }
+  EXPECT_EQ(EvictionPolicyNames().size(), 7u);
+  for (const std::string& n : ChannelPolicyNames()) {
+    absl::StatusOr<ChannelPolicy> p = ParseChannelPolicy(n);
+    ASSERT_TRUE(p.ok()) << n;
+    EXPECT_EQ(PolicyName(*p), n);
+  }
+  EXPECT_EQ(ChannelPolicyNames().size(), 4u);
+  EXPECT_EQ(*ParseEvictionPolicy("SnapKV"), EvictionPolicy::kSnapKV);
+  absl::StatusOr<EvictionPolicy> bad = ParseEvictionPolicy("lru");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("eviction.policy"));
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("lru"));
+  EXPECT_THAT(std::string(ParseChannelPolicy("l3").status().message()),
+              HasSubstr("channels.key_policy"));
+}
+
+}  // namespace
+}  // namespace kvc
