@@ -1,0 +1,99 @@
+#include <cmath>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "kvcctl.h"
+
+namespace kvc::ctl {
+
+namespace pb = kvcache::v1;
+
+void AddGlobalFlags(FlagSet* flags) {
+  flags->AddString("target", "127.0.0.1:50051",
+                   "kvcd address: host:port, a comma-separated list, or dns:///name:port");
+  flags->AddDouble("timeout", 0, "seconds per call; 0 = the client's defaults (10 s, 300 s streams)");
+  flags->AddString("token", "", "bearer token sent as 'authorization: Bearer <token>'");
+  flags->AddInt("chunk_mib", 4, "largest upload chunk in MiB, 1..4");
+}
+
+absl::StatusOr<std::unique_ptr<Client>> MakeClient(const FlagSet& flags) {
+  ClientOptions o;
+  o.target = flags.GetString("target");
+  o.bearer_token = flags.GetString("token");
+  const double timeout = flags.GetDouble("timeout");
+  if (timeout < 0 || !std::isfinite(timeout)) {
+    return absl::InvalidArgumentError("--timeout: must be a non-negative number of seconds");
+  }
+  if (timeout > 0) {
+    o.unary_timeout = absl::Seconds(timeout);
+    o.stream_timeout = absl::Seconds(timeout);
+  }
+  const int64_t chunk = flags.GetInt("chunk_mib");
+  if (chunk < 1 || chunk > 4) {
+    return absl::InvalidArgumentError(absl::StrCat("--chunk_mib: ", chunk, " is outside [1, 4]"));
+  }
+  o.max_chunk_bytes = static_cast<size_t>(chunk) << 20;
+  return Client::Create(o);
+}
+
+void AddCompressionFlags(FlagSet* flags) {
+  flags->AddString("policy", "none",
+                   "token eviction: none, streaming, h2o, snapkv, keyformer, knorm, random");
+  flags->AddDouble("ratio", 0, "fraction of tokens kept per KV head, (0, 1]; 0 = unset");
+  flags->AddInt("budget", 0, "tokens kept per KV head (wins over --ratio); 0 = unset");
+  flags->AddString("key_policy", "", "key channel pruning: none, think, l1, l2 "
+                                     "(default think when --lambda > 0)");
+  flags->AddDouble("lambda", 0, "fraction of key channels pruned, [0, 1)");
+  flags->AddInt("bits", 0, "quantization bits: 0 (off), 2, 4, 8");
+  flags->AddInt("recent", -1, "recent tokens kept unpruned and unquantized; -1 = server default");
+  flags->AddInt("seed", 0, "noise seed (keyformer, random)");
+}
+
+absl::StatusOr<pb::CompressionConfig> CompressionFromFlags(const FlagSet& flags) {
+  pb::CompressionConfig c;
+  c.mutable_eviction()->set_policy(flags.GetString("policy"));
+  const double ratio = flags.GetDouble("ratio");
+  if (ratio < 0 || ratio > 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--ratio: ", ratio, " is outside (0, 1]"));
+  }
+  if (ratio > 0) c.mutable_eviction()->set_keep_ratio(ratio);
+  const int64_t budget = flags.GetInt("budget");
+  if (budget < 0 || budget > UINT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("--budget: ", budget, " is out of range"));
+  }
+  c.mutable_eviction()->set_budget(static_cast<uint32_t>(budget));
+  c.mutable_eviction()->set_seed(static_cast<uint64_t>(flags.GetInt("seed")));
+  const double lambda = flags.GetDouble("lambda");
+  if (lambda < 0 || lambda >= 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--lambda: ", lambda, " is outside [0, 1)"));
+  }
+  std::string key_policy = flags.GetString("key_policy");
+  if (key_policy.empty()) key_policy = lambda > 0 ? "think" : "none";
+  c.mutable_channels()->set_key_policy(key_policy);
+  c.mutable_channels()->set_key_lambda(lambda);
+  const int64_t bits = flags.GetInt("bits");
+  if (bits != 0 && bits != 2 && bits != 4 && bits != 8) {
+    return absl::InvalidArgumentError(absl::StrCat("--bits: ", bits, " is not 0, 2, 4 or 8"));
+  }
+  c.mutable_quant()->set_bits(static_cast<uint32_t>(bits));
+  const int64_t recent = flags.GetInt("recent");
+  if (recent < -1 || recent > UINT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("--recent: ", recent, " is out of range"));
+  }
+  if (recent >= 0) c.set_recent_tokens(static_cast<uint32_t>(recent));
+  return c;
+}
+
+int Fail(const std::string& what, const absl::Status& status) {
+  std::fprintf(stderr, "kvcctl %s: %s: %s\n", what.c_str(),
+               StatusCodeName(status.code()).c_str(), std::string(status.message()).c_str());
+  return kExitFailure;
+}
+
+int Usage(const std::string& message, const std::string& usage, const FlagSet& flags) {
+  if (!message.empty()) std::fprintf(stderr, "kvcctl: %s\n", message.c_str());
+  std::fprintf(stderr, "usage: %s\nflags:\n%s", usage.c_str(), flags.Help().c_str());
+  return kExitUsage;
+}
+
+}  // namespace kvc::ctl
