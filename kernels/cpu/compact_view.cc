@@ -1,0 +1,282 @@
+// The reader side of the compact format: validation (CompactLayerView::Parse), head pointers,
+// DENSE export and float unpacking.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "cpu/compact_layout.h"
+#include "cpu/quantize.h"
+#include "kvc/compact.h"
+#include "kvc/status_macros.h"
+
+namespace kvc {
+namespace {
+
+using internal::ComputeHeadLayout;
+using internal::HeadLayout;
+
+absl::Status Corrupt(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("compact layer: ", what));
+}
+
+absl::Status CheckRange(int value, int lo, int hi, absl::string_view field) {
+  if (value < lo || value > hi) {
+    return Corrupt(absl::StrCat(field, " ", value, " is outside [", lo, ", ", hi, "]"));
+  }
+  return absl::OkStatus();
+}
+
+// Strictly ascending and inside [0, limit). Reads through memcpy: the caller has checked that
+// the n values lie inside the blob.
+absl::Status CheckIndexList(const uint8_t* p, int n, int limit, int h, absl::string_view field,
+                            absl::string_view limit_name) {
+  int32_t prev = -1;
+  for (int i = 0; i < n; ++i) {
+    int32_t v;
+    std::memcpy(&v, p + sizeof(int32_t) * i, sizeof(v));
+    if (v < 0 || v >= limit) {
+      return Corrupt(absl::StrCat("head ", h, " ", field, "[", i, "] = ", v, " is outside [0, ",
+                                  limit_name, " ", limit, ")"));
+    }
+    if (v <= prev) {
+      return Corrupt(absl::StrCat("head ", h, " ", field, "[", i, "] = ", v,
+                                  " is not strictly ascending (previous ", prev, ")"));
+    }
+    prev = v;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<CompactLayerView> CompactLayerView::Parse(absl::Span<const uint8_t> blob) {
+  if (blob.size() < sizeof(LayerHeader)) {
+    return Corrupt(absl::StrCat("blob of ", blob.size(), " bytes is shorter than the ",
+                                sizeof(LayerHeader), "-byte header (truncated)"));
+  }
+  // Head pointers hand out int32/float/uint64 views, so the blob start must be 8-byte aligned
+  // (blocks are aligned relative to it). Vectors and gRPC slices of this size always are.
+  if (reinterpret_cast<uintptr_t>(blob.data()) % alignof(HeadDesc) != 0) {
+    return Corrupt("blob data is not 8-byte aligned; copy it into an aligned buffer");
+  }
+  CompactLayerView view;
+  view.blob_ = blob;
+  std::memcpy(&view.header_, blob.data(), sizeof(LayerHeader));
+  const LayerHeader& hd = view.header_;
+  if (hd.magic != kCompactMagic) {
+    return Corrupt(absl::StrCat("magic 0x", absl::Hex(hd.magic), " is not 0x",
+                                absl::Hex(kCompactMagic), " (not a kvc compact layer)"));
+  }
+  if (hd.version != kCompactVersion) {
+    return Corrupt(
+        absl::StrCat("version ", hd.version, " is not supported (expected ", kCompactVersion, ")"));
+  }
+  if (hd.dtype > static_cast<uint8_t>(DType::kBF16)) {
+    return Corrupt(absl::StrCat("dtype ", static_cast<int>(hd.dtype), " is unknown"));
+  }
+  const int bits = hd.quant_bits;
+  if (bits != 0 && bits != 2 && bits != 4 && bits != 8) {
+    return Corrupt(absl::StrCat("quant_bits ", bits, " is not 0, 2, 4 or 8"));
+  }
+  if (bits > 0 && hd.quant_group < 1) {
+    return Corrupt(absl::StrCat("quant_group ", hd.quant_group, " must be >= 1 when quantized"));
+  }
+  RETURN_IF_ERROR(CheckRange(hd.head_dim, kMinHeadDim, kMaxHeadDim, "head_dim"));
+  if (hd.seq_len < 1) return Corrupt(absl::StrCat("seq_len ", hd.seq_len, " must be >= 1"));
+  const size_t max_heads = (blob.size() - sizeof(LayerHeader)) / sizeof(HeadDesc);
+  if (hd.num_kv_heads < 1 || static_cast<size_t>(hd.num_kv_heads) > max_heads) {
+    return Corrupt(absl::StrCat("num_kv_heads ", hd.num_kv_heads, " is < 1 or its descriptors ",
+                                "do not fit in the ", blob.size(), "-byte blob (truncated)"));
+  }
+  const int d = hd.head_dim;
+  const size_t elem = DTypeSize(static_cast<DType>(hd.dtype));
+  view.descs_ = reinterpret_cast<const HeadDesc*>(blob.data() + sizeof(LayerHeader));
+  size_t expected_offset = internal::SectionsBegin(hd.num_kv_heads);
+  for (int h = 0; h < hd.num_kv_heads; ++h) {
+    const HeadDesc& desc = view.descs_[h];
+    const std::string where = absl::StrCat("head ", h, " ");
+    RETURN_IF_ERROR(CheckRange(desc.n_kept, 0, hd.seq_len, where + "n_kept"));
+    RETURN_IF_ERROR(CheckRange(desc.n_recent, 0, desc.n_kept, where + "n_recent"));
+    RETURN_IF_ERROR(CheckRange(desc.key_channels, 1, d, where + "key_channels"));
+    RETURN_IF_ERROR(CheckRange(desc.value_channels, 1, d, where + "value_channels"));
+    // Sections follow the descriptor table in head order, back to back: this rules out overlap
+    // and gaps, and keeps every section 16-byte aligned.
+    if (desc.offset != expected_offset) {
+      return Corrupt(absl::StrCat(where, "offset ", desc.offset, " != expected ", expected_offset,
+                                  " (sections must be contiguous in order)"));
+    }
+    const HeadLayout l = ComputeHeadLayout(desc.n_kept, desc.n_recent, desc.key_channels,
+                                           desc.value_channels, d, elem, bits, hd.quant_group);
+    if (desc.size != l.size) {
+      return Corrupt(
+          absl::StrCat(where, "size ", desc.size, " != ", l.size, " implied by its counts"));
+    }
+    if (desc.offset > blob.size() || desc.size > blob.size() - desc.offset) {
+      return Corrupt(absl::StrCat(where, "section [", desc.offset, ", +", desc.size,
+                                  ") runs past the ", blob.size(), "-byte blob (truncated)"));
+    }
+    const uint8_t* sec = blob.data() + desc.offset;
+    RETURN_IF_ERROR(
+        CheckIndexList(sec + l.positions, desc.n_kept, hd.seq_len, h, "positions", "seq_len"));
+    RETURN_IF_ERROR(
+        CheckIndexList(sec + l.key_idx, desc.key_channels, d, h, "key_idx", "head_dim"));
+    RETURN_IF_ERROR(
+        CheckIndexList(sec + l.value_idx, desc.value_channels, d, h, "value_idx", "head_dim"));
+    expected_offset += desc.size;
+  }
+  if (expected_offset != blob.size()) {
+    return Corrupt(absl::StrCat("blob is ", blob.size(), " bytes but its head sections end at ",
+                                expected_offset));
+  }
+  return view;
+}
+
+CompactHead CompactLayerView::head(int h) const {
+  const HeadDesc& desc = descs_[h];
+  const int bits = header_.quant_bits;
+  const HeadLayout l =
+      ComputeHeadLayout(desc.n_kept, desc.n_recent, desc.key_channels, desc.value_channels,
+                        header_.head_dim, DTypeSize(dtype()), bits, header_.quant_group);
+  const uint8_t* sec = blob_.data() + desc.offset;
+  CompactHead out;
+  out.n_kept = desc.n_kept;
+  out.n_recent = desc.n_recent;
+  out.key_channels = desc.key_channels;
+  out.value_channels = desc.value_channels;
+  out.positions = reinterpret_cast<const int32_t*>(sec + l.positions);
+  out.key_idx = reinterpret_cast<const int32_t*>(sec + l.key_idx);
+  out.value_idx = reinterpret_cast<const int32_t*>(sec + l.value_idx);
+  if (bits == 0) {
+    out.key_old = sec + l.key_old;
+    out.value_old = sec + l.value_old;
+  } else {
+    out.key_scale = reinterpret_cast<const float*>(sec + l.key_scale);
+    out.key_zero = reinterpret_cast<const float*>(sec + l.key_zero);
+    out.key_codes = sec + l.key_codes;
+    out.value_scale = reinterpret_cast<const float*>(sec + l.value_scale);
+    out.value_zero = reinterpret_cast<const float*>(sec + l.value_zero);
+    out.value_codes = sec + l.value_codes;
+  }
+  out.key_recent = sec + l.key_recent;
+  out.value_recent = sec + l.value_recent;
+  return out;
+}
+
+namespace {
+
+// Writes the old block of one tensor (keys or values) as full-D rows in the blob dtype, pruned
+// channels left as they are (the caller zero-fills). Without quantization the elements are copied
+// bit for bit.
+void ScatterOld(const CompactLayerView& view, const CompactHead& hd, bool keys, uint8_t* dst) {
+  const int d = view.head_dim();
+  const int m = hd.n_kept - hd.n_recent;
+  const int t = keys ? hd.key_channels : hd.value_channels;
+  const int32_t* idx = keys ? hd.key_idx : hd.value_idx;
+  const DType dt = view.dtype();
+  const size_t elem = DTypeSize(dt);
+  const int bits = view.header().quant_bits;
+  if (bits == 0) {
+    const uint8_t* src = static_cast<const uint8_t*>(keys ? hd.key_old : hd.value_old);
+    for (int j = 0; j < m; ++j) {
+      const uint8_t* row = src + static_cast<size_t>(j) * t * elem;
+      uint8_t* out = dst + static_cast<size_t>(j) * d * elem;
+      for (int c = 0; c < t; ++c) std::memcpy(out + idx[c] * elem, row + c * elem, elem);
+    }
+    return;
+  }
+  std::vector<float> row(t);
+  const int g = view.header().quant_group;
+  for (int j = 0; j < m; ++j) {
+    if (keys) {
+      quant::DequantizeKeyRow(hd.key_scale, hd.key_zero, hd.key_codes, j, t, bits, g, row.data());
+    } else {
+      quant::DequantizeValueRow(hd.value_scale, hd.value_zero, hd.value_codes, j, t, bits, g,
+                                row.data());
+    }
+    uint8_t* out = dst + static_cast<size_t>(j) * d * elem;
+    for (int c = 0; c < t; ++c) StoreFromFloat(out, dt, idx[c], row[c]);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view) {
+  DenseLayer out;
+  out.num_kv_heads = view.num_kv_heads();
+  out.head_dim = view.head_dim();
+  out.seq_len = view.seq_len();
+  out.dtype = view.dtype();
+  out.n_kept = view.desc(0).n_kept;
+  for (int h = 1; h < out.num_kv_heads; ++h) {
+    if (view.desc(h).n_kept != out.n_kept) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ExportDense: head ", h, " keeps ", view.desc(h).n_kept, " tokens but head 0 keeps ",
+          out.n_kept, "; DENSE needs the same count for every head"));
+    }
+  }
+  const size_t elem = DTypeSize(out.dtype);
+  const size_t row_bytes = static_cast<size_t>(out.head_dim) * elem;
+  const size_t head_bytes = static_cast<size_t>(out.n_kept) * row_bytes;
+  out.k.assign(head_bytes * out.num_kv_heads, 0);
+  out.v.assign(head_bytes * out.num_kv_heads, 0);
+  out.positions.resize(static_cast<size_t>(out.n_kept) * out.num_kv_heads);
+  for (int h = 0; h < out.num_kv_heads; ++h) {
+    const CompactHead hd = view.head(h);
+    const int m = hd.n_kept - hd.n_recent;
+    std::memcpy(out.positions.data() + static_cast<size_t>(h) * out.n_kept, hd.positions,
+                sizeof(int32_t) * out.n_kept);
+    uint8_t* k = out.k.data() + h * head_bytes;
+    uint8_t* v = out.v.data() + h * head_bytes;
+    ScatterOld(view, hd, /*keys=*/true, k);
+    ScatterOld(view, hd, /*keys=*/false, v);
+    std::memcpy(k + m * row_bytes, hd.key_recent, hd.n_recent * row_bytes);
+    std::memcpy(v + m * row_bytes, hd.value_recent, hd.n_recent * row_bytes);
+  }
+  return out;
+}
+
+void UnpackHeadToFloat(const CompactLayerView& view, int h, float* keys, float* values) {
+  const CompactHead hd = view.head(h);
+  const int d = view.head_dim();
+  const int m = hd.n_kept - hd.n_recent;
+  const DType dt = view.dtype();
+  const int bits = view.header().quant_bits;
+  const int g = view.header().quant_group;
+  std::fill(keys, keys + static_cast<size_t>(hd.n_kept) * d, 0.0f);
+  std::fill(values, values + static_cast<size_t>(hd.n_kept) * d, 0.0f);
+  std::vector<float> row(d);
+  for (int j = 0; j < m; ++j) {
+    float* ko = keys + static_cast<size_t>(j) * d;
+    float* vo = values + static_cast<size_t>(j) * d;
+    if (bits == 0) {
+      const size_t koff = static_cast<size_t>(j) * hd.key_channels;
+      const size_t voff = static_cast<size_t>(j) * hd.value_channels;
+      for (int c = 0; c < hd.key_channels; ++c) {
+        ko[hd.key_idx[c]] = LoadAsFloat(hd.key_old, dt, koff + c);
+      }
+      for (int c = 0; c < hd.value_channels; ++c) {
+        vo[hd.value_idx[c]] = LoadAsFloat(hd.value_old, dt, voff + c);
+      }
+    } else {
+      quant::DequantizeKeyRow(hd.key_scale, hd.key_zero, hd.key_codes, j, hd.key_channels, bits, g,
+                              row.data());
+      for (int c = 0; c < hd.key_channels; ++c) ko[hd.key_idx[c]] = row[c];
+      quant::DequantizeValueRow(hd.value_scale, hd.value_zero, hd.value_codes, j, hd.value_channels,
+                                bits, g, row.data());
+      for (int c = 0; c < hd.value_channels; ++c) vo[hd.value_idx[c]] = row[c];
+    }
+  }
+  for (int j = m; j < hd.n_kept; ++j) {
+    const size_t src = static_cast<size_t>(j - m) * d;
+    for (int c = 0; c < d; ++c) {
+      keys[static_cast<size_t>(j) * d + c] = LoadAsFloat(hd.key_recent, dt, src + c);
+      values[static_cast<size_t>(j) * d + c] = LoadAsFloat(hd.value_recent, dt, src + c);
+    }
+  }
+}
+
+}  // namespace kvc

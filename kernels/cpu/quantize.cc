@@ -1,0 +1,168 @@
+#include "cpu/quantize.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+// The inner loops are written so that the compiler vectorizes them (no branches on data, clamps
+// as selects). On x86-64 with GCC or Clang each hot loop is also compiled for AVX2+FMA and the
+// best clone is chosen at load time (ifunc); other targets use the portable build.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(__SANITIZE_ADDRESS__)
+#define KVC_MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#else
+#define KVC_MULTIVERSION
+#endif
+
+namespace kvc::quant {
+namespace {
+
+// lo[c] = min, hi[c] = max over rows [0, rows) of x (row stride t).
+KVC_MULTIVERSION void ColumnMinMax(const float* x, int rows, int t, float* lo, float* hi) {
+  std::memcpy(lo, x, sizeof(float) * t);
+  std::memcpy(hi, x, sizeof(float) * t);
+  for (int r = 1; r < rows; ++r) {
+    const float* row = x + static_cast<size_t>(r) * t;
+    for (int c = 0; c < t; ++c) {
+      lo[c] = row[c] < lo[c] ? row[c] : lo[c];
+      hi[c] = row[c] > hi[c] ? row[c] : hi[c];
+    }
+  }
+}
+
+// codes[c] = clamp(round((x[c] - zero[c]) * inv[c]), 0, qmax). NaN maps to 0 (the selects below
+// are false for NaN), so hostile input never produces an out-of-range code.
+KVC_MULTIVERSION void EncodeRow(const float* x, const float* zero, const float* inv, int n,
+                                float qmax, uint8_t* codes) {
+  for (int c = 0; c < n; ++c) {
+    float v = (x[c] - zero[c]) * inv[c];
+    v = v > 0.0f ? v : 0.0f;
+    v = v < qmax ? v : qmax;
+    codes[c] = static_cast<uint8_t>(static_cast<int>(v + 0.5f));
+  }
+}
+
+// Same with one zero/inv for the whole span.
+KVC_MULTIVERSION void EncodeSpan(const float* x, float zero, float inv, int n, float qmax,
+                                 uint8_t* codes) {
+  for (int c = 0; c < n; ++c) {
+    float v = (x[c] - zero) * inv;
+    v = v > 0.0f ? v : 0.0f;
+    v = v < qmax ? v : qmax;
+    codes[c] = static_cast<uint8_t>(static_cast<int>(v + 0.5f));
+  }
+}
+
+// Packs n byte codes into a row of CodeRowBytes(n, bits) bytes, element 0 in the lowest bits.
+void PackRow(const uint8_t* codes, int n, int bits, uint8_t* out) {
+  if (bits == 8) {
+    std::memcpy(out, codes, n);
+    return;
+  }
+  const int per_byte = 8 / bits;
+  const int full = n / per_byte;
+  if (bits == 4) {
+    for (int k = 0; k < full; ++k) {
+      out[k] = static_cast<uint8_t>(codes[2 * k] | (codes[2 * k + 1] << 4));
+    }
+  } else {  // bits == 2
+    for (int k = 0; k < full; ++k) {
+      const uint8_t* c = codes + 4 * k;
+      out[k] = static_cast<uint8_t>(c[0] | (c[1] << 2) | (c[2] << 4) | (c[3] << 6));
+    }
+  }
+  const int rest = n - full * per_byte;
+  if (rest > 0) {
+    uint8_t b = 0;
+    for (int i = 0; i < rest; ++i)
+      b |= static_cast<uint8_t>(codes[full * per_byte + i] << (i * bits));
+    out[full] = b;
+  }
+}
+
+inline float QMax(int bits) { return static_cast<float>((1 << bits) - 1); }
+
+}  // namespace
+
+void QuantizeKeys(const float* x, int m, int t, int bits, int g, float* scale, float* zero,
+                  uint8_t* codes) {
+  const float qmax = QMax(bits);
+  const size_t row_bytes = CodeRowBytes(t, bits);
+  std::vector<float> hi(t), inv(t);
+  std::vector<uint8_t> tmp(t);
+  for (int g0 = 0, gi = 0; g0 < m; g0 += g, ++gi) {
+    const int rows = std::min(g, m - g0);
+    const float* xg = x + static_cast<size_t>(g0) * t;
+    float* sc = scale + static_cast<size_t>(gi) * t;
+    float* ze = zero + static_cast<size_t>(gi) * t;
+    ColumnMinMax(xg, rows, t, ze, hi.data());
+    for (int c = 0; c < t; ++c) {
+      sc[c] = (hi[c] - ze[c]) / qmax;
+      inv[c] = sc[c] > 0.0f ? 1.0f / sc[c] : 0.0f;
+    }
+    for (int r = 0; r < rows; ++r) {
+      EncodeRow(xg + static_cast<size_t>(r) * t, ze, inv.data(), t, qmax, tmp.data());
+      PackRow(tmp.data(), t, bits, codes + static_cast<size_t>(g0 + r) * row_bytes);
+    }
+  }
+}
+
+void QuantizeValues(const float* x, int m, int t, int bits, int g, float* scale, float* zero,
+                    uint8_t* codes) {
+  const float qmax = QMax(bits);
+  const size_t row_bytes = CodeRowBytes(t, bits);
+  const int groups = NumGroups(t, g);
+  std::vector<uint8_t> tmp(t);
+  for (int r = 0; r < m; ++r) {
+    const float* row = x + static_cast<size_t>(r) * t;
+    float* sc = scale + static_cast<size_t>(r) * groups;
+    float* ze = zero + static_cast<size_t>(r) * groups;
+    for (int gi = 0; gi < groups; ++gi) {
+      const int c0 = gi * g;
+      const int n = std::min(g, t - c0);
+      float lo = row[c0], hi = row[c0];
+      for (int c = c0 + 1; c < c0 + n; ++c) {
+        lo = row[c] < lo ? row[c] : lo;
+        hi = row[c] > hi ? row[c] : hi;
+      }
+      sc[gi] = (hi - lo) / qmax;
+      ze[gi] = lo;
+      EncodeSpan(row + c0, lo, sc[gi] > 0.0f ? 1.0f / sc[gi] : 0.0f, n, qmax, tmp.data() + c0);
+    }
+    PackRow(tmp.data(), t, bits, codes + static_cast<size_t>(r) * row_bytes);
+  }
+}
+
+void UnpackCodes(const uint8_t* row, int n, int bits, float* out) {
+  if (bits == 8) {
+    for (int i = 0; i < n; ++i) out[i] = static_cast<float>(row[i]);
+    return;
+  }
+  const int per_byte = 8 / bits;
+  const uint32_t mask = (1u << bits) - 1u;
+  int i = 0;
+  for (; i + per_byte <= n; i += per_byte) {
+    const uint32_t b = row[i / per_byte];
+    for (int k = 0; k < per_byte; ++k) out[i + k] = static_cast<float>((b >> (k * bits)) & mask);
+  }
+  for (; i < n; ++i) out[i] = static_cast<float>(CodeAt(row, i, bits));
+}
+
+void DequantizeKeyRow(const float* scale, const float* zero, const uint8_t* codes, int j, int t,
+                      int bits, int g, float* out) {
+  UnpackCodes(codes + static_cast<size_t>(j) * CodeRowBytes(t, bits), t, bits, out);
+  const float* sc = scale + static_cast<size_t>(j / g) * t;
+  const float* ze = zero + static_cast<size_t>(j / g) * t;
+  for (int c = 0; c < t; ++c) out[c] = out[c] * sc[c] + ze[c];
+}
+
+void DequantizeValueRow(const float* scale, const float* zero, const uint8_t* codes, int j, int t,
+                        int bits, int g, float* out) {
+  UnpackCodes(codes + static_cast<size_t>(j) * CodeRowBytes(t, bits), t, bits, out);
+  const int groups = NumGroups(t, g);
+  const float* sc = scale + static_cast<size_t>(j) * groups;
+  const float* ze = zero + static_cast<size_t>(j) * groups;
+  for (int c = 0; c < t; ++c) out[c] = out[c] * sc[c / g] + ze[c / g];
+}
+
+}  // namespace kvc::quant
