@@ -1,0 +1,140 @@
+// The quantizer is internal to kernels/ (kernels/cpu/quantize.h); it is tested directly here.
+#include "../kernels/cpu/quantize.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace kvc::quant {
+namespace {
+
+std::vector<float> Random(size_t n, uint32_t seed, float amp) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-amp, amp);
+  std::vector<float> x(n);
+  for (float& v : x) v = dist(rng);
+  return x;
+}
+
+// |x - dequant(x)| <= scale / 2 (+ float rounding) for every element, keys per channel over
+// groups of g tokens (last group partial) and values per token over groups of g channels.
+TEST(QuantizeTest, ErrorWithinHalfStep) {
+  for (int bits : {2, 4, 8}) {
+    for (int g : {1, 5, 32}) {
+      const int m = 45, t = 37;  // partial groups on both axes
+      const std::vector<float> x = Random(static_cast<size_t>(m) * t, bits * 100 + g, 3.0f);
+      SCOPED_TRACE(::testing::Message() << "bits " << bits << " g " << g);
+      const size_t rb = CodeRowBytes(t, bits);
+      std::vector<uint8_t> codes(m * rb);
+      std::vector<float> row(t);
+      // Keys.
+      std::vector<float> ks(NumGroups(m, g) * t), kz(ks.size());
+      QuantizeKeys(x.data(), m, t, bits, g, ks.data(), kz.data(), codes.data());
+      for (int j = 0; j < m; ++j) {
+        DequantizeKeyRow(ks.data(), kz.data(), codes.data(), j, t, bits, g, row.data());
+        for (int c = 0; c < t; ++c) {
+          const float scale = ks[(j / g) * t + c];
+          ASSERT_LE(std::fabs(row[c] - x[j * t + c]), scale / 2 + 1e-5f) << j << " " << c;
+        }
+      }
+      // Values.
+      std::vector<float> vs(m * NumGroups(t, g)), vz(vs.size());
+      QuantizeValues(x.data(), m, t, bits, g, vs.data(), vz.data(), codes.data());
+      for (int j = 0; j < m; ++j) {
+        DequantizeValueRow(vs.data(), vz.data(), codes.data(), j, t, bits, g, row.data());
+        for (int c = 0; c < t; ++c) {
+          const float scale = vs[j * NumGroups(t, g) + c / g];
+          ASSERT_LE(std::fabs(row[c] - x[j * t + c]), scale / 2 + 1e-5f) << j << " " << c;
+        }
+      }
+    }
+  }
+}
+
+// scale = (max - min) / (2^bits - 1), zero = min; min maps to code 0 and max to the top code.
+TEST(QuantizeTest, ScaleZeroAndExtremes) {
+  const std::vector<float> x = {-1.0f, 2.0f, 0.5f, 0.25f};  // one token, 4 channels
+  std::vector<float> s(1), z(1);
+  std::vector<uint8_t> codes(1);
+  QuantizeValues(x.data(), 1, 4, 2, 4, s.data(), z.data(), codes.data());
+  EXPECT_FLOAT_EQ(s[0], 1.0f);
+  EXPECT_EQ(z[0], -1.0f);
+  // codes: 0, 3, round(1.5) = 2, round(1.25) = 1 -> 0b01'10'11'00
+  EXPECT_EQ(codes[0], 0b01101100);
+  EXPECT_EQ(CodeAt(codes.data(), 0, 2), 0u);
+  EXPECT_EQ(CodeAt(codes.data(), 1, 2), 3u);
+  EXPECT_EQ(CodeAt(codes.data(), 2, 2), 2u);
+  EXPECT_EQ(CodeAt(codes.data(), 3, 2), 1u);
+}
+
+// Packing: element 0 in the lowest bits, rows byte-aligned, padding bits zero.
+TEST(QuantizeTest, PackingLayout) {
+  // 2 tokens x 3 channels, 4 bits, values chosen to hit codes 0..15 exactly per channel group.
+  const std::vector<float> x = {0.0f, 15.0f, 7.0f, 15.0f, 0.0f, 8.0f};
+  std::vector<float> s(3), z(3);
+  std::vector<uint8_t> codes(2 * CodeRowBytes(3, 4));
+  ASSERT_EQ(CodeRowBytes(3, 4), 2u);
+  QuantizeKeys(x.data(), 2, 3, 4, 2, s.data(), z.data(), codes.data());
+  // Channel scales: (15-0)/15 = 1, 1, (8-7)/15.
+  EXPECT_FLOAT_EQ(s[0], 1.0f);
+  EXPECT_FLOAT_EQ(s[1], 1.0f);
+  EXPECT_EQ(z[2], 7.0f);
+  // Token 0 codes: 0, 15, 0 -> bytes 0xf0, 0x00; token 1: 15, 0, 15 -> 0x0f, 0x0f.
+  EXPECT_EQ(codes[0], 0xf0);
+  EXPECT_EQ(codes[1], 0x00);
+  EXPECT_EQ(codes[2], 0x0f);
+  EXPECT_EQ(codes[3], 0x0f);
+  EXPECT_EQ(CodeRowBytes(5, 2), 2u);
+  EXPECT_EQ(CodeRowBytes(8, 8), 8u);
+  EXPECT_EQ(NumGroups(33, 32), 2);
+  EXPECT_EQ(NumGroups(0, 32), 0);
+}
+
+// A constant group has scale 0: every code is 0 and the value comes back exactly.
+TEST(QuantizeTest, ConstantGroupIsExact) {
+  const std::vector<float> x(4 * 8, 1.2345f);
+  std::vector<float> s(8), z(8), row(8);
+  std::vector<uint8_t> codes(4 * 4);
+  QuantizeKeys(x.data(), 4, 8, 4, 4, s.data(), z.data(), codes.data());
+  for (uint8_t c : codes) EXPECT_EQ(c, 0);
+  for (int j = 0; j < 4; ++j) {
+    DequantizeKeyRow(s.data(), z.data(), codes.data(), j, 8, 4, 4, row.data());
+    for (float v : row) EXPECT_EQ(v, 1.2345f);
+  }
+}
+
+// Non-finite input never yields an out-of-range code (codes stay within 2^bits - 1 bits).
+TEST(QuantizeTest, NonFiniteInputStaysInRange) {
+  std::vector<float> x = Random(16 * 8, 1, 1.0f);
+  x[3] = std::numeric_limits<float>::quiet_NaN();
+  x[20] = std::numeric_limits<float>::infinity();
+  std::vector<float> s(2 * 8), z(2 * 8);
+  std::vector<uint8_t> codes(16 * CodeRowBytes(8, 2));
+  QuantizeKeys(x.data(), 16, 8, 2, 8, s.data(), z.data(), codes.data());
+  std::vector<float> unpacked(8);
+  for (int j = 0; j < 16; ++j) {
+    UnpackCodes(codes.data() + j * CodeRowBytes(8, 2), 8, 2, unpacked.data());
+    for (float c : unpacked) {
+      EXPECT_GE(c, 0.0f);
+      EXPECT_LE(c, 3.0f);
+    }
+  }
+}
+
+TEST(QuantizeTest, UnpackMatchesCodeAt) {
+  std::mt19937 rng(4);
+  for (int bits : {2, 4, 8}) {
+    std::vector<uint8_t> row(CodeRowBytes(29, bits));
+    for (uint8_t& b : row) b = static_cast<uint8_t>(rng());
+    std::vector<float> out(29);
+    UnpackCodes(row.data(), 29, bits, out.data());
+    for (int i = 0; i < 29; ++i) EXPECT_EQ(out[i], static_cast<float>(CodeAt(row.data(), i, bits)));
+  }
+}
+
+}  // namespace
+}  // namespace kvc::quant
