@@ -1,0 +1,410 @@
+// The CUDA backend: each call takes a stream slot, stages host inputs through the slot's pinned
+// buffer, runs scoring -> selection -> channel selection -> gather -> quantization on the
+// device, and copies the blob back. The blob layout is planned on the host before any kernel runs
+// (it depends only on shapes and the spec), so the only synchronization is the final one.
+#include <cmath>
+#include <cstring>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "cuda/compress_plan.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/kernels.h"
+#include "cuda/resources.h"
+#include "kvc/status_macros.h"
+
+namespace kvc::cuda {
+namespace {
+
+constexpr int kNumStreams = 4;
+
+Strides StridesOf(Layout layout, int heads, int tokens, int head_dim) {
+  if (layout == Layout::kHND) return {static_cast<int64_t>(tokens) * head_dim, head_dim};
+  return {head_dim, static_cast<int64_t>(heads) * head_dim};
+}
+
+size_t Align256(size_t x) { return (x + 255) & ~size_t{255}; }
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(std::unique_ptr<SlotPool> pool, std::string description)
+      : pool_(std::move(pool)), description_(std::move(description)) {}
+
+  std::string_view name() const override { return "cuda"; }
+  std::string description() const override { return description_; }
+
+  absl::StatusOr<CompactLayer> Compress(const LayerInput& in, const CompressionSpec& spec,
+                                        CompressTimings* timings) override;
+  absl::Status Attend(const CompactLayerView& cache, const DecodeQuery& query,
+                      float* out) override;
+
+ private:
+  // Runs `fn(slot)` on an acquired slot with the backend's device current.
+  template <typename Fn>
+  auto WithSlot(Fn fn) -> decltype(fn(static_cast<StreamSlot*>(nullptr))) {
+    StreamSlot* slot = pool_->Acquire();
+    absl::Cleanup release = [&] { pool_->Release(slot); };
+    const cudaError_t err = cudaSetDevice(pool_->device());
+    if (err != cudaSuccess) return CudaStatus(err, "cudaSetDevice");
+    return fn(slot);
+  }
+
+  absl::StatusOr<CompactLayer> CompressOnSlot(const LayerInput& in, const CompressionSpec& spec,
+                                              StreamSlot* slot, CompressTimings* timings);
+  absl::Status AttendOnSlot(const CompactLayerView& cache, const DecodeQuery& query, float* out,
+                            StreamSlot* slot);
+
+  std::unique_ptr<SlotPool> pool_;
+  const std::string description_;
+};
+
+absl::StatusOr<CompactLayer> CudaBackend::Compress(const LayerInput& in,
+                                                   const CompressionSpec& spec,
+                                                   CompressTimings* timings) {
+  RETURN_IF_ERROR(ValidateInput(in));
+  RETURN_IF_ERROR(ValidateSpec(spec, in.shape, in.layer_index));
+  return WithSlot([&](StreamSlot* slot) { return CompressOnSlot(in, spec, slot, timings); });
+}
+
+absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
+                                                         const CompressionSpec& spec,
+                                                         StreamSlot* slot,
+                                                         CompressTimings* timings) {
+  const LayerShape& sh = in.shape;
+  const int hkv = sh.num_kv_heads, hq = sh.num_q_heads, s = sh.seq_len, d = sh.head_dim;
+  const int w = sh.obs_window;
+  const ElemType et = static_cast<ElemType>(in.dtype);
+  const size_t es = DTypeSize(in.dtype);
+  const CompressPlan plan = MakeCompressPlan(in, spec);
+  const int b = plan.budget, m = b - plan.n_recent;
+  const bool per_layer = spec.eviction.granularity == Granularity::kPerLayer;
+  const bool need_q = w > 0;
+  cudaStream_t st = slot->stream;
+
+  // Host staging: K, V, Q in; the blob comes back through the same buffer.
+  const size_t kv_bytes = static_cast<size_t>(hkv) * s * d * es;
+  const size_t q_bytes = need_q ? static_cast<size_t>(hq) * w * d * es : 0;
+  const size_t in_bytes = Align256(kv_bytes) * 2 + Align256(q_bytes);
+  RETURN_IF_ERROR(slot->ReservePinned(std::max(in_bytes, plan.blob_bytes)));
+  uint8_t* pinned = static_cast<uint8_t*>(slot->pinned);
+  std::memcpy(pinned, in.k, kv_bytes);
+  std::memcpy(pinned + Align256(kv_bytes), in.v, kv_bytes);
+  if (need_q) std::memcpy(pinned + 2 * Align256(kv_bytes), in.q_obs, q_bytes);
+
+  Arena arena;
+  const size_t o_in = arena.Add(in_bytes);
+  const size_t o_logits = arena.Add(plan.needs_attention_scores
+                                        ? sizeof(float) * static_cast<size_t>(hq) * w * s
+                                        : 0);
+  const size_t o_scores = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
+  const size_t o_pooled = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
+  const size_t o_pos = arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * b);
+  const size_t o_kidx = arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * plan.key_channels);
+  const size_t o_vidx =
+      arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * plan.value_channels);
+  const bool channel_work = plan.key_channels < d || plan.value_channels < d;
+  const size_t o_cscratch =
+      arena.Add(channel_work ? sizeof(float) * ChannelScratchFloats(hkv, hq, w, b, d) : 0);
+  const size_t o_pscratch = arena.Add(
+      spec.quant.bits > 0
+          ? sizeof(float) * PackScratchFloats(hkv, m, plan.key_channels, plan.value_channels)
+          : 0);
+  const size_t o_offsets = arena.Add(sizeof(HeadOffsets) * hkv);
+  const size_t o_blob = arena.Add(plan.blob_bytes);
+  RETURN_IF_ERROR(arena.Allocate(pool_->mem_pool(), st));
+  absl::Cleanup free_arena = [&] {
+    arena.Free(st);
+    cudaStreamSynchronize(st);
+  };
+
+  uint8_t* dev_in = arena.At<uint8_t>(o_in);
+  const void* dk = dev_in;
+  const void* dv = dev_in + Align256(kv_bytes);
+  const void* dq = dev_in + 2 * Align256(kv_bytes);
+  const Strides kvs = StridesOf(in.layout, hkv, s, d);
+  const Strides qs = StridesOf(in.layout, hq, w, d);
+  float* scores = arena.At<float>(o_scores);
+  float* pooled = arena.At<float>(o_pooled);
+  int32_t* pos = arena.At<int32_t>(o_pos);
+  uint8_t* blob = arena.At<uint8_t>(o_blob);
+  cudaEvent_t* ev = slot->events;
+
+  KVC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev_in, pinned, in_bytes, cudaMemcpyHostToDevice, st),
+                           "copy inputs to device");
+  KVC_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(arena.At<HeadOffsets>(o_offsets), plan.offsets.data(),
+                      sizeof(HeadOffsets) * hkv, cudaMemcpyHostToDevice, st),
+      "copy layout to device");
+  KVC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(blob, 0, plan.blob_bytes, st), "clear blob");
+  KVC_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[0], st), "cudaEventRecord");
+
+  // Stage 1: token scores.
+  const EvictionSpec& e = spec.eviction;
+  const float* final_scores = scores;
+  switch (e.policy) {
+    case EvictionPolicy::kNone:
+    case EvictionPolicy::kStreaming:
+      KVC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(scores, 0, sizeof(float) * hkv * s, st),
+                               "clear scores");
+      break;
+    case EvictionPolicy::kH2O:
+    case EvictionPolicy::kSnapKV:
+    case EvictionPolicy::kKeyformer: {
+      float* logits = arena.At<float>(o_logits);
+      KVC_CUDA_RETURN_IF_ERROR(LaunchQKLogits(et, dq, qs, dk, kvs, hq, hkv, w, s, d,
+                                              1.0f / std::sqrt(static_cast<float>(d)), logits, st),
+                               "QK^T scores");
+      const bool gumbel = e.policy == EvictionPolicy::kKeyformer;
+      KVC_CUDA_RETURN_IF_ERROR(
+          LaunchSoftmaxRows(logits, hq, w, s, gumbel, e.seed,
+                            static_cast<uint32_t>(in.layer_index),
+                            static_cast<float>(1.0 / e.tau), st),
+          "softmax");
+      KVC_CUDA_RETURN_IF_ERROR(LaunchGroupColumnSum(logits, hq, hkv, w, s, scores, st),
+                               "group average");
+      if (e.policy == EvictionPolicy::kSnapKV && e.pool_kernel > 1) {
+        KVC_CUDA_RETURN_IF_ERROR(
+            // SnapKV pools the prefix only; the observation window is protected anyway.
+            LaunchPool1d(scores, hkv, s, s - w, e.pool_kernel, e.pool == PoolKind::kAvg, pooled,
+                         st),
+            "snapkv pooling");
+        final_scores = pooled;
+      }
+      break;
+    }
+    case EvictionPolicy::kKNorm:
+      KVC_CUDA_RETURN_IF_ERROR(LaunchKeyNormScores(et, dk, kvs, hkv, s, d, scores, st),
+                               "key norms");
+      break;
+    case EvictionPolicy::kRandom:
+      KVC_CUDA_RETURN_IF_ERROR(LaunchRandomScores(hkv, s, e.seed,
+                                                  static_cast<uint32_t>(in.layer_index), scores,
+                                                  st),
+                               "random scores");
+      break;
+  }
+  KVC_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[1], st), "cudaEventRecord");
+
+  // Stage 2: token and channel selection.
+  if (per_layer) {
+    float* summed = final_scores == pooled ? scores : pooled;
+    KVC_CUDA_RETURN_IF_ERROR(LaunchSumHeads(final_scores, hkv, s, summed, st), "sum heads");
+    KVC_CUDA_RETURN_IF_ERROR(
+        LaunchTopKPositions(summed, 1, s, b, plan.sink_end, plan.recent_begin, pos, st), "top-k");
+    for (int h = 1; h < hkv; ++h) {
+      KVC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pos + static_cast<size_t>(h) * b, pos,
+                                               sizeof(int32_t) * b, cudaMemcpyDeviceToDevice, st),
+                               "broadcast per-layer selection");
+    }
+  } else {
+    KVC_CUDA_RETURN_IF_ERROR(
+        LaunchTopKPositions(final_scores, hkv, s, b, plan.sink_end, plan.recent_begin, pos, st),
+        "top-k");
+  }
+  ChannelArgs ca;
+  ca.dtype = et;
+  ca.k = dk;
+  ca.v = dv;
+  ca.q = dq;
+  ca.ks = kvs;
+  ca.vs = kvs;
+  ca.qs = qs;
+  ca.num_kv_heads = hkv;
+  ca.num_q_heads = hq;
+  ca.seq_len = s;
+  ca.head_dim = d;
+  ca.obs_window = w;
+  ca.positions = pos;
+  ca.n_kept = b;
+  ca.m = m;
+  ca.key_policy = static_cast<int>(spec.channels.key_policy);
+  ca.key_channels = plan.key_channels;
+  ca.prune_values = spec.channels.prune_values;
+  ca.value_channels = plan.value_channels;
+  ca.scratch = arena.At<float>(o_cscratch);
+  ca.key_idx = arena.At<int32_t>(o_kidx);
+  ca.value_idx = arena.At<int32_t>(o_vidx);
+  KVC_CUDA_RETURN_IF_ERROR(LaunchSelectChannels(ca, st), "channel selection");
+  KVC_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[2], st), "cudaEventRecord");
+
+  // Stage 3: gather into the blob, then quantize the old blocks.
+  PackArgs pa;
+  pa.dtype = et;
+  pa.k = dk;
+  pa.v = dv;
+  pa.ks = kvs;
+  pa.vs = kvs;
+  pa.num_kv_heads = hkv;
+  pa.head_dim = d;
+  pa.n_kept = b;
+  pa.n_recent = plan.n_recent;
+  pa.key_channels = plan.key_channels;
+  pa.value_channels = plan.value_channels;
+  pa.bits = spec.quant.bits;
+  pa.group = spec.quant.group_size;
+  pa.positions = pos;
+  pa.key_idx = ca.key_idx;
+  pa.value_idx = ca.value_idx;
+  pa.offsets = arena.At<HeadOffsets>(o_offsets);
+  pa.scratch = arena.At<float>(o_pscratch);
+  pa.blob = blob;
+  KVC_CUDA_RETURN_IF_ERROR(LaunchPack(pa, st), "gather");
+  KVC_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[3], st), "cudaEventRecord");
+  KVC_CUDA_RETURN_IF_ERROR(LaunchQuantize(pa, st), "quantize");
+  KVC_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[4], st), "cudaEventRecord");
+
+  KVC_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(pinned, blob, plan.blob_bytes, cudaMemcpyDeviceToHost, st),
+      "copy blob to host");
+  KVC_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[5], st), "cudaEventRecord");
+  KVC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st), "compress");
+
+  CompactLayer out;
+  out.bytes.assign(pinned, pinned + plan.blob_bytes);
+  const LayerHeader hdr = MakeLayerHeader(in, spec);
+  std::memcpy(out.bytes.data(), &hdr, sizeof(hdr));
+  std::memcpy(out.bytes.data() + sizeof(hdr), plan.descs.data(), sizeof(HeadDesc) * hkv);
+  if (timings != nullptr) {
+    float ms[5] = {};
+    for (int i = 0; i < 5; ++i) cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]);
+    timings->score = ms[0] * 1e-3;
+    timings->select = ms[1] * 1e-3;
+    timings->pack = ms[2] * 1e-3;
+    timings->quantize = ms[3] * 1e-3;
+    float total = 0;
+    cudaEventElapsedTime(&total, ev[0], ev[5]);
+    timings->total = total * 1e-3;
+  }
+  return out;
+}
+
+absl::Status ValidateQuery(const CompactLayerView& cache, const DecodeQuery& q) {
+  const int hkv = cache.num_kv_heads();
+  if (q.num_q_heads < 1 || q.num_q_heads % hkv != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "query.num_q_heads: ", q.num_q_heads, " is not a positive multiple of num_kv_heads ", hkv));
+  }
+  if (q.n_q < 0) return absl::InvalidArgumentError(absl::StrCat("query.n_q: ", q.n_q, " < 0"));
+  if (q.n_new < q.n_q) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("query.n_new: ", q.n_new, " is less than n_q ", q.n_q));
+  }
+  if (q.n_q > 0 && q.q == nullptr) return absl::InvalidArgumentError("query.q: null pointer");
+  if (q.n_new > 0 && (q.k_new == nullptr || q.v_new == nullptr)) {
+    return absl::InvalidArgumentError("query.k_new/v_new: null pointer with n_new > 0");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Attend(const CompactLayerView& cache, const DecodeQuery& query,
+                                 float* out) {
+  RETURN_IF_ERROR(ValidateQuery(cache, query));
+  if (out == nullptr) return absl::InvalidArgumentError("out: null pointer");
+  if (query.n_q == 0) return absl::OkStatus();
+  return WithSlot([&](StreamSlot* slot) { return AttendOnSlot(cache, query, out, slot); });
+}
+
+absl::Status CudaBackend::AttendOnSlot(const CompactLayerView& cache, const DecodeQuery& query,
+                                       float* out, StreamSlot* slot) {
+  const int hkv = cache.num_kv_heads(), d = cache.head_dim(), hq = query.num_q_heads;
+  const uint8_t* base = cache.blob().data();
+  std::vector<AttnHead> heads(hkv);
+  int max_kept = 0;
+  auto rel = [base](const void* p) -> uint64_t {
+    return p == nullptr ? 0 : static_cast<uint64_t>(static_cast<const uint8_t*>(p) - base);
+  };
+  for (int h = 0; h < hkv; ++h) {
+    const CompactHead ch = cache.head(h);
+    heads[h] = AttnHead{ch.n_kept,           ch.n_recent,          ch.key_channels,
+                        ch.value_channels,   rel(ch.positions),    rel(ch.key_idx),
+                        rel(ch.value_idx),   rel(ch.key_old),      rel(ch.key_scale),
+                        rel(ch.key_zero),    rel(ch.key_codes),    rel(ch.key_recent),
+                        rel(ch.value_old),   rel(ch.value_scale),  rel(ch.value_zero),
+                        rel(ch.value_codes), rel(ch.value_recent)};
+    max_kept = std::max(max_kept, ch.n_kept);
+  }
+  const size_t blob_bytes = cache.blob().size();
+  const size_t q_bytes = sizeof(float) * static_cast<size_t>(hq) * query.n_q * d;
+  const size_t new_bytes = sizeof(float) * static_cast<size_t>(hkv) * query.n_new * d;
+  Arena arena;
+  const size_t o_blob = arena.Add(blob_bytes);
+  const size_t o_q = arena.Add(q_bytes);
+  const size_t o_kn = arena.Add(new_bytes);
+  const size_t o_vn = arena.Add(new_bytes);
+  const size_t o_heads = arena.Add(sizeof(AttnHead) * hkv);
+  const size_t o_scratch =
+      arena.Add(sizeof(float) * AttnScratchFloats(hq, query.n_q, max_kept, query.n_new));
+  const size_t o_out = arena.Add(q_bytes);
+  // Inputs are staged contiguously in the pinned buffer with the arena's offsets.
+  const size_t staged = o_scratch;
+  RETURN_IF_ERROR(slot->ReservePinned(std::max(staged, q_bytes)));
+  uint8_t* pinned = static_cast<uint8_t*>(slot->pinned);
+  std::memcpy(pinned + o_blob, base, blob_bytes);
+  std::memcpy(pinned + o_q, query.q, q_bytes);
+  if (new_bytes > 0) {
+    std::memcpy(pinned + o_kn, query.k_new, new_bytes);
+    std::memcpy(pinned + o_vn, query.v_new, new_bytes);
+  }
+  std::memcpy(pinned + o_heads, heads.data(), sizeof(AttnHead) * hkv);
+  cudaStream_t st = slot->stream;
+  RETURN_IF_ERROR(arena.Allocate(pool_->mem_pool(), st));
+  absl::Cleanup free_arena = [&] {
+    arena.Free(st);
+    cudaStreamSynchronize(st);
+  };
+  KVC_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(arena.At<uint8_t>(0), pinned, staged, cudaMemcpyHostToDevice, st),
+      "copy attention inputs to device");
+  AttnArgs a;
+  a.dtype = static_cast<ElemType>(cache.dtype());
+  a.blob = arena.At<uint8_t>(o_blob);
+  a.heads = arena.At<AttnHead>(o_heads);
+  a.num_kv_heads = hkv;
+  a.num_q_heads = hq;
+  a.head_dim = d;
+  a.bits = cache.header().quant_bits;
+  a.group = cache.header().quant_group;
+  a.max_kept = max_kept;
+  a.n_q = query.n_q;
+  a.n_new = query.n_new;
+  a.q = arena.At<float>(o_q);
+  a.k_new = arena.At<float>(o_kn);
+  a.v_new = arena.At<float>(o_vn);
+  a.scratch = arena.At<float>(o_scratch);
+  a.out = arena.At<float>(o_out);
+  KVC_CUDA_RETURN_IF_ERROR(LaunchPackedAttention(a, st), "packed attention");
+  KVC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pinned, a.out, q_bytes, cudaMemcpyDeviceToHost, st),
+                           "copy attention output to host");
+  KVC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st), "attention");
+  std::memcpy(out, pinned, q_bytes);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackendImpl(const BackendOptions& options) {
+  std::string why;
+  if (!DeviceAvailable(&why)) {
+    return absl::UnavailableError(absl::StrCat("cuda backend unavailable: ", why));
+  }
+  int count = 0;
+  KVC_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  if (options.device < 0 || options.device >= count) {
+    return absl::UnavailableError(absl::StrCat("cuda backend unavailable: device ",
+                                               options.device, " is not in [0, ", count, ")"));
+  }
+  cudaDeviceProp prop = {};
+  KVC_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, options.device),
+                           "cudaGetDeviceProperties");
+  if (prop.major < 8) {
+    return absl::UnavailableError(absl::StrCat("cuda backend unavailable: ", prop.name, " is sm_",
+                                               prop.major, prop.minor,
+                                               "; kvc is built for sm_80 and newer"));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<SlotPool> pool, SlotPool::Create(options.device, kNumStreams));
+  return std::unique_ptr<Backend>(new CudaBackend(
+      std::move(pool), absl::StrCat("cuda: ", prop.name, " (sm_", prop.major, prop.minor, ")")));
+}
+
+}  // namespace kvc::cuda

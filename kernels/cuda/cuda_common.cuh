@@ -1,0 +1,98 @@
+// Device-side helpers shared by the CUDA kernels: element loads for fp32/fp16/bf16, tensor
+// strides for HND/NHD, and the dispatch macros that turn runtime dtype and head_dim into template
+// parameters (fixed head_dim 64/128/256, and a generic path for any other head_dim in [8, 256]).
+#ifndef KVC_KERNELS_CUDA_CUDA_COMMON_CUH_
+#define KVC_KERNELS_CUDA_CUDA_COMMON_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/kernels.h"
+
+namespace kvc::cuda {
+
+// Element type tags; `Load` widens to fp32 exactly like kvc/dtype.h's LoadAsFloat.
+struct F32 {
+  using T = float;
+  static __device__ __forceinline__ float Load(const T* p, size_t i) { return p[i]; }
+};
+struct F16 {
+  using T = __half;
+  static __device__ __forceinline__ float Load(const T* p, size_t i) {
+    return __half2float(p[i]);
+  }
+};
+struct BF16 {
+  using T = __nv_bfloat16;
+  static __device__ __forceinline__ float Load(const T* p, size_t i) {
+    return __bfloat162float(p[i]);
+  }
+};
+
+// Head-dim tag: kD > 0 is a compile-time head_dim (loops fully unrolled), 0 the generic path.
+template <int kD>
+struct HeadDim {
+  static constexpr int kValue = kD;
+  __device__ __forceinline__ static int Get(int runtime_d) { return kD > 0 ? kD : runtime_d; }
+};
+
+#define KVC_DISPATCH_DTYPE(dtype, TAG, ...)          \
+  [&]() -> cudaError_t {                             \
+    switch (dtype) {                                 \
+      case ::kvc::cuda::ElemType::kF32: {            \
+        using TAG = ::kvc::cuda::F32;                \
+        return __VA_ARGS__();                        \
+      }                                              \
+      case ::kvc::cuda::ElemType::kF16: {            \
+        using TAG = ::kvc::cuda::F16;                \
+        return __VA_ARGS__();                        \
+      }                                              \
+      case ::kvc::cuda::ElemType::kBF16: {           \
+        using TAG = ::kvc::cuda::BF16;               \
+        return __VA_ARGS__();                        \
+      }                                              \
+    }                                                \
+    return cudaErrorInvalidValue;                    \
+  }()
+
+#define KVC_DISPATCH_HEAD_DIM(head_dim, HD, ...)                                  \
+  [&]() -> cudaError_t {                                                          \
+    if ((head_dim) < 8 || (head_dim) > 256) return cudaErrorInvalidValue;         \
+    switch (head_dim) {                                                           \
+      case 64: {                                                                  \
+        using HD = ::kvc::cuda::HeadDim<64>;                                      \
+        return __VA_ARGS__();                                                     \
+      }                                                                           \
+      case 128: {                                                                 \
+        using HD = ::kvc::cuda::HeadDim<128>;                                     \
+        return __VA_ARGS__();                                                     \
+      }                                                                           \
+      case 256: {                                                                 \
+        using HD = ::kvc::cuda::HeadDim<256>;                                     \
+        return __VA_ARGS__();                                                     \
+      }                                                                           \
+      default: {                                                                  \
+        using HD = ::kvc::cuda::HeadDim<0>;                                       \
+        return __VA_ARGS__();                                                     \
+      }                                                                           \
+    }                                                                             \
+  }()
+
+// Returns the launch error (if any) of the kernel just launched.
+inline cudaError_t LastLaunchError() { return cudaGetLastError(); }
+
+__device__ __forceinline__ int CeilDiv(int a, int b) { return (a + b - 1) / b; }
+
+// Total order on floats for selection: NaN sorts below everything (it never wins a slot).
+__device__ __forceinline__ uint32_t OrderedKey(float f) {
+  if (isnan(f)) return 0u;
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+}  // namespace kvc::cuda
+
+#endif  // KVC_KERNELS_CUDA_CUDA_COMMON_CUH_
