@@ -25,6 +25,7 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
+#include "store/annotated_lock.h"
 
 namespace kvc {
 
@@ -162,11 +163,11 @@ struct Metrics::Impl {
 
   MethodSeries Method(absl::string_view method) {
     {
-      absl::ReaderMutexLock lock(&mu);
+      internal::ReaderLock lock(&mu);
       auto it = methods.find(method);
       if (it != methods.end()) return it->second;
     }
-    absl::MutexLock lock(&mu);
+    internal::WriterLock lock(&mu);
     auto it = methods.find(method);
     if (it != methods.end()) return it->second;
     std::string name(method);
@@ -188,7 +189,7 @@ struct Metrics::Impl {
                            .Help("Time from an RPC's start to its completion, by method.")
                            .Register(r);
     {
-      absl::MutexLock lock(&mu);
+      internal::WriterLock lock(&mu);
       for (const char* m : kKnownMethods) methods.emplace(m, MakeMethodSeries(m));
     }
 
@@ -282,7 +283,9 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const Options& options)
     }
     impl->exposer->RegisterCollectable(impl->registry);
   }
-  return std::unique_ptr<Metrics>(new Metrics(std::move(impl)));
+  auto metrics = std::unique_ptr<Metrics>(new Metrics(std::move(impl)));
+  metrics->SetBuildInfo(options.version, options.backend);
+  return metrics;
 }
 
 int Metrics::port() const {
@@ -344,7 +347,7 @@ void Metrics::StreamStarted() { impl_->active_streams->Increment(); }
 void Metrics::StreamFinished() { impl_->active_streams->Decrement(); }
 
 void Metrics::SetBuildInfo(const std::string& version, const std::string& backend) {
-  absl::MutexLock lock(&impl_->mu);
+  internal::WriterLock lock(&impl_->mu);
   if (impl_->build_info != nullptr) impl_->build_info_family->Remove(impl_->build_info);
   impl_->build_info = &impl_->build_info_family->Add({{"version", version}, {"backend", backend}});
   impl_->build_info->Set(1);

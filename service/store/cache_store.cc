@@ -27,6 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvc/cache_store.h"
+#include "store/annotated_lock.h"
 
 namespace kvc {
 
@@ -143,7 +144,7 @@ class Core {
   }
 
   void Release(Node* n) {
-    absl::MutexLock lock(&mu);
+    internal::WriterLock lock(&mu);
     if (--n->leases > 0) return;
     if (n->indexed) {
       leased_expiry.erase({n->entry->expires, n});
@@ -187,7 +188,7 @@ class CacheStoreImpl final : public CacheStore {
     std::vector<Evicted> evicted;
     {
       Core& c = *core_;
-      absl::MutexLock lock(&c.mu);
+      internal::WriterLock lock(&c.mu);
       auto it = c.index.find(entry->id);
       const bool live = it != c.index.end() && !Expired(*it->second->entry, now);
       if (live && !overwrite) {
@@ -239,7 +240,7 @@ class CacheStoreImpl final : public CacheStore {
       return absl::ResourceExhaustedError(absl::StrCat(
           bytes, " bytes exceed the store capacity of ", core_->capacity_, " bytes"));
     }
-    absl::ReaderMutexLock lock(&core_->mu);
+    internal::ReaderLock lock(&core_->mu);
     const uint64_t pinned = core_->used - core_->evictable;
     if (pinned + bytes > core_->capacity_) {
       return absl::ResourceExhaustedError(absl::StrCat(bytes, " bytes do not fit: capacity ",
@@ -254,7 +255,7 @@ class CacheStoreImpl final : public CacheStore {
     Core& c = *core_;
     std::shared_ptr<Node> node;
     {
-      absl::MutexLock lock(&c.mu);
+      internal::WriterLock lock(&c.mu);
       auto it = c.index.find(id);
       if (it == c.index.end() || Expired(*it->second->entry, now)) return NotFound(id);
       node = it->second;
@@ -275,7 +276,7 @@ class CacheStoreImpl final : public CacheStore {
 
   absl::StatusOr<std::shared_ptr<const CacheEntry>> Peek(const std::string& id) const override {
     const absl::Time now = options_.now();
-    absl::ReaderMutexLock lock(&core_->mu);
+    internal::ReaderLock lock(&core_->mu);
     auto it = core_->index.find(id);
     if (it == core_->index.end() || Expired(*it->second->entry, now)) return NotFound(id);
     return it->second->entry;
@@ -283,7 +284,7 @@ class CacheStoreImpl final : public CacheStore {
 
   absl::StatusOr<uint64_t> Delete(const std::string& id) override {
     const absl::Time now = options_.now();
-    absl::MutexLock lock(&core_->mu);
+    internal::WriterLock lock(&core_->mu);
     auto it = core_->index.find(id);
     if (it == core_->index.end() || Expired(*it->second->entry, now)) return NotFound(id);
     const uint64_t bytes = it->second->bytes;
@@ -297,7 +298,7 @@ class CacheStoreImpl final : public CacheStore {
     std::vector<std::shared_ptr<const CacheEntry>> out;
     if (limit == 0) return out;
     const absl::Time now = options_.now();
-    absl::ReaderMutexLock lock(&core_->mu);
+    internal::ReaderLock lock(&core_->mu);
     const auto& index = core_->index;
     auto it = start_after < prefix ? index.lower_bound(prefix) : index.upper_bound(start_after);
     for (; it != index.end() && out.size() < limit; ++it) {
@@ -312,7 +313,7 @@ class CacheStoreImpl final : public CacheStore {
     std::vector<Evicted> evicted;
     {
       Core& c = *core_;
-      absl::MutexLock lock(&c.mu);
+      internal::WriterLock lock(&c.mu);
       for (std::set<ExpiryKey>* set : {&c.idle_expiry, &c.leased_expiry}) {
         while (!set->empty() && set->begin()->first <= now) {
           Node* n = set->begin()->second;
@@ -326,7 +327,7 @@ class CacheStoreImpl final : public CacheStore {
   }
 
   Stats GetStats() const override {
-    absl::ReaderMutexLock lock(&core_->mu);
+    internal::ReaderLock lock(&core_->mu);
     Stats s;
     s.used_bytes = core_->used;
     s.capacity_bytes = core_->capacity_;

@@ -59,6 +59,9 @@ class Metrics {
     // nothing (the registry still works, e.g. for Scrape()).
     std::string listen_address = "127.0.0.1:9464";
     int http_threads = 2;  // exposer worker threads, >= 1
+    // Initial kvc_build_info labels (SetBuildInfo replaces them, e.g. once the backend is known).
+    std::string version = "unknown";
+    std::string backend = "unknown";
   };
 
   // Builds every family and starts the exposer. INVALID_ARGUMENT for a bad option,
