@@ -83,13 +83,8 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
       const int len = S - W + t + 1;
       float* row = logits + static_cast<size_t>(r - r0) * S;
       if (gumbel) {
-        const uint32_t q_head = static_cast<uint32_t>(h * g + r / W);
-        for (int j = 0; j < len; ++j) {
-          const float noise = CounterGumbel(spec.seed, static_cast<uint32_t>(in.layer_index),
-                                            q_head, static_cast<uint32_t>(t),
-                                            static_cast<uint32_t>(j));
-          row[j] = (row[j] + noise) * inv_tau;
-        }
+        simd::AddGumbel(row, len, spec.seed, static_cast<uint32_t>(in.layer_index),
+                        static_cast<uint32_t>(h * g + r / W), static_cast<uint32_t>(t), inv_tau);
       }
       const float m = simd::Max(row, len);
       const float sum = simd::ExpShiftSum(row, len, m);

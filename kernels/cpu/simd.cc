@@ -3,6 +3,8 @@
 // error ~1e-7). Softmax over 10^7+ logits per layer made libm's scalar expf the bottleneck.
 #include "cpu/simd.h"
 
+#include "kvc/noise.h"
+
 #include <cmath>
 #include <limits>
 
@@ -113,6 +115,80 @@ __attribute__((target("avx2,fma"))) float SumSquaresAvx2(const float* x, size_t 
   return s;
 }
 
+// 64-bit lane multiply (low 64 bits) from 32x32->64 products: AVX2 has no vpmullq.
+__attribute__((target("avx2,fma"))) inline __m256i Mul64(__m256i a, __m256i b) {
+  const __m256i lo = _mm256_mul_epu32(a, b);
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), b),
+                                         _mm256_mul_epu32(a, _mm256_srli_epi64(b, 32)));
+  return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
+}
+
+// Mix64 of kvc/noise.h on four lanes.
+__attribute__((target("avx2,fma"))) inline __m256i Mix64x4(__m256i x) {
+  x = _mm256_add_epi64(x, _mm256_set1_epi64x(static_cast<int64_t>(0x9e3779b97f4a7c15ull)));
+  x = Mul64(_mm256_xor_si256(x, _mm256_srli_epi64(x, 30)),
+            _mm256_set1_epi64x(static_cast<int64_t>(0xbf58476d1ce4e5b9ull)));
+  x = Mul64(_mm256_xor_si256(x, _mm256_srli_epi64(x, 27)),
+            _mm256_set1_epi64x(static_cast<int64_t>(0x94d049bb133111ebull)));
+  return _mm256_xor_si256(x, _mm256_srli_epi64(x, 31));
+}
+
+// Natural log for positive normal floats (Cephes logf scheme).
+__attribute__((target("avx2,fma"))) inline __m256 Log8(__m256 x) {
+  const __m256i xi = _mm256_castps_si256(x);
+  __m256 e = _mm256_cvtepi32_ps(
+      _mm256_sub_epi32(_mm256_srli_epi32(xi, 23), _mm256_set1_epi32(126)));
+  __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
+      _mm256_and_si256(xi, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f000000)));
+  const __m256 small = _mm256_cmp_ps(m, _mm256_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
+  const __m256 tmp = _mm256_and_ps(m, small);
+  m = _mm256_sub_ps(m, _mm256_set1_ps(1.0f));
+  e = _mm256_sub_ps(e, _mm256_and_ps(_mm256_set1_ps(1.0f), small));
+  m = _mm256_add_ps(m, tmp);
+  const __m256 z = _mm256_mul_ps(m, m);
+  __m256 y = _mm256_set1_ps(7.0376836292e-2f);
+  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.1514610310e-1f));
+  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(1.1676998740e-1f));
+  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.2420140846e-1f));
+  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(1.4249322787e-1f));
+  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.6668057665e-1f));
+  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(2.0000714765e-1f));
+  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-2.4999993993e-1f));
+  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(3.3333331174e-1f));
+  y = _mm256_mul_ps(_mm256_mul_ps(y, m), z);
+  y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
+  y = _mm256_fnmadd_ps(z, _mm256_set1_ps(0.5f), y);
+  return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(m, y));
+}
+
+__attribute__((target("avx2,fma"))) void AddGumbelAvx2(float* x, size_t n, uint64_t seed,
+                                                       uint32_t layer, uint32_t head,
+                                                       uint32_t row, float inv_tau) {
+  const uint64_t base = Mix64(seed ^ Mix64((uint64_t{layer} << 32) | head));
+  const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(base ^ (uint64_t{row} << 32)));
+  const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256 vtau = _mm256_set1_ps(inv_tau);
+  size_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const auto c = static_cast<int64_t>(j);
+    const __m256i h0 = Mix64x4(_mm256_xor_si256(key, _mm256_setr_epi64x(c, c + 1, c + 2, c + 3)));
+    const __m256i h1 =
+        Mix64x4(_mm256_xor_si256(key, _mm256_setr_epi64x(c + 4, c + 5, c + 6, c + 7)));
+    // Top 24 bits of each hash, gathered into eight 32-bit lanes in column order.
+    const __m256i b0 = _mm256_permutevar8x32_epi32(_mm256_srli_epi64(h0, 40), even);
+    const __m256i b1 = _mm256_permutevar8x32_epi32(_mm256_srli_epi64(h1, 40), even);
+    const __m256i bits = _mm256_permute2x128_si256(b0, b1, 0x20);
+    const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(bits), _mm256_set1_ps(0.5f)),
+                                   _mm256_set1_ps(1.0f / 16777216.0f));
+    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(u));
+    const __m256 g = _mm256_sub_ps(_mm256_setzero_ps(), Log8(neg_log_u));
+    _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(x + j), g), vtau));
+  }
+  for (; j < n; ++j) {
+    x[j] = (x[j] + CounterGumbel(seed, layer, head, row, static_cast<uint32_t>(j))) * inv_tau;
+  }
+}
+
 bool Detect() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -175,6 +251,16 @@ float SumSquares(const float* x, size_t n) {
   float s = 0.0f;
   for (size_t i = 0; i < n; ++i) s += x[i] * x[i];
   return s;
+}
+
+void AddGumbel(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row,
+               float inv_tau) {
+#ifdef KVC_X86
+  if (Have()) return AddGumbelAvx2(x, n, seed, layer, head, row, inv_tau);
+#endif
+  for (size_t j = 0; j < n; ++j) {
+    x[j] = (x[j] + CounterGumbel(seed, layer, head, row, static_cast<uint32_t>(j))) * inv_tau;
+  }
 }
 
 }  // namespace kvc::simd

@@ -4,6 +4,7 @@
 #define KVC_KERNELS_CPU_SIMD_H_
 
 #include <cstddef>
+#include <cstdint>
 
 namespace kvc::simd {
 
@@ -19,6 +20,11 @@ void AccumulateSquares(const float* x, float* y, size_t n);
 void AccumulateAbs(const float* x, float* y, size_t n);
 // sum of x[i]^2.
 float SumSquares(const float* x, size_t n);
+// x[j] = (x[j] + CounterGumbel(seed, layer, head, row, j)) * inv_tau for j in [0, n): keyformer's
+// noisy logits. The vector path evaluates the same counter hash exactly and the two logarithms
+// with a polynomial (within ~2 ulp of logf), so values agree with kvc/noise.h to ~1e-6.
+void AddGumbel(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row,
+               float inv_tau);
 
 }  // namespace kvc::simd
 

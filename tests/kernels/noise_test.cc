@@ -1,9 +1,13 @@
 #include "kvc/noise.h"
 
 #include <cmath>
+#include <algorithm>
 #include <set>
+#include <vector>
 
 #include "gtest/gtest.h"
+// The engine's vectorized noise (internal header of the CPU backend).
+#include "../../kernels/cpu/simd.h"
 
 namespace kvc {
 namespace {
@@ -52,6 +56,40 @@ TEST(NoiseTest, Mix64IsABijectionOnASample) {
   std::set<uint64_t> seen;
   for (uint64_t i = 0; i < 100000; ++i) seen.insert(Mix64(i));
   EXPECT_EQ(seen.size(), 100000u);
+}
+
+TEST(NoiseTest, VectorGumbelMatchesCounterGumbel) {
+  // The CPU engine adds keyformer noise with a vector hash + polynomial log; it must reproduce
+  // CounterGumbel (what the CUDA backend uses) to float precision, tails included (n = 1003).
+  std::vector<float> x(1003, 0.5f);
+  simd::AddGumbel(x.data(), x.size(), 77, 3, 5, 11, 0.5f);
+  double worst = 0;
+  for (size_t j = 0; j < x.size(); ++j) {
+    const float want = (0.5f + CounterGumbel(77, 3, 5, 11, static_cast<uint32_t>(j))) * 0.5f;
+    worst = std::max(worst, std::fabs(static_cast<double>(x[j]) - want));
+    ASSERT_NEAR(x[j], want, 4e-6f * std::max(1.0f, std::fabs(want))) << j;
+  }
+  // Deterministic counter values must reach the extremes of the 24-bit uniform too.
+  std::vector<float> y(1 << 16, 0.0f);
+  simd::AddGumbel(y.data(), y.size(), 1, 0, 0, 0, 1.0f);
+  for (size_t j = 0; j < y.size(); ++j) ASSERT_TRUE(std::isfinite(y[j])) << j;
+}
+
+TEST(SimdTest, ExpShiftSumMatchesLibm) {
+  std::vector<float> x(517);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = -80.0f + 0.16f * static_cast<float>(i);
+  std::vector<float> y = x;
+  const float m = 2.0f;
+  const float sum = simd::ExpShiftSum(y.data(), y.size(), m);
+  double want_sum = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    // x - m is rounded to float first, as any float softmax does.
+    const double want = std::exp(static_cast<double>(x[i] - m));
+    want_sum += want;
+    ASSERT_NEAR(y[i], want, 3e-7 * want + 1e-37) << x[i];
+  }
+  EXPECT_NEAR(sum, want_sum, 1e-6 * want_sum);
+  EXPECT_EQ(simd::Max(x.data(), x.size()), x.back());
 }
 
 }  // namespace

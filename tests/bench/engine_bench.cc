@@ -1,0 +1,268 @@
+// CPU engine throughput on a Llama-3-8B-shaped layer (8 KV heads, 32 query heads, head_dim 128,
+// fp16, W = 32) at 4K and 32K tokens, next to the machine's memcpy bandwidth and sgemm rate
+// measured in the same run.
+//
+// Counters: bytes_per_second is the layer's input (K + V, plus Q_obs for stages that read it);
+// FLOPS counts 2*M*N*K of the GEMMs; pack reports out_bytes_per_second too (bytes of the packed
+// blob), which is what a gather actually copies. Run e.g.:
+//   engine_bench --benchmark_min_time=0.3
+#include <cblas.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "kvc/backend.h"
+#include "kvc/compact.h"
+#include "kvc/dtype.h"
+#include "kvc/selection.h"
+
+namespace kvc {
+namespace {
+
+constexpr int kKvHeads = 8, kQHeads = 32, kHeadDim = 128, kWindow = 32;
+
+int HardwareThreads() { return std::max(1u, std::thread::hardware_concurrency()); }
+
+struct Layer {
+  LayerShape shape;
+  std::vector<uint16_t> k, v, q;
+  LayerInput input() const {
+    LayerInput in;
+    in.shape = shape;
+    in.dtype = DType::kF16;
+    in.layout = Layout::kHND;
+    in.k = k.data();
+    in.v = v.data();
+    in.q_obs = q.data();
+    return in;
+  }
+  double kv_bytes() const { return 2.0 * k.size() * sizeof(uint16_t); }
+  double q_bytes() const { return static_cast<double>(q.size()) * sizeof(uint16_t); }
+};
+
+void Fill(std::vector<uint16_t>& v, uint64_t seed, float scale) {
+  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+  for (uint16_t& e : v) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    const float u = static_cast<float>((x >> 40) & 0xffffff) / 16777216.0f - 0.5f;
+    e = FloatToHalf(u * scale);
+  }
+}
+
+// Built once per sequence length and shared by every benchmark.
+const Layer& GetLayer(int seq_len) {
+  static std::map<int, std::unique_ptr<Layer>> layers;
+  auto& slot = layers[seq_len];
+  if (!slot) {
+    slot = std::make_unique<Layer>();
+    slot->shape = {kKvHeads, kQHeads, seq_len, kHeadDim, kWindow};
+    const size_t kv = static_cast<size_t>(kKvHeads) * seq_len * kHeadDim;
+    slot->k.resize(kv);
+    slot->v.resize(kv);
+    slot->q.resize(static_cast<size_t>(kQHeads) * kWindow * kHeadDim);
+    Fill(slot->k, 1, 4.0f);
+    Fill(slot->v, 2, 2.0f);
+    Fill(slot->q, 3, 4.0f);
+  }
+  return *slot;
+}
+
+CompressionSpec PipelineSpec() {
+  CompressionSpec s;
+  s.eviction.policy = EvictionPolicy::kKeyformer;
+  s.eviction.keep_ratio = 0.25;
+  s.channels.key_policy = ChannelPolicy::kThink;
+  s.channels.key_lambda = 0.5;
+  return s;
+}
+
+double ScoreFlops(const LayerShape& s) {
+  return 2.0 * s.num_q_heads * s.obs_window * static_cast<double>(s.seq_len) * s.head_dim;
+}
+
+// --- Reference rates -------------------------------------------------------------------------
+
+void BM_Memcpy(benchmark::State& state) {
+  const Layer& layer = GetLayer(static_cast<int>(state.range(0)));
+  const size_t n = static_cast<size_t>(layer.kv_bytes());
+  std::vector<uint8_t> src(n, 1), dst(n, 0);
+  for (auto _ : state) {
+    std::memcpy(dst.data(), src.data(), n);
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["bytes_per_second"] =
+      benchmark::Counter(static_cast<double>(n) * state.iterations(), benchmark::Counter::kIsRate);
+}
+
+// C[M, N] = A[M, K] * B[N, K]^T with OpenBLAS using `threads` threads.
+void RunSgemm(benchmark::State& state, int M, int N, int K, int threads) {
+  openblas_set_num_threads(threads);
+  std::vector<float> a(static_cast<size_t>(M) * K, 0.5f), b(static_cast<size_t>(N) * K, 0.25f);
+  std::vector<float> c(static_cast<size_t>(M) * N);
+  for (auto _ : state) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a.data(), K, b.data(), K,
+                0.0f, c.data(), N);
+    benchmark::DoNotOptimize(c.data());
+  }
+  state.counters["FLOPS"] = benchmark::Counter(2.0 * M * N * K * state.iterations(),
+                                               benchmark::Counter::kIsRate);
+  state.counters["blas_threads"] = threads;
+}
+
+// The scoring GEMM of one layer: per KV head [g*W, D] x [D, S], all heads, OpenBLAS threaded.
+void BM_SgemmScoreShape(benchmark::State& state) {
+  const int S = static_cast<int>(state.range(0));
+  const int threads = state.range(1) ? HardwareThreads() : 1;
+  openblas_set_num_threads(threads);
+  const int M = (kQHeads / kKvHeads) * kWindow;
+  std::vector<float> a(static_cast<size_t>(M) * kHeadDim, 0.5f);
+  std::vector<float> b(static_cast<size_t>(S) * kHeadDim, 0.25f), c(static_cast<size_t>(M) * S);
+  for (auto _ : state) {
+    for (int h = 0; h < kKvHeads; ++h) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, S, kHeadDim, 1.0f, a.data(),
+                  kHeadDim, b.data(), kHeadDim, 0.0f, c.data(), S);
+    }
+    benchmark::DoNotOptimize(c.data());
+  }
+  state.counters["FLOPS"] = benchmark::Counter(
+      2.0 * M * S * kHeadDim * kKvHeads * state.iterations(), benchmark::Counter::kIsRate);
+  state.counters["blas_threads"] = threads;
+}
+
+void BM_SgemmSquare(benchmark::State& state) {
+  const int n = static_cast<int>(state.range(0));
+  RunSgemm(state, n, n, n, HardwareThreads());
+}
+
+// --- Stages ----------------------------------------------------------------------------------
+
+void BM_Score(benchmark::State& state) {
+  const Layer& layer = GetLayer(static_cast<int>(state.range(0)));
+  EvictionSpec spec;
+  spec.policy = static_cast<EvictionPolicy>(state.range(1));
+  state.SetLabel(std::string(PolicyName(spec.policy)));
+  for (auto _ : state) {
+    absl::StatusOr<std::vector<float>> s = ScoreTokens(layer.input(), spec);
+    if (!s.ok()) state.SkipWithError(std::string(s.status().message()).c_str());
+    benchmark::DoNotOptimize(s);
+  }
+  const double it = static_cast<double>(state.iterations());
+  state.counters["bytes_per_second"] =
+      benchmark::Counter((layer.kv_bytes() + layer.q_bytes()) * it, benchmark::Counter::kIsRate);
+  if (spec.policy != EvictionPolicy::kKNorm) {
+    state.counters["FLOPS"] =
+        benchmark::Counter(ScoreFlops(layer.shape) * it, benchmark::Counter::kIsRate);
+  }
+}
+
+struct Selections {
+  TokenSelection tokens;
+  ChannelSelection channels;
+};
+
+const Selections& GetSelections(int seq_len) {
+  static std::map<int, std::unique_ptr<Selections>> cache;
+  auto& slot = cache[seq_len];
+  if (!slot) {
+    const Layer& layer = GetLayer(seq_len);
+    slot = std::make_unique<Selections>();
+    slot->tokens = *SelectTokens(layer.input(), PipelineSpec());
+    slot->channels = *SelectChannels(layer.input(), slot->tokens, PipelineSpec());
+  }
+  return *slot;
+}
+
+void BM_SelectChannels(benchmark::State& state) {
+  const Layer& layer = GetLayer(static_cast<int>(state.range(0)));
+  const Selections& sel = GetSelections(layer.shape.seq_len);
+  for (auto _ : state) {
+    absl::StatusOr<ChannelSelection> c = SelectChannels(layer.input(), sel.tokens, PipelineSpec());
+    benchmark::DoNotOptimize(c);
+  }
+  state.counters["bytes_per_second"] = benchmark::Counter(
+      (layer.kv_bytes() + layer.q_bytes()) * state.iterations(), benchmark::Counter::kIsRate);
+}
+
+// PackLayer alone on fixed selections: bits 0 is the gather, bits 4 adds quantization.
+void BM_Pack(benchmark::State& state) {
+  const Layer& layer = GetLayer(static_cast<int>(state.range(0)));
+  const Selections& sel = GetSelections(layer.shape.seq_len);
+  CompressionSpec spec = PipelineSpec();
+  spec.quant.bits = static_cast<int>(state.range(1));
+  size_t out = 0;
+  for (auto _ : state) {
+    absl::StatusOr<CompactLayer> blob = PackLayer(layer.input(), sel.tokens, sel.channels, spec);
+    if (!blob.ok()) state.SkipWithError(std::string(blob.status().message()).c_str());
+    out = blob.ok() ? blob->bytes.size() : 0;
+    benchmark::DoNotOptimize(blob);
+  }
+  const double it = static_cast<double>(state.iterations());
+  state.counters["bytes_per_second"] =
+      benchmark::Counter(layer.kv_bytes() * it, benchmark::Counter::kIsRate);
+  state.counters["out_bytes_per_second"] =
+      benchmark::Counter(static_cast<double>(out) * it, benchmark::Counter::kIsRate);
+  state.counters["ratio"] = layer.kv_bytes() / std::max<double>(1.0, static_cast<double>(out));
+}
+
+// The whole pipeline through the backend: keyformer keep 0.25 + think lambda 0.5. Arg 1 picks the
+// threading: 1 = engine threads over heads with single-threaded BLAS, 0 = one engine thread with
+// OpenBLAS threaded inside each GEMM.
+void BM_Pipeline(benchmark::State& state) {
+  const Layer& layer = GetLayer(static_cast<int>(state.range(0)));
+  const bool engine_threads = state.range(1) != 0;
+  openblas_set_num_threads(HardwareThreads());
+  auto backend = *CreateCpuBackend({.num_threads = engine_threads ? 0 : 1});
+  state.SetLabel(engine_threads ? "engine threads" : "blas threads");
+  CompressTimings sum;
+  for (auto _ : state) {
+    CompressTimings t;
+    absl::StatusOr<CompactLayer> blob = backend->Compress(layer.input(), PipelineSpec(), &t);
+    if (!blob.ok()) state.SkipWithError(std::string(blob.status().message()).c_str());
+    benchmark::DoNotOptimize(blob);
+    sum.score += t.score;
+    sum.select += t.select;
+    sum.pack += t.pack;
+    sum.total += t.total;
+  }
+  const double it = static_cast<double>(state.iterations());
+  const double in_bytes = layer.kv_bytes() + layer.q_bytes();
+  state.counters["bytes_per_second"] =
+      benchmark::Counter(in_bytes * it, benchmark::Counter::kIsRate);
+  // Per-stage rates from the backend's own timings (bytes of the layer / stage time).
+  state.counters["score_GBps"] = in_bytes * it / sum.score / 1e9;
+  state.counters["score_GFLOPS"] = ScoreFlops(layer.shape) * it / sum.score / 1e9;
+  state.counters["select_GBps"] = in_bytes * it / sum.select / 1e9;
+  state.counters["pack_GBps"] = layer.kv_bytes() * it / sum.pack / 1e9;
+}
+
+// Short runs: 32K iterations take ~0.1-1 s each on a small machine.
+BENCHMARK(BM_Memcpy)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_SgemmSquare)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_SgemmScoreShape)->Args({4096, 1})->Args({32768, 1})->Args({32768, 0})
+    ->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Score)
+    ->Args({4096, static_cast<int>(EvictionPolicy::kH2O)})
+    ->Args({4096, static_cast<int>(EvictionPolicy::kKeyformer)})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kH2O)})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kSnapKV)})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kKeyformer)})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kKNorm)})
+    ->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_SelectChannels)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Pack)->Args({4096, 0})->Args({4096, 4})->Args({32768, 0})->Args({32768, 4})
+    ->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Pipeline)->Args({4096, 1})->Args({32768, 1})->Args({32768, 0})
+    ->Unit(benchmark::kMillisecond)->UseRealTime();
+
+}  // namespace
+}  // namespace kvc
+
+BENCHMARK_MAIN();

@@ -1,0 +1,156 @@
+// CpuBackend: Compress composes SelectTokens -> SelectChannels -> PackLayer; results do not
+// depend on thread count, layout or concurrent use; bad input is rejected with the field named.
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/select_util.h"
+#include "kvc/backend.h"
+#include "kvc/compact.h"
+#include "kvc/selection.h"
+
+namespace kvc {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RandomLayer;
+using testing::TestLayer;
+
+std::unique_ptr<Backend> MakeCpu(int threads) {
+  absl::StatusOr<std::unique_ptr<Backend>> b = CreateCpuBackend({.num_threads = threads});
+  EXPECT_TRUE(b.ok()) << b.status();
+  return b.ok() ? std::move(*b) : nullptr;
+}
+
+CompressionSpec DefaultSpec() {
+  CompressionSpec s;
+  s.eviction.policy = EvictionPolicy::kKeyformer;
+  s.eviction.keep_ratio = 0.25;
+  s.eviction.seed = 3;
+  s.channels.key_policy = ChannelPolicy::kThink;
+  s.channels.key_lambda = 0.5;
+  s.recent_tokens = 8;
+  return s;
+}
+
+TEST(CpuBackendTest, NameAndDescription) {
+  auto b = MakeCpu(3);
+  EXPECT_EQ(b->name(), "cpu");
+  EXPECT_THAT(b->description(), HasSubstr("3 threads"));
+  absl::StatusOr<std::unique_ptr<Backend>> bad = CreateCpuBackend({.num_threads = -1});
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("num_threads"));
+}
+
+TEST(CpuBackendTest, CompressPacksTheSelections) {
+  const TestLayer layer = RandomLayer({4, 16, 256, 64, 16}, 7, DType::kF16);
+  const CompressionSpec spec = DefaultSpec();
+  auto b = MakeCpu(2);
+  CompressTimings t;
+  absl::StatusOr<CompactLayer> blob = b->Compress(layer.input(), spec, &t);
+  ASSERT_TRUE(blob.ok()) << blob.status();
+  absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(blob->bytes);
+  ASSERT_TRUE(view.ok()) << view.status();
+
+  absl::StatusOr<TokenSelection> tokens = SelectTokens(layer.input(), spec);
+  ASSERT_TRUE(tokens.ok());
+  absl::StatusOr<ChannelSelection> channels = SelectChannels(layer.input(), *tokens, spec);
+  ASSERT_TRUE(channels.ok());
+  EXPECT_EQ(view->num_kv_heads(), 4);
+  EXPECT_EQ(view->seq_len(), 256);
+  for (int h = 0; h < 4; ++h) {
+    const CompactHead head = view->head(h);
+    ASSERT_EQ(head.n_kept, 64);
+    EXPECT_EQ(head.n_recent, 8);
+    ASSERT_EQ(head.key_channels, 32);
+    EXPECT_EQ(head.value_channels, 64);
+    EXPECT_EQ(std::vector<int32_t>(head.positions, head.positions + 64),
+              testing::HeadPositions(*tokens, h));
+    EXPECT_EQ(std::vector<int32_t>(head.key_idx, head.key_idx + 32),
+              testing::HeadKeyChannels(*channels, h));
+  }
+  // The packed bytes equal PackLayer on the public stages' output.
+  absl::StatusOr<CompactLayer> direct = PackLayer(layer.input(), *tokens, *channels, spec);
+  ASSERT_TRUE(direct.ok());
+  EXPECT_EQ(direct->bytes, blob->bytes);
+
+  EXPECT_GT(t.score, 0.0);
+  EXPECT_GE(t.select, 0.0);
+  EXPECT_GT(t.pack, 0.0);
+  EXPECT_EQ(t.quantize, 0.0);  // reported within pack
+  EXPECT_GE(t.total, t.score + t.pack);
+}
+
+TEST(CpuBackendTest, ResultIndependentOfThreadsLayoutAndConcurrency) {
+  const LayerShape shape{6, 24, 300, 32, 12};
+  CompressionSpec spec = DefaultSpec();
+  spec.channels.prune_values = true;
+  spec.channels.value_lambda = 0.25;
+  spec.quant.bits = 4;
+  const TestLayer hnd = RandomLayer(shape, 5, DType::kBF16, Layout::kHND);
+  const TestLayer nhd = RandomLayer(shape, 5, DType::kBF16, Layout::kNHD);
+  auto one = MakeCpu(1);
+  auto many = MakeCpu(4);
+  absl::StatusOr<CompactLayer> ref = one->Compress(hnd.input(), spec, nullptr);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  absl::StatusOr<CompactLayer> threaded = many->Compress(hnd.input(), spec, nullptr);
+  ASSERT_TRUE(threaded.ok());
+  EXPECT_EQ(ref->bytes, threaded->bytes);
+  absl::StatusOr<CompactLayer> from_nhd = many->Compress(nhd.input(), spec, nullptr);
+  ASSERT_TRUE(from_nhd.ok());
+  EXPECT_EQ(ref->bytes, from_nhd->bytes);
+
+  std::vector<std::vector<uint8_t>> results(4);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&, i] {
+      for (int rep = 0; rep < 3; ++rep) {
+        absl::StatusOr<CompactLayer> r = many->Compress((i % 2 ? nhd : hnd).input(), spec, nullptr);
+        if (r.ok()) results[i] = std::move(r->bytes);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const auto& r : results) EXPECT_EQ(r, ref->bytes);
+}
+
+TEST(CpuBackendTest, RejectsBadInputNamingTheField) {
+  const TestLayer layer = RandomLayer({2, 4, 64, 16, 4}, 1);
+  auto b = MakeCpu(2);
+  LayerInput in = layer.input();
+  in.v = nullptr;
+  absl::StatusOr<CompactLayer> r = b->Compress(in, DefaultSpec(), nullptr);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("v: null"));
+  CompressionSpec spec = DefaultSpec();
+  spec.eviction.budget = 65;
+  EXPECT_THAT(std::string(b->Compress(layer.input(), spec, nullptr).status().message()),
+              HasSubstr("eviction.budget"));
+  spec = DefaultSpec();
+  spec.quant.bits = 3;
+  EXPECT_THAT(std::string(b->Compress(layer.input(), spec, nullptr).status().message()),
+              HasSubstr("quant.bits"));
+}
+
+TEST(CpuBackendTest, AttendIsPackedAttention) {
+  const TestLayer layer = RandomLayer({2, 4, 64, 16, 4}, 2, DType::kF16);
+  auto b = MakeCpu(2);
+  absl::StatusOr<CompactLayer> blob = b->Compress(layer.input(), DefaultSpec(), nullptr);
+  ASSERT_TRUE(blob.ok());
+  absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(blob->bytes);
+  ASSERT_TRUE(view.ok());
+  const std::vector<float> q = testing::RandomValues(4 * 1 * 16, 9);
+  const std::vector<float> kn = testing::RandomValues(2 * 1 * 16, 10);
+  const std::vector<float> vn = testing::RandomValues(2 * 1 * 16, 11);
+  DecodeQuery query{.num_q_heads = 4, .n_q = 1, .q = q.data(), .n_new = 1, .k_new = kn.data(),
+                    .v_new = vn.data()};
+  std::vector<float> out(4 * 16), want(4 * 16);
+  ASSERT_TRUE(b->Attend(*view, query, out.data()).ok());
+  ASSERT_TRUE(PackedAttentionCpu(*view, query, want.data()).ok());
+  EXPECT_EQ(out, want);
+  for (float x : out) EXPECT_TRUE(std::isfinite(x));
+}
+
+}  // namespace
+}  // namespace kvc
