@@ -7,6 +7,9 @@
 //     label children at start, so a fresh process shows them all). Prometheus' target labels
 //     (job, instance, namespace, pod, ...) are not kvcd's and are skipped. Also: kvcd's idle
 //     resident memory fits the fixed overhead the manifests budget above the store.
+//   --mode=health --kvcd=BIN --probe=BIN --modules=DIR --deployment=F
+//     Every gRPC probe of the kvcd container in deployment F answers SERVING on kvcd's health port
+//     (asked by BIN, a grpc.health.v1 client like kubelet's), and an unknown service does not.
 //   --mode=flags --kvcd=BIN --flagfiles=F[,F] --docs=F[,F]
 //     kvcd starts with each flagfile (addresses and store moved to loopback/small), and every
 //     --flag named in the docs is one `kvcd --helpfull` lists.
@@ -39,7 +42,11 @@ function startKvcd(extraArgs) {
     const onData = (chunk) => {
       output += chunk;
       const m = /kvcd: metrics on (http:\/\/\S+\/metrics)/.exec(output);
-      if (m) { clearTimeout(timer); resolve({ proc, metricsUrl: m[1], output: () => output }); }
+      const h = /kvcd: health on (\S+)/.exec(output);
+      if (m) {
+        clearTimeout(timer);
+        resolve({ proc, metricsUrl: m[1], healthAddress: h && h[1], output: () => output });
+      }
     };
     proc.stdout.on('data', onData);
     proc.stderr.on('data', onData);
@@ -242,6 +249,38 @@ async function flagsMode() {
     `${list(args.docs).join(', ')} is one of kvcd's ${known.size} flags`);
 }
 
+async function healthMode() {
+  const YAML = lib.modulesRequire(args.modules)('yaml');
+  const dep = YAML.parse(fs.readFileSync(args.deployment, 'utf8'));
+  const c = dep.spec.template.spec.containers.find((x) => x.name === 'kvcd');
+  const probes = ['startupProbe', 'livenessProbe', 'readinessProbe'].filter((p) => c[p] && c[p].grpc);
+  if (!probes.length) lib.fail(`${args.deployment}: the kvcd container has no gRPC probes`);
+  const k = await startKvcd(['--listen=127.0.0.1:0', '--health_listen=127.0.0.1:0',
+    '--metrics_listen=127.0.0.1:0', '--store_bytes=64MiB']);
+  const problems = [];
+  const ask = (service) => spawnSync(args.probe, [k.healthAddress, service],
+    { encoding: 'utf8', timeout: 15000 });
+  try {
+    if (!k.healthAddress) throw new Error(`kvcd did not print its health address:\n${k.output()}`);
+    for (const p of probes) {
+      const service = c[p].grpc.service || '';
+      const r = ask(service);
+      if (r.status !== 0) problems.push(`${p} (service '${service}'): ${(r.stdout + r.stderr).trim()}`);
+      else console.log(`${p}: ${r.stdout.trim()}`);
+    }
+    const bogus = ask('no.such.Service');
+    if (bogus.status === 0) problems.push(`an unknown service answers SERVING: the probe proves nothing`);
+  } finally {
+    await stopKvcd(k);
+  }
+  if (problems.length) {
+    for (const p of problems) console.log(`FAIL: ${args.deployment}: ${p}`);
+    process.exit(1);
+  }
+  console.log(`ok: ${probes.length} gRPC probes of ${args.deployment} pass against kvcd`);
+}
+
 (args.mode === 'metrics' ? metricsMode() : args.mode === 'flags' ? flagsMode()
-  : Promise.reject(new Error('--mode must be metrics or flags')))
+  : args.mode === 'health' ? healthMode()
+  : Promise.reject(new Error('--mode must be metrics, health or flags')))
   .catch((e) => lib.fail(e.message));

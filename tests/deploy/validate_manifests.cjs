@@ -162,9 +162,6 @@ function lintDeployment(objects) {
     if (!p || !p.grpc) { problem(where, `${probe} is not a gRPC probe`); continue; }
     if (p.grpc.port !== healthPort) problem(where, `${probe} port ${p.grpc.port} != health port ${healthPort}`);
   }
-  if (c.readinessProbe && c.readinessProbe.grpc && c.readinessProbe.grpc.service !== 'kvcache.v1.KvCache') {
-    problem(where, 'readinessProbe should ask for service kvcache.v1.KvCache');
-  }
 
   // Shutdown fits the grace period.
   const drain = Number(flags.drain_seconds || 5) + Number(flags.shutdown_deadline_seconds || 10);
