@@ -17,6 +17,7 @@ for p in "${PKGS[@]}"; do
 done
 # kubectl renders the Kubernetes manifests offline; any kubectl with kustomize will do.
 if ! command -v kubectl >/dev/null 2>&1; then missing+=(kubernetes-client); fi
+if ! command -v npm >/dev/null 2>&1; then missing+=(nodejs npm); fi  # tests/deploy validators
 
 if ((${#missing[@]})); then
   SUDO=""
