@@ -17,6 +17,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
 
 namespace kvc::testing {
 namespace {
@@ -69,6 +72,7 @@ absl::StatusOr<std::unique_ptr<KvcdProcess>> KvcdProcess::Start(const Options& o
   p->pid_ = pid;
   p->out_fd_ = fds[0];
   p->reader_ = std::thread([raw = p.get()] { raw->ReadLoop(); });
+  if (!options.wait_for_ready) return p;
 
   const absl::Time deadline = absl::Now() + options.start_timeout;
   auto fail = [&](const absl::Status& s) -> absl::Status {
@@ -166,6 +170,45 @@ absl::StatusOr<int> KvcdProcess::Wait(absl::Duration timeout) {
     if (absl::Now() > deadline) return absl::DeadlineExceededError("kvcd is still running");
     absl::SleepFor(absl::Milliseconds(10));
   }
+}
+
+absl::StatusOr<bool> HealthServing(const std::string& address, const std::string& service,
+                                   absl::Duration timeout) {
+  // HealthCheckRequest{service} and HealthCheckResponse{status} encoded by hand: the health
+  // proto's generated code is not part of the installed gRPC headers.
+  std::string req;
+  if (!service.empty()) {
+    req.push_back(0x0a);
+    req.push_back(static_cast<char>(service.size()));
+    req += service;
+  }
+  grpc::Slice slice(req);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status s) {
+                   status = std::move(s);
+                   done.Notify();
+                 });
+  done.WaitForNotification();
+  if (!status.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                        absl::StrCat("health check: ", status.error_message()));
+  }
+  std::vector<grpc::Slice> slices;
+  if (!response.Dump(&slices).ok()) return absl::DataLossError("health check: unreadable");
+  std::string bytes;
+  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  // SERVING = 1, NOT_SERVING = 2; an absent field means UNKNOWN (0).
+  const int value = bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : 0;
+  if (value == 1) return true;
+  if (value == 2) return false;
+  return absl::UnknownError(absl::StrCat("health check: status ", value));
 }
 
 absl::StatusOr<int> PickFreeLoopbackPort() {

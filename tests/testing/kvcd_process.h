@@ -37,10 +37,13 @@ class KvcdProcess {
     // --store_bytes=64MiB --threads=2.
     std::vector<std::string> flags;
     absl::Duration start_timeout = absl::Seconds(30);
+    // When false, Start returns right after spawning (addresses stay empty): for tests of
+    // start-up failures, which then call Wait and output().
+    bool wait_for_ready = true;
   };
 
-  // Starts kvcd and waits until it prints its gRPC address (and its metrics address unless
-  // metrics are disabled). On failure the process is killed and the error carries its output.
+  // Starts kvcd and waits until it prints its gRPC address (and its health and metrics addresses
+  // unless disabled). On failure the process is killed and the error carries its output.
   static absl::StatusOr<std::unique_ptr<KvcdProcess>> Start(const Options& options);
 
   // Kills the process (SIGKILL) if it still runs.
@@ -79,6 +82,11 @@ class KvcdProcess {
   std::string output_ ABSL_GUARDED_BY(mu_);
   bool eof_ ABSL_GUARDED_BY(mu_) = false;
 };
+
+// grpc.health.v1 Check of `service` ("" = the whole server) at `address`: true for SERVING,
+// false for NOT_SERVING; an error for anything else (including an RPC failure).
+absl::StatusOr<bool> HealthServing(const std::string& address, const std::string& service = "",
+                                   absl::Duration timeout = absl::Seconds(5));
 
 // Returns a TCP port on 127.0.0.1 that was free a moment ago (for servers that cannot take
 // port 0, like Prometheus).

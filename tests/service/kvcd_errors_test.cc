@@ -1,0 +1,304 @@
+// Every bad input and limit of PutCache/GetCache gets its documented status code, a message
+// naming the problem, and leaves the store exactly as it was.
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "testing/kvc_rpc.h"
+#include "testing/kvcd_process.h"
+
+namespace kvc {
+namespace {
+
+using kvcache::v1::PutCacheRequest;
+using testing::KvcdProcess;
+using testing::StoreView;
+using testing::TestCache;
+using ::testing::HasSubstr;
+
+class KvcdErrorsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    KvcdProcess::Options opts;
+    opts.binary = KVCD_PATH;
+    opts.flags = {"--store_bytes=4MiB",        "--backend=cpu",
+                  "--max_chunk_bytes=16KiB",   "--max_message_bytes=64KiB",
+                  "--max_cache_bytes=512KiB",  "--max_concurrent_streams=4"};
+    auto p = KvcdProcess::Start(opts);
+    ASSERT_TRUE(p.ok()) << p.status();
+    kvcd_ = p->release();
+  }
+  static void TearDownTestSuite() {
+    delete kvcd_;
+    kvcd_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(kvcd_, nullptr);
+    stub_ = testing::NewStub(kvcd_->address());
+    // One stored cache, so "unchanged" is checked against a non-empty store.
+    TestCache base = Small("base");
+    grpc::Status s = testing::PutCache(stub_.get(), base);
+    ASSERT_TRUE(s.ok() || s.error_code() == grpc::StatusCode::ALREADY_EXISTS) << s.error_message();
+    before_ = testing::ViewStore(stub_.get());
+    ASSERT_GE(before_.entries, 1u);
+  }
+  void TearDown() override {
+    // Give the server a moment to settle cancelled streams before comparing.
+    StoreView after = testing::ViewStore(stub_.get());
+    EXPECT_EQ(after.used_bytes, before_.used_bytes);
+    EXPECT_EQ(after.entries, before_.entries);
+    EXPECT_EQ(after.ids, before_.ids);
+  }
+
+  static TestCache Small(const std::string& id) {
+    return testing::MakeTestCache(id, testing::Shape(2, 2, 4, 32, 64, 8),
+                                  kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 42);
+  }
+
+  // Uploads `requests` and expects `code` with `text` in the message.
+  void ExpectPut(const std::vector<PutCacheRequest>& requests, grpc::StatusCode code,
+                 const std::string& text) {
+    grpc::Status s = testing::Put(stub_.get(), requests, nullptr);
+    EXPECT_EQ(s.error_code(), code) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(text));
+  }
+
+  static KvcdProcess* kvcd_;
+  std::unique_ptr<kvcache::v1::KvCache::Stub> stub_;
+  StoreView before_;
+};
+KvcdProcess* KvcdErrorsTest::kvcd_ = nullptr;
+
+TEST_F(KvcdErrorsTest, BadHeaderFieldsAreInvalidArgumentNamingTheField) {
+  struct Case {
+    std::function<void(kvcache::v1::PutCacheHeader*)> mutate;
+    std::string text;
+  };
+  const std::vector<Case> cases = {
+      {[](auto* h) { h->mutable_shape()->set_head_dim(300); }, "head_dim"},
+      {[](auto* h) { h->mutable_shape()->set_num_layers(0); }, "num_layers"},
+      {[](auto* h) { h->mutable_shape()->set_num_q_heads(3); }, "num_q_heads"},
+      {[](auto* h) { h->mutable_shape()->set_obs_window(65); }, "obs_window"},
+      {[](auto* h) { h->set_dtype(kvcache::v1::DTYPE_UNSPECIFIED); }, "dtype"},
+      {[](auto* h) { h->set_layout(static_cast<kvcache::v1::Layout>(7)); }, "layout"},
+      {[](auto* h) { h->set_cache_id(""); }, "cache_id"},
+      {[](auto* h) { h->set_cache_id("has space"); }, "cache_id"},
+      {[](auto* h) { h->set_cache_id(std::string(257, 'a')); }, "cache_id"},
+      {[](auto* h) { h->mutable_compression()->mutable_eviction()->set_policy("bogus"); },
+       "eviction.policy"},
+      {[](auto* h) { h->mutable_compression()->mutable_eviction()->set_keep_ratio(1.5); },
+       "keep_ratio"},
+      {[](auto* h) { h->mutable_compression()->mutable_channels()->set_key_lambda(1.5); },
+       "key_lambda"},
+      {[](auto* h) { h->mutable_compression()->mutable_quant()->set_bits(3); }, "bits"},
+      {[](auto* h) { h->mutable_compression()->mutable_eviction()->set_pool("median"); },
+       "pool"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(i);
+    TestCache c = Small("bad/header");
+    cases[i].mutate(&c.header);
+    ExpectPut(testing::MakeRequests(c, 16 << 10), grpc::StatusCode::INVALID_ARGUMENT,
+              cases[i].text);
+  }
+}
+
+TEST_F(KvcdErrorsTest, StreamStructureErrors) {
+  TestCache c = Small("bad/structure");
+  auto requests = testing::MakeRequests(c, 16 << 10);
+  // No header at all, and a chunk first.
+  ExpectPut({}, grpc::StatusCode::INVALID_ARGUMENT, "without a PutCacheHeader");
+  ExpectPut({requests.begin() + 1, requests.end()}, grpc::StatusCode::INVALID_ARGUMENT,
+            "first message must be a PutCacheHeader");
+  // Header twice.
+  auto twice = requests;
+  twice.insert(twice.begin() + 2, requests[0]);
+  ExpectPut(twice, grpc::StatusCode::INVALID_ARGUMENT, "second PutCacheHeader");
+  // A message with neither header nor chunk.
+  auto empty = requests;
+  empty.insert(empty.begin() + 1, PutCacheRequest());
+  ExpectPut(empty, grpc::StatusCode::INVALID_ARGUMENT, "neither header nor chunk");
+}
+
+TEST_F(KvcdErrorsTest, BadChunksAreRejected) {
+  TestCache c = Small("bad/chunk");
+  const auto good = testing::MakeRequests(c, 4096);
+  auto with = [&](std::function<void(PutCacheRequest*)> mutate) {
+    auto r = good;
+    mutate(&r[1]);
+    return r;
+  };
+  ExpectPut(with([](auto* r) { r->mutable_chunk()->set_layer(2); }),
+            grpc::StatusCode::INVALID_ARGUMENT, "chunk.layer: 2 is outside [0, 2)");
+  ExpectPut(with([](auto* r) { r->mutable_chunk()->set_tensor(kvcache::v1::TENSOR_UNSPECIFIED); }),
+            grpc::StatusCode::INVALID_ARGUMENT, "chunk.tensor");
+  ExpectPut(with([](auto* r) { r->mutable_chunk()->set_offset(8190); }),
+            grpc::StatusCode::INVALID_ARGUMENT, "is outside layer 0 tensor K of 8192 bytes");
+  // The same bytes twice (an overlapping chunk).
+  auto dup = good;
+  PutCacheRequest overlap = good[1];
+  overlap.mutable_chunk()->set_offset(100);
+  overlap.set_data(overlap.data().substr(0, 50));
+  dup.insert(dup.begin() + 2, overlap);
+  ExpectPut(dup, grpc::StatusCode::INVALID_ARGUMENT, "already received");
+}
+
+TEST_F(KvcdErrorsTest, TruncatedStreamNamesTheMissingBytes) {
+  TestCache c = Small("bad/truncated");
+  auto requests = testing::MakeRequests(c, 4096);
+  // Drop the first chunk of layer 1's V (each K/V tensor is 8192 bytes = 2 chunks; Q_obs 2048).
+  // Order per layer: K K V V Q, so layer 1 V starts at index 1 + 5 + 2.
+  ASSERT_EQ(requests[8].chunk().layer(), 1u);
+  ASSERT_EQ(requests[8].chunk().tensor(), kvcache::v1::TENSOR_V);
+  requests.erase(requests.begin() + 8);
+  ExpectPut(requests, grpc::StatusCode::INVALID_ARGUMENT,
+            "layer 1 tensor V: 4096 of 8192 bytes received");
+}
+
+TEST_F(KvcdErrorsTest, ChunkOverMaxChunkBytesIsResourceExhausted) {
+  TestCache c = Small("bad/bigchunk");
+  c.header.mutable_shape()->set_seq_len(256);
+  c = testing::MakeTestCache("bad/bigchunk", c.header.shape(), kvcache::v1::DTYPE_F16,
+                             kvcache::v1::LAYOUT_HND, 1);
+  // 20 KiB: over --max_chunk_bytes=16KiB, under --max_message_bytes=64KiB.
+  ExpectPut(testing::MakeRequests(c, 20 << 10), grpc::StatusCode::RESOURCE_EXHAUSTED,
+            "max_chunk_bytes");
+}
+
+TEST_F(KvcdErrorsTest, MessageOverMaxMessageBytesIsResourceExhausted) {
+  TestCache c = testing::MakeTestCache("bad/bigmessage", testing::Shape(1, 2, 2, 64, 512, 0),
+                                       kvcache::v1::DTYPE_F32, kvcache::v1::LAYOUT_HND, 1);
+  // 128 KiB chunks: over --max_message_bytes=64KiB; gRPC itself refuses the message.
+  grpc::Status s = testing::Put(stub_.get(), testing::MakeRequests(c, 128 << 10), nullptr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+}
+
+TEST_F(KvcdErrorsTest, CacheOverMaxCacheBytesIsRejectedAtTheHeader) {
+  TestCache c = Small("bad/huge");
+  c.header.mutable_shape()->set_seq_len(4096);  // 2 layers * 2 * 2 * 4096 * 32 * 2 B = 2 MiB
+  // Only the header is sent: the rejection must not wait for the payload.
+  PutCacheRequest header;
+  *header.mutable_header() = c.header;
+  ExpectPut({header}, grpc::StatusCode::RESOURCE_EXHAUSTED, "bytes per cache");
+}
+
+TEST_F(KvcdErrorsTest, DuplicateIdIsAlreadyExistsUnlessOverwrite) {
+  TestCache c = Small("base");  // stored by SetUp
+  ExpectPut(testing::MakeRequests(c, 16 << 10), grpc::StatusCode::ALREADY_EXISTS, "overwrite");
+  // Overwrite with the same bytes keeps the store the same size and content.
+  c.header.set_overwrite(true);
+  kvcache::v1::PutCacheResponse resp;
+  grpc::Status s = testing::Put(stub_.get(), testing::MakeRequests(c, 16 << 10), &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+TEST_F(KvcdErrorsTest, UnknownCacheIsNotFoundEverywhere) {
+  kvcache::v1::GetCacheRequest get;
+  get.set_cache_id("no/such");
+  testing::Fetched fetched;
+  EXPECT_EQ(testing::Get(stub_.get(), get, &fetched).error_code(), grpc::StatusCode::NOT_FOUND);
+  grpc::ClientContext c1, c2;
+  kvcache::v1::StatCacheRequest stat;
+  stat.set_cache_id("no/such");
+  kvcache::v1::CacheInfo info;
+  EXPECT_EQ(stub_->StatCache(&c1, stat, &info).error_code(), grpc::StatusCode::NOT_FOUND);
+  kvcache::v1::DeleteCacheRequest del;
+  del.set_cache_id("no/such");
+  kvcache::v1::DeleteCacheResponse dr;
+  EXPECT_EQ(stub_->DeleteCache(&c2, del, &dr).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(KvcdErrorsTest, BadGetRequests) {
+  kvcache::v1::GetCacheRequest get;
+  get.set_cache_id("base");
+  get.set_layer_begin(1);
+  get.set_layer_end(5);
+  testing::Fetched f1, f2, f3;
+  grpc::Status s = testing::Get(stub_.get(), get, &f1);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("layer_end"));
+  get.clear_layer_end();
+  get.set_format(static_cast<kvcache::v1::Format>(9));
+  s = testing::Get(stub_.get(), get, &f2);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("format"));
+  get.set_cache_id("bad id");
+  EXPECT_EQ(testing::Get(stub_.get(), get, &f3).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST_F(KvcdErrorsTest, ClientCancelMidUploadStoresNothing) {
+  TestCache c = Small("bad/cancel");
+  const auto requests = testing::MakeRequests(c, 4096);
+  for (size_t sent : {requests.size() / 2, requests.size()}) {
+    // Half the payload, then the whole payload but no WritesDone: both cancelled.
+    grpc::ClientContext ctx;
+    kvcache::v1::PutCacheResponse resp;
+    auto writer = stub_->PutCache(&ctx, &resp);
+    for (size_t i = 0; i < sent; ++i) ASSERT_TRUE(writer->Write(requests[i]));
+    absl::SleepFor(absl::Milliseconds(100));  // let the server place (and compress) them
+    ctx.TryCancel();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  absl::SleepFor(absl::Milliseconds(200));
+}
+
+TEST_F(KvcdErrorsTest, DeadlineExceededMidUploadStoresNothing) {
+  TestCache c = Small("bad/deadline");
+  const auto requests = testing::MakeRequests(c, 4096);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(300)));
+  kvcache::v1::PutCacheResponse resp;
+  auto writer = stub_->PutCache(&ctx, &resp);
+  for (size_t i = 0; i < requests.size() - 1; ++i) writer->Write(requests[i]);
+  absl::SleepFor(absl::Milliseconds(600));
+  writer->Write(requests.back());
+  writer->WritesDone();
+  EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  absl::SleepFor(absl::Milliseconds(200));
+}
+
+TEST_F(KvcdErrorsTest, StreamsOverTheConcurrencyLimitAreResourceExhausted) {
+  TestCache c = Small("bad/streams");
+  const auto requests = testing::MakeRequests(c, 4096);
+  struct Open {
+    grpc::ClientContext ctx;
+    kvcache::v1::PutCacheResponse resp;
+    std::unique_ptr<grpc::ClientWriter<PutCacheRequest>> writer;
+  };
+  std::vector<std::unique_ptr<Open>> open;
+  for (int i = 0; i < 4; ++i) {  // --max_concurrent_streams=4
+    auto o = std::make_unique<Open>();
+    o->writer = stub_->PutCache(&o->ctx, &o->resp);
+    PutCacheRequest h = requests[0];
+    h.mutable_header()->set_cache_id("bad/streams" + std::to_string(i));
+    ASSERT_TRUE(o->writer->Write(h));
+    open.push_back(std::move(o));
+  }
+  absl::SleepFor(absl::Milliseconds(200));  // every header is being served
+  ExpectPut(requests, grpc::StatusCode::RESOURCE_EXHAUSTED, "max_concurrent_streams");
+  kvcache::v1::GetCacheRequest get;
+  get.set_cache_id("base");
+  testing::Fetched f;
+  EXPECT_EQ(testing::Get(stub_.get(), get, &f).error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
+  for (auto& o : open) {
+    o->ctx.TryCancel();
+    o->writer->Finish();
+  }
+  absl::SleepFor(absl::Milliseconds(200));
+  // Slots are released: a new upload works again (and is deleted to keep the store unchanged).
+  grpc::Status s = testing::Put(stub_.get(), requests, nullptr);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  grpc::ClientContext ctx;
+  kvcache::v1::DeleteCacheRequest del;
+  del.set_cache_id("bad/streams");
+  kvcache::v1::DeleteCacheResponse dr;
+  EXPECT_TRUE(stub_->DeleteCache(&ctx, del, &dr).ok());
+}
+
+}  // namespace
+}  // namespace kvc
