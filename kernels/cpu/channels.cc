@@ -38,11 +38,12 @@ void TopChannels(const float* score, int D, int keep, int32_t* out) {
 // Gathers rows `pos[0..n)` of K or V head h as float [n, D].
 void GatherRows(const LayerInput& in, bool values, int h, const int32_t* pos, int n, float* dst) {
   const int D = in.shape.head_dim;
-  for (int i = 0; i < n; ++i) LoadHeadRows(in, values, h, pos[i], 1, dst + static_cast<size_t>(i) * D);
+  for (int i = 0; i < n; ++i)
+    LoadHeadRows(in, values, h, pos[i], 1, dst + static_cast<size_t>(i) * D);
 }
 
-void KeyChannelScores(const LayerInput& in, const CompressionSpec& spec, int h,
-                      const int32_t* pos, int m, float* score) {
+void KeyChannelScores(const LayerInput& in, const CompressionSpec& spec, int h, const int32_t* pos,
+                      int m, float* score) {
   const int D = in.shape.head_dim;
   Scratch& s = Scratch::ForThisThread();
   float* k = Grow(s.k, static_cast<size_t>(std::max(m, 1)) * D);
@@ -89,8 +90,8 @@ void ValueChannelScores(const LayerInput& in, int h, const int32_t* pos, int bud
   GatherRows(in, /*values=*/false, h, pos, budget, k);
   GatherRows(in, /*values=*/true, h, pos, m, v);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, budget, D, scale, q, D, k, D, 0.0f,
-              p, budget);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, budget, D, scale, q, D, k, D, 0.0f, p,
+              budget);
   for (int r = 0; r < rows; ++r) {
     float* row = p + static_cast<size_t>(r) * budget;
     const int limit = S - W + r % W;  // causal: kept positions <= the query's position
@@ -105,8 +106,8 @@ void ValueChannelScores(const LayerInput& in, int h, const int32_t* pos, int bud
     for (int j = 0; j < valid; ++j) row[j] *= inv;
     std::fill(row + valid, row + budget, 0.0f);
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, D, m, 1.0f, p, budget, v, D, 0.0f,
-              o, D);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, D, m, 1.0f, p, budget, v, D, 0.0f, o,
+              D);
   for (int r = 0; r < rows; ++r) simd::AccumulateSquares(o + static_cast<size_t>(r) * D, score, D);
 }
 

@@ -54,8 +54,7 @@ void FromFloatScalar(const float* src, DType t, size_t n, void* dst) {
 namespace {
 
 #ifdef KVC_X86
-__attribute__((target("avx2,f16c"))) void HalfToFloatAvx2(const uint16_t* s, size_t n,
-                                                          float* d) {
+__attribute__((target("avx2,f16c"))) void HalfToFloatAvx2(const uint16_t* s, size_t n, float* d) {
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
@@ -76,8 +75,7 @@ __attribute__((target("avx2"))) void BFloat16ToFloatAvx2(const uint16_t* s, size
   for (; i < n; ++i) d[i] = BFloat16ToFloat(s[i]);
 }
 
-__attribute__((target("avx2,f16c"))) void FloatToHalfAvx2(const float* s, size_t n,
-                                                          uint16_t* d) {
+__attribute__((target("avx2,f16c"))) void FloatToHalfAvx2(const float* s, size_t n, uint16_t* d) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT);

@@ -21,8 +21,8 @@ namespace kvc::cpu {
 // Preconditions for the *Impl functions: input and spec already validated.
 void ScoreTokensImpl(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool,
                      std::vector<float>* scores);
-TokenSelection SelectTokensImpl(const LayerInput& in, const CompressionSpec& spec,
-                                ThreadPool* pool, double* score_seconds);
+TokenSelection SelectTokensImpl(const LayerInput& in, const CompressionSpec& spec, ThreadPool* pool,
+                                double* score_seconds);
 ChannelSelection SelectChannelsImpl(const LayerInput& in, const TokenSelection& tokens,
                                     const CompressionSpec& spec, ThreadPool* pool);
 

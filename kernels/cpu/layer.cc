@@ -22,9 +22,9 @@ absl::Status ValidateShape(const LayerShape& shape) {
     return Invalid("shape.num_q_heads", absl::StrCat(shape.num_q_heads, " must be >= 1"));
   }
   if (shape.num_q_heads % shape.num_kv_heads != 0) {
-    return Invalid("shape.num_q_heads",
-                   absl::StrCat(shape.num_q_heads, " is not a multiple of num_kv_heads ",
-                                shape.num_kv_heads));
+    return Invalid(
+        "shape.num_q_heads",
+        absl::StrCat(shape.num_q_heads, " is not a multiple of num_kv_heads ", shape.num_kv_heads));
   }
   if (shape.seq_len < 1) {
     return Invalid("shape.seq_len", absl::StrCat(shape.seq_len, " must be >= 1"));
@@ -34,8 +34,8 @@ absl::Status ValidateShape(const LayerShape& shape) {
                                                   ", ", kMaxHeadDim, "]"));
   }
   if (shape.obs_window < 0 || shape.obs_window > shape.seq_len) {
-    return Invalid("shape.obs_window", absl::StrCat(shape.obs_window, " is outside [0, seq_len ",
-                                                    shape.seq_len, "]"));
+    return Invalid("shape.obs_window",
+                   absl::StrCat(shape.obs_window, " is outside [0, seq_len ", shape.seq_len, "]"));
   }
   // Products below are computed in 64 bits; the limit keeps every byte offset far from overflow.
   const uint64_t kv_elems = static_cast<uint64_t>(shape.num_kv_heads) * shape.seq_len *

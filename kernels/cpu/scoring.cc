@@ -173,9 +173,8 @@ void ScoreTokensImpl(const LayerInput& in, const EvictionSpec& spec, ThreadPool*
     case EvictionPolicy::kSnapKV:
     case EvictionPolicy::kKeyformer:
       PrepareBlas(pool);
-      pool->ParallelFor(H, [&](int h) {
-        AttentionScoreHead(in, spec, h, out + static_cast<size_t>(h) * S);
-      });
+      pool->ParallelFor(
+          H, [&](int h) { AttentionScoreHead(in, spec, h, out + static_cast<size_t>(h) * S); });
       return;
   }
 }

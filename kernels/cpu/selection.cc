@@ -1,6 +1,8 @@
 // Token selection: protected positions (sinks, recent window, observation window) first, then the
 // best-scoring rest. Ordering is a strict total order (score descending, then position ascending,
 // NaN scores last), so the result is deterministic whatever nth_element does internally.
+#include "kvc/selection.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -8,7 +10,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "cpu/engine.h"
-#include "kvc/selection.h"
 #include "kvc/status_macros.h"
 
 namespace kvc::cpu {
@@ -86,8 +87,8 @@ int RecentCount(const CompressionSpec& spec, int budget) {
   return active ? std::min(spec.recent_tokens, budget) : 0;
 }
 
-TokenSelection SelectTokensImpl(const LayerInput& in, const CompressionSpec& spec,
-                                ThreadPool* pool, double* score_seconds) {
+TokenSelection SelectTokensImpl(const LayerInput& in, const CompressionSpec& spec, ThreadPool* pool,
+                                double* score_seconds) {
   const EvictionSpec& e = spec.eviction;
   const int S = in.shape.seq_len, H = in.shape.num_kv_heads;
   const int budget = EffectiveBudget(e, in.layer_index, S);
@@ -102,8 +103,7 @@ TokenSelection SelectTokensImpl(const LayerInput& in, const CompressionSpec& spe
   const bool need_scores = prot.sinks + prot.recent < budget;
   if (need_scores) ScoreTokensImpl(in, e, pool, &scores);
   if (score_seconds != nullptr) {
-    *score_seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    *score_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
   if (e.granularity == Granularity::kPerLayer) {
@@ -117,7 +117,8 @@ TokenSelection SelectTokensImpl(const LayerInput& in, const CompressionSpec& spe
     std::vector<int32_t> cand;
     SelectHead(scores.data(), S, budget, prot, cand, sel.positions.data());
     for (int h = 1; h < H; ++h) {
-      std::copy_n(sel.positions.data(), budget, sel.positions.data() + static_cast<size_t>(h) * budget);
+      std::copy_n(sel.positions.data(), budget,
+                  sel.positions.data() + static_cast<size_t>(h) * budget);
     }
     return sel;
   }
@@ -141,8 +142,8 @@ absl::Status ValidateTokenSelection(const LayerInput& in, const TokenSelection& 
   }
   if (tokens.positions.size() != static_cast<size_t>(H) * tokens.budget) {
     return absl::InvalidArgumentError(
-        absl::StrCat("tokens.positions: size ", tokens.positions.size(), " is not num_kv_heads * budget ",
-                     static_cast<size_t>(H) * tokens.budget));
+        absl::StrCat("tokens.positions: size ", tokens.positions.size(),
+                     " is not num_kv_heads * budget ", static_cast<size_t>(H) * tokens.budget));
   }
   for (int h = 0; h < H; ++h) {
     const int32_t* p = tokens.positions.data() + static_cast<size_t>(h) * tokens.budget;

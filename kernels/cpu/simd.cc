@@ -3,10 +3,10 @@
 // error ~1e-7). Softmax over 10^7+ logits per layer made libm's scalar expf the bottleneck.
 #include "cpu/simd.h"
 
-#include "kvc/noise.h"
-
 #include <cmath>
 #include <limits>
+
+#include "kvc/noise.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -41,10 +41,10 @@ __attribute__((target("avx2,fma"))) inline __m256 Exp8(__m256 x) {
   // n in [-127, 128]; 2^n built in two halves so that n = 128 does not overflow the exponent.
   const __m256i ni = _mm256_cvtps_epi32(n);
   const __m256i half = _mm256_srai_epi32(ni, 1);
-  const __m256 s1 = _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
-  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+  const __m256 s1 =
+      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+  const __m256 s2 = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
   return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
@@ -93,8 +93,7 @@ __attribute__((target("avx2,fma"))) void AxpyAvx2(float a, const float* x, float
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
-__attribute__((target("avx2,fma"))) void AccumulateSquaresAvx2(const float* x, float* y,
-                                                               size_t n) {
+__attribute__((target("avx2,fma"))) void AccumulateSquaresAvx2(const float* x, float* y, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
@@ -136,8 +135,8 @@ __attribute__((target("avx2,fma"))) inline __m256i Mix64x4(__m256i x) {
 // Natural log for positive normal floats (Cephes logf scheme).
 __attribute__((target("avx2,fma"))) inline __m256 Log8(__m256 x) {
   const __m256i xi = _mm256_castps_si256(x);
-  __m256 e = _mm256_cvtepi32_ps(
-      _mm256_sub_epi32(_mm256_srli_epi32(xi, 23), _mm256_set1_epi32(126)));
+  __m256 e =
+      _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(xi, 23), _mm256_set1_epi32(126)));
   __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
       _mm256_and_si256(xi, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f000000)));
   const __m256 small = _mm256_cmp_ps(m, _mm256_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
@@ -162,8 +161,8 @@ __attribute__((target("avx2,fma"))) inline __m256 Log8(__m256 x) {
 }
 
 __attribute__((target("avx2,fma"))) void AddGumbelAvx2(float* x, size_t n, uint64_t seed,
-                                                       uint32_t layer, uint32_t head,
-                                                       uint32_t row, float inv_tau) {
+                                                       uint32_t layer, uint32_t head, uint32_t row,
+                                                       float inv_tau) {
   const uint64_t base = Mix64(seed ^ Mix64((uint64_t{layer} << 32) | head));
   const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(base ^ (uint64_t{row} << 32)));
   const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);

@@ -12,8 +12,8 @@ namespace kvc {
 namespace {
 
 constexpr EvictionPolicy kEvictionPolicies[] = {
-    EvictionPolicy::kNone,      EvictionPolicy::kStreaming, EvictionPolicy::kH2O,
-    EvictionPolicy::kSnapKV,    EvictionPolicy::kKeyformer, EvictionPolicy::kKNorm,
+    EvictionPolicy::kNone,   EvictionPolicy::kStreaming, EvictionPolicy::kH2O,
+    EvictionPolicy::kSnapKV, EvictionPolicy::kKeyformer, EvictionPolicy::kKNorm,
     EvictionPolicy::kRandom};
 constexpr ChannelPolicy kChannelPolicies[] = {ChannelPolicy::kNone, ChannelPolicy::kThink,
                                               ChannelPolicy::kL1, ChannelPolicy::kL2};
@@ -29,13 +29,11 @@ bool NeedsObservation(EvictionPolicy p) {
 
 absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
   if (static_cast<uint8_t>(e.policy) > static_cast<uint8_t>(EvictionPolicy::kRandom)) {
-    return Invalid("eviction.policy",
-                   absl::StrCat("unknown value ", static_cast<int>(e.policy)));
+    return Invalid("eviction.policy", absl::StrCat("unknown value ", static_cast<int>(e.policy)));
   }
   if (e.budget < 0) return Invalid("eviction.budget", absl::StrCat(e.budget, " must be >= 0"));
   if (e.budget > shape.seq_len) {
-    return Invalid("eviction.budget",
-                   absl::StrCat(e.budget, " exceeds seq_len ", shape.seq_len));
+    return Invalid("eviction.budget", absl::StrCat(e.budget, " exceeds seq_len ", shape.seq_len));
   }
   // Written so that NaN fails too.
   if (!(e.keep_ratio > 0.0 && e.keep_ratio <= 1.0)) {
@@ -62,8 +60,7 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
                    absl::StrCat(e.recent_fraction, " is outside [0, 1] (negative = default)"));
   }
   if (e.pool_kernel < 1 || e.pool_kernel % 2 == 0) {
-    return Invalid("eviction.pool_kernel",
-                   absl::StrCat(e.pool_kernel, " must be odd and >= 1"));
+    return Invalid("eviction.pool_kernel", absl::StrCat(e.pool_kernel, " must be odd and >= 1"));
   }
   if (static_cast<uint8_t>(e.pool) > static_cast<uint8_t>(PoolKind::kAvg)) {
     return Invalid("eviction.pool", absl::StrCat("unknown value ", static_cast<int>(e.pool)));
@@ -111,8 +108,8 @@ absl::Status ValidateQuant(const QuantSpec& q, const LayerShape& shape) {
       return Invalid("quant.group_size", absl::StrCat(q.group_size, " must be >= 1"));
     }
     if (shape.head_dim % q.group_size != 0) {
-      return Invalid("quant.group_size", absl::StrCat(q.group_size, " does not divide head_dim ",
-                                                      shape.head_dim));
+      return Invalid("quant.group_size",
+                     absl::StrCat(q.group_size, " does not divide head_dim ", shape.head_dim));
     }
   }
   return absl::OkStatus();

@@ -51,9 +51,8 @@ void ThreadPool::WorkerLoop() {
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](ThreadPool* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) {
-            return p->stop_ || !p->queue_.empty();
-          },
+          +[](ThreadPool* p)
+               ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) { return p->stop_ || !p->queue_.empty(); },
           this));
       if (queue_.empty()) return;  // stop_ and nothing left
       job = queue_.front();
@@ -85,8 +84,7 @@ void ThreadPool::ParallelFor(int n, const std::function<void(int)>& fn) {
   {
     absl::MutexLock lock(&job->mu);
     job->mu.Await(absl::Condition(
-        +[](Job* j) ABSL_EXCLUSIVE_LOCKS_REQUIRED(j->mu) { return j->done == j->n; },
-        job.get()));
+        +[](Job* j) ABSL_EXCLUSIVE_LOCKS_REQUIRED(j->mu) { return j->done == j->n; }, job.get()));
   }
   absl::MutexLock lock(&mu_);
   auto it = std::find(queue_.begin(), queue_.end(), job);

@@ -112,8 +112,8 @@ void RunSgemm(benchmark::State& state, int M, int N, int K, int threads) {
                 0.0f, c.data(), N);
     benchmark::DoNotOptimize(c.data());
   }
-  state.counters["FLOPS"] = benchmark::Counter(2.0 * M * N * K * state.iterations(),
-                                               benchmark::Counter::kIsRate);
+  state.counters["FLOPS"] =
+      benchmark::Counter(2.0 * M * N * K * state.iterations(), benchmark::Counter::kIsRate);
   state.counters["blas_threads"] = threads;
 }
 
@@ -127,8 +127,8 @@ void BM_SgemmScoreShape(benchmark::State& state) {
   std::vector<float> b(static_cast<size_t>(S) * kHeadDim, 0.25f), c(static_cast<size_t>(M) * S);
   for (auto _ : state) {
     for (int h = 0; h < kKvHeads; ++h) {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, S, kHeadDim, 1.0f, a.data(),
-                  kHeadDim, b.data(), kHeadDim, 0.0f, c.data(), S);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, S, kHeadDim, 1.0f, a.data(), kHeadDim,
+                  b.data(), kHeadDim, 0.0f, c.data(), S);
     }
     benchmark::DoNotOptimize(c.data());
   }
@@ -246,8 +246,12 @@ void BM_Pipeline(benchmark::State& state) {
 // Short runs: 32K iterations take ~0.1-1 s each on a small machine.
 BENCHMARK(BM_Memcpy)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_SgemmSquare)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_SgemmScoreShape)->Args({4096, 1})->Args({32768, 1})->Args({32768, 0})
-    ->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_SgemmScoreShape)
+    ->Args({4096, 1})
+    ->Args({32768, 1})
+    ->Args({32768, 0})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(BM_Score)
     ->Args({4096, static_cast<int>(EvictionPolicy::kH2O)})
     ->Args({4096, static_cast<int>(EvictionPolicy::kKeyformer)})
@@ -255,12 +259,22 @@ BENCHMARK(BM_Score)
     ->Args({32768, static_cast<int>(EvictionPolicy::kSnapKV)})
     ->Args({32768, static_cast<int>(EvictionPolicy::kKeyformer)})
     ->Args({32768, static_cast<int>(EvictionPolicy::kKNorm)})
-    ->Unit(benchmark::kMillisecond)->UseRealTime();
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(BM_SelectChannels)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Pack)->Args({4096, 0})->Args({4096, 4})->Args({32768, 0})->Args({32768, 4})
-    ->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Pipeline)->Args({4096, 1})->Args({32768, 1})->Args({32768, 0})
-    ->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Pack)
+    ->Args({4096, 0})
+    ->Args({4096, 4})
+    ->Args({32768, 0})
+    ->Args({32768, 4})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Pipeline)
+    ->Args({4096, 1})
+    ->Args({32768, 1})
+    ->Args({32768, 0})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 }  // namespace
 }  // namespace kvc

@@ -40,7 +40,8 @@ TEST(SelectChannelsTest, ThinkRanksByQueryTimesKeyEnergy) {
   // [9,4,0,1,1,1,1,4]. lambda 0.75 keeps 2 channels: 0, then the 4-tie (1 vs 7) goes to 1.
   // Channel 2 has the largest key but a zero query, so magnitude policies would keep it.
   const std::vector<float> row = {3, 1, 5, 1, 1, 1, 1, 2};
-  const TestLayer layer = Hand({row, row, row, row}, {row, row, row, row}, {1, 2, 0, 1, 1, 1, 1, 1});
+  const TestLayer layer =
+      Hand({row, row, row, row}, {row, row, row, row}, {1, 2, 0, 1, 1, 1, 1, 1});
   CompressionSpec s;
   s.channels.key_policy = ChannelPolicy::kThink;
   s.channels.key_lambda = 0.75;
@@ -123,7 +124,8 @@ TEST(SelectChannelsTest, ThinkAggregatesTheQueryGroup) {
   s.recent_tokens = 0;
   const TestLayer group = MakeLayer({1, 2, 4, 8, 1}, k, k, q);
   EXPECT_THAT(HeadKeyChannels(Channels(group, s), 0), ElementsAre(1, 5));
-  const TestLayer head1 = MakeLayer({1, 1, 4, 8, 1}, k, k, std::vector<float>(q.begin() + 8, q.end()));
+  const TestLayer head1 =
+      MakeLayer({1, 1, 4, 8, 1}, k, k, std::vector<float>(q.begin() + 8, q.end()));
   EXPECT_THAT(HeadKeyChannels(Channels(head1, s), 0), ElementsAre(5, 6));
 }
 

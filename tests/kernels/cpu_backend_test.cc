@@ -143,7 +143,11 @@ TEST(CpuBackendTest, AttendIsPackedAttention) {
   const std::vector<float> q = testing::RandomValues(4 * 1 * 16, 9);
   const std::vector<float> kn = testing::RandomValues(2 * 1 * 16, 10);
   const std::vector<float> vn = testing::RandomValues(2 * 1 * 16, 11);
-  DecodeQuery query{.num_q_heads = 4, .n_q = 1, .q = q.data(), .n_new = 1, .k_new = kn.data(),
+  DecodeQuery query{.num_q_heads = 4,
+                    .n_q = 1,
+                    .q = q.data(),
+                    .n_new = 1,
+                    .k_new = kn.data(),
                     .v_new = vn.data()};
   std::vector<float> out(4 * 16), want(4 * 16);
   ASSERT_TRUE(b->Attend(*view, query, out.data()).ok());

@@ -10,7 +10,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
-LayerShape GoodShape() { return {.num_kv_heads = 2, .num_q_heads = 8, .seq_len = 64, .head_dim = 16, .obs_window = 8}; }
+LayerShape GoodShape() {
+  return {.num_kv_heads = 2, .num_q_heads = 8, .seq_len = 64, .head_dim = 16, .obs_window = 8};
+}
 
 void ExpectInvalid(const LayerShape& shape, const std::string& field) {
   const absl::Status s = ValidateShape(shape);
@@ -60,16 +62,25 @@ TEST(ValidateShapeTest, RejectsEachBadField) {
 }
 
 TEST(ValidateShapeTest, RejectsElementCountsAboveTheLimit) {
-  LayerShape s = {.num_kv_heads = 1024, .num_q_heads = 1024, .seq_len = 1 << 28, .head_dim = 256,
+  LayerShape s = {.num_kv_heads = 1024,
+                  .num_q_heads = 1024,
+                  .seq_len = 1 << 28,
+                  .head_dim = 256,
                   .obs_window = 0};
   ExpectInvalid(s, "K has");
   // Exactly at the limit (2^10 heads * 2^18 tokens * 2^8 channels = 2^36) is accepted.
-  s = {.num_kv_heads = 1024, .num_q_heads = 1024, .seq_len = 1 << 18, .head_dim = 256,
+  s = {.num_kv_heads = 1024,
+       .num_q_heads = 1024,
+       .seq_len = 1 << 18,
+       .head_dim = 256,
        .obs_window = 0};
   EXPECT_TRUE(ValidateShape(s).ok());
   s.seq_len += 1;
   ExpectInvalid(s, "K has");
-  s = {.num_kv_heads = 1, .num_q_heads = 1 << 20, .seq_len = 1 << 18, .head_dim = 256,
+  s = {.num_kv_heads = 1,
+       .num_q_heads = 1 << 20,
+       .seq_len = 1 << 18,
+       .head_dim = 256,
        .obs_window = 1 << 18};
   ExpectInvalid(s, "Q_obs has");
 }

@@ -1,7 +1,7 @@
 #include "kvc/noise.h"
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <set>
 #include <vector>
 
@@ -41,8 +41,8 @@ TEST(NoiseTest, GumbelHasTheRightMeanAndVariance) {
   const int n = 400000;
   double sum = 0, sq = 0;
   for (int i = 0; i < n; ++i) {
-    const double g = CounterGumbel(7, 0, 0, static_cast<uint32_t>(i >> 10),
-                                   static_cast<uint32_t>(i & 1023));
+    const double g =
+        CounterGumbel(7, 0, 0, static_cast<uint32_t>(i >> 10), static_cast<uint32_t>(i & 1023));
     ASSERT_TRUE(std::isfinite(g));
     sum += g;
     sq += g * g;

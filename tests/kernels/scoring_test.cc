@@ -32,10 +32,8 @@ TEST(ScoreTokensTest, H2OMatchesReferenceOverShapes) {
   struct Case {
     int hkv, g, S, D, W;
   };
-  for (const Case& c : std::vector<Case>{{1, 1, 1, 8, 1},
-                                         {2, 4, 37, 16, 5},
-                                         {3, 2, 64, 64, 64},
-                                         {1, 8, 200, 128, 32}}) {
+  for (const Case& c : std::vector<Case>{
+           {1, 1, 1, 8, 1}, {2, 4, 37, 16, 5}, {3, 2, 64, 64, 64}, {1, 8, 200, 128, 32}}) {
     for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
       const LayerShape shape{c.hkv, c.hkv * c.g, c.S, c.D, c.W};
       EvictionSpec spec;
@@ -75,7 +73,8 @@ TEST(ScoreTokensTest, SnapKVPoolsThePrefixOnly) {
       if (j < prefix) {  // window clipped to [0, prefix)
         const int lo = std::max(0, j - 2), hi = std::min(prefix - 1, j + 2);
         double acc = kind == PoolKind::kMax ? -1.0 : 0.0;
-        for (int i = lo; i <= hi; ++i) acc = kind == PoolKind::kMax ? std::max(acc, raw[i]) : acc + raw[i];
+        for (int i = lo; i <= hi; ++i)
+          acc = kind == PoolKind::kMax ? std::max(acc, raw[i]) : acc + raw[i];
         want = kind == PoolKind::kMax ? acc : acc / (hi - lo + 1);
       }
       EXPECT_NEAR((*got)[j], want, 1e-5) << j;

@@ -23,8 +23,8 @@ std::vector<uint8_t> Encode(const std::vector<float>& hnd, int heads, int tokens
   return out;
 }
 
-float Load(const TestLayer& l, const std::vector<uint8_t>& buf, int heads, int tokens, int h,
-           int s, int c) {
+float Load(const TestLayer& l, const std::vector<uint8_t>& buf, int heads, int tokens, int h, int s,
+           int c) {
   return LoadAsFloat(buf.data(), l.dtype,
                      ElementOffset(l.layout, heads, tokens, l.shape.head_dim, h, s, c));
 }
@@ -114,7 +114,8 @@ std::vector<double> ReferenceAttentionScores(const TestLayer& l, const EvictionS
       }
       double sum = 0;
       for (int j = 0; j < len; ++j) sum += std::exp(a[j] - mx);
-      for (int j = 0; j < len; ++j) out[static_cast<size_t>(h) * S + j] += std::exp(a[j] - mx) / sum / g;
+      for (int j = 0; j < len; ++j)
+        out[static_cast<size_t>(h) * S + j] += std::exp(a[j] - mx) / sum / g;
     }
   }
   return out;

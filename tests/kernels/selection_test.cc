@@ -1,4 +1,6 @@
 // SelectTokens: one hand-computable case per policy, then properties over random shapes.
+#include "kvc/selection.h"
+
 #include <algorithm>
 #include <cmath>
 #include <set>
@@ -7,7 +9,6 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/select_util.h"
-#include "kvc/selection.h"
 
 namespace kvc {
 namespace {
@@ -90,7 +91,7 @@ TEST(SelectTokensTest, H2OIsCausal) {
   absl::StatusOr<std::vector<float>> scores = ScoreTokens(layer.input(), s.eviction);
   ASSERT_TRUE(scores.ok());
   const double row0_key1 = std::exp(3.0) / (std::exp(3.0) + 4.0);  // keys 0..4
-  const double denom1 = std::exp(3.0) + std::exp(4.0) + 4.0;        // keys 0..5
+  const double denom1 = std::exp(3.0) + std::exp(4.0) + 4.0;       // keys 0..5
   EXPECT_NEAR((*scores)[1], row0_key1 + std::exp(3.0) / denom1, 1e-5);
   EXPECT_NEAR((*scores)[5], std::exp(4.0) / denom1, 1e-5);
   EXPECT_THAT(HeadPositions(Select(layer, s), 0), ElementsAre(1));
@@ -178,7 +179,8 @@ TEST(SelectTokensTest, GqaAveragesOverTheGroup) {
   s.eviction.recent_fraction = 0.0;
   const TestLayer group = MakeLayer({1, 2, 6, 8, 1}, k, k, q);
   EXPECT_THAT(HeadPositions(Select(group, s), 0), ElementsAre(2));
-  const TestLayer head0 = MakeLayer({1, 1, 6, 8, 1}, k, k, std::vector<float>(q.begin(), q.begin() + 8));
+  const TestLayer head0 =
+      MakeLayer({1, 1, 6, 8, 1}, k, k, std::vector<float>(q.begin(), q.begin() + 8));
   EXPECT_THAT(HeadPositions(Select(head0, s), 0), ElementsAre(1));
 }
 
@@ -208,7 +210,8 @@ TEST(SelectTokensTest, PerLayerBudgetsOverride) {
   TestLayer layer = RandomLayer({2, 4, 50, 16, 4}, 3);
   CompressionSpec s = Policy(EvictionPolicy::kH2O, 10);
   s.eviction.layer_budgets = {0, 3, 50};
-  for (auto [layer_index, want] : std::vector<std::pair<int, int>>{{0, 10}, {1, 3}, {2, 50}, {3, 10}}) {
+  for (auto [layer_index, want] :
+       std::vector<std::pair<int, int>>{{0, 10}, {1, 3}, {2, 50}, {3, 10}}) {
     layer.layer_index = layer_index;
     const TokenSelection sel = Select(layer, s);
     EXPECT_EQ(sel.budget, want) << layer_index;
@@ -250,7 +253,9 @@ TEST(SelectTokensTest, PropertiesOverRandomShapes) {
           s.eviction.keep_ratio = ratio;
           s.eviction.seed = case_id;
           const TokenSelection sel = Select(layer, s);
-          const int B = p == EvictionPolicy::kNone ? S : std::max(1, static_cast<int>(std::lround(ratio * S)));
+          const int B = p == EvictionPolicy::kNone
+                            ? S
+                            : std::max(1, static_cast<int>(std::lround(ratio * S)));
           ASSERT_EQ(sel.budget, B) << PolicyName(p) << " S=" << S;
           ASSERT_EQ(sel.positions.size(), static_cast<size_t>(hkv) * B);
           for (int h = 0; h < hkv; ++h) {

@@ -90,8 +90,8 @@ TEST(ValidateSpecTest, EvictionLimits) {
 }
 
 TEST(ValidateSpecTest, PoliciesThatNeedQueriesRejectEmptyWindow) {
-  for (EvictionPolicy p : {EvictionPolicy::kH2O, EvictionPolicy::kSnapKV,
-                           EvictionPolicy::kKeyformer}) {
+  for (EvictionPolicy p :
+       {EvictionPolicy::kH2O, EvictionPolicy::kSnapKV, EvictionPolicy::kKeyformer}) {
     CompressionSpec s;
     s.eviction.policy = p;
     ExpectInvalid(s, "eviction.policy", /*W=*/0);
@@ -164,7 +164,7 @@ TEST(EffectiveBudgetTest, CountRatioAndLayerOverrides) {
   EXPECT_EQ(EffectiveBudget(e, 0, 100), 1);
   e.keep_ratio = 0.255;
   EXPECT_EQ(EffectiveBudget(e, 0, 100), 26);  // round(25.5) = 26
-  e.budget = 40;  // an explicit count wins over the ratio
+  e.budget = 40;                              // an explicit count wins over the ratio
   EXPECT_EQ(EffectiveBudget(e, 0, 100), 40);
   e.layer_budgets = {0, 7};
   EXPECT_EQ(EffectiveBudget(e, 0, 100), 40);  // 0 entry falls back
@@ -177,8 +177,8 @@ TEST(EffectiveBudgetTest, CountRatioAndLayerOverrides) {
 TEST(KeptChannelsTest, FloorOfPrunedFraction) {
   EXPECT_EQ(KeptChannels(0.0, 128), 128);
   EXPECT_EQ(KeptChannels(0.5, 128), 64);
-  EXPECT_EQ(KeptChannels(0.4, 128), 77);   // floor(51.2) = 51 pruned
-  EXPECT_EQ(KeptChannels(0.99, 8), 1);     // floor(7.92) = 7 pruned
+  EXPECT_EQ(KeptChannels(0.4, 128), 77);  // floor(51.2) = 51 pruned
+  EXPECT_EQ(KeptChannels(0.99, 8), 1);    // floor(7.92) = 7 pruned
 }
 
 TEST(PolicyNamesTest, RoundTripAndUnknown) {

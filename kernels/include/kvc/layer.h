@@ -51,9 +51,8 @@ absl::Status ValidateInput(const LayerInput& in);
 // Element offset of (head, token, channel) in a tensor of `heads` heads and `tokens` tokens.
 inline size_t ElementOffset(Layout layout, int heads, int tokens, int head_dim, int h, int t,
                             int c) {
-  return layout == Layout::kHND
-             ? (static_cast<size_t>(h) * tokens + t) * head_dim + c
-             : (static_cast<size_t>(t) * heads + h) * head_dim + c;
+  return layout == Layout::kHND ? (static_cast<size_t>(h) * tokens + t) * head_dim + c
+                                : (static_cast<size_t>(t) * heads + h) * head_dim + c;
 }
 
 }  // namespace kvc

@@ -1,6 +1,9 @@
 // The CPU engine's stages, exposed for tests, benchmarks and the CUDA backend's reference checks.
 // A Backend (kvc/backend.h) composes them: SelectTokens -> SelectChannels -> PackLayer.
-// All functions are thread-compatible and allocate their outputs; inputs are host memory.
+// All functions are thread-safe, allocate their outputs and read host memory. They run on a
+// process-wide pool of hardware_concurrency threads (parallel over KV heads, OpenBLAS set to one
+// thread inside it) and keep per-thread scratch buffers (S * D floats for the keys of
+// one head plus up to 16 MiB of logits) for reuse across calls.
 #ifndef KVC_SELECTION_H_
 #define KVC_SELECTION_H_
 
@@ -22,23 +25,48 @@ struct TokenSelection {
 };
 
 struct ChannelSelection {
-  int key_channels = 0;    // T_k (== D when keys are not pruned)
-  int value_channels = 0;  // T_v (== D when values are not pruned)
+  int key_channels = 0;            // T_k (== D when keys are not pruned)
+  int value_channels = 0;          // T_v (== D when values are not pruned)
   std::vector<int32_t> key_idx;    // [num_kv_heads, T_k], strictly ascending per head
   std::vector<int32_t> value_idx;  // [num_kv_heads, T_v], strictly ascending per head
 };
 
 // Per-token importance used by the eviction policy: [num_kv_heads, S] (group-aggregated over the
-// query heads of each KV head), higher = more important. For streaming/none every score is 0;
-// knorm returns -||k||_2; random returns seeded uniform noise. Sinks, recent windows and pooling
-// are applied by SelectTokens, not here, except snapkv pooling, which is part of its score.
+// query heads of each KV head), higher = more important. With a_tj = q_t . k_j / sqrt(D) and
+// observation row t at prompt position S - W + t (it sees keys j <= S - W + t):
+//   h2o, snapkv: (1/g) * sum over the g query heads and W rows of softmax_j(a_t)
+//   keyformer:   the same with softmax_j((a_tj + G) / tau), G = CounterGumbel(seed, layer_index,
+//                query head, t, j) from kvc/noise.h (so the CUDA backend draws the same noise)
+//   snapkv:      then 1-D pooling (max or avg, odd kernel, same size, window clipped at the
+//                edges) over the prefix [0, S - W); the window's own scores are left unpooled
+//   knorm: -||k_j||_2;  random: CounterUniform(seed, layer_index, kv head, 0, j);
+//   streaming, none: 0.
+// Sinks, recent windows and the snapkv window are applied by SelectTokens. INVALID_ARGUMENT
+// (naming the field) for an invalid input or eviction spec.
 absl::StatusOr<std::vector<float>> ScoreTokens(const LayerInput& in, const EvictionSpec& spec);
 
-// Kept positions per KV head: protected tokens (sinks / recent / observation window) first, then
-// the highest scores (ties broken by the lower position), sorted ascending.
+// Kept positions per KV head, B = EffectiveBudget(spec.eviction, in.layer_index, S) of them:
+// protected tokens first, then the highest scores (ties broken by the lower position, NaN scores
+// last), sorted ascending. Protected tokens per policy:
+//   none: all;  streaming: the first min(sink_tokens, B) + the most recent rest;
+//   h2o / keyformer: the most recent int(recent_fraction * B) (defaults 0.5 / 0.3);
+//   snapkv: the observation window, or only its most recent B tokens when B < W;
+//   knorm, random: none.
+// Granularity::kPerLayer selects once from the scores summed over heads and gives every head
+// that set.
 absl::StatusOr<TokenSelection> SelectTokens(const LayerInput& in, const CompressionSpec& spec);
 
-// Channel selection on the kept tokens that will be pruned (all but the most recent r).
+// Channel selection per KV head on the kept tokens that will be pruned: all but the most recent
+// r = min(spec.recent_tokens, budget) kept tokens when pruning or quantization is on (r = 0
+// otherwise), because those r stay unpruned. Keys keep T_k = KeptChannels(key_lambda, D):
+//   think: mean over the group's query heads and W rows of Q_obs[.., c]^2, times the mean of
+//          K[s, c]^2 over the pruned tokens;  l1 / l2: L1 / L2 norm of K[:, c] over them;
+//   none:  all D channels.
+// Values (prune_values) keep T_v = KeptChannels(value_lambda, D) by
+//   score_v[c] = sum over the group's query rows of (P[:, pruned] V[pruned, c])^2,
+//   P = causal softmax of Q_obs K_kept^T / sqrt(D) over all kept tokens.
+// Ties go to the lower channel; indices ascending. `tokens` must match the input (heads, budget,
+// ascending positions < S), else INVALID_ARGUMENT naming "tokens.*".
 absl::StatusOr<ChannelSelection> SelectChannels(const LayerInput& in, const TokenSelection& tokens,
                                                 const CompressionSpec& spec);
 

@@ -39,7 +39,7 @@ struct EvictionSpec {
   Granularity granularity = Granularity::kPerHead;
 
   int sink_tokens = 4;             // streaming: first tokens always kept
-  double recent_fraction = -1.0;   // h2o 0.5, keyformer 0.3 when < 0
+  double recent_fraction = -1.0;   // [0, 1]; h2o 0.5, keyformer 0.3 when < 0
   int pool_kernel = 7;             // snapkv: odd, >= 1
   PoolKind pool = PoolKind::kMax;  // snapkv
   double tau = 1.0;                // keyformer temperature, > 0
@@ -48,14 +48,15 @@ struct EvictionSpec {
 
 struct ChannelSpec {
   ChannelPolicy key_policy = ChannelPolicy::kNone;
-  double key_lambda = 0.0;     // [0, 1): keep T = D - floor(lambda * D) key channels per KV head
-  bool prune_values = false;   // query-driven value channel pruning (ThinK appendix)
-  double value_lambda = 0.0;   // [0, 1)
+  double key_lambda = 0.0;    // [0, 1): keep T = D - floor(lambda * D) key channels per KV head
+  bool prune_values = false;  // query-driven value channel pruning (ThinK appendix)
+  double value_lambda = 0.0;  // [0, 1)
 };
 
 struct QuantSpec {
   int bits = 0;         // 0 (off), 2, 4 or 8
-  int group_size = 32;  // keys: tokens per group (per channel); values: channels per group
+  int group_size = 32;  // keys: tokens per group (per channel); values: channels per group.
+                        // Checked only when bits > 0: >= 1 and dividing head_dim.
 };
 
 struct CompressionSpec {
@@ -69,15 +70,20 @@ struct CompressionSpec {
 
 // Checks the spec against a layer shape; the message names the field, e.g.
 // "eviction.budget: 5000 exceeds seq_len 4096" or "channels.key_lambda: 1.5 is outside [0, 1)".
+// Rejects: unknown enum values; budget or layer_budgets entries < 0 or > seq_len; keep_ratio
+// outside (0, 1]; sink_tokens < 0; recent_fraction NaN or > 1; pool_kernel even or < 1; tau not
+// finite and > 0; h2o/snapkv/keyformer, think and prune_values with obs_window 0; lambdas outside
+// [0, 1); quant.bits not in {0, 2, 4, 8}; recent_tokens < 0; layer_index < 0.
 absl::Status ValidateSpec(const CompressionSpec& spec, const LayerShape& shape, int layer_index);
 
-// Tokens kept per KV head for this layer (spec must be valid).
+// Tokens kept per KV head for this layer (spec must be valid): seq_len for policy none; else a
+// positive layer_budgets[layer_index], else budget when > 0, else max(1, round(keep_ratio * S)).
 int EffectiveBudget(const EvictionSpec& spec, int layer_index, int seq_len);
 // Channels kept of head_dim D at pruning ratio lambda: D - floor(lambda * D).
 int KeptChannels(double lambda, int head_dim);
 
-std::string_view PolicyName(EvictionPolicy p);   // "none", "streaming", "h2o", "snapkv", ...
-std::string_view PolicyName(ChannelPolicy p);    // "none", "think", "l1", "l2"
+std::string_view PolicyName(EvictionPolicy p);  // "none", "streaming", "h2o", "snapkv", ...
+std::string_view PolicyName(ChannelPolicy p);   // "none", "think", "l1", "l2"
 absl::StatusOr<EvictionPolicy> ParseEvictionPolicy(std::string_view name);
 absl::StatusOr<ChannelPolicy> ParseChannelPolicy(std::string_view name);
 // Every policy name, for GetServerInfo and --help.
