@@ -1,0 +1,180 @@
+// The client against an in-process server built from the generated (protobuf-serializing) service:
+// checks that raw parsing accepts ordinary protobuf peers, that metadata carries the bearer token,
+// that retries happen only where documented, and that a stream contradicting its CacheInfo is
+// rejected instead of being written out of bounds.
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "kvc/client.h"
+#include "kvcache/v1/kvcache.grpc.pb.h"
+
+namespace kvc {
+namespace {
+
+namespace pb = kvcache::v1;
+
+class FakeService final : public pb::KvCache::Service {
+ public:
+  std::atomic<int> stat_calls{0};
+  std::atomic<int> unavailable_left{0};
+  std::string last_authorization;
+  std::vector<pb::GetCacheResponse> script;  // what GetCache sends
+  grpc::Status get_status = grpc::Status::OK;
+
+  grpc::Status StatCache(grpc::ServerContext* ctx, const pb::StatCacheRequest* req,
+                         pb::CacheInfo* info) override {
+    ++stat_calls;
+    auto it = ctx->client_metadata().find("authorization");
+    last_authorization =
+        it == ctx->client_metadata().end() ? "" : std::string(it->second.data(), it->second.size());
+    if (unavailable_left > 0) {
+      --unavailable_left;
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "warming up");
+    }
+    if (req->cache_id() == "perm") return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, "no");
+    info->set_cache_id(req->cache_id());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetCache(grpc::ServerContext*, const pb::GetCacheRequest*,
+                        grpc::ServerWriter<pb::GetCacheResponse>* writer) override {
+    for (const pb::GetCacheResponse& m : script) writer->Write(m);
+    return get_status;
+  }
+};
+
+class FakeServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder b;
+    int port = 0;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(&service_);
+    server_ = b.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ClientOptions o;
+    o.target = "127.0.0.1:" + std::to_string(port);
+    o.initial_backoff = absl::Milliseconds(1);
+    o.bearer_token = "tok123";
+    client_ = *Client::Create(o);
+  }
+  void TearDown() override { server_->Shutdown(); }
+
+  // A 1-layer DENSE stream: 2 heads x 3 kept tokens x head_dim 8, fp16.
+  static pb::CacheInfo Info() {
+    pb::CacheInfo info;
+    info.set_cache_id("c");
+    info.set_dtype(pb::DTYPE_F16);
+    info.mutable_shape()->set_num_layers(1);
+    info.mutable_shape()->set_num_kv_heads(2);
+    info.mutable_shape()->set_head_dim(8);
+    info.mutable_shape()->set_seq_len(10);
+    return info;
+  }
+  static pb::GetCacheResponse Chunk(pb::LayerPart part, uint64_t offset, uint64_t total,
+                                    const std::string& data, uint32_t layer = 0) {
+    pb::GetCacheResponse m;
+    m.mutable_chunk()->set_layer(layer);
+    m.mutable_chunk()->set_part(part);
+    m.mutable_chunk()->set_offset(offset);
+    m.mutable_chunk()->set_total_bytes(total);
+    m.mutable_chunk()->set_kept_tokens(3);
+    m.set_data(data);
+    return m;
+  }
+  void ScriptGoodDense() {
+    pb::GetCacheResponse first;
+    *first.mutable_info() = Info();
+    service_.script = {first};
+    const std::string k(96, 'k'), v(96, 'v');
+    std::string pos(24, '\0');
+    for (int i = 0; i < 6; ++i) pos[4 * i] = static_cast<char>(i);
+    // V before K, K in two chunks out of order: the client must place bytes by offset.
+    service_.script.push_back(Chunk(pb::PART_V, 0, 96, v));
+    service_.script.push_back(Chunk(pb::PART_K, 50, 96, k.substr(50)));
+    service_.script.push_back(Chunk(pb::PART_POSITIONS, 0, 24, pos));
+    service_.script.push_back(Chunk(pb::PART_K, 0, 96, k.substr(0, 50)));
+  }
+  static GetOptions Dense() {
+    GetOptions o;
+    o.format = CacheFormat::kDense;
+    return o;
+  }
+
+  FakeService service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_F(FakeServerTest, BearerTokenAndRetryOnUnavailable) {
+  service_.unavailable_left = 2;
+  auto info = client_->StatCache("x");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(service_.stat_calls, 3);  // two UNAVAILABLE, then success (max_attempts 3)
+  EXPECT_EQ(service_.last_authorization, "Bearer tok123");
+
+  service_.stat_calls = 0;
+  service_.unavailable_left = 5;
+  EXPECT_EQ(client_->StatCache("x").status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(service_.stat_calls, 3);
+
+  service_.stat_calls = 0;
+  service_.unavailable_left = 0;
+  const absl::Status s = client_->StatCache("perm").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);  // not retried
+  EXPECT_EQ(s.message(), "no");
+  EXPECT_EQ(service_.stat_calls, 1);
+}
+
+TEST_F(FakeServerTest, DenseFromProtobufServerPlacesChunksByOffset) {
+  ScriptGoodDense();
+  auto got = client_->GetCache("c", Dense());
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->layers.size(), 1u);
+  const LayerData& d = got->layers[0];
+  EXPECT_EQ(d.kept_tokens, 3u);
+  EXPECT_EQ(std::string(d.k.begin(), d.k.end()), std::string(96, 'k'));
+  EXPECT_EQ(std::string(d.v.begin(), d.v.end()), std::string(96, 'v'));
+  EXPECT_EQ(d.positions, (std::vector<int32_t>{0, 1, 2, 3, 4, 5}));
+}
+
+TEST_F(FakeServerTest, RejectsStreamsThatContradictTheCacheInfo) {
+  // A part size that does not follow from the shape.
+  ScriptGoodDense();
+  service_.script[1] = Chunk(pb::PART_V, 0, 1 << 30, "vv");
+  EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kInternal);
+  // A chunk running past its part.
+  ScriptGoodDense();
+  service_.script[2] = Chunk(pb::PART_K, 90, 96, std::string(46, 'k'));
+  EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kInternal);
+  // A layer outside the request.
+  ScriptGoodDense();
+  service_.script[1] = Chunk(pb::PART_V, 0, 96, std::string(96, 'v'), 7);
+  EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kInternal);
+  // A PACKED part in a DENSE stream.
+  ScriptGoodDense();
+  service_.script[1] = Chunk(pb::PART_PACKED, 0, 96, std::string(96, 'v'));
+  EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kInternal);
+  // No CacheInfo first.
+  ScriptGoodDense();
+  service_.script.erase(service_.script.begin());
+  EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kInternal);
+  // A stream that ends early.
+  ScriptGoodDense();
+  service_.script.pop_back();
+  EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kDataLoss);
+  // The server's own error wins and keeps its message.
+  ScriptGoodDense();
+  service_.get_status = grpc::Status(grpc::StatusCode::DATA_LOSS, "checksum mismatch");
+  const absl::Status s = client_->GetCache("c", Dense()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(s.message(), "checksum mismatch");
+}
+
+}  // namespace
+}  // namespace kvc
