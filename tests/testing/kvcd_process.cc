@@ -286,4 +286,15 @@ absl::StatusOr<std::string> HttpGet(const std::string& host_port, const std::str
   return resp.substr(header_end + 4);
 }
 
+absl::StatusOr<double> MetricValue(const std::string& exposition, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(exposition, '\n')) {
+    if (line.size() > series.size() && line.substr(0, series.size()) == series &&
+        line[series.size()] == ' ') {
+      double v;
+      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+    }
+  }
+  return absl::NotFoundError(absl::StrCat("series ", series, " not in the exposition"));
+}
+
 }  // namespace kvc::testing

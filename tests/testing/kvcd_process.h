@@ -97,6 +97,10 @@ absl::StatusOr<int> PickFreeLoopbackPort();
 absl::StatusOr<std::string> HttpGet(const std::string& host_port, const std::string& path,
                                     absl::Duration timeout = absl::Seconds(5));
 
+// The value of one series in a Prometheus text exposition, e.g.
+// MetricValue(text, "kvc_evictions_total{reason=\"ttl\"}"); NOT_FOUND when absent.
+absl::StatusOr<double> MetricValue(const std::string& exposition, const std::string& series);
+
 }  // namespace kvc::testing
 
 #endif  // KVC_TESTS_TESTING_KVCD_PROCESS_H_
