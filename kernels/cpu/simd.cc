@@ -160,9 +160,9 @@ __attribute__((target("avx2,fma"))) inline __m256 Log8(__m256 x) {
   return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(m, y));
 }
 
-__attribute__((target("avx2,fma"))) void AddGumbelAvx2(float* x, size_t n, uint64_t seed,
-                                                       uint32_t layer, uint32_t head, uint32_t row,
-                                                       float inv_tau) {
+__attribute__((target("avx2,fma"))) void AddGumbelAvx2Impl(float* x, size_t n, uint64_t seed,
+                                                           uint32_t layer, uint32_t head,
+                                                           uint32_t row, float inv_tau) {
   const uint64_t base = Mix64(seed ^ Mix64((uint64_t{layer} << 32) | head));
   const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(base ^ (uint64_t{row} << 32)));
   const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
@@ -188,16 +188,89 @@ __attribute__((target("avx2,fma"))) void AddGumbelAvx2(float* x, size_t n, uint6
   }
 }
 
+// AVX-512: native 64-bit multiplies (vpmullq) make the counter hash ~8x cheaper than on AVX2.
+__attribute__((target("avx512f,avx512dq"))) inline __m512i Mix64x8(__m512i x) {
+  x = _mm512_add_epi64(x, _mm512_set1_epi64(static_cast<int64_t>(0x9e3779b97f4a7c15ull)));
+  x = _mm512_mullo_epi64(_mm512_xor_si512(x, _mm512_srli_epi64(x, 30)),
+                         _mm512_set1_epi64(static_cast<int64_t>(0xbf58476d1ce4e5b9ull)));
+  x = _mm512_mullo_epi64(_mm512_xor_si512(x, _mm512_srli_epi64(x, 27)),
+                         _mm512_set1_epi64(static_cast<int64_t>(0x94d049bb133111ebull)));
+  return _mm512_xor_si512(x, _mm512_srli_epi64(x, 31));
+}
+
+// Log8's scheme on 16 lanes; getexp/getmant do the frexp.
+__attribute__((target("avx512f,avx512dq"))) inline __m512 Log16(__m512 x) {
+  __m512 e = _mm512_add_ps(_mm512_getexp_ps(x), _mm512_set1_ps(1.0f));
+  __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_p5_1, _MM_MANT_SIGN_src);  // [0.5, 1)
+  const __mmask16 small = _mm512_cmp_ps_mask(m, _mm512_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
+  const __m512 tmp = _mm512_maskz_mov_ps(small, m);
+  m = _mm512_sub_ps(m, _mm512_set1_ps(1.0f));
+  e = _mm512_mask_sub_ps(e, small, e, _mm512_set1_ps(1.0f));
+  m = _mm512_add_ps(m, tmp);
+  const __m512 z = _mm512_mul_ps(m, m);
+  __m512 y = _mm512_set1_ps(7.0376836292e-2f);
+  y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(-1.1514610310e-1f));
+  y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(1.1676998740e-1f));
+  y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(-1.2420140846e-1f));
+  y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(1.4249322787e-1f));
+  y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(-1.6668057665e-1f));
+  y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(2.0000714765e-1f));
+  y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(-2.4999993993e-1f));
+  y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(3.3333331174e-1f));
+  y = _mm512_mul_ps(_mm512_mul_ps(y, m), z);
+  y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), y);
+  y = _mm512_fnmadd_ps(z, _mm512_set1_ps(0.5f), y);
+  return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(m, y));
+}
+
+__attribute__((target("avx512f,avx512dq"))) void AddGumbelAvx512Impl(float* x, size_t n,
+                                                                     uint64_t seed, uint32_t layer,
+                                                                     uint32_t head, uint32_t row,
+                                                                     float inv_tau) {
+  const uint64_t base = Mix64(seed ^ Mix64((uint64_t{layer} << 32) | head));
+  const __m512i key = _mm512_set1_epi64(static_cast<int64_t>(base ^ (uint64_t{row} << 32)));
+  const __m512i lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512 vtau = _mm512_set1_ps(inv_tau);
+  size_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512i c = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(j)), lane);
+    const __m512i h0 = Mix64x8(_mm512_xor_si512(key, c));
+    const __m512i h1 = Mix64x8(_mm512_xor_si512(key, _mm512_add_epi64(c, _mm512_set1_epi64(8))));
+    const __m256i b0 = _mm512_cvtepi64_epi32(_mm512_srli_epi64(h0, 40));
+    const __m256i b1 = _mm512_cvtepi64_epi32(_mm512_srli_epi64(h1, 40));
+    const __m512i bits = _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1);
+    const __m512 u = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(bits), _mm512_set1_ps(0.5f)),
+                                   _mm512_set1_ps(1.0f / 16777216.0f));
+    const __m512 neg_log_u = _mm512_sub_ps(_mm512_setzero_ps(), Log16(u));
+    const __m512 g = _mm512_sub_ps(_mm512_setzero_ps(), Log16(neg_log_u));
+    _mm512_storeu_ps(x + j, _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(x + j), g), vtau));
+  }
+  for (; j < n; ++j) {
+    x[j] = (x[j] + CounterGumbel(seed, layer, head, row, static_cast<uint32_t>(j))) * inv_tau;
+  }
+}
+
 bool Detect() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
+
+bool DetectAvx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+}
 #else
 bool Detect() { return false; }
+bool DetectAvx512() { return false; }
 #endif
 
 bool Have() {
   static const bool have = Detect();
+  return have;
+}
+
+bool HaveAvx512() {
+  static const bool have = DetectAvx512();
   return have;
 }
 
@@ -254,12 +327,37 @@ float SumSquares(const float* x, size_t n) {
 
 void AddGumbel(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row,
                float inv_tau) {
-#ifdef KVC_X86
-  if (Have()) return AddGumbelAvx2(x, n, seed, layer, head, row, inv_tau);
-#endif
+  if (internal::AddGumbelAvx512(x, n, seed, layer, head, row, inv_tau)) return;
+  if (internal::AddGumbelAvx2(x, n, seed, layer, head, row, inv_tau)) return;
   for (size_t j = 0; j < n; ++j) {
     x[j] = (x[j] + CounterGumbel(seed, layer, head, row, static_cast<uint32_t>(j))) * inv_tau;
   }
 }
+
+namespace internal {
+
+bool AddGumbelAvx2(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row,
+                   float inv_tau) {
+#ifdef KVC_X86
+  if (Have()) {
+    AddGumbelAvx2Impl(x, n, seed, layer, head, row, inv_tau);
+    return true;
+  }
+#endif
+  return false;
+}
+
+bool AddGumbelAvx512(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row,
+                     float inv_tau) {
+#ifdef KVC_X86
+  if (HaveAvx512()) {
+    AddGumbelAvx512Impl(x, n, seed, layer, head, row, inv_tau);
+    return true;
+  }
+#endif
+  return false;
+}
+
+}  // namespace internal
 
 }  // namespace kvc::simd

@@ -21,10 +21,20 @@ void AccumulateAbs(const float* x, float* y, size_t n);
 // sum of x[i]^2.
 float SumSquares(const float* x, size_t n);
 // x[j] = (x[j] + CounterGumbel(seed, layer, head, row, j)) * inv_tau for j in [0, n): keyformer's
-// noisy logits. The vector path evaluates the same counter hash exactly and the two logarithms
-// with a polynomial (within ~2 ulp of logf), so values agree with kvc/noise.h to ~1e-6.
+// noisy logits. The vector paths (AVX-512DQ, else AVX2) evaluate the same counter hash exactly
+// and the two logarithms with a polynomial (within ~2 ulp of logf), so values agree with
+// kvc/noise.h to ~1e-6.
 void AddGumbel(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row,
                float inv_tau);
+
+namespace internal {
+// The instruction-set-specific AddGumbel paths, for tests: each returns false (doing nothing)
+// when this CPU lacks its instruction set.
+bool AddGumbelAvx2(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row,
+                   float inv_tau);
+bool AddGumbelAvx512(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row,
+                     float inv_tau);
+}  // namespace internal
 
 }  // namespace kvc::simd
 
