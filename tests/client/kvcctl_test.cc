@@ -1,0 +1,202 @@
+// kvcctl end to end against the real kvcd: put a generated safetensors file, get it back DENSE
+// (bit-exact without compression) and PACKED, stat/ls/rm, bench, and exit codes 0/1/2.
+#include <stdlib.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "kvc/compact.h"
+#include "kvc/safetensors.h"
+#include "testing/kvc_rpc.h"
+#include "testing/kvcd_process.h"
+
+namespace kvc {
+namespace {
+
+namespace pb = kvcache::v1;
+using testing::KvcdProcess;
+
+struct CtlRun {
+  int code = -1;
+  std::string out;  // stdout and stderr together
+};
+
+class KvcctlTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    KvcdProcess::Options o;
+    o.binary = KVCD_PATH;
+    auto p = KvcdProcess::Start(o);
+    ASSERT_TRUE(p.ok()) << p.status();
+    kvcd_ = p->release();
+    char tmpl[] = "/tmp/kvcctl_test.XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = new std::string(tmpl);
+  }
+  static void TearDownTestSuite() {
+    delete kvcd_;
+    if (dir_ != nullptr) std::system(("rm -rf '" + *dir_ + "'").c_str());
+    delete dir_;
+  }
+
+  static CtlRun Kvcctl(const std::string& args, bool with_target = true) {
+    const std::string cmd = absl::StrCat(KVCCTL_PATH, " ", args,
+                                         with_target ? " --target=" + kvcd_->address() : "",
+                                         " 2>&1");
+    CtlRun r;
+    FILE* f = popen(cmd.c_str(), "r");
+    if (f == nullptr) return r;
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof(buf), f)) > 0) r.out.append(buf, n);
+    const int status = pclose(f);
+    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return r;
+  }
+
+  // 2 layers, fp16, K/V [2, 256, 64], Q_obs [4, 8, 64], written as kvcctl put expects.
+  static std::string WriteInput(const std::string& name, testing::TestCache* cache) {
+    *cache = testing::MakeTestCache(name, testing::Shape(2, 2, 4, 64, 256, 8), pb::DTYPE_F16,
+                                    pb::LAYOUT_HND, 42);
+    StFile f;
+    for (int l = 0; l < 2; ++l) {
+      const std::string p = absl::StrCat("layer.", l, ".");
+      f.tensors.push_back({p + "k", StDType::kF16, {2, 256, 64}, cache->k[l]});
+      f.tensors.push_back({p + "v", StDType::kF16, {2, 256, 64}, cache->v[l]});
+      f.tensors.push_back({p + "q_obs", StDType::kF16, {4, 8, 64}, cache->q[l]});
+    }
+    const std::string path = *dir_ + "/" + name + ".safetensors";
+    EXPECT_TRUE(WriteSafetensors(path, f).ok());
+    return path;
+  }
+
+  static KvcdProcess* kvcd_;
+  static std::string* dir_;
+};
+KvcdProcess* KvcctlTest::kvcd_ = nullptr;
+std::string* KvcctlTest::dir_ = nullptr;
+
+TEST_F(KvcctlTest, PutGetDenseIsBitExactThenStatLsRm) {
+  testing::TestCache cache;
+  const std::string in = WriteInput("ctl1", &cache);
+  CtlRun r = Kvcctl("put " + in);  // id defaults to the file name
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("put ctl1"), std::string::npos) << r.out;
+
+  const std::string dense = *dir_ + "/dense.safetensors";
+  r = Kvcctl("get ctl1 " + dense + " --format=dense");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto f = ReadSafetensors(dense);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->metadata["format"], "kvc-dense-v1");
+  for (int l = 0; l < 2; ++l) {
+    const std::string p = absl::StrCat("layer.", l, ".");
+    const StTensor* k = f->Find(p + "k");
+    const StTensor* v = f->Find(p + "v");
+    const StTensor* pos = f->Find(p + "positions");
+    ASSERT_TRUE(k && v && pos);
+    EXPECT_EQ(k->shape, (std::vector<int64_t>{2, 256, 64}));
+    EXPECT_EQ(k->dtype, StDType::kF16);
+    EXPECT_TRUE(k->data == cache.k[l]);
+    EXPECT_TRUE(v->data == cache.v[l]);
+    EXPECT_EQ(pos->dtype, StDType::kI32);
+    EXPECT_EQ(pos->shape, (std::vector<int64_t>{2, 256}));
+    for (int i = 0; i < 512; ++i) {
+      int32_t x;
+      std::memcpy(&x, pos->data.data() + 4 * i, 4);
+      ASSERT_EQ(x, i % 256);
+    }
+  }
+
+  r = Kvcctl("stat ctl1");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("seq_len=256"), std::string::npos) << r.out;
+  r = Kvcctl("ls --prefix=ctl");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("ctl1"), std::string::npos) << r.out;
+  r = Kvcctl("put " + in);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("ALREADY_EXISTS"), std::string::npos) << r.out;
+  EXPECT_EQ(Kvcctl("put " + in + " --overwrite").code, 0);
+  r = Kvcctl("rm ctl1");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = Kvcctl("stat ctl1");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("NOT_FOUND"), std::string::npos) << r.out;
+  r = Kvcctl("rm ctl1");
+  EXPECT_EQ(r.code, 1) << r.out;
+}
+
+TEST_F(KvcctlTest, PackedWithCompressionParses) {
+  testing::TestCache cache;
+  const std::string in = WriteInput("ctl2", &cache);
+  CtlRun r = Kvcctl("put " + in + " --id=ctl2 --policy=snapkv --ratio=0.5 --lambda=0.25");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string packed = *dir_ + "/packed.safetensors";
+  r = Kvcctl("get ctl2 " + packed);
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto f = ReadSafetensors(packed);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->metadata["format"], "kvc-compact-v1");
+  for (int l = 0; l < 2; ++l) {
+    const StTensor* t = f->Find(absl::StrCat("layer.", l, ".packed"));
+    ASSERT_NE(t, nullptr);
+    EXPECT_EQ(t->dtype, StDType::kU8);
+    auto view = CompactLayerView::Parse(t->data);
+    ASSERT_TRUE(view.ok()) << view.status();
+    EXPECT_EQ(view->desc(0).n_kept, 128);
+    EXPECT_EQ(view->desc(0).key_channels, 48);
+  }
+}
+
+TEST_F(KvcctlTest, ExitCodes) {
+  EXPECT_EQ(Kvcctl("", false).code, 2);
+  EXPECT_EQ(Kvcctl("frobnicate", false).code, 2);
+  EXPECT_EQ(Kvcctl("--help", false).code, 0);
+  EXPECT_EQ(Kvcctl("put --help", false).code, 0);
+  CtlRun r = Kvcctl("stat x --bogus=1");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("--bogus"), std::string::npos) << r.out;
+  EXPECT_EQ(Kvcctl("put a.safetensors --ratio=2").code, 2);
+  EXPECT_EQ(Kvcctl("put a.safetensors --bits=3").code, 2);
+  EXPECT_EQ(Kvcctl("get onlyone").code, 2);
+  EXPECT_EQ(Kvcctl("get a b --format=sparse").code, 2);
+  EXPECT_EQ(Kvcctl("stat x --chunk_mib=9").code, 1);  // rejected by the client options
+  EXPECT_EQ(Kvcctl("bench").code, 2);                 // neither --requests nor --duration
+  r = Kvcctl("stat x --target=127.0.0.1:1", false);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.out.find("UNAVAILABLE"), std::string::npos) << r.out;
+  r = Kvcctl("put " + *dir_ + "/missing.safetensors");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.out.find("NOT_FOUND"), std::string::npos) << r.out;
+  // A file whose tensors are not named layer.{l}.k/.v/.q_obs.
+  StFile bad;
+  bad.tensors.push_back({"weights", StDType::kF16, {2, 2}, std::vector<uint8_t>(8)});
+  const std::string bad_path = *dir_ + "/bad.safetensors";
+  ASSERT_TRUE(WriteSafetensors(bad_path, bad).ok());
+  r = Kvcctl("put " + bad_path);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.out.find("INVALID_ARGUMENT"), std::string::npos) << r.out;
+}
+
+TEST_F(KvcctlTest, BenchReportsThroughputAndLatency) {
+  CtlRun r = Kvcctl("bench --concurrency=2 --requests=4 --layers=2 --tokens=256 --kv_heads=2 "
+                 "--q_heads=4 --head_dim=64 --window=8");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("put         4 ok"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("get         4 ok"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("p99"), std::string::npos) << r.out;
+  // Nothing left behind.
+  r = Kvcctl("ls --prefix=bench-");
+  ASSERT_EQ(r.code, 0);
+  EXPECT_EQ(r.out.find("bench-"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace kvc
