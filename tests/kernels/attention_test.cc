@@ -13,6 +13,7 @@ namespace kvc {
 namespace {
 
 using ::testing::HasSubstr;
+using testing_pack::ConcatHeads;
 using testing_pack::ExpectedHeadRows;
 using testing_pack::MakePackLayer;
 using testing_pack::PackLayerData;
@@ -104,8 +105,8 @@ TEST(PackedAttentionTest, MatchesDenseReferenceUnquantized) {
             ExpectedHeadRows(st.layer, st.tokens, st.channels, h, st.n_recent, &keys[h],
                              &values[h]);
           }
-          const std::vector<float> ref = ReferenceAttention(keys, values, budget, d, hkv * g, n_q,
-                                                            q.q, n_new, q.k_new, q.v_new);
+          const std::vector<float> ref =
+              ReferenceAttention(keys, values, d, hkv * g, n_q, q.q, n_new, q.k_new, q.v_new);
           for (size_t i = 0; i < out.size(); ++i) {
             ASSERT_NEAR(out[i], ref[i], 1e-4f * (1.0f + std::fabs(ref[i]))) << i;
           }
@@ -146,9 +147,9 @@ TEST(PackedAttentionTest, QuantizedWithinDerivedBound) {
         ExpectedHeadRows(st.layer, st.tokens, st.channels, h, st.n_recent, &ek[h], &ev[h]);
       }
       const std::vector<float> deq_ref =
-          ReferenceAttention(dk, dv, budget, d, hkv * g, n_q, q.q, n_new, q.k_new, q.v_new);
+          ReferenceAttention(dk, dv, d, hkv * g, n_q, q.q, n_new, q.k_new, q.v_new);
       const std::vector<float> exact_ref =
-          ReferenceAttention(ek, ev, budget, d, hkv * g, n_q, q.q, n_new, q.k_new, q.v_new);
+          ReferenceAttention(ek, ev, d, hkv * g, n_q, q.q, n_new, q.k_new, q.v_new);
       for (size_t i = 0; i < out.size(); ++i) {
         ASSERT_NEAR(out[i], deq_ref[i], 1e-4f * (1.0f + std::fabs(deq_ref[i]))) << i;
       }
@@ -245,6 +246,43 @@ TEST(PackedAttentionTest, TwoTokenHandCase) {
   EXPECT_NEAR(out[1], 0.75f, 1e-6);
   EXPECT_NEAR(out[2], 0.25f, 1e-6);
   EXPECT_EQ(out[0], 0.0f);
+}
+
+// Heads that keep different counts (possible in a blob, never produced by PackLayer): attention
+// handles each head with its own counts, and DENSE export refuses with a clear error.
+TEST(PackedAttentionTest, HeadsWithDifferentCounts) {
+  std::mt19937 rng(31);
+  const int d = 16;
+  std::vector<std::vector<uint8_t>> singles;
+  std::vector<std::vector<float>> keys, values;
+  const int budgets[] = {5, 12, 1};
+  for (int h = 0; h < 3; ++h) {
+    PackedCase st =
+        MakePackedCase(1, 20, d, budgets[h], 8, 16, 0, 2, DType::kF16, Layout::kHND, &rng);
+    singles.push_back(st.packed.bytes);
+    absl::StatusOr<CompactLayerView> one = CompactLayerView::Parse(st.packed.bytes);
+    ASSERT_TRUE(one.ok());
+    std::vector<float> k(budgets[h] * d), v(budgets[h] * d);
+    UnpackHeadToFloat(*one, 0, k.data(), v.data());
+    keys.push_back(k);
+    values.push_back(v);
+  }
+  const std::vector<uint8_t> merged = ConcatHeads(singles);
+  absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(merged);
+  ASSERT_TRUE(view.ok()) << view.status();
+  EXPECT_EQ(view->desc(0).n_kept, 5);
+  EXPECT_EQ(view->desc(1).n_kept, 12);
+  EXPECT_EQ(view->desc(2).n_kept, 1);
+  EXPECT_EQ(view->desc(2).n_recent, 1);  // m = 0: the whole head is the recent block
+  const Queries q = MakeQueries(3, 6, d, 2, 2, &rng);
+  std::vector<float> out(q.q.size());
+  ASSERT_TRUE(PackedAttentionCpu(*view, q.query(), out.data()).ok());
+  const std::vector<float> ref =
+      ReferenceAttention(keys, values, d, 6, 2, q.q, 2, q.k_new, q.v_new);
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], ref[i], 1e-4f) << i;
+  absl::StatusOr<DenseLayer> dense = ExportDense(*view);
+  ASSERT_FALSE(dense.ok());
+  EXPECT_THAT(std::string(dense.status().message()), HasSubstr("same count for every head"));
 }
 
 TEST(PackedAttentionTest, RejectsBadQueries) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 
 namespace kvc::testing_pack {
@@ -126,10 +127,9 @@ void ExpectedHeadRows(const PackLayerData& layer, const TokenSelection& tokens,
 }
 
 std::vector<float> ReferenceAttention(const std::vector<std::vector<float>>& keys,
-                                      const std::vector<std::vector<float>>& values, int n_cache,
-                                      int head_dim, int num_q_heads, int n_q,
-                                      const std::vector<float>& q, int n_new,
-                                      const std::vector<float>& k_new,
+                                      const std::vector<std::vector<float>>& values, int head_dim,
+                                      int num_q_heads, int n_q, const std::vector<float>& q,
+                                      int n_new, const std::vector<float>& k_new,
                                       const std::vector<float>& v_new) {
   const int hkv = static_cast<int>(keys.size());
   const int g = num_q_heads / hkv;
@@ -137,6 +137,7 @@ std::vector<float> ReferenceAttention(const std::vector<std::vector<float>>& key
   std::vector<float> out(static_cast<size_t>(num_q_heads) * n_q * d);
   for (int qh = 0; qh < num_q_heads; ++qh) {
     const int h = qh / g;
+    const int n_cache = static_cast<int>(keys[h].size() / d);
     for (int i = 0; i < n_q; ++i) {
       const float* qv = q.data() + (static_cast<size_t>(qh) * n_q + i) * d;
       std::vector<double> s;
@@ -163,6 +164,25 @@ std::vector<float> ReferenceAttention(const std::vector<std::vector<float>>& key
         out[(static_cast<size_t>(qh) * n_q + i) * d + c] = static_cast<float>(acc);
       }
     }
+  }
+  return out;
+}
+
+std::vector<uint8_t> ConcatHeads(const std::vector<std::vector<uint8_t>>& blobs) {
+  const size_t n = blobs.size();
+  const size_t begin = sizeof(LayerHeader) + n * sizeof(HeadDesc);
+  std::vector<uint8_t> out(begin);
+  LayerHeader header;
+  std::memcpy(&header, blobs[0].data(), sizeof(header));
+  header.num_kv_heads = static_cast<int32_t>(n);
+  std::memcpy(out.data(), &header, sizeof(header));
+  for (size_t h = 0; h < n; ++h) {
+    HeadDesc desc;
+    std::memcpy(&desc, blobs[h].data() + sizeof(LayerHeader), sizeof(desc));
+    const uint8_t* section = blobs[h].data() + desc.offset;
+    desc.offset = out.size();
+    std::memcpy(out.data() + sizeof(LayerHeader) + h * sizeof(HeadDesc), &desc, sizeof(desc));
+    out.insert(out.end(), section, section + desc.size);
   }
   return out;
 }

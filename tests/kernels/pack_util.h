@@ -42,17 +42,20 @@ void ExpectedHeadRows(const PackLayerData& layer, const TokenSelection& tokens,
                       const ChannelSelection& channels, int h, int n_recent,
                       std::vector<float>* keys, std::vector<float>* values);
 
-// Naive attention in double. keys/values: per KV head [n_cache, D] dense rows; q [Hq, n_q, D];
-// k_new/v_new [Hkv, n_new, D]; query i sees new tokens [0, n_new - n_q + i]. Returns
-// [Hq, n_q, D].
+// Naive attention in double. keys/values: per KV head [n_h, D] dense rows (n_h may differ by
+// head); q [Hq, n_q, D]; k_new/v_new [Hkv, n_new, D]; query i sees new tokens
+// [0, n_new - n_q + i]. Returns [Hq, n_q, D].
 std::vector<float> ReferenceAttention(const std::vector<std::vector<float>>& keys,
-                                      const std::vector<std::vector<float>>& values, int n_cache,
-                                      int head_dim, int num_q_heads, int n_q,
-                                      const std::vector<float>& q, int n_new,
-                                      const std::vector<float>& k_new,
+                                      const std::vector<std::vector<float>>& values, int head_dim,
+                                      int num_q_heads, int n_q, const std::vector<float>& q,
+                                      int n_new, const std::vector<float>& k_new,
                                       const std::vector<float>& v_new);
 
 std::vector<float> UniformFloats(size_t n, float amp, std::mt19937* rng);
+
+// Joins single-head blobs (same header fields otherwise) into one multi-head blob, so tests can
+// build layers whose heads keep different counts, which PackLayer never produces.
+std::vector<uint8_t> ConcatHeads(const std::vector<std::vector<uint8_t>>& single_head_blobs);
 
 }  // namespace kvc::testing_pack
 
