@@ -134,16 +134,26 @@ void QuantizeValues(const float* x, int m, int t, int bits, int g, float* scale,
 }
 
 void UnpackCodes(const uint8_t* row, int n, int bits, float* out) {
+  // One specialized loop per width (constant shifts), so the compiler unrolls and vectorizes.
+  int i = 0;
   if (bits == 8) {
-    for (int i = 0; i < n; ++i) out[i] = static_cast<float>(row[i]);
+    for (; i < n; ++i) out[i] = static_cast<float>(row[i]);
     return;
   }
-  const int per_byte = 8 / bits;
-  const uint32_t mask = (1u << bits) - 1u;
-  int i = 0;
-  for (; i + per_byte <= n; i += per_byte) {
-    const uint32_t b = row[i / per_byte];
-    for (int k = 0; k < per_byte; ++k) out[i + k] = static_cast<float>((b >> (k * bits)) & mask);
+  if (bits == 4) {
+    for (; i + 2 <= n; i += 2) {
+      const uint32_t b = row[i >> 1];
+      out[i] = static_cast<float>(b & 0xfu);
+      out[i + 1] = static_cast<float>(b >> 4);
+    }
+  } else {  // bits == 2
+    for (; i + 4 <= n; i += 4) {
+      const uint32_t b = row[i >> 2];
+      out[i] = static_cast<float>(b & 3u);
+      out[i + 1] = static_cast<float>((b >> 2) & 3u);
+      out[i + 2] = static_cast<float>((b >> 4) & 3u);
+      out[i + 3] = static_cast<float>(b >> 6);
+    }
   }
   for (; i < n; ++i) out[i] = static_cast<float>(CodeAt(row, i, bits));
 }
@@ -162,7 +172,11 @@ void DequantizeValueRow(const float* scale, const float* zero, const uint8_t* co
   const int groups = NumGroups(t, g);
   const float* sc = scale + static_cast<size_t>(j) * groups;
   const float* ze = zero + static_cast<size_t>(j) * groups;
-  for (int c = 0; c < t; ++c) out[c] = out[c] * sc[c / g] + ze[c / g];
+  for (int gi = 0, c0 = 0; gi < groups; ++gi, c0 += g) {
+    const int c1 = std::min(t, c0 + g);
+    const float s = sc[gi], z = ze[gi];
+    for (int c = c0; c < c1; ++c) out[c] = out[c] * s + z;
+  }
 }
 
 }  // namespace kvc::quant
