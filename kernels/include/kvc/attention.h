@@ -18,8 +18,11 @@ struct DecodeQuery {
   const float* v_new = nullptr; // [Hkv, n_new, D]
 };
 
-// out: [Hq, n_q, D]. Query i attends to every cached token and to new tokens
-// [0, n_new - n_q + i] (causal within the new tokens). Errors name the field on shape mismatch.
+// out: [Hq, n_q, D], fully overwritten. Query head qh reads KV head qh / (Hq / Hkv). Query i
+// attends to every cached token and to new tokens [0, n_new - n_q + i] (causal within the new
+// tokens). Softmax is computed stably in fp32. INVALID_ARGUMENT naming the field when Hq is not a
+// positive multiple of Hkv, n_q < 0, n_new < n_q, a needed pointer is null, or the view was not
+// produced by Parse; n_q == 0 does nothing. Thread-safe (no shared mutable state).
 absl::Status PackedAttentionCpu(const CompactLayerView& cache, const DecodeQuery& query,
                                 float* out);
 

@@ -17,7 +17,13 @@
 //                              codes u8[m, ceil(T_v*bits/8)]  (per-token groups of G channels)
 //     values(recent) dtype[r, D]
 // Dequantized value = code * scale + zero. Codes are packed little-endian within a byte (element 0
-// in the lowest bits); each row starts on a byte boundary.
+// in the lowest bits); each row starts on a byte boundary. Quantization per group of G values:
+// scale = (max - min) / (2^bits - 1) (0 for a constant group, whose codes are then 0), zero = min,
+// code = round((x - zero) / scale) clamped to [0, 2^bits - 1]; so |x - dequantized| <= scale / 2.
+// Head sections follow the descriptor table back to back in head order; each section is padded to
+// a multiple of 16 bytes and its size is determined by its counts. Padding bytes are zero.
+// r (n_recent) = min(spec.recent_tokens, n_kept) when channel pruning or quantization is on (T_k <
+// D, T_v < D or bits > 0), else 0. quant_group is 0 when bits == 0.
 #ifndef KVC_COMPACT_H_
 #define KVC_COMPACT_H_
 
@@ -86,8 +92,12 @@ struct CompactLayer {
 };
 
 // A validated, non-owning view of a blob. Parse checks everything a reader relies on (magic,
-// version, sizes and offsets in range, positions ascending and < seq_len, channel indices
-// ascending and < D), so a corrupt or hostile blob yields an error, never an out-of-range read.
+// version, dtype, bits, head_dim, counts, section offsets and sizes, positions strictly ascending
+// and < seq_len, channel indices strictly ascending and < D), so a corrupt or hostile blob yields
+// INVALID_ARGUMENT ("compact layer: ..."), never an out-of-range read. The blob must be 8-byte
+// aligned (any std::vector or malloc'd buffer is) and must outlive the view. Quantization
+// parameters are not checked: NaN scales give NaN values, never a bad read.
+// Thread-safe for concurrent readers. head(h) and desc(h) require 0 <= h < num_kv_heads().
 class CompactLayerView {
  public:
   static absl::StatusOr<CompactLayerView> Parse(absl::Span<const uint8_t> blob);
@@ -108,12 +118,16 @@ class CompactLayerView {
 };
 
 // Builds the blob from the input and the selections: gather kept tokens and channels, quantize the
-// old block when spec.quant.bits > 0. Validates that selections match the input shape.
+// old block when spec.quant.bits > 0. Validates what it reads (INVALID_ARGUMENT naming the field):
+// shape limits, dtype/layout, non-null k/v, tokens matching the heads with budget in [1, S] and
+// positions strictly ascending in [0, S), channel counts in [1, D] with [Hkv, T] strictly
+// ascending indices (an empty list with T == D means all channels), bits in {0, 2, 4, 8},
+// group_size >= 1 when quantizing, recent_tokens >= 0. q_obs is not read. Thread-compatible.
 absl::StatusOr<CompactLayer> PackLayer(const LayerInput& in, const TokenSelection& tokens,
                                        const ChannelSelection& channels,
                                        const CompressionSpec& spec);
 
-// Byte size PackLayer will produce (for budgets and benchmarks).
+// Byte size PackLayer will produce for inputs it accepts (for budgets and benchmarks).
 size_t PackedSize(const LayerShape& shape, DType dtype, const TokenSelection& tokens,
                   const ChannelSelection& channels, const CompressionSpec& spec);
 
@@ -128,7 +142,8 @@ struct DenseLayer {
 };
 absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view);
 
-// Dequantized float copy of head h: keys and values [n_kept, D] with pruned channels zero.
+// Dequantized float copy of head h: keys and values [n_kept, D] with pruned channels zero. The
+// buffers must hold desc(h).n_kept * head_dim floats each.
 void UnpackHeadToFloat(const CompactLayerView& view, int h, float* keys, float* values);
 
 }  // namespace kvc
