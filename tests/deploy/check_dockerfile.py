@@ -129,8 +129,9 @@ def main():
         for p in problems:
             print(f"FAIL: {dockerfile}: {p}")
         return 1
+    libs = ", runtime libraries cover kvcd" if "kvcd" in opts else ""
     print(f"ok: {dockerfile}: {len(froms)} stages, runtime USER {users[-1]}, ports "
-          f"{' '.join(sorted(exposed))}" + (", runtime libraries cover kvcd" if "kvcd" in opts else ""))
+          f"{' '.join(sorted(exposed))}{libs}")
     return 0
 
 

@@ -26,8 +26,16 @@ if (!args.kvcd || !fs.existsSync(args.kvcd)) lib.fail(`kvcd binary '${args.kvcd}
 
 // Same number as validate_manifests.cjs' FIXED_OVERHEAD.
 const FIXED_OVERHEAD = 256 * 2 ** 20;
-const TARGET_LABELS = new Set(['job', 'instance', 'namespace', 'pod', 'service', 'endpoint',
-  'container', 'node']);
+const TARGET_LABELS = new Set([
+  'job',
+  'instance',
+  'namespace',
+  'pod',
+  'service',
+  'endpoint',
+  'container',
+  'node',
+]);
 const LOOPBACK = ['--listen=127.0.0.1:0', '--health_listen=', '--metrics_listen=127.0.0.1:0'];
 
 // Starts kvcd and resolves with {proc, metricsUrl} once it prints its metrics address.
@@ -52,7 +60,11 @@ function startKvcd(extraArgs) {
     proc.stderr.on('data', onData);
     proc.on('exit', (code, signal) => {
       clearTimeout(timer);
-      reject(new Error(`kvcd ${extraArgs.join(' ')} exited (${code ?? signal}) before serving:\n${output}`));
+      reject(
+        new Error(
+          `kvcd ${extraArgs.join(' ')} exited (${code ?? signal}) before serving:\n${output}`,
+        ),
+      );
     });
   });
 }
@@ -61,20 +73,30 @@ function stopKvcd(k) {
   return new Promise((resolve) => {
     k.proc.removeAllListeners('exit');
     const timer = setTimeout(() => k.proc.kill('SIGKILL'), 20000);
-    k.proc.on('exit', (code, signal) => { clearTimeout(timer); resolve(code ?? signal); });
+    k.proc.on('exit', (code, signal) => {
+      clearTimeout(timer);
+      resolve(code ?? signal);
+    });
     k.proc.kill('SIGTERM');
   });
 }
 
 function get(url) {
   return new Promise((resolve, reject) => {
-    http.get(url, (res) => {
-      let body = '';
-      res.setEncoding('utf8');
-      res.on('data', (c) => { body += c; });
-      res.on('end', () => (res.statusCode === 200 ? resolve(body)
-        : reject(new Error(`GET ${url}: HTTP ${res.statusCode}`))));
-    }).on('error', reject);
+    http
+      .get(url, (res) => {
+        let body = '';
+        res.setEncoding('utf8');
+        res.on('data', (c) => {
+          body += c;
+        });
+        res.on('end', () =>
+          res.statusCode === 200
+            ? resolve(body)
+            : reject(new Error(`GET ${url}: HTTP ${res.statusCode}`)),
+        );
+      })
+      .on('error', reject);
   });
 }
 
@@ -84,7 +106,10 @@ function parseExposition(text) {
   const series = new Map();
   for (const line of text.split('\n')) {
     const t = /^# TYPE (\S+) (\S+)/.exec(line);
-    if (t) { types.set(t[1], t[2]); continue; }
+    if (t) {
+      types.set(t[1], t[2]);
+      continue;
+    }
     if (line === '' || line.startsWith('#')) continue;
     const m = /^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+\S+/.exec(line);
     if (!m) throw new Error(`unparseable exposition line '${line}'`);
@@ -137,9 +162,12 @@ function checkSelector(source, sel, exported, problems) {
   let samples = series.get(sel.name);
   if (!samples) {
     const base = sel.name.replace(/_(bucket|sum|count)$/, '');
-    const hint = types.get(sel.name) === 'histogram'
-      ? ` (a histogram: query ${sel.name}_bucket, _sum or _count)`
-      : (types.has(base) ? ` (${base} is a ${types.get(base)})` : '');
+    const hint =
+      types.get(sel.name) === 'histogram'
+        ? ` (a histogram: query ${sel.name}_bucket, _sum or _count)`
+        : types.has(base)
+          ? ` (${base} is a ${types.get(base)})`
+          : '';
     problems.push(`${source}: unknown metric ${sel.name}${hint}`);
     return;
   }
@@ -156,8 +184,10 @@ function checkSelector(source, sel, exported, problems) {
     else if (/^[A-Za-z0-9_]+(\|[A-Za-z0-9_]+)*$/.test(m.value)) wanted = m.value.split('|');
     for (const w of wanted) {
       if (!values.has(w)) {
-        problems.push(`${source}: ${sel.name}{${m.label}${m.op}"${m.value}"}: kvcd exports no ` +
-          `${m.label}="${w}" (it has: ${[...values].sort().join(', ')})`);
+        problems.push(
+          `${source}: ${sel.name}{${m.label}${m.op}"${m.value}"}: kvcd exports no ` +
+            `${m.label}="${w}" (it has: ${[...values].sort().join(', ')})`,
+        );
       }
     }
   }
@@ -188,18 +218,25 @@ async function metricsMode() {
       continue;
     }
     if (!sels.length) problems.push(`${source}: no metric in '${expr}'`);
-    for (const s of sels) { checkSelector(source, s, exported, problems); count++; }
+    for (const s of sels) {
+      checkSelector(source, s, exported, problems);
+      count++;
+    }
   }
   if (!(rss > 0)) problems.push('could not read kvcd resident memory');
   else if (rss > FIXED_OVERHEAD) {
-    problems.push(`kvcd idle RSS ${(rss / 2 ** 20).toFixed(0)}Mi exceeds the 256Mi fixed overhead the manifests budget`);
+    problems.push(
+      `kvcd idle RSS ${(rss / 2 ** 20).toFixed(0)}Mi exceeds the manifests' 256Mi fixed overhead`,
+    );
   }
   if (problems.length) {
     for (const p of problems) console.log(`FAIL: ${p}`);
     process.exit(1);
   }
-  console.log(`ok: ${count} selectors in ${exprs.length} expressions match the ${exported.series.size} ` +
-    `series names kvcd exports; idle RSS ${(rss / 2 ** 20).toFixed(1)}Mi`);
+  console.log(
+    `ok: ${count} selectors in ${exprs.length} expressions match the ${exported.series.size} ` +
+      `series names kvcd exports; idle RSS ${(rss / 2 ** 20).toFixed(1)}Mi`,
+  );
 }
 
 async function flagsMode() {
@@ -220,7 +257,12 @@ async function flagsMode() {
     } else {
       // Prose and examples; command lines of other tools keep their own options.
       for (const line of text.split('\n')) {
-        if (/^\s*(\$\s*)?(docker|kubectl|promtool|ctest|cmake|npm|python3|kustomize|helm)\s/.test(line)) continue;
+        if (
+          /^\s*(\$\s*)?(docker|kubectl|promtool|ctest|cmake|npm|python3|kustomize|helm)\s/.test(
+            line,
+          )
+        )
+          continue;
         names.push(...[...line.matchAll(/(?<![\w-])--[a-z][a-z0-9_]*(?![\w-])/g)].map((m) => m[0]));
       }
     }
@@ -233,10 +275,23 @@ async function flagsMode() {
     try {
       lib.parseFlagfile(fs.readFileSync(file, 'utf8'));
       // Later flags override the file's: loopback ports, a small store, the CPU backend.
-      const k = await startKvcd([`--flagfile=${file}`, ...LOOPBACK, '--store_bytes=64MiB',
-        '--backend=cpu']);
+      const k = await startKvcd([
+        `--flagfile=${file}`,
+        ...LOOPBACK,
+        '--store_bytes=64MiB',
+        '--backend=cpu',
+      ]);
+      // A scrape proves the configuration serves, and leaves kvcd time to reach its signal wait:
+      // a SIGTERM in the first instants can land on a thread that does not block it.
+      try {
+        await get(k.metricsUrl);
+      } catch (e) {
+        problems.push(`${file}: ${e.message}`);
+      }
       const code = await stopKvcd(k);
-      if (code !== 0) problems.push(`${file}: kvcd exited with ${code} on SIGTERM`);
+      if (code !== 0 || !/kvcd: stopped/.test(k.output())) {
+        problems.push(`${file}: kvcd did not drain and stop cleanly on SIGTERM (exit ${code})`);
+      }
     } catch (e) {
       problems.push(`${file}: ${e.message}`);
     }
@@ -245,31 +300,41 @@ async function flagsMode() {
     for (const p of [...new Set(problems)]) console.log(`FAIL: ${p}`);
     process.exit(1);
   }
-  console.log(`ok: ${list(args.flagfiles).length} flagfiles start kvcd; every flag in ` +
-    `${list(args.docs).join(', ')} is one of kvcd's ${known.size} flags`);
+  console.log(
+    `ok: ${list(args.flagfiles).length} flagfiles start kvcd; every flag in ` +
+      `${list(args.docs).join(', ')} is one of kvcd's ${known.size} flags`,
+  );
 }
 
 async function healthMode() {
   const YAML = lib.modulesRequire(args.modules)('yaml');
   const dep = YAML.parse(fs.readFileSync(args.deployment, 'utf8'));
   const c = dep.spec.template.spec.containers.find((x) => x.name === 'kvcd');
-  const probes = ['startupProbe', 'livenessProbe', 'readinessProbe'].filter((p) => c[p] && c[p].grpc);
+  const probes = ['startupProbe', 'livenessProbe', 'readinessProbe'].filter(
+    (p) => c[p] && c[p].grpc,
+  );
   if (!probes.length) lib.fail(`${args.deployment}: the kvcd container has no gRPC probes`);
-  const k = await startKvcd(['--listen=127.0.0.1:0', '--health_listen=127.0.0.1:0',
-    '--metrics_listen=127.0.0.1:0', '--store_bytes=64MiB']);
+  const k = await startKvcd([
+    '--listen=127.0.0.1:0',
+    '--health_listen=127.0.0.1:0',
+    '--metrics_listen=127.0.0.1:0',
+    '--store_bytes=64MiB',
+  ]);
   const problems = [];
-  const ask = (service) => spawnSync(args.probe, [k.healthAddress, service],
-    { encoding: 'utf8', timeout: 15000 });
+  const ask = (service) =>
+    spawnSync(args.probe, [k.healthAddress, service], { encoding: 'utf8', timeout: 15000 });
   try {
     if (!k.healthAddress) throw new Error(`kvcd did not print its health address:\n${k.output()}`);
     for (const p of probes) {
       const service = c[p].grpc.service || '';
       const r = ask(service);
-      if (r.status !== 0) problems.push(`${p} (service '${service}'): ${(r.stdout + r.stderr).trim()}`);
+      if (r.status !== 0)
+        problems.push(`${p} (service '${service}'): ${(r.stdout + r.stderr).trim()}`);
       else console.log(`${p}: ${r.stdout.trim()}`);
     }
     const bogus = ask('no.such.Service');
-    if (bogus.status === 0) problems.push(`an unknown service answers SERVING: the probe proves nothing`);
+    if (bogus.status === 0)
+      problems.push(`an unknown service answers SERVING: the probe proves nothing`);
   } finally {
     await stopKvcd(k);
   }
@@ -280,7 +345,11 @@ async function healthMode() {
   console.log(`ok: ${probes.length} gRPC probes of ${args.deployment} pass against kvcd`);
 }
 
-(args.mode === 'metrics' ? metricsMode() : args.mode === 'flags' ? flagsMode()
-  : args.mode === 'health' ? healthMode()
-  : Promise.reject(new Error('--mode must be metrics, health or flags')))
-  .catch((e) => lib.fail(e.message));
+(args.mode === 'metrics'
+  ? metricsMode()
+  : args.mode === 'flags'
+    ? flagsMode()
+    : args.mode === 'health'
+      ? healthMode()
+      : Promise.reject(new Error('--mode must be metrics, health or flags'))
+).catch((e) => lib.fail(e.message));

@@ -42,10 +42,22 @@ function parseByteSize(text) {
 function parseQuantity(q) {
   const m = /^([0-9.]+)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$/.exec(String(q));
   if (!m) return NaN;
-  const mult = {
-    Ki: 2 ** 10, Mi: 2 ** 20, Gi: 2 ** 30, Ti: 2 ** 40, Pi: 2 ** 50, Ei: 2 ** 60,
-    m: 1e-3, k: 1e3, M: 1e6, G: 1e9, T: 1e12, P: 1e15, E: 1e18,
-  }[m[2]] || 1;
+  const mult =
+    {
+      Ki: 2 ** 10,
+      Mi: 2 ** 20,
+      Gi: 2 ** 30,
+      Ti: 2 ** 40,
+      Pi: 2 ** 50,
+      Ei: 2 ** 60,
+      m: 1e-3,
+      k: 1e3,
+      M: 1e6,
+      G: 1e9,
+      T: 1e12,
+      P: 1e15,
+      E: 1e18,
+    }[m[2]] || 1;
   return Number(m[1]) * mult;
 }
 
@@ -67,5 +79,12 @@ function portOf(address) {
   return i < 0 ? NaN : Number(address.slice(i + 1));
 }
 
-module.exports = { modulesRequire, fail, parseArgs, parseByteSize, parseQuantity, parseFlagfile,
-  portOf };
+module.exports = {
+  modulesRequire,
+  fail,
+  parseArgs,
+  parseByteSize,
+  parseQuantity,
+  parseFlagfile,
+  portOf,
+};

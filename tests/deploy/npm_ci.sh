@@ -5,15 +5,19 @@ set -euo pipefail
 src=$1
 dir=$2
 mkdir -p "$dir"
-if [[ -f "$dir/node_modules/.kvc-lock" ]] && cmp -s "$src/package-lock.json" "$dir/node_modules/.kvc-lock"; then
+stamp=$dir/node_modules/.kvc-lock
+if [[ -f $stamp ]] && cmp -s "$src/package-lock.json" "$stamp"; then
   echo "npm_ci: $dir/node_modules is up to date"
   exit 0
 fi
-command -v npm >/dev/null || { echo "FAIL: npm not found (Node.js 18+ and npm are needed)" >&2; exit 1; }
+if ! command -v npm >/dev/null; then
+  echo "FAIL: npm not found (Node.js 18+ and npm are needed; deploy/setup-debian.sh installs them)" >&2
+  exit 1
+fi
 cp "$src/package.json" "$src/package-lock.json" "$dir/"
 if ! (cd "$dir" && npm ci --no-audit --no-fund --loglevel=error); then
   echo "FAIL: npm ci in $dir failed (the npm registry must be reachable once)" >&2
   exit 1
 fi
-cp "$src/package-lock.json" "$dir/node_modules/.kvc-lock"
+cp "$src/package-lock.json" "$stamp"
 echo "npm_ci: installed into $dir/node_modules"

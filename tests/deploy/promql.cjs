@@ -4,34 +4,72 @@
 // strings and Grafana variables; it does not evaluate anything.
 'use strict';
 
-const KEYWORDS = new Set(['and', 'or', 'unless', 'bool', 'offset', 'atan2', 'nan', 'inf', 'NaN',
-  'Inf', 'sum', 'min', 'max', 'avg', 'group', 'stddev', 'stdvar', 'count', 'count_values',
-  'bottomk', 'topk', 'quantile', 'limitk', 'limit_ratio']);
-const LABEL_LIST_KEYWORDS = new Set(['by', 'without', 'on', 'ignoring', 'group_left',
-  'group_right']);
+const KEYWORDS = new Set([
+  'and',
+  'or',
+  'unless',
+  'bool',
+  'offset',
+  'atan2',
+  'nan',
+  'inf',
+  'NaN',
+  'Inf',
+  'sum',
+  'min',
+  'max',
+  'avg',
+  'group',
+  'stddev',
+  'stdvar',
+  'count',
+  'count_values',
+  'bottomk',
+  'topk',
+  'quantile',
+  'limitk',
+  'limit_ratio',
+]);
+const LABEL_LIST_KEYWORDS = new Set([
+  'by',
+  'without',
+  'on',
+  'ignoring',
+  'group_left',
+  'group_right',
+]);
 
 // Returns [{name, matchers: [{label, op, value}]}]; throws Error on text it cannot scan.
 function selectors(expr) {
   const out = [];
   let i = 0;
   const n = expr.length;
-  const skipSpace = () => { while (i < n && /\s/.test(expr[i])) i++; };
+  const skipSpace = () => {
+    while (i < n && /\s/.test(expr[i])) i++;
+  };
   const readString = () => {
     const q = expr[i++];
     let s = '';
     while (i < n && expr[i] !== q) {
-      if (expr[i] === '\\' && q !== '`') { s += expr[i + 1]; i += 2; } else s += expr[i++];
+      if (expr[i] === '\\' && q !== '`') {
+        s += expr[i + 1];
+        i += 2;
+      } else s += expr[i++];
     }
     if (i >= n) throw new Error(`unterminated string in '${expr}'`);
     i++;
     return s;
   };
-  const readMatchers = () => {  // at '{'
+  const readMatchers = () => {
+    // at '{'
     i++;
     const matchers = [];
     for (;;) {
       skipSpace();
-      if (expr[i] === '}') { i++; return matchers; }
+      if (expr[i] === '}') {
+        i++;
+        return matchers;
+      }
       const m = /^([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*/.exec(expr.slice(i));
       if (!m) throw new Error(`bad label matcher at '${expr.slice(i, i + 30)}'`);
       i += m[0].length;
@@ -43,20 +81,29 @@ function selectors(expr) {
   };
   while (i < n) {
     const ch = expr[i];
-    if (/\s/.test(ch)) { i++; continue; }
-    if ('"\'`'.includes(ch)) { readString(); continue; }
-    if (ch === '[') {  // range or subquery: durations and Grafana variables only
+    if (/\s/.test(ch)) {
+      i++;
+      continue;
+    }
+    if ('"\'`'.includes(ch)) {
+      readString();
+      continue;
+    }
+    if (ch === '[') {
+      // range or subquery: durations and Grafana variables only
       const end = expr.indexOf(']', i);
       if (end < 0) throw new Error(`unterminated '[' in '${expr}'`);
       i = end + 1;
       continue;
     }
-    if (ch === '$') {  // Grafana variable: $name or ${name}
+    if (ch === '$') {
+      // Grafana variable: $name or ${name}
       const m = /^\$(\{[^}]*\}|[A-Za-z0-9_]+)/.exec(expr.slice(i));
       i += m ? m[0].length : 1;
       continue;
     }
-    if (/[0-9.]/.test(ch)) {  // number or duration
+    if (/[0-9.]/.test(ch)) {
+      // number or duration
       const m = /^[0-9.]+(e[+-]?[0-9]+)?([a-zA-Z]+)?/.exec(expr.slice(i));
       i += m[0].length;
       continue;
@@ -69,7 +116,10 @@ function selectors(expr) {
       continue;
     }
     const id = /^[A-Za-z_:][A-Za-z0-9_:]*/.exec(expr.slice(i));
-    if (!id) { i++; continue; }  // operators, parentheses, commas
+    if (!id) {
+      i++;
+      continue;
+    } // operators, parentheses, commas
     const word = id[0];
     i += word.length;
     skipSpace();
@@ -81,7 +131,7 @@ function selectors(expr) {
       }
       continue;
     }
-    if (KEYWORDS.has(word) || expr[i] === '(') continue;  // operator or function call
+    if (KEYWORDS.has(word) || expr[i] === '(') continue; // operator or function call
     out.push({ name: word, matchers: expr[i] === '{' ? readMatchers() : [] });
   }
   return out;

@@ -5,10 +5,14 @@
 set -euo pipefail
 kubectl=$1
 dir=$2
-command -v "$kubectl" >/dev/null || { echo "FAIL: kubectl not found (deploy/setup-debian.sh installs it)"; exit 1; }
-kver=$("$kubectl" version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\{0,1\}\([0-9]*\).*/\1/p')
+if ! command -v "$kubectl" >/dev/null; then
+  echo "FAIL: kubectl not found (deploy/setup-debian.sh installs it)"
+  exit 1
+fi
+version=$("$kubectl" version --client 2>&1 || true)
+kver=$(sed -n 's/^Kustomize Version: v\{0,1\}\([0-9]*\).*/\1/p' <<<"$version")
 if [[ -z $kver || $kver -lt 4 ]]; then
-  echo "SKIPPED: $("$kubectl" version --client 2>&1 | head -1) embeds kustomize < v4; install kubectl >= 1.21"
+  echo "SKIPPED: $(head -1 <<<"$version") embeds kustomize < v4; install kubectl >= 1.21"
   exit 77
 fi
 if ! out=$("$kubectl" kustomize "$dir" 2>&1); then

@@ -32,18 +32,25 @@ function render() {
   const kubectl = args.kubectl || 'kubectl';
   let version = '';
   try {
-    version = execFileSync(kubectl, ['version', '--client'], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] });
+    version = execFileSync(kubectl, ['version', '--client'], {
+      encoding: 'utf8',
+      stdio: ['ignore', 'pipe', 'pipe'],
+    });
   } catch (e) {
     lib.fail(`cannot run '${kubectl} version --client': ${e.message}`);
   }
   const kustomize = /^Kustomize Version: v?(\d+)/m.exec(version);
   if (!kustomize || Number(kustomize[1]) < 4) {
-    console.log(`SKIPPED: ${version.split('\n')[0]} embeds kustomize < v4; install kubectl >= 1.21`);
+    console.log(
+      `SKIPPED: ${version.split('\n')[0]} embeds kustomize < v4; install kubectl >= 1.21`,
+    );
     process.exit(77);
   }
   try {
-    return execFileSync(kubectl, ['kustomize', args.kustomize],
-      { encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] });
+    return execFileSync(kubectl, ['kustomize', args.kustomize], {
+      encoding: 'utf8',
+      stdio: ['ignore', 'pipe', 'pipe'],
+    });
   } catch (e) {
     lib.fail(`kubectl kustomize ${args.kustomize} failed:\n${e.stderr || e.message}`);
   }
@@ -116,7 +123,9 @@ function lintDeployment(objects) {
     const file = flagArg.slice('--flagfile='.length);
     const mount = (c.volumeMounts || []).find((m) => file.startsWith(`${m.mountPath}/`));
     const volume = mount && (pod.volumes || []).find((v) => v.name === mount.name);
-    const cm = volume && volume.configMap &&
+    const cm =
+      volume &&
+      volume.configMap &&
       objects.find((o) => o.kind === 'ConfigMap' && o.metadata.name === volume.configMap.name);
     const key = mount && file.slice(mount.mountPath.length + 1);
     if (!cm || !cm.data || cm.data[key] === undefined) {
@@ -133,40 +142,65 @@ function lintDeployment(objects) {
   // Security.
   const psc = pod.securityContext || {};
   const csc = c.securityContext || {};
-  if (psc.runAsNonRoot !== true && csc.runAsNonRoot !== true) problem(where, 'runAsNonRoot is not true');
+  if (psc.runAsNonRoot !== true && csc.runAsNonRoot !== true)
+    problem(where, 'runAsNonRoot is not true');
   const uid = csc.runAsUser !== undefined ? csc.runAsUser : psc.runAsUser;
-  if (!(Number.isInteger(uid) && uid > 0)) problem(where, `runAsUser must be a non-zero UID, got ${uid}`);
+  if (!(Number.isInteger(uid) && uid > 0))
+    problem(where, `runAsUser must be a non-zero UID, got ${uid}`);
   if (csc.readOnlyRootFilesystem !== true) problem(where, 'readOnlyRootFilesystem is not true');
-  if (csc.allowPrivilegeEscalation !== false) problem(where, 'allowPrivilegeEscalation is not false');
+  if (csc.allowPrivilegeEscalation !== false)
+    problem(where, 'allowPrivilegeEscalation is not false');
   if (csc.privileged === true) problem(where, 'container is privileged');
-  if (!((csc.capabilities || {}).drop || []).includes('ALL')) problem(where, 'capabilities.drop lacks ALL');
-  if ((csc.capabilities || {}).add && csc.capabilities.add.length) problem(where, 'capabilities.add is not empty');
+  if (!((csc.capabilities || {}).drop || []).includes('ALL'))
+    problem(where, 'capabilities.drop lacks ALL');
+  if ((csc.capabilities || {}).add && csc.capabilities.add.length)
+    problem(where, 'capabilities.add is not empty');
 
   if (!flags) return { d, c, pod, podLabels, flags: null };
 
   // Ports and probes agree with the flags.
-  const containerPort = (name) => ((c.ports || []).find((p) => p.name === name) || {}).containerPort;
-  for (const [flag, name] of [['listen', 'grpc'], ['health_listen', 'health'], ['metrics_listen', 'metrics']]) {
+  const containerPort = (name) =>
+    ((c.ports || []).find((p) => p.name === name) || {}).containerPort;
+  for (const [flag, name] of [
+    ['listen', 'grpc'],
+    ['health_listen', 'health'],
+    ['metrics_listen', 'metrics'],
+  ]) {
     const addr = flags[flag];
-    if (!addr) { problem(where, `flagfile does not set --${flag}`); continue; }
+    if (!addr) {
+      problem(where, `flagfile does not set --${flag}`);
+      continue;
+    }
     if (addr.startsWith('127.') || addr.startsWith('localhost') || addr.startsWith('[::1]')) {
       problem(where, `--${flag}=${addr} is loopback: unreachable from the Service and kubelet`);
     }
     if (containerPort(name) !== lib.portOf(addr)) {
-      problem(where, `container port '${name}' (${containerPort(name)}) != --${flag} port (${lib.portOf(addr)})`);
+      problem(
+        where,
+        `container port '${name}' (${containerPort(name)}) != --${flag} port (${lib.portOf(addr)})`,
+      );
     }
   }
   const healthPort = lib.portOf(flags.health_listen || '');
   for (const probe of ['startupProbe', 'livenessProbe', 'readinessProbe']) {
     const p = c[probe];
-    if (!p || !p.grpc) { problem(where, `${probe} is not a gRPC probe`); continue; }
-    if (p.grpc.port !== healthPort) problem(where, `${probe} port ${p.grpc.port} != health port ${healthPort}`);
+    if (!p || !p.grpc) {
+      problem(where, `${probe} is not a gRPC probe`);
+      continue;
+    }
+    if (p.grpc.port !== healthPort)
+      problem(where, `${probe} port ${p.grpc.port} != health port ${healthPort}`);
   }
 
   // Shutdown fits the grace period.
   const drain = Number(flags.drain_seconds || 5) + Number(flags.shutdown_deadline_seconds || 10);
-  const grace = pod.terminationGracePeriodSeconds === undefined ? 30 : pod.terminationGracePeriodSeconds;
-  if (!(grace > drain)) problem(where, `terminationGracePeriodSeconds ${grace} <= drain + shutdown deadline (${drain})`);
+  const grace =
+    pod.terminationGracePeriodSeconds === undefined ? 30 : pod.terminationGracePeriodSeconds;
+  if (!(grace > drain))
+    problem(
+      where,
+      `terminationGracePeriodSeconds ${grace} <= drain + shutdown deadline (${drain})`,
+    );
 
   // Memory = store budget + overhead; requests = limits (Guaranteed QoS).
   const res = c.resources || {};
@@ -193,12 +227,18 @@ function lintDeployment(objects) {
     problem(where, 'pod template lacks the kvc.dev/memory-overhead annotation');
   } else {
     if (overhead < minOverhead) {
-      problem(where, `kvc.dev/memory-overhead ${overheadText} is below the minimum ${mi(minOverhead)} ` +
-        `(256Mi fixed + ${streams} streams x ${mi(message)}${cuda ? ' + 512Mi CUDA' : ''})`);
+      problem(
+        where,
+        `kvc.dev/memory-overhead ${overheadText} is below the minimum ${mi(minOverhead)} ` +
+          `(256Mi fixed + ${streams} streams x ${mi(message)}${cuda ? ' + 512Mi CUDA' : ''})`,
+      );
     }
     if (memLimit !== store + overhead) {
-      problem(where, `memory limit ${lim.memory} != store ${flags.store_bytes} + overhead ` +
-        `${overheadText} (${mi(store + overhead)})`);
+      problem(
+        where,
+        `memory limit ${lim.memory} != store ${flags.store_bytes} + overhead ` +
+          `${overheadText} (${mi(store + overhead)})`,
+      );
     }
   }
   const threads = Number(flags.threads || 0);
@@ -211,12 +251,14 @@ function lintDeployment(objects) {
   if (args.expect === 'gpu') {
     if (!(gpu >= 1)) problem(where, 'GPU overlay without an nvidia.com/gpu limit');
     if (flags.backend !== 'cuda') problem(where, `GPU overlay runs --backend=${flags.backend}`);
-    if (!pod.nodeSelector || !Object.keys(pod.nodeSelector).length) problem(where, 'GPU overlay without a nodeSelector');
+    if (!pod.nodeSelector || !Object.keys(pod.nodeSelector).length)
+      problem(where, 'GPU overlay without a nodeSelector');
     if (!(pod.tolerations || []).some((t) => String(t.key).startsWith('nvidia.com/'))) {
       problem(where, 'GPU overlay without an nvidia.com toleration');
     }
   } else {
-    if (gpu > 0 || rq['nvidia.com/gpu'] !== undefined) problem(where, 'asks for nvidia.com/gpu outside the GPU overlay');
+    if (gpu > 0 || rq['nvidia.com/gpu'] !== undefined)
+      problem(where, 'asks for nvidia.com/gpu outside the GPU overlay');
     if (flags.backend === 'cuda') problem(where, '--backend=cuda outside the GPU overlay');
   }
   return { d, c, pod, podLabels, flags };
@@ -226,12 +268,15 @@ function lintServices(objects, dep) {
   const services = objects.filter((o) => o.kind === 'Service');
   const headless = services.filter((s) => s.spec.clusterIP === 'None');
   const normal = services.filter((s) => s.spec.clusterIP !== 'None');
-  if (headless.length !== 1) problem('Service', `expected one headless Service, found ${headless.length}`);
-  if (normal.length !== 1) problem('Service', `expected one ClusterIP Service, found ${normal.length}`);
+  if (headless.length !== 1)
+    problem('Service', `expected one headless Service, found ${headless.length}`);
+  if (normal.length !== 1)
+    problem('Service', `expected one ClusterIP Service, found ${normal.length}`);
   const portNames = new Set(((dep && dep.c.ports) || []).map((p) => p.name));
   for (const s of services) {
     const where = `Service/${s.metadata.name}`;
-    if (dep && !matches(s.spec.selector, dep.podLabels)) problem(where, 'selector does not match the kvcd pods');
+    if (dep && !matches(s.spec.selector, dep.podLabels))
+      problem(where, 'selector does not match the kvcd pods');
     const names = (s.spec.ports || []).map((p) => p.name);
     const want = s.spec.clusterIP === 'None' ? ['grpc'] : ['grpc', 'metrics'];
     for (const n of want) if (!names.includes(n)) problem(where, `no port named '${n}'`);
@@ -246,7 +291,8 @@ function lintServices(objects, dep) {
       problem(`PodDisruptionBudget/${pdb.metadata.name}`, 'selector does not match the kvcd pods');
     }
   }
-  if (!objects.some((o) => o.kind === 'PodDisruptionBudget')) problem('PodDisruptionBudget', 'missing');
+  if (!objects.some((o) => o.kind === 'PodDisruptionBudget'))
+    problem('PodDisruptionBudget', 'missing');
 
   // ServiceMonitor: selects the metrics Service and names its port.
   const monitors = objects.filter((o) => o.kind === 'ServiceMonitor');
@@ -254,14 +300,17 @@ function lintServices(objects, dep) {
   for (const m of monitors) {
     const where = `ServiceMonitor/${m.metadata.name}`;
     const sel = m.spec.selector || {};
-    const selected = services.filter((s) => matches(sel.matchLabels, s.metadata.labels) &&
-      (sel.matchExpressions || []).every((e) => {
-        const has = Object.prototype.hasOwnProperty.call(s.metadata.labels || {}, e.key);
-        if (e.operator === 'DoesNotExist') return !has;
-        if (e.operator === 'Exists') return has;
-        const v = (s.metadata.labels || {})[e.key];
-        return e.operator === 'In' ? (e.values || []).includes(v) : !(e.values || []).includes(v);
-      }));
+    const selected = services.filter(
+      (s) =>
+        matches(sel.matchLabels, s.metadata.labels) &&
+        (sel.matchExpressions || []).every((e) => {
+          const has = Object.prototype.hasOwnProperty.call(s.metadata.labels || {}, e.key);
+          if (e.operator === 'DoesNotExist') return !has;
+          if (e.operator === 'Exists') return has;
+          const v = (s.metadata.labels || {})[e.key];
+          return e.operator === 'In' ? (e.values || []).includes(v) : !(e.values || []).includes(v);
+        }),
+    );
     if (!selected.length) problem(where, 'selects no Service');
     for (const ep of m.spec.endpoints || []) {
       if (!ep.port) problem(where, 'endpoint without a named port');
@@ -279,7 +328,10 @@ function lintServices(objects, dep) {
     for (const g of (r.spec && r.spec.groups) || []) {
       for (const rule of g.rules || []) {
         if (!rule.expr || !(rule.alert || rule.record)) {
-          problem(`PrometheusRule/${r.metadata.name}`, `group ${g.name}: rule without expr or name`);
+          problem(
+            `PrometheusRule/${r.metadata.name}`,
+            `group ${g.name}: rule without expr or name`,
+          );
         }
       }
     }
@@ -305,5 +357,6 @@ if (problems.length) {
   console.log(`${source}: ${problems.length} problem(s) in ${objects.length} objects`);
   process.exit(1);
 }
-console.log(`ok: ${source}: ${objects.length} objects valid (` +
-  `${objects.map((o) => o.kind).join(', ')})`);
+console.log(
+  `ok: ${source}: ${objects.length} objects valid (` + `${objects.map((o) => o.kind).join(', ')})`,
+);
