@@ -39,14 +39,13 @@ absl::Status ValidateRunOptions(const RunOptions& o, const model::LlamaConfig& c
         absl::StrCat("continuation: ", o.continuation, " must be >= 1"));
   }
   if (o.obs_window < 0 || o.obs_window > o.prefix_len) {
-    return absl::InvalidArgumentError(absl::StrCat("obs_window: ", o.obs_window,
-                                                   " is outside [0, prefix_len ", o.prefix_len,
-                                                   "]"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "obs_window: ", o.obs_window, " is outside [0, prefix_len ", o.prefix_len, "]"));
   }
   if (static_cast<int64_t>(o.prefix_len) + o.continuation > config.seq_len) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prefix_len + continuation: ", o.prefix_len, " + ", o.continuation,
-        " exceeds the model's seq_len ", config.seq_len));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefix_len + continuation: ", o.prefix_len, " + ", o.continuation,
+                     " exceeds the model's seq_len ", config.seq_len));
   }
   if (!(o.temperature >= 0.0f)) {
     return absl::InvalidArgumentError(
@@ -114,8 +113,8 @@ absl::Status FidelityEval::Prepare() {
     std::vector<float> attn(static_cast<size_t>(n_cont) * c.n_layers * c.dim), logits(vocab),
         step_attn;
     for (int t = 0; t < n_cont; ++t) {
-      RETURN_IF_ERROR(model_->DecodeStep(seq[p + t], cache.get(), absl::MakeSpan(logits),
-                                         &step_attn));
+      RETURN_IF_ERROR(
+          model_->DecodeStep(seq[p + t], cache.get(), absl::MakeSpan(logits), &step_attn));
       LogSoftmax(logits.data(), vocab, &logp[static_cast<size_t>(t) * vocab]);
       top1[t] = ArgMax(logits.data(), vocab);
       std::copy(step_attn.begin(), step_attn.end(), attn.begin() + t * step_attn.size());
@@ -156,8 +155,8 @@ absl::StatusOr<std::vector<float>> FidelityEval::DecodeOnCompact(int i,
   ASSIGN_OR_RETURN(std::unique_ptr<model::CompactKvCache> cache,
                    model::CompactKvCache::Create(c, std::move(layers), attention_, n_cont));
   if (cache->position() != p) {
-    return absl::InvalidArgumentError(absl::StrCat("layers: blobs have seq_len ",
-                                                   cache->position(), ", the prefix has ", p));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layers: blobs have seq_len ", cache->position(), ", the prefix has ", p));
   }
   std::vector<float> logits(static_cast<size_t>(n_cont) * c.vocab_size);
   for (int t = 0; t < n_cont; ++t) {
@@ -217,6 +216,19 @@ absl::StatusOr<Metrics> FidelityEval::Evaluate(const CompressionSpec& spec,
   }
   m.size_ratio = full > 0 ? static_cast<double>(packed) / full : 0;
   return m;
+}
+
+absl::StatusOr<int> ResolveQuantGroup(int requested, int head_dim) {
+  if (requested < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("quant_group: ", requested, " must be >= 0 (0 = the default)"));
+  }
+  const int group = requested > 0 ? requested : std::min(32, head_dim);
+  if (group <= 0 || head_dim % group != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("quant_group: ", group, " must divide head_dim ", head_dim));
+  }
+  return group;
 }
 
 std::vector<SweepEntry> DefaultSweep(int quant_group) {

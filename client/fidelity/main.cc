@@ -5,14 +5,14 @@
 //
 //   kvcfidelity --model stories260K.bin --csv out.csv --png out.png
 //   kvcfidelity --model stories260K.bin --via 127.0.0.1:50051   # through a running kvcd
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <unistd.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -28,7 +28,7 @@
 #include "kvc/status_macros.h"
 
 ABSL_FLAG(std::string, model, "", "llama2.c checkpoint (required)");
-ABSL_FLAG(int, sequences, 8, "sequences sampled from BOS (seeds seed..seed+N-1)");
+ABSL_FLAG(int, sequences, 16, "sequences sampled from BOS (seeds seed..seed+N-1)");
 ABSL_FLAG(int, prefix, 256, "P: prefix tokens whose cache is compressed");
 ABSL_FLAG(int, continuation, 64, "C: tokens decoded teacher-forced on the compressed cache");
 ABSL_FLAG(int, window, 32, "W: observation window (last W prefix queries); clamped to P");
@@ -76,12 +76,8 @@ absl::Status Run() {
   options.temperature = static_cast<float>(absl::GetFlag(FLAGS_temperature));
   options.seed = absl::GetFlag(FLAGS_seed);
   RETURN_IF_ERROR(ValidateRunOptions(options, c));
-  int group = absl::GetFlag(FLAGS_quant_group);
-  if (group == 0) group = std::min(32, c.head_dim());
-  if (group < 1 || c.head_dim() % group != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--quant_group: ", group,
-                                                   " must divide head_dim ", c.head_dim()));
-  }
+  ASSIGN_OR_RETURN(const int group,
+                   ResolveQuantGroup(absl::GetFlag(FLAGS_quant_group), c.head_dim()));
 
   BackendOptions backend_options;
   backend_options.num_threads = absl::GetFlag(FLAGS_threads);
@@ -129,8 +125,7 @@ absl::Status Run() {
   for (const SweepEntry& entry : sweep) {
     absl::StatusOr<Metrics> m = eval->Evaluate(entry.spec, local);
     if (!m.ok()) {
-      return absl::Status(m.status().code(),
-                          absl::StrCat(entry.label, ": ", m.status().message()));
+      return absl::Status(m.status().code(), absl::StrCat(entry.label, ": ", m.status().message()));
     }
     if (remote) {
       absl::StatusOr<Metrics> r = eval->Evaluate(entry.spec, remote);
@@ -151,9 +146,10 @@ absl::Status Run() {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("\n%s\n", FormatTable(results).c_str());
-  std::printf("size: compact bytes / full fp32 K+V bytes; top1: agreement of argmax with "
-              "full-cache decoding; KL(full || compressed) in nats; attn_err: mean "
-              "||o_c - o_f|| / ||o_f|| of attention outputs (L0..: per layer)\n");
+  std::printf(
+      "size: compact bytes / full fp32 K+V bytes; top1: agreement of argmax with "
+      "full-cache decoding; KL(full || compressed) in nats; attn_err: mean "
+      "||o_c - o_f|| / ||o_f|| of attention outputs (L0..: per layer)\n");
   if (!via.empty()) {
     std::printf("via kvcd %s: %zu configs, %d differ from in-process\n", via.c_str(),
                 results.size(), mismatches);
@@ -164,9 +160,9 @@ absl::Status Run() {
     RETURN_IF_ERROR(WriteFile(csv, FormatCsv(results)));
   }
   if (const std::string png = absl::GetFlag(FLAGS_png); !png.empty()) {
-    const std::string title = absl::StrFormat("top-1 agreement vs keep ratio (P=%d C=%d W=%d, %d seqs)",
-                                              options.prefix_len, options.continuation,
-                                              options.obs_window, options.num_sequences);
+    const std::string title = absl::StrFormat(
+        "top-1 agreement vs keep ratio (P=%d C=%d W=%d, %d seqs)", options.prefix_len,
+        options.continuation, options.obs_window, options.num_sequences);
     RETURN_IF_ERROR(WritePng(RenderLinePlot(AgreementPlot(results, title)), png));
   }
   if (mismatches > 0) {

@@ -13,8 +13,8 @@ namespace {
 constexpr Rgb kWhite{255, 255, 255};
 constexpr Rgb kBlack{0, 0, 0};
 constexpr Rgb kGrid{225, 225, 225};
-constexpr Rgb kPalette[] = {{31, 119, 180}, {255, 127, 14}, {44, 160, 44},  {214, 39, 40},
-                            {148, 103, 189}, {140, 86, 75}, {227, 119, 194}, {127, 127, 127}};
+constexpr Rgb kPalette[] = {{31, 119, 180},  {255, 127, 14}, {44, 160, 44},   {214, 39, 40},
+                            {148, 103, 189}, {140, 86, 75},  {227, 119, 194}, {127, 127, 127}};
 
 std::string TickLabel(double v) {
   std::string s = absl::StrFormat("%.2f", v);
@@ -33,13 +33,14 @@ std::string FormatTable(const std::vector<SweepResult>& results) {
   }
   std::string out = absl::StrFormat("%-24s %6s %7s %10s %9s %9s  ", "config", "size", "top1",
                                     "mean_KL", "max_KL", "attn_err");
-  for (int l = 0; l < layers; ++l) absl::StrAppend(&out, absl::StrFormat(" %6s", absl::StrCat("L", l)));
+  for (int l = 0; l < layers; ++l)
+    absl::StrAppend(&out, absl::StrFormat(" %6s", absl::StrCat("L", l)));
   absl::StrAppend(&out, "\n");
   for (const SweepResult& r : results) {
     const Metrics& m = r.metrics;
-    absl::StrAppend(&out, absl::StrFormat("%-24s %6.3f %7.4f %10.3e %9.2e %9.4f  ", r.entry.label,
-                                          m.size_ratio, m.top1_agreement, m.mean_kl, m.max_kl,
-                                          m.mean_attn_rel_err));
+    absl::StrAppend(
+        &out, absl::StrFormat("%-24s %6.3f %7.4f %10.3e %9.2e %9.4f  ", r.entry.label, m.size_ratio,
+                              m.top1_agreement, m.mean_kl, m.max_kl, m.mean_attn_rel_err));
     for (double e : m.attn_rel_err) absl::StrAppend(&out, absl::StrFormat(" %6.4f", e));
     absl::StrAppend(&out, "\n");
   }
@@ -58,12 +59,12 @@ std::string FormatCsv(const std::vector<SweepResult>& results) {
   absl::StrAppend(&out, "\n");
   for (const SweepResult& r : results) {
     const Metrics& m = r.metrics;
-    absl::StrAppend(&out, absl::StrFormat("%s,%s,%s,%.4f,%.4f,%d,%d,%.6f,%.6f,%.6e,%.6e,%.6e",
-                                          r.entry.label, r.entry.family, r.entry.policy,
-                                          r.entry.keep_ratio, r.entry.spec.channels.key_lambda,
-                                          r.entry.spec.quant.bits, m.steps, m.size_ratio,
-                                          m.top1_agreement, m.mean_kl, m.max_kl,
-                                          m.mean_attn_rel_err));
+    absl::StrAppend(
+        &out,
+        absl::StrFormat("%s,%s,%s,%.4f,%.4f,%d,%d,%.6f,%.6f,%.6e,%.6e,%.6e", r.entry.label,
+                        r.entry.family, r.entry.policy, r.entry.keep_ratio,
+                        r.entry.spec.channels.key_lambda, r.entry.spec.quant.bits, m.steps,
+                        m.size_ratio, m.top1_agreement, m.mean_kl, m.max_kl, m.mean_attn_rel_err));
     for (int l = 0; l < layers; ++l) {
       const double e = l < static_cast<int>(m.attn_rel_err.size()) ? m.attn_rel_err[l] : NAN;
       absl::StrAppend(&out, absl::StrFormat(",%.6e", e));
@@ -89,12 +90,12 @@ Image RenderLinePlot(const PlotSpec& spec) {
     return img;
   }
   auto px = [&](double x) {
-    return left + static_cast<int>(std::lround((x - spec.x_min) / (spec.x_max - spec.x_min) *
-                                               (right - left)));
+    return left + static_cast<int>(
+                      std::lround((x - spec.x_min) / (spec.x_max - spec.x_min) * (right - left)));
   };
   auto py = [&](double y) {
-    return bottom - static_cast<int>(std::lround((y - spec.y_min) / (spec.y_max - spec.y_min) *
-                                                 (bottom - top)));
+    return bottom - static_cast<int>(
+                        std::lround((y - spec.y_min) / (spec.y_max - spec.y_min) * (bottom - top)));
   };
   // Grid and ticks.
   for (double t : spec.y_ticks) {

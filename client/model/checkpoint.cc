@@ -49,13 +49,12 @@ absl::Status ValidateConfig(const LlamaConfig& c) {
         absl::StrCat("dim: ", c.dim, " is not divisible by n_heads ", c.n_heads));
   }
   if (c.n_heads % c.n_kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("n_heads: ", c.n_heads,
-                                                   " is not a multiple of n_kv_heads ",
-                                                   c.n_kv_heads));
+    return absl::InvalidArgumentError(
+        absl::StrCat("n_heads: ", c.n_heads, " is not a multiple of n_kv_heads ", c.n_kv_heads));
   }
   if (c.head_dim() % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "head_dim: dim / n_heads = ", c.head_dim(), " is odd; RoPE needs channel pairs"));
+    return absl::InvalidArgumentError(absl::StrCat("head_dim: dim / n_heads = ", c.head_dim(),
+                                                   " is odd; RoPE needs channel pairs"));
   }
   return absl::OkStatus();
 }
@@ -66,14 +65,13 @@ absl::StatusOr<uint64_t> CheckpointFloatCount(const LlamaConfig& c) {
                  vocab = c.vocab_size, seq = c.seq_len, half = c.head_dim() / 2;
   uint64_t n = 0;
   uint64_t per_layer = 0;
-  bool ok = MulAdd(2, dim, &per_layer) &&           // two RMSNorm weights
-            MulAdd(2 * dim, dim, &per_layer) &&     // wq, wo
-            MulAdd(2 * kv, dim, &per_layer) &&      // wk, wv
-            MulAdd(3 * hidden, dim, &per_layer) &&  // w1, w2, w3
-            MulAdd(layers, per_layer, &n) &&
-            MulAdd(vocab, dim, &n) &&  // embedding
-            MulAdd(1, dim, &n) &&      // final RMSNorm
-            MulAdd(2 * seq, half, &n);  // legacy RoPE tables
+  bool ok = MulAdd(2, dim, &per_layer) &&                               // two RMSNorm weights
+            MulAdd(2 * dim, dim, &per_layer) &&                         // wq, wo
+            MulAdd(2 * kv, dim, &per_layer) &&                          // wk, wv
+            MulAdd(3 * hidden, dim, &per_layer) &&                      // w1, w2, w3
+            MulAdd(layers, per_layer, &n) && MulAdd(vocab, dim, &n) &&  // embedding
+            MulAdd(1, dim, &n) &&                                       // final RMSNorm
+            MulAdd(2 * seq, half, &n);                                  // legacy RoPE tables
   if (ok && !c.shared_classifier) ok = MulAdd(vocab, dim, &n);
   if (!ok || n > (UINT64_MAX - kHeaderBytes) / sizeof(float)) {
     return absl::InvalidArgumentError("header: the weight count it implies overflows 64 bits");

@@ -1,9 +1,8 @@
-#include "kvc/model/kv_cache.h"
-
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "kvc/attention.h"
+#include "kvc/model/kv_cache.h"
 #include "kvc/status_macros.h"
 
 namespace kvc::model {
@@ -12,9 +11,8 @@ absl::StatusOr<std::unique_ptr<CompactKvCache>> CompactKvCache::Create(
     const LlamaConfig& config, std::vector<CompactLayer> layers, Backend* backend, int max_new) {
   RETURN_IF_ERROR(ValidateConfig(config));
   if (static_cast<int>(layers.size()) != config.n_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("layers: ", layers.size(),
-                                                   " blobs given, the model has ",
-                                                   config.n_layers, " layers"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layers: ", layers.size(), " blobs given, the model has ", config.n_layers, " layers"));
   }
   if (max_new < 1) {
     return absl::InvalidArgumentError(absl::StrCat("max_new: ", max_new, " must be >= 1"));
@@ -24,8 +22,7 @@ absl::StatusOr<std::unique_ptr<CompactKvCache>> CompactKvCache::Create(
   for (int l = 0; l < config.n_layers; ++l) {
     absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(cache->blobs_[l].bytes);
     if (!view.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("layers[", l, "]: ", view.status().message()));
+      return absl::InvalidArgumentError(absl::StrCat("layers[", l, "]: ", view.status().message()));
     }
     const std::string where = absl::StrCat("layers[", l, "]");
     if (view->num_kv_heads() != config.n_kv_heads || view->head_dim() != config.head_dim()) {
@@ -34,8 +31,8 @@ absl::StatusOr<std::unique_ptr<CompactKvCache>> CompactKvCache::Create(
           ", the model has ", config.n_kv_heads, " of dim ", config.head_dim()));
     }
     if (view->header().layer_index != l) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": blob is for layer_index ",
-                                                     view->header().layer_index));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": blob is for layer_index ", view->header().layer_index));
     }
     if (view->dtype() != DType::kF32) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": blob dtype ",
@@ -64,8 +61,7 @@ absl::Status CompactKvCache::AppendAndAttend(int layer, const float* q, const fl
     return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is out of range"));
   }
   if (n_new_ >= max_new_) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cache is full (", max_new_, " new tokens)"));
+    return absl::ResourceExhaustedError(absl::StrCat("cache is full (", max_new_, " new tokens)"));
   }
   const int hd = config_.head_dim();
   const int n = n_new_ + 1;

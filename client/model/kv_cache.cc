@@ -11,8 +11,7 @@ namespace kvc::model {
 
 FullKvCache::FullKvCache(const LlamaConfig& config, int capacity)
     : config_(config), capacity_(capacity) {
-  const size_t per_layer =
-      static_cast<size_t>(config.n_kv_heads) * capacity * config.head_dim();
+  const size_t per_layer = static_cast<size_t>(config.n_kv_heads) * capacity * config.head_dim();
   k_.assign(config.n_layers, std::vector<float>(per_layer));
   v_.assign(config.n_layers, std::vector<float>(per_layer));
   scores_.resize(capacity);
@@ -31,8 +30,8 @@ absl::StatusOr<std::unique_ptr<FullKvCache>> FullKvCache::FromPrefix(
     const LlamaConfig& config, const std::vector<LayerProjections>& layers, int pass_len,
     int prefix_len, int capacity) {
   if (static_cast<int>(layers.size()) != config.n_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("layers: ", layers.size(),
-                                                   " given, the model has ", config.n_layers));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layers: ", layers.size(), " given, the model has ", config.n_layers));
   }
   if (prefix_len < 0 || prefix_len > pass_len || prefix_len > capacity) {
     return absl::InvalidArgumentError(absl::StrCat("prefix_len: ", prefix_len,
@@ -44,8 +43,8 @@ absl::StatusOr<std::unique_ptr<FullKvCache>> FullKvCache::FromPrefix(
   for (size_t l = 0; l < layers.size(); ++l) {
     if (layers[l].k.size() != expected || layers[l].v.size() != expected) {
       return absl::InvalidArgumentError(absl::StrCat("layers[", l, "].k/v: ", layers[l].k.size(),
-                                                     "/", layers[l].v.size(),
-                                                     " floats, expected ", expected));
+                                                     "/", layers[l].v.size(), " floats, expected ",
+                                                     expected));
     }
   }
   ASSIGN_OR_RETURN(std::unique_ptr<FullKvCache> cache, Create(config, capacity));
@@ -62,8 +61,8 @@ absl::StatusOr<std::unique_ptr<FullKvCache>> FullKvCache::FromPrefix(
   return cache;
 }
 
-absl::Status FullKvCache::AppendAndAttend(int layer, const float* q, const float* k,
-                                          const float* v, float* out) {
+absl::Status FullKvCache::AppendAndAttend(int layer, const float* q, const float* k, const float* v,
+                                          float* out) {
   if (layer < 0 || layer >= config_.n_layers) {
     return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is out of range"));
   }

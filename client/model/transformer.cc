@@ -110,13 +110,13 @@ absl::Status Transformer::CheckTokens(absl::Span<const int32_t> tokens) const {
   const LlamaConfig& c = config();
   if (tokens.empty()) return absl::InvalidArgumentError("tokens: empty");
   if (static_cast<int64_t>(tokens.size()) > c.seq_len) {
-    return absl::InvalidArgumentError(absl::StrCat("tokens: ", tokens.size(),
-                                                   " exceed the model's seq_len ", c.seq_len));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokens: ", tokens.size(), " exceed the model's seq_len ", c.seq_len));
   }
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (tokens[i] < 0 || tokens[i] >= c.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "]: ", tokens[i],
-                                                     " is outside [0, ", c.vocab_size, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens[", i, "]: ", tokens[i], " is outside [0, ", c.vocab_size, ")"));
     }
   }
   return absl::OkStatus();
@@ -129,8 +129,8 @@ absl::StatusOr<ForwardOutput> Transformer::Forward(absl::Span<const int32_t> tok
   const int dim = c.dim, hd = c.head_dim(), kv_dim = c.kv_dim(), g = c.group_size();
   const size_t sd = static_cast<size_t>(s_len) * dim;
   std::vector<float> x(sd), xn(sd), q(sd), k(static_cast<size_t>(s_len) * kv_dim),
-      v(static_cast<size_t>(s_len) * kv_dim), att(sd), proj(sd), h1(c.hidden_dim),
-      h3(c.hidden_dim), ffn_xn(dim), ffn_y(dim), scores(s_len);
+      v(static_cast<size_t>(s_len) * kv_dim), att(sd), proj(sd), h1(c.hidden_dim), h3(c.hidden_dim),
+      ffn_xn(dim), ffn_y(dim), scores(s_len);
   for (int t = 0; t < s_len; ++t) {
     std::memcpy(&x[static_cast<size_t>(t) * dim],
                 ck_.token_embedding() + static_cast<size_t>(tokens[t]) * dim, dim * sizeof(float));
@@ -219,8 +219,8 @@ absl::Status Transformer::DecodeStep(int32_t token, KvCache* cache, absl::Span<f
         absl::StrCat("token: ", token, " is outside [0, ", c.vocab_size, ")"));
   }
   if (static_cast<int>(logits.size()) != c.vocab_size) {
-    return absl::InvalidArgumentError(absl::StrCat("logits: size ", logits.size(),
-                                                   ", expected vocab_size ", c.vocab_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("logits: size ", logits.size(), ", expected vocab_size ", c.vocab_size));
   }
   if (cache == nullptr || !cache->CanAppend()) {
     return absl::ResourceExhaustedError("cache: null or full");
@@ -228,8 +228,8 @@ absl::Status Transformer::DecodeStep(int32_t token, KvCache* cache, absl::Span<f
   const int dim = c.dim, hd = c.head_dim(), kv_dim = c.kv_dim(), pos = cache->position();
   std::vector<float> x(ck_.token_embedding() + static_cast<size_t>(token) * dim,
                        ck_.token_embedding() + static_cast<size_t>(token + 1) * dim);
-  std::vector<float> xn(dim), q(dim), k(kv_dim), v(kv_dim), att(dim), proj(dim),
-      h1(c.hidden_dim), h3(c.hidden_dim), ffn_y(dim);
+  std::vector<float> xn(dim), q(dim), k(kv_dim), v(kv_dim), att(dim), proj(dim), h1(c.hidden_dim),
+      h3(c.hidden_dim), ffn_y(dim);
   if (attn_out != nullptr) attn_out->assign(static_cast<size_t>(c.n_layers) * dim, 0.0f);
   for (int l = 0; l < c.n_layers; ++l) {
     RmsNorm(x.data(), ck_.attn_norm(l), dim, xn.data());
@@ -283,7 +283,8 @@ absl::StatusOr<double> Transformer::MeanNll(absl::Span<const int32_t> tokens) co
     const float* row = fwd.logits_at(static_cast<int>(t));
     const float max_logit = *std::max_element(row, row + fwd.vocab_size);
     double sum = 0;
-    for (int i = 0; i < fwd.vocab_size; ++i) sum += std::exp(static_cast<double>(row[i]) - max_logit);
+    for (int i = 0; i < fwd.vocab_size; ++i)
+      sum += std::exp(static_cast<double>(row[i]) - max_logit);
     total += -(row[tokens[t + 1]] - max_logit - std::log(sum));
   }
   return total / static_cast<double>(tokens.size() - 1);

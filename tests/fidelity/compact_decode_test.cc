@@ -157,11 +157,14 @@ TEST_F(CompactDecodeTest, KeepEverythingMatchesFullCacheDecoding) {
       sb += std::exp(double{b[i]} - mb);
     }
     for (int i = 0; i < vocab; ++i) {
-      prob_diff = std::max(prob_diff, std::abs(std::exp(a[i] - ma) / sa - std::exp(b[i] - mb) / sb));
+      prob_diff =
+          std::max(prob_diff, std::abs(std::exp(a[i] - ma) / sa - std::exp(b[i] - mb) / sb));
     }
   }
-  std::printf("policy none: max |logit diff| = %.3g (max |logit| %.3g), max |prob diff| = %.3g "
-              "over %d steps\n", diff, scale, prob_diff, kCont);
+  std::printf(
+      "policy none: max |logit diff| = %.3g (max |logit| %.3g), max |prob diff| = %.3g "
+      "over %d steps\n",
+      diff, scale, prob_diff, kCont);
   EXPECT_LE(diff, 1e-5 * scale);
   EXPECT_LE(prob_diff, 1e-5);
 }
@@ -246,8 +249,8 @@ TEST_F(CompactDecodeTest, CreateRejectsBlobsThatDoNotFitTheModel) {
 }
 
 TEST_F(CompactDecodeTest, CacheRefusesTokensBeyondItsCapacity) {
-  auto cache = model::CompactKvCache::Create(model_->config(), Compress(CompressionSpec{}),
-                                             nullptr, 1);
+  auto cache =
+      model::CompactKvCache::Create(model_->config(), Compress(CompressionSpec{}), nullptr, 1);
   ASSERT_TRUE(cache.ok());
   std::vector<float> logits(model_->config().vocab_size);
   ASSERT_TRUE(model_->DecodeStep(5, cache->get(), absl::MakeSpan(logits)).ok());

@@ -44,8 +44,8 @@ class GuardTest : public ::testing::Test {
     auto m = eval_->Evaluate(spec, InProcessCompressor(backend_.get()));
     EXPECT_TRUE(m.ok()) << m.status();
     std::printf("%-10s keep %.2f: top1 %.4f  mean KL %.4e  attn err %.4f\n",
-                std::string(PolicyName(policy)).c_str(), keep_ratio, m->top1_agreement,
-                m->mean_kl, m->mean_attn_rel_err);
+                std::string(PolicyName(policy)).c_str(), keep_ratio, m->top1_agreement, m->mean_kl,
+                m->mean_attn_rel_err);
     return m.ok() ? *m : Metrics{};
   }
 
@@ -54,10 +54,10 @@ class GuardTest : public ::testing::Test {
   std::unique_ptr<FidelityEval> eval_;
 };
 
-constexpr EvictionPolicy kAllPolicies[] = {
-    EvictionPolicy::kNone,      EvictionPolicy::kStreaming, EvictionPolicy::kH2O,
-    EvictionPolicy::kSnapKV,    EvictionPolicy::kKeyformer, EvictionPolicy::kKNorm,
-    EvictionPolicy::kRandom};
+constexpr EvictionPolicy kAllPolicies[] = {EvictionPolicy::kNone,      EvictionPolicy::kStreaming,
+                                           EvictionPolicy::kH2O,       EvictionPolicy::kSnapKV,
+                                           EvictionPolicy::kKeyformer, EvictionPolicy::kKNorm,
+                                           EvictionPolicy::kRandom};
 
 TEST_F(GuardTest, KeepingEveryTokenReproducesFullCacheDecoding) {
   for (EvictionPolicy p : kAllPolicies) {
@@ -72,17 +72,17 @@ TEST_F(GuardTest, KeepingEveryTokenReproducesFullCacheDecoding) {
 
 TEST_F(GuardTest, AttentionBasedPoliciesBeatBaselinesAtHalfTheCache) {
   std::map<EvictionPolicy, Metrics> at_half;
-  for (EvictionPolicy p : {EvictionPolicy::kStreaming, EvictionPolicy::kRandom,
-                           EvictionPolicy::kH2O, EvictionPolicy::kSnapKV,
-                           EvictionPolicy::kKeyformer}) {
+  for (EvictionPolicy p :
+       {EvictionPolicy::kStreaming, EvictionPolicy::kRandom, EvictionPolicy::kH2O,
+        EvictionPolicy::kSnapKV, EvictionPolicy::kKeyformer}) {
     at_half[p] = Run(p, 0.5);
     // Evicting half the cache must visibly change something, or the comparison means nothing.
     EXPECT_GT(at_half[p].mean_kl, 1e-3) << PolicyName(p);
   }
   const double random_kl = at_half[EvictionPolicy::kRandom].mean_kl;
   const double streaming_kl = at_half[EvictionPolicy::kStreaming].mean_kl;
-  for (EvictionPolicy p : {EvictionPolicy::kH2O, EvictionPolicy::kSnapKV,
-                           EvictionPolicy::kKeyformer}) {
+  for (EvictionPolicy p :
+       {EvictionPolicy::kH2O, EvictionPolicy::kSnapKV, EvictionPolicy::kKeyformer}) {
     EXPECT_LT(at_half[p].mean_kl, random_kl) << PolicyName(p) << " vs random";
     EXPECT_LT(at_half[p].mean_kl, streaming_kl) << PolicyName(p) << " vs streaming";
   }

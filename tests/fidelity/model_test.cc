@@ -202,8 +202,8 @@ void ExpectIncrementalMatchesForward(const Transformer& model, const std::vector
     }
   }
   EXPECT_LT(max_diff, tol);
-  std::printf("max |logit(incremental) - logit(forward)| over %zu positions: %.3g\n",
-              tokens.size(), max_diff);
+  std::printf("max |logit(incremental) - logit(forward)| over %zu positions: %.3g\n", tokens.size(),
+              max_diff);
 }
 
 TEST(TransformerTest, IncrementalMatchesForwardOnASyntheticModel) {

@@ -2,13 +2,13 @@
 #ifndef KVC_TESTS_FIDELITY_MODEL_UTIL_H_
 #define KVC_TESTS_FIDELITY_MODEL_UTIL_H_
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
 #include <string>
 #include <vector>
-
-#include <unistd.h>
 
 namespace kvc::testing {
 
@@ -20,11 +20,11 @@ inline std::string ModelPath() {
   return f ? std::string(env) : std::string();
 }
 
-#define KVC_REQUIRE_MODEL(path_var)                                                      \
-  const std::string path_var = ::kvc::testing::ModelPath();                              \
-  if (path_var.empty()) {                                                                \
+#define KVC_REQUIRE_MODEL(path_var)                                                        \
+  const std::string path_var = ::kvc::testing::ModelPath();                                \
+  if (path_var.empty()) {                                                                  \
     GTEST_SKIP() << "model not found: set KVC_MODEL to a llama2.c checkpoint (ctest sets " \
-                    "it to shared/models/stories260K.bin beside the source tree)";       \
+                    "it to shared/models/stories260K.bin beside the source tree)";         \
   }
 
 // Writes a llama2.c checkpoint: the header, then `floats` values (i * 0.001 - 0.5 pattern scaled

@@ -1,5 +1,7 @@
 // The fidelity tool's pieces that need no model: option checks, the default sweep, CSV/table
 // formatting, the PNG encoder (decoded back with zlib) and the plot renderer.
+#include "kvc/fidelity/report.h"
+
 #include <zlib.h>
 
 #include <cstring>
@@ -11,7 +13,6 @@
 #include "gtest/gtest.h"
 #include "kvc/fidelity/fidelity.h"
 #include "kvc/fidelity/png.h"
-#include "kvc/fidelity/report.h"
 
 namespace kvc::fidelity {
 namespace {
@@ -52,6 +53,18 @@ TEST(RunOptionsTest, ValidatesEveryField) {
   o = ok;
   o.temperature = -0.5f;
   EXPECT_THAT(ValidateRunOptions(o, c).message(), HasSubstr("temperature: -0.5"));
+}
+
+TEST(SweepTest, QuantGroupDefaultsAndMustDivideHeadDim) {
+  EXPECT_EQ(*ResolveQuantGroup(0, 8), 8);
+  EXPECT_EQ(*ResolveQuantGroup(0, 128), 32);
+  EXPECT_EQ(*ResolveQuantGroup(4, 8), 4);
+  EXPECT_THAT(ResolveQuantGroup(32, 8).status().message(),
+              HasSubstr("quant_group: 32 must divide head_dim 8"));
+  EXPECT_EQ(*ResolveQuantGroup(0, 24), 24);  // min(32, 24) divides 24
+  EXPECT_THAT(ResolveQuantGroup(0, 48).status().message(),
+              HasSubstr("quant_group: 32 must divide head_dim 48"));
+  EXPECT_THAT(ResolveQuantGroup(-1, 8).status().message(), HasSubstr("quant_group: -1"));
 }
 
 TEST(SweepTest, DefaultSweepCoversPoliciesThinkAndQuant) {

@@ -1,6 +1,8 @@
 // The fidelity numbers through a real kvcd: each prefix cache goes up with PutCache (the spec in
 // the header) and comes back with GetCache PACKED; decoding on the served blobs must give exactly
 // the in-process numbers, and the blobs must be byte-identical.
+#include "kvc/fidelity/via_kvcd.h"
+
 #include <string>
 #include <vector>
 
@@ -11,7 +13,6 @@
 #include "kvc/backend.h"
 #include "kvc/client.h"
 #include "kvc/fidelity/fidelity.h"
-#include "kvc/fidelity/via_kvcd.h"
 #include "kvc/model/transformer.h"
 #include "testing/kvcd_process.h"
 
@@ -80,9 +81,9 @@ TEST_F(ViaKvcdTest, ServedBlobsGiveExactlyTheInProcessNumbers) {
   const Compressor local = InProcessCompressor(backend_.get());
   const Compressor remote = KvcdCompressor(client_.get(), "fidelity-test");
   for (const CompressionSpec& spec : Specs()) {
-    const std::string name = absl::StrCat(std::string(PolicyName(spec.eviction.policy)), "/",
-                                          std::string(PolicyName(spec.channels.key_policy)), "/q",
-                                          spec.quant.bits);
+    const std::string name =
+        absl::StrCat(std::string(PolicyName(spec.eviction.policy)), "/",
+                     std::string(PolicyName(spec.channels.key_policy)), "/q", spec.quant.bits);
     // Byte-identical blobs for every sequence.
     for (int i = 0; i < eval_->options().num_sequences; ++i) {
       auto a = local(eval_->prefix(i), spec, i);

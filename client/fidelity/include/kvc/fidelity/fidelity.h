@@ -21,11 +21,11 @@
 namespace kvc::fidelity {
 
 struct RunOptions {
-  int num_sequences = 8;    // sampled from BOS, sequence i with seed `seed + i`
-  int prefix_len = 256;     // P: tokens whose cache is compressed
-  int continuation = 64;    // C: tokens decoded teacher-forced on the compressed cache
-  int obs_window = 32;      // W: observation queries (the last W prefix positions); <= P
-  float temperature = 1.0f; // sampling temperature of the sequences
+  int num_sequences = 16;    // sampled from BOS, sequence i with seed `seed + i`
+  int prefix_len = 256;      // P: tokens whose cache is compressed
+  int continuation = 64;     // C: tokens decoded teacher-forced on the compressed cache
+  int obs_window = 32;       // W: observation queries (the last W prefix positions); <= P
+  float temperature = 1.0f;  // sampling temperature of the sequences
   uint64_t seed = 1;
 };
 
@@ -57,13 +57,13 @@ using Compressor = std::function<absl::StatusOr<std::vector<CompactLayer>>(
 Compressor InProcessCompressor(Backend* backend);
 
 struct Metrics {
-  int steps = 0;                 // compared next-token distributions (sequences x C)
-  double top1_agreement = 0;     // fraction of steps where argmax(compressed) == argmax(full)
-  double mean_kl = 0;            // mean KL(full || compressed) in nats
+  int steps = 0;              // compared next-token distributions (sequences x C)
+  double top1_agreement = 0;  // fraction of steps where argmax(compressed) == argmax(full)
+  double mean_kl = 0;         // mean KL(full || compressed) in nats
   double max_kl = 0;
   std::vector<double> attn_rel_err;  // per layer: mean ||o_c - o_f|| / ||o_f||
-  double mean_attn_rel_err = 0;  // over layers
-  double size_ratio = 0;         // compact bytes / full fp32 K+V bytes
+  double mean_attn_rel_err = 0;      // over layers
+  double size_ratio = 0;             // compact bytes / full fp32 K+V bytes
 };
 
 // Holds the sampled sequences, their prefix caches and the full-cache reference. Not thread-safe.
@@ -103,6 +103,10 @@ class FidelityEval {
   std::vector<std::vector<int32_t>> ref_top1_;
   std::vector<std::vector<float>> ref_attn_;
 };
+
+// Quantization group size for a model: `requested` when > 0, else min(32, head_dim). Must divide
+// head_dim (INVALID_ARGUMENT naming quant_group otherwise).
+absl::StatusOr<int> ResolveQuantGroup(int requested, int head_dim);
 
 // One row of a sweep.
 struct SweepEntry {

@@ -31,7 +31,7 @@ class Image {
 
   // Drawing clips to the image; coordinates outside are ignored, never an error.
   void Set(int x, int y, Rgb c);
-  Rgb At(int x, int y) const;  // black outside
+  Rgb At(int x, int y) const;                            // black outside
   void FillRect(int x0, int y0, int x1, int y1, Rgb c);  // inclusive corners, any order
   void Line(int x0, int y0, int x1, int y1, Rgb c, int thickness = 1);
   // Text with its top-left corner at (x, y); lowercase letters are drawn as capitals, characters

@@ -25,8 +25,8 @@ struct LlamaConfig {
   int n_layers = 0;
   int n_heads = 0;
   int n_kv_heads = 0;
-  int vocab_size = 0;       // always positive here; see shared_classifier
-  int seq_len = 0;          // training context length
+  int vocab_size = 0;             // always positive here; see shared_classifier
+  int seq_len = 0;                // training context length
   bool shared_classifier = true;  // header's vocab_size was positive
 
   int head_dim() const { return n_heads > 0 ? dim / n_heads : 0; }
@@ -61,7 +61,7 @@ class Checkpoint {
 
   const LlamaConfig& config() const { return config_; }
 
-  const float* token_embedding() const { return at(embedding_); }   // [vocab, dim]
+  const float* token_embedding() const { return at(embedding_); }  // [vocab, dim]
   const float* attn_norm(int layer) const { return at(attn_norm_, layer, config_.dim); }
   const float* wq(int layer) const { return at(wq_, layer, Sq(config_.dim)); }
   const float* wk(int layer) const { return at(wk_, layer, KvSize()); }
@@ -86,8 +86,8 @@ class Checkpoint {
 
   LlamaConfig config_;
   std::vector<float> data_;  // everything after the header
-  size_t embedding_ = 0, attn_norm_ = 0, wq_ = 0, wk_ = 0, wv_ = 0, wo_ = 0, ffn_norm_ = 0,
-         w1_ = 0, w2_ = 0, w3_ = 0, final_norm_ = 0, classifier_ = 0;
+  size_t embedding_ = 0, attn_norm_ = 0, wq_ = 0, wk_ = 0, wv_ = 0, wo_ = 0, ffn_norm_ = 0, w1_ = 0,
+         w2_ = 0, w3_ = 0, final_norm_ = 0, classifier_ = 0;
 };
 
 }  // namespace kvc::model

@@ -24,9 +24,11 @@ inline constexpr float kRmsNormEps = 1e-5f;
 struct ForwardOutput {
   int seq_len = 0;
   int vocab_size = 0;
-  std::vector<float> logits;               // [seq_len, vocab_size]; row t predicts token t + 1
-  std::vector<LayerProjections> layers;    // [n_layers]
-  const float* logits_at(int t) const { return logits.data() + static_cast<size_t>(t) * vocab_size; }
+  std::vector<float> logits;             // [seq_len, vocab_size]; row t predicts token t + 1
+  std::vector<LayerProjections> layers;  // [n_layers]
+  const float* logits_at(int t) const {
+    return logits.data() + static_cast<size_t>(t) * vocab_size;
+  }
 };
 
 // Rotates each head's channel pairs of `x` ([heads, head_dim]) for position `pos`.
