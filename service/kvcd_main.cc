@@ -10,6 +10,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "server/config.h"
 #include "server/server.h"
 
@@ -129,9 +130,13 @@ int main(int argc, char** argv) {
   sigwait(&signals, &sig);
   std::printf("kvcd: signal %d, draining\n", sig);
   std::fflush(stdout);
+  const absl::Time drain_start = absl::Now();
   (*server)->Drain();
+  std::printf("kvcd: drained in %.3f s, shutting down\n",
+              absl::ToDoubleSeconds(absl::Now() - drain_start));
+  std::fflush(stdout);
   (*server)->Shutdown();
-  std::printf("kvcd: stopped\n");
+  std::printf("kvcd: stopped after %.3f s\n", absl::ToDoubleSeconds(absl::Now() - drain_start));
   std::fflush(stdout);
   return 0;
 }

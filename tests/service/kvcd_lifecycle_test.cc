@@ -1,0 +1,195 @@
+// kvcd as a process: start-up output and --port_file, health on both ports, flag validation
+// (exit code 2), and SIGTERM/SIGINT drain: NOT_SERVING, UNAVAILABLE for new calls, in-flight
+// uploads complete, bounded shutdown, exit 0.
+#include <signal.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "testing/kvc_rpc.h"
+#include "testing/kvcd_process.h"
+
+namespace kvc {
+namespace {
+
+using testing::KvcdProcess;
+using ::testing::HasSubstr;
+
+std::unique_ptr<KvcdProcess> StartKvcd(std::vector<std::string> flags) {
+  KvcdProcess::Options opts;
+  opts.binary = KVCD_PATH;
+  opts.flags = std::move(flags);
+  auto p = KvcdProcess::Start(opts);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? *std::move(p) : nullptr;
+}
+
+bool WaitForHealth(const std::string& address, bool serving, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    auto s = testing::HealthServing(address);
+    if (s.ok() && *s == serving) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return false;
+}
+
+TEST(KvcdLifecycleTest, PrintsAddressesWritesPortFileAndServesHealthOnBothPorts) {
+  const std::string port_file = ::testing::TempDir() + "/kvcd_port_" + std::to_string(getpid());
+  auto kvcd = StartKvcd({"--port_file=" + port_file});
+  ASSERT_NE(kvcd, nullptr);
+  EXPECT_THAT(kvcd->address(), ::testing::StartsWith("127.0.0.1:"));
+  EXPECT_NE(kvcd->address(), "127.0.0.1:0");
+  std::ifstream in(port_file);
+  std::string written;
+  std::getline(in, written);
+  EXPECT_EQ(written, kvcd->address());
+  std::remove(port_file.c_str());
+
+  auto main_health = testing::HealthServing(kvcd->address());
+  ASSERT_TRUE(main_health.ok()) << main_health.status();
+  EXPECT_TRUE(*main_health);
+  auto probe_health = testing::HealthServing(kvcd->health_address());
+  ASSERT_TRUE(probe_health.ok()) << probe_health.status();
+  EXPECT_TRUE(*probe_health);
+  // The probe port serves nothing but health.
+  auto probe_stub = testing::NewStub(kvcd->health_address());
+  grpc::ClientContext ctx;
+  kvcache::v1::ServerInfo info;
+  EXPECT_EQ(probe_stub->GetServerInfo(&ctx, {}, &info).error_code(),
+            grpc::StatusCode::UNIMPLEMENTED);
+  // The real service answers with the configured limits.
+  auto stub = testing::NewStub(kvcd->address());
+  grpc::ClientContext ctx2;
+  ASSERT_TRUE(stub->GetServerInfo(&ctx2, {}, &info).ok());
+  EXPECT_TRUE(info.serving());
+  EXPECT_EQ(info.limits().store_capacity_bytes(), 64u << 20);  // the helper's default
+  EXPECT_EQ(info.limits().max_cache_bytes(), 64u << 20);       // defaults to the store size
+  EXPECT_EQ(info.limits().max_message_bytes(), 8u << 20);
+  EXPECT_EQ(info.limits().max_chunk_bytes(), 4u << 20);
+  EXPECT_EQ(info.limits().max_concurrent_streams(), 64u);
+  EXPECT_THAT(info.eviction_policies(), ::testing::Contains("snapkv"));
+  EXPECT_FALSE(info.backend().empty());
+}
+
+TEST(KvcdLifecycleTest, InvalidFlagsExitWithCode2AndNameTheFlag) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--store_bytes=12X", "--store_bytes"},
+      {"--store_bytes=0", "--store_bytes"},
+      {"--max_chunk_bytes=8MiB", "--max_chunk_bytes"},  // not below --max_message_bytes
+      {"--max_message_bytes=100", "--max_message_bytes"},
+      {"--max_concurrent_streams=0", "--max_concurrent_streams"},
+      {"--backend=tpu", "--backend"},
+      {"--listen=localhost", "--listen"},
+      {"--threads=-1", "--threads"},
+      {"--drain_seconds=-1", "--drain_seconds"},
+  };
+  for (const auto& [flag, name] : cases) {
+    KvcdProcess::Options opts;
+    opts.binary = KVCD_PATH;
+    opts.flags = {flag};
+    opts.wait_for_ready = false;
+    auto p = KvcdProcess::Start(opts);
+    ASSERT_TRUE(p.ok()) << p.status();
+    auto code = (*p)->Wait(absl::Seconds(20));
+    ASSERT_TRUE(code.ok()) << flag;
+    EXPECT_EQ(*code, 2) << flag;
+    absl::SleepFor(absl::Milliseconds(20));  // let the reader collect the last output
+    EXPECT_THAT((*p)->output(), HasSubstr(name)) << flag;
+  }
+}
+
+TEST(KvcdLifecycleTest, SigtermDrainsInFlightUploadsThenExitsZero) {
+  auto kvcd = StartKvcd({"--drain_seconds=10", "--store_bytes=16MiB"});
+  ASSERT_NE(kvcd, nullptr);
+  auto stub = testing::NewStub(kvcd->address());
+  auto cache = testing::MakeTestCache("drain/a", testing::Shape(2, 2, 2, 32, 128, 0),
+                                      kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 1);
+  const auto requests = testing::MakeRequests(cache, 4096);
+  grpc::ClientContext ctx;
+  kvcache::v1::PutCacheResponse resp;
+  auto writer = stub->PutCache(&ctx, &resp);
+  for (size_t i = 0; i < requests.size() / 2; ++i) ASSERT_TRUE(writer->Write(requests[i]));
+  // Signal only once the server has the stream open (the client may still hold it back).
+  bool open = false;
+  for (int i = 0; i < 250 && !open; ++i) {
+    auto text = testing::HttpGet(kvcd->metrics_address(), "/metrics");
+    open = text.ok() && testing::MetricValue(*text, "kvc_active_streams").value_or(0) == 1;
+    if (!open) absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(open) << "the upload stream never reached the server";
+
+  ASSERT_TRUE(kvcd->Signal(SIGTERM).ok());
+  EXPECT_TRUE(WaitForHealth(kvcd->health_address(), false, absl::Seconds(5)));
+  EXPECT_TRUE(WaitForHealth(kvcd->address(), false, absl::Seconds(5)));
+  {
+    grpc::ClientContext c;
+    kvcache::v1::StatCacheRequest req;
+    req.set_cache_id("drain/a");
+    kvcache::v1::CacheInfo info;
+    EXPECT_EQ(stub->StatCache(&c, req, &info).error_code(), grpc::StatusCode::UNAVAILABLE);
+  }
+  {
+    grpc::Status s = testing::PutCache(stub.get(), testing::MakeTestCache(
+        "drain/new", testing::Shape(1, 1, 1, 8, 8, 0), kvcache::v1::DTYPE_F16,
+        kvcache::v1::LAYOUT_HND, 2));
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  }
+  {
+    grpc::ClientContext c;
+    kvcache::v1::ServerInfo info;
+    ASSERT_TRUE(stub->GetServerInfo(&c, {}, &info).ok());
+    EXPECT_FALSE(info.serving());
+  }
+  EXPECT_TRUE(kvcd->running());
+  // The in-flight upload still completes.
+  for (size_t i = requests.size() / 2; i < requests.size(); ++i) {
+    ASSERT_TRUE(writer->Write(requests[i]));
+  }
+  writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.input_bytes(), cache.kv_bytes());
+  auto code = kvcd->Wait(absl::Seconds(15));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+  EXPECT_THAT(kvcd->output(), HasSubstr("draining"));
+}
+
+TEST(KvcdLifecycleTest, SigintWithNothingInFlightExitsPromptly) {
+  auto kvcd = StartKvcd({"--drain_seconds=30"});
+  ASSERT_NE(kvcd, nullptr);
+  ASSERT_TRUE(kvcd->Signal(SIGINT).ok());
+  // Well before --drain_seconds: draining ends as soon as no stream is open.
+  auto code = kvcd->Wait(absl::Seconds(10));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+}
+
+TEST(KvcdLifecycleTest, ShutdownIsBoundedWhenAStreamNeverEnds) {
+  auto kvcd = StartKvcd({"--drain_seconds=0.5", "--shutdown_deadline_seconds=0.5"});
+  ASSERT_NE(kvcd, nullptr);
+  auto stub = testing::NewStub(kvcd->address());
+  auto cache = testing::MakeTestCache("stuck/a", testing::Shape(1, 1, 1, 8, 64, 0),
+                                      kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 1);
+  grpc::ClientContext ctx;
+  kvcache::v1::PutCacheResponse resp;
+  auto writer = stub->PutCache(&ctx, &resp);
+  ASSERT_TRUE(writer->Write(testing::MakeRequests(cache, 64)[0]));
+  absl::SleepFor(absl::Milliseconds(100));
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(kvcd->Signal(SIGTERM).ok());
+  auto code = kvcd->Wait(absl::Seconds(10));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  writer->WritesDone();
+  EXPECT_FALSE(writer->Finish().ok());  // the stuck upload was cut off, not stored
+}
+
+}  // namespace
+}  // namespace kvc
