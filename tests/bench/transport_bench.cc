@@ -1,0 +1,572 @@
+// Transport benchmark: kvc PutCache/GetCache against kvcd on loopback, next to (a) a plain gRPC
+// byte stream of the same message sizes on the same kind of channel (an in-process raw service
+// that discards uploads and streams downloads from memory) and (b) Redis SET/GET of the same
+// blobs over a minimal RESP client. Prints one table with GB/s and ratios vs the plain stream.
+//
+//   transport_bench [--reps=5] [--layers_4k=4] [--layers_32k=2] [--kvcd=PATH] [--redis=PATH]
+//
+// Caches are Llama-3-8B-shaped layers (8 KV heads, 32 query heads, head_dim 128, fp16, 32
+// observation queries) at 4K and 32K tokens; only a few layers per cache (a 32K-token layer is
+// 128 MiB of K+V), which does not change per-byte throughput. Each row is the median of --reps
+// timed runs after one warm-up run.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/support/sync_stream.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "kvc/client.h"
+#include "kvc/client_wire.h"
+#include "kvc/dtype.h"
+#include "testing/kvcd_process.h"
+
+#ifndef KVCD_PATH
+#define KVCD_PATH ""
+#endif
+
+ABSL_FLAG(int, reps, 5, "timed runs per row (median reported), after one warm-up");
+ABSL_FLAG(int, layers_4k, 4, "layers per 4K-token cache");
+ABSL_FLAG(int, layers_32k, 2, "layers per 32K-token cache");
+ABSL_FLAG(std::string, kvcd, KVCD_PATH, "kvcd binary");
+ABSL_FLAG(std::string, redis, "redis-server", "redis-server binary; empty skips Redis");
+ABSL_FLAG(int, kvcd_threads, 2, "kvcd --threads");
+
+namespace {
+
+namespace pb = kvcache::v1;
+constexpr size_t kChunk = 4 << 20;
+constexpr int kMaxMessage = 16 << 20;
+
+// ---- (a) plain gRPC byte stream: raw methods on a callback generic service ----------------
+
+class SinkService final : public grpc::CallbackGenericService {
+ public:
+  explicit SinkService(const std::vector<uint8_t>* source) : source_(source) {}
+
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
+    if (ctx->method() == "/bench.Sink/Download") return new Download(source_);
+    return new Upload();
+  }
+
+ private:
+  // Client stream: read and drop every message, answer with the byte count.
+  class Upload final : public grpc::ServerGenericBidiReactor {
+   public:
+    Upload() { StartRead(&in_); }
+    void OnReadDone(bool ok) override {
+      if (ok) {
+        bytes_ += in_.Length();
+        in_.Clear();
+        StartRead(&in_);
+        return;
+      }
+      grpc::Slice s(&bytes_, sizeof(bytes_));
+      out_ = grpc::ByteBuffer(&s, 1);
+      StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
+    }
+    void OnDone() override { delete this; }
+
+   private:
+    grpc::ByteBuffer in_, out_;
+    uint64_t bytes_ = 0;
+  };
+
+  // Server stream: the request holds a byte count; send that many bytes from memory in chunks.
+  class Download final : public grpc::ServerGenericBidiReactor {
+   public:
+    explicit Download(const std::vector<uint8_t>* source) : source_(source) { StartRead(&in_); }
+    void OnReadDone(bool ok) override {
+      if (!ok) {
+        Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no request"));
+        return;
+      }
+      std::vector<grpc::Slice> s;
+      (void)in_.Dump(&s);
+      if (s.empty() || s[0].size() < 8) {
+        Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "bad request"));
+        return;
+      }
+      std::memcpy(&total_, s[0].begin(), 8);
+      total_ = std::min<uint64_t>(total_, source_->size());
+      Next();
+    }
+    void OnWriteDone(bool ok) override {
+      if (!ok) {
+        Finish(grpc::Status(grpc::StatusCode::CANCELLED, "write failed"));
+        return;
+      }
+      Next();
+    }
+    void OnDone() override { delete this; }
+
+   private:
+    void Next() {
+      if (sent_ >= total_) {
+        Finish(grpc::Status::OK);
+        return;
+      }
+      const size_t n = std::min<uint64_t>(kChunk, total_ - sent_);
+      grpc::Slice s(source_->data() + sent_, n, grpc::Slice::STATIC_SLICE);
+      out_ = grpc::ByteBuffer(&s, 1);
+      sent_ += n;
+      StartWrite(&out_);
+    }
+    const std::vector<uint8_t>* source_;
+    grpc::ByteBuffer in_, out_;
+    uint64_t total_ = 0, sent_ = 0;
+  };
+
+  const std::vector<uint8_t>* source_;
+};
+
+// Uploads `tensors` (each sent as PutCache would: same framing and chunk sizes) to the sink.
+bool PlainUpload(grpc::Channel* ch, const grpc::internal::RpcMethod& m,
+                 const std::vector<std::pair<const uint8_t*, size_t>>& tensors) {
+  grpc::ClientContext ctx;
+  grpc::ByteBuffer resp;
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> w(
+      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(ch, m, &ctx, &resp));
+  pb::ChunkHeader chunk;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    chunk.set_layer(static_cast<uint32_t>(t / 3));
+    chunk.set_tensor(static_cast<pb::TensorKind>(1 + t % 3));
+    for (const kvc::ChunkSpan& c : kvc::SplitChunks(tensors[t].second, kChunk)) {
+      chunk.set_offset(c.offset);
+      if (!w->Write(kvc::FramePutChunk(chunk, tensors[t].first + c.offset, c.size))) break;
+    }
+  }
+  w->WritesDone();
+  return w->Finish().ok();
+}
+
+// Downloads `total` bytes from the sink into `dst`, copying each payload once.
+bool PlainDownload(grpc::Channel* ch, const grpc::internal::RpcMethod& m, uint64_t total,
+                   uint8_t* dst) {
+  grpc::ClientContext ctx;
+  grpc::Slice req(&total, sizeof(total));
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> r(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(ch, m, &ctx,
+                                                                    grpc::ByteBuffer(&req, 1)));
+  grpc::ByteBuffer bb;
+  std::vector<grpc::Slice> slices;
+  uint64_t got = 0;
+  while (r->Read(&bb)) {
+    (void)bb.Dump(&slices);
+    for (const grpc::Slice& s : slices) {
+      if (got + s.size() > total) return false;
+      std::memcpy(dst + got, s.begin(), s.size());
+      got += s.size();
+    }
+  }
+  return r->Finish().ok() && got == total;
+}
+
+// ---- (b) Redis: the server, and a minimal RESP client -------------------------------------
+
+class Redis {
+ public:
+  ~Redis() {
+    if (fd_ >= 0) close(fd_);
+    if (pid_ > 0) {
+      kill(pid_, SIGTERM);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+
+  absl::Status Start(const std::string& binary) {
+    absl::StatusOr<int> port = kvc::testing::PickFreeLoopbackPort();
+    if (!port.ok()) return port.status();
+    const std::string p = std::to_string(*port);
+    std::vector<std::string> args = {binary, "--port", p, "--bind", "127.0.0.1", "--save", "",
+                                     "--appendonly", "no", "--protected-mode", "no",
+                                     "--loglevel", "warning"};
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    // Redis logs start-up warnings; keep the table readable.
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_addopen(&fa, 2, "/dev/null", O_WRONLY, 0);
+    const int rc = posix_spawnp(&pid_, binary.c_str(), &fa, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (rc != 0) {
+      pid_ = -1;
+      return absl::UnavailableError(absl::StrCat("cannot start ", binary));
+    }
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < deadline) {
+      fd_ = socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_port = htons(static_cast<uint16_t>(*port));
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      if (connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+        int one = 1;
+        setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        return Command({"PING"}) ? absl::OkStatus() : absl::InternalError("redis: PING failed");
+      }
+      close(fd_);
+      fd_ = -1;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return absl::UnavailableError("redis-server did not accept connections");
+  }
+
+  bool Set(const std::string& key, const uint8_t* data, size_t n) {
+    const std::string head = absl::StrCat("*3\r\n$3\r\nSET\r\n$", key.size(), "\r\n", key,
+                                          "\r\n$", n, "\r\n");
+    iovec iov[3] = {{const_cast<char*>(head.data()), head.size()},
+                    {const_cast<uint8_t*>(data), n},
+                    {const_cast<char*>("\r\n"), 2}};
+    return WriteAll(iov, 3) && ReadLine() == "+OK";
+  }
+
+  // GET into dst (capacity n); the value must be exactly n bytes.
+  bool Get(const std::string& key, uint8_t* dst, size_t n) {
+    const std::string cmd =
+        absl::StrCat("*2\r\n$3\r\nGET\r\n$", key.size(), "\r\n", key, "\r\n");
+    iovec iov[1] = {{const_cast<char*>(cmd.data()), cmd.size()}};
+    if (!WriteAll(iov, 1)) return false;
+    if (ReadLine() != absl::StrCat("$", n)) return false;
+    return ReadExact(dst, n) && ReadLine().empty();
+  }
+
+  bool Command(const std::vector<std::string>& words) {
+    std::string cmd = absl::StrCat("*", words.size(), "\r\n");
+    for (const std::string& w : words) absl::StrAppend(&cmd, "$", w.size(), "\r\n", w, "\r\n");
+    iovec iov[1] = {{cmd.data(), cmd.size()}};
+    if (!WriteAll(iov, 1)) return false;
+    const std::string line = ReadLine();
+    return !line.empty() && line[0] != '-';
+  }
+
+ private:
+  bool WriteAll(iovec* iov, int n) {
+    while (n > 0) {
+      ssize_t w = writev(fd_, iov, n);
+      if (w < 0) return false;
+      while (n > 0 && static_cast<size_t>(w) >= iov->iov_len) {
+        w -= static_cast<ssize_t>(iov->iov_len);
+        ++iov;
+        --n;
+      }
+      if (n > 0) {
+        iov->iov_base = static_cast<char*>(iov->iov_base) + w;
+        iov->iov_len -= static_cast<size_t>(w);
+      }
+    }
+    return true;
+  }
+  // Buffered reads for reply lines; bulk payloads go straight into the caller's memory.
+  bool Fill() {
+    if (pos_ < buf_.size()) return true;
+    buf_.resize(4096);
+    const ssize_t r = read(fd_, buf_.data(), buf_.size());
+    if (r <= 0) return false;
+    buf_.resize(static_cast<size_t>(r));
+    pos_ = 0;
+    return true;
+  }
+  std::string ReadLine() {
+    std::string line;
+    while (Fill()) {
+      const char c = buf_[pos_++];
+      if (c == '\n') {
+        if (!line.empty() && line.back() == '\r') line.pop_back();
+        return line;
+      }
+      line.push_back(c);
+    }
+    return "-ERR connection";
+  }
+  bool ReadExact(uint8_t* dst, size_t n) {
+    const size_t buffered = std::min(n, buf_.size() - pos_);
+    std::memcpy(dst, buf_.data() + pos_, buffered);
+    pos_ += buffered;
+    for (size_t got = buffered; got < n;) {
+      const ssize_t r = read(fd_, dst + got, n - got);
+      if (r <= 0) return false;
+      got += static_cast<size_t>(r);
+    }
+    return true;
+  }
+
+  pid_t pid_ = -1;
+  int fd_ = -1;
+  std::string buf_;
+  size_t pos_ = 0;
+};
+
+// ---- the table ------------------------------------------------------------------------------
+
+struct Case {
+  std::string name;
+  bool download = false;  // compared with the plain download, else with the plain upload
+  std::function<bool()> run;
+  uint64_t bytes = 0;  // per run (for downloads: what arrived in the warm-up)
+  std::vector<double> seconds;
+  std::string note;  // why it has no numbers, or what the server reported
+  bool ok = true;
+};
+
+// Warm-up, then `reps` rounds that run every case once in turn, so load from other processes
+// on the machine hits all cases alike. Reports each case's median.
+void RunRoundRobin(std::vector<Case>& cases, int reps) {
+  for (Case& c : cases) {
+    if (c.ok && !c.run()) {
+      c.ok = false;
+      c.note = "failed";
+    }
+  }
+  for (int r = 0; r < reps; ++r) {
+    for (Case& c : cases) {
+      if (!c.ok) continue;
+      const absl::Time t0 = absl::Now();
+      if (!c.run()) {
+        c.ok = false;
+        c.note = "failed";
+        continue;
+      }
+      c.seconds.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
+    }
+  }
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+void Print(const std::vector<Case>& cases) {
+  double ref[2] = {0, 0};
+  for (const Case& c : cases) {
+    if (c.ok && c.name.rfind("plain", 0) == 0) ref[c.download] = c.bytes / Median(c.seconds) / 1e9;
+  }
+  std::printf("%-40s %9s %9s %8s %9s  %s\n", "case", "MiB/run", "ms/run", "GB/s", "vs plain",
+              "notes");
+  for (const Case& c : cases) {
+    if (!c.ok) {
+      std::printf("%-40s %9.1f %9s %8s %9s  %s\n", c.name.c_str(), c.bytes / 1048576.0, "-", "-",
+                  "-", c.note.c_str());
+      continue;
+    }
+    const double t = Median(c.seconds), gbps = c.bytes / t / 1e9;
+    std::printf("%-40s %9.1f %9.2f %8.3f %8.2fx  %s\n", c.name.c_str(), c.bytes / 1048576.0,
+                t * 1e3, gbps, ref[c.download] > 0 ? gbps / ref[c.download] : 0.0,
+                c.note.c_str());
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const int reps = std::max(1, absl::GetFlag(FLAGS_reps));
+  signal(SIGPIPE, SIG_IGN);
+
+  kvc::testing::KvcdProcess::Options ko;
+  ko.binary = absl::GetFlag(FLAGS_kvcd);
+  ko.flags = {"--store_bytes=3GiB", absl::StrCat("--threads=", absl::GetFlag(FLAGS_kvcd_threads)),
+              "--max_message_bytes=8MiB", "--max_chunk_bytes=4MiB"};
+  auto kvcd = kvc::testing::KvcdProcess::Start(ko);
+  if (!kvcd.ok()) {
+    std::fprintf(stderr, "transport_bench: cannot start kvcd: %s\n",
+                 std::string(kvcd.status().message()).c_str());
+    return 1;
+  }
+  kvc::ClientOptions co;
+  co.target = (*kvcd)->address();
+  co.max_message_bytes = kMaxMessage;
+  auto client = kvc::Client::Create(co);
+  if (!client.ok()) return 1;
+
+  Redis redis;
+  absl::Status redis_status = absl::UnavailableError("skipped (--redis empty)");
+  if (!absl::GetFlag(FLAGS_redis).empty()) redis_status = redis.Start(absl::GetFlag(FLAGS_redis));
+
+  for (const auto& [tokens, layers] : {std::pair<int, int>{4096, absl::GetFlag(FLAGS_layers_4k)},
+                                       {32768, absl::GetFlag(FLAGS_layers_32k)}}) {
+    const size_t kv_bytes = size_t{8} * tokens * 128 * 2;  // [8, S, 128] fp16
+    const size_t q_bytes = size_t{32} * 32 * 128 * 2;      // [32, 32, 128] fp16
+    std::vector<uint8_t> k(kv_bytes), v(kv_bytes), q(q_bytes);
+    std::mt19937 rng(7);
+    std::normal_distribution<float> dist;
+    // Random fp16 values (bit patterns of N(0,1) samples): incompressible like real activations.
+    for (std::vector<uint8_t>* buf : {&k, &v, &q}) {
+      for (size_t i = 0; i + 1 < buf->size(); i += 2) {
+        const uint16_t h = kvc::FloatToHalf(dist(rng));
+        std::memcpy(buf->data() + i, &h, 2);
+      }
+    }
+    std::vector<kvc::LayerTensors> views(layers, {k.data(), v.data(), q.data()});
+    std::vector<std::pair<const uint8_t*, size_t>> tensors;
+    for (int l = 0; l < layers; ++l) {
+      tensors.push_back({k.data(), kv_bytes});
+      tensors.push_back({v.data(), kv_bytes});
+      tensors.push_back({q.data(), q_bytes});
+    }
+    const uint64_t upload = static_cast<uint64_t>(layers) * (2 * kv_bytes + q_bytes);
+    const uint64_t kv_total = static_cast<uint64_t>(layers) * 2 * kv_bytes;
+
+    // (a) the plain stream, on its own server but the same channel arguments.
+    std::vector<uint8_t> source(kv_total);
+    std::memcpy(source.data(), k.data(), std::min(kv_total, kv_bytes));
+    SinkService sink(&source);
+    grpc::ServerBuilder sb;
+    int sink_port = 0;
+    sb.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &sink_port);
+    sb.RegisterCallbackGenericService(&sink);
+    sb.SetMaxReceiveMessageSize(kMaxMessage);
+    sb.SetMaxSendMessageSize(kMaxMessage);
+    std::unique_ptr<grpc::Server> sink_server = sb.BuildAndStart();
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(kMaxMessage);
+    args.SetMaxSendMessageSize(kMaxMessage);
+    auto ch = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", sink_port),
+                                        grpc::InsecureChannelCredentials(), args);
+    grpc::internal::RpcMethod up("/bench.Sink/Upload", grpc::internal::RpcMethod::CLIENT_STREAMING,
+                                 ch);
+    grpc::internal::RpcMethod down("/bench.Sink/Download",
+                                   grpc::internal::RpcMethod::SERVER_STREAMING, ch);
+    std::vector<uint8_t> dst(kv_total);
+
+    std::printf("\n== %d tokens x %d layers (Llama-3-8B layer: 8 KV heads, 32 q heads, head_dim "
+                "128, fp16); upload %.1f MiB per cache, chunks %zu MiB, median of %d ==\n",
+                tokens, layers, upload / 1048576.0, kChunk >> 20, reps);
+    std::vector<Case> cases;
+    cases.push_back({"plain gRPC stream upload", false,
+                     [&] { return PlainUpload(ch.get(), up, tensors); }, upload});
+    int seq = 0;
+    pb::PutCacheHeader base;
+    base.set_dtype(pb::DTYPE_F16);
+    base.set_layout(pb::LAYOUT_HND);
+    auto* shape = base.mutable_shape();
+    shape->set_num_layers(layers);
+    shape->set_num_kv_heads(8);
+    shape->set_num_q_heads(32);
+    shape->set_head_dim(128);
+    shape->set_seq_len(tokens);
+    shape->set_obs_window(32);
+    // Server-side elapsed time per case (header to response), to show where the time goes.
+    std::map<std::string, std::vector<double>> server_seconds;
+    auto put_case = [&](const std::string& name, const std::string& policy, double ratio) {
+      pb::PutCacheHeader h = base;
+      h.mutable_compression()->mutable_eviction()->set_policy(policy);
+      if (ratio > 0) h.mutable_compression()->mutable_eviction()->set_keep_ratio(ratio);
+      cases.push_back({name, false, [&, h, name]() mutable {
+                         h.set_cache_id(absl::StrCat("bench-", tokens, "-", seq++));
+                         auto r = (*client)->PutCache(h, views);
+                         if (!r.ok()) {
+                           std::fprintf(stderr, "%s: %s\n", name.c_str(),
+                                        r.status().ToString().c_str());
+                           return false;
+                         }
+                         server_seconds[name].push_back(r->elapsed_seconds());
+                         (void)(*client)->DeleteCache(h.cache_id());
+                         return true;
+                       },
+                       upload});
+      // The cache the download cases read.
+      h.set_cache_id(absl::StrCat("bench-", tokens, "-", policy));
+      return (*client)->PutCache(h, views).ok() ? h.cache_id() : std::string();
+    };
+    const std::string id_none = put_case("kvc PutCache, none", "none", 0);
+    const std::string id_snap = put_case("kvc PutCache, snapkv keep 0.25", "snapkv", 0.25);
+    cases.push_back({"Redis SET (K, V, Q_obs per layer)", false,
+                     [&] {
+                       for (size_t t = 0; t < tensors.size(); ++t) {
+                         if (!redis.Set(absl::StrCat("bench:", tokens, ":", t), tensors[t].first,
+                                        tensors[t].second)) {
+                           return false;
+                         }
+                       }
+                       return true;
+                     },
+                     upload});
+    if (!redis_status.ok()) {
+      cases.back().ok = false;
+      cases.back().note = std::string(redis_status.message());
+    }
+
+    cases.push_back({"plain gRPC stream download (K+V)", true,
+                     [&] { return PlainDownload(ch.get(), down, kv_total, dst.data()); },
+                     kv_total});
+    auto get_case = [&](const std::string& name, const std::string& id, kvc::CacheFormat f) {
+      cases.push_back({name, true, nullptr, 0});
+      const size_t index = cases.size() - 1;
+      kvc::GetOptions o;
+      o.format = f;
+      cases[index].run = [&, o, id, index] {
+        uint64_t got = 0;
+        absl::Status st = (*client)->GetCacheStreaming(id, o, nullptr, [&](kvc::LayerData&& l) {
+          got += l.packed.size() + l.k.size() + l.v.size() + 4 * l.positions.size();
+          return absl::OkStatus();
+        });
+        cases[index].bytes = got;
+        return st.ok();
+      };
+      if (id.empty()) {
+        cases[index].ok = false;
+        cases[index].note = "upload failed";
+      }
+    };
+    get_case("kvc GetCache PACKED, none", id_none, kvc::CacheFormat::kPacked);
+    get_case("kvc GetCache DENSE, none", id_none, kvc::CacheFormat::kDense);
+    get_case("kvc GetCache PACKED, snapkv keep 0.25", id_snap, kvc::CacheFormat::kPacked);
+    cases.push_back({"Redis GET (K, V per layer)", true,
+                     [&] {
+                       for (size_t t = 0; t < tensors.size(); ++t) {
+                         if (t % 3 == 2) continue;  // decode needs K and V only
+                         if (!redis.Get(absl::StrCat("bench:", tokens, ":", t), dst.data(),
+                                        tensors[t].second)) {
+                           return false;
+                         }
+                       }
+                       return true;
+                     },
+                     kv_total});
+    if (!redis_status.ok()) {
+      cases.back().ok = false;
+      cases.back().note = std::string(redis_status.message());
+    }
+    RunRoundRobin(cases, reps);
+    for (Case& c : cases) {
+      auto it = server_seconds.find(c.name);
+      if (c.ok && it != server_seconds.end()) {
+        c.note = absl::StrFormat("kvcd elapsed %.2f ms", Median(it->second) * 1e3);
+      }
+    }
+    Print(cases);
+    if (redis_status.ok()) redis.Command({"FLUSHALL"});
+    (void)(*client)->DeleteCache(id_none);
+    (void)(*client)->DeleteCache(id_snap);
+    sink_server->Shutdown();
+  }
+  return 0;
+}
