@@ -108,6 +108,41 @@ TEST(KvcdEvictionTest, AnEntryBeingReadIsNotEvicted) {
   EXPECT_THAT(testing::ViewStore(stub.get()).ids, ElementsAre("big2"));
 }
 
+TEST(KvcdEvictionTest, CancellingAReadReleasesItsLease) {
+  auto kvcd = StartKvcd({"--store_bytes=32MiB", "--max_chunk_bytes=16KiB"});
+  ASSERT_NE(kvcd, nullptr);
+  auto stub = testing::NewStub(kvcd->address());
+  ASSERT_TRUE(testing::PutCache(stub.get(),
+                                testing::MakeTestCache("read/a", testing::Shape(1, 4, 4, 128, 4096, 0),
+                                                       kvcache::v1::DTYPE_F16,
+                                                       kvcache::v1::LAYOUT_HND, 3))
+                  .ok());
+  grpc::ClientContext ctx;
+  kvcache::v1::GetCacheRequest get;
+  get.set_cache_id("read/a");
+  auto reader = stub->GetCache(&ctx, get);
+  kvcache::v1::GetCacheResponse first;
+  ASSERT_TRUE(reader->Read(&first));
+  // Deleted while being read: gone from the listing, but its bytes stay until the read ends.
+  {
+    grpc::ClientContext c;
+    kvcache::v1::DeleteCacheRequest del;
+    del.set_cache_id("read/a");
+    kvcache::v1::DeleteCacheResponse resp;
+    ASSERT_TRUE(stub->DeleteCache(&c, del, &resp).ok());
+  }
+  auto view = testing::ViewStore(stub.get());
+  EXPECT_TRUE(view.ids.empty());
+  EXPECT_GT(view.used_bytes, 8u << 20);
+  ctx.TryCancel();
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (testing::ViewStore(stub.get()).used_bytes != 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(testing::ViewStore(stub.get()).used_bytes, 0u);
+}
+
 TEST(KvcdEvictionTest, CachesExpireAfterTheirTtl) {
   auto kvcd = StartKvcd({"--default_ttl_seconds=1", "--ttl_sweep_seconds=0.1"});
   ASSERT_NE(kvcd, nullptr);

@@ -135,6 +135,54 @@ TEST(KvcdPrometheusTest, PromtoolAcceptsARealScrape) {
       << *text;
 }
 
+TEST(KvcdPrometheusTest, MetricsCountRequestsBytesStagesAndRejections) {
+  auto kvcd = StartKvcd();
+  ASSERT_NE(kvcd, nullptr);
+  auto stub = testing::NewStub(kvcd->address());
+  auto cache = testing::MakeTestCache("m/a", testing::Shape(3, 2, 4, 32, 128, 16),
+                                      kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 2);
+  cache.header.mutable_compression()->mutable_eviction()->set_policy("h2o");
+  cache.header.mutable_compression()->mutable_eviction()->set_keep_ratio(0.5);
+  ASSERT_TRUE(testing::PutCache(stub.get(), cache).ok());
+  kvcache::v1::GetCacheRequest get;
+  get.set_cache_id("m/a");
+  testing::Fetched fetched;
+  ASSERT_TRUE(testing::Get(stub.get(), get, &fetched).ok());
+  uint64_t served = 0;
+  for (const auto& [key, bytes] : fetched.parts) served += bytes.size();
+  auto bad = cache;
+  bad.header.set_cache_id("m/bad");
+  bad.header.mutable_shape()->set_head_dim(4);
+  EXPECT_EQ(testing::PutCache(stub.get(), bad).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  grpc::ClientContext ctx;
+  kvcache::v1::ServerInfo info;
+  ASSERT_TRUE(stub->GetServerInfo(&ctx, {}, &info).ok());
+
+  auto text = testing::HttpGet(kvcd->metrics_address(), "/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  auto value = [&](const std::string& series) {
+    auto v = testing::MetricValue(*text, series);
+    EXPECT_TRUE(v.ok()) << v.status();
+    return v.ok() ? *v : -1.0;
+  };
+  EXPECT_EQ(value("kvc_ingest_bytes_total"), double(cache.total_bytes()));
+  EXPECT_EQ(value("kvc_served_bytes_total"), double(served));
+  EXPECT_EQ(value("grpc_server_handled_total{grpc_code=\"OK\",grpc_method=\"PutCache\"}"), 1);
+  EXPECT_EQ(value("grpc_server_handled_total{grpc_code=\"INVALID_ARGUMENT\","
+                  "grpc_method=\"PutCache\"}"),
+            1);
+  EXPECT_EQ(value("grpc_server_handled_total{grpc_code=\"OK\",grpc_method=\"GetCache\"}"), 1);
+  EXPECT_EQ(value("grpc_server_handling_seconds_count{grpc_method=\"GetCache\"}"), 1);
+  EXPECT_EQ(value("kvc_rejected_requests_total{reason=\"invalid_argument\"}"), 1);
+  EXPECT_EQ(value("kvc_compress_duration_seconds_count{stage=\"total\"}"), 1);
+  EXPECT_GT(value("kvc_compress_duration_seconds_sum{stage=\"total\"}"), 0);
+  EXPECT_EQ(value("kvc_compression_ratio_count"), 1);
+  EXPECT_EQ(value("kvc_store_entries"), 1);
+  EXPECT_EQ(value("kvc_store_used_bytes"), double(info.store_used_bytes()));
+  EXPECT_EQ(value("kvc_store_capacity_bytes"), double(64 << 20));
+  EXPECT_EQ(value("kvc_active_streams"), 0);
+}
+
 TEST(KvcdPrometheusTest, PrometheusScrapesTheIngestedBytes) {
   const std::string prometheus = FindOnPath("prometheus");
   if (prometheus.empty()) GTEST_SKIP() << "prometheus is not installed (Debian package prometheus)";
