@@ -71,12 +71,14 @@ absl::Status LayerAssembler::Add(const pb::LayerChunk& chunk, const RawData& dat
     d.kept_tokens = static_cast<uint32_t>(kept);
     part.started = true;
     part.total = total;
+    // Byte parts are reserved, not resized: in-order chunks are appended, so the destination is
+    // written once by the copy instead of being zero-filled first.
     if (format_ == CacheFormat::kPacked) {
-      d.packed.resize(total);
+      d.packed.reserve(total);
     } else if (index == 0) {
-      d.k.resize(total);
+      d.k.reserve(total);
     } else if (index == 1) {
-      d.v.resize(total);
+      d.v.reserve(total);
     } else {
       d.positions.resize(total / 4);
     }
@@ -87,16 +89,32 @@ absl::Status LayerAssembler::Add(const pb::LayerChunk& chunk, const RawData& dat
                                             chunk.offset(), " of ", data.size(),
                                             " bytes does not fit part of ", part.total));
   }
-  uint8_t* base = format_ == CacheFormat::kPacked ? d.packed.data()
-                  : index == 0                    ? d.k.data()
-                  : index == 1                    ? d.v.data()
-                                                  : reinterpret_cast<uint8_t*>(d.positions.data());
-  data.CopyTo(base + chunk.offset());
+  if (index == 2) {
+    data.CopyTo(reinterpret_cast<uint8_t*>(d.positions.data()) + chunk.offset());
+  } else {
+    std::vector<uint8_t>& dst = format_ == CacheFormat::kPacked ? d.packed
+                                : index == 0                    ? d.k
+                                                                : d.v;
+    const size_t end = static_cast<size_t>(chunk.offset() + data.size());
+    if (chunk.offset() == dst.size()) {
+      data.AppendTo(&dst);
+    } else {  // out of order: grow to cover the chunk (zero-filling any gap), copy in place
+      if (dst.size() < end) dst.resize(end);
+      data.CopyTo(dst.data() + chunk.offset());
+    }
+  }
   part.received += data.size();
 
   const int nparts = format_ == CacheFormat::kPacked ? 1 : 3;
   for (int i = 0; i < nparts; ++i) {
     if (!p.parts[i].started || p.parts[i].received != p.parts[i].total) return absl::OkStatus();
+  }
+  // Byte counts add up; a part shorter than its total means chunks overlapped and left a hole.
+  const bool holes = format_ == CacheFormat::kPacked
+                         ? d.packed.size() != p.parts[0].total
+                         : d.k.size() != p.parts[0].total || d.v.size() != p.parts[1].total;
+  if (holes) {
+    return absl::InternalError(absl::StrCat("GetCache stream: layer ", l, " chunks overlap"));
   }
   LayerData complete = std::move(d);
   pending_.erase(l);

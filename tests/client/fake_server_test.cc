@@ -152,6 +152,10 @@ TEST_F(FakeServerTest, RejectsStreamsThatContradictTheCacheInfo) {
   ScriptGoodDense();
   service_.script[2] = Chunk(pb::PART_K, 90, 96, std::string(46, 'k'));
   EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kInternal);
+  // Overlapping chunks whose sizes add up but leave a hole.
+  ScriptGoodDense();
+  service_.script[2] = Chunk(pb::PART_K, 0, 96, std::string(46, 'k'));
+  EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kInternal);
   // A layer outside the request.
   ScriptGoodDense();
   service_.script[1] = Chunk(pb::PART_V, 0, 96, std::string(96, 'v'), 7);

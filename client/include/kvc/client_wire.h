@@ -48,6 +48,8 @@ class RawData {
   size_t size() const { return size_; }
   // Copies the payload to dst (size() bytes).
   void CopyTo(uint8_t* dst) const;
+  // Appends the payload to *dst.
+  void AppendTo(std::vector<uint8_t>* dst) const;
 
  private:
   friend absl::Status ParseRawMessage(const grpc::ByteBuffer&, google::protobuf::MessageLite*,
