@@ -1,0 +1,66 @@
+// The data plane of kvcd's transfer path (see kvc/transfer.h): a 2-rank point-to-point channel
+// between kvcd (rank 0) and one client (rank 1), behind an interface so that the control plane
+// can be tested with an in-process fake. No gRPC here: GPU test binaries use it alone.
+#ifndef KVC_COMMUNICATOR_H_
+#define KVC_COMMUNICATOR_H_
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+
+namespace kvc::transfer {
+
+// One endpoint of a joined 2-rank group. Send and Recv move exactly `bytes` bytes and must be
+// matched by the peer's Recv/Send of the same size, in the same order. Buffers may be host or
+// device memory (an implementation that needs device memory stages host buffers itself).
+// Thread-compatible: one operation at a time; Close may be called from any thread.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  // DEADLINE_EXCEEDED when the peer does not match within `timeout` (the communicator is then
+  // unusable); CANCELLED after Close.
+  virtual absl::Status Send(const void* src, size_t bytes, absl::Duration timeout) = 0;
+  virtual absl::Status Recv(void* dst, size_t bytes, absl::Duration timeout) = 0;
+  // Aborts pending operations and releases the group; later calls fail with CANCELLED.
+  // Idempotent.
+  virtual void Close() = 0;
+  virtual std::string_view kind() const = 0;  // "nccl", "fake"
+
+ protected:
+  Communicator() = default;
+};
+
+// Makes groups. Thread-safe.
+class CommunicatorFactory {
+ public:
+  virtual ~CommunicatorFactory() = default;
+
+  // OK when communicators can be made on this machine; otherwise UNAVAILABLE or
+  // FAILED_PRECONDITION with the reason (e.g. "libnccl.so.2 not found", "no CUDA device").
+  virtual absl::Status Available() = 0;
+  // A fresh group id (for NCCL the 128 bytes of an ncclUniqueId).
+  virtual absl::StatusOr<std::string> NewUniqueId() = 0;
+  // Joins group `unique_id` as `rank` (0 or 1) of 2. Blocks until the peer has joined too, or
+  // fails with DEADLINE_EXCEEDED after `timeout`, or with CANCELLED soon after `cancel` (may be
+  // null) is notified. INVALID_ARGUMENT for a malformed id or rank.
+  virtual absl::StatusOr<std::unique_ptr<Communicator>> Join(const std::string& unique_id,
+                                                             int rank, absl::Duration timeout,
+                                                             const absl::Notification* cancel) = 0;
+};
+
+// Communicators on CUDA device `device`. Send/Recv accept host or device pointers; host buffers
+// are staged through a device buffer owned by the communicator (grown on demand, reused).
+std::unique_ptr<CommunicatorFactory> CreateNcclCommunicatorFactory(int device);
+
+}  // namespace kvc::transfer
+
+#endif  // KVC_COMMUNICATOR_H_

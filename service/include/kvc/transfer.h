@@ -1,0 +1,147 @@
+// Public API of kvcd's NCCL transfer path (kvcache/v1/transfer.proto): the data-plane
+// interfaces, the gRPC service and how kvcd registers it, and the client side.
+//
+// The data plane is a 2-rank point-to-point channel between kvcd (rank 0) and one client
+// (rank 1). Production uses NCCL (libnccl.so.2 loaded at run time, so kvcd neither links nor
+// requires it); tests use an in-process fake. gRPC is the control plane: it hands out the NCCL
+// unique id and sequences and acknowledges every tensor.
+//
+//
+// Wiring into kvcd (server side): create the service and register it on the main port, e.g.
+// through KvcServer::Options::extra_services:
+//   TransferServiceOptions topts;            // limits, CUDA device, NCCL on/off
+//   topts.sink = my_sink;                    // receives every tensor (must outlive the server)
+//   options.extra_services.push_back([topts](const ServerResources& r) {
+//     std::string why;
+//     r.state->nccl_available = NcclTransportAvailable(topts.device, &why);
+//     return CreateTransferService(topts);
+//   });
+// The service uses gRPC's synchronous API (a Transfer stream blocks on the data plane while a
+// tensor is in flight), so the server needs sync worker threads; gRPC creates them when a sync
+// service is registered, alongside the callback services.
+#ifndef KVC_TRANSFER_H_
+#define KVC_TRANSFER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "grpcpp/grpcpp.h"
+#include "kvc/communicator.h"
+#include "kvcache/v1/transfer.grpc.pb.h"
+
+namespace kvc::transfer {
+
+
+// ---- Server side ----
+
+struct TransferLimits {
+  uint64_t max_tensor_bytes = uint64_t{1} << 30;  // per announcement
+  int max_sessions = 64;                          // open sessions across all clients
+  absl::Duration join_timeout = absl::Seconds(60);  // rank 0 waits this long for the client
+  absl::Duration recv_timeout = absl::Seconds(60);  // per tensor, after POSTED
+};
+
+// What a received tensor is.
+struct TensorHeader {
+  std::string client_id;
+  std::string cache_id;
+  uint32_t layer = 0;
+  kvcache::v1::TensorKind tensor = kvcache::v1::TENSOR_UNSPECIFIED;
+  uint64_t sequence = 0;
+};
+
+// Receives every tensor, in sequence order per session. `bytes` is host memory valid during the
+// call. An error ends the Transfer stream with that status (the tensor may be announced again
+// with the next sequence). Must be thread-safe across sessions.
+class TransferSink {
+ public:
+  virtual ~TransferSink() = default;
+  virtual absl::Status Consume(const TensorHeader& header, absl::Span<const uint8_t> bytes) = 0;
+};
+
+struct TransferServiceOptions {
+  TransferLimits limits;
+  bool enable_nccl = true;  // false: only GRPC_BYTES sessions
+  int device = 0;           // CUDA device of the NCCL groups
+  // Data plane; null = NCCL (libnccl.so.2 loaded at run time). Must outlive the service.
+  CommunicatorFactory* factory = nullptr;
+  TransferSink* sink = nullptr;  // required; must outlive the service
+};
+
+// INVALID_ARGUMENT when the sink is missing or a limit is not positive. The service is returned
+// even when NCCL is unavailable (its OpenTransferSession then answers UNAVAILABLE for NCCL).
+absl::StatusOr<std::unique_ptr<grpc::Service>> CreateTransferService(
+    const TransferServiceOptions& options);
+
+// True when NCCL sessions can be served on `device`; otherwise false and *why says why.
+bool NcclTransportAvailable(int device, std::string* why);
+
+// The gRPC status for an absl::Status (same code numbers, same message).
+grpc::Status ToGrpcStatus(const absl::Status& s);
+
+// ---- Client side ----
+
+// The client side of the transfer protocol (kvcache/v1/transfer.proto): opens (or reuses) a session
+// for a client id, joins the NCCL group as rank 1, and sends tensors one by one, each announced,
+// sent after POSTED and confirmed by RECEIVED. When kvcd answers the NCCL session request with
+// UNAVAILABLE or FAILED_PRECONDITION, or the client has no communicator factory, it falls back to
+// a GRPC_BYTES session and sends the bytes inside the announcements.
+// Thread-compatible: one Send at a time per TransferClient.
+class TransferClient {
+ public:
+  struct Options {
+    std::string client_id;                   // required
+    CommunicatorFactory* factory = nullptr;  // null: never try NCCL
+    absl::Duration join_timeout = absl::Seconds(60);
+    absl::Duration send_timeout = absl::Seconds(60);
+  };
+
+  TransferClient(std::shared_ptr<grpc::Channel> channel, Options options);
+  ~TransferClient();  // ends the stream; the session stays cached on the server until Close
+  TransferClient(const TransferClient&) = delete;
+  TransferClient& operator=(const TransferClient&) = delete;
+
+  // Opens the session (NCCL if possible, else GRPC_BYTES) and the Transfer stream.
+  absl::Status Open();
+  kvcache::v1::TransferTransport transport() const { return transport_; }
+  // Why NCCL was not used ("" when it was).
+  const std::string& fallback_reason() const { return fallback_reason_; }
+  const std::string& session_id() const { return session_id_; }
+
+  // Sends `bytes` bytes at `data` (host memory, or device memory in an NCCL session) and waits
+  // for RECEIVED. An error ends the stream (the status is kvcd's, e.g. INVALID_ARGUMENT).
+  absl::Status Send(const std::string& cache_id, uint32_t layer, kvcache::v1::TensorKind tensor,
+                    const void* data, uint64_t bytes);
+
+  // Ends the stream and closes the session on the server.
+  absl::Status Close();
+
+ private:
+  absl::Status OpenSession(kvcache::v1::TransferTransport t,
+                           kvcache::v1::OpenTransferSessionResponse* resp);
+  absl::Status FinishStream();
+  absl::Status ReadAck(uint64_t sequence, kvcache::v1::TransferAck::State state, uint64_t* bytes);
+
+  std::unique_ptr<kvcache::v1::KvCacheTransfer::Stub> stub_;
+  Options options_;
+  kvcache::v1::TransferTransport transport_ = kvcache::v1::TRANSFER_TRANSPORT_UNSPECIFIED;
+  std::string fallback_reason_;
+  std::string session_id_;
+  uint64_t next_sequence_ = 0;
+  std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<kvcache::v1::TransferAnnouncement,
+                                           kvcache::v1::TransferAck>>
+      stream_;
+};
+
+}  // namespace kvc::transfer
+
+#endif  // KVC_TRANSFER_H_

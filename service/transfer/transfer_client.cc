@@ -1,0 +1,175 @@
+#include "kvc/transfer.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvc::transfer {
+
+using kvcache::v1::OpenTransferSessionRequest;
+using kvcache::v1::OpenTransferSessionResponse;
+using kvcache::v1::TransferAck;
+using kvcache::v1::TransferAnnouncement;
+using kvcache::v1::TransferTransport;
+
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+}  // namespace
+
+TransferClient::TransferClient(std::shared_ptr<grpc::Channel> channel, Options options)
+    : stub_(kvcache::v1::KvCacheTransfer::NewStub(channel)), options_(std::move(options)) {}
+
+TransferClient::~TransferClient() {
+  FinishStream().IgnoreError();
+  if (comm_ != nullptr) comm_->Close();
+}
+
+absl::Status TransferClient::OpenSession(TransferTransport t, OpenTransferSessionResponse* resp) {
+  OpenTransferSessionRequest req;
+  req.set_client_id(options_.client_id);
+  req.set_transport(t);
+  grpc::ClientContext ctx;
+  return FromGrpc(stub_->OpenTransferSession(&ctx, req, resp));
+}
+
+absl::Status TransferClient::Open() {
+  if (stream_ != nullptr) return absl::FailedPreconditionError("transfer client: already open");
+  OpenTransferSessionResponse resp;
+  transport_ = kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES;
+  fallback_reason_.clear();
+  if (options_.factory == nullptr) {
+    fallback_reason_ = "this client has no NCCL communicator factory";
+  } else if (absl::Status a = options_.factory->Available(); !a.ok()) {
+    fallback_reason_ = std::string(a.message());
+  } else {
+    absl::Status s = OpenSession(kvcache::v1::TRANSFER_TRANSPORT_NCCL, &resp);
+    if (s.ok() && resp.reused() && comm_ == nullptr) {
+      // The server's cached group was joined by an earlier client object: replace it.
+      grpc::ClientContext ctx;
+      kvcache::v1::CloseTransferSessionRequest close;
+      close.set_client_id(options_.client_id);
+      close.set_session_id(resp.session_id());
+      kvcache::v1::CloseTransferSessionResponse ignored;
+      stub_->CloseTransferSession(&ctx, close, &ignored);
+      s = OpenSession(kvcache::v1::TRANSFER_TRANSPORT_NCCL, &resp);
+    }
+    if (s.ok()) {
+      transport_ = kvcache::v1::TRANSFER_TRANSPORT_NCCL;
+      if (!resp.reused()) {
+        if (comm_ != nullptr) comm_->Close();  // a group the server no longer has
+        comm_.reset();
+        absl::StatusOr<std::unique_ptr<Communicator>> c = options_.factory->Join(
+            resp.nccl_unique_id(), resp.client_rank(), options_.join_timeout, nullptr);
+        if (!c.ok()) return c.status();
+        comm_ = *std::move(c);
+      }
+    } else if (s.code() == absl::StatusCode::kUnavailable ||
+               s.code() == absl::StatusCode::kFailedPrecondition) {
+      fallback_reason_ = std::string(s.message());
+    } else {
+      return s;
+    }
+  }
+  if (transport_ == kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES) {
+    if (absl::Status s = OpenSession(transport_, &resp); !s.ok()) return s;
+  }
+  session_id_ = resp.session_id();
+  next_sequence_ = resp.next_sequence();
+  ctx_ = std::make_unique<grpc::ClientContext>();
+  stream_ = stub_->Transfer(ctx_.get());
+  return absl::OkStatus();
+}
+
+absl::Status TransferClient::FinishStream() {
+  if (stream_ == nullptr) return absl::OkStatus();
+  stream_->WritesDone();
+  TransferAck drain;
+  while (stream_->Read(&drain)) {
+  }
+  const grpc::Status s = stream_->Finish();
+  stream_.reset();
+  ctx_.reset();
+  return FromGrpc(s);
+}
+
+absl::Status TransferClient::ReadAck(uint64_t sequence, TransferAck::State state,
+                                     uint64_t* bytes) {
+  TransferAck ack;
+  if (!stream_->Read(&ack)) {
+    absl::Status s = FinishStream();
+    return s.ok() ? absl::UnavailableError("transfer: stream ended without an ack") : s;
+  }
+  if (ack.sequence() != sequence || ack.state() != state) {
+    FinishStream().IgnoreError();
+    return absl::InternalError(absl::StrCat("transfer: expected ack ", sequence, "/",
+                                            TransferAck::State_Name(state), ", got ",
+                                            ack.sequence(), "/",
+                                            TransferAck::State_Name(ack.state())));
+  }
+  if (bytes != nullptr) *bytes = ack.received_bytes();
+  return absl::OkStatus();
+}
+
+absl::Status TransferClient::Send(const std::string& cache_id, uint32_t layer,
+                                  kvcache::v1::TensorKind tensor, const void* data,
+                                  uint64_t bytes) {
+  if (stream_ == nullptr) return absl::FailedPreconditionError("transfer client: not open");
+  if (data == nullptr && bytes > 0) return absl::InvalidArgumentError("data: null");
+  const bool nccl = transport_ == kvcache::v1::TRANSFER_TRANSPORT_NCCL;
+  TransferAnnouncement a;
+  a.set_session_id(session_id_);
+  a.set_sequence(next_sequence_);
+  a.set_cache_id(cache_id);
+  a.set_layer(layer);
+  a.set_tensor(tensor);
+  a.set_num_bytes(bytes);
+  if (!nccl) a.set_payload(static_cast<const char*>(data), bytes);
+  if (!stream_->Write(a)) {
+    absl::Status s = FinishStream();
+    return s.ok() ? absl::UnavailableError("transfer: the stream closed") : s;
+  }
+  if (nccl) {
+    // Only after POSTED: a rejected announcement must never leave a send without a receive.
+    if (absl::Status s = ReadAck(a.sequence(), TransferAck::STATE_POSTED, nullptr); !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = comm_->Send(data, bytes, options_.send_timeout); !s.ok()) {
+      FinishStream().IgnoreError();
+      return s;
+    }
+  }
+  uint64_t received = 0;
+  if (absl::Status s = ReadAck(a.sequence(), TransferAck::STATE_RECEIVED, &received); !s.ok()) {
+    return s;
+  }
+  ++next_sequence_;
+  if (received != bytes) {
+    return absl::InternalError(
+        absl::StrCat("transfer: kvcd received ", received, " bytes of ", bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TransferClient::Close() {
+  absl::Status s = FinishStream();
+  if (session_id_.empty()) return s;
+  grpc::ClientContext ctx;
+  kvcache::v1::CloseTransferSessionRequest req;
+  req.set_client_id(options_.client_id);
+  req.set_session_id(session_id_);
+  kvcache::v1::CloseTransferSessionResponse resp;
+  absl::Status c = FromGrpc(stub_->CloseTransferSession(&ctx, req, &resp));
+  session_id_.clear();
+  if (comm_ != nullptr) {
+    comm_->Close();
+    comm_.reset();
+  }
+  return s.ok() ? c : s;
+}
+
+}  // namespace kvc::transfer

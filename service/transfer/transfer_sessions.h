@@ -1,0 +1,71 @@
+// The transfer control plane without gRPC: sessions cached per client id, NCCL group setup (kvcd
+// makes the unique id and joins as rank 0 in the background), and the per-tensor protocol of
+// kvcache/v1/transfer.proto (sequencing, validation, receive, hand-off to a sink).
+// Thread-safe: Open/Close/Handle may be called concurrently; the tensors of one session are
+// handled one at a time, in sequence order.
+#ifndef KVC_SERVICE_TRANSFER_TRANSFER_SESSIONS_H_
+#define KVC_SERVICE_TRANSFER_TRANSFER_SESSIONS_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kvc/transfer.h"
+
+namespace kvc::transfer {
+
+class TransferSessions {
+ public:
+  // `factory` may be null (NCCL sessions then answer UNAVAILABLE); `sink` must outlive this.
+  TransferSessions(TransferLimits limits, CommunicatorFactory* factory, TransferSink* sink);
+  ~TransferSessions();  // closes every session and joins the background joins
+  TransferSessions(const TransferSessions&) = delete;
+  TransferSessions& operator=(const TransferSessions&) = delete;
+
+  // INVALID_ARGUMENT for a bad client_id or transport; UNAVAILABLE / FAILED_PRECONDITION (with
+  // the reason) when NCCL is asked for and cannot be used; RESOURCE_EXHAUSTED at max_sessions.
+  // A live session of the same client id and transport is returned again with reused = true.
+  absl::StatusOr<kvcache::v1::OpenTransferSessionResponse> Open(
+      const kvcache::v1::OpenTransferSessionRequest& request);
+
+  // Handles one announcement: validates it against the session (NOT_FOUND for an unknown
+  // session; INVALID_ARGUMENT naming the field for a duplicate or out-of-order sequence, a
+  // repeated (cache_id, layer, tensor), a bad size or a payload that does not match the
+  // transport or num_bytes), then NCCL: waits for the group, calls `posted()` (which sends the
+  // POSTED ack; its error aborts) and receives; GRPC_BYTES: takes the payload. Then the sink.
+  // Returns the bytes received. A data-plane failure closes the session (the next Open makes a
+  // new group).
+  absl::StatusOr<uint64_t> Handle(const kvcache::v1::TransferAnnouncement& a,
+                                  const std::function<absl::Status()>& posted);
+
+  // NOT_FOUND when no such session belongs to client_id.
+  absl::Status Close(const std::string& client_id, const std::string& session_id);
+
+  int size() const;
+
+ private:
+  struct Session;
+  std::shared_ptr<Session> Find(const std::string& session_id) const;
+  void Drop(const std::shared_ptr<Session>& s);
+
+  const TransferLimits limits_;
+  CommunicatorFactory* const factory_;
+  TransferSink* const sink_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Session>> by_id_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<Session>> by_client_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> joiners_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvc::transfer
+
+#endif  // KVC_SERVICE_TRANSFER_TRANSFER_SESSIONS_H_

@@ -1,0 +1,619 @@
+// The transfer control plane over real gRPC on loopback, with an in-process fake data plane (two
+// endpoints joined through a shared queue): session creation and caching per client id, the
+// announce / POSTED / send / RECEIVED sequence, rejection of duplicate, out-of-order, repeated and
+// mis-sized announcements, teardown, limits, and the fallback to gRPC bytes.
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "kvc/backend.h"
+#include "kvcache/v1/transfer.grpc.pb.h"
+#include "kvc/transfer.h"
+
+namespace kvc::transfer {
+namespace {
+
+using kvcache::v1::KvCacheTransfer;
+using kvcache::v1::OpenTransferSessionRequest;
+using kvcache::v1::OpenTransferSessionResponse;
+using kvcache::v1::TransferAck;
+using kvcache::v1::TransferAnnouncement;
+
+// ---- fake data plane ----
+
+struct FakeGroup {
+  absl::Mutex mu;
+  bool joined[2] ABSL_GUARDED_BY(mu) = {false, false};
+  bool closed ABSL_GUARDED_BY(mu) = false;
+  std::deque<std::vector<uint8_t>> inbox[2] ABSL_GUARDED_BY(mu);  // messages to rank r
+};
+
+class FakeEndpoint final : public Communicator {
+ public:
+  FakeEndpoint(std::shared_ptr<FakeGroup> g, int rank) : g_(std::move(g)), rank_(rank) {}
+  ~FakeEndpoint() override { Close(); }
+
+  absl::Status Send(const void* src, size_t bytes, absl::Duration) override {
+    absl::MutexLock lock(&g_->mu);
+    if (g_->closed) return absl::CancelledError("fake: closed");
+    const auto* p = static_cast<const uint8_t*>(src);
+    g_->inbox[1 - rank_].emplace_back(p, p + bytes);
+    return absl::OkStatus();
+  }
+
+  absl::Status Recv(void* dst, size_t bytes, absl::Duration timeout) override {
+    absl::MutexLock lock(&g_->mu);
+    FakeGroup* g = g_.get();
+    const int r = rank_;
+    auto ready = [g, r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g->mu) {
+      return g->closed || !g->inbox[r].empty();
+    };
+    if (!g->mu.AwaitWithTimeout(absl::Condition(&ready), timeout)) {
+      return absl::DeadlineExceededError("fake: nothing received in time");
+    }
+    if (g->closed) return absl::CancelledError("fake: closed");
+    std::vector<uint8_t> msg = std::move(g->inbox[r].front());
+    g->inbox[r].pop_front();
+    // A real NCCL receive of the wrong size would corrupt or hang; the fake reports it.
+    if (msg.size() != bytes) {
+      return absl::DataLossError(
+          absl::StrCat("fake: peer sent ", msg.size(), " bytes, receive expected ", bytes));
+    }
+    std::memcpy(dst, msg.data(), bytes);
+    return absl::OkStatus();
+  }
+
+  void Close() override {
+    absl::MutexLock lock(&g_->mu);
+    g_->closed = true;
+  }
+  std::string_view kind() const override { return "fake"; }
+
+ private:
+  std::shared_ptr<FakeGroup> g_;
+  const int rank_;
+};
+
+class FakeFactory final : public CommunicatorFactory {
+ public:
+  absl::Status Available() override {
+    absl::MutexLock lock(&mu_);
+    return available_;
+  }
+  void SetAvailable(absl::Status s) {
+    absl::MutexLock lock(&mu_);
+    available_ = std::move(s);
+  }
+  absl::StatusOr<std::string> NewUniqueId() override {
+    absl::MutexLock lock(&mu_);
+    const std::string id = absl::StrCat("fake-group-", ++counter_);
+    groups_[id] = std::make_shared<FakeGroup>();
+    return id;
+  }
+  absl::StatusOr<std::unique_ptr<Communicator>> Join(const std::string& id, int rank,
+                                                     absl::Duration timeout,
+                                                     const absl::Notification* cancel) override {
+    std::shared_ptr<FakeGroup> g;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = groups_.find(id);
+      if (it == groups_.end()) return absl::NotFoundError("fake: unknown group");
+      g = it->second;
+      ++joins_;
+    }
+    if (rank != 0 && rank != 1) return absl::InvalidArgumentError("rank");
+    absl::MutexLock lock(&g->mu);
+    if (g->joined[rank]) return absl::AlreadyExistsError("fake: rank already joined");
+    g->joined[rank] = true;
+    FakeGroup* gp = g.get();
+    auto both = [gp]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gp->mu) {
+      return gp->joined[0] && gp->joined[1];
+    };
+    // Waits in short slices so that a cancellation is noticed promptly.
+    const absl::Time deadline = absl::Now() + timeout;
+    while (!g->mu.AwaitWithTimeout(absl::Condition(&both), absl::Milliseconds(5))) {
+      if (cancel != nullptr && cancel->HasBeenNotified()) {
+        g->joined[rank] = false;
+        cancelled_joins_.fetch_add(1);
+        return absl::CancelledError("fake: join cancelled");
+      }
+      if (absl::Now() > deadline) {
+        g->joined[rank] = false;
+        return absl::DeadlineExceededError("fake: peer did not join");
+      }
+    }
+    return std::unique_ptr<Communicator>(new FakeEndpoint(g, rank));
+  }
+  int joins() {
+    absl::MutexLock lock(&mu_);
+    return joins_;
+  }
+  int cancelled_joins() const { return cancelled_joins_.load(); }
+
+ private:
+  absl::Mutex mu_;
+  absl::Status available_ ABSL_GUARDED_BY(mu_);
+  int counter_ ABSL_GUARDED_BY(mu_) = 0;
+  int joins_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, std::shared_ptr<FakeGroup>> groups_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int> cancelled_joins_{0};
+};
+
+struct Received {
+  TensorHeader header;
+  std::vector<uint8_t> bytes;
+};
+
+class RecordingSink final : public TransferSink {
+ public:
+  absl::Status Consume(const TensorHeader& h, absl::Span<const uint8_t> bytes) override {
+    absl::MutexLock lock(&mu_);
+    if (!fail_.ok()) return fail_;
+    got_.push_back({h, std::vector<uint8_t>(bytes.begin(), bytes.end())});
+    return absl::OkStatus();
+  }
+  std::vector<Received> got() {
+    absl::MutexLock lock(&mu_);
+    return got_;
+  }
+  void Fail(absl::Status s) {
+    absl::MutexLock lock(&mu_);
+    fail_ = std::move(s);
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<Received> got_ ABSL_GUARDED_BY(mu_);
+  absl::Status fail_ ABSL_GUARDED_BY(mu_);
+};
+
+// ---- fixture: a real gRPC server on an ephemeral loopback port ----
+
+class TransferTest : public ::testing::Test {
+ protected:
+  void Start(TransferLimits limits = {}, bool enable_nccl = true) {
+    limits.join_timeout = std::min(limits.join_timeout, absl::Seconds(5));
+    limits.recv_timeout = std::min(limits.recv_timeout, absl::Seconds(5));
+    TransferServiceOptions o;
+    o.limits = limits;
+    o.enable_nccl = enable_nccl;
+    o.factory = &server_factory_;
+    o.sink = &sink_;
+    service_ = CreateTransferService(o).value();
+    grpc::ServerBuilder b;
+    int port = 0;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(service_.get());
+    server_ = b.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port, 0);
+    channel_ = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
+                                   grpc::InsecureChannelCredentials());
+    stub_ = KvCacheTransfer::NewStub(channel_);
+  }
+  void TearDown() override {
+    if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  }
+
+  grpc::Status Open(const std::string& client, kvcache::v1::TransferTransport t,
+                    OpenTransferSessionResponse* resp) {
+    OpenTransferSessionRequest req;
+    req.set_client_id(client);
+    req.set_transport(t);
+    grpc::ClientContext ctx;
+    return stub_->OpenTransferSession(&ctx, req, resp);
+  }
+
+  TransferClient::Options ClientOptions(const std::string& id, bool with_factory = true) {
+    TransferClient::Options o;
+    o.client_id = id;
+    o.factory = with_factory ? &server_factory_ : nullptr;  // the fake hub serves both sides
+    o.join_timeout = absl::Seconds(5);
+    o.send_timeout = absl::Seconds(5);
+    return o;
+  }
+
+  FakeFactory server_factory_;
+  RecordingSink sink_;
+  std::unique_ptr<grpc::Service> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<KvCacheTransfer::Stub> stub_;
+};
+
+std::vector<uint8_t> Bytes(size_t n, uint8_t seed) {
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<uint8_t>(seed + i * 31);
+  return v;
+}
+
+TEST_F(TransferTest, NcclSessionsAreCreatedAndCachedPerClient) {
+  Start();
+  OpenTransferSessionResponse a, b, c;
+  ASSERT_TRUE(Open("client-a", kvcache::v1::TRANSFER_TRANSPORT_NCCL, &a).ok());
+  EXPECT_FALSE(a.session_id().empty());
+  EXPECT_FALSE(a.nccl_unique_id().empty());
+  EXPECT_EQ(a.server_rank(), 0);
+  EXPECT_EQ(a.client_rank(), 1);
+  EXPECT_FALSE(a.reused());
+  EXPECT_EQ(a.transport(), kvcache::v1::TRANSFER_TRANSPORT_NCCL);
+  ASSERT_TRUE(Open("client-a", kvcache::v1::TRANSFER_TRANSPORT_UNSPECIFIED, &b).ok());
+  EXPECT_TRUE(b.reused());
+  EXPECT_EQ(b.session_id(), a.session_id());
+  EXPECT_EQ(b.nccl_unique_id(), a.nccl_unique_id());
+  ASSERT_TRUE(Open("client-b", kvcache::v1::TRANSFER_TRANSPORT_NCCL, &c).ok());
+  EXPECT_FALSE(c.reused());
+  EXPECT_NE(c.session_id(), a.session_id());
+  EXPECT_NE(c.nccl_unique_id(), a.nccl_unique_id());
+}
+
+TEST_F(TransferTest, ClientSendsLayersOverTheDataPlaneInSequence) {
+  Start();
+  TransferClient client(channel_, ClientOptions("prefill-0"));
+  ASSERT_TRUE(client.Open().ok());
+  EXPECT_EQ(client.transport(), kvcache::v1::TRANSFER_TRANSPORT_NCCL);
+  EXPECT_EQ(client.fallback_reason(), "");
+  std::vector<std::vector<uint8_t>> sent;
+  for (uint32_t layer = 0; layer < 3; ++layer) {
+    for (auto kind : {kvcache::v1::TENSOR_K, kvcache::v1::TENSOR_V}) {
+      sent.push_back(Bytes(1000 + layer * 7 + kind, static_cast<uint8_t>(layer * 2 + kind)));
+      const absl::Status s =
+          client.Send("cache-1", layer, kind, sent.back().data(), sent.back().size());
+      ASSERT_TRUE(s.ok()) << s;
+    }
+  }
+  const std::vector<Received> got = sink_.got();
+  ASSERT_EQ(got.size(), 6u);
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].header.sequence, i);
+    EXPECT_EQ(got[i].header.client_id, "prefill-0");
+    EXPECT_EQ(got[i].header.cache_id, "cache-1");
+    EXPECT_EQ(got[i].header.layer, i / 2);
+    EXPECT_EQ(got[i].bytes, sent[i]) << "tensor " << i;
+  }
+  EXPECT_TRUE(client.Close().ok());
+}
+
+TEST_F(TransferTest, ReopenedClientContinuesTheSequenceOnTheCachedGroup) {
+  Start();
+  TransferClient client(channel_, ClientOptions("c"));
+  ASSERT_TRUE(client.Open().ok());
+  const std::vector<uint8_t> x = Bytes(64, 1);
+  ASSERT_TRUE(client.Send("k", 0, kvcache::v1::TENSOR_K, x.data(), x.size()).ok());
+  const int joins = server_factory_.joins();
+  // A second open of the same client id reuses the server's session: nobody joins again.
+  OpenTransferSessionResponse r;
+  ASSERT_TRUE(Open("c", kvcache::v1::TRANSFER_TRANSPORT_NCCL, &r).ok());
+  EXPECT_TRUE(r.reused());
+  EXPECT_EQ(r.next_sequence(), 1u);
+  EXPECT_EQ(server_factory_.joins(), joins);
+  ASSERT_TRUE(client.Send("k", 0, kvcache::v1::TENSOR_V, x.data(), x.size()).ok());
+  EXPECT_EQ(sink_.got().size(), 2u);
+}
+
+// Raw stream helpers for the rejection cases.
+struct RawStream {
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<TransferAnnouncement, TransferAck>> s;
+};
+
+TransferAnnouncement Announce(const std::string& session, uint64_t seq, const std::string& cache,
+                              uint32_t layer, kvcache::v1::TensorKind kind, uint64_t n,
+                              const std::string& payload) {
+  TransferAnnouncement a;
+  a.set_session_id(session);
+  a.set_sequence(seq);
+  a.set_cache_id(cache);
+  a.set_layer(layer);
+  a.set_tensor(kind);
+  a.set_num_bytes(n);
+  a.set_payload(payload);
+  return a;
+}
+
+// Sends `a`, expects RECEIVED.
+void ExpectReceived(RawStream* rs, const TransferAnnouncement& a) {
+  ASSERT_TRUE(rs->s->Write(a));
+  TransferAck ack;
+  ASSERT_TRUE(rs->s->Read(&ack));
+  EXPECT_EQ(ack.sequence(), a.sequence());
+  EXPECT_EQ(ack.state(), TransferAck::STATE_RECEIVED);
+  EXPECT_EQ(ack.received_bytes(), a.num_bytes());
+}
+
+// Sends `a`, expects the stream to end with `code` and a message containing `field`.
+void ExpectRejected(RawStream* rs, const TransferAnnouncement& a, grpc::StatusCode code,
+                    const std::string& field) {
+  rs->s->Write(a);
+  TransferAck ack;
+  EXPECT_FALSE(rs->s->Read(&ack)) << "got an ack for a bad announcement";
+  const grpc::Status st = rs->s->Finish();
+  EXPECT_EQ(st.error_code(), code) << st.error_message();
+  EXPECT_NE(st.error_message().find(field), std::string::npos) << st.error_message();
+}
+
+class TransferRejectTest : public TransferTest {
+ protected:
+  void SetUp() override {
+    TransferLimits l;
+    l.max_tensor_bytes = 4096;
+    Start(l);
+    ASSERT_TRUE(Open("bytes-client", kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES, &open_).ok());
+  }
+  std::unique_ptr<RawStream> Stream() {
+    auto rs = std::make_unique<RawStream>();
+    rs->s = stub_->Transfer(&rs->ctx);
+    return rs;
+  }
+  OpenTransferSessionResponse open_;
+};
+
+TEST_F(TransferRejectTest, DuplicateSequenceIsRejected) {
+  auto rs = Stream();
+  ExpectReceived(rs.get(), Announce(open_.session_id(), 0, "c", 0, kvcache::v1::TENSOR_K,
+                                    3, "abc"));
+  ExpectRejected(rs.get(),
+                 Announce(open_.session_id(), 0, "c", 1, kvcache::v1::TENSOR_K, 3, "abc"),
+                 grpc::StatusCode::INVALID_ARGUMENT, "sequence");
+  EXPECT_EQ(sink_.got().size(), 1u);
+}
+
+TEST_F(TransferRejectTest, OutOfOrderSequenceIsRejected) {
+  auto rs = Stream();
+  ExpectRejected(rs.get(),
+                 Announce(open_.session_id(), 5, "c", 0, kvcache::v1::TENSOR_K, 3, "abc"),
+                 grpc::StatusCode::INVALID_ARGUMENT, "out of order");
+  EXPECT_TRUE(sink_.got().empty());
+}
+
+TEST_F(TransferRejectTest, RepeatedTensorIsRejected) {
+  auto rs = Stream();
+  ExpectReceived(rs.get(), Announce(open_.session_id(), 0, "c", 2, kvcache::v1::TENSOR_V,
+                                    1, "x"));
+  ExpectRejected(rs.get(),
+                 Announce(open_.session_id(), 1, "c", 2, kvcache::v1::TENSOR_V, 1, "y"),
+                 grpc::StatusCode::INVALID_ARGUMENT, "duplicate announcement");
+}
+
+TEST_F(TransferRejectTest, SizeMismatchAndBadFieldsAreRejected) {
+  const std::string sid = open_.session_id();
+  struct Bad {
+    TransferAnnouncement a;
+    std::string field;
+  };
+  const Bad cases[] = {
+      {Announce(sid, 0, "c", 0, kvcache::v1::TENSOR_K, 5, "abc"), "payload"},
+      {Announce(sid, 0, "c", 0, kvcache::v1::TENSOR_K, 0, ""), "num_bytes"},
+      {Announce(sid, 0, "c", 0, kvcache::v1::TENSOR_K, 4097, std::string(4097, 'x')),
+       "num_bytes"},
+      {Announce(sid, 0, "", 0, kvcache::v1::TENSOR_K, 1, "x"), "cache_id"},
+      {Announce(sid, 0, "c", 0, kvcache::v1::TENSOR_UNSPECIFIED, 1, "x"), "tensor"},
+  };
+  for (const Bad& b : cases) {
+    auto rs = Stream();
+    ExpectRejected(rs.get(), b.a, grpc::StatusCode::INVALID_ARGUMENT, b.field);
+  }
+  auto rs = Stream();
+  ExpectRejected(rs.get(), Announce("nope", 0, "c", 0, kvcache::v1::TENSOR_K, 1, "x"),
+                 grpc::StatusCode::NOT_FOUND, "session_id");
+  EXPECT_TRUE(sink_.got().empty());
+  // Nothing was consumed: sequence 0 is still the next one.
+  auto ok = Stream();
+  ExpectReceived(ok.get(), Announce(sid, 0, "c", 0, kvcache::v1::TENSOR_K, 1, "x"));
+}
+
+TEST_F(TransferTest, NcclSenderSizeMismatchFailsTheTensorAndDropsTheGroup) {
+  Start();
+  OpenTransferSessionResponse r;
+  ASSERT_TRUE(Open("m", kvcache::v1::TRANSFER_TRANSPORT_NCCL, &r).ok());
+  std::unique_ptr<Communicator> peer =
+      server_factory_.Join(r.nccl_unique_id(), 1, absl::Seconds(5), nullptr).value();
+  RawStream rs;
+  rs.s = stub_->Transfer(&rs.ctx);
+  ASSERT_TRUE(rs.s->Write(Announce(r.session_id(), 0, "c", 0, kvcache::v1::TENSOR_K, 100,
+                                   "")));
+  TransferAck ack;
+  ASSERT_TRUE(rs.s->Read(&ack));
+  EXPECT_EQ(ack.state(), TransferAck::STATE_POSTED);
+  const std::vector<uint8_t> half = Bytes(50, 3);
+  ASSERT_TRUE(peer->Send(half.data(), half.size(), absl::Seconds(1)).ok());
+  EXPECT_FALSE(rs.s->Read(&ack));
+  const grpc::Status st = rs.s->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DATA_LOSS) << st.error_message();
+  EXPECT_TRUE(sink_.got().empty());
+  // The broken group is gone: the next open makes a new one.
+  OpenTransferSessionResponse again;
+  ASSERT_TRUE(Open("m", kvcache::v1::TRANSFER_TRANSPORT_NCCL, &again).ok());
+  EXPECT_FALSE(again.reused());
+  EXPECT_NE(again.session_id(), r.session_id());
+}
+
+TEST_F(TransferTest, NcclPayloadInAnnouncementIsRejected) {
+  Start();
+  OpenTransferSessionResponse r;
+  ASSERT_TRUE(Open("p", kvcache::v1::TRANSFER_TRANSPORT_NCCL, &r).ok());
+  RawStream rs;
+  rs.s = stub_->Transfer(&rs.ctx);
+  ExpectRejected(&rs, Announce(r.session_id(), 0, "c", 0, kvcache::v1::TENSOR_K, 1, "x"),
+                 grpc::StatusCode::INVALID_ARGUMENT, "payload");
+}
+
+TEST_F(TransferTest, ClientThatNeverJoinsTimesOut) {
+  TransferLimits l;
+  l.join_timeout = absl::Milliseconds(200);
+  Start(l);
+  OpenTransferSessionResponse r;
+  ASSERT_TRUE(Open("ghost", kvcache::v1::TRANSFER_TRANSPORT_NCCL, &r).ok());
+  RawStream rs;
+  rs.s = stub_->Transfer(&rs.ctx);
+  rs.s->Write(Announce(r.session_id(), 0, "c", 0, kvcache::v1::TENSOR_K, 8, ""));
+  TransferAck ack;
+  EXPECT_FALSE(rs.s->Read(&ack));
+  const grpc::Status st = rs.s->Finish();
+  EXPECT_TRUE(st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+              st.error_code() == grpc::StatusCode::FAILED_PRECONDITION)
+      << st.error_code() << " " << st.error_message();
+}
+
+TEST_F(TransferTest, CloseTearsTheSessionDown) {
+  Start();
+  TransferClient client(channel_, ClientOptions("t"));
+  ASSERT_TRUE(client.Open().ok());
+  const std::string sid = client.session_id();
+  ASSERT_TRUE(client.Close().ok());
+  grpc::ClientContext ctx;
+  kvcache::v1::CloseTransferSessionRequest req;
+  req.set_client_id("t");
+  req.set_session_id(sid);
+  kvcache::v1::CloseTransferSessionResponse resp;
+  EXPECT_EQ(stub_->CloseTransferSession(&ctx, req, &resp).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  RawStream rs;
+  rs.s = stub_->Transfer(&rs.ctx);
+  ExpectRejected(&rs, Announce(sid, 0, "c", 0, kvcache::v1::TENSOR_K, 1, ""),
+                 grpc::StatusCode::NOT_FOUND, "session_id");
+  OpenTransferSessionResponse again;
+  ASSERT_TRUE(Open("t", kvcache::v1::TRANSFER_TRANSPORT_NCCL, &again).ok());
+  EXPECT_FALSE(again.reused());
+}
+
+TEST_F(TransferTest, ClosingASessionCancelsItsPendingJoin) {
+  Start();
+  OpenTransferSessionResponse r;
+  ASSERT_TRUE(Open("never-joins", kvcache::v1::TRANSFER_TRANSPORT_NCCL, &r).ok());
+  grpc::ClientContext ctx;
+  kvcache::v1::CloseTransferSessionRequest req;
+  req.set_client_id("never-joins");
+  req.set_session_id(r.session_id());
+  kvcache::v1::CloseTransferSessionResponse resp;
+  ASSERT_TRUE(stub_->CloseTransferSession(&ctx, req, &resp).ok());
+  // The server's rank-0 join ends as CANCELLED, not by running into its timeout.
+  for (int i = 0; i < 400 && server_factory_.cancelled_joins() == 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(server_factory_.cancelled_joins(), 1);
+}
+
+TEST_F(TransferTest, CloseOfAnotherClientsSessionIsNotFound) {
+  Start();
+  OpenTransferSessionResponse r;
+  ASSERT_TRUE(Open("owner", kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES, &r).ok());
+  grpc::ClientContext ctx;
+  kvcache::v1::CloseTransferSessionRequest req;
+  req.set_client_id("intruder");
+  req.set_session_id(r.session_id());
+  kvcache::v1::CloseTransferSessionResponse resp;
+  EXPECT_EQ(stub_->CloseTransferSession(&ctx, req, &resp).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  OpenTransferSessionResponse same;
+  ASSERT_TRUE(Open("owner", kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES, &same).ok());
+  EXPECT_TRUE(same.reused());
+}
+
+TEST_F(TransferTest, UnavailableNcclFallsBackToGrpcBytes) {
+  Start();
+  server_factory_.SetAvailable(absl::UnavailableError("nccl transport unavailable: no GPU here"));
+  OpenTransferSessionResponse r;
+  const grpc::Status st = Open("f", kvcache::v1::TRANSFER_TRANSPORT_NCCL, &r);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(st.error_message().find("no GPU here"), std::string::npos);
+
+  // The client's own factory works, the server's does not: the server's answer drives fallback.
+  FakeFactory client_side;
+  TransferClient::Options o = ClientOptions("f");
+  o.factory = &client_side;
+  TransferClient client(channel_, o);
+  ASSERT_TRUE(client.Open().ok());
+  EXPECT_EQ(client.transport(), kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES);
+  EXPECT_NE(client.fallback_reason().find("no GPU here"), std::string::npos);
+  const std::vector<uint8_t> x = Bytes(3000, 9);
+  ASSERT_TRUE(client.Send("c", 4, kvcache::v1::TENSOR_Q_OBS, x.data(), x.size()).ok());
+  ASSERT_EQ(sink_.got().size(), 1u);
+  EXPECT_EQ(sink_.got()[0].bytes, x);
+  EXPECT_EQ(sink_.got()[0].header.tensor, kvcache::v1::TENSOR_Q_OBS);
+}
+
+TEST_F(TransferTest, ClientWithoutFactoryAndServerWithoutNcclUseGrpcBytes) {
+  Start({}, /*enable_nccl=*/false);
+  OpenTransferSessionResponse r;
+  EXPECT_EQ(Open("x", kvcache::v1::TRANSFER_TRANSPORT_NCCL, &r).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  TransferClient client(channel_, ClientOptions("x", /*with_factory=*/false));
+  ASSERT_TRUE(client.Open().ok());
+  EXPECT_EQ(client.transport(), kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES);
+  EXPECT_FALSE(client.fallback_reason().empty());
+  const std::vector<uint8_t> x = Bytes(10, 1);
+  EXPECT_TRUE(client.Send("c", 0, kvcache::v1::TENSOR_K, x.data(), x.size()).ok());
+}
+
+TEST_F(TransferTest, SinkErrorEndsTheStreamAndTheTensorCanBeResent) {
+  Start();
+  TransferClient client(channel_, ClientOptions("s", /*with_factory=*/false));
+  ASSERT_TRUE(client.Open().ok());
+  sink_.Fail(absl::ResourceExhaustedError("store: over budget"));
+  const std::vector<uint8_t> x = Bytes(10, 1);
+  const absl::Status s = client.Send("c", 0, kvcache::v1::TENSOR_K, x.data(), x.size());
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  sink_.Fail(absl::OkStatus());
+  ASSERT_TRUE(client.Open().ok());  // reopens the stream on the cached session
+  EXPECT_TRUE(client.Send("c", 0, kvcache::v1::TENSOR_K, x.data(), x.size()).ok());
+  EXPECT_EQ(sink_.got().size(), 1u);
+}
+
+TEST_F(TransferTest, OpenValidatesClientIdAndLimitsSessions) {
+  TransferLimits l;
+  l.max_sessions = 2;
+  Start(l);
+  OpenTransferSessionResponse r;
+  grpc::Status st = Open("", kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES, &r);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("client_id"), std::string::npos);
+  st = Open(std::string(129, 'x'), kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES, &r);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(Open(std::string(128, 'x'), kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES, &r).ok());
+  EXPECT_TRUE(Open("two", kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES, &r).ok());
+  st = Open("three", kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES, &r);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  st = Open("two", static_cast<kvcache::v1::TransferTransport>(9), &r);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("transport"), std::string::npos);
+}
+
+TEST(TransferServiceCreate, RejectsMissingSinkAndBadLimits) {
+  TransferServiceOptions o;
+  EXPECT_NE(CreateTransferService(o).status().message().find("sink"), std::string::npos);
+  RecordingSink sink;
+  o.sink = &sink;
+  o.limits.max_sessions = 0;
+  EXPECT_NE(CreateTransferService(o).status().message().find("max_sessions"), std::string::npos);
+  o.limits.max_sessions = 1;
+  o.limits.max_tensor_bytes = 0;
+  EXPECT_NE(CreateTransferService(o).status().message().find("max_tensor_bytes"),
+            std::string::npos);
+  o.limits.max_tensor_bytes = 1;
+  o.limits.recv_timeout = absl::ZeroDuration();
+  EXPECT_EQ(CreateTransferService(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(NcclFactory, ReportsWhyItIsUnavailableWithoutADevice) {
+  std::string why_no_cuda;
+  if (CudaDeviceAvailable(&why_no_cuda)) GTEST_SKIP() << "a CUDA device is visible";
+  std::string why;
+  EXPECT_FALSE(NcclTransportAvailable(0, &why));
+  EXPECT_NE(why.find("nccl transport unavailable"), std::string::npos) << why;
+  auto f = CreateNcclCommunicatorFactory(0);
+  EXPECT_FALSE(f->NewUniqueId().ok());
+  EXPECT_FALSE(f->Join(std::string(128, '\0'), 0, absl::Milliseconds(10), nullptr).ok());
+}
+
+}  // namespace
+}  // namespace kvc::transfer
