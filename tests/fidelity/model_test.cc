@@ -87,6 +87,11 @@ TEST(CheckpointTest, RejectsMissingAndShortFiles) {
   EXPECT_THAT(s.message(), HasSubstr("shorter than the 28-byte header"));
 }
 
+TEST(CheckpointTest, RejectsADirectory) {
+  absl::StatusOr<Checkpoint> ck = Checkpoint::Load(::testing::TempDir());
+  EXPECT_FALSE(ck.ok());
+}
+
 TEST(CheckpointTest, RejectsTruncatedWeights) {
   const auto header = SmallHeader();
   absl::Status s = LoadStatus(WriteCheckpoint("trunc", header, FloatsOf(header) - 1));

@@ -4,6 +4,8 @@
 
 #include <unistd.h>
 
+#include "gtest/gtest.h"
+
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
@@ -27,13 +29,12 @@ inline std::string ModelPath() {
                     "it to shared/models/stories260K.bin beside the source tree)";         \
   }
 
-// Writes a llama2.c checkpoint: the header, then `floats` values (i * 0.001 - 0.5 pattern scaled
-// by `scale`) followed by `extra_bytes` zero bytes. Returns the path under $TMPDIR (or /tmp).
+// Writes a llama2.c checkpoint: the header, then `floats` deterministic values in [-scale, scale],
+// then `extra_bytes` zero bytes, into the test's temporary directory. Returns the path.
 inline std::string WriteCheckpoint(const std::string& name, const std::vector<int32_t>& header,
                                    size_t floats, size_t extra_bytes = 0, float scale = 0.1f) {
-  const char* tmp = std::getenv("TMPDIR");
-  const std::string path = std::string(tmp != nullptr && *tmp ? tmp : "/tmp") + "/kvc_" + name +
-                           "_" + std::to_string(::getpid()) + ".bin";
+  const std::string path =
+      ::testing::TempDir() + "kvc_" + name + "_" + std::to_string(::getpid()) + ".bin";
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(reinterpret_cast<const char*>(header.data()),
             static_cast<std::streamsize>(header.size() * sizeof(int32_t)));
