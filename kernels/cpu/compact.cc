@@ -137,10 +137,18 @@ int RecentCount(int n_kept, int key_channels, int value_channels, int head_dim,
 class BlobWriter {
  public:
   explicit BlobWriter(std::vector<uint8_t>* out) : out_(out) {}
+  // GCC 12 reports a false -Wstringop-overflow for vector::insert into reserved storage.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
+#endif
   void Append(const void* p, size_t n) {
     const auto* b = static_cast<const uint8_t*>(p);
     out_->insert(out_->end(), b, b + n);
   }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
   uint8_t* Grow(size_t n) {
     const size_t at = out_->size();
     out_->resize(at + n);
