@@ -9,8 +9,9 @@ struct ThreadPool::Job {
   const std::function<void(int)>* fn = nullptr;
   int n = 0;
   std::atomic<int> next{0};
-  absl::Mutex mu;
-  int done ABSL_GUARDED_BY(mu) = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+  int done = 0;  // guarded by mu
 };
 
 ThreadPool::ThreadPool(int num_threads) {
@@ -22,9 +23,10 @@ ThreadPool::ThreadPool(int num_threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
+  cv_.notify_all();
   for (std::thread& t : workers_) t.join();
 }
 
@@ -40,8 +42,9 @@ void ThreadPool::RunJob(Job* job) {
     ++finished;
   }
   if (finished > 0) {
-    absl::MutexLock lock(&job->mu);
+    std::lock_guard<std::mutex> lock(job->mu);
     job->done += finished;
+    if (job->done == job->n) job->cv.notify_all();
   }
 }
 
@@ -49,14 +52,11 @@ void ThreadPool::WorkerLoop() {
   for (;;) {
     std::shared_ptr<Job> job;
     {
-      absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
-          +[](ThreadPool* p)
-               ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) { return p->stop_ || !p->queue_.empty(); },
-          this));
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stop_ and nothing left
       job = queue_.front();
-      // Every index of the front job is claimed once its counter passes n: retire it so workers
+      // Every index of the front job is claimed once its counter reaches n: retire it so workers
       // move on to the next job.
       if (job->next.load() >= job->n) {
         queue_.pop_front();
@@ -77,16 +77,16 @@ void ThreadPool::ParallelFor(int n, const std::function<void(int)>& fn) {
   job->fn = &fn;
   job->n = n;
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back(job);
   }
+  cv_.notify_all();
   RunJob(job.get());
   {
-    absl::MutexLock lock(&job->mu);
-    job->mu.Await(absl::Condition(
-        +[](Job* j) ABSL_EXCLUSIVE_LOCKS_REQUIRED(j->mu) { return j->done == j->n; }, job.get()));
+    std::unique_lock<std::mutex> lock(job->mu);
+    job->cv.wait(lock, [&job] { return job->done == job->n; });
   }
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = std::find(queue_.begin(), queue_.end(), job);
   if (it != queue_.end()) queue_.erase(it);
 }
