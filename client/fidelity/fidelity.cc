@@ -184,6 +184,11 @@ absl::StatusOr<Metrics> FidelityEval::Evaluate(const CompressionSpec& spec,
     full += prefixes_[i].full_bytes();
     ASSIGN_OR_RETURN(std::unique_ptr<model::CompactKvCache> cache,
                      model::CompactKvCache::Create(c, std::move(layers), attention_, n_cont));
+    // New tokens' RoPE positions continue at the blobs' seq_len: it must be the prefix length.
+    if (cache->position() != p) {
+      return absl::InvalidArgumentError(absl::StrCat("compressor: blobs have seq_len ",
+                                                     cache->position(), ", the prefix has ", p));
+    }
     for (int t = 0; t < n_cont; ++t) {
       RETURN_IF_ERROR(
           model_->DecodeStep(sequences_[i][p + t], cache.get(), absl::MakeSpan(logits), &attn));

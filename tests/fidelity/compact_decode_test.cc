@@ -248,6 +248,24 @@ TEST_F(CompactDecodeTest, CreateRejectsBlobsThatDoNotFitTheModel) {
               HasSubstr("blob has 4 KV heads of dim 8, the model has 8 of dim 8"));
 }
 
+TEST_F(CompactDecodeTest, EvaluateRejectsBlobsOfAnotherPrefixLength) {
+  RunOptions o = eval_->options();
+  o.prefix_len = 64;
+  auto other = FidelityEval::Create(model_.get(), o, backend_.get());
+  ASSERT_TRUE(other.ok()) << other.status();
+  const Compressor wrong = [&](const PrefixCache&, const CompressionSpec& spec, int i) {
+    return InProcessCompressor(backend_.get())((*other)->prefix(i), spec, i);
+  };
+  absl::Status s = eval_->Evaluate(CompressionSpec{}, wrong).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("blobs have seq_len 64, the prefix has 96"));
+  EXPECT_THAT(eval_->DecodeOnCompact(0, wrong(eval_->prefix(0), CompressionSpec{}, 0).value())
+                  .status()
+                  .message(),
+              HasSubstr("blobs have seq_len 64"));
+  EXPECT_THAT(eval_->DecodeOnCompact(1, {}).status().message(), HasSubstr("sequence: 1"));
+}
+
 TEST_F(CompactDecodeTest, CacheRefusesTokensBeyondItsCapacity) {
   auto cache =
       model::CompactKvCache::Create(model_->config(), Compress(CompressionSpec{}), nullptr, 1);
