@@ -7,7 +7,7 @@ PKGS=(
   build-essential cmake pkg-config git ca-certificates
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
-  libxxhash-dev libopenblas-dev
+  libxxhash-dev libopenblas-dev zlib1g-dev
   prometheus redis-server python3
 )
 
