@@ -1,5 +1,6 @@
 // CpuBackend: Compress composes SelectTokens -> SelectChannels -> PackLayer; results do not
 // depend on thread count, layout or concurrent use; bad input is rejected with the field named.
+#include <atomic>
 #include <string>
 #include <thread>
 #include <vector>
@@ -10,6 +11,8 @@
 #include "kvc/backend.h"
 #include "kvc/compact.h"
 #include "kvc/selection.h"
+// The backend's pool (internal header of the CPU backend).
+#include "../../kernels/cpu/thread_pool.h"
 
 namespace kvc {
 namespace {
@@ -154,6 +157,33 @@ TEST(CpuBackendTest, AttendIsPackedAttention) {
   ASSERT_TRUE(PackedAttentionCpu(*view, query, want.data()).ok());
   EXPECT_EQ(out, want);
   for (float x : out) EXPECT_TRUE(std::isfinite(x));
+}
+
+TEST(ThreadPoolTest, RunsEveryIndexOnceUnderConcurrentAndNestedCalls) {
+  ThreadPool pool(3);
+  EXPECT_EQ(pool.num_threads(), 3);
+  constexpr int kCallers = 4, kOuter = 7, kInner = 5;
+  std::vector<std::vector<std::atomic<int>>> hits(kCallers);
+  for (auto& h : hits) h = std::vector<std::atomic<int>>(kOuter * kInner);
+  std::vector<std::thread> callers;
+  for (int c = 0; c < kCallers; ++c) {
+    callers.emplace_back([&, c] {
+      pool.ParallelFor(kOuter, [&](int i) {
+        // Nested: a worker running a job starts another one on the same pool.
+        pool.ParallelFor(kInner, [&](int j) { hits[c][i * kInner + j].fetch_add(1); });
+      });
+    });
+  }
+  for (std::thread& t : callers) t.join();
+  for (const auto& h : hits) {
+    for (const auto& x : h) EXPECT_EQ(x.load(), 1);
+  }
+  int ran = 0;
+  pool.ParallelFor(0, [&](int) { ++ran; });
+  EXPECT_EQ(ran, 0);
+  ThreadPool single(1);  // no workers: runs inline
+  single.ParallelFor(3, [&](int) { ++ran; });
+  EXPECT_EQ(ran, 3);
 }
 
 }  // namespace
