@@ -3,8 +3,13 @@
 #include "kvc/compact.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -160,6 +165,23 @@ class BlobWriter {
  private:
   std::vector<uint8_t>* out_;
 };
+
+// A large blob is a fresh allocation on every call, and first-touch page faults on 4 KiB pages
+// cost as much as the gather itself for multi-MiB layers. Asking for transparent huge pages on
+// the interior of the buffer cuts the fault count ~500x where the kernel allows it (THP in
+// "madvise" or "always" mode); elsewhere the call fails harmlessly.
+void AdviseHugePages(uint8_t* p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (bytes < 2 * kHuge) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
 
 // Source rows of one tensor (K or V) for head h: row(t) points at the D elements of token t.
 struct RowSource {
@@ -319,6 +341,7 @@ absl::StatusOr<CompactLayer> PackLayer(const LayerInput& in, const TokenSelectio
 
   CompactLayer out;
   out.bytes.reserve(total);
+  AdviseHugePages(out.bytes.data(), total);
   BlobWriter w(&out.bytes);
   LayerHeader header;
   header.dtype = static_cast<uint8_t>(in.dtype);
