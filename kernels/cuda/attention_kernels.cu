@@ -31,7 +31,7 @@ __global__ void PackedAttentionKernel(AttnArgs a) {
   const int d = a.head_dim, m = hd.n_kept - hd.n_recent;
   const int n_new_vis = a.n_new - a.n_q + i + 1;
   const int total = hd.n_kept + n_new_vis;
-  const float scale = rsqrtf(static_cast<float>(d));
+  const float scale = 1.0f / sqrtf(static_cast<float>(d));
   const int32_t* kidx = At<int32_t>(a.blob, hd.key_idx);
   const int32_t* vidx = At<int32_t>(a.blob, hd.value_idx);
   const int kq_bytes = (hd.key_channels * a.bits + 7) / 8;

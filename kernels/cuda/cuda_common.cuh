@@ -86,9 +86,11 @@ inline cudaError_t LastLaunchError() { return cudaGetLastError(); }
 
 __device__ __forceinline__ int CeilDiv(int a, int b) { return (a + b - 1) / b; }
 
-// Total order on floats for selection: NaN sorts below everything (it never wins a slot).
+// Total order on floats for selection, consistent with the CPU's comparisons: NaN sorts below
+// everything (it never wins a slot) and -0 equals +0 (so the position breaks that tie).
 __device__ __forceinline__ uint32_t OrderedKey(float f) {
   if (isnan(f)) return 0u;
+  if (f == 0.0f) f = 0.0f;
   const uint32_t u = __float_as_uint(f);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }

@@ -380,7 +380,7 @@ TEST(CudaBackend, KeyformerSeedIsReproducibleAndMatters) {
   EXPECT_NE(a.bytes, c.bytes);
 }
 
-TEST(CudaBackend, InvalidInputNamesTheFieldAndDoesNotTouchTheDevice) {
+TEST(CudaBackend, InvalidInputIsRejectedNamingTheField) {
   Layer layer = RandomLayer(Shape(2, 1, 16, 8, 4), DType::kF32, Layout::kHND, 1);
   LayerInput in = layer.input();
   in.shape.head_dim = 300;
