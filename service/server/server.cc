@@ -1,10 +1,11 @@
 #include "server/server.h"
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kvc/status_macros.h"
 
@@ -12,6 +13,20 @@ namespace kvc::server {
 namespace {
 
 std::string HostOf(const std::string& addr) { return addr.substr(0, addr.rfind(':')); }
+
+// Loading gRPC's reflection library runs its static initializer, which registers a server-builder
+// plugin: every server built afterwards serves grpc.reflection.v1alpha. kvcd does not link the
+// library, so without --enable_reflection no server has it.
+absl::Status LoadReflection() {
+  static void* const handle = dlopen(KVC_GRPC_REFLECTION_LIB, RTLD_NOW | RTLD_GLOBAL);
+  if (handle == nullptr) {
+    const char* why = dlerror();
+    return absl::UnavailableError(absl::StrCat("--enable_reflection: cannot load ",
+                                               KVC_GRPC_REFLECTION_LIB, ": ",
+                                               why ? why : "unknown error"));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -65,33 +80,42 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
   }
 
   grpc::EnableDefaultHealthCheckService(true);
-  if (config.enable_reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (!config.health_listen.empty()) {
+    // A server with no services of its own: only the default health service, for probes. Built
+    // before reflection is loaded (it applies to every later server).
+    // gRPC needs at least one service of its own to start a server; the generic one answers
+    // every method except health with UNIMPLEMENTED.
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort(config.health_listen, grpc::InsecureServerCredentials(), &port);
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    s->probe_only_ = std::make_unique<grpc::CallbackGenericService>();
+    builder.RegisterCallbackGenericService(s->probe_only_.get());
+    s->health_server_ = builder.BuildAndStart();
+    if (!s->health_server_ || port == 0) {
+      return absl::UnavailableError(
+          absl::StrCat("--health_listen: cannot bind ", config.health_listen));
+    }
+    s->health_address_ = absl::StrCat(HostOf(config.health_listen), ":", port);
+  }
+  if (config.enable_reflection) RETURN_IF_ERROR(LoadReflection());
   {
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
+    // Without this gRPC sets SO_REUSEPORT, and a second kvcd on the same port would silently
+    // share its traffic instead of failing.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
     builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
     builder.RegisterService(s->service_.get());
     for (auto& e : s->extra_) builder.RegisterService(e.get());
     s->server_ = builder.BuildAndStart();
     if (!s->server_ || port == 0) {
+      if (s->health_server_) s->health_server_->Shutdown();
       return absl::UnavailableError(absl::StrCat("--listen: cannot bind ", config.listen));
     }
     s->address_ = absl::StrCat(HostOf(config.listen), ":", port);
-  }
-  if (!config.health_listen.empty()) {
-    // A server with no services of its own: only the default health service, for probes.
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort(config.health_listen, grpc::InsecureServerCredentials(), &port);
-    s->health_server_ = builder.BuildAndStart();
-    if (!s->health_server_ || port == 0) {
-      s->server_->Shutdown();
-      return absl::UnavailableError(
-          absl::StrCat("--health_listen: cannot bind ", config.health_listen));
-    }
-    s->health_address_ = absl::StrCat(HostOf(config.health_listen), ":", port);
   }
   for (grpc::Server* srv : {s->server_.get(), s->health_server_.get()}) {
     if (srv && srv->GetHealthCheckService()) srv->GetHealthCheckService()->SetServingStatus(true);

@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
 #include "kvc/backend.h"
 #include "kvc/cache_store.h"
@@ -80,6 +81,7 @@ class KvcServer {
   std::unique_ptr<KvCacheServiceImpl> service_;
   std::vector<std::unique_ptr<grpc::Service>> extra_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::CallbackGenericService> probe_only_;  // UNIMPLEMENTED for all but health
   std::unique_ptr<grpc::Server> health_server_;
   std::string address_, health_address_, metrics_address_;
   absl::Notification stop_sweep_;

@@ -8,7 +8,9 @@
 #include <memory>
 #include <string>
 
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
 #include "testing/kvc_rpc.h"
 #include "testing/kvcd_process.h"
@@ -101,6 +103,81 @@ TEST(KvcdLifecycleTest, InvalidFlagsExitWithCode2AndNameTheFlag) {
     absl::SleepFor(absl::Milliseconds(20));  // let the reader collect the last output
     EXPECT_THAT((*p)->output(), HasSubstr(name)) << flag;
   }
+}
+
+// Asks grpc.reflection.v1alpha for the service list: ServerReflectionRequest{list_services: ""}
+// encoded by hand (field 7). Returns the raw response bytes, or the RPC's error.
+absl::StatusOr<std::string> ListServicesByReflection(const std::string& address) {
+  class Reactor : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+   public:
+    void OnWriteDone(bool) override {}
+    void OnReadDone(bool ok) override {
+      if (ok) {
+        std::vector<grpc::Slice> slices;
+        (void)response_.Dump(&slices);
+        for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+      }
+    }
+    void OnDone(const grpc::Status& s) override {
+      status = s;
+      done.Notify();
+    }
+    void Go() {
+      grpc::Slice slice(std::string("\x3a\x00", 2));
+      request_ = grpc::ByteBuffer(&slice, 1);
+      StartWriteLast(&request_, grpc::WriteOptions());
+      StartRead(&response_);
+      StartCall();
+    }
+    grpc::ByteBuffer request_, response_;
+    std::string bytes;
+    grpc::Status status;
+    absl::Notification done;
+  };
+  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  Reactor reactor;
+  stub.PrepareBidiStreamingCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                grpc::StubOptions(), &reactor);
+  reactor.Go();
+  reactor.done.WaitForNotification();
+  if (!reactor.status.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(reactor.status.error_code()),
+                        reactor.status.error_message());
+  }
+  return reactor.bytes;
+}
+
+TEST(KvcdLifecycleTest, ReflectionOnlyWhenEnabledAndOnlyOnTheMainPort) {
+  auto plain = StartKvcd({});
+  ASSERT_NE(plain, nullptr);
+  EXPECT_EQ(ListServicesByReflection(plain->address()).status().code(),
+            absl::StatusCode::kUnimplemented);
+  auto kvcd = StartKvcd({"--enable_reflection"});
+  ASSERT_NE(kvcd, nullptr);
+  auto list = ListServicesByReflection(kvcd->address());
+  ASSERT_TRUE(list.ok()) << list.status();
+  EXPECT_THAT(*list, HasSubstr("kvcache.v1.KvCache"));
+  EXPECT_THAT(*list, HasSubstr("grpc.health.v1.Health"));
+  EXPECT_EQ(ListServicesByReflection(kvcd->health_address()).status().code(),
+            absl::StatusCode::kUnimplemented);
+}
+
+TEST(KvcdLifecycleTest, AnAddressInUseFailsWithExitCode1) {
+  auto first = StartKvcd({});
+  ASSERT_NE(first, nullptr);
+  KvcdProcess::Options opts;
+  opts.binary = KVCD_PATH;
+  opts.flags = {"--listen=" + first->address()};
+  opts.wait_for_ready = false;
+  auto second = KvcdProcess::Start(opts);
+  ASSERT_TRUE(second.ok()) << second.status();
+  auto code = (*second)->Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.ok());
+  EXPECT_EQ(*code, 1);
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_THAT((*second)->output(), HasSubstr("--listen"));
 }
 
 TEST(KvcdLifecycleTest, SigtermDrainsInFlightUploadsThenExitsZero) {
