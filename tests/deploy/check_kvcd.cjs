@@ -69,7 +69,26 @@ function startKvcd(extraArgs) {
   });
 }
 
-function stopKvcd(k) {
+// kvcd takes SIGTERM in its main thread's sigwait; threads that libraries start before main
+// (OpenBLAS's pool) do not block it, so a SIGTERM sent before main waits can kill the process.
+// Wait (up to 5 s) until the kernel shows the main thread in the signal wait.
+async function untilWaitingForSignals(pid) {
+  for (let i = 0; i < 500; i++) {
+    let wchan = '';
+    try {
+      wchan = fs.readFileSync(`/proc/${pid}/wchan`, 'utf8');
+    } catch (e) {
+      break; // no procfs: fall back to a pause
+    }
+    if (/sigtimedwait|sigwait/.test(wchan)) return;
+    if (wchan === '0' || wchan === '') break; // wchan hidden: fall back to a pause
+    await new Promise((r) => setTimeout(r, 10));
+  }
+  await new Promise((r) => setTimeout(r, 300));
+}
+
+async function stopKvcd(k) {
+  await untilWaitingForSignals(k.proc.pid);
   return new Promise((resolve) => {
     k.proc.removeAllListeners('exit');
     const timer = setTimeout(() => k.proc.kill('SIGKILL'), 20000);
@@ -281,8 +300,7 @@ async function flagsMode() {
         '--store_bytes=64MiB',
         '--backend=cpu',
       ]);
-      // A scrape proves the configuration serves, and leaves kvcd time to reach its signal wait:
-      // a SIGTERM in the first instants can land on a thread that does not block it.
+      // A scrape proves the configuration serves.
       try {
         await get(k.metricsUrl);
       } catch (e) {
