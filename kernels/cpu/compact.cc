@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "cpu/compact_layout.h"
+#include "cpu/gather.h"
 #include "cpu/quantize.h"
 #include "kvc/convert.h"
 #include "kvc/status_macros.h"
@@ -245,11 +246,19 @@ void AppendRows(const RowSource& src, const int32_t* pos, int n, const int32_t* 
     AppendFullRows(src, pos, n, w);
     return;
   }
-  uint8_t* dst = w->Grow(static_cast<size_t>(n) * t * src.elem);
   if (src.elem == 4) {
+    uint8_t* dst = w->Grow(static_cast<size_t>(n) * t * src.elem);
     GatherChannels(src, pos, n, idx, t, reinterpret_cast<uint32_t*>(dst));
-  } else {
-    GatherChannels(src, pos, n, idx, t, reinterpret_cast<uint16_t*>(dst));
+    return;
+  }
+  uint16_t* out =
+      reinterpret_cast<uint16_t*>(w->Grow(static_cast<size_t>(n) * t * sizeof(uint16_t)));
+  const gather::Plan16 plan = gather::MakePlan16(idx, t, src.head_dim);
+  const size_t row_bytes = static_cast<size_t>(src.head_dim) * src.elem;
+  for (int i = 0; i < n; ++i) {
+    if (i + kPrefetchRows < n) PrefetchRow(src.row(pos[i + kPrefetchRows]), row_bytes);
+    gather::GatherRow16(reinterpret_cast<const uint16_t*>(src.row(pos[i])), plan,
+                        out + static_cast<size_t>(i) * t);
   }
 }
 
