@@ -55,12 +55,13 @@ double Percentile(std::vector<double>& v, double p) {
 void PrintSummary(const char* name, OpStats& s, double seconds) {
   absl::MutexLock lock(&s.mu);
   std::vector<double>& l = s.latencies;
-  std::printf("%-4s %8llu ok %6llu err %9.3f GB/s %9.1f ops/s  latency ms p50 %8.2f p90 %8.2f "
-              "p99 %8.2f max %8.2f\n",
-              name, static_cast<unsigned long long>(s.ok.load()),
-              static_cast<unsigned long long>(s.failed.load()), s.bytes.load() / seconds / 1e9,
-              s.ok.load() / seconds, Percentile(l, 0.5) * 1e3, Percentile(l, 0.9) * 1e3,
-              Percentile(l, 0.99) * 1e3, l.empty() ? 0.0 : l.back() * 1e3);
+  std::printf(
+      "%-4s %8llu ok %6llu err %9.3f GB/s %9.1f ops/s  latency ms p50 %8.2f p90 %8.2f "
+      "p99 %8.2f max %8.2f\n",
+      name, static_cast<unsigned long long>(s.ok.load()),
+      static_cast<unsigned long long>(s.failed.load()), s.bytes.load() / seconds / 1e9,
+      s.ok.load() / seconds, Percentile(l, 0.5) * 1e3, Percentile(l, 0.9) * 1e3,
+      Percentile(l, 0.99) * 1e3, l.empty() ? 0.0 : l.back() * 1e3);
   for (const auto& [code, n] : s.errors) std::printf("     errors %s: %d\n", code.c_str(), n);
 }
 
@@ -115,7 +116,9 @@ int RunBench(const std::vector<std::string>& args) {
                 tokens = flags.GetInt("tokens"), window = flags.GetInt("window");
   for (const auto& [name, v, hi] :
        {std::tuple<const char*, int64_t, int64_t>{"layers", layers, 1024},
-        {"kv_heads", hkv, 1024}, {"q_heads", hq, 4096}, {"head_dim", dim, 256},
+        {"kv_heads", hkv, 1024},
+        {"q_heads", hq, 4096},
+        {"head_dim", dim, 256},
         {"tokens", tokens, 1 << 21}}) {
     if (v < 1 || v > hi) {
       return Usage(absl::StrCat("--", name, ": ", v, " is outside [1, ", hi, "]"), usage, flags);
@@ -142,8 +145,9 @@ int RunBench(const std::vector<std::string>& args) {
   const uint64_t put_bytes = static_cast<uint64_t>(layers) * (k.size() + v.size() + q.size());
 
   pb::PutCacheHeader base;
-  base.set_dtype(*dtype == DType::kF32 ? pb::DTYPE_F32
-                 : *dtype == DType::kF16 ? pb::DTYPE_F16 : pb::DTYPE_BF16);
+  base.set_dtype(*dtype == DType::kF32   ? pb::DTYPE_F32
+                 : *dtype == DType::kF16 ? pb::DTYPE_F16
+                                         : pb::DTYPE_BF16);
   base.set_layout(pb::LAYOUT_HND);
   pb::ModelShape* shape = base.mutable_shape();
   shape->set_num_layers(layers);
@@ -190,11 +194,10 @@ int RunBench(const std::vector<std::string>& args) {
       if (mode != "put") {
         uint64_t got = 0;
         const absl::Time t0 = absl::Now();
-        absl::Status s = client.GetCacheStreaming(
-            id, get_opt, nullptr, [&got](LayerData&& l) {
-              got += l.packed.size() + l.k.size() + l.v.size() + l.positions.size() * 4;
-              return absl::OkStatus();
-            });
+        absl::Status s = client.GetCacheStreaming(id, get_opt, nullptr, [&got](LayerData&& l) {
+          got += l.packed.size() + l.k.size() + l.v.size() + l.positions.size() * 4;
+          return absl::OkStatus();
+        });
         get_stats.Record(absl::Now() - t0, s, got);
       }
       if (mode != "get") client.DeleteCache(id).IgnoreError();  // keep the store from filling
@@ -209,13 +212,13 @@ int RunBench(const std::vector<std::string>& args) {
     while (!done.load()) {
       absl::SleepFor(absl::Milliseconds(500));
       const double t = absl::ToDoubleSeconds(absl::Now() - start);
-      std::fprintf(stderr, "\r[%6.1fs] put %6llu ok %7.3f GB/s | get %6llu ok %7.3f GB/s | "
-                           "errors %llu   ",
-                   t, static_cast<unsigned long long>(put_stats.ok.load()),
-                   put_stats.bytes.load() / t / 1e9,
-                   static_cast<unsigned long long>(get_stats.ok.load()),
-                   get_stats.bytes.load() / t / 1e9,
-                   static_cast<unsigned long long>(put_stats.failed + get_stats.failed));
+      std::fprintf(
+          stderr,
+          "\r[%6.1fs] put %6llu ok %7.3f GB/s | get %6llu ok %7.3f GB/s | "
+          "errors %llu   ",
+          t, static_cast<unsigned long long>(put_stats.ok.load()), put_stats.bytes.load() / t / 1e9,
+          static_cast<unsigned long long>(get_stats.ok.load()), get_stats.bytes.load() / t / 1e9,
+          static_cast<unsigned long long>(put_stats.failed + get_stats.failed));
       std::fflush(stderr);
     }
   });
@@ -224,12 +227,13 @@ int RunBench(const std::vector<std::string>& args) {
   progress.join();
   std::fprintf(stderr, "\n");
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  std::printf("bench: %lld workers, %.2f s, cache %lld layers x %lld tokens x %lld kv heads x "
-              "%lld dims %s (%.2f MiB upload each), policy %s\n",
-              static_cast<long long>(conc), seconds, static_cast<long long>(layers),
-              static_cast<long long>(tokens), static_cast<long long>(hkv),
-              static_cast<long long>(dim), std::string(DTypeName(*dtype)).c_str(),
-              put_bytes / 1048576.0, compression->eviction().policy().c_str());
+  std::printf(
+      "bench: %lld workers, %.2f s, cache %lld layers x %lld tokens x %lld kv heads x "
+      "%lld dims %s (%.2f MiB upload each), policy %s\n",
+      static_cast<long long>(conc), seconds, static_cast<long long>(layers),
+      static_cast<long long>(tokens), static_cast<long long>(hkv), static_cast<long long>(dim),
+      std::string(DTypeName(*dtype)).c_str(), put_bytes / 1048576.0,
+      compression->eviction().policy().c_str());
   if (mode != "get" || put_stats.failed > 0) PrintSummary("put", put_stats, seconds);
   if (mode != "put") PrintSummary("get", get_stats, seconds);
   return put_stats.failed + get_stats.failed > 0 ? kExitFailure : kExitOk;

@@ -75,11 +75,12 @@ absl::Status BuildUpload(const StFile& file, pb::PutCacheHeader* header,
     const StTensor* q = file.Find(p + "q_obs");
     if (v == nullptr) return absl::InvalidArgumentError(absl::StrCat("file: ", p, "v missing"));
     if (k->shape.size() != 3 || k->shape != k0->shape || v->shape != k0->shape) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "file: ", p, "k and ", p, "v must be [Hkv, S, D] like layer.0.k"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("file: ", p, "k and ", p, "v must be [Hkv, S, D] like layer.0.k"));
     }
     if (k->dtype != k0->dtype || v->dtype != k0->dtype) {
-      return absl::InvalidArgumentError(absl::StrCat("file: ", p, "k/v dtype differs from layer 0"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("file: ", p, "k/v dtype differs from layer 0"));
     }
     if ((q == nullptr) != (q0 == nullptr)) {
       return absl::InvalidArgumentError(
@@ -202,7 +203,7 @@ int RunGet(const std::vector<std::string>& args) {
   out.metadata["head_dim"] = absl::StrCat(info.shape().head_dim());
   out.metadata["seq_len"] = absl::StrCat(info.shape().seq_len());
   uint64_t bytes = 0;
-  const StDType elem = info.dtype() == pb::DTYPE_F32   ? StDType::kF32
+  const StDType elem = info.dtype() == pb::DTYPE_F32    ? StDType::kF32
                        : info.dtype() == pb::DTYPE_BF16 ? StDType::kBF16
                                                         : StDType::kF16;
   const int64_t heads = info.shape().num_kv_heads(), dim = info.shape().head_dim();
@@ -332,10 +333,11 @@ int RunInfo(const std::vector<std::string>& args) {
                 absl::StrJoin(i->channel_policies(), ",").c_str());
     std::printf("  store:     %u entries, %.2f / %.2f MiB\n", i->store_entries(),
                 MiB(i->store_used_bytes()), MiB(l.store_capacity_bytes()));
-    std::printf("  limits:    message %.2f MiB, chunk %.2f MiB, cache %.2f MiB, streams %u, "
-                "default ttl %u s\n",
-                MiB(l.max_message_bytes()), MiB(l.max_chunk_bytes()), MiB(l.max_cache_bytes()),
-                l.max_concurrent_streams(), l.default_ttl_seconds());
+    std::printf(
+        "  limits:    message %.2f MiB, chunk %.2f MiB, cache %.2f MiB, streams %u, "
+        "default ttl %u s\n",
+        MiB(l.max_message_bytes()), MiB(l.max_chunk_bytes()), MiB(l.max_cache_bytes()),
+        l.max_concurrent_streams(), l.default_ttl_seconds());
     std::printf("  nccl:      %s\n", i->nccl_available() ? "available" : "not available");
   }
   return exit_code;

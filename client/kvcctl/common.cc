@@ -11,7 +11,8 @@ namespace pb = kvcache::v1;
 void AddGlobalFlags(FlagSet* flags) {
   flags->AddString("target", "127.0.0.1:50051",
                    "kvcd address: host:port, a comma-separated list, or dns:///name:port");
-  flags->AddDouble("timeout", 0, "seconds per call; 0 = the client's defaults (10 s, 300 s streams)");
+  flags->AddDouble("timeout", 0,
+                   "seconds per call; 0 = the client's defaults (10 s, 300 s streams)");
   flags->AddString("token", "", "bearer token sent as 'authorization: Bearer <token>'");
   flags->AddInt("chunk_mib", 4, "largest upload chunk in MiB, 1..4");
 }
@@ -41,8 +42,9 @@ void AddCompressionFlags(FlagSet* flags) {
                    "token eviction: none, streaming, h2o, snapkv, keyformer, knorm, random");
   flags->AddDouble("ratio", 0, "fraction of tokens kept per KV head, (0, 1]; 0 = unset");
   flags->AddInt("budget", 0, "tokens kept per KV head (wins over --ratio); 0 = unset");
-  flags->AddString("key_policy", "", "key channel pruning: none, think, l1, l2 "
-                                     "(default think when --lambda > 0)");
+  flags->AddString("key_policy", "",
+                   "key channel pruning: none, think, l1, l2 "
+                   "(default think when --lambda > 0)");
   flags->AddDouble("lambda", 0, "fraction of key channels pruned, [0, 1)");
   flags->AddInt("bits", 0, "quantization bits: 0 (off), 2, 4, 8");
   flags->AddInt("recent", -1, "recent tokens kept unpruned and unquantized; -1 = server default");
@@ -85,8 +87,8 @@ absl::StatusOr<pb::CompressionConfig> CompressionFromFlags(const FlagSet& flags)
 }
 
 int Fail(const std::string& what, const absl::Status& status) {
-  std::fprintf(stderr, "kvcctl %s: %s: %s\n", what.c_str(),
-               StatusCodeName(status.code()).c_str(), std::string(status.message()).c_str());
+  std::fprintf(stderr, "kvcctl %s: %s: %s\n", what.c_str(), StatusCodeName(status.code()).c_str(),
+               std::string(status.message()).c_str());
   return kExitFailure;
 }
 

@@ -88,7 +88,8 @@ absl::StatusOr<std::vector<std::string>> FlagSet::Parse(const std::vector<std::s
         continue;
       }
     }
-    if (it == flags_.end()) return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
+    if (it == flags_.end())
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
     if (!has_value) {
       if (it->second.type == Type::kBool) {
         value = "true";

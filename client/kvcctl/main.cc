@@ -40,9 +40,9 @@ int main(int argc, char** argv) {
       }
     }
     if (a.rfind("-", 0) == 0) {
-      const bool takes_value = a.find('=') == std::string::npos &&
-                               (a == "--target" || a == "--timeout" || a == "--token" ||
-                                a == "--chunk_mib");
+      const bool takes_value =
+          a.find('=') == std::string::npos &&
+          (a == "--target" || a == "--timeout" || a == "--token" || a == "--chunk_mib");
       if (takes_value) ++i;
       continue;
     }

@@ -1,15 +1,15 @@
 #include "kvc/client.h"
 
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/support/sync_stream.h>
+
 #include <algorithm>
 #include <cctype>
 #include <map>
 #include <set>
 #include <thread>
 #include <utility>
-
-#include <grpcpp/grpcpp.h>
-#include <grpcpp/impl/rpc_method.h>
-#include <grpcpp/support/sync_stream.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -51,8 +51,8 @@ absl::Status ValidateOptions(const ClientOptions& o) {
   if (o.max_message_bytes < static_cast<int>(kMaxChunkBytes + 4096) ||
       o.max_message_bytes > (1 << 30)) {
     return absl::InvalidArgumentError(absl::StrCat("max_message_bytes: ", o.max_message_bytes,
-                                                   " is outside [", kMaxChunkBytes + 4096,
-                                                   ", ", 1 << 30, "]"));
+                                                   " is outside [", kMaxChunkBytes + 4096, ", ",
+                                                   1 << 30, "]"));
   }
   for (char c : o.bearer_token) {
     if (c < 0x20 || c > 0x7e) {
@@ -89,8 +89,8 @@ absl::StatusOr<TensorSizes> SizesFromHeader(const PutHeader& h) {
   if (s.head_dim() == 0) return absl::InvalidArgumentError("shape.head_dim: must be >= 1");
   if (s.seq_len() == 0) return absl::InvalidArgumentError("shape.seq_len: must be >= 1");
   if (s.obs_window() > s.seq_len()) {
-    return absl::InvalidArgumentError(absl::StrCat("shape.obs_window: ", s.obs_window(),
-                                                   " exceeds seq_len ", s.seq_len()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shape.obs_window: ", s.obs_window(), " exceeds seq_len ", s.seq_len()));
   }
   uint64_t elem = 0;
   switch (h.dtype()) {
@@ -102,8 +102,8 @@ absl::StatusOr<TensorSizes> SizesFromHeader(const PutHeader& h) {
       elem = 2;
       break;
     default:
-      return absl::InvalidArgumentError(absl::StrCat("header.dtype: ", h.dtype(),
-                                                     " is not F32, F16 or BF16"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.dtype: ", h.dtype(), " is not F32, F16 or BF16"));
   }
   if (h.layout() != pb::LAYOUT_UNSPECIFIED && h.layout() != pb::LAYOUT_HND &&
       h.layout() != pb::LAYOUT_NHD) {
@@ -143,10 +143,9 @@ class ClientImpl final : public Client {
                                      absl::Span<const LayerTensors> layers) override;
   absl::StatusOr<CacheData> GetCache(const std::string& cache_id,
                                      const GetOptions& options) override;
-  absl::Status GetCacheStreaming(
-      const std::string& cache_id, const GetOptions& options,
-      const std::function<absl::Status(const CacheInfo&)>& on_info,
-      const std::function<absl::Status(LayerData&&)>& on_layer) override;
+  absl::Status GetCacheStreaming(const std::string& cache_id, const GetOptions& options,
+                                 const std::function<absl::Status(const CacheInfo&)>& on_info,
+                                 const std::function<absl::Status(LayerData&&)>& on_layer) override;
   absl::StatusOr<CacheInfo> StatCache(const std::string& cache_id) override;
   absl::StatusOr<uint64_t> DeleteCache(const std::string& cache_id) override;
   absl::StatusOr<std::vector<CacheInfo>> ListCaches(const std::string& prefix) override;
@@ -185,8 +184,7 @@ class ClientImpl final : public Client {
 
   absl::Status GetOnce(const Replica& r, const pb::GetCacheRequest& req,
                        const std::function<absl::Status(const CacheInfo&)>& on_info,
-                       const std::function<absl::Status(LayerData&&)>& on_layer,
-                       bool* delivered);
+                       const std::function<absl::Status(LayerData&&)>& on_layer, bool* delivered);
 
   ClientOptions options_;
   std::vector<std::string> addresses_;
@@ -197,9 +195,8 @@ absl::StatusOr<PutResult> ClientImpl::PutCache(const PutHeader& header,
                                                absl::Span<const LayerTensors> layers) {
   ASSIGN_OR_RETURN(const TensorSizes sizes, SizesFromHeader(header));
   if (layers.size() != header.shape().num_layers()) {
-    return absl::InvalidArgumentError(absl::StrCat("layers: ", layers.size(),
-                                                   " given, shape.num_layers is ",
-                                                   header.shape().num_layers()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layers: ", layers.size(), " given, shape.num_layers is ", header.shape().num_layers()));
   }
   for (size_t l = 0; l < layers.size(); ++l) {
     if (layers[l].k == nullptr || layers[l].v == nullptr) {
@@ -215,9 +212,8 @@ absl::StatusOr<PutResult> ClientImpl::PutCache(const PutHeader& header,
   Prepare(&ctx, absl::Now() + options_.stream_timeout);
   PutResult result;
   std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
-      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(r.channel.get(),
-                                                                    *r.put_method, &ctx,
-                                                                    &result));
+      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(r.channel.get(), *r.put_method,
+                                                                    &ctx, &result));
   pb::PutCacheRequest first;
   *first.mutable_header() = header;
   // A failed Write means the stream is broken; Finish() then reports the server's status.
@@ -227,8 +223,9 @@ absl::StatusOr<PutResult> ClientImpl::PutCache(const PutHeader& header,
   pb::ChunkHeader chunk;
   for (size_t l = 0; ok && l < layers.size(); ++l) {
     chunk.set_layer(static_cast<uint32_t>(l));
-    const std::pair<pb::TensorKind, const void*> tensors[3] = {
-        {pb::TENSOR_K, layers[l].k}, {pb::TENSOR_V, layers[l].v}, {pb::TENSOR_Q_OBS, layers[l].q_obs}};
+    const std::pair<pb::TensorKind, const void*> tensors[3] = {{pb::TENSOR_K, layers[l].k},
+                                                               {pb::TENSOR_V, layers[l].v},
+                                                               {pb::TENSOR_Q_OBS, layers[l].q_obs}};
     for (const auto& [kind, base] : tensors) {
       chunk.set_tensor(kind);
       for (const ChunkSpan& c : kind == pb::TENSOR_Q_OBS ? q_chunks : kv_chunks) {
@@ -267,9 +264,8 @@ absl::Status ClientImpl::GetCacheStreaming(
   if (cache_id.empty()) return absl::InvalidArgumentError("cache_id: empty");
   if (!on_layer) return absl::InvalidArgumentError("on_layer: empty callback");
   if (options.layer_end.has_value() && *options.layer_end <= options.layer_begin) {
-    return absl::InvalidArgumentError(absl::StrCat("layer_end: ", *options.layer_end,
-                                                   " must exceed layer_begin ",
-                                                   options.layer_begin));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer_end: ", *options.layer_end, " must exceed layer_begin ", options.layer_begin));
   }
   pb::GetCacheRequest req;
   req.set_cache_id(cache_id);
@@ -297,8 +293,8 @@ absl::Status ClientImpl::GetOnce(const Replica& r, const pb::GetCacheRequest& re
   grpc::ClientContext ctx;
   Prepare(&ctx, absl::Now() + options_.stream_timeout);
   std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
-      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(r.channel.get(),
-                                                                    *r.get_method, &ctx, req));
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(r.channel.get(), *r.get_method,
+                                                                    &ctx, req));
   // Any local failure (bad stream content, a callback's error) cancels the call and wins over
   // the CANCELLED that Finish() then reports.
   absl::Status local;
@@ -318,8 +314,8 @@ absl::Status ClientImpl::GetOnce(const Replica& r, const pb::GetCacheRequest& re
         break;
       }
       assembler = std::make_unique<LayerAssembler>(
-          fields.info(), req.format() == pb::FORMAT_DENSE ? CacheFormat::kDense
-                                                          : CacheFormat::kPacked,
+          fields.info(),
+          req.format() == pb::FORMAT_DENSE ? CacheFormat::kDense : CacheFormat::kPacked,
           req.layer_begin(), req.has_layer_end() ? req.layer_end() : 0);
       *delivered = true;
       if (on_info) local = on_info(fields.info());
@@ -387,22 +383,21 @@ absl::StatusOr<std::vector<CacheInfo>> ClientImpl::ListCaches(const std::string&
       if (resp.next_page_token().empty()) break;
       // A server handing out the same token twice would make this loop forever.
       if (!seen_tokens.insert(resp.next_page_token()).second) {
-        return absl::InternalError(absl::StrCat("ListCaches: replica ", r.address,
-                                                " repeated page token"));
+        return absl::InternalError(
+            absl::StrCat("ListCaches: replica ", r.address, " repeated page token"));
       }
       req.set_page_token(resp.next_page_token());
     }
   }
-  std::sort(all.begin(), all.end(), [](const CacheInfo& a, const CacheInfo& b) {
-    return a.cache_id() < b.cache_id();
-  });
+  std::sort(all.begin(), all.end(),
+            [](const CacheInfo& a, const CacheInfo& b) { return a.cache_id() < b.cache_id(); });
   return all;
 }
 
 absl::StatusOr<ServerInfo> ClientImpl::GetServerInfo(size_t replica) {
   if (replica >= replicas_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("replica: ", replica, " is outside [0, ",
-                                                   replicas_.size(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("replica: ", replica, " is outside [0, ", replicas_.size(), ")"));
   }
   const Replica& r = replicas_[replica];
   ServerInfo info;

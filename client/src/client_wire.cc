@@ -101,8 +101,7 @@ grpc::ByteBuffer FramePutChunk(const kvcache::v1::ChunkHeader& chunk, const void
   std::string prefix = req.SerializeAsString();
   AppendVarint((kDataFieldNumber << 3) | kWireBytes, &prefix);
   AppendVarint(size, &prefix);
-  grpc::Slice slices[2] = {grpc::Slice(prefix),
-                           grpc::Slice(data, size, grpc::Slice::STATIC_SLICE)};
+  grpc::Slice slices[2] = {grpc::Slice(prefix), grpc::Slice(data, size, grpc::Slice::STATIC_SLICE)};
   return grpc::ByteBuffer(slices, size > 0 ? 2 : 1);
 }
 
@@ -177,7 +176,8 @@ absl::Status ParseRawMessage(const grpc::ByteBuffer& buffer, google::protobuf::M
         return absl::InvalidArgumentError(
             absl::StrCat("message: unsupported wire type ", wire, " for field ", field));
     }
-    if (!ok) return absl::InvalidArgumentError(absl::StrCat("message: field ", field, " truncated"));
+    if (!ok)
+      return absl::InvalidArgumentError(absl::StrCat("message: field ", field, " truncated"));
   }
   if (!fields->ParseFromString(rest)) {
     return absl::InvalidArgumentError("message: fields do not parse as the expected message");

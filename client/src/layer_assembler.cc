@@ -35,8 +35,8 @@ absl::Status LayerAssembler::Add(const pb::LayerChunk& chunk, const RawData& dat
     if (chunk.part() == pb::PART_POSITIONS) index = 2;
   }
   if (index < 0) {
-    return absl::InternalError(absl::StrCat("GetCache stream: unexpected part ", chunk.part(),
-                                            " for layer ", l));
+    return absl::InternalError(
+        absl::StrCat("GetCache stream: unexpected part ", chunk.part(), " for layer ", l));
   }
   Pending& p = pending_[l];
   Part& part = p.parts[index];
@@ -49,19 +49,19 @@ absl::Status LayerAssembler::Add(const pb::LayerChunk& chunk, const RawData& dat
     uint64_t expected = 0;
     if (format_ == CacheFormat::kDense) {
       if (kept == 0 || kept > info_.shape().seq_len()) {
-        return absl::InternalError(absl::StrCat("GetCache stream: layer ", l, " kept_tokens ",
-                                                kept, " outside [1, seq_len]"));
+        return absl::InternalError(absl::StrCat("GetCache stream: layer ", l, " kept_tokens ", kept,
+                                                " outside [1, seq_len]"));
       }
-      expected = index == 2 ? heads * kept * 4 : heads * kept * info_.shape().head_dim() * elem_size_;
+      expected =
+          index == 2 ? heads * kept * 4 : heads * kept * info_.shape().head_dim() * elem_size_;
       if (total != expected) {
         return absl::InternalError(absl::StrCat("GetCache stream: layer ", l, " part ",
                                                 chunk.part(), " total_bytes ", total,
                                                 " != expected ", expected));
       }
     } else if (info_.stored_bytes() > 0 && total > info_.stored_bytes()) {
-      return absl::InternalError(absl::StrCat("GetCache stream: layer ", l, " total_bytes ",
-                                              total, " exceeds stored_bytes ",
-                                              info_.stored_bytes()));
+      return absl::InternalError(absl::StrCat("GetCache stream: layer ", l, " total_bytes ", total,
+                                              " exceeds stored_bytes ", info_.stored_bytes()));
     }
     if (d.kept_tokens != 0 && d.kept_tokens != kept) {
       return absl::InternalError(
@@ -92,9 +92,7 @@ absl::Status LayerAssembler::Add(const pb::LayerChunk& chunk, const RawData& dat
   if (index == 2) {
     data.CopyTo(reinterpret_cast<uint8_t*>(d.positions.data()) + chunk.offset());
   } else {
-    std::vector<uint8_t>& dst = format_ == CacheFormat::kPacked ? d.packed
-                                : index == 0                    ? d.k
-                                                                : d.v;
+    std::vector<uint8_t>& dst = format_ == CacheFormat::kPacked ? d.packed : index == 0 ? d.k : d.v;
     const size_t end = static_cast<size_t>(chunk.offset() + data.size());
     if (chunk.offset() == dst.size()) {
       data.AppendTo(&dst);
@@ -125,8 +123,8 @@ absl::Status LayerAssembler::Add(const pb::LayerChunk& chunk, const RawData& dat
 
 absl::Status LayerAssembler::Finish() const {
   if (delivered_ != end_ - begin_) {
-    return absl::DataLossError(absl::StrCat("GetCache stream ended after ", delivered_, " of ",
-                                            end_ - begin_, " layers"));
+    return absl::DataLossError(
+        absl::StrCat("GetCache stream ended after ", delivered_, " of ", end_ - begin_, " layers"));
   }
   return absl::OkStatus();
 }

@@ -1,14 +1,13 @@
 #include "kvc/replicas.h"
 
+#include <arpa/inet.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/types.h>
-#include <arpa/inet.h>
-#include <netinet/in.h>
+#include <xxhash.h>
 
 #include <algorithm>
-
-#include <xxhash.h>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -63,8 +62,7 @@ absl::StatusOr<std::vector<std::string>> ResolveDns(const std::string& name_port
       inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr, ip, sizeof(ip));
       out.push_back(absl::StrCat(ip, ":", port));
     } else if (a->ai_family == AF_INET6) {
-      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, ip,
-                sizeof(ip));
+      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, ip, sizeof(ip));
       out.push_back(absl::StrCat("[", ip, "]:", port));
     }
   }

@@ -11,6 +11,10 @@
 // timed runs after one warm-up run.
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/support/sync_stream.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <signal.h>
@@ -29,11 +33,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include <grpcpp/generic/async_generic_service.h>
-#include <grpcpp/grpcpp.h>
-#include <grpcpp/impl/rpc_method.h>
-#include <grpcpp/support/sync_stream.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -202,9 +201,9 @@ class Redis {
     absl::StatusOr<int> port = kvc::testing::PickFreeLoopbackPort();
     if (!port.ok()) return port.status();
     const std::string p = std::to_string(*port);
-    std::vector<std::string> args = {binary, "--port", p, "--bind", "127.0.0.1", "--save", "",
-                                     "--appendonly", "no", "--protected-mode", "no",
-                                     "--loglevel", "warning"};
+    std::vector<std::string> args = {
+        binary, "--port",           p,    "--bind",     "127.0.0.1", "--save", "", "--appendonly",
+        "no",   "--protected-mode", "no", "--loglevel", "warning"};
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -239,8 +238,8 @@ class Redis {
   }
 
   bool Set(const std::string& key, const uint8_t* data, size_t n) {
-    const std::string head = absl::StrCat("*3\r\n$3\r\nSET\r\n$", key.size(), "\r\n", key,
-                                          "\r\n$", n, "\r\n");
+    const std::string head =
+        absl::StrCat("*3\r\n$3\r\nSET\r\n$", key.size(), "\r\n", key, "\r\n$", n, "\r\n");
     iovec iov[3] = {{const_cast<char*>(head.data()), head.size()},
                     {const_cast<uint8_t*>(data), n},
                     {const_cast<char*>("\r\n"), 2}};
@@ -249,8 +248,7 @@ class Redis {
 
   // GET into dst (capacity n); the value must be exactly n bytes.
   bool Get(const std::string& key, uint8_t* dst, size_t n) {
-    const std::string cmd =
-        absl::StrCat("*2\r\n$3\r\nGET\r\n$", key.size(), "\r\n", key, "\r\n");
+    const std::string cmd = absl::StrCat("*2\r\n$3\r\nGET\r\n$", key.size(), "\r\n", key, "\r\n");
     iovec iov[1] = {{const_cast<char*>(cmd.data()), cmd.size()}};
     if (!WriteAll(iov, 1)) return false;
     if (ReadLine() != absl::StrCat("$", n)) return false;
@@ -378,8 +376,7 @@ void Print(const std::vector<Case>& cases) {
     }
     const double t = Median(c.seconds), gbps = c.bytes / t / 1e9;
     std::printf("%-40s %9.1f %9.2f %8.3f %8.2fx  %s\n", c.name.c_str(), c.bytes / 1048576.0,
-                t * 1e3, gbps, ref[c.download] > 0 ? gbps / ref[c.download] : 0.0,
-                c.note.c_str());
+                t * 1e3, gbps, ref[c.download] > 0 ? gbps / ref[c.download] : 0.0, c.note.c_str());
   }
 }
 
@@ -456,9 +453,10 @@ int main(int argc, char** argv) {
                                    grpc::internal::RpcMethod::SERVER_STREAMING, ch);
     std::vector<uint8_t> dst(kv_total);
 
-    std::printf("\n== %d tokens x %d layers (Llama-3-8B layer: 8 KV heads, 32 q heads, head_dim "
-                "128, fp16); upload %.1f MiB per cache, chunks %zu MiB, median of %d ==\n",
-                tokens, layers, upload / 1048576.0, kChunk >> 20, reps);
+    std::printf(
+        "\n== %d tokens x %d layers (Llama-3-8B layer: 8 KV heads, 32 q heads, head_dim "
+        "128, fp16); upload %.1f MiB per cache, chunks %zu MiB, median of %d ==\n",
+        tokens, layers, upload / 1048576.0, kChunk >> 20, reps);
     std::vector<Case> cases;
     cases.push_back({"plain gRPC stream upload", false,
                      [&] { return PlainUpload(ch.get(), up, tensors); }, upload});
@@ -479,7 +477,8 @@ int main(int argc, char** argv) {
       pb::PutCacheHeader h = base;
       h.mutable_compression()->mutable_eviction()->set_policy(policy);
       if (ratio > 0) h.mutable_compression()->mutable_eviction()->set_keep_ratio(ratio);
-      cases.push_back({name, false, [&, h, name]() mutable {
+      cases.push_back({name, false,
+                       [&, h, name]() mutable {
                          h.set_cache_id(absl::StrCat("bench-", tokens, "-", seq++));
                          auto r = (*client)->PutCache(h, views);
                          if (!r.ok()) {

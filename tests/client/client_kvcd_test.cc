@@ -1,11 +1,11 @@
 // kvc::Client end to end against the real kvcd on loopback: raw uploads, PACKED and DENSE
 // downloads (bit-exact without compression), layer streaming, metadata calls, server errors.
+#include <gtest/gtest.h>
+
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "kvc/client.h"
 #include "kvc/compact.h"
@@ -49,7 +49,8 @@ class ClientKvcdTest : public ::testing::Test {
   }
   static std::vector<LayerTensors> Views(const testing::TestCache& c) {
     std::vector<LayerTensors> v;
-    for (size_t l = 0; l < c.k.size(); ++l) v.push_back({c.k[l].data(), c.v[l].data(), c.q[l].data()});
+    for (size_t l = 0; l < c.k.size(); ++l)
+      v.push_back({c.k[l].data(), c.v[l].data(), c.q[l].data()});
     return v;
   }
 

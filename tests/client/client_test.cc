@@ -3,11 +3,10 @@
 #include "kvc/client.h"
 
 #include <grpcpp/support/status.h>
+#include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 namespace kvc {
 namespace {
@@ -63,8 +62,7 @@ TEST(ClientCreate, OtherLimits) {
   EXPECT_TRUE(CreateWith([](ClientOptions* o) { o->max_attempts = 10; }).ok());
   ExpectRejected([](ClientOptions* o) { o->unary_timeout = absl::ZeroDuration(); },
                  "unary_timeout");
-  ExpectRejected([](ClientOptions* o) { o->stream_timeout = absl::Seconds(-1); },
-                 "stream_timeout");
+  ExpectRejected([](ClientOptions* o) { o->stream_timeout = absl::Seconds(-1); }, "stream_timeout");
   ExpectRejected([](ClientOptions* o) { o->max_backoff = absl::Milliseconds(1); }, "backoff");
   ExpectRejected([](ClientOptions* o) { o->max_message_bytes = 4 << 20; }, "max_message_bytes");
   ExpectRejected([](ClientOptions* o) { o->max_message_bytes = (1 << 30) + 1; },

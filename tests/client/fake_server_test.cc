@@ -2,13 +2,13 @@
 // checks that raw parsing accepts ordinary protobuf peers, that metadata carries the bearer token,
 // that retries happen only where documented, and that a stream contradicting its CacheInfo is
 // rejected instead of being written out of bounds.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
 #include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
-#include <gtest/gtest.h>
 
 #include "kvc/client.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"

@@ -1,5 +1,6 @@
 // kvcctl end to end against the real kvcd: put a generated safetensors file, get it back DENSE
 // (bit-exact without compression) and PACKED, stat/ls/rm, bench, and exit codes 0/1/2.
+#include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 
@@ -7,8 +8,6 @@
 #include <cstring>
 #include <memory>
 #include <string>
-
-#include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
 #include "kvc/compact.h"
@@ -46,9 +45,8 @@ class KvcctlTest : public ::testing::Test {
   }
 
   static CtlRun Kvcctl(const std::string& args, bool with_target = true) {
-    const std::string cmd = absl::StrCat(KVCCTL_PATH, " ", args,
-                                         with_target ? " --target=" + kvcd_->address() : "",
-                                         " 2>&1");
+    const std::string cmd = absl::StrCat(
+        KVCCTL_PATH, " ", args, with_target ? " --target=" + kvcd_->address() : "", " 2>&1");
     CtlRun r;
     FILE* f = popen(cmd.c_str(), "r");
     if (f == nullptr) return r;
@@ -186,8 +184,9 @@ TEST_F(KvcctlTest, ExitCodes) {
 }
 
 TEST_F(KvcctlTest, BenchReportsThroughputAndLatency) {
-  CtlRun r = Kvcctl("bench --concurrency=2 --requests=4 --layers=2 --tokens=256 --kv_heads=2 "
-                 "--q_heads=4 --head_dim=64 --window=8");
+  CtlRun r = Kvcctl(
+      "bench --concurrency=2 --requests=4 --layers=2 --tokens=256 --kv_heads=2 "
+      "--q_heads=4 --head_dim=64 --window=8");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("put         4 ok"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("get         4 ok"), std::string::npos) << r.out;

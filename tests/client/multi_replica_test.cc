@@ -1,12 +1,12 @@
 // Three kvcd replicas on loopback behind one 3-address client: every cache lands on its rendezvous
 // owner, and when one replica stops, its caches fail with UNAVAILABLE while the others keep
 // serving.
+#include <gtest/gtest.h>
+
 #include <csignal>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"

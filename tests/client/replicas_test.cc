@@ -2,13 +2,12 @@
 // target resolution.
 #include "kvc/replicas.h"
 
+#include <gtest/gtest.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
 
@@ -41,8 +40,7 @@ TEST(Rendezvous, OwnerHasHighestWeight) {
 TEST(Rendezvous, OwnersAreStable) {
   // Computed once from the documented function; a change here moves every stored cache.
   const std::vector<std::pair<std::string, size_t>> pinned = {
-      {"cache-0", 2}, {"cache-1", 2}, {"llama/req-42", 0},
-      {"x", 1}};
+      {"cache-0", 2}, {"cache-1", 2}, {"llama/req-42", 0}, {"x", 1}};
   for (const auto& [id, owner] : pinned) EXPECT_EQ(RendezvousOwner(id, kThree), owner) << id;
 }
 
@@ -98,8 +96,7 @@ TEST(ResolveTarget, ListIsTrimmedSortedAndDeduplicated) {
 TEST(ResolveTarget, RejectsBadTargets) {
   EXPECT_EQ(ResolveTarget("").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ResolveTarget("a:1,,b:2").status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(ResolveTarget("dns:///localhost").status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ResolveTarget("dns:///localhost").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ResolveTarget("dns:///:50051").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ResolveTarget("dns://8.8.8.8/host:1").status().code(),
             absl::StatusCode::kInvalidArgument);

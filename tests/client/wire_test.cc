@@ -1,11 +1,11 @@
 // Raw framing of bulk messages must be byte-compatible with the generated protobuf code.
-#include "kvc/client_wire.h"
+#include <gtest/gtest.h>
 
 #include <numeric>
 #include <string>
 #include <vector>
 
-#include <gtest/gtest.h>
+#include "kvc/client_wire.h"
 
 namespace kvc {
 namespace {
@@ -16,7 +16,8 @@ std::string Flatten(const grpc::ByteBuffer& bb) {
   std::vector<grpc::Slice> slices;
   EXPECT_TRUE(bb.Dump(&slices).ok());
   std::string out;
-  for (const grpc::Slice& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  for (const grpc::Slice& s : slices)
+    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
   return out;
 }
 
@@ -142,8 +143,8 @@ TEST(ParseRawMessage, RejectsTruncatedAndMalformed) {
   const std::string bytes = msg.SerializeAsString();
   pb::GetCacheResponse fields;
   RawData data;
-  absl::Status s = ParseRawMessage(SplitIntoSlices(bytes.substr(0, bytes.size() - 1), {}),
-                                   &fields, &data);
+  absl::Status s =
+      ParseRawMessage(SplitIntoSlices(bytes.substr(0, bytes.size() - 1), {}), &fields, &data);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("data"), absl::string_view::npos) << s;
   // Wire type 3 (start group) is not used by proto3.

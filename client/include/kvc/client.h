@@ -56,8 +56,8 @@ using CacheInfo = kvcache::v1::CacheInfo;
 using ServerInfo = kvcache::v1::ServerInfo;
 using PutHeader = kvcache::v1::PutCacheHeader;
 
-inline constexpr size_t kMinChunkBytes = size_t{1} << 20;      // 1 MiB
-inline constexpr size_t kMaxChunkBytes = size_t{4} << 20;      // 4 MiB
+inline constexpr size_t kMinChunkBytes = size_t{1} << 20;  // 1 MiB
+inline constexpr size_t kMaxChunkBytes = size_t{4} << 20;  // 4 MiB
 inline constexpr size_t kDefaultChunkBytes = kMaxChunkBytes;
 
 struct ClientOptions {

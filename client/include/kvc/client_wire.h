@@ -12,12 +12,12 @@
 #ifndef KVC_CLIENT_WIRE_H_
 #define KVC_CLIENT_WIRE_H_
 
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <vector>
-
-#include <grpcpp/support/byte_buffer.h>
-#include <grpcpp/support/slice.h>
 
 #include "absl/status/status.h"
 #include "kvcache/v1/kvcache.pb.h"
