@@ -21,7 +21,7 @@ namespace {
 
 // Logits kept per block of query rows (16 MiB of floats): all 128 rows of a Llama-3 group at 32K.
 constexpr size_t kLogitFloats = size_t{4} << 20;
-// Keys converted per chunk by the non-GEMM policies.
+// Keys converted to fp32 per chunk (512 KiB at D = 128).
 constexpr int kTokenChunk = 1024;
 
 template <typename T>
@@ -58,9 +58,8 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
   const int rows = g * W;
   Scratch& s = Scratch::ForThisThread();
   float* q = Grow(s.q, static_cast<size_t>(rows) * D);
-  float* k = Grow(s.k, static_cast<size_t>(S) * D);
+  float* k = Grow(s.k, static_cast<size_t>(std::min(S, kTokenChunk)) * D);
   LoadQueryGroup(in, h, q);
-  LoadHeadRows(in, /*values=*/false, h, 0, S, k);
 
   const int block = static_cast<int>(
       std::clamp<size_t>(kLogitFloats / static_cast<size_t>(S), 1, static_cast<size_t>(rows)));
@@ -76,8 +75,15 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
     // Keys past the last row's causal limit are never read: trim the GEMM to them.
     int max_len = 0;
     for (int r = r0; r < r0 + nr; ++r) max_len = std::max(max_len, S - W + (r % W) + 1);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, max_len, D, scale,
-                q + static_cast<size_t>(r0) * D, D, k, D, 0.0f, logits, S);
+    // Keys are converted one chunk at a time (an L2-sized GEMM operand; scratch stays bounded
+    // whatever S is). With several row blocks (W * g * S > kLogitFloats) they are re-converted
+    // per block, which costs little next to the GEMM.
+    for (int c0 = 0; c0 < max_len; c0 += kTokenChunk) {
+      const int n = std::min(kTokenChunk, max_len - c0);
+      LoadHeadRows(in, /*values=*/false, h, c0, n, k);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, D, scale,
+                  q + static_cast<size_t>(r0) * D, D, k, D, 0.0f, logits + c0, S);
+    }
     for (int r = r0; r < r0 + nr; ++r) {
       const int t = r % W;
       const int len = S - W + t + 1;

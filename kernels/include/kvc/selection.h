@@ -2,8 +2,9 @@
 // A Backend (kvc/backend.h) composes them: SelectTokens -> SelectChannels -> PackLayer.
 // All functions are thread-safe, allocate their outputs and read host memory. They run on a
 // process-wide pool of hardware_concurrency threads (parallel over KV heads, OpenBLAS set to one
-// thread inside it) and keep per-thread scratch buffers (S * D floats for the keys of
-// one head plus up to 16 MiB of logits) for reuse across calls.
+// thread inside it) and keep per-thread scratch buffers for reuse across calls: scoring needs at
+// most 16 MiB of logits plus 1024 * D floats of keys; value pruning needs about
+// (g * W + 2 * budget) * D + g * W * budget floats.
 #ifndef KVC_SELECTION_H_
 #define KVC_SELECTION_H_
 
