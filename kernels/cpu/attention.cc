@@ -165,7 +165,7 @@ void AttendHead(const CompactLayerView& cache, int h, const DecodeQuery& query, 
     // Per-channel groups: q . (code * scale + zero) = (q * scale) . code + q . zero.
     s->qscale.resize(static_cast<size_t>(nq) * tk);
     s->qzero.resize(nq);
-    for (int j0 = 0, gi = 0; j0 < m; j0 += g, ++gi) {
+    for (int64_t j0 = 0, gi = 0; j0 < m; j0 += g, ++gi) {  // 64-bit: g may be near INT_MAX
       const float* sc = hd.key_scale + static_cast<size_t>(gi) * tk;
       const float* ze = hd.key_zero + static_cast<size_t>(gi) * tk;
       for (int a = 0; a < nq; ++a) {
@@ -174,9 +174,9 @@ void AttendHead(const CompactLayerView& cache, int h, const DecodeQuery& query, 
         for (int c = 0; c < tk; ++c) qs[c] = qa[c] * sc[c];
         s->qzero[a] = kern.dot(qa, ze, tk);
       }
-      const int j1 = std::min(m, j0 + g);
+      const int j1 = static_cast<int>(std::min<int64_t>(m, j0 + g));
       const size_t row_bytes = quant::CodeRowBytes(tk, bits);
-      for (int j = j0; j < j1; ++j) {
+      for (int j = static_cast<int>(j0); j < j1; ++j) {
         quant::UnpackCodes(hd.key_codes + static_cast<size_t>(j) * row_bytes, tk, bits, row);
         for (int a = 0; a < nq; ++a) {
           score(a, j) = kern.dot(&s->qscale[static_cast<size_t>(a) * tk], row, tk) + s->qzero[a];

@@ -90,8 +90,8 @@ void QuantizeKeys(const float* x, int m, int t, int bits, int g, float* scale, f
   const size_t row_bytes = CodeRowBytes(t, bits);
   std::vector<float> hi(t), inv(t);
   std::vector<uint8_t> tmp(t);
-  for (int g0 = 0, gi = 0; g0 < m; g0 += g, ++gi) {
-    const int rows = std::min(g, m - g0);
+  for (int64_t g0 = 0, gi = 0; g0 < m; g0 += g, ++gi) {  // 64-bit: g may be near INT_MAX
+    const int rows = static_cast<int>(std::min<int64_t>(g, m - g0));
     const float* xg = x + static_cast<size_t>(g0) * t;
     float* sc = scale + static_cast<size_t>(gi) * t;
     float* ze = zero + static_cast<size_t>(gi) * t;

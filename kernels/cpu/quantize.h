@@ -19,7 +19,8 @@ inline size_t CodeRowBytes(int n, int bits) {
 }
 
 // Number of groups of size g covering n elements.
-inline int NumGroups(int n, int g) { return n <= 0 ? 0 : (n + g - 1) / g; }
+// Written without n + g - 1 so that any g >= 1 from an untrusted header cannot overflow.
+inline int NumGroups(int n, int g) { return n <= 0 ? 0 : 1 + (n - 1) / g; }
 
 // Code of element i in a packed row.
 inline uint32_t CodeAt(const uint8_t* row, int i, int bits) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -283,6 +284,36 @@ TEST(PackedAttentionTest, HeadsWithDifferentCounts) {
   absl::StatusOr<DenseLayer> dense = ExportDense(*view);
   ASSERT_FALSE(dense.ok());
   EXPECT_THAT(std::string(dense.status().message()), HasSubstr("same count for every head"));
+}
+
+// The largest group size (one group spans every old row) packs, parses and attends without
+// integer overflow in the group arithmetic.
+TEST(PackedAttentionTest, HugeQuantGroup) {
+  std::mt19937 rng(8);
+  const PackLayerData layer = MakePackLayer(2, 50, 16, DType::kF16, Layout::kHND, 3);
+  const TokenSelection tokens = RandomTokens(2, 50, 40, &rng);
+  const ChannelSelection channels = RandomChannels(2, 16, 8, 16, &rng);
+  CompressionSpec spec;
+  spec.quant.bits = 4;
+  spec.quant.group_size = std::numeric_limits<int32_t>::max();
+  spec.recent_tokens = 4;
+  absl::StatusOr<CompactLayer> p = PackLayer(layer.input(), tokens, channels, spec);
+  ASSERT_TRUE(p.ok()) << p.status();
+  absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(p->bytes);
+  ASSERT_TRUE(view.ok()) << view.status();
+  EXPECT_EQ(view->header().quant_group, std::numeric_limits<int32_t>::max());
+  std::vector<std::vector<float>> keys(2), values(2);
+  for (int h = 0; h < 2; ++h) {
+    keys[h].resize(40 * 16);
+    values[h].resize(40 * 16);
+    UnpackHeadToFloat(*view, h, keys[h].data(), values[h].data());
+  }
+  const Queries q = MakeQueries(2, 2, 16, 1, 1, &rng);
+  std::vector<float> out(q.q.size());
+  ASSERT_TRUE(PackedAttentionCpu(*view, q.query(), out.data()).ok());
+  const std::vector<float> ref =
+      ReferenceAttention(keys, values, 16, 2, 1, q.q, 1, q.k_new, q.v_new);
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], ref[i], 1e-4f) << i;
 }
 
 TEST(PackedAttentionTest, RejectsBadQueries) {
