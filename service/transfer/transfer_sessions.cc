@@ -1,5 +1,6 @@
 #include "transfer/transfer_sessions.h"
 
+#include <atomic>
 #include <random>
 #include <set>
 #include <tuple>
@@ -44,7 +45,8 @@ struct TransferSessions::Session {
 
   // Serializes the tensors of this session (concurrent streams cannot interleave sequences).
   absl::Mutex io_mu;
-  uint64_t next_sequence ABSL_GUARDED_BY(io_mu) = 0;
+  // Written under io_mu; read without it by Open, which must not wait for a tensor in flight.
+  std::atomic<uint64_t> next_sequence{0};
   std::set<std::tuple<std::string, uint32_t, int>> seen ABSL_GUARDED_BY(io_mu);
   std::vector<uint8_t> staging ABSL_GUARDED_BY(io_mu);
 
@@ -149,8 +151,7 @@ absl::StatusOr<OpenTransferSessionResponse> TransferSessions::Open(
       r.set_client_rank(1);
       r.set_reused(true);
       r.set_max_tensor_bytes(limits_.max_tensor_bytes);
-      absl::MutexLock io(&old->io_mu);
-      r.set_next_sequence(old->next_sequence);
+      r.set_next_sequence(old->next_sequence.load());
       return r;
     }
     Drop(old);  // another transport, or a broken group: replace it
@@ -211,14 +212,15 @@ absl::StatusOr<uint64_t> TransferSessions::Handle(const TransferAnnouncement& a,
   if (s->IsClosed()) {
     return absl::NotFoundError(absl::StrCat("session_id: session '", a.session_id(), "' is closed"));
   }
-  if (a.sequence() < s->next_sequence) {
+  const uint64_t expected = s->next_sequence.load();
+  if (a.sequence() < expected) {
     return absl::InvalidArgumentError(absl::StrCat("sequence: ", a.sequence(),
                                                    " was already handled (duplicate); expected ",
-                                                   s->next_sequence));
+                                                   expected));
   }
-  if (a.sequence() > s->next_sequence) {
+  if (a.sequence() > expected) {
     return absl::InvalidArgumentError(
-        absl::StrCat("sequence: ", a.sequence(), " is out of order; expected ", s->next_sequence));
+        absl::StrCat("sequence: ", a.sequence(), " is out of order; expected ", expected));
   }
   if (a.cache_id().empty() || a.cache_id().size() > kMaxCacheIdBytes) {
     return absl::InvalidArgumentError(absl::StrCat("cache_id: must be 1 to ", kMaxCacheIdBytes,
@@ -274,7 +276,7 @@ absl::StatusOr<uint64_t> TransferSessions::Handle(const TransferAnnouncement& a,
   }
   // The bytes are consumed from the data plane either way, so the sequence advances; a sink
   // error leaves the tensor unmarked so it can be announced again.
-  ++s->next_sequence;
+  s->next_sequence.store(expected + 1);
   TensorHeader h{s->client_id, a.cache_id(), a.layer(), a.tensor(), a.sequence()};
   if (absl::Status c = sink_->Consume(h, bytes); !c.ok()) return c;
   s->seen.insert(key);
