@@ -69,14 +69,16 @@ class SinkService final : public grpc::CallbackGenericService {
 
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
     if (ctx->method() == "/bench.Sink/Download") return new Download(source_);
-    return new Upload();
+    // kvc::Client's PutCache lands here too (the client-only row): an empty reply is a valid,
+    // empty PutCacheResponse.
+    return new Upload(ctx->method() == "/kvcache.v1.KvCache/PutCache");
   }
 
  private:
   // Client stream: read and drop every message, answer with the byte count.
   class Upload final : public grpc::ServerGenericBidiReactor {
    public:
-    Upload() { StartRead(&in_); }
+    explicit Upload(bool empty_reply) : empty_reply_(empty_reply) { StartRead(&in_); }
     void OnReadDone(bool ok) override {
       if (ok) {
         bytes_ += in_.Length();
@@ -84,13 +86,14 @@ class SinkService final : public grpc::CallbackGenericService {
         StartRead(&in_);
         return;
       }
-      grpc::Slice s(&bytes_, sizeof(bytes_));
+      grpc::Slice s(&bytes_, empty_reply_ ? 0 : sizeof(bytes_));
       out_ = grpc::ByteBuffer(&s, 1);
       StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
     }
     void OnDone() override { delete this; }
 
    private:
+    const bool empty_reply_;
     grpc::ByteBuffer in_, out_;
     uint64_t bytes_ = 0;
   };
@@ -495,6 +498,18 @@ int main(int argc, char** argv) {
       h.set_cache_id(absl::StrCat("bench-", tokens, "-", policy));
       return (*client)->PutCache(h, views).ok() ? h.cache_id() : std::string();
     };
+    // The client library alone: kvc::Client uploading to the discarding sink.
+    kvc::ClientOptions sink_options = co;
+    sink_options.target = absl::StrCat("127.0.0.1:", sink_port);
+    auto sink_client = kvc::Client::Create(sink_options);
+    if (!sink_client.ok()) return 1;
+    cases.push_back({"kvc Client.PutCache -> discarding sink", false,
+                     [&] {
+                       pb::PutCacheHeader h = base;
+                       h.set_cache_id("sink");
+                       return (*sink_client)->PutCache(h, views).ok();
+                     },
+                     upload});
     const std::string id_none = put_case("kvc PutCache, none", "none", 0);
     const std::string id_snap = put_case("kvc PutCache, snapkv keep 0.25", "snapkv", 0.25);
     cases.push_back({"Redis SET (K, V, Q_obs per layer)", false,

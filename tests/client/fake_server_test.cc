@@ -24,6 +24,7 @@ class FakeService final : public pb::KvCache::Service {
   std::atomic<int> unavailable_left{0};
   std::string last_authorization;
   std::vector<pb::GetCacheResponse> script;  // what GetCache sends
+  std::atomic<int> get_calls{0};
   grpc::Status get_status = grpc::Status::OK;
 
   grpc::Status StatCache(grpc::ServerContext* ctx, const pb::StatCacheRequest* req,
@@ -43,6 +44,7 @@ class FakeService final : public pb::KvCache::Service {
 
   grpc::Status GetCache(grpc::ServerContext*, const pb::GetCacheRequest*,
                         grpc::ServerWriter<pb::GetCacheResponse>* writer) override {
+    ++get_calls;
     for (const pb::GetCacheResponse& m : script) writer->Write(m);
     return get_status;
   }
@@ -129,6 +131,28 @@ TEST_F(FakeServerTest, BearerTokenAndRetryOnUnavailable) {
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);  // not retried
   EXPECT_EQ(s.message(), "no");
   EXPECT_EQ(service_.stat_calls, 1);
+}
+
+TEST_F(FakeServerTest, GetCacheRetriesUnavailableOnlyBeforeDelivering) {
+  service_.get_status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining");
+  EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(service_.get_calls, 3);  // nothing delivered: retried up to max_attempts
+
+  service_.get_calls = 0;
+  pb::GetCacheResponse first;
+  *first.mutable_info() = Info();
+  service_.script = {first};  // the CacheInfo reaches the caller, then the stream fails
+  int infos = 0;
+  const absl::Status s = client_->GetCacheStreaming(
+      "c", Dense(),
+      [&](const CacheInfo&) {
+        ++infos;
+        return absl::OkStatus();
+      },
+      [](LayerData&&) { return absl::OkStatus(); });
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(service_.get_calls, 1);
+  EXPECT_EQ(infos, 1);
 }
 
 TEST_F(FakeServerTest, DenseFromProtobufServerPlacesChunksByOffset) {
