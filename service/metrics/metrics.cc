@@ -110,8 +110,8 @@ absl::Status ValidateOptions(const Metrics::Options& o) {
   if (colon == std::string::npos || colon == 0 ||
       !absl::SimpleAtoi(absl::string_view(o.listen_address).substr(colon + 1), &port) ||
       port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics listen_address '", o.listen_address,
-                                                   "': expected host:port"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics listen_address '", o.listen_address, "': expected host:port"));
   }
   return absl::OkStatus();
 }
@@ -156,7 +156,8 @@ struct Metrics::Impl {
     s.started = &started_family->Add({{"grpc_method", method}});
     s.handling = &handling_family->Add({{"grpc_method", method}}, RpcBuckets());
     for (int code = 0; code < kNumCodes; ++code) {
-      s.handled[code] = &handled_family->Add({{"grpc_method", method}, {"grpc_code", CodeName(code)}});
+      s.handled[code] =
+          &handled_family->Add({{"grpc_method", method}, {"grpc_code", CodeName(code)}});
     }
     return s;
   }
@@ -236,16 +237,16 @@ struct Metrics::Impl {
                                 .Help("Caches removed from the store, by reason.")
                                 .Register(r);
     for (int i = 0; i < kNumEvictionReasons; ++i) {
-      evictions[i] = &eviction_family.Add(
-          {{"reason", EvictionReasonName(static_cast<EvictionReason>(i))}});
+      evictions[i] =
+          &eviction_family.Add({{"reason", EvictionReasonName(static_cast<EvictionReason>(i))}});
     }
     auto& rejection_family = prometheus::BuildCounter()
                                  .Name("kvc_rejected_requests_total")
                                  .Help("Requests refused before doing their work, by reason.")
                                  .Register(r);
     for (int i = 0; i < kNumRejectionReasons; ++i) {
-      rejections[i] = &rejection_family.Add(
-          {{"reason", RejectionReasonName(static_cast<RejectionReason>(i))}});
+      rejections[i] =
+          &rejection_family.Add({{"reason", RejectionReasonName(static_cast<RejectionReason>(i))}});
     }
     gpu_memory = &prometheus::BuildGauge()
                       .Name("kvc_gpu_memory_used_bytes")
@@ -277,8 +278,7 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const Options& options)
       impl->exposer = std::make_unique<prometheus::Exposer>(
           options.listen_address, static_cast<size_t>(options.http_threads));
     } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("metrics listen_address '",
-                                                 options.listen_address,
+      return absl::UnavailableError(absl::StrCat("metrics listen_address '", options.listen_address,
                                                  "': cannot serve: ", e.what()));
     }
     impl->exposer->RegisterCollectable(impl->registry);
@@ -294,7 +294,9 @@ int Metrics::port() const {
   return ports.empty() ? 0 : ports.front();
 }
 
-void Metrics::RecordRpcStarted(absl::string_view method) { impl_->Method(method).started->Increment(); }
+void Metrics::RecordRpcStarted(absl::string_view method) {
+  impl_->Method(method).started->Increment();
+}
 
 void Metrics::RecordRpc(absl::string_view method, absl::StatusCode code, double seconds) {
   int c = static_cast<int>(code);

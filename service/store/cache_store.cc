@@ -7,6 +7,10 @@
 // victim never scans past leased entries. Entries removed from the index while leased (Delete,
 // overwrite, TTL sweep) stay alive through their leases, and their bytes stay in `used` until the
 // last lease ends: that memory really is still held.
+#include "kvc/cache_store.h"
+
+#include <xxhash.h>
+
 #include <cstdint>
 #include <iterator>
 #include <list>
@@ -17,8 +21,6 @@
 #include <utility>
 #include <vector>
 
-#include <xxhash.h>
-
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -26,7 +28,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "kvc/cache_store.h"
 #include "store/annotated_lock.h"
 
 namespace kvc {
@@ -126,8 +127,7 @@ class Core {
   }
 
   // Removes an indexed entry. Its bytes are freed now when idle, else at its last release.
-  void RemoveFromIndex(Index::iterator it)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  void RemoveFromIndex(Index::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     Node* n = it->second.get();
     if (n->leases == 0) {
       UnlinkIdle(n);
@@ -174,15 +174,15 @@ class CacheStoreImpl final : public CacheStore {
     }
     const uint64_t bytes = entry->ChargedBytes();
     if (bytes > core_->capacity_) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("cache '", entry->id, "': ", bytes, " bytes exceed the store capacity of ",
-                       core_->capacity_, " bytes"));
+      return absl::ResourceExhaustedError(absl::StrCat("cache '", entry->id, "': ", bytes,
+                                                       " bytes exceed the store capacity of ",
+                                                       core_->capacity_, " bytes"));
     }
     const absl::Time now = options_.now();
     if (Expired(*entry, now)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "entry.expires: ", absl::FormatTime(entry->expires), " is not after now (",
-          absl::FormatTime(now), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("entry.expires: ", absl::FormatTime(entry->expires), " is not after now (",
+                       absl::FormatTime(now), ")"));
     }
 
     std::vector<Evicted> evicted;
@@ -199,13 +199,13 @@ class CacheStoreImpl final : public CacheStore {
       // (including a leased old version) cannot. Check before touching anything.
       const uint64_t pinned = c.used - c.evictable;
       if (pinned + bytes > c.capacity_) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "cache '", entry->id, "': ", bytes, " bytes do not fit: capacity ", c.capacity_,
-            " bytes, ", pinned, " bytes held by leases"));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("cache '", entry->id, "': ", bytes, " bytes do not fit: capacity ",
+                         c.capacity_, " bytes, ", pinned, " bytes held by leases"));
       }
       if (it != c.index.end()) {
-        evicted.push_back({it->second->entry, live ? EvictionReason::kOverwrite
-                                                   : EvictionReason::kTtl});
+        evicted.push_back(
+            {it->second->entry, live ? EvictionReason::kOverwrite : EvictionReason::kTtl});
         c.RemoveFromIndex(it);
       }
       while (c.used + bytes > c.capacity_) {
@@ -237,8 +237,8 @@ class CacheStoreImpl final : public CacheStore {
 
   absl::Status CheckCanFit(uint64_t bytes) const override {
     if (bytes > core_->capacity_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          bytes, " bytes exceed the store capacity of ", core_->capacity_, " bytes"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat(bytes, " bytes exceed the store capacity of ", core_->capacity_, " bytes"));
     }
     internal::ReaderLock lock(&core_->mu);
     const uint64_t pinned = core_->used - core_->evictable;
@@ -268,9 +268,9 @@ class CacheStoreImpl final : public CacheStore {
     lease.entry_ = node->entry;
     // The deleter owns the node and the core, so releasing after the store is gone is safe.
     std::shared_ptr<Core> core = core_;
-    lease.release_ = std::shared_ptr<void>(
-        static_cast<void*>(node.get()),
-        [core = std::move(core), node](void*) { core->Release(node.get()); });
+    lease.release_ =
+        std::shared_ptr<void>(static_cast<void*>(node.get()),
+                              [core = std::move(core), node](void*) { core->Release(node.get()); });
     return lease;
   }
 

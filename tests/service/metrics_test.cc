@@ -121,9 +121,9 @@ TEST(MetricsTest, KnownSeriesExistFromStartAtZero) {
        {"PutCache", "GetCache", "StatCache", "DeleteCache", "ListCaches", "GetServerInfo"}) {
     EXPECT_EQ(Sample(text, "grpc_server_started_total", {{"grpc_method", method}}), 0) << method;
     for (const char* code : {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED"}) {
-      EXPECT_EQ(Sample(text, "grpc_server_handled_total",
-                       {{"grpc_method", method}, {"grpc_code", code}}),
-                0)
+      EXPECT_EQ(
+          Sample(text, "grpc_server_handled_total", {{"grpc_method", method}, {"grpc_code", code}}),
+          0)
           << method << " " << code;
     }
     EXPECT_EQ(Sample(text, "grpc_server_handling_seconds_count", {{"grpc_method", method}}), 0);
@@ -179,8 +179,9 @@ TEST(MetricsTest, RecordingMovesTheRightSeries) {
 
   const std::string s = m->Scrape();
   EXPECT_EQ(Sample(s, "grpc_server_started_total", {{"grpc_method", "PutCache"}}), 1);
-  EXPECT_EQ(Sample(s, "grpc_server_handled_total", {{"grpc_method", "PutCache"}, {"grpc_code", "OK"}}),
-            1);
+  EXPECT_EQ(
+      Sample(s, "grpc_server_handled_total", {{"grpc_method", "PutCache"}, {"grpc_code", "OK"}}),
+      1);
   EXPECT_EQ(Sample(s, "grpc_server_handled_total",
                    {{"grpc_method", "PutCache"}, {"grpc_code", "INVALID_ARGUMENT"}}),
             1);
@@ -190,8 +191,8 @@ TEST(MetricsTest, RecordingMovesTheRightSeries) {
   EXPECT_EQ(Sample(s, "grpc_server_handled_total", {{"grpc_method", "Check"}, {"grpc_code", "OK"}}),
             1);
   EXPECT_EQ(Sample(s, "grpc_server_handling_seconds_count", {{"grpc_method", "PutCache"}}), 3);
-  EXPECT_NEAR(Sample(s, "grpc_server_handling_seconds_sum", {{"grpc_method", "PutCache"}}),
-              1.0032, 1e-9);
+  EXPECT_NEAR(Sample(s, "grpc_server_handling_seconds_sum", {{"grpc_method", "PutCache"}}), 1.0032,
+              1e-9);
   EXPECT_EQ(Sample(s, "grpc_server_handling_seconds_bucket",
                    {{"grpc_method", "PutCache"}, {"le", "0.00025"}}),
             1);

@@ -1,4 +1,4 @@
-#include "kvc/cache_store.h"
+#include <xxhash.h>
 
 #include <atomic>
 #include <cstdint>
@@ -9,14 +9,13 @@
 #include <utility>
 #include <vector>
 
-#include <xxhash.h>
-
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvc/cache_store.h"
 
 namespace kvc {
 namespace {
@@ -197,7 +196,7 @@ TEST(CacheStoreTest, EvictsLeastRecentlyUsedAndAcquireTouches) {
   auto store = MakeStore(300, nullptr, &rec);
   for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(store->Insert(MakeEntry(id, 100), false).ok());
   { ASSERT_TRUE(store->Acquire("a").ok()); }  // a becomes most recent; b is now the oldest
-  ASSERT_TRUE(store->Peek("b").ok());          // Peek does not touch
+  ASSERT_TRUE(store->Peek("b").ok());         // Peek does not touch
   ASSERT_TRUE(store->Insert(MakeEntry("d", 100), false).ok());
   EXPECT_THAT(Ids(*store), ElementsAre("a", "c", "d"));
   EXPECT_THAT(rec.Take(), ElementsAre(Pair("b", EvictionReason::kCapacity)));
@@ -233,6 +232,30 @@ TEST(CacheStoreTest, TtlHidesExpiredAndExpireNowSweeps) {
   clock.now += absl::Hours(1);
   EXPECT_EQ(store->ExpireNow(), 1u);
   EXPECT_THAT(Ids(*store), ElementsAre("never"));
+}
+
+TEST(CacheStoreTest, ExpiredLeasedEntryLeavesIndexButKeepsBytesUntilRelease) {
+  Clock clock;
+  Recorder rec;
+  auto store = MakeStore(300, &clock, &rec);
+  ASSERT_TRUE(store->Insert(MakeEntry("a", 200, clock.now + absl::Seconds(1)), false).ok());
+  auto lease = store->Acquire("a");
+  ASSERT_TRUE(lease.ok());
+  clock.now += absl::Seconds(1);
+  // Expired and leased: nothing can be evicted to make room.
+  EXPECT_EQ(store->Insert(MakeEntry("b", 200), false).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store->ExpireNow(), 1u);
+  EXPECT_THAT(rec.Take(), ElementsAre(Pair("a", EvictionReason::kTtl)));
+  EXPECT_EQ(store->GetStats().entries, 0u);
+  EXPECT_EQ(store->GetStats().used_bytes, 200u);
+  // Re-inserting the id is allowed; the old bytes are still held by the reader.
+  ASSERT_TRUE(store->Insert(MakeEntry("a", 100), false).ok());
+  EXPECT_EQ(store->GetStats().used_bytes, 300u);
+  EXPECT_EQ((*lease)->layers[0].size(), 199u);
+  *lease = CacheStore::Lease();
+  EXPECT_EQ(store->GetStats().used_bytes, 100u);
+  EXPECT_EQ(store->GetStats().entries, 1u);
 }
 
 TEST(CacheStoreTest, ExpiredEntriesAreEvictedBeforeLruVictims) {
@@ -306,8 +329,7 @@ TEST(CacheStoreTest, DeletedLeasedEntryStaysChargedUntilLastRelease) {
   EXPECT_EQ(store->GetStats().used_bytes, 200u);
   EXPECT_EQ(store->GetStats().leased_bytes, 200u);
   // The bytes are still held, so a 200-byte entry cannot fit yet; the lease still reads.
-  EXPECT_EQ(store->Insert(MakeEntry("b", 200), false).code(),
-            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store->Insert(MakeEntry("b", 200), false).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(l1->entry().layers[0].size(), 199u);
   *l1 = CacheStore::Lease();
   EXPECT_EQ(store->GetStats().used_bytes, 200u);
@@ -340,8 +362,7 @@ TEST(CacheStoreTest, OverwriteOfLeasedEntryKeepsOldBytesUntilRelease) {
   auto lease = store->Acquire("a");
   ASSERT_TRUE(lease.ok());
   const Snapshot before = Snap(*store);
-  EXPECT_EQ(store->Insert(MakeEntry("a", 150), true).code(),
-            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store->Insert(MakeEntry("a", 150), true).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(Snap(*store), before);
   EXPECT_TRUE(rec.Take().empty());
 
@@ -433,9 +454,11 @@ TEST(CacheStoreTest, ConcurrentRandomOperationsKeepInvariants) {
           case 1:
           case 2: {
             absl::Status s = store->Insert(MakeEntry(id, 100 + rng() % 3000), rng() % 2 == 0);
-            if (s.ok()) inserted.fetch_add(1);
+            if (s.ok())
+              inserted.fetch_add(1);
             else if (s.code() != absl::StatusCode::kAlreadyExists &&
-                     s.code() != absl::StatusCode::kResourceExhausted) violations.fetch_add(1);
+                     s.code() != absl::StatusCode::kResourceExhausted)
+              violations.fetch_add(1);
             break;
           }
           case 3: {

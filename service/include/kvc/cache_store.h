@@ -28,13 +28,13 @@ namespace kvc {
 
 // One stored cache. Built by the ingest path, then frozen.
 struct CacheEntry {
-  std::string id;                         // unique key (already tenant-qualified by the caller)
+  std::string id;                            // unique key (already tenant-qualified by the caller)
   std::vector<std::vector<uint8_t>> layers;  // compact layer blobs (kvc/compact.h), in order
-  std::string metadata;                   // opaque to the store (kvcd keeps a serialized CacheInfo)
-  uint64_t input_bytes = 0;               // uncompressed K+V bytes, for ratios and metrics
+  std::string metadata;      // opaque to the store (kvcd keeps a serialized CacheInfo)
+  uint64_t input_bytes = 0;  // uncompressed K+V bytes, for ratios and metrics
   absl::Time created;
   absl::Time expires = absl::InfiniteFuture();
-  uint64_t checksum = 0;                  // set by FinalizeEntry
+  uint64_t checksum = 0;  // set by FinalizeEntry
 
   // Bytes charged against the budget: layer blobs + metadata + id.
   uint64_t ChargedBytes() const;
@@ -61,10 +61,10 @@ class CacheStore {
   };
 
   struct Stats {
-    uint64_t used_bytes = 0;      // includes deleted/evicted entries still held by a lease
+    uint64_t used_bytes = 0;  // includes deleted/evicted entries still held by a lease
     uint64_t capacity_bytes = 0;
-    uint64_t entries = 0;         // entries in the index, expired-but-unswept included
-    uint64_t leased_bytes = 0;    // part of used_bytes held by leases (not evictable now)
+    uint64_t entries = 0;       // entries in the index, expired-but-unswept included
+    uint64_t leased_bytes = 0;  // part of used_bytes held by leases (not evictable now)
   };
 
   // A read lease: while it lives, the entry is neither evicted nor freed.

@@ -6,12 +6,11 @@
 //   grpc_server_handled_total{grpc_method,grpc_code}      counter
 //   grpc_server_handling_seconds{grpc_method}             histogram, 100us .. 60s
 //   kvc_ingest_bytes_total, kvc_served_bytes_total        counters
-//   kvc_compress_duration_seconds{stage}                  histogram; score|select|pack|quantize|total
-//   kvc_compression_ratio                                 histogram, 1 .. 64
-//   kvc_store_used_bytes, kvc_store_capacity_bytes, kvc_store_entries   gauges
-//   kvc_evictions_total{reason}                           counter; capacity|ttl|overwrite|deleted
-//   kvc_rejected_requests_total{reason}                   counter; see RejectionReasonName
-//   kvc_gpu_memory_used_bytes, kvc_active_streams         gauges
+//   kvc_compress_duration_seconds{stage}                  histogram;
+//   score|select|pack|quantize|total kvc_compression_ratio histogram, 1 .. 64 kvc_store_used_bytes,
+//   kvc_store_capacity_bytes, kvc_store_entries   gauges kvc_evictions_total{reason} counter;
+//   capacity|ttl|overwrite|deleted kvc_rejected_requests_total{reason}                   counter;
+//   see RejectionReasonName kvc_gpu_memory_used_bytes, kvc_active_streams         gauges
 //   kvc_build_info{version,backend}                       gauge, always 1
 // Series for the KvCache service's methods (with every gRPC code), the stages and the reasons
 // exist from the start with value 0. Other method names are accepted and get series on first use.
