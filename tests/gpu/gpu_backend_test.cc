@@ -413,6 +413,26 @@ TEST(CudaBackend, InvalidInputIsRejectedNamingTheField) {
   EXPECT_NE(st.message().find("n_new"), std::string::npos) << st;
 }
 
+TEST(CudaBackend, NaNKeysNeverWinASlotAndMatchTheCpu) {
+  Layer layer = RandomLayer(Shape(2, 1, 200, 64, 8), DType::kF32, Layout::kHND, 21);
+  float* k = reinterpret_cast<float*>(layer.k.data());
+  for (int h = 0; h < 2; ++h) {
+    for (int t : {3, 50, 51, 120}) k[(static_cast<size_t>(h) * 200 + t) * 64 + 5] = NAN;
+  }
+  const CompressionSpec spec = Spec(EvictionPolicy::kKNorm, 100);
+  const CompactLayer cpu = Cpu()->Compress(layer.input(), spec, nullptr).value();
+  const CompactLayer gpu = Gpu()->Compress(layer.input(), spec, nullptr).value();
+  const CompactLayerView cv = CompactLayerView::Parse(cpu.bytes).value();
+  const CompactLayerView gv = CompactLayerView::Parse(gpu.bytes).value();
+  for (int h = 0; h < 2; ++h) {
+    const std::vector<int32_t> g = HeadPositions(gv, h);
+    EXPECT_EQ(HeadPositions(cv, h), g) << "head " << h;
+    for (int t : {3, 50, 51, 120}) {
+      EXPECT_FALSE(std::binary_search(g.begin(), g.end(), t)) << "NaN key " << t << " kept";
+    }
+  }
+}
+
 TEST(CudaBackend, ConcurrentCallsMatchSequentialOnes) {
   const Layer layer = RandomLayer(Shape(2, 4, 2048, 128, 32), DType::kF16, Layout::kHND, 11);
   CompressionSpec spec = Spec(EvictionPolicy::kSnapKV, 256);
