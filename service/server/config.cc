@@ -48,10 +48,18 @@ absl::StatusOr<uint64_t> ParseByteSize(const std::string& field, const std::stri
           absl::StrCat("--", field, ": unknown size suffix in '", text, "'"));
     }
     switch (unit) {
-      case 'k': shift = 10; break;
-      case 'm': shift = 20; break;
-      case 'g': shift = 30; break;
-      case 't': shift = 40; break;
+      case 'k':
+        shift = 10;
+        break;
+      case 'm':
+        shift = 20;
+        break;
+      case 'g':
+        shift = 30;
+        break;
+      case 't':
+        shift = 40;
+        break;
       default:
         return absl::InvalidArgumentError(
             absl::StrCat("--", field, ": unknown size suffix in '", text, "'"));
@@ -69,15 +77,15 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   if (auto s = CheckAddress("metrics_listen", c.metrics_listen, true); !s.ok()) return s;
   if (c.store_bytes == 0) return absl::InvalidArgumentError("--store_bytes: must be > 0");
   if (c.max_message_bytes < 1024 || c.max_message_bytes > (1ull << 31) - 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--max_message_bytes: ", c.max_message_bytes, " is outside [1024, 2147483647]"));
+    return absl::InvalidArgumentError(absl::StrCat("--max_message_bytes: ", c.max_message_bytes,
+                                                   " is outside [1024, 2147483647]"));
   }
   if (c.max_chunk_bytes == 0) return absl::InvalidArgumentError("--max_chunk_bytes: must be > 0");
   // A chunk plus its small header must fit one message.
   if (c.max_chunk_bytes + 512 > c.max_message_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--max_chunk_bytes: ", c.max_chunk_bytes, " must be at least 512 bytes below ",
-        "--max_message_bytes (", c.max_message_bytes, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_chunk_bytes: ", c.max_chunk_bytes, " must be at least 512 bytes below ",
+                     "--max_message_bytes (", c.max_message_bytes, ")"));
   }
   if (c.max_concurrent_streams == 0) {
     return absl::InvalidArgumentError("--max_concurrent_streams: must be > 0");
@@ -87,8 +95,8 @@ absl::Status ValidateConfig(const ServerConfig& c) {
         absl::StrCat("--backend: '", c.backend, "' is not auto, cpu or cuda"));
   }
   if (c.threads < 0 || c.threads > 1024) {
-    return absl::InvalidArgumentError(absl::StrCat("--threads: ", c.threads,
-                                                   " is outside [0, 1024]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--threads: ", c.threads, " is outside [0, 1024]"));
   }
   if (!(c.drain_seconds >= 0 && c.drain_seconds <= 3600)) {
     return absl::InvalidArgumentError("--drain_seconds: must be in [0, 3600]");

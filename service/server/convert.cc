@@ -23,8 +23,8 @@ absl::Status Qualify(const absl::Status& s, const std::string& prefix) {
 
 absl::Status ValidateCacheId(const std::string& field, const std::string& id) {
   if (id.empty() || id.size() > kMaxCacheIdBytes) {
-    return Invalid(field, absl::StrCat("length ", id.size(), " is outside [1, ",
-                                       kMaxCacheIdBytes, "]"));
+    return Invalid(field,
+                   absl::StrCat("length ", id.size(), " is outside [1, ", kMaxCacheIdBytes, "]"));
   }
   for (char c : id) {
     const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
@@ -39,20 +39,26 @@ absl::Status ValidateCacheId(const std::string& field, const std::string& id) {
 
 absl::StatusOr<DType> FromProto(kvcache::v1::DType dtype) {
   switch (dtype) {
-    case kvcache::v1::DTYPE_F32: return DType::kF32;
-    case kvcache::v1::DTYPE_F16: return DType::kF16;
-    case kvcache::v1::DTYPE_BF16: return DType::kBF16;
+    case kvcache::v1::DTYPE_F32:
+      return DType::kF32;
+    case kvcache::v1::DTYPE_F16:
+      return DType::kF16;
+    case kvcache::v1::DTYPE_BF16:
+      return DType::kBF16;
     default:
-      return Invalid("header.dtype", absl::StrCat("value ", static_cast<int>(dtype),
-                                                  " is not F32, F16 or BF16"));
+      return Invalid("header.dtype",
+                     absl::StrCat("value ", static_cast<int>(dtype), " is not F32, F16 or BF16"));
   }
 }
 
 kvcache::v1::DType ToProto(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return kvcache::v1::DTYPE_F32;
-    case DType::kF16: return kvcache::v1::DTYPE_F16;
-    case DType::kBF16: return kvcache::v1::DTYPE_BF16;
+    case DType::kF32:
+      return kvcache::v1::DTYPE_F32;
+    case DType::kF16:
+      return kvcache::v1::DTYPE_F16;
+    case DType::kBF16:
+      return kvcache::v1::DTYPE_BF16;
   }
   return kvcache::v1::DTYPE_UNSPECIFIED;
 }
@@ -60,11 +66,13 @@ kvcache::v1::DType ToProto(DType dtype) {
 absl::StatusOr<Layout> FromProto(kvcache::v1::Layout layout) {
   switch (layout) {
     case kvcache::v1::LAYOUT_UNSPECIFIED:
-    case kvcache::v1::LAYOUT_HND: return Layout::kHND;
-    case kvcache::v1::LAYOUT_NHD: return Layout::kNHD;
+    case kvcache::v1::LAYOUT_HND:
+      return Layout::kHND;
+    case kvcache::v1::LAYOUT_NHD:
+      return Layout::kNHD;
     default:
-      return Invalid("header.layout", absl::StrCat("value ", static_cast<int>(layout),
-                                                   " is not HND or NHD"));
+      return Invalid("header.layout",
+                     absl::StrCat("value ", static_cast<int>(layout), " is not HND or NHD"));
   }
 }
 

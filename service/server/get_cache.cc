@@ -28,10 +28,10 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     }
     if (!state_->TryAcquireStream()) {
       if (state_->metrics) state_->metrics->RecordRejection(RejectionReason::kLimit);
-      FinishOnce(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                              absl::StrCat("too many concurrent streams (--max_concurrent_",
-                                           "streams=", state_->config.max_concurrent_streams,
-                                           ")")));
+      FinishOnce(
+          grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                       absl::StrCat("too many concurrent streams (--max_concurrent_",
+                                    "streams=", state_->config.max_concurrent_streams, ")")));
       return;
     }
     holds_stream_ = true;
@@ -80,12 +80,16 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     if (auto s = ValidateCacheId("cache_id", req.cache_id()); !s.ok()) return ToGrpc(s);
     switch (req.format()) {
       case kvcache::v1::FORMAT_UNSPECIFIED:
-      case kvcache::v1::FORMAT_PACKED: dense_ = false; break;
-      case kvcache::v1::FORMAT_DENSE: dense_ = true; break;
+      case kvcache::v1::FORMAT_PACKED:
+        dense_ = false;
+        break;
+      case kvcache::v1::FORMAT_DENSE:
+        dense_ = true;
+        break;
       default:
-        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                            absl::StrCat("format: ", static_cast<int>(req.format()),
-                                         " is not PACKED or DENSE"));
+        return grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            absl::StrCat("format: ", static_cast<int>(req.format()), " is not PACKED or DENSE"));
     }
     auto lease = state_->store->Acquire(req.cache_id());
     if (!lease.ok()) return ToGrpc(lease.status());
@@ -94,8 +98,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     const CacheEntry& entry = keep_->lease.entry();
     if (auto s = VerifyEntry(entry); !s.ok()) {
       return grpc::Status(grpc::StatusCode::DATA_LOSS,
-                          absl::StrCat("cache '", req.cache_id(), "': ",
-                                       std::string(s.message())));
+                          absl::StrCat("cache '", req.cache_id(), "': ", std::string(s.message())));
     }
     kvcache::v1::GetCacheResponse first;
     if (!first.mutable_info()->ParseFromString(entry.metadata)) {
@@ -121,8 +124,9 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     const auto& blob = keep_->lease.entry().layers[layer_];
     auto view = CompactLayerView::Parse(blob);
     if (!view.ok()) {
-      return grpc::Status(grpc::StatusCode::DATA_LOSS,
-                          absl::StrCat("layer ", layer_, ": ", std::string(view.status().message())));
+      return grpc::Status(
+          grpc::StatusCode::DATA_LOSS,
+          absl::StrCat("layer ", layer_, ": ", std::string(view.status().message())));
     }
     kept_tokens_ = view->num_kv_heads() > 0 ? view->desc(0).n_kept : 0;
     parts_.clear();
@@ -219,8 +223,9 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
 
 }  // namespace
 
-grpc::ServerWriteReactor<grpc::ByteBuffer>* NewGetCacheReactor(
-    ServiceState* state, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* NewGetCacheReactor(ServiceState* state,
+                                                               grpc::CallbackServerContext* context,
+                                                               const grpc::ByteBuffer* request) {
   return new GetCacheReactor(state, context, request);
 }
 

@@ -17,13 +17,20 @@ constexpr const char* kTensorNames[3] = {"K", "V", "Q_obs"};
 
 const char* RejectReasonName(RejectReason r) {
   switch (r) {
-    case RejectReason::kNone: return "none";
-    case RejectReason::kInvalid: return "invalid_argument";
-    case RejectReason::kTooLarge: return "too_large";
-    case RejectReason::kNoSpace: return "no_space";
-    case RejectReason::kExists: return "already_exists";
-    case RejectReason::kIncomplete: return "incomplete";
-    case RejectReason::kCompress: return "compress_failed";
+    case RejectReason::kNone:
+      return "none";
+    case RejectReason::kInvalid:
+      return "invalid_argument";
+    case RejectReason::kTooLarge:
+      return "too_large";
+    case RejectReason::kNoSpace:
+      return "no_space";
+    case RejectReason::kExists:
+      return "already_exists";
+    case RejectReason::kIncomplete:
+      return "incomplete";
+    case RejectReason::kCompress:
+      return "compress_failed";
   }
   return "unknown";
 }
@@ -94,15 +101,14 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
   }
   if (!h.overwrite() && store_->Peek(store_id).ok()) {
     return Reject(RejectReason::kExists,
-                  absl::AlreadyExistsError(absl::StrCat(
-                      "header.cache_id: '", h.cache_id(), "' exists (set overwrite to replace)")));
+                  absl::AlreadyExistsError(absl::StrCat("header.cache_id: '", h.cache_id(),
+                                                        "' exists (set overwrite to replace)")));
   }
   const uint64_t estimate = EstimateStoredBytes(*shape, *dtype, *spec, num_layers);
   if (auto s = store_->CheckCanFit(estimate); !s.ok()) {
-    return Reject(RejectReason::kNoSpace,
-                  absl::ResourceExhaustedError(absl::StrCat(
-                      "store: a compact cache of at least ", estimate,
-                      " bytes cannot fit: ", std::string(s.message()))));
+    return Reject(RejectReason::kNoSpace, absl::ResourceExhaustedError(absl::StrCat(
+                                              "store: a compact cache of at least ", estimate,
+                                              " bytes cannot fit: ", std::string(s.message()))));
   }
 
   header_ = h;
@@ -148,17 +154,23 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
                       limits_.max_chunk_bytes)));
   }
   if (c.layer() >= layers_.size()) {
-    return invalid(absl::StrCat("chunk.layer: ", c.layer(), " is outside [0, ", layers_.size(),
-                                ")"));
+    return invalid(
+        absl::StrCat("chunk.layer: ", c.layer(), " is outside [0, ", layers_.size(), ")"));
   }
   int t;
   switch (c.tensor()) {
-    case kvcache::v1::TENSOR_K: t = 0; break;
-    case kvcache::v1::TENSOR_V: t = 1; break;
-    case kvcache::v1::TENSOR_Q_OBS: t = 2; break;
+    case kvcache::v1::TENSOR_K:
+      t = 0;
+      break;
+    case kvcache::v1::TENSOR_V:
+      t = 1;
+      break;
+    case kvcache::v1::TENSOR_Q_OBS:
+      t = 2;
+      break;
     default:
-      return invalid(absl::StrCat("chunk.tensor: ", static_cast<int>(c.tensor()),
-                                  " is not K, V or Q_OBS"));
+      return invalid(
+          absl::StrCat("chunk.tensor: ", static_cast<int>(c.tensor()), " is not K, V or Q_OBS"));
   }
   const uint64_t size = tensor_bytes_[t];
   if (c.offset() > size || req.data_size > size - c.offset()) {
@@ -172,8 +184,8 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
   // touched; any further chunk for it overlaps and is rejected here.
   if (!layer.coverage[t].Add(c.offset(), c.offset() + req.data_size)) {
     return invalid(absl::StrCat("chunk.offset: bytes [", c.offset(), ", ",
-                                c.offset() + req.data_size, ") of layer ", c.layer(),
-                                " tensor ", kTensorNames[t], " were already received"));
+                                c.offset() + req.data_size, ") of layer ", c.layer(), " tensor ",
+                                kTensorNames[t], " were already received"));
   }
   layer.coverage[t].received += req.data_size;
   if (!layer.tensor[t]) layer.tensor[t].reset(new uint8_t[size]);
@@ -222,7 +234,7 @@ void Upload::CompressLayer(int index) {
     if (compress_error_.ok()) {
       compress_error_ = absl::Status(
           out.status().code() == absl::StatusCode::kInvalidArgument ? out.status().code()
-                                                                     : absl::StatusCode::kInternal,
+                                                                    : absl::StatusCode::kInternal,
           absl::StrCat("layer ", index, ": ", std::string(out.status().message())));
       if (reason_ == RejectReason::kNone) reason_ = RejectReason::kCompress;
     }
@@ -293,8 +305,8 @@ absl::StatusOr<kvcache::v1::PutCacheResponse> Upload::Finalize() {
   auto entry = std::make_shared<CacheEntry>();
   entry->id = store_id_;
   entry->created = now;
-  const uint32_t ttl = header_.ttl_seconds() > 0 ? header_.ttl_seconds()
-                                                 : limits_.default_ttl_seconds;
+  const uint32_t ttl =
+      header_.ttl_seconds() > 0 ? header_.ttl_seconds() : limits_.default_ttl_seconds;
   if (ttl > 0) entry->expires = now + absl::Seconds(ttl);
   const LayerBytes lb = LayerTensorBytes(shape_, dtype_);
   entry->input_bytes = (lb.k + lb.v) * layers_.size();
@@ -329,7 +341,7 @@ absl::StatusOr<kvcache::v1::PutCacheResponse> Upload::Finalize() {
 
   if (absl::Status s = store_->Insert(entry, header_.overwrite()); !s.ok()) {
     reason_ = s.code() == absl::StatusCode::kAlreadyExists ? RejectReason::kExists
-                                                            : RejectReason::kNoSpace;
+                                                           : RejectReason::kNoSpace;
     return absl::Status(s.code(), absl::StrCat("store: ", std::string(s.message())));
   }
   kvcache::v1::PutCacheResponse resp;

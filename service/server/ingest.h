@@ -89,8 +89,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
   bool LayerComplete(const LayerState& layer) const;
   void CompressLayer(int layer);  // on a pool thread
   void MaybeFinalize() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<kvcache::v1::PutCacheResponse> Finalize()
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<kvcache::v1::PutCacheResponse> Finalize() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string IncompleteMessage() const;
 
   Backend* const backend_;

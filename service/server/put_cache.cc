@@ -16,10 +16,14 @@ namespace {
 absl::optional<RejectionReason> MetricReason(RejectReason r) {
   switch (r) {
     case RejectReason::kInvalid:
-    case RejectReason::kIncomplete: return RejectionReason::kInvalidArgument;
-    case RejectReason::kTooLarge: return RejectionReason::kTooLarge;
-    case RejectReason::kNoSpace: return RejectionReason::kBudget;
-    default: return absl::nullopt;
+    case RejectReason::kIncomplete:
+      return RejectionReason::kInvalidArgument;
+    case RejectReason::kTooLarge:
+      return RejectionReason::kTooLarge;
+    case RejectReason::kNoSpace:
+      return RejectionReason::kBudget;
+    default:
+      return absl::nullopt;
   }
 }
 
@@ -84,10 +88,9 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     absl::Status s;
     if (req->kind == RawPutRequest::Kind::kHeader) {
       if (upload_->has_header()) {
-        return FinishWithError(
-            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                         "header: a second PutCacheHeader in one stream"),
-            RejectionReason::kInvalidArgument);
+        return FinishWithError(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                            "header: a second PutCacheHeader in one stream"),
+                               RejectionReason::kInvalidArgument);
       }
       if (req->data_size > 0) {
         return FinishWithError(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -159,8 +162,9 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
 }  // namespace
 
-grpc::ServerReadReactor<grpc::ByteBuffer>* NewPutCacheReactor(
-    ServiceState* state, grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* NewPutCacheReactor(ServiceState* state,
+                                                              grpc::CallbackServerContext* context,
+                                                              grpc::ByteBuffer* response) {
   return new PutCacheReactor(state, context, response);
 }
 

@@ -150,8 +150,8 @@ void KvcServer::Shutdown() {
   shut_down_ = true;
   if (state_) state_->draining = true;
   const auto deadline = std::chrono::system_clock::now() +
-                        std::chrono::milliseconds(static_cast<int64_t>(
-                            options_.config.shutdown_deadline_seconds * 1000));
+                        std::chrono::milliseconds(
+                            static_cast<int64_t>(options_.config.shutdown_deadline_seconds * 1000));
   if (server_) server_->Shutdown(deadline);
   if (health_server_) health_server_->Shutdown(deadline);
   if (server_) server_->Wait();

@@ -57,8 +57,8 @@ class KvcServer {
   KvcServer(const KvcServer&) = delete;
   KvcServer& operator=(const KvcServer&) = delete;
 
-  const std::string& address() const { return address_; }                // host:port bound
-  const std::string& health_address() const { return health_address_; }  // "" when disabled
+  const std::string& address() const { return address_; }                  // host:port bound
+  const std::string& health_address() const { return health_address_; }    // "" when disabled
   const std::string& metrics_address() const { return metrics_address_; }  // "" when disabled
 
   // Health -> NOT_SERVING on both ports, new RPCs -> UNAVAILABLE, then waits up to

@@ -131,10 +131,10 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::ListCaches(
   if (more) entries.resize(page_size);
   for (const auto& e : entries) {
     if (!response->add_caches()->ParseFromString(e->metadata)) {
-      return FinishUnary(context, rec,
-                         grpc::Status(grpc::StatusCode::DATA_LOSS,
-                                      absl::StrCat("stored metadata of '", e->id,
-                                                   "' is unreadable")));
+      return FinishUnary(
+          context, rec,
+          grpc::Status(grpc::StatusCode::DATA_LOSS,
+                       absl::StrCat("stored metadata of '", e->id, "' is unreadable")));
     }
   }
   if (more && !entries.empty()) response->set_next_page_token(entries.back()->id);

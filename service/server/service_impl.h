@@ -96,10 +96,12 @@ class KvCacheServiceImpl final : public KvCacheBase {
 };
 
 // Factories for the two stream reactors (put_cache.cc, get_cache.cc).
-grpc::ServerReadReactor<grpc::ByteBuffer>* NewPutCacheReactor(
-    ServiceState* state, grpc::CallbackServerContext* context, grpc::ByteBuffer* response);
-grpc::ServerWriteReactor<grpc::ByteBuffer>* NewGetCacheReactor(
-    ServiceState* state, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request);
+grpc::ServerReadReactor<grpc::ByteBuffer>* NewPutCacheReactor(ServiceState* state,
+                                                              grpc::CallbackServerContext* context,
+                                                              grpc::ByteBuffer* response);
+grpc::ServerWriteReactor<grpc::ByteBuffer>* NewGetCacheReactor(ServiceState* state,
+                                                               grpc::CallbackServerContext* context,
+                                                               const grpc::ByteBuffer* request);
 
 }  // namespace kvc::server
 

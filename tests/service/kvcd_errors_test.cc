@@ -14,19 +14,19 @@ namespace kvc {
 namespace {
 
 using kvcache::v1::PutCacheRequest;
+using ::testing::HasSubstr;
 using testing::KvcdProcess;
 using testing::StoreView;
 using testing::TestCache;
-using ::testing::HasSubstr;
 
 class KvcdErrorsTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     KvcdProcess::Options opts;
     opts.binary = KVCD_PATH;
-    opts.flags = {"--store_bytes=4MiB",        "--backend=cpu",
-                  "--max_chunk_bytes=16KiB",   "--max_message_bytes=64KiB",
-                  "--max_cache_bytes=512KiB",  "--max_concurrent_streams=4"};
+    opts.flags = {"--store_bytes=4MiB",       "--backend=cpu",
+                  "--max_chunk_bytes=16KiB",  "--max_message_bytes=64KiB",
+                  "--max_cache_bytes=512KiB", "--max_concurrent_streams=4"};
     auto p = KvcdProcess::Start(opts);
     ASSERT_TRUE(p.ok()) << p.status();
     kvcd_ = p->release();
@@ -54,8 +54,8 @@ class KvcdErrorsTest : public ::testing::Test {
   }
 
   static TestCache Small(const std::string& id) {
-    return testing::MakeTestCache(id, testing::Shape(2, 2, 4, 32, 64, 8),
-                                  kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 42);
+    return testing::MakeTestCache(id, testing::Shape(2, 2, 4, 32, 64, 8), kvcache::v1::DTYPE_F16,
+                                  kvcache::v1::LAYOUT_HND, 42);
   }
 
   // Uploads `requests` and expects `code` with `text` in the message.
@@ -94,8 +94,7 @@ TEST_F(KvcdErrorsTest, BadHeaderFieldsAreInvalidArgumentNamingTheField) {
       {[](auto* h) { h->mutable_compression()->mutable_channels()->set_key_lambda(1.5); },
        "key_lambda"},
       {[](auto* h) { h->mutable_compression()->mutable_quant()->set_bits(3); }, "bits"},
-      {[](auto* h) { h->mutable_compression()->mutable_eviction()->set_pool("median"); },
-       "pool"},
+      {[](auto* h) { h->mutable_compression()->mutable_eviction()->set_pool("median"); }, "pool"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     SCOPED_TRACE(i);
@@ -226,8 +225,7 @@ TEST_F(KvcdErrorsTest, BadGetRequests) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(), HasSubstr("format"));
   get.set_cache_id("bad id");
-  EXPECT_EQ(testing::Get(stub_.get(), get, &f3).error_code(),
-            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(testing::Get(stub_.get(), get, &f3).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
 TEST_F(KvcdErrorsTest, ClientCancelMidUploadStoresNothing) {
@@ -283,8 +281,7 @@ TEST_F(KvcdErrorsTest, StreamsOverTheConcurrencyLimitAreResourceExhausted) {
   kvcache::v1::GetCacheRequest get;
   get.set_cache_id("base");
   testing::Fetched f;
-  EXPECT_EQ(testing::Get(stub_.get(), get, &f).error_code(),
-            grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(testing::Get(stub_.get(), get, &f).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   for (auto& o : open) {
     o->ctx.TryCancel();
     o->writer->Finish();

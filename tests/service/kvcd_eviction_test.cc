@@ -11,10 +11,10 @@
 namespace kvc {
 namespace {
 
-using testing::KvcdProcess;
-using testing::TestCache;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using testing::KvcdProcess;
+using testing::TestCache;
 
 std::unique_ptr<KvcdProcess> StartKvcd(std::vector<std::string> flags) {
   KvcdProcess::Options opts;
@@ -45,7 +45,8 @@ TEST(KvcdEvictionTest, LeastRecentlyUsedIsEvictedFirst) {
   auto kvcd = StartKvcd({"--store_bytes=210KiB", "--max_chunk_bytes=16KiB"});
   ASSERT_NE(kvcd, nullptr);
   auto stub = testing::NewStub(kvcd->address());
-  for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(testing::PutCache(stub.get(), Entry(id, 1)).ok());
+  for (const char* id : {"a", "b", "c"})
+    ASSERT_TRUE(testing::PutCache(stub.get(), Entry(id, 1)).ok());
   EXPECT_THAT(testing::ViewStore(stub.get()).ids, ElementsAre("a", "b", "c"));
   // Reading "a" makes it the most recently used; "b" is now the oldest.
   kvcache::v1::GetCacheRequest get;
@@ -81,8 +82,8 @@ TEST(KvcdEvictionTest, AnEntryBeingReadIsNotEvicted) {
   // 1 layer, 4 heads, D = 128, S = 4096, f16: 8 MiB of K + V, more than gRPC buffers for a
   // reader that does not read.
   auto big = [](const std::string& id) {
-    return testing::MakeTestCache(id, testing::Shape(1, 4, 4, 128, 4096, 0),
-                                  kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 7);
+    return testing::MakeTestCache(id, testing::Shape(1, 4, 4, 128, 4096, 0), kvcache::v1::DTYPE_F16,
+                                  kvcache::v1::LAYOUT_HND, 7);
   };
   ASSERT_TRUE(testing::PutCache(stub.get(), big("big1")).ok());
   // Open a GetCache stream and read only its first message: the lease is held.
@@ -112,10 +113,9 @@ TEST(KvcdEvictionTest, CancellingAReadReleasesItsLease) {
   auto kvcd = StartKvcd({"--store_bytes=32MiB", "--max_chunk_bytes=16KiB"});
   ASSERT_NE(kvcd, nullptr);
   auto stub = testing::NewStub(kvcd->address());
-  ASSERT_TRUE(testing::PutCache(stub.get(),
-                                testing::MakeTestCache("read/a", testing::Shape(1, 4, 4, 128, 4096, 0),
-                                                       kvcache::v1::DTYPE_F16,
-                                                       kvcache::v1::LAYOUT_HND, 3))
+  ASSERT_TRUE(testing::PutCache(stub.get(), testing::MakeTestCache(
+                                                "read/a", testing::Shape(1, 4, 4, 128, 4096, 0),
+                                                kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 3))
                   .ok());
   grpc::ClientContext ctx;
   kvcache::v1::GetCacheRequest get;

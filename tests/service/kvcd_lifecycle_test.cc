@@ -18,8 +18,8 @@
 namespace kvc {
 namespace {
 
-using testing::KvcdProcess;
 using ::testing::HasSubstr;
+using testing::KvcdProcess;
 
 std::unique_ptr<KvcdProcess> StartKvcd(std::vector<std::string> flags) {
   KvcdProcess::Options opts;
@@ -115,7 +115,8 @@ absl::StatusOr<std::string> ListServicesByReflection(const std::string& address)
       if (ok) {
         std::vector<grpc::Slice> slices;
         (void)response_.Dump(&slices);
-        for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+        for (const auto& s : slices)
+          bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
       }
     }
     void OnDone(const grpc::Status& s) override {
@@ -138,7 +139,8 @@ absl::StatusOr<std::string> ListServicesByReflection(const std::string& address)
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
   Reactor reactor;
-  stub.PrepareBidiStreamingCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+  stub.PrepareBidiStreamingCall(&ctx,
+                                "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
                                 grpc::StubOptions(), &reactor);
   reactor.Go();
   reactor.done.WaitForNotification();
@@ -211,9 +213,9 @@ TEST(KvcdLifecycleTest, SigtermDrainsInFlightUploadsThenExitsZero) {
     EXPECT_EQ(stub->StatCache(&c, req, &info).error_code(), grpc::StatusCode::UNAVAILABLE);
   }
   {
-    grpc::Status s = testing::PutCache(stub.get(), testing::MakeTestCache(
-        "drain/new", testing::Shape(1, 1, 1, 8, 8, 0), kvcache::v1::DTYPE_F16,
-        kvcache::v1::LAYOUT_HND, 2));
+    grpc::Status s = testing::PutCache(
+        stub.get(), testing::MakeTestCache("drain/new", testing::Shape(1, 1, 1, 8, 8, 0),
+                                           kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 2));
     EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
   }
   {

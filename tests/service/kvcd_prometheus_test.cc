@@ -116,8 +116,9 @@ TEST(KvcdPrometheusTest, PromtoolAcceptsARealScrape) {
   // Traffic first, so histograms and labelled series carry real samples.
   auto stub = testing::NewStub(kvcd->address());
   ASSERT_TRUE(testing::PutCache(stub.get(), testing::MakeTestCache(
-      "lint/a", testing::Shape(2, 2, 2, 32, 64, 8), kvcache::v1::DTYPE_F16,
-      kvcache::v1::LAYOUT_HND, 1)).ok());
+                                                "lint/a", testing::Shape(2, 2, 2, 32, 64, 8),
+                                                kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 1))
+                  .ok());
   auto text = testing::HttpGet(kvcd->metrics_address(), "/metrics");
   ASSERT_TRUE(text.ok()) << text.status();
   TempDir tmp;
@@ -125,8 +126,8 @@ TEST(KvcdPrometheusTest, PromtoolAcceptsARealScrape) {
   ASSERT_FALSE(dir.empty());
   const std::string scrape = dir + "/scrape.txt", log = dir + "/promtool.txt";
   std::ofstream(scrape) << *text;
-  const int rc = std::system(
-      absl::StrCat(promtool, " check metrics < ", scrape, " > ", log, " 2>&1").c_str());
+  const int rc =
+      std::system(absl::StrCat(promtool, " check metrics < ", scrape, " > ", log, " 2>&1").c_str());
   ASSERT_TRUE(WIFEXITED(rc));
   EXPECT_EQ(WEXITSTATUS(rc), 0) << ReadFile(log);
   EXPECT_NE(text->find("kvc_build_info{"), std::string::npos);
@@ -198,9 +199,8 @@ TEST(KvcdPrometheusTest, PrometheusScrapesTheIngestedBytes) {
       << "scrape_configs:\n  - job_name: kvcd\n    static_configs:\n"
       << "      - targets: ['" << kvcd->metrics_address() << "']\n";
   const std::string web = absl::StrCat("127.0.0.1:", *port);
-  Child prom({prometheus, "--config.file=" + dir + "/prometheus.yml",
-              "--web.listen-address=" + web, "--storage.tsdb.path=" + dir + "/data",
-              "--log.level=warn"},
+  Child prom({prometheus, "--config.file=" + dir + "/prometheus.yml", "--web.listen-address=" + web,
+              "--storage.tsdb.path=" + dir + "/data", "--log.level=warn"},
              dir + "/prometheus.log");
   ASSERT_TRUE(prom.ok());
 
@@ -215,8 +215,8 @@ TEST(KvcdPrometheusTest, PrometheusScrapesTheIngestedBytes) {
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   absl::StatusOr<double> value = absl::NotFoundError("no query made");
   while (absl::Now() < deadline) {
-    auto body = testing::HttpGet(web, "/api/v1/query?query=kvc_ingest_bytes_total",
-                                 absl::Seconds(2));
+    auto body =
+        testing::HttpGet(web, "/api/v1/query?query=kvc_ingest_bytes_total", absl::Seconds(2));
     if (body.ok()) {
       value = FirstValue(*body);
       if (value.ok() && *value == uploaded) break;

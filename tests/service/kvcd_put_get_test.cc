@@ -103,13 +103,12 @@ TEST_F(KvcdPutGetTest, UncompressedRoundTripIsBitExactForEveryDtypeAndLayout) {
   for (auto dtype : dtypes) {
     for (auto layout : layouts) {
       const std::string id = "exact/" + std::to_string(n);
-      TestCache cache = testing::MakeTestCache(id, testing::Shape(2, 2, 4, 16, 40, 0), dtype,
-                                               layout, 100 + n);
+      TestCache cache =
+          testing::MakeTestCache(id, testing::Shape(2, 2, 4, 16, 40, 0), dtype, layout, 100 + n);
       // Chunks in a shuffled order for every other case: placement is by offset.
       kvcache::v1::PutCacheResponse resp;
-      ASSERT_TRUE(testing::Put(stub_.get(), testing::MakeRequests(cache, 1000, n % 2 ? 7 : 0),
-                               &resp)
-                      .ok());
+      ASSERT_TRUE(
+          testing::Put(stub_.get(), testing::MakeRequests(cache, 1000, n % 2 ? 7 : 0), &resp).ok());
       EXPECT_EQ(resp.input_bytes(), cache.kv_bytes());
       EXPECT_EQ(resp.backend(), "cpu");
       GetCacheRequest req;
@@ -219,11 +218,10 @@ TEST_F(KvcdPutGetTest, ConcurrentClientsDoNotSeeEachOthersBytes) {
     threads.emplace_back([this, i, &failures] {
       auto stub = testing::NewStub(kvcd_->address());
       const std::string id = "concurrent/" + std::to_string(i);
-      TestCache cache = testing::MakeTestCache(id, testing::Shape(2, 2, 2, 32, 96, 0),
-                                               kvcache::v1::DTYPE_F32, kvcache::v1::LAYOUT_HND,
-                                               1000 + i);
-      grpc::Status s = testing::Put(stub.get(), testing::MakeRequests(cache, 3000, i + 1),
-                                    nullptr);
+      TestCache cache =
+          testing::MakeTestCache(id, testing::Shape(2, 2, 2, 32, 96, 0), kvcache::v1::DTYPE_F32,
+                                 kvcache::v1::LAYOUT_HND, 1000 + i);
+      grpc::Status s = testing::Put(stub.get(), testing::MakeRequests(cache, 3000, i + 1), nullptr);
       if (!s.ok()) {
         failures[i] = "put: " + s.error_message();
         return;
@@ -287,9 +285,9 @@ TEST_F(KvcdPutGetTest, StatListAndDelete) {
 
 TEST_F(KvcdPutGetTest, ListCachesPages) {
   for (int i = 0; i < 5; ++i) {
-    TestCache c = testing::MakeTestCache("page/" + std::to_string(i),
-                                         testing::Shape(1, 1, 1, 8, 4, 0),
-                                         kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, i);
+    TestCache c =
+        testing::MakeTestCache("page/" + std::to_string(i), testing::Shape(1, 1, 1, 8, 4, 0),
+                               kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, i);
     ASSERT_TRUE(testing::PutCache(stub_.get(), c).ok());
   }
   std::vector<std::string> ids;

@@ -87,13 +87,13 @@ TEST(ServerWireTest, EmptyMessageHasNoKind) {
 
 TEST(ServerWireTest, MalformedInputIsInvalidArgument) {
   const std::vector<std::string> bad = {
-      std::string("\x7a\x05xy", 4),          // data shorter than its length
-      std::string("\x0a\x03\x0a", 3),        // header shorter than its length
-      std::string("\x0a\x02\xff\xff", 4),    // header bytes that are not a PutCacheHeader
-      std::string("\x7a", 1),                // length missing
-      std::string("\x00\x01", 2),            // field number 0
-      std::string("\x7b\x00", 2),            // wire type 3 (groups)
-      std::string("\x48\xff\xff\xff", 4),    // truncated varint
+      std::string("\x7a\x05xy", 4),        // data shorter than its length
+      std::string("\x0a\x03\x0a", 3),      // header shorter than its length
+      std::string("\x0a\x02\xff\xff", 4),  // header bytes that are not a PutCacheHeader
+      std::string("\x7a", 1),              // length missing
+      std::string("\x00\x01", 2),          // field number 0
+      std::string("\x7b\x00", 2),          // wire type 3 (groups)
+      std::string("\x48\xff\xff\xff", 4),  // truncated varint
   };
   for (const auto& b : bad) {
     grpc::ByteBuffer buf = Split(b, {});
@@ -130,8 +130,8 @@ TEST(ServerWireTest, ChunkResponseReferencesThePayloadAndKeepsItAlive) {
   auto payload = std::make_shared<std::vector<uint8_t>>(1000, 5);
   std::weak_ptr<std::vector<uint8_t>> weak = payload;
   {
-    grpc::ByteBuffer buf = MakeChunkResponse(kvcache::v1::LayerChunk(), payload->data(), 1000,
-                                             payload);
+    grpc::ByteBuffer buf =
+        MakeChunkResponse(kvcache::v1::LayerChunk(), payload->data(), 1000, payload);
     const uint8_t* data = payload->data();
     payload.reset();
     EXPECT_FALSE(weak.expired());  // the buffer holds it
@@ -152,8 +152,8 @@ TEST(ServerConfigTest, ParseByteSize) {
   EXPECT_EQ(*ParseByteSize("f", "4KB"), 4096u);
   EXPECT_EQ(*ParseByteSize("f", "2TiB"), 2ull << 40);
   EXPECT_EQ(*ParseByteSize("f", "7B"), 7u);
-  for (const char* bad : {"", "G", "-1", "1.5G", "12X", "1GiBB", "99999999999999999999",
-                          "20000000000T"}) {
+  for (const char* bad :
+       {"", "G", "-1", "1.5G", "12X", "1GiBB", "99999999999999999999", "20000000000T"}) {
     auto r = ParseByteSize("store_bytes", bad);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_THAT(std::string(r.status().message()), HasSubstr("--store_bytes")) << bad;

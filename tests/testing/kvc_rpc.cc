@@ -48,9 +48,12 @@ LayerShape TestCache::layer_shape() const {
 
 DType TestCache::dtype() const {
   switch (header.dtype()) {
-    case kvcache::v1::DTYPE_F32: return DType::kF32;
-    case kvcache::v1::DTYPE_BF16: return DType::kBF16;
-    default: return DType::kF16;
+    case kvcache::v1::DTYPE_F32:
+      return DType::kF32;
+    case kvcache::v1::DTYPE_BF16:
+      return DType::kBF16;
+    default:
+      return DType::kF16;
   }
 }
 

@@ -59,9 +59,9 @@ grpc::Status PutCache(kvcache::v1::KvCache::Stub* stub, const TestCache& cache,
 struct Fetched {
   kvcache::v1::CacheInfo info;
   int messages = 0;
-  size_t max_data_bytes = 0;  // largest `data` of one message
+  size_t max_data_bytes = 0;                              // largest `data` of one message
   std::map<std::pair<uint32_t, int>, std::string> parts;  // (layer, LayerPart) -> bytes
-  std::map<uint32_t, uint32_t> kept_tokens;                 // layer -> kept tokens per head
+  std::map<uint32_t, uint32_t> kept_tokens;               // layer -> kept tokens per head
   const std::string& part(uint32_t layer, kvcache::v1::LayerPart p) const;
 };
 // Reads the whole stream; checks that chunks of a part are contiguous and sum to total_bytes

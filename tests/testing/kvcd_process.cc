@@ -85,8 +85,8 @@ absl::StatusOr<std::unique_ptr<KvcdProcess>> KvcdProcess::Start(const Options& o
 
   const absl::Time deadline = absl::Now() + options.start_timeout;
   auto fail = [&](const absl::Status& s) -> absl::Status {
-    return absl::Status(s.code(), absl::StrCat(std::string(s.message()), "; kvcd output:\n",
-                                               p->output()));
+    return absl::Status(s.code(),
+                        absl::StrCat(std::string(s.message()), "; kvcd output:\n", p->output()));
   };
   auto addr = p->WaitForLine("kvcd: listening on ", deadline);
   if (!addr.ok()) return fail(addr.status());
