@@ -18,8 +18,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "metrics/http_exposer.h"
 #include "prometheus/counter.h"
-#include "prometheus/exposer.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
@@ -100,10 +100,6 @@ std::string CodeName(int code) {
 }
 
 absl::Status ValidateOptions(const Metrics::Options& o) {
-  if (o.http_threads < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics http_threads: must be >= 1, got ", o.http_threads));
-  }
   if (o.listen_address.empty()) return absl::OkStatus();
   const size_t colon = o.listen_address.rfind(':');
   uint32_t port = 0;
@@ -149,7 +145,7 @@ struct Metrics::Impl {
   Gauge* build_info ABSL_GUARDED_BY(mu) = nullptr;
 
   // Declared last: destroyed first, so no scrape runs against a half-destroyed object.
-  std::unique_ptr<prometheus::Exposer> exposer;
+  std::unique_ptr<HttpExposer> exposer;
 
   MethodSeries MakeMethodSeries(const std::string& method) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     MethodSeries s;
@@ -273,26 +269,25 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const Options& options)
   auto impl = std::make_unique<Impl>();
   impl->Build();
   if (!options.listen_address.empty()) {
-    // prometheus-cpp reports bind failures by throwing; keep exceptions inside this module.
-    try {
-      impl->exposer = std::make_unique<prometheus::Exposer>(
-          options.listen_address, static_cast<size_t>(options.http_threads));
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("metrics listen_address '", options.listen_address,
-                                                 "': cannot serve: ", e.what()));
+    // Not prometheus::Exposer: the civetweb it embeds (1.15, as packaged) formats an
+    // uninitialized path buffer in its authorization check for callback-handled URIs, which
+    // crashed kvcd on its first scrape in some builds.
+    prometheus::Registry* registry = impl->registry.get();
+    auto exposer = HttpExposer::Start(options.listen_address, [registry] {
+      return prometheus::TextSerializer().Serialize(registry->Collect());
+    });
+    if (!exposer.ok()) {
+      return absl::Status(exposer.status().code(),
+                          absl::StrCat("metrics listen_address: ", exposer.status().message()));
     }
-    impl->exposer->RegisterCollectable(impl->registry);
+    impl->exposer = std::move(exposer).value();
   }
   auto metrics = std::unique_ptr<Metrics>(new Metrics(std::move(impl)));
   metrics->SetBuildInfo(options.version, options.backend);
   return metrics;
 }
 
-int Metrics::port() const {
-  if (impl_->exposer == nullptr) return 0;
-  const std::vector<int> ports = impl_->exposer->GetListeningPorts();
-  return ports.empty() ? 0 : ports.front();
-}
+int Metrics::port() const { return impl_->exposer == nullptr ? 0 : impl_->exposer->port(); }
 
 void Metrics::RecordRpcStarted(absl::string_view method) {
   impl_->Method(method).started->Increment();

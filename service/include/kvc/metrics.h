@@ -1,5 +1,6 @@
 // Metrics: kvcd's Prometheus metrics behind small typed methods, so the server never touches
-// prometheus-cpp types. Owns the registry and, optionally, an HTTP exposer serving /metrics.
+// prometheus-cpp types. Owns the registry and, optionally, an HTTP endpoint serving GET /metrics
+// (text format 0.0.4) from its own thread.
 //
 // Families (DESIGN.md "Metrics"; base units):
 //   grpc_server_started_total{grpc_method}                counter
@@ -57,14 +58,13 @@ class Metrics {
     // host:port for the HTTP exposer ("[::1]:9464" for IPv6; port 0 picks a free one); "" serves
     // nothing (the registry still works, e.g. for Scrape()).
     std::string listen_address = "127.0.0.1:9464";
-    int http_threads = 2;  // exposer worker threads, >= 1
     // Initial kvc_build_info labels (SetBuildInfo replaces them, e.g. once the backend is known).
     std::string version = "unknown";
     std::string backend = "unknown";
   };
 
-  // Builds every family and starts the exposer. INVALID_ARGUMENT for a bad option,
-  // UNAVAILABLE when the address cannot be bound (e.g. the port is in use); never throws.
+  // Builds every family and starts the HTTP endpoint. INVALID_ARGUMENT for a malformed
+  // listen_address, UNAVAILABLE when it cannot be bound (e.g. the port is in use); never throws.
   static absl::StatusOr<std::unique_ptr<Metrics>> Create(const Options& options);
   ~Metrics();
   Metrics(const Metrics&) = delete;
