@@ -35,6 +35,9 @@ ABSL_FLAG(double, drain_seconds, 5, "on SIGTERM, how long to wait for in-flight 
 ABSL_FLAG(double, shutdown_deadline_seconds, 10, "then, the deadline given to remaining calls");
 ABSL_FLAG(double, ttl_sweep_seconds, 1, "period of the TTL sweep and store gauge refresh");
 ABSL_FLAG(bool, enable_reflection, false, "serve gRPC server reflection");
+ABSL_FLAG(std::string, auth_tokens_file, "",
+          "file of 'TOKEN TENANT' lines; when set every RPC but health needs "
+          "'authorization: Bearer TOKEN' and each tenant sees only its own caches");
 
 namespace {
 
@@ -72,6 +75,7 @@ absl::StatusOr<kvc::server::ServerConfig> ConfigFromFlags() {
   c.shutdown_deadline_seconds = absl::GetFlag(FLAGS_shutdown_deadline_seconds);
   c.ttl_sweep_seconds = absl::GetFlag(FLAGS_ttl_sweep_seconds);
   c.enable_reflection = absl::GetFlag(FLAGS_enable_reflection);
+  c.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
   if (auto s = kvc::server::ValidateConfig(c); !s.ok()) return s;
   return c;
 }

@@ -29,6 +29,7 @@ struct ServerConfig {
   double shutdown_deadline_seconds = 10;
   double ttl_sweep_seconds = 1;  // period of the TTL sweep and store gauge refresh
   bool enable_reflection = false;
+  std::string auth_tokens_file;  // "TOKEN TENANT" lines; empty = no authentication (server/auth.h)
 };
 
 // Parses "1073741824", "512K", "64MiB", "1G", "1GiB", "4KB" (K/M/G/T are powers of 1024, with

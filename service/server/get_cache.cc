@@ -20,7 +20,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
  public:
   GetCacheReactor(ServiceState* state, grpc::CallbackServerContext* context,
                   const grpc::ByteBuffer* request)
-      : state_(state), rec_(state, "GetCache") {
+      : state_(state), context_(context), rec_(state, "GetCache") {
     if (state_->draining) {
       if (state_->metrics) state_->metrics->RecordRejection(RejectionReason::kDraining);
       FinishOnce(grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvcd is shutting down"));
@@ -91,7 +91,9 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
             grpc::StatusCode::INVALID_ARGUMENT,
             absl::StrCat("format: ", static_cast<int>(req.format()), " is not PACKED or DENSE"));
     }
-    auto lease = state_->store->Acquire(req.cache_id());
+    auto ns = state_->Namespace(*context_);
+    if (!ns.ok()) return ToGrpc(ns.status());
+    auto lease = state_->store->Acquire(*ns + req.cache_id());
     if (!lease.ok()) return ToGrpc(lease.status());
     keep_ = std::make_shared<Keepalive>();
     keep_->lease = *std::move(lease);
@@ -204,6 +206,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   };
 
   ServiceState* const state_;
+  grpc::CallbackServerContext* const context_;
   RpcRecorder rec_;
   bool holds_stream_ = false;
   bool dense_ = false;

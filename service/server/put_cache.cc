@@ -37,6 +37,12 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
              RejectionReason::kDraining);
       return;
     }
+    auto ns = state_->Namespace(*context);
+    if (!ns.ok()) {
+      FinishOnce(ToGrpc(ns.status()));
+      return;
+    }
+    namespace_ = *std::move(ns);
     if (!state_->TryAcquireStream()) {
       Reject(absl::nullopt,
              grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -97,7 +103,7 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
                                             "data: must be empty in the header message"),
                                RejectionReason::kInvalidArgument);
       }
-      s = upload_->OnHeader(req->header, req->header.cache_id());
+      s = upload_->OnHeader(req->header, namespace_ + req->header.cache_id());
     } else if (req->kind == RawPutRequest::Kind::kChunk) {
       if (!upload_->has_header()) {
         return FinishWithError(
@@ -156,6 +162,7 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   grpc::ByteBuffer* const response_;
   RpcRecorder rec_;
   bool holds_stream_ = false;
+  std::string namespace_;  // store-id prefix of the caller's tenant
   std::shared_ptr<Upload> upload_;
   grpc::ByteBuffer request_;
 };

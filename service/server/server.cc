@@ -62,7 +62,14 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
   if (threads == 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   s->pool_ = std::make_unique<ThreadPool>(threads);
 
+  if (!config.auth_tokens_file.empty()) {
+    auto auth = TokenAuth::Load(config.auth_tokens_file);
+    if (!auth.ok()) return absl::InvalidArgumentError(auth.status().message());
+    s->auth_ = *std::move(auth);
+  }
+
   s->state_ = std::make_unique<ServiceState>();
+  s->state_->auth = s->auth_.get();
   s->state_->config = config;
   s->state_->backend = s->backend_.get();
   s->state_->store = s->store_.get();

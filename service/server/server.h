@@ -77,6 +77,7 @@ class KvcServer {
   std::unique_ptr<CacheStore> store_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<TokenAuth> auth_;
   std::unique_ptr<ServiceState> state_;
   std::unique_ptr<KvCacheServiceImpl> service_;
   std::vector<std::unique_ptr<grpc::Service>> extra_;

@@ -41,6 +41,13 @@ void ServiceState::ReleaseStream() {
   if (metrics) metrics->StreamFinished();
 }
 
+absl::StatusOr<std::string> ServiceState::Namespace(const grpc::ServerContextBase& context) {
+  if (auth == nullptr) return std::string();
+  auto ns = auth->Authenticate(context);
+  if (!ns.ok() && metrics) metrics->RecordRejection(RejectionReason::kUnauthenticated);
+  return ns;
+}
+
 void ServiceState::RefreshStoreGauges() {
   if (metrics) metrics->SetStoreStats(store->GetStats());
 }
@@ -79,10 +86,12 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::StatCache(
     kvcache::v1::CacheInfo* response) {
   RpcRecorder rec(state_, "StatCache");
   if (state_->draining) return FinishUnary(context, rec, Draining());
+  auto ns = state_->Namespace(*context);
+  if (!ns.ok()) return FinishUnary(context, rec, ToGrpc(ns.status()));
   if (auto s = ValidateCacheId("cache_id", request->cache_id()); !s.ok()) {
     return FinishUnary(context, rec, ToGrpc(s));
   }
-  auto entry = state_->store->Peek(request->cache_id());
+  auto entry = state_->store->Peek(*ns + request->cache_id());
   if (!entry.ok()) return FinishUnary(context, rec, ToGrpc(entry.status()));
   if (!response->ParseFromString((*entry)->metadata)) {
     return FinishUnary(context, rec,
@@ -96,10 +105,12 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::DeleteCache(
     kvcache::v1::DeleteCacheResponse* response) {
   RpcRecorder rec(state_, "DeleteCache");
   if (state_->draining) return FinishUnary(context, rec, Draining());
+  auto ns = state_->Namespace(*context);
+  if (!ns.ok()) return FinishUnary(context, rec, ToGrpc(ns.status()));
   if (auto s = ValidateCacheId("cache_id", request->cache_id()); !s.ok()) {
     return FinishUnary(context, rec, ToGrpc(s));
   }
-  auto freed = state_->store->Delete(request->cache_id());
+  auto freed = state_->store->Delete(*ns + request->cache_id());
   if (!freed.ok()) return FinishUnary(context, rec, ToGrpc(freed.status()));
   response->set_freed_bytes(*freed);
   if (state_->metrics) state_->metrics->RecordEviction(EvictionReason::kDeleted);
@@ -112,6 +123,8 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::ListCaches(
     kvcache::v1::ListCachesResponse* response) {
   RpcRecorder rec(state_, "ListCaches");
   if (state_->draining) return FinishUnary(context, rec, Draining());
+  auto ns = state_->Namespace(*context);
+  if (!ns.ok()) return FinishUnary(context, rec, ToGrpc(ns.status()));
   if (request->prefix().size() > kMaxCacheIdBytes) {
     return FinishUnary(context, rec,
                        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -126,7 +139,10 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::ListCaches(
   const uint32_t page_size =
       request->page_size() == 0 ? kDefaultPageSize : std::min(request->page_size(), kMaxPageSize);
   // One extra entry tells whether another page follows.
-  auto entries = state_->store->List(request->prefix(), request->page_token(), page_size + 1);
+  // Store ids carry the tenant prefix; page tokens and the listing never show it.
+  const std::string start_after =
+      request->page_token().empty() ? std::string() : *ns + request->page_token();
+  auto entries = state_->store->List(*ns + request->prefix(), start_after, page_size + 1);
   const bool more = entries.size() > page_size;
   if (more) entries.resize(page_size);
   for (const auto& e : entries) {
@@ -137,7 +153,9 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::ListCaches(
                        absl::StrCat("stored metadata of '", e->id, "' is unreadable")));
     }
   }
-  if (more && !entries.empty()) response->set_next_page_token(entries.back()->id);
+  if (more && !entries.empty()) {
+    response->set_next_page_token(entries.back()->id.substr(ns->size()));
+  }
   return FinishUnary(context, rec, grpc::Status::OK);
 }
 
@@ -146,6 +164,8 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::GetServerInfo(
     kvcache::v1::ServerInfo* response) {
   RpcRecorder rec(state_, "GetServerInfo");
   // Answered while draining too, so clients can see serving == false.
+  auto ns = state_->Namespace(*context);
+  if (!ns.ok()) return FinishUnary(context, rec, ToGrpc(ns.status()));
   const ServerConfig& c = state_->config;
   response->set_version(state_->version);
   response->set_backend(std::string(state_->backend->name()));

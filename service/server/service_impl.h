@@ -27,6 +27,7 @@
 #include "kvc/cache_store.h"
 #include "kvc/metrics.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
+#include "server/auth.h"
 #include "server/config.h"
 #include "server/thread_pool.h"
 
@@ -40,7 +41,8 @@ struct ServiceState {
   Metrics* metrics = nullptr;
   ThreadPool* pool = nullptr;
   std::string version;
-  bool nccl_available = false;  // set by the transfer service when it is registered
+  bool nccl_available = false;      // set by the transfer service when it is registered
+  const TokenAuth* auth = nullptr;  // null: no authentication
 
   std::atomic<bool> draining{false};
   std::atomic<int> active_streams{0};
@@ -49,6 +51,9 @@ struct ServiceState {
   // Takes a stream slot; false when --max_concurrent_streams are already open.
   bool TryAcquireStream();
   void ReleaseStream();
+  // The caller's store-id prefix: "" without authentication, else "TENANT/"; UNAUTHENTICATED
+  // (and a rejection metric) when the bearer token is missing or unknown.
+  absl::StatusOr<std::string> Namespace(const grpc::ServerContextBase& context);
   // Pushes the store's size and entry count to the gauges.
   void RefreshStoreGauges();
 };

@@ -5,6 +5,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "grpcpp/support/client_interceptor.h"
 
 namespace kvc::testing {
 namespace {
@@ -16,6 +17,34 @@ void Fill(std::vector<uint8_t>* out, size_t elems, DType dtype, std::mt19937_64&
   out->resize(elems * DTypeSize(dtype));
   for (size_t i = 0; i < elems; ++i) StoreFromFloat(out->data(), dtype, i, dist(rng));
 }
+
+// Adds the authorization header to every call of a channel.
+class BearerInterceptor : public grpc::experimental::Interceptor {
+ public:
+  explicit BearerInterceptor(std::string value) : value_(std::move(value)) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      methods->GetSendInitialMetadata()->insert({"authorization", value_});
+    }
+    methods->Proceed();
+  }
+
+ private:
+  std::string value_;
+};
+
+class BearerInterceptorFactory : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit BearerInterceptorFactory(std::string token) : value_("Bearer " + token) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(
+      grpc::experimental::ClientRpcInfo*) override {
+    return new BearerInterceptor(value_);
+  }
+
+ private:
+  std::string value_;
+};
 
 grpc::Status Internal(const std::string& msg) {
   return grpc::Status(grpc::StatusCode::INTERNAL, msg);
@@ -127,12 +156,19 @@ std::vector<PutCacheRequest> MakeRequests(const TestCache& cache, size_t chunk_b
   return out;
 }
 
-std::unique_ptr<kvcache::v1::KvCache::Stub> NewStub(const std::string& address) {
+std::unique_ptr<kvcache::v1::KvCache::Stub> NewStub(const std::string& address,
+                                                    const std::string& bearer_token) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
-  return kvcache::v1::KvCache::NewStub(
-      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+  if (bearer_token.empty()) {
+    return kvcache::v1::KvCache::NewStub(
+        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+  }
+  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> factories;
+  factories.push_back(std::make_unique<BearerInterceptorFactory>(bearer_token));
+  return kvcache::v1::KvCache::NewStub(grpc::experimental::CreateCustomChannelWithInterceptors(
+      address, grpc::InsecureChannelCredentials(), args, std::move(factories)));
 }
 
 grpc::Status Put(kvcache::v1::KvCache::Stub* stub, const std::vector<PutCacheRequest>& requests,

@@ -43,7 +43,10 @@ kvcache::v1::ModelShape Shape(uint32_t layers, uint32_t kv_heads, uint32_t q_hea
 std::vector<kvcache::v1::PutCacheRequest> MakeRequests(const TestCache& cache, size_t chunk_bytes,
                                                        uint64_t shuffle_seed = 0);
 
-std::unique_ptr<kvcache::v1::KvCache::Stub> NewStub(const std::string& address);
+// A stub on a fresh channel without message size limits. With `bearer_token`, every call carries
+// "authorization: Bearer TOKEN" (added by a client interceptor, so all helpers below use it).
+std::unique_ptr<kvcache::v1::KvCache::Stub> NewStub(const std::string& address,
+                                                    const std::string& bearer_token = "");
 
 // Streams `requests` (then WritesDone) and returns the final status.
 grpc::Status Put(kvcache::v1::KvCache::Stub* stub,
