@@ -36,7 +36,9 @@ __global__ void PackedAttentionKernel(AttnArgs a) {
   const int32_t* vidx = At<int32_t>(a.blob, hd.value_idx);
   const int kq_bytes = (hd.key_channels * a.bits + 7) / 8;
   const int vq_bytes = (hd.value_channels * a.bits + 7) / 8;
-  const int v_groups = a.bits > 0 ? (hd.value_channels + a.group - 1) / a.group : 0;
+  // Written without Tv + G - 1: G comes from the blob header and may be as large as INT32_MAX.
+  const int v_groups =
+      a.bits > 0 && hd.value_channels > 0 ? 1 + (hd.value_channels - 1) / a.group : 0;
   for (int c = threadIdx.x; c < d; c += blockDim.x) {
     sq[c] = a.q[(static_cast<size_t>(hq) * a.n_q + i) * d + c];
     vinv[c] = -1;
@@ -52,8 +54,10 @@ __global__ void PackedAttentionKernel(AttnArgs a) {
         const T* row = At<T>(a.blob, hd.key_old) + static_cast<size_t>(t) * hd.key_channels;
         for (int c = 0; c < hd.key_channels; ++c) s = fmaf(sq[kidx[c]], E::Load(row, c), s);
       } else {
-        const float* sc = At<float>(a.blob, hd.key_scale) + static_cast<size_t>(t / a.group) * hd.key_channels;
-        const float* ze = At<float>(a.blob, hd.key_zero) + static_cast<size_t>(t / a.group) * hd.key_channels;
+        const float* sc =
+            At<float>(a.blob, hd.key_scale) + static_cast<size_t>(t / a.group) * hd.key_channels;
+        const float* ze =
+            At<float>(a.blob, hd.key_zero) + static_cast<size_t>(t / a.group) * hd.key_channels;
         const uint8_t* row = At<uint8_t>(a.blob, hd.key_codes) + static_cast<size_t>(t) * kq_bytes;
         for (int c = 0; c < hd.key_channels; ++c) {
           const float x = static_cast<float>(CodeAt(row, c, a.bits)) * sc[c] + ze[c];
@@ -90,7 +94,8 @@ __global__ void PackedAttentionKernel(AttnArgs a) {
           x = E::Load(At<T>(a.blob, hd.value_old) + static_cast<size_t>(t) * hd.value_channels, ci);
         } else {
           const size_t g = static_cast<size_t>(t) * v_groups + ci / a.group;
-          const uint8_t* row = At<uint8_t>(a.blob, hd.value_codes) + static_cast<size_t>(t) * vq_bytes;
+          const uint8_t* row =
+              At<uint8_t>(a.blob, hd.value_codes) + static_cast<size_t>(t) * vq_bytes;
           x = static_cast<float>(CodeAt(row, ci, a.bits)) * At<float>(a.blob, hd.value_scale)[g] +
               At<float>(a.blob, hd.value_zero)[g];
         }

@@ -59,17 +59,17 @@ CompressPlan MakeCompressPlan(const LayerInput& in, const CompressionSpec& spec)
   const int hkv = sh.num_kv_heads, b = p.budget, r = p.n_recent;
   const int bits = spec.quant.bits, g = bits > 0 ? spec.quant.group_size : 0;
   // The CPU writer's layout function, so that both backends produce byte-identical blobs.
-  const internal::HeadLayout l = internal::ComputeHeadLayout(
-      b, r, p.key_channels, p.value_channels, d, DTypeSize(in.dtype), bits, g);
+  const internal::HeadLayout l = internal::ComputeHeadLayout(b, r, p.key_channels, p.value_channels,
+                                                             d, DTypeSize(in.dtype), bits, g);
   p.offsets.resize(hkv);
   p.descs.resize(hkv);
   for (int h = 0; h < hkv; ++h) {
     const uint64_t start = internal::SectionsBegin(hkv) + static_cast<uint64_t>(h) * l.size;
     HeadOffsets& o = p.offsets[h];
-    o = HeadOffsets{start + l.positions,   start + l.key_idx,     start + l.value_idx,
-                    start + l.key_old,     start + l.key_scale,   start + l.key_zero,
-                    start + l.key_codes,   start + l.key_recent,  start + l.value_old,
-                    start + l.value_scale, start + l.value_zero,  start + l.value_codes,
+    o = HeadOffsets{start + l.positions,   start + l.key_idx,    start + l.value_idx,
+                    start + l.key_old,     start + l.key_scale,  start + l.key_zero,
+                    start + l.key_codes,   start + l.key_recent, start + l.value_old,
+                    start + l.value_scale, start + l.value_zero, start + l.value_codes,
                     start + l.value_recent};
     HeadDesc& desc = p.descs[h];
     desc.n_kept = b;

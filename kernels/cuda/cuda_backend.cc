@@ -2,6 +2,8 @@
 // buffer, runs scoring -> selection -> channel selection -> gather -> quantization on the
 // device, and copies the blob back. The blob layout is planned on the host before any kernel runs
 // (it depends only on shapes and the spec), so the only synchronization is the final one.
+#include "cuda/cuda_backend.h"
+
 #include <cmath>
 #include <cstring>
 
@@ -9,7 +11,6 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "cuda/compress_plan.h"
-#include "cuda/cuda_backend.h"
 #include "cuda/kernels.h"
 #include "cuda/resources.h"
 #include "kvc/status_macros.h"
@@ -36,8 +37,7 @@ class CudaBackend final : public Backend {
 
   absl::StatusOr<CompactLayer> Compress(const LayerInput& in, const CompressionSpec& spec,
                                         CompressTimings* timings) override;
-  absl::Status Attend(const CompactLayerView& cache, const DecodeQuery& query,
-                      float* out) override;
+  absl::Status Attend(const CompactLayerView& cache, const DecodeQuery& query, float* out) override;
 
  private:
   // Runs `fn(slot)` on an acquired slot with the backend's device current.
@@ -94,22 +94,20 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
 
   Arena arena;
   const size_t o_in = arena.Add(in_bytes);
-  const size_t o_logits = arena.Add(plan.needs_attention_scores
-                                        ? sizeof(float) * static_cast<size_t>(hq) * w * s
-                                        : 0);
+  const size_t o_logits =
+      arena.Add(plan.needs_attention_scores ? sizeof(float) * static_cast<size_t>(hq) * w * s : 0);
   const size_t o_scores = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
   const size_t o_pooled = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
   const size_t o_pos = arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * b);
   const size_t o_kidx = arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * plan.key_channels);
-  const size_t o_vidx =
-      arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * plan.value_channels);
+  const size_t o_vidx = arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * plan.value_channels);
   const bool channel_work = plan.key_channels < d || plan.value_channels < d;
   const size_t o_cscratch =
       arena.Add(channel_work ? sizeof(float) * ChannelScratchFloats(hkv, hq, w, b, d) : 0);
-  const size_t o_pscratch = arena.Add(
-      spec.quant.bits > 0
-          ? sizeof(float) * PackScratchFloats(hkv, m, plan.key_channels, plan.value_channels)
-          : 0);
+  const size_t o_pscratch =
+      arena.Add(spec.quant.bits > 0 ? sizeof(float) * PackScratchFloats(hkv, m, plan.key_channels,
+                                                                        plan.value_channels)
+                                    : 0);
   const size_t o_offsets = arena.Add(sizeof(HeadOffsets) * hkv);
   const size_t o_blob = arena.Add(plan.blob_bytes);
   RETURN_IF_ERROR(arena.Allocate(pool_->mem_pool(), st));
@@ -132,10 +130,9 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
 
   KVC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev_in, pinned, in_bytes, cudaMemcpyHostToDevice, st),
                            "copy inputs to device");
-  KVC_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(arena.At<HeadOffsets>(o_offsets), plan.offsets.data(),
-                      sizeof(HeadOffsets) * hkv, cudaMemcpyHostToDevice, st),
-      "copy layout to device");
+  KVC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(arena.At<HeadOffsets>(o_offsets), plan.offsets.data(),
+                                           sizeof(HeadOffsets) * hkv, cudaMemcpyHostToDevice, st),
+                           "copy layout to device");
   KVC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(blob, 0, plan.blob_bytes, st), "clear blob");
   KVC_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[0], st), "cudaEventRecord");
 
@@ -157,8 +154,7 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
                                "QK^T scores");
       const bool gumbel = e.policy == EvictionPolicy::kKeyformer;
       KVC_CUDA_RETURN_IF_ERROR(
-          LaunchSoftmaxRows(logits, hq, w, s, gumbel, e.seed,
-                            static_cast<uint32_t>(in.layer_index),
+          LaunchSoftmaxRows(logits, hq, w, s, gumbel, e.seed, static_cast<uint32_t>(in.layer_index),
                             static_cast<float>(1.0 / e.tau), st),
           "softmax");
       KVC_CUDA_RETURN_IF_ERROR(LaunchGroupColumnSum(logits, hq, hkv, w, s, scores, st),
@@ -178,10 +174,9 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
                                "key norms");
       break;
     case EvictionPolicy::kRandom:
-      KVC_CUDA_RETURN_IF_ERROR(LaunchRandomScores(hkv, s, e.seed,
-                                                  static_cast<uint32_t>(in.layer_index), scores,
-                                                  st),
-                               "random scores");
+      KVC_CUDA_RETURN_IF_ERROR(
+          LaunchRandomScores(hkv, s, e.seed, static_cast<uint32_t>(in.layer_index), scores, st),
+          "random scores");
       break;
   }
   KVC_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[1], st), "cudaEventRecord");
@@ -316,12 +311,12 @@ absl::Status CudaBackend::AttendOnSlot(const CompactLayerView& cache, const Deco
   };
   for (int h = 0; h < hkv; ++h) {
     const CompactHead ch = cache.head(h);
-    heads[h] = AttnHead{ch.n_kept,           ch.n_recent,          ch.key_channels,
-                        ch.value_channels,   rel(ch.positions),    rel(ch.key_idx),
-                        rel(ch.value_idx),   rel(ch.key_old),      rel(ch.key_scale),
-                        rel(ch.key_zero),    rel(ch.key_codes),    rel(ch.key_recent),
-                        rel(ch.value_old),   rel(ch.value_scale),  rel(ch.value_zero),
-                        rel(ch.value_codes), rel(ch.value_recent)};
+    heads[h] =
+        AttnHead{ch.n_kept,           ch.n_recent,         ch.key_channels,    ch.value_channels,
+                 rel(ch.positions),   rel(ch.key_idx),     rel(ch.value_idx),  rel(ch.key_old),
+                 rel(ch.key_scale),   rel(ch.key_zero),    rel(ch.key_codes),  rel(ch.key_recent),
+                 rel(ch.value_old),   rel(ch.value_scale), rel(ch.value_zero), rel(ch.value_codes),
+                 rel(ch.value_recent)};
     max_kept = std::max(max_kept, ch.n_kept);
   }
   const size_t blob_bytes = cache.blob().size();
@@ -391,8 +386,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackendImpl(const BackendOpti
   int count = 0;
   KVC_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
   if (options.device < 0 || options.device >= count) {
-    return absl::UnavailableError(absl::StrCat("cuda backend unavailable: device ",
-                                               options.device, " is not in [0, ", count, ")"));
+    return absl::UnavailableError(absl::StrCat("cuda backend unavailable: device ", options.device,
+                                               " is not in [0, ", count, ")"));
   }
   cudaDeviceProp prop = {};
   KVC_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, options.device),

@@ -21,9 +21,7 @@ struct F32 {
 };
 struct F16 {
   using T = __half;
-  static __device__ __forceinline__ float Load(const T* p, size_t i) {
-    return __half2float(p[i]);
-  }
+  static __device__ __forceinline__ float Load(const T* p, size_t i) { return __half2float(p[i]); }
 };
 struct BF16 {
   using T = __nv_bfloat16;
@@ -39,46 +37,46 @@ struct HeadDim {
   __device__ __forceinline__ static int Get(int runtime_d) { return kD > 0 ? kD : runtime_d; }
 };
 
-#define KVC_DISPATCH_DTYPE(dtype, TAG, ...)          \
-  [&]() -> cudaError_t {                             \
-    switch (dtype) {                                 \
-      case ::kvc::cuda::ElemType::kF32: {            \
-        using TAG = ::kvc::cuda::F32;                \
-        return __VA_ARGS__();                        \
-      }                                              \
-      case ::kvc::cuda::ElemType::kF16: {            \
-        using TAG = ::kvc::cuda::F16;                \
-        return __VA_ARGS__();                        \
-      }                                              \
-      case ::kvc::cuda::ElemType::kBF16: {           \
-        using TAG = ::kvc::cuda::BF16;               \
-        return __VA_ARGS__();                        \
-      }                                              \
-    }                                                \
-    return cudaErrorInvalidValue;                    \
+#define KVC_DISPATCH_DTYPE(dtype, TAG, ...) \
+  [&]() -> cudaError_t {                    \
+    switch (dtype) {                        \
+      case ::kvc::cuda::ElemType::kF32: {   \
+        using TAG = ::kvc::cuda::F32;       \
+        return __VA_ARGS__();               \
+      }                                     \
+      case ::kvc::cuda::ElemType::kF16: {   \
+        using TAG = ::kvc::cuda::F16;       \
+        return __VA_ARGS__();               \
+      }                                     \
+      case ::kvc::cuda::ElemType::kBF16: {  \
+        using TAG = ::kvc::cuda::BF16;      \
+        return __VA_ARGS__();               \
+      }                                     \
+    }                                       \
+    return cudaErrorInvalidValue;           \
   }()
 
-#define KVC_DISPATCH_HEAD_DIM(head_dim, HD, ...)                                  \
-  [&]() -> cudaError_t {                                                          \
-    if ((head_dim) < 8 || (head_dim) > 256) return cudaErrorInvalidValue;         \
-    switch (head_dim) {                                                           \
-      case 64: {                                                                  \
-        using HD = ::kvc::cuda::HeadDim<64>;                                      \
-        return __VA_ARGS__();                                                     \
-      }                                                                           \
-      case 128: {                                                                 \
-        using HD = ::kvc::cuda::HeadDim<128>;                                     \
-        return __VA_ARGS__();                                                     \
-      }                                                                           \
-      case 256: {                                                                 \
-        using HD = ::kvc::cuda::HeadDim<256>;                                     \
-        return __VA_ARGS__();                                                     \
-      }                                                                           \
-      default: {                                                                  \
-        using HD = ::kvc::cuda::HeadDim<0>;                                       \
-        return __VA_ARGS__();                                                     \
-      }                                                                           \
-    }                                                                             \
+#define KVC_DISPATCH_HEAD_DIM(head_dim, HD, ...)                          \
+  [&]() -> cudaError_t {                                                  \
+    if ((head_dim) < 8 || (head_dim) > 256) return cudaErrorInvalidValue; \
+    switch (head_dim) {                                                   \
+      case 64: {                                                          \
+        using HD = ::kvc::cuda::HeadDim<64>;                              \
+        return __VA_ARGS__();                                             \
+      }                                                                   \
+      case 128: {                                                         \
+        using HD = ::kvc::cuda::HeadDim<128>;                             \
+        return __VA_ARGS__();                                             \
+      }                                                                   \
+      case 256: {                                                         \
+        using HD = ::kvc::cuda::HeadDim<256>;                             \
+        return __VA_ARGS__();                                             \
+      }                                                                   \
+      default: {                                                          \
+        using HD = ::kvc::cuda::HeadDim<0>;                               \
+        return __VA_ARGS__();                                             \
+      }                                                                   \
+    }                                                                     \
   }()
 
 // Returns the launch error (if any) of the kernel just launched.

@@ -11,9 +11,9 @@
 #include <cstdint>
 
 // Returns from the enclosing cudaError_t function when `expr` fails.
-#define KVC_CUDA_CALL(expr)                        \
-  do {                                             \
-    const cudaError_t kvc_cuda_err_ = (expr);      \
+#define KVC_CUDA_CALL(expr)                                 \
+  do {                                                      \
+    const cudaError_t kvc_cuda_err_ = (expr);               \
     if (kvc_cuda_err_ != cudaSuccess) return kvc_cuda_err_; \
   } while (0)
 
@@ -117,11 +117,11 @@ struct PackArgs {
   int num_kv_heads = 0, head_dim = 0;
   int n_kept = 0, n_recent = 0, key_channels = 0, value_channels = 0;
   int bits = 0, group = 0;
-  const int32_t* positions = nullptr;  // [Hkv, n_kept]
-  const int32_t* key_idx = nullptr;    // [Hkv, Tk]
-  const int32_t* value_idx = nullptr;  // [Hkv, Tv]
+  const int32_t* positions = nullptr;    // [Hkv, n_kept]
+  const int32_t* key_idx = nullptr;      // [Hkv, Tk]
+  const int32_t* value_idx = nullptr;    // [Hkv, Tv]
   const HeadOffsets* offsets = nullptr;  // [Hkv], device memory
-  float* scratch = nullptr;  // PackScratchFloats() floats (bits > 0)
+  float* scratch = nullptr;              // PackScratchFloats() floats (bits > 0)
   uint8_t* blob = nullptr;
 };
 size_t PackScratchFloats(int num_kv_heads, int m, int key_channels, int value_channels);

@@ -85,7 +85,9 @@ __device__ __forceinline__ uint32_t Encode(float x, float zero, float inv, float
   return static_cast<uint32_t>(static_cast<int>(__fadd_rn(v, 0.5f)));
 }
 
-__device__ __forceinline__ float InvScale(float sc) { return sc > 0.0f ? __fdiv_rn(1.0f, sc) : 0.0f; }
+__device__ __forceinline__ float InvScale(float sc) {
+  return sc > 0.0f ? __fdiv_rn(1.0f, sc) : 0.0f;
+}
 
 // Grid (ceil(m / G), Hkv): keys are quantized per channel over groups of G tokens.
 __global__ void QuantizeKeysKernel(PackArgs a) {
@@ -129,13 +131,14 @@ __global__ void QuantizeKeysKernel(PackArgs a) {
 __global__ void QuantizeValuesKernel(PackArgs a) {
   const int j = blockIdx.x, h = blockIdx.y;
   const int m = a.n_kept - a.n_recent, t = a.value_channels;
-  const int groups = (t + a.group - 1) / a.group;
+  const int groups = 1 + (t - 1) / a.group;  // t >= 1
   const float qmax = static_cast<float>((1 << a.bits) - 1);
   const size_t per_head = static_cast<size_t>(m) * (a.key_channels + a.value_channels);
   const float* x = a.scratch + h * per_head + static_cast<size_t>(m) * a.key_channels +
                    static_cast<size_t>(j) * t;
   const HeadOffsets& off = a.offsets[h];
-  float* scale = reinterpret_cast<float*>(a.blob + off.value_scale) + static_cast<size_t>(j) * groups;
+  float* scale =
+      reinterpret_cast<float*>(a.blob + off.value_scale) + static_cast<size_t>(j) * groups;
   float* zero = reinterpret_cast<float*>(a.blob + off.value_zero) + static_cast<size_t>(j) * groups;
   for (int gi = threadIdx.x; gi < groups; gi += blockDim.x) {
     const int c0 = gi * a.group, n = min(a.group, t - c0);
@@ -166,7 +169,8 @@ __global__ void QuantizeValuesKernel(PackArgs a) {
 }  // namespace
 
 size_t PackScratchFloats(int num_kv_heads, int m, int key_channels, int value_channels) {
-  return static_cast<size_t>(num_kv_heads) * m * (static_cast<size_t>(key_channels) + value_channels);
+  return static_cast<size_t>(num_kv_heads) * m *
+         (static_cast<size_t>(key_channels) + value_channels);
 }
 
 cudaError_t LaunchPack(const PackArgs& a, cudaStream_t stream) {
@@ -187,7 +191,7 @@ cudaError_t LaunchPack(const PackArgs& a, cudaStream_t stream) {
 cudaError_t LaunchQuantize(const PackArgs& a, cudaStream_t stream) {
   const int m = a.n_kept - a.n_recent;
   if (a.bits == 0 || m == 0) return cudaSuccess;
-  QuantizeKeysKernel<<<dim3((m + a.group - 1) / a.group, a.num_kv_heads), 128, 0, stream>>>(a);
+  QuantizeKeysKernel<<<dim3(1 + (m - 1) / a.group, a.num_kv_heads), 128, 0, stream>>>(a);
   KVC_CUDA_CALL(LastLaunchError());
   QuantizeValuesKernel<<<dim3(m, a.num_kv_heads), 64, 0, stream>>>(a);
   return LastLaunchError();

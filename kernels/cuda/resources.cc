@@ -18,8 +18,8 @@ std::vector<cudaMemPool_t>& Pools() {
 }  // namespace
 
 absl::Status CudaStatus(cudaError_t err, const char* what) {
-  const std::string msg = absl::StrCat("cuda: ", what, ": ", cudaGetErrorName(err), " (",
-                                       cudaGetErrorString(err), ")");
+  const std::string msg =
+      absl::StrCat("cuda: ", what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
   if (err == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(msg);
   if (err == cudaErrorInvalidValue) return absl::InvalidArgumentError(msg);
   return absl::InternalError(msg);

@@ -23,9 +23,9 @@ namespace kvc::cuda {
 // absl::Status from a CUDA error; `what` names the operation.
 absl::Status CudaStatus(cudaError_t err, const char* what);
 
-#define KVC_CUDA_RETURN_IF_ERROR(expr, what)                                   \
-  do {                                                                         \
-    const cudaError_t kvc_err_ = (expr);                                       \
+#define KVC_CUDA_RETURN_IF_ERROR(expr, what)                                     \
+  do {                                                                           \
+    const cudaError_t kvc_err_ = (expr);                                         \
     if (kvc_err_ != cudaSuccess) return ::kvc::cuda::CudaStatus(kvc_err_, what); \
   } while (0)
 

@@ -87,7 +87,8 @@ __global__ void SoftmaxRowsKernel(float* __restrict__ logits, int obs_window, in
     float x = row[j];
     if (gumbel) {
       x = (x + CounterGumbel(seed, layer, static_cast<uint32_t>(hq), static_cast<uint32_t>(i),
-                             static_cast<uint32_t>(j))) * inv_tau;
+                             static_cast<uint32_t>(j))) *
+          inv_tau;
       row[j] = x;
     }
     mx = fmaxf(mx, x);
@@ -167,7 +168,9 @@ __global__ void SumHeadsKernel(const float* __restrict__ scores, int num_kv_head
   out[j] = s;
 }
 
-unsigned Blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+unsigned Blocks(int64_t n, int threads) {
+  return static_cast<unsigned>((n + threads - 1) / threads);
+}
 
 }  // namespace
 
@@ -175,14 +178,13 @@ cudaError_t LaunchQKLogits(ElemType dtype, const void* q, Strides qs, const void
                            int num_q_heads, int num_kv_heads, int obs_window, int seq_len,
                            int head_dim, float scale, float* logits, cudaStream_t stream) {
   if (obs_window == 0) return cudaSuccess;
-  const dim3 grid((seq_len + kTileK - 1) / kTileK, (obs_window + kTileQ - 1) / kTileQ,
-                  num_q_heads);
+  const dim3 grid((seq_len + kTileK - 1) / kTileK, (obs_window + kTileQ - 1) / kTileQ, num_q_heads);
   const int group = num_q_heads / num_kv_heads;
   return KVC_DISPATCH_DTYPE(dtype, E, [&] {
     return KVC_DISPATCH_HEAD_DIM(head_dim, HD, [&] {
       QKLogitsKernel<E, HD><<<grid, kThreads, 0, stream>>>(
-          static_cast<const typename E::T*>(q), qs, static_cast<const typename E::T*>(k), ks,
-          group, obs_window, seq_len, head_dim, scale, logits);
+          static_cast<const typename E::T*>(q), qs, static_cast<const typename E::T*>(k), ks, group,
+          obs_window, seq_len, head_dim, scale, logits);
       return LastLaunchError();
     });
   });

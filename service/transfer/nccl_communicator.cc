@@ -1,8 +1,6 @@
 // NCCL communicators, loaded with dlopen. Groups are non-blocking (ncclConfig_t.blocking = 0) so
 // that joins and transfers can time out: every wait polls ncclCommGetAsyncError / the stream and
 // aborts the communicator at the deadline instead of hanging a server thread forever.
-#include "kvc/communicator.h"
-
 #include <dlfcn.h>
 
 #include <atomic>
@@ -10,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "kvc/communicator.h"
 
 #ifdef KVC_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -126,8 +125,8 @@ class NcclCommunicator final : public Communicator {
     }
     if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return CudaError(e, "set device");
     cudaPointerAttributes attr = {};
-    const bool on_device = cudaPointerGetAttributes(&attr, buf) == cudaSuccess &&
-                           attr.type == cudaMemoryTypeDevice;
+    const bool on_device =
+        cudaPointerGetAttributes(&attr, buf) == cudaSuccess && attr.type == cudaMemoryTypeDevice;
     cudaGetLastError();
     void* dev = buf;
     if (!on_device) {
@@ -200,12 +199,11 @@ class NcclFactory final : public CommunicatorFactory {
       return absl::UnavailableError("nccl transport unavailable: no CUDA device is visible");
     }
     if (device_ < 0 || device_ >= count) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "nccl transport unavailable: device ", device_, " is not in [0, ", count, ")"));
+      return absl::FailedPreconditionError(absl::StrCat("nccl transport unavailable: device ",
+                                                        device_, " is not in [0, ", count, ")"));
     }
     if (!Api().load_error.empty()) {
-      return absl::UnavailableError(
-          absl::StrCat("nccl transport unavailable: ", Api().load_error));
+      return absl::UnavailableError(absl::StrCat("nccl transport unavailable: ", Api().load_error));
     }
     return absl::OkStatus();
   }

@@ -1,8 +1,7 @@
-#include "kvc/transfer.h"
-
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kvc/transfer.h"
 
 namespace kvc::transfer {
 
@@ -97,8 +96,7 @@ absl::Status TransferClient::FinishStream() {
   return FromGrpc(s);
 }
 
-absl::Status TransferClient::ReadAck(uint64_t sequence, TransferAck::State state,
-                                     uint64_t* bytes) {
+absl::Status TransferClient::ReadAck(uint64_t sequence, TransferAck::State state, uint64_t* bytes) {
   TransferAck ack;
   if (!stream_->Read(&ack)) {
     absl::Status s = FinishStream();
@@ -106,10 +104,9 @@ absl::Status TransferClient::ReadAck(uint64_t sequence, TransferAck::State state
   }
   if (ack.sequence() != sequence || ack.state() != state) {
     FinishStream().IgnoreError();
-    return absl::InternalError(absl::StrCat("transfer: expected ack ", sequence, "/",
-                                            TransferAck::State_Name(state), ", got ",
-                                            ack.sequence(), "/",
-                                            TransferAck::State_Name(ack.state())));
+    return absl::InternalError(
+        absl::StrCat("transfer: expected ack ", sequence, "/", TransferAck::State_Name(state),
+                     ", got ", ack.sequence(), "/", TransferAck::State_Name(ack.state())));
   }
   if (bytes != nullptr) *bytes = ack.received_bytes();
   return absl::OkStatus();

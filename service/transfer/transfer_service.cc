@@ -1,8 +1,7 @@
-#include "kvc/transfer.h"
-
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kvc/transfer.h"
 #include "transfer/transfer_sessions.h"
 
 namespace kvc::transfer {

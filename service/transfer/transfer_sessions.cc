@@ -114,8 +114,8 @@ absl::StatusOr<OpenTransferSessionResponse> TransferSessions::Open(
     const OpenTransferSessionRequest& request) {
   const std::string& client = request.client_id();
   if (client.empty() || client.size() > kMaxClientIdBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("client_id: must be 1 to ", kMaxClientIdBytes,
-                                                   " bytes, got ", client.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("client_id: must be 1 to ", kMaxClientIdBytes, " bytes, got ", client.size()));
   }
   TransferTransport transport = request.transport();
   if (transport == kvcache::v1::TRANSFER_TRANSPORT_UNSPECIFIED) {
@@ -141,7 +141,8 @@ absl::StatusOr<OpenTransferSessionResponse> TransferSessions::Open(
     if (it != by_client_.end()) old = it->second;
   }
   if (old != nullptr) {
-    const bool healthy = !old->IsClosed() && (!old->joined.HasBeenNotified() || old->join_status.ok());
+    const bool healthy =
+        !old->IsClosed() && (!old->joined.HasBeenNotified() || old->join_status.ok());
     if (old->transport == transport && healthy) {
       OpenTransferSessionResponse r;
       r.set_session_id(old->id);
@@ -178,8 +179,8 @@ absl::StatusOr<OpenTransferSessionResponse> TransferSessions::Open(
       // Rank 0 joins in the background: the join completes only when the client joins as rank 1
       // after reading this response.
       joiners_.emplace_back([s, factory = factory_, timeout = limits_.join_timeout] {
-        absl::StatusOr<std::unique_ptr<Communicator>> c = factory->Join(s->unique_id, 0, timeout,
-                                                                        &s->cancel_join);
+        absl::StatusOr<std::unique_ptr<Communicator>> c =
+            factory->Join(s->unique_id, 0, timeout, &s->cancel_join);
         if (c.ok()) {
           s->comm = *std::move(c);
         } else {
@@ -210,13 +211,13 @@ absl::StatusOr<uint64_t> TransferSessions::Handle(const TransferAnnouncement& a,
   }
   absl::MutexLock io(&s->io_mu);
   if (s->IsClosed()) {
-    return absl::NotFoundError(absl::StrCat("session_id: session '", a.session_id(), "' is closed"));
+    return absl::NotFoundError(
+        absl::StrCat("session_id: session '", a.session_id(), "' is closed"));
   }
   const uint64_t expected = s->next_sequence.load();
   if (a.sequence() < expected) {
-    return absl::InvalidArgumentError(absl::StrCat("sequence: ", a.sequence(),
-                                                   " was already handled (duplicate); expected ",
-                                                   expected));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence: ", a.sequence(), " was already handled (duplicate); expected ", expected));
   }
   if (a.sequence() > expected) {
     return absl::InvalidArgumentError(
@@ -228,27 +229,25 @@ absl::StatusOr<uint64_t> TransferSessions::Handle(const TransferAnnouncement& a,
   }
   if (a.tensor() != kvcache::v1::TENSOR_K && a.tensor() != kvcache::v1::TENSOR_V &&
       a.tensor() != kvcache::v1::TENSOR_Q_OBS) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor: ", static_cast<int>(a.tensor()), " is not TENSOR_K, TENSOR_V or TENSOR_Q_OBS"));
+    return absl::InvalidArgumentError(absl::StrCat("tensor: ", static_cast<int>(a.tensor()),
+                                                   " is not TENSOR_K, TENSOR_V or TENSOR_Q_OBS"));
   }
   if (a.num_bytes() == 0 || a.num_bytes() > limits_.max_tensor_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("num_bytes: ", a.num_bytes(),
-                                                   " is outside [1, ", limits_.max_tensor_bytes,
-                                                   "]"));
+    return absl::InvalidArgumentError(absl::StrCat("num_bytes: ", a.num_bytes(), " is outside [1, ",
+                                                   limits_.max_tensor_bytes, "]"));
   }
   const auto key = std::make_tuple(a.cache_id(), a.layer(), static_cast<int>(a.tensor()));
   if (s->seen.count(key) > 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor: duplicate announcement of cache '", a.cache_id(), "' layer ", a.layer(), " ",
-        kvcache::v1::TensorKind_Name(a.tensor())));
+    return absl::InvalidArgumentError(absl::StrCat("tensor: duplicate announcement of cache '",
+                                                   a.cache_id(), "' layer ", a.layer(), " ",
+                                                   kvcache::v1::TensorKind_Name(a.tensor())));
   }
   const bool nccl = s->transport == kvcache::v1::TRANSFER_TRANSPORT_NCCL;
   absl::Span<const uint8_t> bytes;
   if (!nccl) {
     if (a.payload().size() != a.num_bytes()) {
       return absl::InvalidArgumentError(absl::StrCat("payload: ", a.payload().size(),
-                                                     " bytes, but num_bytes says ",
-                                                     a.num_bytes()));
+                                                     " bytes, but num_bytes says ", a.num_bytes()));
     }
     bytes = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(a.payload().data()),
                                 a.payload().size());
@@ -286,8 +285,8 @@ absl::StatusOr<uint64_t> TransferSessions::Handle(const TransferAnnouncement& a,
 absl::Status TransferSessions::Close(const std::string& client_id, const std::string& session_id) {
   std::shared_ptr<Session> s = Find(session_id);
   if (s == nullptr || s->client_id != client_id) {
-    return absl::NotFoundError(absl::StrCat("session_id: no session '", session_id,
-                                            "' of client '", client_id, "'"));
+    return absl::NotFoundError(
+        absl::StrCat("session_id: no session '", session_id, "' of client '", client_id, "'"));
   }
   Drop(s);
   return absl::OkStatus();

@@ -68,8 +68,8 @@ bool DifferencesAreTies(const std::vector<int32_t>& a, const std::vector<int32_t
   for (int32_t x : only_a) {
     for (int32_t y : only_b) {
       if (std::fabs(score[x] - score[y]) > tol) {
-        *why = absl::StrCat("position ", x, " (score ", score[x], ") vs ", y, " (score ",
-                            score[y], "), tolerance ", tol);
+        *why = absl::StrCat("position ", x, " (score ", score[x], ") vs ", y, " (score ", score[y],
+                            "), tolerance ", tol);
         return false;
       }
     }
@@ -89,8 +89,8 @@ void ExpectBytesEqual(const void* a, const void* b, size_t n, const std::string&
   const auto* x = static_cast<const uint8_t*>(a);
   const auto* y = static_cast<const uint8_t*>(b);
   const auto mismatch = std::mismatch(x, x + n, y);
-  EXPECT_EQ(mismatch.first, x + n) << what << ": first differing byte at "
-                                   << (mismatch.first - x) << " of " << n;
+  EXPECT_EQ(mismatch.first, x + n)
+      << what << ": first differing byte at " << (mismatch.first - x) << " of " << n;
 }
 
 void ExpectFloatsNear(const float* a, const float* b, size_t n, float rel,
@@ -230,22 +230,21 @@ TEST_P(GpuVsCpu, SelectionBlobAndAttentionMatch) {
   bool same_channels = true;
   for (int h = 0; h < c.shape.num_kv_heads; ++h) {
     const CompactHead a = cv->head(h), b = gv->head(h);
-    const bool keys_equal =
-        a.key_channels == b.key_channels &&
-        std::equal(a.key_idx, a.key_idx + a.key_channels, b.key_idx);
-    const bool values_equal =
-        a.value_channels == b.value_channels &&
-        std::equal(a.value_idx, a.value_idx + a.value_channels, b.value_idx);
+    const bool keys_equal = a.key_channels == b.key_channels &&
+                            std::equal(a.key_idx, a.key_idx + a.key_channels, b.key_idx);
+    const bool values_equal = a.value_channels == b.value_channels &&
+                              std::equal(a.value_idx, a.value_idx + a.value_channels, b.value_idx);
     if (keys_equal && values_equal) continue;
     same_channels = false;
-    const std::vector<double> ks = gpu_testing::ReferenceChannelScores(layer, c.spec, *cv, h, false);
+    const std::vector<double> ks =
+        gpu_testing::ReferenceChannelScores(layer, c.spec, *cv, h, false);
     const std::vector<double> vs = gpu_testing::ReferenceChannelScores(layer, c.spec, *cv, h, true);
     std::string why;
-    EXPECT_TRUE(gpu_testing::ChannelDifferencesAreTies(a.key_idx, b.key_idx, a.key_channels, ks,
-                                                       &why))
+    EXPECT_TRUE(
+        gpu_testing::ChannelDifferencesAreTies(a.key_idx, b.key_idx, a.key_channels, ks, &why))
         << "head " << h << " key channels: " << why;
-    EXPECT_TRUE(gpu_testing::ChannelDifferencesAreTies(a.value_idx, b.value_idx,
-                                                       a.value_channels, vs, &why))
+    EXPECT_TRUE(gpu_testing::ChannelDifferencesAreTies(a.value_idx, b.value_idx, a.value_channels,
+                                                       vs, &why))
         << "head " << h << " value channels: " << why;
   }
   if (!same_channels) {
@@ -283,7 +282,8 @@ std::vector<Case> MakeCases() {
         c.dtype = dt;
         c.layout = lay;
         c.spec = Spec(p, 75);
-        c.name = absl::StrCat(std::string(PolicyName(p)), "_", std::string(DTypeName(dt)), "_", std::string(LayoutName(lay)), "_d96");
+        c.name = absl::StrCat(std::string(PolicyName(p)), "_", std::string(DTypeName(dt)), "_",
+                              std::string(LayoutName(lay)), "_d96");
         cases.push_back(c);
       }
     }
@@ -292,9 +292,10 @@ std::vector<Case> MakeCases() {
   struct S {
     int hkv, g, s, d, w, budget;
   };
-  const S shapes[] = {{1, 1, 1, 8, 1, 1},       {2, 1, 17, 8, 5, 9},      {4, 4, 256, 64, 32, 64},
-                      {2, 4, 1000, 128, 32, 100}, {2, 1, 4096, 128, 32, 410},
-                      {1, 4, 513, 256, 64, 128},  {2, 4, 4096, 64, 16, 1024}};
+  const S shapes[] = {{1, 1, 1, 8, 1, 1},         {2, 1, 17, 8, 5, 9},
+                      {4, 4, 256, 64, 32, 64},    {2, 4, 1000, 128, 32, 100},
+                      {2, 1, 4096, 128, 32, 410}, {1, 4, 513, 256, 64, 128},
+                      {2, 4, 4096, 64, 16, 1024}};
   for (const S& sh : shapes) {
     for (EvictionPolicy p : {EvictionPolicy::kSnapKV, EvictionPolicy::kH2O,
                              EvictionPolicy::kKeyformer, EvictionPolicy::kKNorm}) {
@@ -303,15 +304,16 @@ std::vector<Case> MakeCases() {
       c.dtype = DType::kF16;
       c.layout = Layout::kHND;
       c.spec = Spec(p, sh.budget);
-      c.name = absl::StrCat(std::string(PolicyName(p)), "_h", sh.hkv, "g", sh.g, "_s", sh.s, "_d", sh.d);
+      c.name =
+          absl::StrCat(std::string(PolicyName(p)), "_h", sh.hkv, "g", sh.g, "_s", sh.s, "_d", sh.d);
       cases.push_back(c);
     }
   }
   // Channel pruning and quantization, per head and per layer.
   for (DType dt : dtypes) {
     for (int bits : {0, 2, 4, 8}) {
-      for (ChannelPolicy cp : {ChannelPolicy::kNone, ChannelPolicy::kThink, ChannelPolicy::kL1,
-                               ChannelPolicy::kL2}) {
+      for (ChannelPolicy cp :
+           {ChannelPolicy::kNone, ChannelPolicy::kThink, ChannelPolicy::kL1, ChannelPolicy::kL2}) {
         Case c;
         c.shape = Shape(2, 4, 600, 128, 32);
         c.dtype = dt;
@@ -323,7 +325,8 @@ std::vector<Case> MakeCases() {
         c.spec.channels.value_lambda = 0.25;
         c.spec.quant.bits = bits;
         c.spec.recent_tokens = 32;
-        c.name = absl::StrCat(std::string(PolicyName(cp)), "_q", bits, "_", std::string(DTypeName(dt)));
+        c.name =
+            absl::StrCat(std::string(PolicyName(cp)), "_q", bits, "_", std::string(DTypeName(dt)));
         cases.push_back(c);
       }
     }
@@ -394,8 +397,8 @@ TEST(CudaBackend, InvalidInputIsRejectedNamingTheField) {
   r = Gpu()->Compress(in, Spec(EvictionPolicy::kH2O, 4), nullptr);
   EXPECT_NE(r.status().message().find("k:"), std::string::npos) << r.status();
 
-  const CompactLayer blob = Gpu()->Compress(layer.input(), Spec(EvictionPolicy::kH2O, 4), nullptr)
-                                .value();
+  const CompactLayer blob =
+      Gpu()->Compress(layer.input(), Spec(EvictionPolicy::kH2O, 4), nullptr).value();
   const CompactLayerView view = CompactLayerView::Parse(blob.bytes).value();
   std::vector<float> q(3 * 8), out(3 * 8);
   DecodeQuery dq;

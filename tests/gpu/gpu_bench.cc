@@ -62,8 +62,7 @@ int Run(int seq_len, int iters) {
   std::printf("d2d memcpy: %.1f GB/s copied (%.1f GB/s read+write)\n", copy, 2 * copy);
 
   const LayerShape shape{8, 32, seq_len, 128, 32};
-  const gpu_testing::Layer layer =
-      gpu_testing::RandomLayer(shape, DType::kF16, Layout::kHND, 42);
+  const gpu_testing::Layer layer = gpu_testing::RandomLayer(shape, DType::kF16, Layout::kHND, 42);
   auto backend = CreateCudaBackend({});
   if (!backend.ok()) {
     std::printf("error: %s\n", std::string(backend.status().message()).c_str());
@@ -90,8 +89,8 @@ int Run(int seq_len, int iters) {
   add("keyformer 10%", EvictionPolicy::kKeyformer, 0.1, ChannelPolicy::kNone, 0);
   add("knorm 10%", EvictionPolicy::kKNorm, 0.1, ChannelPolicy::kNone, 0);
 
-  std::printf("layer: Hkv 8, Hq 32, D 128, S %d, fp16, W 32; K+V %.1f MiB; median of %d\n",
-              seq_len, kv_bytes / 1048576.0, iters);
+  std::printf("layer: Hkv 8, Hq 32, D 128, S %d, fp16, W 32; K+V %.1f MiB; median of %d\n", seq_len,
+              kv_bytes / 1048576.0, iters);
   std::printf("%-32s %9s %9s %9s %9s %9s %9s %10s %10s\n", "config", "score_ms", "select_ms",
               "pack_ms", "quant_ms", "device_ms", "wall_ms", "score_GB/s", "pack_GB/s");
   for (const Config& c : configs) {

@@ -8,8 +8,8 @@
 #include <thread>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "gpu_util.h"
+#include "gtest/gtest.h"
 #include "kvc/communicator.h"
 
 namespace kvc::transfer {

@@ -32,8 +32,8 @@ LayerInput Layer::input() const {
 namespace {
 
 // Fills a [heads, tokens, D] tensor given in HND order into `out` with the requested layout.
-void Store(const std::vector<float>& hnd, int heads, int tokens, int d, DType dtype,
-           Layout layout, std::vector<uint8_t>* out) {
+void Store(const std::vector<float>& hnd, int heads, int tokens, int d, DType dtype, Layout layout,
+           std::vector<uint8_t>* out) {
   out->assign(hnd.size() * DTypeSize(dtype), 0);
   for (int h = 0; h < heads; ++h) {
     for (int t = 0; t < tokens; ++t) {
@@ -66,8 +66,8 @@ Layer RandomLayer(const LayerShape& shape, DType dtype, Layout layout, uint64_t 
   std::vector<int> perm(d);
   std::iota(perm.begin(), perm.end(), 0);
   std::shuffle(perm.begin(), perm.end(), rng);
-  std::vector<float> k = Gaussianish(static_cast<size_t>(shape.num_kv_heads) * shape.seq_len * d,
-                                     &rng);
+  std::vector<float> k =
+      Gaussianish(static_cast<size_t>(shape.num_kv_heads) * shape.seq_len * d, &rng);
   for (size_t i = 0; i < k.size(); ++i) k[i] *= 1.0f + 3.0f * perm[i % d] / d;
   const std::vector<float> v =
       Gaussianish(static_cast<size_t>(shape.num_kv_heads) * shape.seq_len * d, &rng);

@@ -2,6 +2,8 @@
 // endpoints joined through a shared queue): session creation and caching per client id, the
 // announce / POSTED / send / RECEIVED sequence, rejection of duplicate, out-of-order, repeated and
 // mis-sized announcements, teardown, limits, and the fallback to gRPC bytes.
+#include "kvc/transfer.h"
+
 #include <atomic>
 #include <cstring>
 #include <deque>
@@ -17,7 +19,6 @@
 #include "gtest/gtest.h"
 #include "kvc/backend.h"
 #include "kvcache/v1/transfer.grpc.pb.h"
-#include "kvc/transfer.h"
 
 namespace kvc::transfer {
 namespace {
@@ -196,8 +197,8 @@ class TransferTest : public ::testing::Test {
     server_ = b.BuildAndStart();
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port, 0);
-    channel_ = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
-                                   grpc::InsecureChannelCredentials());
+    channel_ =
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
     stub_ = KvCacheTransfer::NewStub(channel_);
   }
   void TearDown() override {
@@ -359,28 +360,24 @@ class TransferRejectTest : public TransferTest {
 
 TEST_F(TransferRejectTest, DuplicateSequenceIsRejected) {
   auto rs = Stream();
-  ExpectReceived(rs.get(), Announce(open_.session_id(), 0, "c", 0, kvcache::v1::TENSOR_K,
-                                    3, "abc"));
-  ExpectRejected(rs.get(),
-                 Announce(open_.session_id(), 0, "c", 1, kvcache::v1::TENSOR_K, 3, "abc"),
+  ExpectReceived(rs.get(),
+                 Announce(open_.session_id(), 0, "c", 0, kvcache::v1::TENSOR_K, 3, "abc"));
+  ExpectRejected(rs.get(), Announce(open_.session_id(), 0, "c", 1, kvcache::v1::TENSOR_K, 3, "abc"),
                  grpc::StatusCode::INVALID_ARGUMENT, "sequence");
   EXPECT_EQ(sink_.got().size(), 1u);
 }
 
 TEST_F(TransferRejectTest, OutOfOrderSequenceIsRejected) {
   auto rs = Stream();
-  ExpectRejected(rs.get(),
-                 Announce(open_.session_id(), 5, "c", 0, kvcache::v1::TENSOR_K, 3, "abc"),
+  ExpectRejected(rs.get(), Announce(open_.session_id(), 5, "c", 0, kvcache::v1::TENSOR_K, 3, "abc"),
                  grpc::StatusCode::INVALID_ARGUMENT, "out of order");
   EXPECT_TRUE(sink_.got().empty());
 }
 
 TEST_F(TransferRejectTest, RepeatedTensorIsRejected) {
   auto rs = Stream();
-  ExpectReceived(rs.get(), Announce(open_.session_id(), 0, "c", 2, kvcache::v1::TENSOR_V,
-                                    1, "x"));
-  ExpectRejected(rs.get(),
-                 Announce(open_.session_id(), 1, "c", 2, kvcache::v1::TENSOR_V, 1, "y"),
+  ExpectReceived(rs.get(), Announce(open_.session_id(), 0, "c", 2, kvcache::v1::TENSOR_V, 1, "x"));
+  ExpectRejected(rs.get(), Announce(open_.session_id(), 1, "c", 2, kvcache::v1::TENSOR_V, 1, "y"),
                  grpc::StatusCode::INVALID_ARGUMENT, "duplicate announcement");
 }
 
@@ -393,8 +390,7 @@ TEST_F(TransferRejectTest, SizeMismatchAndBadFieldsAreRejected) {
   const Bad cases[] = {
       {Announce(sid, 0, "c", 0, kvcache::v1::TENSOR_K, 5, "abc"), "payload"},
       {Announce(sid, 0, "c", 0, kvcache::v1::TENSOR_K, 0, ""), "num_bytes"},
-      {Announce(sid, 0, "c", 0, kvcache::v1::TENSOR_K, 4097, std::string(4097, 'x')),
-       "num_bytes"},
+      {Announce(sid, 0, "c", 0, kvcache::v1::TENSOR_K, 4097, std::string(4097, 'x')), "num_bytes"},
       {Announce(sid, 0, "", 0, kvcache::v1::TENSOR_K, 1, "x"), "cache_id"},
       {Announce(sid, 0, "c", 0, kvcache::v1::TENSOR_UNSPECIFIED, 1, "x"), "tensor"},
   };
@@ -419,8 +415,7 @@ TEST_F(TransferTest, NcclSenderSizeMismatchFailsTheTensorAndDropsTheGroup) {
       server_factory_.Join(r.nccl_unique_id(), 1, absl::Seconds(5), nullptr).value();
   RawStream rs;
   rs.s = stub_->Transfer(&rs.ctx);
-  ASSERT_TRUE(rs.s->Write(Announce(r.session_id(), 0, "c", 0, kvcache::v1::TENSOR_K, 100,
-                                   "")));
+  ASSERT_TRUE(rs.s->Write(Announce(r.session_id(), 0, "c", 0, kvcache::v1::TENSOR_K, 100, "")));
   TransferAck ack;
   ASSERT_TRUE(rs.s->Read(&ack));
   EXPECT_EQ(ack.state(), TransferAck::STATE_POSTED);

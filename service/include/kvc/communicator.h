@@ -52,8 +52,8 @@ class CommunicatorFactory {
   // Joins group `unique_id` as `rank` (0 or 1) of 2. Blocks until the peer has joined too, or
   // fails with DEADLINE_EXCEEDED after `timeout`, or with CANCELLED soon after `cancel` (may be
   // null) is notified. INVALID_ARGUMENT for a malformed id or rank.
-  virtual absl::StatusOr<std::unique_ptr<Communicator>> Join(const std::string& unique_id,
-                                                             int rank, absl::Duration timeout,
+  virtual absl::StatusOr<std::unique_ptr<Communicator>> Join(const std::string& unique_id, int rank,
+                                                             absl::Duration timeout,
                                                              const absl::Notification* cancel) = 0;
 };
 

@@ -38,12 +38,11 @@
 
 namespace kvc::transfer {
 
-
 // ---- Server side ----
 
 struct TransferLimits {
-  uint64_t max_tensor_bytes = uint64_t{1} << 30;  // per announcement
-  int max_sessions = 64;                          // open sessions across all clients
+  uint64_t max_tensor_bytes = uint64_t{1} << 30;    // per announcement
+  int max_sessions = 64;                            // open sessions across all clients
   absl::Duration join_timeout = absl::Seconds(60);  // rank 0 waits this long for the client
   absl::Duration recv_timeout = absl::Seconds(60);  // per tensor, after POSTED
 };
@@ -137,8 +136,8 @@ class TransferClient {
   uint64_t next_sequence_ = 0;
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<grpc::ClientContext> ctx_;
-  std::unique_ptr<grpc::ClientReaderWriter<kvcache::v1::TransferAnnouncement,
-                                           kvcache::v1::TransferAck>>
+  std::unique_ptr<
+      grpc::ClientReaderWriter<kvcache::v1::TransferAnnouncement, kvcache::v1::TransferAck>>
       stream_;
 };
 
