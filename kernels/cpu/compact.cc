@@ -197,8 +197,8 @@ struct RowSource {
 };
 
 // Kept rows are scattered over the source, so hardware prefetchers do not see them coming; asking
-// for a row a few iterations ahead hides most of the memory latency of the conversion paths.
-constexpr int kPrefetchRows = 4;
+// for a row a dozen iterations ahead keeps enough misses in flight to hide most DRAM latency.
+constexpr int kPrefetchRows = 12;
 inline void PrefetchRow(const uint8_t* p, size_t bytes) {
   for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
