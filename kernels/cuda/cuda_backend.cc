@@ -4,6 +4,7 @@
 // (it depends only on shapes and the spec), so the only synchronization is the final one.
 #include "cuda/cuda_backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -19,6 +20,9 @@ namespace kvc::cuda {
 namespace {
 
 constexpr int kNumStreams = 4;
+// Cap on the logits buffer of one scoring pass (64 MiB of floats): a Llama-3-8B layer at 32K
+// tokens scores its 32 observation rows in two passes; keyformer's W = S stays bounded.
+constexpr size_t kMaxLogitFloats = size_t{16} << 20;
 
 Strides StridesOf(Layout layout, int heads, int tokens, int head_dim) {
   if (layout == Layout::kHND) return {static_cast<int64_t>(tokens) * head_dim, head_dim};
@@ -94,8 +98,11 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
 
   Arena arena;
   const size_t o_in = arena.Add(in_bytes);
-  const size_t o_logits =
-      arena.Add(plan.needs_attention_scores ? sizeof(float) * static_cast<size_t>(hq) * w * s : 0);
+  // Observation rows per scoring pass: all of W unless the logits would exceed the cap.
+  const int block_rows = static_cast<int>(std::clamp<size_t>(
+      kMaxLogitFloats / (static_cast<size_t>(hq) * s), 1, static_cast<size_t>(std::max(w, 1))));
+  const size_t o_logits = arena.Add(
+      plan.needs_attention_scores ? sizeof(float) * static_cast<size_t>(hq) * block_rows * s : 0);
   const size_t o_scores = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
   const size_t o_pooled = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
   const size_t o_pos = arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * b);
@@ -149,16 +156,21 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
     case EvictionPolicy::kSnapKV:
     case EvictionPolicy::kKeyformer: {
       float* logits = arena.At<float>(o_logits);
-      KVC_CUDA_RETURN_IF_ERROR(LaunchQKLogits(et, dq, qs, dk, kvs, hq, hkv, w, s, d,
-                                              1.0f / std::sqrt(static_cast<float>(d)), logits, st),
-                               "QK^T scores");
       const bool gumbel = e.policy == EvictionPolicy::kKeyformer;
-      KVC_CUDA_RETURN_IF_ERROR(
-          LaunchSoftmaxRows(logits, hq, w, s, gumbel, e.seed, static_cast<uint32_t>(in.layer_index),
-                            static_cast<float>(1.0 / e.tau), st),
-          "softmax");
-      KVC_CUDA_RETURN_IF_ERROR(LaunchGroupColumnSum(logits, hq, hkv, w, s, scores, st),
-                               "group average");
+      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+      for (int row0 = 0; row0 < w; row0 += block_rows) {
+        const QueryRows qr{row0, std::min(block_rows, w - row0)};
+        KVC_CUDA_RETURN_IF_ERROR(
+            LaunchQKLogits(et, dq, qs, dk, kvs, hq, hkv, w, qr, s, d, scale, logits, st),
+            "QK^T scores");
+        KVC_CUDA_RETURN_IF_ERROR(LaunchSoftmaxRows(logits, hq, w, qr, s, gumbel, e.seed,
+                                                   static_cast<uint32_t>(in.layer_index),
+                                                   static_cast<float>(1.0 / e.tau), st),
+                                 "softmax");
+        KVC_CUDA_RETURN_IF_ERROR(
+            LaunchGroupColumnSum(logits, hq, hkv, qr.rows, s, /*accumulate=*/row0 > 0, scores, st),
+            "group average");
+      }
       if (e.policy == EvictionPolicy::kSnapKV && e.pool_kernel > 1) {
         KVC_CUDA_RETURN_IF_ERROR(
             // SnapKV pools the prefix only; the observation window is protected anyway.

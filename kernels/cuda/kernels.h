@@ -30,21 +30,32 @@ struct Strides {
 
 // ---- token scoring (score_kernels.cu) ----
 
-// logits[hq, i, j] = q[hq, i] . k[hq / g, j] * scale for j <= S - W + i, else -inf. [Hq, W, S].
+// A block of observation rows [row0, row0 + rows) of the W, processed together so that the logits
+// buffer stays bounded when W is large (keyformer's W = S).
+struct QueryRows {
+  int row0 = 0;
+  int rows = 0;
+};
+
+// logits[hq, i, j] = q[hq, row0 + i] . k[hq / g, j] * scale for j <= S - W + row0 + i, else -inf.
+// logits is [Hq, qr.rows, S].
 cudaError_t LaunchQKLogits(ElemType dtype, const void* q, Strides qs, const void* k, Strides ks,
-                           int num_q_heads, int num_kv_heads, int obs_window, int seq_len,
-                           int head_dim, float scale, float* logits, cudaStream_t stream);
+                           int num_q_heads, int num_kv_heads, int obs_window, QueryRows qr,
+                           int seq_len, int head_dim, float scale, float* logits,
+                           cudaStream_t stream);
 
-// Turns each row of logits [rows, S] into softmax probabilities in place. With `gumbel`, row r of
-// query head hq = r / W, query i = r % W uses softmax((a + CounterGumbel(seed, layer, hq, i, j)) *
-// inv_tau) (masked -inf entries stay at probability 0).
-cudaError_t LaunchSoftmaxRows(float* logits, int num_q_heads, int obs_window, int seq_len,
-                              bool gumbel, uint64_t seed, uint32_t layer, float inv_tau,
-                              cudaStream_t stream);
+// Turns each row of logits [Hq, qr.rows, S] into softmax probabilities in place. With `gumbel`,
+// the row of query head hq and window row i (= row0 + local row) uses
+// softmax((a + CounterGumbel(seed, layer, hq, i, j)) * inv_tau); masked -inf entries stay at
+// probability 0.
+cudaError_t LaunchSoftmaxRows(float* logits, int num_q_heads, int obs_window, QueryRows qr,
+                              int seq_len, bool gumbel, uint64_t seed, uint32_t layer,
+                              float inv_tau, cudaStream_t stream);
 
-// scores[hkv, j] = (1/g) * sum over the g query heads of hkv and the W rows of probs[hq, i, j].
-cudaError_t LaunchGroupColumnSum(const float* probs, int num_q_heads, int num_kv_heads,
-                                 int obs_window, int seq_len, float* scores, cudaStream_t stream);
+// scores[hkv, j] (+)= (1/g) * sum over the g query heads of hkv and the `rows` rows of
+// probs[hq, i, j] (probs is [Hq, rows, S]); `accumulate` adds to the existing scores.
+cudaError_t LaunchGroupColumnSum(const float* probs, int num_q_heads, int num_kv_heads, int rows,
+                                 int seq_len, bool accumulate, float* scores, cudaStream_t stream);
 
 // Rows of `seq_len` floats; the first `len` entries of each are pooled: out[h, j] = max or mean
 // of in[h, j - k/2 .. j + k/2] clipped to [0, len) (the mean divides by the number of in-range

@@ -21,16 +21,17 @@ constexpr int kThreads = 256;
 template <typename E, typename HD>
 __global__ void QKLogitsKernel(const typename E::T* __restrict__ q, Strides qs,
                                const typename E::T* __restrict__ k, Strides ks, int group,
-                               int obs_window, int seq_len, int runtime_d, float scale,
-                               float* __restrict__ logits) {
+                               int obs_window, int row0, int rows, int seq_len, int runtime_d,
+                               float scale, float* __restrict__ logits) {
   __shared__ float sq[kTileQ][kChunk + 1];
   __shared__ float sk[kTileK][kChunk + 1];
   const int d = HD::Get(runtime_d);
   const int hq = blockIdx.z, hkv = hq / group;
   const int i0 = blockIdx.y * kTileQ, j0 = blockIdx.x * kTileK;
   const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
-  // Query i sits at prompt position seq_len - obs_window + i and sees keys j <= that position.
-  const int first_pos = seq_len - obs_window + i0;
+  // Local row i is query row0 + i, at prompt position seq_len - obs_window + row0 + i; it sees
+  // keys j <= that position.
+  const int first_pos = seq_len - obs_window + row0 + i0;
   const int last_pos = first_pos + kTileQ - 1;
   const bool all_masked = j0 > last_pos;
 
@@ -40,7 +41,8 @@ __global__ void QKLogitsKernel(const typename E::T* __restrict__ q, Strides qs,
       for (int e = tid; e < kTileQ * kChunk; e += kThreads) {
         const int r = e / kChunk, c = e % kChunk;
         const int i = i0 + r, ch = c0 + c;
-        sq[r][c] = (i < obs_window && ch < d) ? E::Load(q, hq * qs.head + i * qs.token + ch) : 0.f;
+        sq[r][c] =
+            (i < rows && ch < d) ? E::Load(q, hq * qs.head + (row0 + i) * qs.token + ch) : 0.f;
       }
       for (int e = tid; e < kTileK * kChunk; e += kThreads) {
         const int r = e / kChunk, c = e % kChunk;
@@ -64,9 +66,9 @@ __global__ void QKLogitsKernel(const typename E::T* __restrict__ q, Strides qs,
 #pragma unroll
   for (int y = 0; y < 2; ++y) {
     const int i = i0 + ty * 2 + y;
-    if (i >= obs_window) continue;
-    const int pos = seq_len - obs_window + i;
-    float* row = logits + (static_cast<size_t>(hq) * obs_window + i) * seq_len;
+    if (i >= rows) continue;
+    const int pos = seq_len - obs_window + row0 + i;
+    float* row = logits + (static_cast<size_t>(hq) * rows + i) * seq_len;
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
       const int j = j0 + tx + 16 * x;
@@ -75,11 +77,12 @@ __global__ void QKLogitsKernel(const typename E::T* __restrict__ q, Strides qs,
   }
 }
 
-__global__ void SoftmaxRowsKernel(float* __restrict__ logits, int obs_window, int seq_len,
-                                  bool gumbel, uint64_t seed, uint32_t layer, float inv_tau) {
+__global__ void SoftmaxRowsKernel(float* __restrict__ logits, int obs_window, int row0, int rows,
+                                  int seq_len, bool gumbel, uint64_t seed, uint32_t layer,
+                                  float inv_tau) {
   __shared__ float red[32];
   const int r = blockIdx.x;
-  const int hq = r / obs_window, i = r % obs_window;
+  const int hq = r / rows, i = row0 + r % rows;    // i: the query's row in the whole window
   const int valid = seq_len - obs_window + i + 1;  // keys 0 .. pos
   float* row = logits + static_cast<size_t>(r) * seq_len;
   float mx = -INFINITY;
@@ -103,17 +106,19 @@ __global__ void SoftmaxRowsKernel(float* __restrict__ logits, int obs_window, in
   }
 }
 
-__global__ void GroupColumnSumKernel(const float* __restrict__ probs, int group, int obs_window,
-                                     int seq_len, int num_kv_heads, float* __restrict__ scores) {
+__global__ void GroupColumnSumKernel(const float* __restrict__ probs, int group, int rows,
+                                     int seq_len, int num_kv_heads, bool accumulate,
+                                     float* __restrict__ scores) {
   const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (idx >= static_cast<int64_t>(num_kv_heads) * seq_len) return;
   const int h = static_cast<int>(idx / seq_len), j = static_cast<int>(idx % seq_len);
   float s = 0.f;
   for (int g = 0; g < group; ++g) {
-    const float* p = probs + static_cast<size_t>(h * group + g) * obs_window * seq_len + j;
-    for (int i = 0; i < obs_window; ++i) s += p[static_cast<size_t>(i) * seq_len];
+    const float* p = probs + static_cast<size_t>(h * group + g) * rows * seq_len + j;
+    for (int i = 0; i < rows; ++i) s += p[static_cast<size_t>(i) * seq_len];
   }
-  scores[idx] = s / static_cast<float>(group);
+  s /= static_cast<float>(group);
+  scores[idx] = accumulate ? scores[idx] + s : s;
 }
 
 __global__ void Pool1dKernel(const float* __restrict__ in, int rows, int seq_len, int len,
@@ -175,36 +180,39 @@ unsigned Blocks(int64_t n, int threads) {
 }  // namespace
 
 cudaError_t LaunchQKLogits(ElemType dtype, const void* q, Strides qs, const void* k, Strides ks,
-                           int num_q_heads, int num_kv_heads, int obs_window, int seq_len,
-                           int head_dim, float scale, float* logits, cudaStream_t stream) {
-  if (obs_window == 0) return cudaSuccess;
-  const dim3 grid((seq_len + kTileK - 1) / kTileK, (obs_window + kTileQ - 1) / kTileQ, num_q_heads);
+                           int num_q_heads, int num_kv_heads, int obs_window, QueryRows qr,
+                           int seq_len, int head_dim, float scale, float* logits,
+                           cudaStream_t stream) {
+  if (qr.rows <= 0) return cudaSuccess;
+  if (qr.row0 < 0 || qr.row0 + qr.rows > obs_window) return cudaErrorInvalidValue;
+  const dim3 grid((seq_len + kTileK - 1) / kTileK, (qr.rows + kTileQ - 1) / kTileQ, num_q_heads);
   const int group = num_q_heads / num_kv_heads;
   return KVC_DISPATCH_DTYPE(dtype, E, [&] {
     return KVC_DISPATCH_HEAD_DIM(head_dim, HD, [&] {
       QKLogitsKernel<E, HD><<<grid, kThreads, 0, stream>>>(
           static_cast<const typename E::T*>(q), qs, static_cast<const typename E::T*>(k), ks, group,
-          obs_window, seq_len, head_dim, scale, logits);
+          obs_window, qr.row0, qr.rows, seq_len, head_dim, scale, logits);
       return LastLaunchError();
     });
   });
 }
 
-cudaError_t LaunchSoftmaxRows(float* logits, int num_q_heads, int obs_window, int seq_len,
-                              bool gumbel, uint64_t seed, uint32_t layer, float inv_tau,
-                              cudaStream_t stream) {
-  const int rows = num_q_heads * obs_window;
-  if (rows == 0) return cudaSuccess;
-  SoftmaxRowsKernel<<<rows, 256, 0, stream>>>(logits, obs_window, seq_len, gumbel, seed, layer,
-                                              inv_tau);
+cudaError_t LaunchSoftmaxRows(float* logits, int num_q_heads, int obs_window, QueryRows qr,
+                              int seq_len, bool gumbel, uint64_t seed, uint32_t layer,
+                              float inv_tau, cudaStream_t stream) {
+  const int rows = num_q_heads * qr.rows;
+  if (rows <= 0) return cudaSuccess;
+  if (qr.row0 < 0 || qr.row0 + qr.rows > obs_window) return cudaErrorInvalidValue;
+  SoftmaxRowsKernel<<<rows, 256, 0, stream>>>(logits, obs_window, qr.row0, qr.rows, seq_len, gumbel,
+                                              seed, layer, inv_tau);
   return LastLaunchError();
 }
 
-cudaError_t LaunchGroupColumnSum(const float* probs, int num_q_heads, int num_kv_heads,
-                                 int obs_window, int seq_len, float* scores, cudaStream_t stream) {
+cudaError_t LaunchGroupColumnSum(const float* probs, int num_q_heads, int num_kv_heads, int rows,
+                                 int seq_len, bool accumulate, float* scores, cudaStream_t stream) {
   const int64_t n = static_cast<int64_t>(num_kv_heads) * seq_len;
   GroupColumnSumKernel<<<Blocks(n, 256), 256, 0, stream>>>(
-      probs, num_q_heads / num_kv_heads, obs_window, seq_len, num_kv_heads, scores);
+      probs, num_q_heads / num_kv_heads, rows, seq_len, num_kv_heads, accumulate, scores);
   return LastLaunchError();
 }
 

@@ -292,9 +292,14 @@ std::vector<Case> MakeCases() {
   struct S {
     int hkv, g, s, d, w, budget;
   };
-  const S shapes[] = {{1, 1, 1, 8, 1, 1},         {2, 1, 17, 8, 5, 9},
-                      {4, 4, 256, 64, 32, 64},    {2, 4, 1000, 128, 32, 100},
-                      {2, 1, 4096, 128, 32, 410}, {1, 4, 513, 256, 64, 128},
+  const S shapes[] = {{1, 1, 1, 8, 1, 1},
+                      {2, 1, 17, 8, 5, 9},
+                      {4, 4, 256, 64, 32, 64},
+                      {2, 4, 1000, 128, 32, 100},
+                      {2, 1, 4096, 128, 32, 410},
+                      {1, 4, 513, 256, 64, 128},
+                      // W = 1024 with 8 query heads at 4K: scored in two passes of query rows.
+                      {2, 4, 4096, 64, 1024, 1024},
                       {2, 4, 4096, 64, 16, 1024}};
   for (const S& sh : shapes) {
     for (EvictionPolicy p : {EvictionPolicy::kSnapKV, EvictionPolicy::kH2O,
