@@ -327,6 +327,8 @@ class Redis {
 // ---- the table ------------------------------------------------------------------------------
 
 struct Case {
+  Case(std::string n, bool d, std::function<bool()> r, uint64_t b)
+      : name(std::move(n)), download(d), run(std::move(r)), bytes(b) {}
   std::string name;
   bool download = false;  // compared with the plain download, else with the plain upload
   std::function<bool()> run;

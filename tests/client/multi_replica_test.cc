@@ -94,7 +94,9 @@ TEST(MultiReplica, RendezvousPlacementAndFailover) {
   for (const testing::TestCache& c : caches) {
     const std::string& id = c.header.cache_id();
     const absl::Status stat = client->StatCache(id).status();
-    auto got = client->GetCache(id, GetOptions{CacheFormat::kDense});
+    GetOptions dense;
+    dense.format = CacheFormat::kDense;
+    auto got = client->GetCache(id, dense);
     if (client->ReplicaFor(id) == down) {
       EXPECT_EQ(stat.code(), absl::StatusCode::kUnavailable) << id << ": " << stat;
       EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << id;
