@@ -45,9 +45,9 @@ struct OpStats {
   }
 };
 
-double Percentile(std::vector<double>& v, double p) {
+// v must be sorted.
+double Percentile(const std::vector<double>& v, double p) {
   if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
   const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5));
   return v[i];
 }
@@ -55,6 +55,8 @@ double Percentile(std::vector<double>& v, double p) {
 void PrintSummary(const char* name, OpStats& s, double seconds) {
   absl::MutexLock lock(&s.mu);
   std::vector<double>& l = s.latencies;
+  // Sorted before the printf: its arguments are evaluated in no fixed order.
+  std::sort(l.begin(), l.end());
   std::printf(
       "%-4s %8llu ok %6llu err %9.3f GB/s %9.1f ops/s  latency ms p50 %8.2f p90 %8.2f "
       "p99 %8.2f max %8.2f\n",

@@ -190,7 +190,22 @@ TEST_F(KvcctlTest, BenchReportsThroughputAndLatency) {
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("put         4 ok"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("get         4 ok"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("p99"), std::string::npos) << r.out;
+  // Percentiles are ordered (a regression: max was once read before the sort).
+  for (const char* op : {"put ", "get "}) {
+    const size_t line = r.out.find(op);
+    ASSERT_NE(line, std::string::npos) << r.out;
+    const size_t lat = r.out.find("latency ms", line);
+    ASSERT_NE(lat, std::string::npos) << r.out;
+    double p50 = -1, p90 = -1, p99 = -1, max = -1;
+    ASSERT_EQ(std::sscanf(r.out.c_str() + lat, "latency ms p50 %lf p90 %lf p99 %lf max %lf", &p50,
+                          &p90, &p99, &max),
+              4)
+        << r.out;
+    EXPECT_GT(p50, 0);
+    EXPECT_LE(p50, p90);
+    EXPECT_LE(p90, p99);
+    EXPECT_LE(p99, max);
+  }
   // Nothing left behind.
   r = Kvcctl("ls --prefix=bench-");
   ASSERT_EQ(r.code, 0);
