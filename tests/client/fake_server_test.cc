@@ -42,6 +42,26 @@ class FakeService final : public pb::KvCache::Service {
     return grpc::Status::OK;
   }
 
+  // Pages of two ids from `ids` (token = index of the next id); `loop_tokens` hands out the
+  // same token forever.
+  std::vector<std::string> ids;
+  bool loop_tokens = false;
+  std::atomic<int> list_calls{0};
+  grpc::Status ListCaches(grpc::ServerContext*, const pb::ListCachesRequest* req,
+                          pb::ListCachesResponse* resp) override {
+    ++list_calls;
+    const size_t begin = req->page_token().empty() ? 0 : std::stoul(req->page_token());
+    for (size_t i = begin; i < ids.size() && i < begin + 2; ++i) {
+      if (ids[i].rfind(req->prefix(), 0) == 0) resp->add_caches()->set_cache_id(ids[i]);
+    }
+    if (loop_tokens) {
+      resp->set_next_page_token("1");
+    } else if (begin + 2 < ids.size()) {
+      resp->set_next_page_token(std::to_string(begin + 2));
+    }
+    return grpc::Status::OK;
+  }
+
   grpc::Status GetCache(grpc::ServerContext*, const pb::GetCacheRequest*,
                         grpc::ServerWriter<pb::GetCacheResponse>* writer) override {
     ++get_calls;
@@ -131,6 +151,19 @@ TEST_F(FakeServerTest, BearerTokenAndRetryOnUnavailable) {
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);  // not retried
   EXPECT_EQ(s.message(), "no");
   EXPECT_EQ(service_.stat_calls, 1);
+}
+
+TEST_F(FakeServerTest, ListCachesFollowsEveryPage) {
+  service_.ids = {"a1", "a2", "b1", "a3", "a4"};
+  auto all = client_->ListCaches("a");
+  ASSERT_TRUE(all.ok()) << all.status();
+  std::vector<std::string> got;
+  for (const CacheInfo& c : *all) got.push_back(c.cache_id());
+  EXPECT_EQ(got, (std::vector<std::string>{"a1", "a2", "a3", "a4"}));
+  EXPECT_EQ(service_.list_calls, 3);
+
+  service_.loop_tokens = true;  // a server that never ends its pages must not hang the client
+  EXPECT_EQ(client_->ListCaches().status().code(), absl::StatusCode::kInternal);
 }
 
 TEST_F(FakeServerTest, GetCacheRetriesUnavailableOnlyBeforeDelivering) {
