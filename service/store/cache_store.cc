@@ -284,10 +284,13 @@ class CacheStoreImpl final : public CacheStore {
 
   absl::StatusOr<uint64_t> Delete(const std::string& id) override {
     const absl::Time now = options_.now();
+    // Holds the entry until after the lock is released, so a large blob is freed outside it.
+    std::shared_ptr<const CacheEntry> removed;
     internal::WriterLock lock(&core_->mu);
     auto it = core_->index.find(id);
     if (it == core_->index.end() || Expired(*it->second->entry, now)) return NotFound(id);
     const uint64_t bytes = it->second->bytes;
+    removed = it->second->entry;
     core_->RemoveFromIndex(it);
     return bytes;
   }
