@@ -1,8 +1,10 @@
-// PackLayer and PackedSize: the writer side of the compact format (kvc/compact.h). The reader
-// side (CompactLayerView, DENSE export) is in compact_view.cc.
+// PackLayer, PackedSize and the parallel writer behind both (cpu/pack.h): the writer side of the
+// compact format (kvc/compact.h). The reader side (CompactLayerView, DENSE export) is in
+// compact_view.cc.
 #include "kvc/compact.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -16,7 +18,9 @@
 #include "absl/strings/string_view.h"
 #include "cpu/compact_layout.h"
 #include "cpu/gather.h"
+#include "cpu/pack.h"
 #include "cpu/quantize.h"
+#include "cpu/thread_pool.h"
 #include "kvc/convert.h"
 #include "kvc/status_macros.h"
 
@@ -137,36 +141,6 @@ int RecentCount(int n_kept, int key_channels, int value_channels, int head_dim,
   return std::clamp(spec.recent_tokens, 0, n_kept);
 }
 
-// Appends to a reserved vector. Full rows are appended with insert (no zero fill of the
-// destination: the gather writes every byte once); other blocks grow the vector block by block so
-// the zero fill stays in cache right before the gather overwrites it.
-class BlobWriter {
- public:
-  explicit BlobWriter(std::vector<uint8_t>* out) : out_(out) {}
-  // GCC 12 reports a false -Wstringop-overflow for vector::insert into reserved storage.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wstringop-overflow"
-#endif
-  void Append(const void* p, size_t n) {
-    const auto* b = static_cast<const uint8_t*>(p);
-    out_->insert(out_->end(), b, b + n);
-  }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-  uint8_t* Grow(size_t n) {
-    const size_t at = out_->size();
-    out_->resize(at + n);
-    return out_->data() + at;
-  }
-  void Pad() { out_->resize(AlignUp(out_->size())); }
-  size_t size() const { return out_->size(); }
-
- private:
-  std::vector<uint8_t>* out_;
-};
-
 // A large blob is a fresh allocation on every call, and first-touch page faults on 4 KiB pages
 // cost as much as the gather itself for multi-MiB layers. Asking for transparent huge pages on
 // the interior of the buffer cuts the fault count ~500x where the kernel allows it (THP in
@@ -203,9 +177,22 @@ inline void PrefetchRow(const uint8_t* p, size_t bytes) {
   for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
 
-// Appends full rows for positions pos[0..n). In HND, runs of consecutive positions are contiguous
-// in memory and are copied with one memcpy.
-void AppendFullRows(const RowSource& src, const int32_t* pos, int n, BlobWriter* w) {
+// Zeroes the padding after a block of `bytes` at offset `at` of a head section, up to the next
+// 16-byte boundary (where the next block starts). The blob buffer is zero-filled when it is sized,
+// but the format's "padding is zero" promise should not rest on how the buffer was allocated.
+void PadBlock(uint8_t* section, size_t at, size_t bytes) {
+  const size_t end = at + bytes;
+  std::memset(section + end, 0, AlignUp(end) - end);
+}
+
+void PutBlock(uint8_t* section, size_t at, const void* p, size_t bytes) {
+  std::memcpy(section + at, p, bytes);
+  PadBlock(section, at, bytes);
+}
+
+// Copies full rows for positions pos[0..n) to dst ([n, D]). In HND, runs of consecutive
+// positions are contiguous in memory and are copied with one memcpy.
+void CopyFullRows(const RowSource& src, const int32_t* pos, int n, uint8_t* dst) {
   const size_t row_bytes = static_cast<size_t>(src.head_dim) * src.elem;
   int i = 0;
   while (i < n) {
@@ -214,7 +201,9 @@ void AppendFullRows(const RowSource& src, const int32_t* pos, int n, BlobWriter*
     if (src.layout == Layout::kHND) {
       while (j < n && pos[j] == pos[j - 1] + 1) ++j;
     }
-    w->Append(src.row(pos[i]), row_bytes * static_cast<size_t>(j - i));
+    const size_t bytes = row_bytes * static_cast<size_t>(j - i);
+    std::memcpy(dst, src.row(pos[i]), bytes);
+    dst += bytes;
     i = j;
   }
 }
@@ -239,20 +228,18 @@ void GatherChannels(const RowSource& src, const int32_t* pos, int n, const int32
   }
 }
 
-// Appends rows pos[0..n) restricted to channels idx[0..t) in the source dtype.
-void AppendRows(const RowSource& src, const int32_t* pos, int n, const int32_t* idx, int t,
-                BlobWriter* w) {
-  if (idx == nullptr || t == src.head_dim) {  // ascending and t == D: identity
-    AppendFullRows(src, pos, n, w);
+// Writes rows pos[0..n) restricted to channels idx[0..t) in the source dtype to dst ([n, t]).
+void GatherRows(const RowSource& src, const int32_t* pos, int n, const int32_t* idx, int t,
+                uint8_t* dst) {
+  if (t == src.head_dim) {  // strictly ascending and t == D: identity
+    CopyFullRows(src, pos, n, dst);
     return;
   }
   if (src.elem == 4) {
-    uint8_t* dst = w->Grow(static_cast<size_t>(n) * t * src.elem);
     GatherChannels(src, pos, n, idx, t, reinterpret_cast<uint32_t*>(dst));
     return;
   }
-  uint16_t* out =
-      reinterpret_cast<uint16_t*>(w->Grow(static_cast<size_t>(n) * t * sizeof(uint16_t)));
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
   const gather::Plan16 plan = gather::MakePlan16(idx, t, src.head_dim);
   const size_t row_bytes = static_cast<size_t>(src.head_dim) * src.elem;
   for (int i = 0; i < n; ++i) {
@@ -262,54 +249,124 @@ void AppendRows(const RowSource& src, const int32_t* pos, int n, const int32_t* 
   }
 }
 
-// Gathers rows pos[0..n), channels idx (null = all), converted to fp32: [n, t]. Whole rows are
+// Per-thread buffers of the quantize path, grown on demand and kept, so that a task does not
+// allocate (and page-fault) on every call.
+struct QuantScratch {
+  std::vector<float> x, row;
+  static QuantScratch& ForThisThread() {
+    thread_local QuantScratch scratch;
+    return scratch;
+  }
+};
+
+// Gathers rows pos[0..n), channels idx[0..t), converted to fp32: [n, t]. Whole rows are
 // converted with the vectorized ToFloat (F16C where available) and then picked from, which is
 // much cheaper than converting element by element through the scalar half decoder.
 void GatherFloat(const RowSource& src, DType dtype, const int32_t* pos, int n, const int32_t* idx,
-                 int t, float* out) {
-  std::vector<float> row(idx != nullptr ? src.head_dim : 0);
+                 int t, std::vector<float>* row, float* out) {
+  const bool all = t == src.head_dim;  // idx is then the identity
+  row->resize(src.head_dim);
   const size_t row_bytes = static_cast<size_t>(src.head_dim) * src.elem;
   for (int i = 0; i < n; ++i) {
     if (i + kPrefetchRows < n) PrefetchRow(src.row(pos[i + kPrefetchRows]), row_bytes);
     float* o = out + static_cast<size_t>(i) * t;
-    if (idx == nullptr) {
+    if (all) {
       ToFloat(src.row(pos[i]), dtype, t, o);
       continue;
     }
-    ToFloat(src.row(pos[i]), dtype, src.head_dim, row.data());
-    for (int c = 0; c < t; ++c) o[c] = row[idx[c]];
+    ToFloat(src.row(pos[i]), dtype, src.head_dim, row->data());
+    for (int c = 0; c < t; ++c) o[c] = (*row)[idx[c]];
   }
 }
 
-struct QuantScratch {
-  std::vector<float> x, scale, zero;
-  std::vector<uint8_t> codes;
+double SecondsSince(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+// Everything a pack task needs; read-only while the tasks run.
+struct PackPlan {
+  const LayerInput* in;
+  const TokenSelection* tokens;
+  const ChannelSelection* channels;
+  const int32_t* identity;  // 0..D-1, for channel lists that are empty (all channels kept)
+  HeadLayout layout;
+  int n_kept, r, m, tk, tv, bits, g;
+  size_t elem;
+  uint8_t* sections;  // blob + SectionsBegin(heads)
+
+  const int32_t* ChannelList(bool values, int h) const {
+    const std::vector<int32_t>& idx = values ? channels->value_idx : channels->key_idx;
+    const int t = values ? tv : tk;
+    return idx.empty() ? identity : idx.data() + static_cast<size_t>(h) * t;
+  }
 };
 
-// Appends the quantized old block (scale, zero, codes; each padded) for keys or values.
-void AppendQuantized(const RowSource& src, DType dtype, const int32_t* pos, int m,
-                     const int32_t* idx, int t, int bits, int g, bool keys, QuantScratch* s,
-                     BlobWriter* w) {
-  s->x.resize(static_cast<size_t>(m) * t);
-  GatherFloat(src, dtype, pos, m, idx, t, s->x.data());
-  const size_t params = keys ? static_cast<size_t>(quant::NumGroups(m, g)) * t
-                             : static_cast<size_t>(m) * quant::NumGroups(t, g);
-  s->scale.resize(params);
-  s->zero.resize(params);
-  s->codes.resize(static_cast<size_t>(m) * quant::CodeRowBytes(t, bits));
-  if (keys) {
-    quant::QuantizeKeys(s->x.data(), m, t, bits, g, s->scale.data(), s->zero.data(),
-                        s->codes.data());
+// Writes the quantized old block (scale, zero, codes; each padded) of keys or values straight into
+// the section. Returns the seconds spent quantizing (the fp32 gather before it is not counted).
+double WriteQuantized(const PackPlan& p, const RowSource& src, const int32_t* pos,
+                      const int32_t* idx, int t, bool values, uint8_t* section) {
+  const HeadLayout& l = p.layout;
+  QuantScratch& s = QuantScratch::ForThisThread();
+  s.x.resize(static_cast<size_t>(p.m) * t);
+  GatherFloat(src, p.in->dtype, pos, p.m, idx, t, &s.row, s.x.data());
+  const auto start = std::chrono::steady_clock::now();
+  const size_t scale_at = values ? l.value_scale : l.key_scale;
+  const size_t zero_at = values ? l.value_zero : l.key_zero;
+  const size_t codes_at = values ? l.value_codes : l.key_codes;
+  // Block offsets are 16-byte aligned within a blob that operator new aligned to 16 bytes.
+  auto* scale = reinterpret_cast<float*>(section + scale_at);
+  auto* zero = reinterpret_cast<float*>(section + zero_at);
+  uint8_t* codes = section + codes_at;
+  size_t params;
+  if (values) {
+    params = static_cast<size_t>(p.m) * quant::NumGroups(t, p.g);
+    quant::QuantizeValues(s.x.data(), p.m, t, p.bits, p.g, scale, zero, codes);
   } else {
-    quant::QuantizeValues(s->x.data(), m, t, bits, g, s->scale.data(), s->zero.data(),
-                          s->codes.data());
+    params = static_cast<size_t>(quant::NumGroups(p.m, p.g)) * t;
+    quant::QuantizeKeys(s.x.data(), p.m, t, p.bits, p.g, scale, zero, codes);
   }
-  w->Append(s->scale.data(), params * sizeof(float));
-  w->Pad();
-  w->Append(s->zero.data(), params * sizeof(float));
-  w->Pad();
-  w->Append(s->codes.data(), s->codes.size());
-  w->Pad();
+  PadBlock(section, scale_at, params * sizeof(float));
+  PadBlock(section, zero_at, params * sizeof(float));
+  PadBlock(section, codes_at, static_cast<size_t>(p.m) * quant::CodeRowBytes(t, p.bits));
+  return SecondsSince(start);
+}
+
+// One task: the key half (positions, key_idx, old and recent keys) or the value half (value_idx,
+// old and recent values) of head h's section. The halves are disjoint byte ranges, so tasks never
+// write the same byte. Returns the seconds spent quantizing.
+double WriteHalf(const PackPlan& p, int h, bool values) {
+  const LayerInput& in = *p.in;
+  const HeadLayout& l = p.layout;
+  const int d = in.shape.head_dim;
+  uint8_t* section = p.sections + static_cast<size_t>(h) * l.size;
+  const int32_t* pos = p.tokens->positions.data() + static_cast<size_t>(h) * p.n_kept;
+  const int32_t* idx = p.ChannelList(values, h);
+  const int t = values ? p.tv : p.tk;
+  const RowSource src{static_cast<const uint8_t*>(values ? in.v : in.k),
+                      in.layout,
+                      in.shape.num_kv_heads,
+                      in.shape.seq_len,
+                      d,
+                      p.elem,
+                      h};
+  if (values) {
+    PutBlock(section, l.value_idx, idx, sizeof(int32_t) * t);
+  } else {
+    PutBlock(section, l.positions, pos, sizeof(int32_t) * p.n_kept);
+    PutBlock(section, l.key_idx, idx, sizeof(int32_t) * t);
+  }
+  double quantize_seconds = 0;
+  if (p.bits == 0) {
+    const size_t old_at = values ? l.value_old : l.key_old;
+    GatherRows(src, pos, p.m, idx, t, section + old_at);
+    PadBlock(section, old_at, static_cast<size_t>(p.m) * t * p.elem);
+  } else {
+    quantize_seconds = WriteQuantized(p, src, pos, idx, t, values, section);
+  }
+  const size_t recent_at = values ? l.value_recent : l.key_recent;
+  CopyFullRows(src, pos + p.m, p.r, section + recent_at);
+  PadBlock(section, recent_at, static_cast<size_t>(p.r) * d * p.elem);
+  return quantize_seconds;
 }
 
 }  // namespace
@@ -329,90 +386,96 @@ size_t PackedSize(const LayerShape& shape, DType dtype, const TokenSelection& to
 absl::StatusOr<CompactLayer> PackLayer(const LayerInput& in, const TokenSelection& tokens,
                                        const ChannelSelection& channels,
                                        const CompressionSpec& spec) {
+  return cpu::PackLayerImpl(in, tokens, channels, spec, /*pool=*/nullptr, /*work=*/nullptr);
+}
+
+namespace cpu {
+
+absl::StatusOr<CompactLayer> PackLayerImpl(const LayerInput& in, const TokenSelection& tokens,
+                                           const ChannelSelection& channels,
+                                           const CompressionSpec& spec, ThreadPool* pool,
+                                           PackWork* work) {
   RETURN_IF_ERROR(CheckPackInputs(in, tokens, channels, spec));
   const LayerShape& s = in.shape;
-  const int heads = s.num_kv_heads, d = s.head_dim, n_kept = tokens.budget;
-  const int tk = channels.key_channels, tv = channels.value_channels;
-  const int bits = spec.quant.bits;
-  const int g = bits > 0 ? spec.quant.group_size : 0;
-  const int r = RecentCount(n_kept, tk, tv, d, spec);
-  const int m = n_kept - r;
-  const size_t elem = DTypeSize(in.dtype);
-  const HeadLayout layout = ComputeHeadLayout(n_kept, r, tk, tv, d, elem, bits, g);
-  const size_t total = internal::SectionsBegin(heads) + static_cast<size_t>(heads) * layout.size;
+  const int heads = s.num_kv_heads, d = s.head_dim;
+  PackPlan p;
+  p.in = &in;
+  p.tokens = &tokens;
+  p.channels = &channels;
+  p.n_kept = tokens.budget;
+  p.tk = channels.key_channels;
+  p.tv = channels.value_channels;
+  p.bits = spec.quant.bits;
+  p.g = p.bits > 0 ? spec.quant.group_size : 0;
+  p.r = RecentCount(p.n_kept, p.tk, p.tv, d, spec);
+  p.m = p.n_kept - p.r;
+  p.elem = DTypeSize(in.dtype);
+  p.layout = ComputeHeadLayout(p.n_kept, p.r, p.tk, p.tv, d, p.elem, p.bits, p.g);
+  const size_t begin = internal::SectionsBegin(heads);
+  const size_t total = begin + static_cast<size_t>(heads) * p.layout.size;
 
   // Identity channel lists are materialized once (the blob always stores the indices).
   std::vector<int32_t> identity(d);
   for (int c = 0; c < d; ++c) identity[c] = c;
-  auto channel_list = [&](const std::vector<int32_t>& idx, int t, int h) {
-    return idx.empty() ? identity.data() : idx.data() + static_cast<size_t>(h) * t;
-  };
+  p.identity = identity.data();
 
+  // Every section offset is known up front (all heads have the same layout), so the buffer is
+  // sized once and each task writes its own byte range in place. resize zero-fills: a
+  // std::vector<uint8_t> cannot skip that, but with huge pages advised first the fill is one
+  // fast pass and takes the page faults the gather would otherwise take.
   CompactLayer out;
   out.bytes.reserve(total);
   AdviseHugePages(out.bytes.data(), total);
-  BlobWriter w(&out.bytes);
+  out.bytes.resize(total);
+  uint8_t* blob = out.bytes.data();
+  p.sections = blob + begin;
+
   LayerHeader header;
   header.dtype = static_cast<uint8_t>(in.dtype);
-  header.quant_bits = static_cast<uint8_t>(bits);
+  header.quant_bits = static_cast<uint8_t>(p.bits);
   header.layer_index = in.layer_index;
   header.num_kv_heads = heads;
   header.head_dim = d;
   header.seq_len = s.seq_len;
-  header.quant_group = g;
+  header.quant_group = p.g;
   header.eviction_policy = static_cast<uint8_t>(spec.eviction.policy);
   header.channel_policy = static_cast<uint8_t>(spec.channels.key_policy);
-  w.Append(&header, sizeof(header));
+  std::memcpy(blob, &header, sizeof(header));
   for (int h = 0; h < heads; ++h) {
     HeadDesc desc;
-    desc.n_kept = n_kept;
-    desc.n_recent = r;
-    desc.key_channels = tk;
-    desc.value_channels = tv;
-    desc.offset = internal::SectionsBegin(heads) + static_cast<size_t>(h) * layout.size;
-    desc.size = layout.size;
-    w.Append(&desc, sizeof(desc));
+    desc.n_kept = p.n_kept;
+    desc.n_recent = p.r;
+    desc.key_channels = p.tk;
+    desc.value_channels = p.tv;
+    desc.offset = begin + static_cast<size_t>(h) * p.layout.size;
+    desc.size = p.layout.size;
+    std::memcpy(blob + sizeof(header) + sizeof(HeadDesc) * static_cast<size_t>(h), &desc,
+                sizeof(desc));
   }
 
-  QuantScratch scratch;
-  for (int h = 0; h < heads; ++h) {
-    const size_t section = w.size();
-    const int32_t* pos = tokens.positions.data() + static_cast<size_t>(h) * n_kept;
-    const int32_t* kidx = channel_list(channels.key_idx, tk, h);
-    const int32_t* vidx = channel_list(channels.value_idx, tv, h);
-    const RowSource ksrc{
-        static_cast<const uint8_t*>(in.k), in.layout, heads, s.seq_len, d, elem, h};
-    const RowSource vsrc{
-        static_cast<const uint8_t*>(in.v), in.layout, heads, s.seq_len, d, elem, h};
-    w.Append(pos, sizeof(int32_t) * n_kept);
-    w.Pad();
-    w.Append(kidx, sizeof(int32_t) * tk);
-    w.Pad();
-    w.Append(vidx, sizeof(int32_t) * tv);
-    w.Pad();
-    if (bits == 0) {
-      AppendRows(ksrc, pos, m, kidx, tk, &w);
-      w.Pad();
-    } else {
-      AppendQuantized(ksrc, in.dtype, pos, m, kidx, tk, bits, g, /*keys=*/true, &scratch, &w);
-    }
-    AppendFullRows(ksrc, pos + m, r, &w);
-    w.Pad();
-    if (bits == 0) {
-      AppendRows(vsrc, pos, m, vidx, tv, &w);
-      w.Pad();
-    } else {
-      AppendQuantized(vsrc, in.dtype, pos, m, vidx, tv, bits, g, /*keys=*/false, &scratch, &w);
-    }
-    AppendFullRows(vsrc, pos + m, r, &w);
-    w.Pad();
-    if (w.size() - section != layout.size) {
-      return absl::InternalError(absl::StrCat("PackLayer: head ", h, " section is ",
-                                              w.size() - section, " bytes, layout says ",
-                                              layout.size));
+  // Task i writes half i % 2 (keys, values) of head i / 2. Each task records its own times in its
+  // own slot, so no synchronization is needed beyond ParallelFor's join.
+  const int tasks = 2 * heads;
+  std::vector<double> task_seconds(tasks), quantize_seconds(tasks);
+  auto run = [&](int i) {
+    const auto start = std::chrono::steady_clock::now();
+    quantize_seconds[i] = WriteHalf(p, i / 2, (i % 2) != 0);
+    task_seconds[i] = SecondsSince(start);
+  };
+  if (pool != nullptr && pool->num_threads() > 1) {
+    pool->ParallelFor(tasks, run);
+  } else {
+    for (int i = 0; i < tasks; ++i) run(i);
+  }
+  if (work != nullptr) {
+    *work = PackWork{};
+    for (int i = 0; i < tasks; ++i) {
+      work->task_seconds += task_seconds[i];
+      work->quantize_seconds += quantize_seconds[i];
     }
   }
   return out;
 }
 
+}  // namespace cpu
 }  // namespace kvc

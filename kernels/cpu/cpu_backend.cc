@@ -1,12 +1,14 @@
 // The CPU backend: validate, SelectTokens, SelectChannels, PackLayer, each stage timed. One
-// ThreadPool per backend parallelizes over KV heads; per-thread scratch keeps hot loops free of
-// allocation. NHD inputs are read in place through strided row conversion (no transposed copy).
+// ThreadPool per backend parallelizes over KV heads (scoring, selection and packing); per-thread
+// scratch keeps hot loops free of allocation. NHD inputs are read in place through strided row
+// conversion (no transposed copy).
 #include <chrono>
 #include <memory>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "cpu/engine.h"
+#include "cpu/pack.h"
 #include "cpu/thread_pool.h"
 #include "kvc/attention.h"
 #include "kvc/backend.h"
@@ -32,8 +34,10 @@ class CpuBackend final : public Backend {
                         ConvertUsesSimd() ? ", AVX2/F16C" : ", scalar", ", OpenBLAS sgemm");
   }
 
-  // Quantization happens inside PackLayer, which does not report it separately: the quantize
-  // time is included in `pack` and `quantize` stays 0.
+  // Packing runs on the pool, one task per (KV head, K or V), and quantization happens inside
+  // those tasks. `pack` + `quantize` is the wall time of that packing stage, split in proportion
+  // to the thread time the tasks spent quantizing (computing and writing scales, zeros and codes)
+  // versus everything else (gather, fp32 conversion); `quantize` is 0 when bits == 0.
   absl::StatusOr<CompactLayer> Compress(const LayerInput& in, const CompressionSpec& spec,
                                         CompressTimings* timings) override {
     const auto start = std::chrono::steady_clock::now();
@@ -45,8 +49,13 @@ class CpuBackend final : public Backend {
     ChannelSelection channels = cpu::SelectChannelsImpl(in, tokens, spec, &pool_);
     t.select = SecondsSince(select_start) - t.score;
     const auto pack_start = std::chrono::steady_clock::now();
-    ASSIGN_OR_RETURN(CompactLayer layer, PackLayer(in, tokens, channels, spec));
-    t.pack = SecondsSince(pack_start);
+    cpu::PackWork work;
+    ASSIGN_OR_RETURN(CompactLayer layer,
+                     cpu::PackLayerImpl(in, tokens, channels, spec, &pool_, &work));
+    const double pack_wall = SecondsSince(pack_start);
+    t.quantize =
+        work.task_seconds > 0 ? pack_wall * (work.quantize_seconds / work.task_seconds) : 0;
+    t.pack = pack_wall - t.quantize;
     t.total = SecondsSince(start);
     if (timings != nullptr) *timings = t;
     return layer;

@@ -4,7 +4,8 @@
 //
 // Counters: bytes_per_second is the layer's input (K + V, plus Q_obs for stages that read it);
 // FLOPS counts 2*M*N*K of the GEMMs; pack reports out_bytes_per_second too (bytes of the packed
-// blob), which is what a gather actually copies. Run e.g.:
+// blob), which is what a gather actually copies; compare it with BM_Memcpy's bytes_per_second.
+// Run e.g.:
 //   engine_bench --benchmark_min_time=0.3
 #include <cblas.h>
 
@@ -15,6 +16,9 @@
 #include <thread>
 #include <vector>
 
+#include "../../kernels/cpu/pack.h"
+#include "../../kernels/cpu/thread_pool.h"
+#include "absl/strings/str_cat.h"
 #include "benchmark/benchmark.h"
 #include "kvc/backend.h"
 #include "kvc/compact.h"
@@ -191,18 +195,32 @@ void BM_SelectChannels(benchmark::State& state) {
       (layer.kv_bytes() + layer.q_bytes()) * state.iterations(), benchmark::Counter::kIsRate);
 }
 
-// PackLayer alone on fixed selections: bits 0 is the gather, bits 4 adds quantization.
+// Packing alone on fixed selections: bits 0 is the gather, bits 4 adds quantization. Arg 2 picks
+// the path: 0 = the public PackLayer (serial), 1 = the CPU backend's path (cpu::PackLayerImpl on a
+// pool with hardware-concurrency threads, one task per KV head and K/V half).
 void BM_Pack(benchmark::State& state) {
   const Layer& layer = GetLayer(static_cast<int>(state.range(0)));
   const Selections& sel = GetSelections(layer.shape.seq_len);
   CompressionSpec spec = PipelineSpec();
   spec.quant.bits = static_cast<int>(state.range(1));
+  const bool parallel = state.range(2) != 0;
+  std::unique_ptr<ThreadPool> pool;
+  if (parallel) pool = std::make_unique<ThreadPool>(0);
+  state.SetLabel(parallel ? absl::StrCat("backend pool, ", pool->num_threads(), " threads")
+                          : "PackLayer, serial");
   size_t out = 0;
+  cpu::PackWork sum;
   for (auto _ : state) {
-    absl::StatusOr<CompactLayer> blob = PackLayer(layer.input(), sel.tokens, sel.channels, spec);
+    cpu::PackWork work;
+    absl::StatusOr<CompactLayer> blob =
+        parallel
+            ? cpu::PackLayerImpl(layer.input(), sel.tokens, sel.channels, spec, pool.get(), &work)
+            : PackLayer(layer.input(), sel.tokens, sel.channels, spec);
     if (!blob.ok()) state.SkipWithError(std::string(blob.status().message()).c_str());
     out = blob.ok() ? blob->bytes.size() : 0;
     benchmark::DoNotOptimize(blob);
+    sum.task_seconds += work.task_seconds;
+    sum.quantize_seconds += work.quantize_seconds;
   }
   const double it = static_cast<double>(state.iterations());
   state.counters["bytes_per_second"] =
@@ -210,26 +228,32 @@ void BM_Pack(benchmark::State& state) {
   state.counters["out_bytes_per_second"] =
       benchmark::Counter(static_cast<double>(out) * it, benchmark::Counter::kIsRate);
   state.counters["ratio"] = layer.kv_bytes() / std::max<double>(1.0, static_cast<double>(out));
+  if (parallel && sum.task_seconds > 0) {
+    state.counters["quantize_share"] = sum.quantize_seconds / sum.task_seconds;
+  }
 }
 
 // The whole pipeline through the backend: keyformer keep 0.25 + think lambda 0.5. Arg 1 picks the
 // threading: 1 = engine threads over heads with single-threaded BLAS, 0 = one engine thread with
-// OpenBLAS threaded inside each GEMM.
+// OpenBLAS threaded inside each GEMM. Arg 2 is spec.quant.bits (0 = no quantization).
 void BM_Pipeline(benchmark::State& state) {
   const Layer& layer = GetLayer(static_cast<int>(state.range(0)));
   const bool engine_threads = state.range(1) != 0;
   openblas_set_num_threads(HardwareThreads());
   auto backend = *CreateCpuBackend({.num_threads = engine_threads ? 0 : 1});
   state.SetLabel(engine_threads ? "engine threads" : "blas threads");
+  CompressionSpec spec = PipelineSpec();
+  spec.quant.bits = static_cast<int>(state.range(2));
   CompressTimings sum;
   for (auto _ : state) {
     CompressTimings t;
-    absl::StatusOr<CompactLayer> blob = backend->Compress(layer.input(), PipelineSpec(), &t);
+    absl::StatusOr<CompactLayer> blob = backend->Compress(layer.input(), spec, &t);
     if (!blob.ok()) state.SkipWithError(std::string(blob.status().message()).c_str());
     benchmark::DoNotOptimize(blob);
     sum.score += t.score;
     sum.select += t.select;
     sum.pack += t.pack;
+    sum.quantize += t.quantize;
     sum.total += t.total;
   }
   const double it = static_cast<double>(state.iterations());
@@ -241,6 +265,8 @@ void BM_Pipeline(benchmark::State& state) {
   state.counters["score_GFLOPS"] = ScoreFlops(layer.shape) * it / sum.score / 1e9;
   state.counters["select_GBps"] = in_bytes * it / sum.select / 1e9;
   state.counters["pack_GBps"] = layer.kv_bytes() * it / sum.pack / 1e9;
+  state.counters["pack_ms"] = 1e3 * sum.pack / it;
+  state.counters["quantize_ms"] = 1e3 * sum.quantize / it;
 }
 
 // Short runs: 32K iterations take ~0.1-1 s each on a small machine.
@@ -263,16 +289,21 @@ BENCHMARK(BM_Score)
     ->UseRealTime();
 BENCHMARK(BM_SelectChannels)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Pack)
-    ->Args({4096, 0})
-    ->Args({4096, 4})
-    ->Args({32768, 0})
-    ->Args({32768, 4})
+    ->Args({4096, 0, 0})
+    ->Args({4096, 0, 1})
+    ->Args({4096, 4, 0})
+    ->Args({4096, 4, 1})
+    ->Args({32768, 0, 0})
+    ->Args({32768, 0, 1})
+    ->Args({32768, 4, 0})
+    ->Args({32768, 4, 1})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_Pipeline)
-    ->Args({4096, 1})
-    ->Args({32768, 1})
-    ->Args({32768, 0})
+    ->Args({4096, 1, 0})
+    ->Args({32768, 1, 0})
+    ->Args({32768, 0, 0})
+    ->Args({32768, 1, 4})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

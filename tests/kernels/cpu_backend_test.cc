@@ -81,8 +81,17 @@ TEST(CpuBackendTest, CompressPacksTheSelections) {
   EXPECT_GT(t.score, 0.0);
   EXPECT_GE(t.select, 0.0);
   EXPECT_GT(t.pack, 0.0);
-  EXPECT_EQ(t.quantize, 0.0);  // reported within pack
+  EXPECT_EQ(t.quantize, 0.0);  // bits == 0: nothing is quantized
   EXPECT_GE(t.total, t.score + t.pack);
+
+  // With quantization the packing stage's wall time is split between pack and quantize.
+  CompressionSpec quantized = spec;
+  quantized.quant.bits = 4;
+  CompressTimings q;
+  ASSERT_TRUE(b->Compress(layer.input(), quantized, &q).ok());
+  EXPECT_GT(q.pack, 0.0);
+  EXPECT_GT(q.quantize, 0.0);
+  EXPECT_GE(q.total, q.score + q.pack + q.quantize);
 }
 
 TEST(CpuBackendTest, ResultIndependentOfThreadsLayoutAndConcurrency) {
