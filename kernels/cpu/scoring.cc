@@ -68,6 +68,7 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const bool gumbel = spec.policy == EvictionPolicy::kKeyformer;
   const float inv_tau = static_cast<float>(1.0 / spec.tau);
+  const bool unit_tau = spec.tau == 1.0;
   const float inv_g = 1.0f / static_cast<float>(g);
 
   for (int r0 = 0; r0 < rows; r0 += block) {
@@ -88,12 +89,20 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
       const int t = r % W;
       const int len = S - W + t + 1;
       float* row = logits + static_cast<size_t>(r - r0) * S;
-      if (gumbel) {
-        simd::AddGumbel(row, len, spec.seed, static_cast<uint32_t>(in.layer_index),
-                        static_cast<uint32_t>(h * g + r / W), static_cast<uint32_t>(t), inv_tau);
+      const auto layer = static_cast<uint32_t>(in.layer_index);
+      const auto q_head = static_cast<uint32_t>(h * g + r / W);
+      float sum;
+      if (gumbel && unit_tau) {
+        // exp(a + G) = exp(a) / -log(u): one logarithm per logit, fused with the exp pass.
+        sum = simd::GumbelExpSum(row, len, simd::Max(row, len), spec.seed, layer, q_head,
+                                 static_cast<uint32_t>(t));
+      } else if (gumbel) {
+        const float m = simd::AddGumbel(row, len, spec.seed, layer, q_head,
+                                        static_cast<uint32_t>(t), inv_tau);
+        sum = simd::ExpShiftSum(row, len, m);
+      } else {
+        sum = simd::ExpShiftSum(row, len, simd::Max(row, len));
       }
-      const float m = simd::Max(row, len);
-      const float sum = simd::ExpShiftSum(row, len, m);
       simd::Axpy(inv_g / sum, row, out, len);
     }
   }

@@ -160,33 +160,86 @@ __attribute__((target("avx2,fma"))) inline __m256 Log8(__m256 x) {
   return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(m, y));
 }
 
-__attribute__((target("avx2,fma"))) void AddGumbelAvx2Impl(float* x, size_t n, uint64_t seed,
-                                                           uint32_t layer, uint32_t head,
-                                                           uint32_t row, float inv_tau) {
-  const uint64_t base = Mix64(seed ^ Mix64((uint64_t{layer} << 32) | head));
-  const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(base ^ (uint64_t{row} << 32)));
+// CounterUniform for columns c .. c + 7 of the row whose hash key is `key` (see noise.h).
+__attribute__((target("avx2,fma"))) inline __m256 Uniform8(__m256i key, size_t c0) {
+  const auto c = static_cast<int64_t>(c0);
   const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i h0 = Mix64x4(_mm256_xor_si256(key, _mm256_setr_epi64x(c, c + 1, c + 2, c + 3)));
+  const __m256i h1 = Mix64x4(_mm256_xor_si256(key, _mm256_setr_epi64x(c + 4, c + 5, c + 6, c + 7)));
+  // Top 24 bits of each hash, gathered into eight 32-bit lanes in column order.
+  const __m256i b0 = _mm256_permutevar8x32_epi32(_mm256_srli_epi64(h0, 40), even);
+  const __m256i b1 = _mm256_permutevar8x32_epi32(_mm256_srli_epi64(h1, 40), even);
+  const __m256i bits = _mm256_permute2x128_si256(b0, b1, 0x20);
+  return _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(bits), _mm256_set1_ps(0.5f)),
+                       _mm256_set1_ps(1.0f / 16777216.0f));
+}
+
+// The per-row hash key of CounterUniform: Mix64(h ^ ((row << 32) | col)) = Mix64(key ^ col).
+inline uint64_t RowKey(uint64_t seed, uint32_t layer, uint32_t head, uint32_t row) {
+  return Mix64(seed ^ Mix64((uint64_t{layer} << 32) | head)) ^ (uint64_t{row} << 32);
+}
+
+__attribute__((target("avx2,fma"))) float AddGumbelAvx2Impl(float* x, size_t n, uint64_t seed,
+                                                            uint32_t layer, uint32_t head,
+                                                            uint32_t row, float inv_tau) {
+  const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(RowKey(seed, layer, head, row)));
   const __m256 vtau = _mm256_set1_ps(inv_tau);
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   size_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const auto c = static_cast<int64_t>(j);
-    const __m256i h0 = Mix64x4(_mm256_xor_si256(key, _mm256_setr_epi64x(c, c + 1, c + 2, c + 3)));
-    const __m256i h1 =
-        Mix64x4(_mm256_xor_si256(key, _mm256_setr_epi64x(c + 4, c + 5, c + 6, c + 7)));
-    // Top 24 bits of each hash, gathered into eight 32-bit lanes in column order.
-    const __m256i b0 = _mm256_permutevar8x32_epi32(_mm256_srli_epi64(h0, 40), even);
-    const __m256i b1 = _mm256_permutevar8x32_epi32(_mm256_srli_epi64(h1, 40), even);
-    const __m256i bits = _mm256_permute2x128_si256(b0, b1, 0x20);
-    const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(bits), _mm256_set1_ps(0.5f)),
-                                   _mm256_set1_ps(1.0f / 16777216.0f));
-    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(u));
+    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, j)));
     const __m256 g = _mm256_sub_ps(_mm256_setzero_ps(), Log8(neg_log_u));
-    _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(x + j), g), vtau));
+    const __m256 y = _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(x + j), g), vtau);
+    _mm256_storeu_ps(x + j, y);
+    vmax = _mm256_max_ps(vmax, y);
   }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float m = lanes[0];
+  for (int i = 1; i < 8; ++i) m = lanes[i] > m ? lanes[i] : m;
   for (; j < n; ++j) {
     x[j] = (x[j] + CounterGumbel(seed, layer, head, row, static_cast<uint32_t>(j))) * inv_tau;
+    m = x[j] > m ? x[j] : m;
   }
+  return m;
 }
+
+// exp(x + g - m) computed as exp(x - m) / -log(u), g = -log(-log(u)): one logarithm, not two.
+__attribute__((target("avx2,fma"))) float GumbelExpSumAvx2Impl(float* x, size_t n, float m,
+                                                               uint64_t seed, uint32_t layer,
+                                                               uint32_t head, uint32_t row) {
+  const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(RowKey(seed, layer, head, row)));
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  size_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, j)));
+    const __m256 e =
+        _mm256_div_ps(Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm)), neg_log_u);
+    _mm256_storeu_ps(x + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = HorizontalSum(acc);
+  if (j < n) {  // tail through the same polynomials
+    alignas(32) float tail[8];
+    const size_t rest = n - j;
+    for (size_t k = 0; k < 8; ++k) tail[k] = k < rest ? x[j + k] - m : -100.0f;
+    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, j)));
+    _mm256_store_ps(tail, _mm256_div_ps(Exp8(_mm256_load_ps(tail)), neg_log_u));
+    for (size_t k = 0; k < rest; ++k) {
+      x[j + k] = tail[k];
+      sum += tail[k];
+    }
+  }
+  return sum;
+}
+
+// GCC 12 reports the self-initialized placeholder operand inside its AVX-512 intrinsics
+// (_mm512_undefined_*) as uninitialized once they are inlined into these loops (a false positive,
+// GCC bug 105593); the operand is never read.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 // AVX-512: native 64-bit multiplies (vpmullq) make the counter hash ~8x cheaper than on AVX2.
 __attribute__((target("avx512f,avx512dq"))) inline __m512i Mix64x8(__m512i x) {
@@ -223,32 +276,103 @@ __attribute__((target("avx512f,avx512dq"))) inline __m512 Log16(__m512 x) {
   return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(m, y));
 }
 
-__attribute__((target("avx512f,avx512dq"))) void AddGumbelAvx512Impl(float* x, size_t n,
-                                                                     uint64_t seed, uint32_t layer,
-                                                                     uint32_t head, uint32_t row,
-                                                                     float inv_tau) {
-  const uint64_t base = Mix64(seed ^ Mix64((uint64_t{layer} << 32) | head));
-  const __m512i key = _mm512_set1_epi64(static_cast<int64_t>(base ^ (uint64_t{row} << 32)));
-  const __m512i lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+// Uniform8 on sixteen lanes.
+__attribute__((target("avx512f,avx512dq"))) inline __m512 Uniform16(__m512i key, size_t j) {
+  const __m512i c = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(j)),
+                                     _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m512i h0 = Mix64x8(_mm512_xor_si512(key, c));
+  const __m512i h1 = Mix64x8(_mm512_xor_si512(key, _mm512_add_epi64(c, _mm512_set1_epi64(8))));
+  const __m256i b0 = _mm512_cvtepi64_epi32(_mm512_srli_epi64(h0, 40));
+  const __m256i b1 = _mm512_cvtepi64_epi32(_mm512_srli_epi64(h1, 40));
+  const __m512i bits = _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1);
+  return _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(bits), _mm512_set1_ps(0.5f)),
+                       _mm512_set1_ps(1.0f / 16777216.0f));
+}
+
+// Exp8's scheme on sixteen lanes; vscalefps applies 2^n (no exponent-field overflow to avoid).
+__attribute__((target("avx512f,avx512dq"))) inline __m512 Exp16(__m512 x) {
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447505531f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 1 / x for positive normal x: rcp14 plus one Newton step (relative error ~1e-7).
+__attribute__((target("avx512f,avx512dq"))) inline __m512 Reciprocal16(__m512 x) {
+  const __m512 r = _mm512_rcp14_ps(x);
+  return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(x, r, _mm512_set1_ps(1.0f)), r);
+}
+
+inline __mmask16 TailMask(size_t rest) { return static_cast<__mmask16>((1u << rest) - 1); }
+
+__attribute__((target("avx512f,avx512dq"))) float AddGumbelAvx512Impl(float* x, size_t n,
+                                                                      uint64_t seed,
+                                                                      uint32_t layer,
+                                                                      uint32_t head, uint32_t row,
+                                                                      float inv_tau) {
+  const __m512i key = _mm512_set1_epi64(static_cast<int64_t>(RowKey(seed, layer, head, row)));
   const __m512 vtau = _mm512_set1_ps(inv_tau);
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (size_t j = 0; j < n; j += 16) {
+    const __mmask16 k = n - j >= 16 ? __mmask16{0xffff} : TailMask(n - j);
+    const __m512 neg_log_u = _mm512_sub_ps(_mm512_setzero_ps(), Log16(Uniform16(key, j)));
+    const __m512 g = _mm512_sub_ps(_mm512_setzero_ps(), Log16(neg_log_u));
+    const __m512 y = _mm512_mul_ps(_mm512_add_ps(_mm512_maskz_loadu_ps(k, x + j), g), vtau);
+    _mm512_mask_storeu_ps(x + j, k, y);
+    vmax = _mm512_mask_max_ps(vmax, k, vmax, y);
+  }
+  return _mm512_reduce_max_ps(vmax);
+}
+
+__attribute__((target("avx512f,avx512dq"))) float GumbelExpSumAvx512Impl(float* x, size_t n,
+                                                                         float m, uint64_t seed,
+                                                                         uint32_t layer,
+                                                                         uint32_t head,
+                                                                         uint32_t row) {
+  const __m512i key = _mm512_set1_epi64(static_cast<int64_t>(RowKey(seed, layer, head, row)));
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  for (size_t j = 0; j < n; j += 16) {
+    const __mmask16 k = n - j >= 16 ? __mmask16{0xffff} : TailMask(n - j);
+    const __m512 neg_log_u = _mm512_sub_ps(_mm512_setzero_ps(), Log16(Uniform16(key, j)));
+    const __m512 e = _mm512_mul_ps(Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j), vm)),
+                                   Reciprocal16(neg_log_u));
+    _mm512_mask_storeu_ps(x + j, k, e);
+    acc = _mm512_mask_add_ps(acc, k, acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+__attribute__((target("avx512f,avx512dq"))) float ExpShiftSumAvx512(float* x, size_t n,
+                                                                    float m) {
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
   size_t j = 0;
   for (; j + 16 <= n; j += 16) {
-    const __m512i c = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(j)), lane);
-    const __m512i h0 = Mix64x8(_mm512_xor_si512(key, c));
-    const __m512i h1 = Mix64x8(_mm512_xor_si512(key, _mm512_add_epi64(c, _mm512_set1_epi64(8))));
-    const __m256i b0 = _mm512_cvtepi64_epi32(_mm512_srli_epi64(h0, 40));
-    const __m256i b1 = _mm512_cvtepi64_epi32(_mm512_srli_epi64(h1, 40));
-    const __m512i bits = _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1);
-    const __m512 u = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(bits), _mm512_set1_ps(0.5f)),
-                                   _mm512_set1_ps(1.0f / 16777216.0f));
-    const __m512 neg_log_u = _mm512_sub_ps(_mm512_setzero_ps(), Log16(u));
-    const __m512 g = _mm512_sub_ps(_mm512_setzero_ps(), Log16(neg_log_u));
-    _mm512_storeu_ps(x + j, _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(x + j), g), vtau));
+    const __m512 e = Exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm));
+    _mm512_storeu_ps(x + j, e);
+    acc = _mm512_add_ps(acc, e);
   }
-  for (; j < n; ++j) {
-    x[j] = (x[j] + CounterGumbel(seed, layer, head, row, static_cast<uint32_t>(j))) * inv_tau;
+  if (j < n) {
+    const __mmask16 k = TailMask(n - j);
+    const __m512 e = Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j), vm));
+    _mm512_mask_storeu_ps(x + j, k, e);
+    acc = _mm512_mask_add_ps(acc, k, acc, e);
   }
+  return _mm512_reduce_add_ps(acc);
 }
+
+#pragma GCC diagnostic pop
 
 bool Detect() {
   __builtin_cpu_init();
@@ -287,6 +411,7 @@ float Max(const float* x, size_t n) {
 
 float ExpShiftSum(float* x, size_t n, float m) {
 #ifdef KVC_X86
+  if (HaveAvx512()) return ExpShiftSumAvx512(x, n, m);
   if (Have()) return ExpShiftSumAvx2(x, n, m);
 #endif
   float sum = 0.0f;
@@ -325,33 +450,83 @@ float SumSquares(const float* x, size_t n) {
   return s;
 }
 
-void AddGumbel(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row,
-               float inv_tau) {
-  if (internal::AddGumbelAvx512(x, n, seed, layer, head, row, inv_tau)) return;
-  if (internal::AddGumbelAvx2(x, n, seed, layer, head, row, inv_tau)) return;
-  for (size_t j = 0; j < n; ++j) {
-    x[j] = (x[j] + CounterGumbel(seed, layer, head, row, static_cast<uint32_t>(j))) * inv_tau;
-  }
+float AddGumbel(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row,
+                float inv_tau) {
+  float m;
+  if (internal::AddGumbelAvx512(x, n, seed, layer, head, row, inv_tau, &m)) return m;
+  if (internal::AddGumbelAvx2(x, n, seed, layer, head, row, inv_tau, &m)) return m;
+  return internal::AddGumbelScalar(x, n, seed, layer, head, row, inv_tau);
+}
+
+float GumbelExpSum(float* x, size_t n, float m, uint64_t seed, uint32_t layer, uint32_t head,
+                   uint32_t row) {
+  float sum;
+  if (internal::GumbelExpSumAvx512(x, n, m, seed, layer, head, row, &sum)) return sum;
+  if (internal::GumbelExpSumAvx2(x, n, m, seed, layer, head, row, &sum)) return sum;
+  return internal::GumbelExpSumScalar(x, n, m, seed, layer, head, row);
 }
 
 namespace internal {
 
+float AddGumbelScalar(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head,
+                      uint32_t row, float inv_tau) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (size_t j = 0; j < n; ++j) {
+    x[j] = (x[j] + CounterGumbel(seed, layer, head, row, static_cast<uint32_t>(j))) * inv_tau;
+    m = x[j] > m ? x[j] : m;
+  }
+  return m;
+}
+
+float GumbelExpSumScalar(float* x, size_t n, float m, uint64_t seed, uint32_t layer,
+                         uint32_t head, uint32_t row) {
+  float sum = 0.0f;
+  for (size_t j = 0; j < n; ++j) {
+    const float u = CounterUniform(seed, layer, head, row, static_cast<uint32_t>(j));
+    x[j] = std::exp(x[j] - m) / -std::log(u);
+    sum += x[j];
+  }
+  return sum;
+}
+
 bool AddGumbelAvx2(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row,
-                   float inv_tau) {
+                   float inv_tau, float* max) {
 #ifdef KVC_X86
   if (Have()) {
-    AddGumbelAvx2Impl(x, n, seed, layer, head, row, inv_tau);
+    *max = AddGumbelAvx2Impl(x, n, seed, layer, head, row, inv_tau);
     return true;
   }
 #endif
   return false;
 }
 
-bool AddGumbelAvx512(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row,
-                     float inv_tau) {
+bool AddGumbelAvx512(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head,
+                     uint32_t row, float inv_tau, float* max) {
 #ifdef KVC_X86
   if (HaveAvx512()) {
-    AddGumbelAvx512Impl(x, n, seed, layer, head, row, inv_tau);
+    *max = AddGumbelAvx512Impl(x, n, seed, layer, head, row, inv_tau);
+    return true;
+  }
+#endif
+  return false;
+}
+
+bool GumbelExpSumAvx2(float* x, size_t n, float m, uint64_t seed, uint32_t layer, uint32_t head,
+                      uint32_t row, float* sum) {
+#ifdef KVC_X86
+  if (Have()) {
+    *sum = GumbelExpSumAvx2Impl(x, n, m, seed, layer, head, row);
+    return true;
+  }
+#endif
+  return false;
+}
+
+bool GumbelExpSumAvx512(float* x, size_t n, float m, uint64_t seed, uint32_t layer,
+                        uint32_t head, uint32_t row, float* sum) {
+#ifdef KVC_X86
+  if (HaveAvx512()) {
+    *sum = GumbelExpSumAvx512Impl(x, n, m, seed, layer, head, row);
     return true;
   }
 #endif

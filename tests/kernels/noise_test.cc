@@ -59,35 +59,85 @@ TEST(NoiseTest, Mix64IsABijectionOnASample) {
 }
 
 // The engine adds keyformer noise with a vector hash + polynomial log; every path must reproduce
-// CounterGumbel (what the CUDA backend uses) to float precision, tails included (n = 1003).
-void ExpectMatchesCounterGumbel(const std::vector<float>& x) {
+// CounterGumbel (what the CUDA backend uses) to float precision, tails included (n = 1003), and
+// return the max of what it wrote.
+void ExpectMatchesCounterGumbel(const std::vector<float>& x, float max) {
+  float want_max = -INFINITY;
   for (size_t j = 0; j < x.size(); ++j) {
     const float want = (0.5f + CounterGumbel(77, 3, 5, 11, static_cast<uint32_t>(j))) * 0.5f;
     ASSERT_NEAR(x[j], want, 4e-6f * std::max(1.0f, std::fabs(want))) << j;
+    want_max = std::max(want_max, x[j]);
   }
+  EXPECT_EQ(max, want_max);
 }
 
 TEST(NoiseTest, VectorGumbelMatchesCounterGumbel) {
   std::vector<float> x(1003, 0.5f);
-  simd::AddGumbel(x.data(), x.size(), 77, 3, 5, 11, 0.5f);
-  ExpectMatchesCounterGumbel(x);
+  ExpectMatchesCounterGumbel(x, simd::AddGumbel(x.data(), x.size(), 77, 3, 5, 11, 0.5f));
+  x.assign(1003, 0.5f);
+  ExpectMatchesCounterGumbel(
+      x, simd::internal::AddGumbelScalar(x.data(), x.size(), 77, 3, 5, 11, 0.5f));
   // Each instruction-set path on its own, where this CPU has it.
   int paths = 0;
+  float max = 0;
   x.assign(1003, 0.5f);
-  if (simd::internal::AddGumbelAvx2(x.data(), x.size(), 77, 3, 5, 11, 0.5f)) {
+  if (simd::internal::AddGumbelAvx2(x.data(), x.size(), 77, 3, 5, 11, 0.5f, &max)) {
     ++paths;
-    ExpectMatchesCounterGumbel(x);
+    ExpectMatchesCounterGumbel(x, max);
   }
   x.assign(1003, 0.5f);
-  if (simd::internal::AddGumbelAvx512(x.data(), x.size(), 77, 3, 5, 11, 0.5f)) {
+  if (simd::internal::AddGumbelAvx512(x.data(), x.size(), 77, 3, 5, 11, 0.5f, &max)) {
     ++paths;
-    ExpectMatchesCounterGumbel(x);
+    ExpectMatchesCounterGumbel(x, max);
   }
   if (paths == 0) GTEST_LOG_(INFO) << "no vector path on this CPU; scalar path tested above";
   // Counter values reach the extremes of the 24-bit uniform: results stay finite.
   std::vector<float> y(1 << 16, 0.0f);
-  simd::AddGumbel(y.data(), y.size(), 1, 0, 0, 0, 1.0f);
+  EXPECT_TRUE(std::isfinite(simd::AddGumbel(y.data(), y.size(), 1, 0, 0, 0, 1.0f)));
   for (size_t j = 0; j < y.size(); ++j) ASSERT_TRUE(std::isfinite(y[j])) << j;
+  EXPECT_EQ(simd::AddGumbel(y.data(), 0, 1, 0, 0, 0, 1.0f), -INFINITY);
+}
+
+// GumbelExpSum(x, m) = exp(x + G - m) elementwise, against double precision on CounterGumbel's
+// float values; logits spread over [-30, 0] so that the exp's argument range is exercised.
+void ExpectGumbelExp(const std::vector<float>& x, const std::vector<float>& got, float sum,
+                     uint32_t row) {
+  const float m = *std::max_element(x.begin(), x.end());
+  double want_sum = 0;
+  for (size_t j = 0; j < x.size(); ++j) {
+    const double g = CounterGumbel(77, 3, 5, row, static_cast<uint32_t>(j));
+    const double want = std::exp(static_cast<double>(x[j]) - m + g);
+    want_sum += want;
+    ASSERT_NEAR(got[j], want, 2e-6 * want) << j;
+  }
+  EXPECT_NEAR(sum, want_sum, 1e-5 * want_sum);
+}
+
+TEST(NoiseTest, GumbelExpSumMatchesExpOfNoisyLogits) {
+  for (size_t n : {size_t{1}, size_t{15}, size_t{1003}}) {
+    std::vector<float> x(n);
+    for (size_t j = 0; j < n; ++j) x[j] = -30.0f + 30.0f * static_cast<float>((j * 37) % n) / n;
+    const float m = *std::max_element(x.begin(), x.end());
+    const uint32_t row = static_cast<uint32_t>(n);
+    std::vector<float> y = x;
+    float sum = simd::GumbelExpSum(y.data(), n, m, 77, 3, 5, row);
+    ExpectGumbelExp(x, y, sum, row);
+    y = x;
+    sum = simd::internal::GumbelExpSumScalar(y.data(), n, m, 77, 3, 5, row);
+    ExpectGumbelExp(x, y, sum, row);
+    y = x;
+    if (simd::internal::GumbelExpSumAvx2(y.data(), n, m, 77, 3, 5, row, &sum)) {
+      ExpectGumbelExp(x, y, sum, row);
+    }
+    y = x;
+    if (simd::internal::GumbelExpSumAvx512(y.data(), n, m, 77, 3, 5, row, &sum)) {
+      ExpectGumbelExp(x, y, sum, row);
+    }
+  }
+  // The noise reaches -log(u) ~ 3e-8 (a factor 2^25): over 64K counters nothing overflows.
+  std::vector<float> z(1 << 16, 0.0f);
+  EXPECT_TRUE(std::isfinite(simd::GumbelExpSum(z.data(), z.size(), 0.0f, 1, 0, 0, 0)));
+  for (size_t j = 0; j < z.size(); ++j) ASSERT_TRUE(std::isfinite(z[j]) && z[j] > 0) << j;
 }
 
 TEST(SimdTest, ExpShiftSumMatchesLibm) {
