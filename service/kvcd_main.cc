@@ -2,13 +2,16 @@
 // configure addresses and limits; see --help. SIGTERM/SIGINT drain and shut down cleanly.
 #include <signal.h>
 
+#include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "server/config.h"
@@ -42,6 +45,27 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
 namespace {
 
 constexpr int kExitBadFlags = 2;
+constexpr char kVersion[] = "0.1.0";
+
+// absl::ParseCommandLine reports an unknown flag or an unparsable value and calls exit(1);
+// kvcd promises exit code 2 for every bad flag, so an exit during parsing is turned into 2.
+// (--help and --version keep absl's own exit codes.)
+std::atomic<bool> g_parsing_flags{false};
+
+void ExitBadFlagsIfParsing() {
+  if (g_parsing_flags.load()) std::_Exit(kExitBadFlags);
+}
+
+bool AsksForHelpOrVersion(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.rfind("--help", 0) == 0 || arg.rfind("-help", 0) == 0 || arg == "--version" ||
+        arg == "-version" || arg == "--only_check_args") {
+      return true;
+    }
+  }
+  return false;
+}
 
 absl::StatusOr<kvc::server::ServerConfig> ConfigFromFlags() {
   kvc::server::ServerConfig c;
@@ -85,7 +109,15 @@ absl::StatusOr<kvc::server::ServerConfig> ConfigFromFlags() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "kvcd: KV-cache compression service. Usage: kvcd [--flag=value ...] [--flagfile=FILE]");
+  absl::FlagsUsageConfig usage;
+  usage.version_string = [] { return absl::StrCat("kvcd ", kVersion, "\n"); };
+  absl::SetFlagsUsageConfig(usage);
+  if (!AsksForHelpOrVersion(argc, argv)) {
+    g_parsing_flags = true;
+    std::atexit(ExitBadFlagsIfParsing);
+  }
   absl::ParseCommandLine(argc, argv);
+  g_parsing_flags = false;
   auto config = ConfigFromFlags();
   if (!config.ok()) {
     std::fprintf(stderr, "kvcd: %s\n", std::string(config.status().message()).c_str());
@@ -103,6 +135,7 @@ int main(int argc, char** argv) {
 
   kvc::server::KvcServer::Options options;
   options.config = *config;
+  options.version = kVersion;
   // Further services (e.g. the NCCL transfer service) are appended to options.extra_services.
   auto server = kvc::server::KvcServer::Create(std::move(options));
   if (!server.ok()) {

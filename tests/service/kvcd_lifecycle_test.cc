@@ -89,6 +89,9 @@ TEST(KvcdLifecycleTest, InvalidFlagsExitWithCode2AndNameTheFlag) {
       {"--listen=localhost", "--listen"},
       {"--threads=-1", "--threads"},
       {"--drain_seconds=-1", "--drain_seconds"},
+      {"--threads=abc", "threads"},          // absl cannot parse the value
+      {"--no_such_flag=1", "no_such_flag"},  // unknown flag
+      {"--auth_tokens_file=/nonexistent/tokens", "--auth_tokens_file"},
   };
   for (const auto& [flag, name] : cases) {
     KvcdProcess::Options opts;
