@@ -79,11 +79,22 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
     // Keys are converted one chunk at a time (an L2-sized GEMM operand; scratch stays bounded
     // whatever S is). With several row blocks (W * g * S > kLogitFloats) they are re-converted
     // per block, which costs little next to the GEMM.
+    float* row_max = Grow(s.row_max, static_cast<size_t>(nr));
+    std::fill(row_max, row_max + nr, -std::numeric_limits<float>::infinity());
     for (int c0 = 0; c0 < max_len; c0 += kTokenChunk) {
       const int n = std::min(kTokenChunk, max_len - c0);
       LoadHeadRows(in, /*values=*/false, h, c0, n, k);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, D, scale,
                   q + static_cast<size_t>(r0) * D, D, k, D, 0.0f, logits + c0, S);
+      // Row maxima while the chunk's logits are still in cache: the block is too large for L2,
+      // so a separate max pass would read every row back from memory just to compare. The exp
+      // pass below, compute-bound, then hides that read instead.
+      for (int r = r0; r < r0 + nr; ++r) {
+        const int valid = std::min(n, S - W + (r % W) + 1 - c0);
+        if (valid <= 0) continue;
+        float& m = row_max[r - r0];
+        m = std::max(m, simd::Max(logits + static_cast<size_t>(r - r0) * S + c0, valid));
+      }
     }
     for (int r = r0; r < r0 + nr; ++r) {
       const int t = r % W;
@@ -91,17 +102,17 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
       float* row = logits + static_cast<size_t>(r - r0) * S;
       const auto layer = static_cast<uint32_t>(in.layer_index);
       const auto q_head = static_cast<uint32_t>(h * g + r / W);
+      const float m = row_max[r - r0];
       float sum;
       if (gumbel && unit_tau) {
         // exp(a + G) = exp(a) / -log(u): one logarithm per logit, fused with the exp pass.
-        sum = simd::GumbelExpSum(row, len, simd::Max(row, len), spec.seed, layer, q_head,
-                                 static_cast<uint32_t>(t));
+        sum = simd::GumbelExpSum(row, len, m, spec.seed, layer, q_head, static_cast<uint32_t>(t));
       } else if (gumbel) {
-        const float m = simd::AddGumbel(row, len, spec.seed, layer, q_head,
-                                        static_cast<uint32_t>(t), inv_tau);
-        sum = simd::ExpShiftSum(row, len, m);
+        const float noisy_max = simd::AddGumbel(row, len, spec.seed, layer, q_head,
+                                                static_cast<uint32_t>(t), inv_tau);
+        sum = simd::ExpShiftSum(row, len, noisy_max);
       } else {
-        sum = simd::ExpShiftSum(row, len, simd::Max(row, len));
+        sum = simd::ExpShiftSum(row, len, m);
       }
       simd::Axpy(inv_g / sum, row, out, len);
     }

@@ -242,13 +242,14 @@ __attribute__((target("avx2,fma"))) float GumbelExpSumAvx2Impl(float* x, size_t 
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 // AVX-512: native 64-bit multiplies (vpmullq) make the counter hash ~8x cheaper than on AVX2.
-__attribute__((target("avx512f,avx512dq"))) inline __m512i Mix64x8(__m512i x) {
+// Mix64 of kvc/noise.h on eight lanes, without its final x ^= x >> 31: that step leaves bits
+// 33..63 unchanged, and the uniforms use only bits 40..63.
+__attribute__((target("avx512f,avx512dq"))) inline __m512i Mix64High8(__m512i x) {
   x = _mm512_add_epi64(x, _mm512_set1_epi64(static_cast<int64_t>(0x9e3779b97f4a7c15ull)));
   x = _mm512_mullo_epi64(_mm512_xor_si512(x, _mm512_srli_epi64(x, 30)),
                          _mm512_set1_epi64(static_cast<int64_t>(0xbf58476d1ce4e5b9ull)));
-  x = _mm512_mullo_epi64(_mm512_xor_si512(x, _mm512_srli_epi64(x, 27)),
-                         _mm512_set1_epi64(static_cast<int64_t>(0x94d049bb133111ebull)));
-  return _mm512_xor_si512(x, _mm512_srli_epi64(x, 31));
+  return _mm512_mullo_epi64(_mm512_xor_si512(x, _mm512_srli_epi64(x, 27)),
+                            _mm512_set1_epi64(static_cast<int64_t>(0x94d049bb133111ebull)));
 }
 
 // Log8's scheme on 16 lanes; getexp/getmant do the frexp.
@@ -276,22 +277,23 @@ __attribute__((target("avx512f,avx512dq"))) inline __m512 Log16(__m512 x) {
   return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(m, y));
 }
 
-// Uniform8 on sixteen lanes.
-__attribute__((target("avx512f,avx512dq"))) inline __m512 Uniform16(__m512i key, size_t j) {
-  const __m512i c = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(j)),
-                                     _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7));
-  const __m512i h0 = Mix64x8(_mm512_xor_si512(key, c));
-  const __m512i h1 = Mix64x8(_mm512_xor_si512(key, _mm512_add_epi64(c, _mm512_set1_epi64(8))));
-  const __m256i b0 = _mm512_cvtepi64_epi32(_mm512_srli_epi64(h0, 40));
-  const __m256i b1 = _mm512_cvtepi64_epi32(_mm512_srli_epi64(h1, 40));
-  const __m512i bits = _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1);
-  return _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(bits), _mm512_set1_ps(0.5f)),
-                       _mm512_set1_ps(1.0f / 16777216.0f));
+// Uniform8 on sixteen lanes, columns c[i] (lanes 0..7) and c[i] + 8 (lanes 8..15).
+__attribute__((target("avx512f,avx512dq"))) inline __m512 Uniform16(__m512i key, __m512i c) {
+  const __m512i h0 = Mix64High8(_mm512_xor_si512(key, c));
+  const __m512i h1 = Mix64High8(_mm512_xor_si512(key, _mm512_add_epi64(c, _mm512_set1_epi64(8))));
+  // The high 32-bit halves of h0's then h1's lanes, shifted down to their top 24 bits.
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512i bits = _mm512_srli_epi32(_mm512_permutex2var_epi32(h0, odd, h1), 8);
+  // (b + 0.5) * 2^-24 rounded once, as noise.h's float (b + 0.5f) then exact scaling does.
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(bits), _mm512_set1_ps(1.0f / 16777216.0f),
+                         _mm512_set1_ps(0.5f / 16777216.0f));
 }
 
-// Exp8's scheme on sixteen lanes; vscalefps applies 2^n (no exponent-field overflow to avoid).
+inline constexpr int64_t kLane[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+
+// Exp8's scheme on sixteen lanes; vscalefps applies 2^n (no exponent-field overflow to avoid),
+// so no upper clamp is needed: x > 88.72 gives +inf, as expf does.
 __attribute__((target("avx512f,avx512dq"))) inline __m512 Exp16(__m512 x) {
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447505531f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -323,9 +325,10 @@ __attribute__((target("avx512f,avx512dq"))) float AddGumbelAvx512Impl(float* x, 
   const __m512i key = _mm512_set1_epi64(static_cast<int64_t>(RowKey(seed, layer, head, row)));
   const __m512 vtau = _mm512_set1_ps(inv_tau);
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (size_t j = 0; j < n; j += 16) {
+  __m512i c = _mm512_loadu_si512(kLane);
+  for (size_t j = 0; j < n; j += 16, c = _mm512_add_epi64(c, _mm512_set1_epi64(16))) {
     const __mmask16 k = n - j >= 16 ? __mmask16{0xffff} : TailMask(n - j);
-    const __m512 neg_log_u = _mm512_sub_ps(_mm512_setzero_ps(), Log16(Uniform16(key, j)));
+    const __m512 neg_log_u = _mm512_sub_ps(_mm512_setzero_ps(), Log16(Uniform16(key, c)));
     const __m512 g = _mm512_sub_ps(_mm512_setzero_ps(), Log16(neg_log_u));
     const __m512 y = _mm512_mul_ps(_mm512_add_ps(_mm512_maskz_loadu_ps(k, x + j), g), vtau);
     _mm512_mask_storeu_ps(x + j, k, y);
@@ -342,9 +345,10 @@ __attribute__((target("avx512f,avx512dq"))) float GumbelExpSumAvx512Impl(float* 
   const __m512i key = _mm512_set1_epi64(static_cast<int64_t>(RowKey(seed, layer, head, row)));
   const __m512 vm = _mm512_set1_ps(m);
   __m512 acc = _mm512_setzero_ps();
-  for (size_t j = 0; j < n; j += 16) {
+  __m512i c = _mm512_loadu_si512(kLane);
+  for (size_t j = 0; j < n; j += 16, c = _mm512_add_epi64(c, _mm512_set1_epi64(16))) {
     const __mmask16 k = n - j >= 16 ? __mmask16{0xffff} : TailMask(n - j);
-    const __m512 neg_log_u = _mm512_sub_ps(_mm512_setzero_ps(), Log16(Uniform16(key, j)));
+    const __m512 neg_log_u = _mm512_sub_ps(_mm512_setzero_ps(), Log16(Uniform16(key, c)));
     const __m512 e = _mm512_mul_ps(Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j), vm)),
                                    Reciprocal16(neg_log_u));
     _mm512_mask_storeu_ps(x + j, k, e);
