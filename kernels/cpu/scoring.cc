@@ -77,44 +77,57 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
     int max_len = 0;
     for (int r = r0; r < r0 + nr; ++r) max_len = std::max(max_len, S - W + (r % W) + 1);
     // Keys are converted one chunk at a time (an L2-sized GEMM operand; scratch stays bounded
-    // whatever S is). With several row blocks (W * g * S > kLogitFloats) they are re-converted
-    // per block, which costs little next to the GEMM.
-    float* row_max = Grow(s.row_max, static_cast<size_t>(nr));
+    // whatever S is), re-converted per row block, which costs little next to the GEMM.
+    // Online softmax over key chunks: right after a chunk's GEMM (its logits still in L2),
+    // each row's part is exponentiated against the row's running max m_c and summed; the final
+    // pass only rescales by exp(m_c - m) / sum. The compute-heavy pass (exp, keyformer's
+    // noise) thus never waits on memory; the logits block itself is too large for L2.
+    const int chunks = (max_len + kTokenChunk - 1) / kTokenChunk;
+    float* stats = Grow(s.row_max, static_cast<size_t>(nr) * (chunks + 2));
+    float* row_max = stats;
+    float* row_sum = stats + nr;
+    float* shift = stats + 2 * static_cast<size_t>(nr);  // [nr, chunks]: m_c per chunk
     std::fill(row_max, row_max + nr, -std::numeric_limits<float>::infinity());
-    for (int c0 = 0; c0 < max_len; c0 += kTokenChunk) {
+    std::fill(row_sum, row_sum + nr, 0.0f);
+    for (int c0 = 0, c = 0; c0 < max_len; c0 += kTokenChunk, ++c) {
       const int n = std::min(kTokenChunk, max_len - c0);
       LoadHeadRows(in, /*values=*/false, h, c0, n, k);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, D, scale,
                   q + static_cast<size_t>(r0) * D, D, k, D, 0.0f, logits + c0, S);
-      // Row maxima while the chunk's logits are still in cache: the block is too large for L2,
-      // so a separate max pass would read every row back from memory just to compare. The exp
-      // pass below, compute-bound, then hides that read instead.
       for (int r = r0; r < r0 + nr; ++r) {
-        const int valid = std::min(n, S - W + (r % W) + 1 - c0);
+        const int i = r - r0, t = r % W;
+        const int valid = std::min(n, S - W + t + 1 - c0);
         if (valid <= 0) continue;
-        float& m = row_max[r - r0];
-        m = std::max(m, simd::Max(logits + static_cast<size_t>(r - r0) * S + c0, valid));
+        float* part = logits + static_cast<size_t>(i) * S + c0;
+        const auto layer = static_cast<uint32_t>(in.layer_index);
+        const auto q_head = static_cast<uint32_t>(h * g + r / W);
+        const auto col0 = static_cast<uint32_t>(c0);
+        // keyformer at tau != 1 needs the noisy values' max; otherwise the logits' max (at
+        // tau = 1, exp(a + G - m) = exp(a - m) / -log(u) <= 2^25 for m >= max a).
+        const float part_max =
+            gumbel && !unit_tau
+                ? simd::AddGumbel(part, valid, spec.seed, layer, q_head, t, col0, inv_tau)
+                : simd::Max(part, valid);
+        const float m = std::max(row_max[i], part_max);
+        if (m > row_max[i]) {
+          row_sum[i] *= std::exp(row_max[i] - m);  // exp(-inf) = 0 on the first chunk
+          row_max[i] = m;
+        }
+        row_sum[i] += gumbel && unit_tau
+                          ? simd::GumbelExpSum(part, valid, m, spec.seed, layer, q_head, t, col0)
+                          : simd::ExpShiftSum(part, valid, m);
+        shift[static_cast<size_t>(i) * chunks + c] = m;
       }
     }
     for (int r = r0; r < r0 + nr; ++r) {
-      const int t = r % W;
-      const int len = S - W + t + 1;
-      float* row = logits + static_cast<size_t>(r - r0) * S;
-      const auto layer = static_cast<uint32_t>(in.layer_index);
-      const auto q_head = static_cast<uint32_t>(h * g + r / W);
-      const float m = row_max[r - r0];
-      float sum;
-      if (gumbel && unit_tau) {
-        // exp(a + G) = exp(a) / -log(u): one logarithm per logit, fused with the exp pass.
-        sum = simd::GumbelExpSum(row, len, m, spec.seed, layer, q_head, static_cast<uint32_t>(t));
-      } else if (gumbel) {
-        const float noisy_max = simd::AddGumbel(row, len, spec.seed, layer, q_head,
-                                                static_cast<uint32_t>(t), inv_tau);
-        sum = simd::ExpShiftSum(row, len, noisy_max);
-      } else {
-        sum = simd::ExpShiftSum(row, len, m);
+      const int i = r - r0;
+      const int len = S - W + (r % W) + 1;
+      for (int c0 = 0, c = 0; c0 < len; c0 += kTokenChunk, ++c) {
+        const float m_c = shift[static_cast<size_t>(i) * chunks + c];
+        const float a = inv_g * std::exp(m_c - row_max[i]) / row_sum[i];
+        simd::Axpy(a, logits + static_cast<size_t>(i) * S + c0, out + c0,
+                   std::min(kTokenChunk, len - c0));
       }
-      simd::Axpy(inv_g / sum, row, out, len);
     }
   }
   if (spec.policy == EvictionPolicy::kSnapKV) {

@@ -181,13 +181,13 @@ inline uint64_t RowKey(uint64_t seed, uint32_t layer, uint32_t head, uint32_t ro
 
 __attribute__((target("avx2,fma"))) float AddGumbelAvx2Impl(float* x, size_t n, uint64_t seed,
                                                             uint32_t layer, uint32_t head,
-                                                            uint32_t row, float inv_tau) {
+                                                            uint32_t row, uint32_t col0, float inv_tau) {
   const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(RowKey(seed, layer, head, row)));
   const __m256 vtau = _mm256_set1_ps(inv_tau);
   __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   size_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, j)));
+    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, col0 + j)));
     const __m256 g = _mm256_sub_ps(_mm256_setzero_ps(), Log8(neg_log_u));
     const __m256 y = _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(x + j), g), vtau);
     _mm256_storeu_ps(x + j, y);
@@ -198,7 +198,7 @@ __attribute__((target("avx2,fma"))) float AddGumbelAvx2Impl(float* x, size_t n, 
   float m = lanes[0];
   for (int i = 1; i < 8; ++i) m = lanes[i] > m ? lanes[i] : m;
   for (; j < n; ++j) {
-    x[j] = (x[j] + CounterGumbel(seed, layer, head, row, static_cast<uint32_t>(j))) * inv_tau;
+    x[j] = (x[j] + CounterGumbel(seed, layer, head, row, col0 + static_cast<uint32_t>(j))) * inv_tau;
     m = x[j] > m ? x[j] : m;
   }
   return m;
@@ -207,13 +207,13 @@ __attribute__((target("avx2,fma"))) float AddGumbelAvx2Impl(float* x, size_t n, 
 // exp(x + g - m) computed as exp(x - m) / -log(u), g = -log(-log(u)): one logarithm, not two.
 __attribute__((target("avx2,fma"))) float GumbelExpSumAvx2Impl(float* x, size_t n, float m,
                                                                uint64_t seed, uint32_t layer,
-                                                               uint32_t head, uint32_t row) {
+                                                               uint32_t head, uint32_t row, uint32_t col0) {
   const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(RowKey(seed, layer, head, row)));
   const __m256 vm = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
   size_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, j)));
+    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, col0 + j)));
     const __m256 e =
         _mm256_div_ps(Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm)), neg_log_u);
     _mm256_storeu_ps(x + j, e);
@@ -224,7 +224,7 @@ __attribute__((target("avx2,fma"))) float GumbelExpSumAvx2Impl(float* x, size_t 
     alignas(32) float tail[8];
     const size_t rest = n - j;
     for (size_t k = 0; k < 8; ++k) tail[k] = k < rest ? x[j + k] - m : -100.0f;
-    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, j)));
+    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, col0 + j)));
     _mm256_store_ps(tail, _mm256_div_ps(Exp8(_mm256_load_ps(tail)), neg_log_u));
     for (size_t k = 0; k < rest; ++k) {
       x[j + k] = tail[k];
@@ -320,12 +320,12 @@ inline __mmask16 TailMask(size_t rest) { return static_cast<__mmask16>((1u << re
 __attribute__((target("avx512f,avx512dq"))) float AddGumbelAvx512Impl(float* x, size_t n,
                                                                       uint64_t seed,
                                                                       uint32_t layer,
-                                                                      uint32_t head, uint32_t row,
+                                                                      uint32_t head, uint32_t row, uint32_t col0,
                                                                       float inv_tau) {
   const __m512i key = _mm512_set1_epi64(static_cast<int64_t>(RowKey(seed, layer, head, row)));
   const __m512 vtau = _mm512_set1_ps(inv_tau);
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512i c = _mm512_loadu_si512(kLane);
+  __m512i c = _mm512_add_epi64(_mm512_loadu_si512(kLane), _mm512_set1_epi64(col0));
   for (size_t j = 0; j < n; j += 16, c = _mm512_add_epi64(c, _mm512_set1_epi64(16))) {
     const __mmask16 k = n - j >= 16 ? __mmask16{0xffff} : TailMask(n - j);
     const __m512 neg_log_u = _mm512_sub_ps(_mm512_setzero_ps(), Log16(Uniform16(key, c)));
@@ -341,11 +341,11 @@ __attribute__((target("avx512f,avx512dq"))) float GumbelExpSumAvx512Impl(float* 
                                                                          float m, uint64_t seed,
                                                                          uint32_t layer,
                                                                          uint32_t head,
-                                                                         uint32_t row) {
+                                                                         uint32_t row, uint32_t col0) {
   const __m512i key = _mm512_set1_epi64(static_cast<int64_t>(RowKey(seed, layer, head, row)));
   const __m512 vm = _mm512_set1_ps(m);
   __m512 acc = _mm512_setzero_ps();
-  __m512i c = _mm512_loadu_si512(kLane);
+  __m512i c = _mm512_add_epi64(_mm512_loadu_si512(kLane), _mm512_set1_epi64(col0));
   for (size_t j = 0; j < n; j += 16, c = _mm512_add_epi64(c, _mm512_set1_epi64(16))) {
     const __mmask16 k = n - j >= 16 ? __mmask16{0xffff} : TailMask(n - j);
     const __m512 neg_log_u = _mm512_sub_ps(_mm512_setzero_ps(), Log16(Uniform16(key, c)));
@@ -454,50 +454,50 @@ float SumSquares(const float* x, size_t n) {
   return s;
 }
 
-float AddGumbel(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row,
+float AddGumbel(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row, uint32_t col0,
                 float inv_tau) {
   float m;
-  if (internal::AddGumbelAvx512(x, n, seed, layer, head, row, inv_tau, &m)) return m;
-  if (internal::AddGumbelAvx2(x, n, seed, layer, head, row, inv_tau, &m)) return m;
-  return internal::AddGumbelScalar(x, n, seed, layer, head, row, inv_tau);
+  if (internal::AddGumbelAvx512(x, n, seed, layer, head, row, col0, inv_tau, &m)) return m;
+  if (internal::AddGumbelAvx2(x, n, seed, layer, head, row, col0, inv_tau, &m)) return m;
+  return internal::AddGumbelScalar(x, n, seed, layer, head, row, col0, inv_tau);
 }
 
 float GumbelExpSum(float* x, size_t n, float m, uint64_t seed, uint32_t layer, uint32_t head,
-                   uint32_t row) {
+                   uint32_t row, uint32_t col0) {
   float sum;
-  if (internal::GumbelExpSumAvx512(x, n, m, seed, layer, head, row, &sum)) return sum;
-  if (internal::GumbelExpSumAvx2(x, n, m, seed, layer, head, row, &sum)) return sum;
-  return internal::GumbelExpSumScalar(x, n, m, seed, layer, head, row);
+  if (internal::GumbelExpSumAvx512(x, n, m, seed, layer, head, row, col0, &sum)) return sum;
+  if (internal::GumbelExpSumAvx2(x, n, m, seed, layer, head, row, col0, &sum)) return sum;
+  return internal::GumbelExpSumScalar(x, n, m, seed, layer, head, row, col0);
 }
 
 namespace internal {
 
 float AddGumbelScalar(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head,
-                      uint32_t row, float inv_tau) {
+                      uint32_t row, uint32_t col0, float inv_tau) {
   float m = -std::numeric_limits<float>::infinity();
   for (size_t j = 0; j < n; ++j) {
-    x[j] = (x[j] + CounterGumbel(seed, layer, head, row, static_cast<uint32_t>(j))) * inv_tau;
+    x[j] = (x[j] + CounterGumbel(seed, layer, head, row, col0 + static_cast<uint32_t>(j))) * inv_tau;
     m = x[j] > m ? x[j] : m;
   }
   return m;
 }
 
 float GumbelExpSumScalar(float* x, size_t n, float m, uint64_t seed, uint32_t layer,
-                         uint32_t head, uint32_t row) {
+                         uint32_t head, uint32_t row, uint32_t col0) {
   float sum = 0.0f;
   for (size_t j = 0; j < n; ++j) {
-    const float u = CounterUniform(seed, layer, head, row, static_cast<uint32_t>(j));
+    const float u = CounterUniform(seed, layer, head, row, col0 + static_cast<uint32_t>(j));
     x[j] = std::exp(x[j] - m) / -std::log(u);
     sum += x[j];
   }
   return sum;
 }
 
-bool AddGumbelAvx2(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row,
+bool AddGumbelAvx2(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row, uint32_t col0,
                    float inv_tau, float* max) {
 #ifdef KVC_X86
   if (Have()) {
-    *max = AddGumbelAvx2Impl(x, n, seed, layer, head, row, inv_tau);
+    *max = AddGumbelAvx2Impl(x, n, seed, layer, head, row, col0, inv_tau);
     return true;
   }
 #endif
@@ -505,10 +505,10 @@ bool AddGumbelAvx2(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t h
 }
 
 bool AddGumbelAvx512(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head,
-                     uint32_t row, float inv_tau, float* max) {
+                     uint32_t row, uint32_t col0, float inv_tau, float* max) {
 #ifdef KVC_X86
   if (HaveAvx512()) {
-    *max = AddGumbelAvx512Impl(x, n, seed, layer, head, row, inv_tau);
+    *max = AddGumbelAvx512Impl(x, n, seed, layer, head, row, col0, inv_tau);
     return true;
   }
 #endif
@@ -516,10 +516,10 @@ bool AddGumbelAvx512(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t
 }
 
 bool GumbelExpSumAvx2(float* x, size_t n, float m, uint64_t seed, uint32_t layer, uint32_t head,
-                      uint32_t row, float* sum) {
+                      uint32_t row, uint32_t col0, float* sum) {
 #ifdef KVC_X86
   if (Have()) {
-    *sum = GumbelExpSumAvx2Impl(x, n, m, seed, layer, head, row);
+    *sum = GumbelExpSumAvx2Impl(x, n, m, seed, layer, head, row, col0);
     return true;
   }
 #endif
@@ -527,10 +527,10 @@ bool GumbelExpSumAvx2(float* x, size_t n, float m, uint64_t seed, uint32_t layer
 }
 
 bool GumbelExpSumAvx512(float* x, size_t n, float m, uint64_t seed, uint32_t layer,
-                        uint32_t head, uint32_t row, float* sum) {
+                        uint32_t head, uint32_t row, uint32_t col0, float* sum) {
 #ifdef KVC_X86
   if (HaveAvx512()) {
-    *sum = GumbelExpSumAvx512Impl(x, n, m, seed, layer, head, row);
+    *sum = GumbelExpSumAvx512Impl(x, n, m, seed, layer, head, row, col0);
     return true;
   }
 #endif

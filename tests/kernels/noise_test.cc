@@ -73,39 +73,46 @@ void ExpectMatchesCounterGumbel(const std::vector<float>& x, float max) {
 
 TEST(NoiseTest, VectorGumbelMatchesCounterGumbel) {
   std::vector<float> x(1003, 0.5f);
-  ExpectMatchesCounterGumbel(x, simd::AddGumbel(x.data(), x.size(), 77, 3, 5, 11, 0.5f));
+  ExpectMatchesCounterGumbel(x, simd::AddGumbel(x.data(), x.size(), 77, 3, 5, 11, 0, 0.5f));
   x.assign(1003, 0.5f);
   ExpectMatchesCounterGumbel(
-      x, simd::internal::AddGumbelScalar(x.data(), x.size(), 77, 3, 5, 11, 0.5f));
+      x, simd::internal::AddGumbelScalar(x.data(), x.size(), 77, 3, 5, 11, 0, 0.5f));
   // Each instruction-set path on its own, where this CPU has it.
   int paths = 0;
   float max = 0;
   x.assign(1003, 0.5f);
-  if (simd::internal::AddGumbelAvx2(x.data(), x.size(), 77, 3, 5, 11, 0.5f, &max)) {
+  if (simd::internal::AddGumbelAvx2(x.data(), x.size(), 77, 3, 5, 11, 0, 0.5f, &max)) {
     ++paths;
     ExpectMatchesCounterGumbel(x, max);
   }
   x.assign(1003, 0.5f);
-  if (simd::internal::AddGumbelAvx512(x.data(), x.size(), 77, 3, 5, 11, 0.5f, &max)) {
+  if (simd::internal::AddGumbelAvx512(x.data(), x.size(), 77, 3, 5, 11, 0, 0.5f, &max)) {
     ++paths;
     ExpectMatchesCounterGumbel(x, max);
   }
   if (paths == 0) GTEST_LOG_(INFO) << "no vector path on this CPU; scalar path tested above";
   // Counter values reach the extremes of the 24-bit uniform: results stay finite.
   std::vector<float> y(1 << 16, 0.0f);
-  EXPECT_TRUE(std::isfinite(simd::AddGumbel(y.data(), y.size(), 1, 0, 0, 0, 1.0f)));
+  EXPECT_TRUE(std::isfinite(simd::AddGumbel(y.data(), y.size(), 1, 0, 0, 0, 0, 1.0f)));
   for (size_t j = 0; j < y.size(); ++j) ASSERT_TRUE(std::isfinite(y[j])) << j;
-  EXPECT_EQ(simd::AddGumbel(y.data(), 0, 1, 0, 0, 0, 1.0f), -INFINITY);
+  EXPECT_EQ(simd::AddGumbel(y.data(), 0, 1, 0, 0, 0, 0, 1.0f), -INFINITY);
+  // A row processed in two parts (columns [0, 500) and [500, 1003)) gives the same values.
+  std::vector<float> whole(1003, 0.5f), parts(1003, 0.5f);
+  simd::AddGumbel(whole.data(), 1003, 77, 3, 5, 11, 0, 0.5f);
+  const float m0 = simd::AddGumbel(parts.data(), 500, 77, 3, 5, 11, 0, 0.5f);
+  const float m1 = simd::AddGumbel(parts.data() + 500, 503, 77, 3, 5, 11, 500, 0.5f);
+  EXPECT_EQ(parts, whole);
+  ExpectMatchesCounterGumbel(parts, std::max(m0, m1));
 }
 
-// GumbelExpSum(x, m) = exp(x + G - m) elementwise, against double precision on CounterGumbel's
+// GumbelExpSum(x, m) = exp(x + G - m) elementwise (columns from 9 on), against double precision on CounterGumbel's
 // float values; logits spread over [-30, 0] so that the exp's argument range is exercised.
 void ExpectGumbelExp(const std::vector<float>& x, const std::vector<float>& got, float sum,
                      uint32_t row) {
   const float m = *std::max_element(x.begin(), x.end());
   double want_sum = 0;
   for (size_t j = 0; j < x.size(); ++j) {
-    const double g = CounterGumbel(77, 3, 5, row, static_cast<uint32_t>(j));
+    const double g = CounterGumbel(77, 3, 5, row, 9 + static_cast<uint32_t>(j));
     const double want = std::exp(static_cast<double>(x[j]) - m + g);
     want_sum += want;
     ASSERT_NEAR(got[j], want, 2e-6 * want) << j;
@@ -120,23 +127,23 @@ TEST(NoiseTest, GumbelExpSumMatchesExpOfNoisyLogits) {
     const float m = *std::max_element(x.begin(), x.end());
     const uint32_t row = static_cast<uint32_t>(n);
     std::vector<float> y = x;
-    float sum = simd::GumbelExpSum(y.data(), n, m, 77, 3, 5, row);
+    float sum = simd::GumbelExpSum(y.data(), n, m, 77, 3, 5, row, 9);
     ExpectGumbelExp(x, y, sum, row);
     y = x;
-    sum = simd::internal::GumbelExpSumScalar(y.data(), n, m, 77, 3, 5, row);
+    sum = simd::internal::GumbelExpSumScalar(y.data(), n, m, 77, 3, 5, row, 9);
     ExpectGumbelExp(x, y, sum, row);
     y = x;
-    if (simd::internal::GumbelExpSumAvx2(y.data(), n, m, 77, 3, 5, row, &sum)) {
+    if (simd::internal::GumbelExpSumAvx2(y.data(), n, m, 77, 3, 5, row, 9, &sum)) {
       ExpectGumbelExp(x, y, sum, row);
     }
     y = x;
-    if (simd::internal::GumbelExpSumAvx512(y.data(), n, m, 77, 3, 5, row, &sum)) {
+    if (simd::internal::GumbelExpSumAvx512(y.data(), n, m, 77, 3, 5, row, 9, &sum)) {
       ExpectGumbelExp(x, y, sum, row);
     }
   }
   // The noise reaches -log(u) ~ 3e-8 (a factor 2^25): over 64K counters nothing overflows.
   std::vector<float> z(1 << 16, 0.0f);
-  EXPECT_TRUE(std::isfinite(simd::GumbelExpSum(z.data(), z.size(), 0.0f, 1, 0, 0, 0)));
+  EXPECT_TRUE(std::isfinite(simd::GumbelExpSum(z.data(), z.size(), 0.0f, 1, 0, 0, 0, 0)));
   for (size_t j = 0; j < z.size(); ++j) ASSERT_TRUE(std::isfinite(z[j]) && z[j] > 0) << j;
 }
 

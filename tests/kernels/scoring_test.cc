@@ -56,6 +56,30 @@ TEST(ScoreTokensTest, KeyformerMatchesReferenceIncludingNoiseAndTau) {
   ExpectNearReference(layer, spec);
 }
 
+// Keys are scored in chunks of 1024 with a running (online) softmax max per row: a logit ramp
+// that rises over the positions raises the max in every chunk (rescaling the partial sums), one
+// that falls keeps the first chunk's max; both must match the one-shot reference.
+TEST(ScoreTokensTest, MultiChunkRowsMatchReferenceWhateverChunkHoldsTheMax) {
+  const LayerShape shape{1, 2, 2600, 8, 4};
+  for (float slope : {1.0f / 150, -1.0f / 150}) {
+    std::vector<float> k = testing::RandomValues(2600 * 8, 21);
+    std::vector<float> q = testing::RandomValues(2 * 4 * 8, 22);
+    for (int s = 0; s < 2600; ++s) k[s * 8] = slope * static_cast<float>(s - 1300);
+    for (int r = 0; r < 8; ++r) q[r * 8] = 1.0f;  // every query row follows the ramp
+    TestLayer layer = testing::MakeLayer(shape, k, k, q, DType::kF16);
+    layer.layer_index = 2;
+    for (EvictionPolicy policy : {EvictionPolicy::kH2O, EvictionPolicy::kKeyformer}) {
+      for (double tau : {1.0, 0.5}) {
+        EvictionSpec spec;
+        spec.policy = policy;
+        spec.seed = 5;
+        spec.tau = tau;
+        ExpectNearReference(layer, spec);
+      }
+    }
+  }
+}
+
 TEST(ScoreTokensTest, SnapKVPoolsThePrefixOnly) {
   const LayerShape shape{1, 2, 40, 16, 6};
   const TestLayer layer = RandomLayer(shape, 8);
