@@ -244,8 +244,15 @@ void GatherRows(const RowSource& src, const int32_t* pos, int n, const int32_t* 
   const size_t row_bytes = static_cast<size_t>(src.head_dim) * src.elem;
   for (int i = 0; i < n; ++i) {
     if (i + kPrefetchRows < n) PrefetchRow(src.row(pos[i + kPrefetchRows]), row_bytes);
-    gather::GatherRow16(reinterpret_cast<const uint16_t*>(src.row(pos[i])), plan,
-                        out + static_cast<size_t>(i) * t);
+    const auto* row = reinterpret_cast<const uint16_t*>(src.row(pos[i]));
+    uint16_t* o = out + static_cast<size_t>(i) * t;
+    // Rows are written in order, so a row may spill into the rows after it as long as they
+    // cover the spill; only the last few rows take the exact (slower) path.
+    if (static_cast<int64_t>(n - 1 - i) * t >= gather::kGather16Slack) {
+      gather::GatherRow16Slack(row, plan, o);
+    } else {
+      gather::GatherRow16(row, plan, o);
+    }
   }
 }
 

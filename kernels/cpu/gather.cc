@@ -38,12 +38,12 @@ const ShuffleTable& Table() {
 }
 
 #ifdef KVC_GATHER_HAVE_SSSE3
-// Compacts chunk by chunk into a stack buffer with 16 bytes of slack (each store writes a full
-// 16 bytes, of which popcount(mask) lanes are kept), then copies the exact result out, so `out`
-// is never written past its end. Channels past the last full chunk are picked one by one.
-__attribute__((target("ssse3,popcnt"))) void GatherRow16Ssse3(const uint16_t* row,
-                                                              const Plan16& plan, uint16_t* out) {
-  alignas(16) uint16_t tmp[kMaxHeadDim + 8];
+// Compacts chunk by chunk into dst: each store writes a full 16 bytes, of which popcount(mask)
+// lanes are kept, so dst needs kGather16Slack elements of room past plan.kept. Channels past the
+// last full chunk are picked one by one.
+__attribute__((target("ssse3,popcnt"))) inline void CompactChunks(const uint16_t* row,
+                                                                  const Plan16& plan,
+                                                                  uint16_t* dst) {
   const ShuffleTable& table = Table();
   const int chunks = plan.head_dim / 8;
   int o = 0;
@@ -52,11 +52,25 @@ __attribute__((target("ssse3,popcnt"))) void GatherRow16Ssse3(const uint16_t* ro
     if (m == 0) continue;
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8 * k));
     const __m128i ctl = _mm_loadu_si128(reinterpret_cast<const __m128i*>(table.ctl[m].data()));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp + o), _mm_shuffle_epi8(v, ctl));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + o), _mm_shuffle_epi8(v, ctl));
     o += __builtin_popcount(m);
   }
-  for (int c = o; c < plan.kept; ++c) tmp[c] = row[plan.idx[c]];
+  for (int c = o; c < plan.kept; ++c) dst[c] = row[plan.idx[c]];
+}
+
+// Goes through a stack buffer with slack and copies the exact result out, so `out` is never
+// written past its end.
+__attribute__((target("ssse3,popcnt"))) void GatherRow16Ssse3(const uint16_t* row,
+                                                              const Plan16& plan, uint16_t* out) {
+  alignas(16) uint16_t tmp[kMaxHeadDim + kGather16Slack];
+  CompactChunks(row, plan, tmp);
   std::memcpy(out, tmp, sizeof(uint16_t) * plan.kept);
+}
+
+__attribute__((target("ssse3,popcnt"))) void GatherRow16SlackSsse3(const uint16_t* row,
+                                                                   const Plan16& plan,
+                                                                   uint16_t* out) {
+  CompactChunks(row, plan, out);
 }
 
 bool DetectSsse3() {
@@ -95,6 +109,13 @@ bool Gather16UsesSimd() {
 void GatherRow16(const uint16_t* row, const Plan16& plan, uint16_t* out) {
 #ifdef KVC_GATHER_HAVE_SSSE3
   if (Gather16UsesSimd()) return GatherRow16Ssse3(row, plan, out);
+#endif
+  GatherRow16Scalar(row, plan, out);
+}
+
+void GatherRow16Slack(const uint16_t* row, const Plan16& plan, uint16_t* out) {
+#ifdef KVC_GATHER_HAVE_SSSE3
+  if (Gather16UsesSimd()) return GatherRow16SlackSsse3(row, plan, out);
 #endif
   GatherRow16Scalar(row, plan, out);
 }

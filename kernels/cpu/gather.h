@@ -24,6 +24,14 @@ Plan16 MakePlan16(const int32_t* idx, int t, int head_dim);
 // out[c] = row[plan.idx[c]] for c < plan.kept; writes exactly plan.kept elements.
 void GatherRow16(const uint16_t* row, const Plan16& plan, uint16_t* out);
 
+// Elements past out + plan.kept that GatherRow16Slack may overwrite.
+inline constexpr int kGather16Slack = 8;
+
+// Like GatherRow16, but may also write up to kGather16Slack elements past out + plan.kept, with
+// unspecified values: out must have room for plan.kept + kGather16Slack elements. For callers
+// that write rows back to back and overwrite the spill with the next row (no stack bounce).
+void GatherRow16Slack(const uint16_t* row, const Plan16& plan, uint16_t* out);
+
 // The portable path, always available (tests compare the two).
 void GatherRow16Scalar(const uint16_t* row, const Plan16& plan, uint16_t* out);
 

@@ -34,6 +34,13 @@ TEST(GatherTest, MatchesScalarForAllShapes) {
         ASSERT_EQ(fast[c], row[all[c]]) << "d " << d << " c " << c;
       }
       for (int c = t; c < t + 4; ++c) ASSERT_EQ(fast[c], 0xbeef) << "wrote past the end";
+      // The slack variant: same kept elements, nothing written past the declared slack.
+      std::vector<uint16_t> slack(t + kGather16Slack + 4, 0xbeef);
+      GatherRow16Slack(row.data(), plan, slack.data());
+      for (int c = 0; c < t; ++c) ASSERT_EQ(slack[c], row[all[c]]) << "d " << d << " c " << c;
+      for (int c = t + kGather16Slack; c < t + kGather16Slack + 4; ++c) {
+        ASSERT_EQ(slack[c], 0xbeef) << "wrote past the slack";
+      }
     }
   }
 }
