@@ -38,7 +38,7 @@ void PrepareBlas(const ThreadPool* pool);
 // Per-thread scratch buffers, grown on demand and kept for reuse so that the hot loops do not
 // allocate (and page-fault) on every call.
 struct Scratch {
-  std::vector<float> q, k, v, logits, acc, row_max;
+  std::vector<float> q, k, v, logits, tile, acc, row_max;
   static Scratch& ForThisThread();
 };
 

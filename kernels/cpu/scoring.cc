@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 
@@ -28,6 +29,11 @@ template <typename T>
 T* Grow(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
   return v.data();
+}
+
+// The first 64-byte-aligned address at or after p (p's buffer must have 15 floats of slack).
+float* AlignUp64(float* p) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
 }
 
 // 1-D pooling over x[0, n) with an odd kernel, same-size output, window clipped at the edges
@@ -63,26 +69,30 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
 
   const int block = static_cast<int>(
       std::clamp<size_t>(kLogitFloats / static_cast<size_t>(S), 1, static_cast<size_t>(rows)));
-  float* logits = Grow(s.logits, static_cast<size_t>(block) * S);
   std::fill(out, out + S, 0.0f);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const bool gumbel = spec.policy == EvictionPolicy::kKeyformer;
   const float inv_tau = static_cast<float>(1.0 / spec.tau);
   const bool unit_tau = spec.tau == 1.0;
   const float inv_g = 1.0f / static_cast<float>(g);
+  const auto layer = static_cast<uint32_t>(in.layer_index);
 
   for (int r0 = 0; r0 < rows; r0 += block) {
     const int nr = std::min(block, rows - r0);
     // Keys past the last row's causal limit are never read: trim the GEMM to them.
     int max_len = 0;
     for (int r = r0; r < r0 + nr; ++r) max_len = std::max(max_len, S - W + (r % W) + 1);
-    // Keys are converted one chunk at a time (an L2-sized GEMM operand; scratch stays bounded
-    // whatever S is), re-converted per row block, which costs little next to the GEMM.
-    // Online softmax over key chunks: right after a chunk's GEMM (its logits still in L2),
-    // each row's part is exponentiated against the row's running max m_c and summed; the final
-    // pass only rescales by exp(m_c - m) / sum. The compute-heavy pass (exp, keyformer's
-    // noise) thus never waits on memory; the logits block itself is too large for L2.
+    // Online softmax over key chunks. Each chunk's GEMM writes a [nr, n] tile that stays in L2
+    // (the same buffer every time); each row's part is exponentiated there against the row's
+    // running max m_c, and summed. Tiles of all but the last chunk are then streamed to the
+    // block's buffer (chunk-major [chunks - 1][nr][kTokenChunk]) with non-temporal stores, so
+    // memory sees one write and one read per logit, and the final pass scales each part by
+    // exp(m_c - m) / sum into the scores. Keys are converted one chunk at a time (an L2-sized
+    // GEMM operand), re-converted per row block, which costs little next to the GEMM.
     const int chunks = (max_len + kTokenChunk - 1) / kTokenChunk;
+    const size_t slot = static_cast<size_t>(nr) * kTokenChunk;
+    float* tile = Grow(s.tile, static_cast<size_t>(nr) * std::min(kTokenChunk, max_len));
+    float* parked = AlignUp64(Grow(s.logits, slot * (chunks - 1) + 16));
     float* stats = Grow(s.row_max, static_cast<size_t>(nr) * (chunks + 2));
     float* row_max = stats;
     float* row_sum = stats + nr;
@@ -93,13 +103,12 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
       const int n = std::min(kTokenChunk, max_len - c0);
       LoadHeadRows(in, /*values=*/false, h, c0, n, k);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, D, scale,
-                  q + static_cast<size_t>(r0) * D, D, k, D, 0.0f, logits + c0, S);
+                  q + static_cast<size_t>(r0) * D, D, k, D, 0.0f, tile, n);
       for (int r = r0; r < r0 + nr; ++r) {
         const int i = r - r0, t = r % W;
         const int valid = std::min(n, S - W + t + 1 - c0);
         if (valid <= 0) continue;
-        float* part = logits + static_cast<size_t>(i) * S + c0;
-        const auto layer = static_cast<uint32_t>(in.layer_index);
+        float* part = tile + static_cast<size_t>(i) * n;
         const auto q_head = static_cast<uint32_t>(h * g + r / W);
         const auto col0 = static_cast<uint32_t>(c0);
         // keyformer at tau != 1 needs the noisy values' max; otherwise the logits' max (at
@@ -118,6 +127,8 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
                           : simd::ExpShiftSum(part, valid, m);
         shift[static_cast<size_t>(i) * chunks + c] = m;
       }
+      // The last chunk's tile is read in place by the final pass.
+      if (c + 1 < chunks) simd::StreamCopy(tile, parked + c * slot, static_cast<size_t>(nr) * n);
     }
     for (int r = r0; r < r0 + nr; ++r) {
       const int i = r - r0;
@@ -125,8 +136,9 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
       for (int c0 = 0, c = 0; c0 < len; c0 += kTokenChunk, ++c) {
         const float m_c = shift[static_cast<size_t>(i) * chunks + c];
         const float a = inv_g * std::exp(m_c - row_max[i]) / row_sum[i];
-        simd::Axpy(a, logits + static_cast<size_t>(i) * S + c0, out + c0,
-                   std::min(kTokenChunk, len - c0));
+        const float* part = c + 1 < chunks ? parked + c * slot + static_cast<size_t>(i) * kTokenChunk
+                                           : tile + static_cast<size_t>(i) * (max_len - c0);
+        simd::Axpy(a, part, out + c0, std::min(kTokenChunk, len - c0));
       }
     }
   }

@@ -4,6 +4,8 @@
 #include "cpu/simd.h"
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "kvc/noise.h"
@@ -376,6 +378,13 @@ __attribute__((target("avx512f,avx512dq"))) float ExpShiftSumAvx512(float* x, si
   return _mm512_reduce_add_ps(acc);
 }
 
+__attribute__((target("avx512f"))) void StreamCopyAvx512(const float* x, float* dst, size_t n) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(x + i));
+  if (i < n) std::memcpy(dst + i, x + i, (n - i) * sizeof(float));
+  _mm_sfence();  // order the non-temporal stores before anything this thread publishes later
+}
+
 #pragma GCC diagnostic pop
 
 bool Detect() {
@@ -424,6 +433,15 @@ float ExpShiftSum(float* x, size_t n, float m) {
     sum += x[i];
   }
   return sum;
+}
+
+void StreamCopy(const float* x, float* dst, size_t n) {
+#ifdef KVC_X86
+  if (HaveAvx512() && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+    return StreamCopyAvx512(x, dst, n);
+  }
+#endif
+  std::memcpy(dst, x, n * sizeof(float));
 }
 
 void Axpy(float a, const float* x, float* y, size_t n) {

@@ -12,6 +12,9 @@ namespace kvc::simd {
 float Max(const float* x, size_t n);
 // x[i] = exp(x[i] - m) in place; returns the sum of the new values.
 float ExpShiftSum(float* x, size_t n, float m);
+// dst[i] = x[i]; where dst is 64-byte aligned the stores are non-temporal (they bypass the
+// caches: for data not read again soon). The ranges must not overlap.
+void StreamCopy(const float* x, float* dst, size_t n);
 // y[i] += a * x[i].
 void Axpy(float a, const float* x, float* y, size_t n);
 // y[i] += x[i] * x[i] (squares accumulate per element).
