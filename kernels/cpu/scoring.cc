@@ -130,15 +130,19 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
       // The last chunk's tile is read in place by the final pass.
       if (c + 1 < chunks) simd::StreamCopy(tile, parked + c * slot, static_cast<size_t>(nr) * n);
     }
-    for (int r = r0; r < r0 + nr; ++r) {
-      const int i = r - r0;
-      const int len = S - W + (r % W) + 1;
-      for (int c0 = 0, c = 0; c0 < len; c0 += kTokenChunk, ++c) {
+    // Chunk by chunk, so that the parked logits are read as one sequential stream and the
+    // chunk's scores stay in L1.
+    for (int c0 = 0, c = 0; c0 < max_len; c0 += kTokenChunk, ++c) {
+      const bool last = c + 1 == chunks;
+      for (int r = r0; r < r0 + nr; ++r) {
+        const int i = r - r0;
+        const int valid = std::min(kTokenChunk, S - W + (r % W) + 1 - c0);
+        if (valid <= 0) continue;
         const float m_c = shift[static_cast<size_t>(i) * chunks + c];
         const float a = inv_g * std::exp(m_c - row_max[i]) / row_sum[i];
-        const float* part = c + 1 < chunks ? parked + c * slot + static_cast<size_t>(i) * kTokenChunk
-                                           : tile + static_cast<size_t>(i) * (max_len - c0);
-        simd::Axpy(a, part, out + c0, std::min(kTokenChunk, len - c0));
+        const float* part = last ? tile + static_cast<size_t>(i) * (max_len - c0)
+                                 : parked + c * slot + static_cast<size_t>(i) * kTokenChunk;
+        simd::Axpy(a, part, out + c0, valid);
       }
     }
   }

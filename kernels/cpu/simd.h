@@ -48,6 +48,8 @@ bool GumbelExpSumAvx2(float* x, size_t n, float m, uint64_t seed, uint32_t layer
                       uint32_t row, uint32_t col0, float* sum);
 bool GumbelExpSumAvx512(float* x, size_t n, float m, uint64_t seed, uint32_t layer,
                         uint32_t head, uint32_t row, uint32_t col0, float* sum);
+// y[i] = log(x[i]) (x[i] positive and normal) with the AVX-512 paths' table-driven logarithm.
+bool LogAvx512(const float* x, float* y, size_t n);
 // The portable paths (libm logf / expf).
 float AddGumbelScalar(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head,
                       uint32_t row, uint32_t col0, float inv_tau);
