@@ -51,7 +51,8 @@ text = urllib.request.urlopen("http://127.0.0.1:9464/metrics", timeout=5).read()
 want = ("kvc_ingest_bytes_total", "kvc_served_bytes_total", "kvc_store_entries",
         "kvc_compression_ratio_sum", "kvc_compression_ratio_count")
 for line in text.splitlines():
-    if line.startswith(want) or (line.startswith("grpc_server_handled_total") and "OK" in line):
+    handled_ok = line.startswith("grpc_server_handled_total") and '"OK"' in line
+    if (line.startswith(want) or handled_ok) and not line.endswith(" 0"):
         print("  " + line)
 PY
 
