@@ -266,16 +266,17 @@ struct QuantScratch {
   }
 };
 
-// Gathers rows pos[0..n), channels idx[0..t), converted to fp32: [n, t]. Whole rows are
+// Gathers rows pos[0..n), channels idx[0..t), converted to fp32: [n, t]; pos has prefetch_n >= n
+// rows, which are prefetched ahead across the caller's chunks. Whole rows are
 // converted with the vectorized ToFloat (F16C where available) and then picked from, which is
 // much cheaper than converting element by element through the scalar half decoder.
-void GatherFloat(const RowSource& src, DType dtype, const int32_t* pos, int n, const int32_t* idx,
-                 int t, std::vector<float>* row, float* out) {
+void GatherFloat(const RowSource& src, DType dtype, const int32_t* pos, int n, int prefetch_n,
+                 const int32_t* idx, int t, std::vector<float>* row, float* out) {
   const bool all = t == src.head_dim;  // idx is then the identity
   row->resize(src.head_dim);
   const size_t row_bytes = static_cast<size_t>(src.head_dim) * src.elem;
   for (int i = 0; i < n; ++i) {
-    if (i + kPrefetchRows < n) PrefetchRow(src.row(pos[i + kPrefetchRows]), row_bytes);
+    if (i + kPrefetchRows < prefetch_n) PrefetchRow(src.row(pos[i + kPrefetchRows]), row_bytes);
     float* o = out + static_cast<size_t>(i) * t;
     if (all) {
       ToFloat(src.row(pos[i]), dtype, t, o);
@@ -313,10 +314,6 @@ struct PackPlan {
 double WriteQuantized(const PackPlan& p, const RowSource& src, const int32_t* pos,
                       const int32_t* idx, int t, bool values, uint8_t* section) {
   const HeadLayout& l = p.layout;
-  QuantScratch& s = QuantScratch::ForThisThread();
-  s.x.resize(static_cast<size_t>(p.m) * t);
-  GatherFloat(src, p.in->dtype, pos, p.m, idx, t, &s.row, s.x.data());
-  const auto start = std::chrono::steady_clock::now();
   const size_t scale_at = values ? l.value_scale : l.key_scale;
   const size_t zero_at = values ? l.value_zero : l.key_zero;
   const size_t codes_at = values ? l.value_codes : l.key_codes;
@@ -324,18 +321,41 @@ double WriteQuantized(const PackPlan& p, const RowSource& src, const int32_t* po
   auto* scale = reinterpret_cast<float*>(section + scale_at);
   auto* zero = reinterpret_cast<float*>(section + zero_at);
   uint8_t* codes = section + codes_at;
-  size_t params;
-  if (values) {
-    params = static_cast<size_t>(p.m) * quant::NumGroups(t, p.g);
-    quant::QuantizeValues(s.x.data(), p.m, t, p.bits, p.g, scale, zero, codes);
-  } else {
-    params = static_cast<size_t>(quant::NumGroups(p.m, p.g)) * t;
-    quant::QuantizeKeys(s.x.data(), p.m, t, p.bits, p.g, scale, zero, codes);
+  const size_t code_row = quant::CodeRowBytes(t, p.bits);
+  const size_t value_groups = static_cast<size_t>(quant::NumGroups(t, p.g));
+  // Rows are converted and quantized a chunk at a time, so the fp32 copy stays in L1/L2 instead
+  // of making a round trip through memory. Values are quantized per row and keys per group of g
+  // rows; key chunks are whole groups, so every group sees exactly the rows it would see in one
+  // call over the whole block and the bytes do not depend on the chunking.
+  constexpr size_t kChunkFloats = 8192;  // 32 KiB of fp32 rows
+  // int64_t: with a huge g (up to INT32_MAX) a chunk is one group and first + chunk must not wrap.
+  int64_t chunk = std::max<int64_t>(1, static_cast<int64_t>(kChunkFloats / static_cast<size_t>(t)));
+  if (!values) chunk = p.g * std::max<int64_t>(1, chunk / p.g);
+  QuantScratch& s = QuantScratch::ForThisThread();
+  s.x.resize(static_cast<size_t>(std::min<int64_t>(chunk, p.m)) * t);
+  double seconds = 0;
+  for (int64_t first = 0; first < p.m; first += chunk) {
+    const int r0 = static_cast<int>(first);
+    const int rows = static_cast<int>(std::min<int64_t>(chunk, p.m - first));
+    GatherFloat(src, p.in->dtype, pos + r0, rows, p.m - r0, idx, t, &s.row, s.x.data());
+    const auto start = std::chrono::steady_clock::now();
+    if (values) {
+      const size_t at = static_cast<size_t>(r0) * value_groups;
+      quant::QuantizeValues(s.x.data(), rows, t, p.bits, p.g, scale + at, zero + at,
+                            codes + static_cast<size_t>(r0) * code_row);
+    } else {
+      const size_t at = static_cast<size_t>(r0 / p.g) * t;
+      quant::QuantizeKeys(s.x.data(), rows, t, p.bits, p.g, scale + at, zero + at,
+                          codes + static_cast<size_t>(r0) * code_row);
+    }
+    seconds += SecondsSince(start);
   }
+  const size_t params = values ? static_cast<size_t>(p.m) * value_groups
+                               : static_cast<size_t>(quant::NumGroups(p.m, p.g)) * t;
   PadBlock(section, scale_at, params * sizeof(float));
   PadBlock(section, zero_at, params * sizeof(float));
-  PadBlock(section, codes_at, static_cast<size_t>(p.m) * quant::CodeRowBytes(t, p.bits));
-  return SecondsSince(start);
+  PadBlock(section, codes_at, static_cast<size_t>(p.m) * code_row);
+  return seconds;
 }
 
 // One task: the key half (positions, key_idx, old and recent keys) or the value half (value_idx,

@@ -1,11 +1,13 @@
 // The parallel compact writer (cpu::PackLayerImpl, used by the CPU backend): the blob is
 // byte-identical to the serial PackLayer for any thread count, dtype, layout and quantization; the
 // work it reports is consistent; bad input is rejected like PackLayer does.
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "../../kernels/cpu/pack.h"
+#include "../../kernels/cpu/quantize.h"
 #include "../../kernels/cpu/thread_pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -82,6 +84,58 @@ TEST(PackParallelTest, ConcurrentCallsOnOnePoolAgree) {
     if (p.ok()) got[i] = std::move(p->bytes);
   });
   for (const std::vector<uint8_t>& g : got) EXPECT_EQ(g, ref->bytes);
+}
+
+// The writer converts and quantizes the old block in chunks of rows; the blocks must equal one
+// quantization call over the whole block (groups never straddle a chunk).
+TEST(PackParallelTest, QuantizedBlocksEqualOneCallOverTheWholeBlock) {
+  constexpr int kHeads = 2, kSeq = 900, kDim = 64, kRecent = 7;
+  const PackLayerData layer = MakePackLayer(kHeads, kSeq, kDim, DType::kF32, Layout::kNHD, 4);
+  std::mt19937 rng(6);
+  const TokenSelection tokens = RandomTokens(kHeads, kSeq, 800, &rng);
+  const ChannelSelection channels = RandomChannels(kHeads, kDim, 40, 64, &rng);
+  for (int bits : {2, 4, 8}) {
+    for (int g : {1, 5, 32, 300, 5000}) {
+      ThreadPool pool(2);
+      absl::StatusOr<CompactLayer> blob = cpu::PackLayerImpl(
+          layer.input(), tokens, channels, Spec(bits, g, kRecent), &pool, nullptr);
+      ASSERT_TRUE(blob.ok()) << blob.status();
+      absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(blob->bytes);
+      ASSERT_TRUE(view.ok()) << view.status();
+      for (int h = 0; h < kHeads; ++h) {
+        const CompactHead head = view->head(h);
+        const int m = head.n_kept - head.n_recent;
+        for (bool values : {false, true}) {
+          const int t = values ? head.value_channels : head.key_channels;
+          const int32_t* idx = values ? head.value_idx : head.key_idx;
+          std::vector<float> x(static_cast<size_t>(m) * t);
+          for (int i = 0; i < m; ++i) {
+            for (int c = 0; c < t; ++c) {
+              x[static_cast<size_t>(i) * t + c] = values ? layer.V(h, head.positions[i], idx[c])
+                                                         : layer.K(h, head.positions[i], idx[c]);
+            }
+          }
+          const size_t params = values ? static_cast<size_t>(m) * quant::NumGroups(t, g)
+                                       : static_cast<size_t>(quant::NumGroups(m, g)) * t;
+          std::vector<float> scale(params), zero(params);
+          std::vector<uint8_t> codes(static_cast<size_t>(m) * quant::CodeRowBytes(t, bits));
+          if (values) {
+            quant::QuantizeValues(x.data(), m, t, bits, g, scale.data(), zero.data(), codes.data());
+          } else {
+            quant::QuantizeKeys(x.data(), m, t, bits, g, scale.data(), zero.data(), codes.data());
+          }
+          const float* got_scale = values ? head.value_scale : head.key_scale;
+          const float* got_zero = values ? head.value_zero : head.key_zero;
+          const uint8_t* got_codes = values ? head.value_codes : head.key_codes;
+          SCOPED_TRACE(::testing::Message()
+                       << "bits " << bits << " g " << g << " head " << h << " values " << values);
+          EXPECT_EQ(std::memcmp(got_scale, scale.data(), params * sizeof(float)), 0);
+          EXPECT_EQ(std::memcmp(got_zero, zero.data(), params * sizeof(float)), 0);
+          EXPECT_EQ(std::memcmp(got_codes, codes.data(), codes.size()), 0);
+        }
+      }
+    }
+  }
 }
 
 TEST(PackParallelTest, ReportsQuantizeWorkOnlyWhenQuantizing) {
