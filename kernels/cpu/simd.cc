@@ -370,7 +370,24 @@ __attribute__((target("avx512f,avx512dq"))) float GumbelExpSumAvx512Impl(float* 
   const __m512 vm = _mm512_set1_ps(m);
   __m512 acc = _mm512_setzero_ps();
   __m512i c = _mm512_add_epi64(_mm512_loadu_si512(kLane), _mm512_set1_epi64(col0));
-  for (size_t j = 0; j < n; j += 16, c = _mm512_add_epi64(c, _mm512_set1_epi64(16))) {
+  size_t j = 0;
+  // Two independent vectors per iteration: each is one long dependency chain (hash, log, exp).
+  __m512 acc2 = _mm512_setzero_ps();
+  for (; j + 32 <= n; j += 32, c = _mm512_add_epi64(c, _mm512_set1_epi64(32))) {
+    const __m512i c2 = _mm512_add_epi64(c, _mm512_set1_epi64(16));
+    const __m512 nl0 = _mm512_sub_ps(_mm512_setzero_ps(), Log16(Uniform16(key, c)));
+    const __m512 nl1 = _mm512_sub_ps(_mm512_setzero_ps(), Log16(Uniform16(key, c2)));
+    const __m512 e0 = _mm512_mul_ps(Exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm)),
+                                    Reciprocal16(nl0));
+    const __m512 e1 = _mm512_mul_ps(Exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j + 16), vm)),
+                                    Reciprocal16(nl1));
+    _mm512_storeu_ps(x + j, e0);
+    _mm512_storeu_ps(x + j + 16, e1);
+    acc = _mm512_add_ps(acc, e0);
+    acc2 = _mm512_add_ps(acc2, e1);
+  }
+  acc = _mm512_add_ps(acc, acc2);
+  for (; j < n; j += 16, c = _mm512_add_epi64(c, _mm512_set1_epi64(16))) {
     const __mmask16 k = n - j >= 16 ? __mmask16{0xffff} : TailMask(n - j);
     const __m512 neg_log_u = _mm512_sub_ps(_mm512_setzero_ps(), Log16(Uniform16(key, c)));
     const __m512 e = _mm512_mul_ps(Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j), vm)),

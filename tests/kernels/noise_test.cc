@@ -121,7 +121,7 @@ void ExpectGumbelExp(const std::vector<float>& x, const std::vector<float>& got,
 }
 
 TEST(NoiseTest, GumbelExpSumMatchesExpOfNoisyLogits) {
-  for (size_t n : {size_t{1}, size_t{15}, size_t{1003}}) {
+  for (size_t n : {size_t{1}, size_t{15}, size_t{1003}, size_t{1020}}) {
     std::vector<float> x(n);
     for (size_t j = 0; j < n; ++j) x[j] = -30.0f + 30.0f * static_cast<float>((j * 37) % n) / n;
     const float m = *std::max_element(x.begin(), x.end());
