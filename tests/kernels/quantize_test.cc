@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -121,6 +122,44 @@ TEST(QuantizeTest, NonFiniteInputStaysInRange) {
     for (float c : unpacked) {
       EXPECT_GE(c, 0.0f);
       EXPECT_LE(c, 3.0f);
+    }
+  }
+}
+
+// Value groups' scale and zero are the sequential fold lo = x < lo ? x : lo (hi likewise) from the
+// group's first element, bit for bit: NaN after the first element is skipped, a NaN first element
+// propagates, and among +0/-0 the first one seen wins. Pins any faster (e.g. lane-parallel)
+// min/max to the fold for every group length and those edge cases.
+TEST(QuantizeTest, ValueGroupExtremesFollowTheSequentialFold) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::mt19937 rng(12);
+  for (int n = 1; n <= 70; ++n) {
+    for (int kind = 0; kind < 6; ++kind) {
+      std::vector<float> x = Random(n, 100 * n + kind, 3.0f);
+      if (kind == 1) x[rng() % n] = nan;  // NaN somewhere
+      if (kind == 2) x[0] = nan;          // NaN first
+      if (kind == 3)
+        for (float& v : x) v = std::fabs(v);                     // min > 0 ...
+      if (kind == 3) x[rng() % n] = (rng() % 2) ? 0.0f : -0.0f;  // ... or exactly one zero
+      if (kind == 4) {                                           // +0 and -0 both minimal
+        for (float& v : x) v = std::fabs(v) + 1.0f;
+        x[n > 1 ? 1 : 0] = -0.0f;  // -0 first (not at 0, so in another lane than index 8)
+        x[std::min(8, n - 1)] = 0.0f;
+      }
+      if (kind == 5)
+        for (float& v : x) v = -std::fabs(v) - 1.0f;  // all negative, max < 0
+      float lo = x[0], hi = x[0];
+      for (int i = 1; i < n; ++i) {
+        lo = x[i] < lo ? x[i] : lo;
+        hi = x[i] > hi ? x[i] : hi;
+      }
+      float scale = 0, zero = 0;
+      std::vector<uint8_t> codes(CodeRowBytes(n, 8));
+      QuantizeValues(x.data(), 1, n, 8, n, &scale, &zero, codes.data());
+      const float want_scale = (hi - lo) / 255.0f;
+      EXPECT_EQ(std::memcmp(&zero, &lo, sizeof(float)), 0) << "n " << n << " kind " << kind;
+      EXPECT_EQ(std::memcmp(&scale, &want_scale, sizeof(float)), 0)
+          << "n " << n << " kind " << kind;
     }
   }
 }
