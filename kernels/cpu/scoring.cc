@@ -113,10 +113,9 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
         const auto col0 = static_cast<uint32_t>(c0);
         // keyformer at tau != 1 needs the noisy values' max; otherwise the logits' max (at
         // tau = 1, exp(a + G - m) = exp(a - m) / -log(u) <= 2^25 for m >= max a).
-        const float part_max =
-            gumbel && !unit_tau
-                ? simd::AddGumbel(part, valid, spec.seed, layer, q_head, t, col0, inv_tau)
-                : simd::Max(part, valid);
+        const float part_max = gumbel && !unit_tau ? simd::AddGumbel(part, valid, spec.seed, layer,
+                                                                     q_head, t, col0, inv_tau)
+                                                   : simd::Max(part, valid);
         const float m = std::max(row_max[i], part_max);
         if (m > row_max[i]) {
           row_sum[i] *= std::exp(row_max[i] - m);  // exp(-inf) = 0 on the first chunk

@@ -1,6 +1,4 @@
-// The exp kernel is the classic Cephes single-precision scheme: n = round(x / ln 2), a degree-6
-// polynomial on the reduced argument, then scaling by 2^n through the exponent bits (relative
-// error ~1e-7). Softmax over 10^7+ logits per layer made libm's scalar expf the bottleneck.
+// Generic vector kernels: max, exp-and-sum, axpy, squares, streaming copy.
 #include "cpu/simd.h"
 
 #include <cmath>
@@ -8,47 +6,50 @@
 #include <cstring>
 #include <limits>
 
-#include "kvc/noise.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define KVC_X86 1
-#endif
+#include "cpu/simd_inl.h"
 
 namespace kvc::simd {
+namespace detail {
 namespace {
 
 #ifdef KVC_X86
-__attribute__((target("avx2,fma"))) inline float HorizontalSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
+bool Detect() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-__attribute__((target("avx2,fma"))) inline __m256 Exp8(__m256 x) {
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447505531f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  // n in [-127, 128]; 2^n built in two halves so that n = 128 does not overflow the exponent.
-  const __m256i ni = _mm256_cvtps_epi32(n);
-  const __m256i half = _mm256_srai_epi32(ni, 1);
-  const __m256 s1 =
-      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
-  const __m256 s2 = _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
-  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+bool DetectAvx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
 }
+#else
+bool Detect() { return false; }
+bool DetectAvx512() { return false; }
+#endif
+
+}  // namespace
+
+bool HaveAvx2() {
+  static const bool have = Detect();
+  return have;
+}
+
+bool HaveAvx512() {
+  static const bool have = DetectAvx512();
+  return have;
+}
+
+}  // namespace detail
+
+namespace {
+using detail::HaveAvx2;
+using detail::HaveAvx512;
+
+#ifdef KVC_X86
+using detail::Exp16;
+using detail::Exp8;
+using detail::HorizontalSum;
+using detail::TailMask;
 
 __attribute__((target("avx2,fma"))) float MaxAvx2(const float* x, size_t n) {
   __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -116,126 +117,6 @@ __attribute__((target("avx2,fma"))) float SumSquaresAvx2(const float* x, size_t 
   return s;
 }
 
-// 64-bit lane multiply (low 64 bits) from 32x32->64 products: AVX2 has no vpmullq.
-__attribute__((target("avx2,fma"))) inline __m256i Mul64(__m256i a, __m256i b) {
-  const __m256i lo = _mm256_mul_epu32(a, b);
-  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), b),
-                                         _mm256_mul_epu32(a, _mm256_srli_epi64(b, 32)));
-  return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
-}
-
-// Mix64 of kvc/noise.h on four lanes.
-__attribute__((target("avx2,fma"))) inline __m256i Mix64x4(__m256i x) {
-  x = _mm256_add_epi64(x, _mm256_set1_epi64x(static_cast<int64_t>(0x9e3779b97f4a7c15ull)));
-  x = Mul64(_mm256_xor_si256(x, _mm256_srli_epi64(x, 30)),
-            _mm256_set1_epi64x(static_cast<int64_t>(0xbf58476d1ce4e5b9ull)));
-  x = Mul64(_mm256_xor_si256(x, _mm256_srli_epi64(x, 27)),
-            _mm256_set1_epi64x(static_cast<int64_t>(0x94d049bb133111ebull)));
-  return _mm256_xor_si256(x, _mm256_srli_epi64(x, 31));
-}
-
-// Natural log for positive normal floats (Cephes logf scheme).
-__attribute__((target("avx2,fma"))) inline __m256 Log8(__m256 x) {
-  const __m256i xi = _mm256_castps_si256(x);
-  __m256 e =
-      _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(xi, 23), _mm256_set1_epi32(126)));
-  __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
-      _mm256_and_si256(xi, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f000000)));
-  const __m256 small = _mm256_cmp_ps(m, _mm256_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
-  const __m256 tmp = _mm256_and_ps(m, small);
-  m = _mm256_sub_ps(m, _mm256_set1_ps(1.0f));
-  e = _mm256_sub_ps(e, _mm256_and_ps(_mm256_set1_ps(1.0f), small));
-  m = _mm256_add_ps(m, tmp);
-  const __m256 z = _mm256_mul_ps(m, m);
-  __m256 y = _mm256_set1_ps(7.0376836292e-2f);
-  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.1514610310e-1f));
-  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(1.1676998740e-1f));
-  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.2420140846e-1f));
-  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(1.4249322787e-1f));
-  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.6668057665e-1f));
-  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(2.0000714765e-1f));
-  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-2.4999993993e-1f));
-  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(3.3333331174e-1f));
-  y = _mm256_mul_ps(_mm256_mul_ps(y, m), z);
-  y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
-  y = _mm256_fnmadd_ps(z, _mm256_set1_ps(0.5f), y);
-  return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(m, y));
-}
-
-// CounterUniform for columns c .. c + 7 of the row whose hash key is `key` (see noise.h).
-__attribute__((target("avx2,fma"))) inline __m256 Uniform8(__m256i key, size_t c0) {
-  const auto c = static_cast<int64_t>(c0);
-  const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-  const __m256i h0 = Mix64x4(_mm256_xor_si256(key, _mm256_setr_epi64x(c, c + 1, c + 2, c + 3)));
-  const __m256i h1 = Mix64x4(_mm256_xor_si256(key, _mm256_setr_epi64x(c + 4, c + 5, c + 6, c + 7)));
-  // Top 24 bits of each hash, gathered into eight 32-bit lanes in column order.
-  const __m256i b0 = _mm256_permutevar8x32_epi32(_mm256_srli_epi64(h0, 40), even);
-  const __m256i b1 = _mm256_permutevar8x32_epi32(_mm256_srli_epi64(h1, 40), even);
-  const __m256i bits = _mm256_permute2x128_si256(b0, b1, 0x20);
-  return _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(bits), _mm256_set1_ps(0.5f)),
-                       _mm256_set1_ps(1.0f / 16777216.0f));
-}
-
-// The per-row hash key of CounterUniform: Mix64(h ^ ((row << 32) | col)) = Mix64(key ^ col).
-inline uint64_t RowKey(uint64_t seed, uint32_t layer, uint32_t head, uint32_t row) {
-  return Mix64(seed ^ Mix64((uint64_t{layer} << 32) | head)) ^ (uint64_t{row} << 32);
-}
-
-__attribute__((target("avx2,fma"))) float AddGumbelAvx2Impl(float* x, size_t n, uint64_t seed,
-                                                            uint32_t layer, uint32_t head,
-                                                            uint32_t row, uint32_t col0, float inv_tau) {
-  const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(RowKey(seed, layer, head, row)));
-  const __m256 vtau = _mm256_set1_ps(inv_tau);
-  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  size_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, col0 + j)));
-    const __m256 g = _mm256_sub_ps(_mm256_setzero_ps(), Log8(neg_log_u));
-    const __m256 y = _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(x + j), g), vtau);
-    _mm256_storeu_ps(x + j, y);
-    vmax = _mm256_max_ps(vmax, y);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vmax);
-  float m = lanes[0];
-  for (int i = 1; i < 8; ++i) m = lanes[i] > m ? lanes[i] : m;
-  for (; j < n; ++j) {
-    x[j] = (x[j] + CounterGumbel(seed, layer, head, row, col0 + static_cast<uint32_t>(j))) * inv_tau;
-    m = x[j] > m ? x[j] : m;
-  }
-  return m;
-}
-
-// exp(x + g - m) computed as exp(x - m) / -log(u), g = -log(-log(u)): one logarithm, not two.
-__attribute__((target("avx2,fma"))) float GumbelExpSumAvx2Impl(float* x, size_t n, float m,
-                                                               uint64_t seed, uint32_t layer,
-                                                               uint32_t head, uint32_t row, uint32_t col0) {
-  const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(RowKey(seed, layer, head, row)));
-  const __m256 vm = _mm256_set1_ps(m);
-  __m256 acc = _mm256_setzero_ps();
-  size_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, col0 + j)));
-    const __m256 e =
-        _mm256_div_ps(Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm)), neg_log_u);
-    _mm256_storeu_ps(x + j, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  float sum = HorizontalSum(acc);
-  if (j < n) {  // tail through the same polynomials
-    alignas(32) float tail[8];
-    const size_t rest = n - j;
-    for (size_t k = 0; k < 8; ++k) tail[k] = k < rest ? x[j + k] - m : -100.0f;
-    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, col0 + j)));
-    _mm256_store_ps(tail, _mm256_div_ps(Exp8(_mm256_load_ps(tail)), neg_log_u));
-    for (size_t k = 0; k < rest; ++k) {
-      x[j + k] = tail[k];
-      sum += tail[k];
-    }
-  }
-  return sum;
-}
-
 // GCC 12 reports the self-initialized placeholder operand inside its AVX-512 intrinsics
 // (_mm512_undefined_*) as uninitialized once they are inlined into these loops (a false positive,
 // GCC bug 105593); the operand is never read.
@@ -243,163 +124,7 @@ __attribute__((target("avx2,fma"))) float GumbelExpSumAvx2Impl(float* x, size_t 
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
-// AVX-512: native 64-bit multiplies (vpmullq) make the counter hash ~8x cheaper than on AVX2.
-// Mix64 of kvc/noise.h on eight lanes, without its final x ^= x >> 31: that step leaves bits
-// 33..63 unchanged, and the uniforms use only bits 40..63.
-__attribute__((target("avx512f,avx512dq"))) inline __m512i Mix64High8(__m512i x) {
-  x = _mm512_add_epi64(x, _mm512_set1_epi64(static_cast<int64_t>(0x9e3779b97f4a7c15ull)));
-  x = _mm512_mullo_epi64(_mm512_xor_si512(x, _mm512_srli_epi64(x, 30)),
-                         _mm512_set1_epi64(static_cast<int64_t>(0xbf58476d1ce4e5b9ull)));
-  return _mm512_mullo_epi64(_mm512_xor_si512(x, _mm512_srli_epi64(x, 27)),
-                            _mm512_set1_epi64(static_cast<int64_t>(0x94d049bb133111ebull)));
-}
-
-// Natural log for positive normal floats, table-driven: x = m * 2^e with m in [0.75, 1.5)
-// (getmant/getexp), the top five mantissa bits of m pick c ~ m from 32 (c = 1 next to m = 1, so
-// that logs of values near 1 keep their relative accuracy), and
-//   log x = e log 2 - log(1/c) + log1p(m/c - 1),
-// where |m/c - 1| <= 1/32 and a degree-5 series gives log1p to ~1e-9 relative. 1/c and
-// log(1/c) sit in two registers each (vpermt2ps lookups). About 15 instructions against the
-// 23 of the Cephes polynomial.
-__attribute__((target("avx512f,avx512dq"))) inline __m512 Log16(__m512 x) {
-  // Entry i: m in [1 + i/32, 1 + (i + 1)/32) for i < 16, [0.5 + i/64, 0.5 + (i + 1)/64)
-  // above; c is the interval's midpoint except c = 1 for entries 0 and 31.
-  alignas(64) static constexpr float kInvC[32] = {
-      1.000000000e+00f, 9.552238584e-01f, 9.275362492e-01f, 9.014084339e-01f, 8.767123222e-01f,
-      8.533333540e-01f, 8.311688304e-01f, 8.101266026e-01f, 7.901234627e-01f, 7.710843086e-01f,
-      7.529411912e-01f, 7.356321812e-01f, 7.191011310e-01f, 7.032967210e-01f, 6.881720424e-01f,
-      6.736842394e-01f, 1.319587588e+00f, 1.292929292e+00f, 1.267326713e+00f, 1.242718458e+00f,
-      1.219047666e+00f, 1.196261644e+00f, 1.174311876e+00f, 1.153153181e+00f, 1.132743359e+00f,
-      1.113043427e+00f, 1.094017148e+00f, 1.075630307e+00f, 1.057851195e+00f, 1.040650368e+00f,
-      1.024000049e+00f, 1.000000000e+00f};
-  // -log(kInvC[i]) of the float table value, rounded to float.
-  alignas(64) static constexpr float kLogC[32] = {
-      0.0f,             4.580955952e-02f,  7.522340119e-02f,  1.037968099e-01f,  1.315763593e-01f,
-      1.586050093e-01f, 1.849223375e-01f,  2.105647475e-01f,  2.355660647e-01f,  2.599575520e-01f,
-      2.837681472e-01f, 3.070250452e-01f,  3.297532797e-01f,  3.519763947e-01f,  3.737164140e-01f,
-      3.949937522e-01f, -2.773192525e-01f, -2.569104135e-01f, -2.369097322e-01f, -2.173012793e-01f,
-      -1.980699450e-01f, -1.792013943e-01f, -1.606823355e-01f, -1.425000876e-01f, -1.246424392e-01f,
-      -1.070980877e-01f, -8.985637873e-02f, -7.290682197e-02f, -5.623967573e-02f, -3.984587267e-02f,
-      -2.371657453e-02f, 0.0f};
-  const __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_p75_1p5, _MM_MANT_SIGN_src);
-  __m512 e = _mm512_getexp_ps(x);
-  e = _mm512_mask_add_ps(e, _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.0f), _CMP_LT_OQ), e,
-                         _mm512_set1_ps(1.0f));  // m < 1: x's mantissa was halved
-  const __m512i idx = _mm512_srli_epi32(_mm512_castps_si512(m), 18);  // low 5 bits used
-  const __m512 inv_c = _mm512_permutex2var_ps(_mm512_load_ps(kInvC), idx,
-                                              _mm512_load_ps(kInvC + 16));
-  const __m512 log_c = _mm512_permutex2var_ps(_mm512_load_ps(kLogC), idx,
-                                              _mm512_load_ps(kLogC + 16));
-  const __m512 r = _mm512_fmsub_ps(m, inv_c, _mm512_set1_ps(1.0f));
-  __m512 p = _mm512_set1_ps(0.2f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(-0.25f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 3.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(-0.5f));
-  const __m512 log1p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-  // e * log 2 in two parts (the first exact for |e| < 2^14) so the sum rounds once.
-  const __m512 hi = _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), log_c);
-  return _mm512_add_ps(hi, _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), log1p));
-}
-
-// Uniform8 on sixteen lanes, columns c[i] (lanes 0..7) and c[i] + 8 (lanes 8..15).
-__attribute__((target("avx512f,avx512dq"))) inline __m512 Uniform16(__m512i key, __m512i c) {
-  const __m512i h0 = Mix64High8(_mm512_xor_si512(key, c));
-  const __m512i h1 = Mix64High8(_mm512_xor_si512(key, _mm512_add_epi64(c, _mm512_set1_epi64(8))));
-  // The high 32-bit halves of h0's then h1's lanes, shifted down to their top 24 bits.
-  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  const __m512i bits = _mm512_srli_epi32(_mm512_permutex2var_epi32(h0, odd, h1), 8);
-  // (b + 0.5) * 2^-24 rounded once, as noise.h's float (b + 0.5f) then exact scaling does.
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(bits), _mm512_set1_ps(1.0f / 16777216.0f),
-                         _mm512_set1_ps(0.5f / 16777216.0f));
-}
-
-inline constexpr int64_t kLane[8] = {0, 1, 2, 3, 4, 5, 6, 7};
-
-// Exp8's scheme on sixteen lanes; vscalefps applies 2^n (no exponent-field overflow to avoid),
-// so no upper clamp is needed: x > 88.72 gives +inf, as expf does.
-__attribute__((target("avx512f,avx512dq"))) inline __m512 Exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447505531f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// 1 / x for positive normal x: rcp14 plus one Newton step (relative error ~1e-7).
-__attribute__((target("avx512f,avx512dq"))) inline __m512 Reciprocal16(__m512 x) {
-  const __m512 r = _mm512_rcp14_ps(x);
-  return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(x, r, _mm512_set1_ps(1.0f)), r);
-}
-
-inline __mmask16 TailMask(size_t rest) { return static_cast<__mmask16>((1u << rest) - 1); }
-
-__attribute__((target("avx512f,avx512dq"))) float AddGumbelAvx512Impl(float* x, size_t n,
-                                                                      uint64_t seed,
-                                                                      uint32_t layer,
-                                                                      uint32_t head, uint32_t row, uint32_t col0,
-                                                                      float inv_tau) {
-  const __m512i key = _mm512_set1_epi64(static_cast<int64_t>(RowKey(seed, layer, head, row)));
-  const __m512 vtau = _mm512_set1_ps(inv_tau);
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512i c = _mm512_add_epi64(_mm512_loadu_si512(kLane), _mm512_set1_epi64(col0));
-  for (size_t j = 0; j < n; j += 16, c = _mm512_add_epi64(c, _mm512_set1_epi64(16))) {
-    const __mmask16 k = n - j >= 16 ? __mmask16{0xffff} : TailMask(n - j);
-    const __m512 neg_log_u = _mm512_sub_ps(_mm512_setzero_ps(), Log16(Uniform16(key, c)));
-    const __m512 g = _mm512_sub_ps(_mm512_setzero_ps(), Log16(neg_log_u));
-    const __m512 y = _mm512_mul_ps(_mm512_add_ps(_mm512_maskz_loadu_ps(k, x + j), g), vtau);
-    _mm512_mask_storeu_ps(x + j, k, y);
-    vmax = _mm512_mask_max_ps(vmax, k, vmax, y);
-  }
-  return _mm512_reduce_max_ps(vmax);
-}
-
-__attribute__((target("avx512f,avx512dq"))) float GumbelExpSumAvx512Impl(float* x, size_t n,
-                                                                         float m, uint64_t seed,
-                                                                         uint32_t layer,
-                                                                         uint32_t head,
-                                                                         uint32_t row, uint32_t col0) {
-  const __m512i key = _mm512_set1_epi64(static_cast<int64_t>(RowKey(seed, layer, head, row)));
-  const __m512 vm = _mm512_set1_ps(m);
-  __m512 acc = _mm512_setzero_ps();
-  __m512i c = _mm512_add_epi64(_mm512_loadu_si512(kLane), _mm512_set1_epi64(col0));
-  size_t j = 0;
-  // Two independent vectors per iteration: each is one long dependency chain (hash, log, exp).
-  __m512 acc2 = _mm512_setzero_ps();
-  for (; j + 32 <= n; j += 32, c = _mm512_add_epi64(c, _mm512_set1_epi64(32))) {
-    const __m512i c2 = _mm512_add_epi64(c, _mm512_set1_epi64(16));
-    const __m512 nl0 = _mm512_sub_ps(_mm512_setzero_ps(), Log16(Uniform16(key, c)));
-    const __m512 nl1 = _mm512_sub_ps(_mm512_setzero_ps(), Log16(Uniform16(key, c2)));
-    const __m512 e0 = _mm512_mul_ps(Exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm)),
-                                    Reciprocal16(nl0));
-    const __m512 e1 = _mm512_mul_ps(Exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j + 16), vm)),
-                                    Reciprocal16(nl1));
-    _mm512_storeu_ps(x + j, e0);
-    _mm512_storeu_ps(x + j + 16, e1);
-    acc = _mm512_add_ps(acc, e0);
-    acc2 = _mm512_add_ps(acc2, e1);
-  }
-  acc = _mm512_add_ps(acc, acc2);
-  for (; j < n; j += 16, c = _mm512_add_epi64(c, _mm512_set1_epi64(16))) {
-    const __mmask16 k = n - j >= 16 ? __mmask16{0xffff} : TailMask(n - j);
-    const __m512 neg_log_u = _mm512_sub_ps(_mm512_setzero_ps(), Log16(Uniform16(key, c)));
-    const __m512 e = _mm512_mul_ps(Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j), vm)),
-                                   Reciprocal16(neg_log_u));
-    _mm512_mask_storeu_ps(x + j, k, e);
-    acc = _mm512_mask_add_ps(acc, k, acc, e);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-
-__attribute__((target("avx512f,avx512dq"))) float ExpShiftSumAvx512(float* x, size_t n,
-                                                                    float m) {
+__attribute__((target("avx512f,avx512dq"))) float ExpShiftSumAvx512(float* x, size_t n, float m) {
   const __m512 vm = _mm512_set1_ps(m);
   __m512 acc = _mm512_setzero_ps();
   size_t j = 0;
@@ -424,46 +149,14 @@ __attribute__((target("avx512f"))) void StreamCopyAvx512(const float* x, float* 
   _mm_sfence();  // order the non-temporal stores before anything this thread publishes later
 }
 
-__attribute__((target("avx512f,avx512dq"))) void LogAvx512Impl(const float* x, float* y,
-                                                                size_t n) {
-  for (size_t i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? __mmask16{0xffff} : TailMask(n - i);
-    _mm512_mask_storeu_ps(y + i, k,
-                          Log16(_mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), k, x + i)));
-  }
-}
-
 #pragma GCC diagnostic pop
-
-bool Detect() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
-bool DetectAvx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-}
-#else
-bool Detect() { return false; }
-bool DetectAvx512() { return false; }
-#endif
-
-bool Have() {
-  static const bool have = Detect();
-  return have;
-}
-
-bool HaveAvx512() {
-  static const bool have = DetectAvx512();
-  return have;
-}
+#endif  // KVC_X86
 
 }  // namespace
 
 float Max(const float* x, size_t n) {
 #ifdef KVC_X86
-  if (Have()) return MaxAvx2(x, n);
+  if (HaveAvx2()) return MaxAvx2(x, n);
 #endif
   float r = -std::numeric_limits<float>::infinity();
   for (size_t i = 0; i < n; ++i) r = x[i] > r ? x[i] : r;
@@ -473,7 +166,7 @@ float Max(const float* x, size_t n) {
 float ExpShiftSum(float* x, size_t n, float m) {
 #ifdef KVC_X86
   if (HaveAvx512()) return ExpShiftSumAvx512(x, n, m);
-  if (Have()) return ExpShiftSumAvx2(x, n, m);
+  if (HaveAvx2()) return ExpShiftSumAvx2(x, n, m);
 #endif
   float sum = 0.0f;
   for (size_t i = 0; i < n; ++i) {
@@ -494,14 +187,14 @@ void StreamCopy(const float* x, float* dst, size_t n) {
 
 void Axpy(float a, const float* x, float* y, size_t n) {
 #ifdef KVC_X86
-  if (Have()) return AxpyAvx2(a, x, y, n);
+  if (HaveAvx2()) return AxpyAvx2(a, x, y, n);
 #endif
   for (size_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
 void AccumulateSquares(const float* x, float* y, size_t n) {
 #ifdef KVC_X86
-  if (Have()) return AccumulateSquaresAvx2(x, y, n);
+  if (HaveAvx2()) return AccumulateSquaresAvx2(x, y, n);
 #endif
   for (size_t i = 0; i < n; ++i) y[i] += x[i] * x[i];
 }
@@ -513,106 +206,11 @@ void AccumulateAbs(const float* x, float* y, size_t n) {
 
 float SumSquares(const float* x, size_t n) {
 #ifdef KVC_X86
-  if (Have()) return SumSquaresAvx2(x, n);
+  if (HaveAvx2()) return SumSquaresAvx2(x, n);
 #endif
   float s = 0.0f;
   for (size_t i = 0; i < n; ++i) s += x[i] * x[i];
   return s;
 }
-
-float AddGumbel(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row, uint32_t col0,
-                float inv_tau) {
-  float m;
-  if (internal::AddGumbelAvx512(x, n, seed, layer, head, row, col0, inv_tau, &m)) return m;
-  if (internal::AddGumbelAvx2(x, n, seed, layer, head, row, col0, inv_tau, &m)) return m;
-  return internal::AddGumbelScalar(x, n, seed, layer, head, row, col0, inv_tau);
-}
-
-float GumbelExpSum(float* x, size_t n, float m, uint64_t seed, uint32_t layer, uint32_t head,
-                   uint32_t row, uint32_t col0) {
-  float sum;
-  if (internal::GumbelExpSumAvx512(x, n, m, seed, layer, head, row, col0, &sum)) return sum;
-  if (internal::GumbelExpSumAvx2(x, n, m, seed, layer, head, row, col0, &sum)) return sum;
-  return internal::GumbelExpSumScalar(x, n, m, seed, layer, head, row, col0);
-}
-
-namespace internal {
-
-float AddGumbelScalar(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head,
-                      uint32_t row, uint32_t col0, float inv_tau) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (size_t j = 0; j < n; ++j) {
-    x[j] = (x[j] + CounterGumbel(seed, layer, head, row, col0 + static_cast<uint32_t>(j))) * inv_tau;
-    m = x[j] > m ? x[j] : m;
-  }
-  return m;
-}
-
-float GumbelExpSumScalar(float* x, size_t n, float m, uint64_t seed, uint32_t layer,
-                         uint32_t head, uint32_t row, uint32_t col0) {
-  float sum = 0.0f;
-  for (size_t j = 0; j < n; ++j) {
-    const float u = CounterUniform(seed, layer, head, row, col0 + static_cast<uint32_t>(j));
-    x[j] = std::exp(x[j] - m) / -std::log(u);
-    sum += x[j];
-  }
-  return sum;
-}
-
-bool AddGumbelAvx2(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row, uint32_t col0,
-                   float inv_tau, float* max) {
-#ifdef KVC_X86
-  if (Have()) {
-    *max = AddGumbelAvx2Impl(x, n, seed, layer, head, row, col0, inv_tau);
-    return true;
-  }
-#endif
-  return false;
-}
-
-bool AddGumbelAvx512(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head,
-                     uint32_t row, uint32_t col0, float inv_tau, float* max) {
-#ifdef KVC_X86
-  if (HaveAvx512()) {
-    *max = AddGumbelAvx512Impl(x, n, seed, layer, head, row, col0, inv_tau);
-    return true;
-  }
-#endif
-  return false;
-}
-
-bool LogAvx512(const float* x, float* y, size_t n) {
-#ifdef KVC_X86
-  if (HaveAvx512()) {
-    LogAvx512Impl(x, y, n);
-    return true;
-  }
-#endif
-  return false;
-}
-
-bool GumbelExpSumAvx2(float* x, size_t n, float m, uint64_t seed, uint32_t layer, uint32_t head,
-                      uint32_t row, uint32_t col0, float* sum) {
-#ifdef KVC_X86
-  if (Have()) {
-    *sum = GumbelExpSumAvx2Impl(x, n, m, seed, layer, head, row, col0);
-    return true;
-  }
-#endif
-  return false;
-}
-
-bool GumbelExpSumAvx512(float* x, size_t n, float m, uint64_t seed, uint32_t layer,
-                        uint32_t head, uint32_t row, uint32_t col0, float* sum) {
-#ifdef KVC_X86
-  if (HaveAvx512()) {
-    *sum = GumbelExpSumAvx512Impl(x, n, m, seed, layer, head, row, col0);
-    return true;
-  }
-#endif
-  return false;
-}
-
-}  // namespace internal
 
 }  // namespace kvc::simd

@@ -105,8 +105,9 @@ TEST(NoiseTest, VectorGumbelMatchesCounterGumbel) {
   ExpectMatchesCounterGumbel(parts, std::max(m0, m1));
 }
 
-// GumbelExpSum(x, m) = exp(x + G - m) elementwise (columns from 9 on), against double precision on CounterGumbel's
-// float values; logits spread over [-30, 0] so that the exp's argument range is exercised.
+// GumbelExpSum(x, m) = exp(x + G - m) elementwise (columns from 9 on), against double precision on
+// CounterGumbel's float values; logits spread over [-30, 0] so that the exp's argument range is
+// exercised.
 void ExpectGumbelExp(const std::vector<float>& x, const std::vector<float>& got, float sum,
                      uint32_t row) {
   const float m = *std::max_element(x.begin(), x.end());
