@@ -1,7 +1,8 @@
-// Token scoring. Attention-based policies compute, per KV head, one GEMM of the group's
-// observation queries against all keys ([g*W, D] x [D, S], OpenBLAS sgemm on fp32 copies), then a
-// causal row softmax whose rows are accumulated into the head's score. Query rows are processed in
-// blocks so the logits buffer stays bounded even when W == S.
+// Token scoring. Attention-based policies compute, per KV head, the GEMM of the group's
+// observation queries against all keys ([g*W, D] x [D, S], OpenBLAS sgemm on fp32 copies, one
+// 1024-key chunk at a time), then a causal row softmax (online over the chunks) whose rows are
+// accumulated into the head's score. Query rows are processed in blocks so the logits buffer
+// stays bounded even when W == S.
 #include <cblas.h>
 
 #include <algorithm>
