@@ -14,7 +14,9 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kvc/transfer.h"
 #include "server/config.h"
+#include "server/ingest_registry.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
@@ -41,6 +43,10 @@ ABSL_FLAG(bool, enable_reflection, false, "serve gRPC server reflection");
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "file of 'TOKEN TENANT' lines; when set every RPC but health needs "
           "'authorization: Bearer TOKEN' and each tenant sees only its own caches");
+ABSL_FLAG(std::string, transfer, "auto",
+          "KvCacheTransfer service for PutCache uploads with external_payload: auto (on; NCCL "
+          "where libnccl and a CUDA device are available, else gRPC bytes only) or off. Not "
+          "served with --auth_tokens_file");
 
 namespace {
 
@@ -137,6 +143,33 @@ int main(int argc, char** argv) {
   options.config = *config;
   options.version = kVersion;
   // Further services (e.g. the NCCL transfer service) are appended to options.extra_services.
+  // The transfer service feeds uploads registered in transfer_ingest; both outlive the server.
+  // It has no per-tenant authorization yet, so it is not served when authentication is on.
+  kvc::server::IngestRegistry transfer_ingest;
+  kvc::server::TransferIngestSink transfer_sink(&transfer_ingest);
+  const std::string transfer = absl::GetFlag(FLAGS_transfer);
+  if (transfer != "auto" && transfer != "off") {
+    std::fprintf(stderr, "kvcd: --transfer: '%s' is not auto or off\n", transfer.c_str());
+    return kExitBadFlags;
+  }
+  if (transfer == "auto" && !config->auth_tokens_file.empty()) {
+    std::printf("kvcd: transfer service off (not available with --auth_tokens_file)\n");
+  } else if (transfer == "auto") {
+    options.extra_services.push_back(
+        [&transfer_ingest, &transfer_sink](const kvc::server::ServerResources& r)
+            -> absl::StatusOr<std::unique_ptr<grpc::Service>> {
+          kvc::transfer::TransferServiceOptions topts;
+          topts.sink = &transfer_sink;
+          std::string why;
+          topts.enable_nccl = kvc::transfer::NcclTransportAvailable(topts.device, &why);
+          r.state->nccl_available = topts.enable_nccl;
+          r.state->ingest = &transfer_ingest;
+          std::printf("kvcd: transfer service on (%s)\n",
+                      topts.enable_nccl ? "NCCL and gRPC bytes"
+                                        : absl::StrCat("gRPC bytes only: ", why).c_str());
+          return kvc::transfer::CreateTransferService(topts);
+        });
+  }
   auto server = kvc::server::KvcServer::Create(std::move(options));
   if (!server.ok()) {
     std::fprintf(stderr, "kvcd: %s\n", std::string(server.status().message()).c_str());

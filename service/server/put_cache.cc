@@ -5,8 +5,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kvc/transfer.h"
 #include "server/convert.h"
 #include "server/ingest.h"
+#include "server/ingest_registry.h"
 #include "server/service_impl.h"
 #include "server/wire.h"
 
@@ -62,10 +64,21 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
   void OnReadDone(bool ok) override {
     if (!ok) {
+      // External payload: no transfer thread touches the upload after this.
+      absl::Status transferred = CloseExternal();
       if (context_->IsCancelled()) {
         upload_->Abort();
         FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "upload cancelled"));
         return;
+      }
+      if (!transferred.ok()) {
+        return FinishWithError(ToGrpc(transferred),
+                               transferred.code() == absl::StatusCode::kInvalidArgument
+                                   ? absl::make_optional(RejectionReason::kInvalidArgument)
+                                   : absl::nullopt);
+      }
+      if (state_->metrics && external_) {
+        state_->metrics->AddIngestBytes(external_->delivered_bytes());
       }
       // Clean end of stream: the upload finishes when its last layer is compressed.
       upload_->Finish([this](absl::StatusOr<kvcache::v1::PutCacheResponse> result) {
@@ -104,11 +117,19 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
                                RejectionReason::kInvalidArgument);
       }
       s = upload_->OnHeader(req->header, namespace_ + req->header.cache_id());
+      if (s.ok() && req->header.external_payload()) return StartExternal(req->header);
     } else if (req->kind == RawPutRequest::Kind::kChunk) {
       if (!upload_->has_header()) {
         return FinishWithError(
             grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                          "header: the first message must be a PutCacheHeader, got a chunk"),
+            RejectionReason::kInvalidArgument);
+      }
+      if (external_) {
+        return FinishWithError(
+            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                         "chunk: header.external_payload is set, so this upload's tensors must "
+                         "come through KvCacheTransfer, not as chunk messages"),
             RejectionReason::kInvalidArgument);
       }
       s = upload_->OnChunk(*req);
@@ -128,6 +149,7 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   }
 
   void OnDone() override {
+    CloseExternal().IgnoreError();
     if (holds_stream_) state_->ReleaseStream();
     delete this;
   }
@@ -152,7 +174,37 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     FinishOnce(status);
   }
 
+  // Registers the upload for the transfer service, then tells the client (initial metadata)
+  // that tensors may be transferred; the stream stays open until the client closes it.
+  void StartExternal(const kvcache::v1::PutCacheHeader& header) {
+    if (state_->ingest == nullptr) {
+      return FinishWithError(
+          grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                       "header.external_payload: kvcd serves no KvCacheTransfer service "
+                       "(--transfer=off, or authentication is on)"),
+          RejectionReason::kInvalidArgument);
+    }
+    store_id_ = namespace_ + header.cache_id();
+    auto entry =
+        state_->ingest->Register(store_id_, upload_, header, state_->config.max_chunk_bytes);
+    if (!entry.ok()) return FinishWithError(ToGrpc(entry.status()));
+    external_ = *std::move(entry);
+    context_->AddInitialMetadata(transfer::kExternalPayloadMetadataKey, "registered");
+    StartSendInitialMetadata();
+    StartRead(&request_);
+  }
+
+  // Ends transfer delivery into this upload and unregisters it; returns the first error a
+  // transferred tensor caused. OK (and a no-op) for ordinary uploads. Idempotent.
+  absl::Status CloseExternal() {
+    if (external_ == nullptr) return absl::OkStatus();
+    absl::Status s = external_->Close();
+    state_->ingest->Unregister(store_id_, external_);
+    return s;
+  }
+
   void FinishOnce(const grpc::Status& status) {
+    CloseExternal().IgnoreError();
     rec_.Record(status.error_code());
     Finish(status);
   }
@@ -165,6 +217,9 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   std::string namespace_;  // store-id prefix of the caller's tenant
   std::shared_ptr<Upload> upload_;
   grpc::ByteBuffer request_;
+  // Set once an external_payload header was registered (reactor thread, before any other use).
+  std::string store_id_;
+  std::shared_ptr<IngestRegistry::Entry> external_;
 };
 
 }  // namespace

@@ -33,6 +33,8 @@
 
 namespace kvc::server {
 
+class IngestRegistry;  // server/ingest_registry.h
+
 // What every handler shares. Owned by the server; outlives the gRPC server.
 struct ServiceState {
   ServerConfig config;
@@ -43,6 +45,9 @@ struct ServiceState {
   std::string version;
   bool nccl_available = false;      // set by the transfer service when it is registered
   const TokenAuth* auth = nullptr;  // null: no authentication
+  // Uploads fed by the transfer service (PutCacheHeader.external_payload); set by whoever
+  // registers that service. null: external_payload uploads are FAILED_PRECONDITION.
+  IngestRegistry* ingest = nullptr;
 
   std::atomic<bool> draining{false};
   std::atomic<int> active_streams{0};

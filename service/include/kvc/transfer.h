@@ -113,6 +113,7 @@ class TransferClient {
   // Why NCCL was not used ("" when it was).
   const std::string& fallback_reason() const { return fallback_reason_; }
   const std::string& session_id() const { return session_id_; }
+  bool is_open() const { return stream_ != nullptr; }
 
   // Sends `bytes` bytes at `data` (host memory, or device memory in an NCCL session) and waits
   // for RECEIVED. An error ends the stream (the status is kvcd's, e.g. INVALID_ARGUMENT).
@@ -140,6 +141,56 @@ class TransferClient {
       grpc::ClientReaderWriter<kvcache::v1::TransferAnnouncement, kvcache::v1::TransferAck>>
       stream_;
 };
+
+// ---- A whole upload through the transfer service ----
+
+// One tensor of an upload: `bytes` bytes at `data`, the whole of tensor `tensor` of `layer`.
+struct TensorRef {
+  uint32_t layer = 0;
+  kvcache::v1::TensorKind tensor = kvcache::v1::TENSOR_UNSPECIFIED;
+  const void* data = nullptr;
+  uint64_t bytes = 0;
+};
+
+// Which way the bytes of an upload went.
+enum class PutPath { kNccl, kGrpcBytes, kChunks };
+const char* PutPathName(PutPath p);  // "nccl", "grpc_bytes", "chunks"
+
+struct TransferPutResult {
+  kvcache::v1::PutCacheResponse response;
+  PutPath path = PutPath::kChunks;
+  std::string fallback_reason;  // why NCCL (or the transfer service) was not used; "" for NCCL
+};
+
+struct TransferPutOptions {
+  // When kvcd serves no transfer service (UNIMPLEMENTED, or FAILED_PRECONDITION for the
+  // external_payload header), upload with ordinary chunk messages instead. Requires host memory.
+  bool allow_chunks_fallback = true;
+  uint64_t chunk_bytes = uint64_t{1} << 20;  // chunk size of that fallback; >= 1
+  absl::Duration timeout = absl::Minutes(5);  // deadline of the PutCache stream
+};
+
+// Uploads one cache: a PutCache stream whose header has external_payload set, each tensor sent
+// once through `client` (NCCL session when possible, else GRPC_BYTES: see TransferClient), then
+// the PutCache stream closed after the last RECEIVED ack; returns kvcd's PutCacheResponse and
+// the path taken. `client` is opened if needed and left open (its session, and NCCL group, are
+// reused by the next upload); it must talk to the kvcd behind `channel`. `header` must have
+// external_payload set or is copied with it set. Tensor memory: host memory, or device memory
+// when the path is NCCL (a caller with device buffers sets allow_chunks_fallback = false and
+// gives `client` a factory; it then gets the TransferClient's reason if NCCL is unusable, as
+// GRPC_BYTES sessions read host memory).
+// Errors: kvcd's status for the upload (e.g. INVALID_ARGUMENT for a tensor of the wrong size or
+// a missing tensor, ALREADY_EXISTS); a transfer error cancels the PutCache stream, so nothing is
+// stored. INVALID_ARGUMENT for a null tensor pointer or chunk_bytes 0. Not thread-safe per
+// `client`.
+absl::StatusOr<TransferPutResult> PutCacheWithTransfer(
+    const std::shared_ptr<grpc::Channel>& channel, TransferClient* client,
+    const kvcache::v1::PutCacheHeader& header, absl::Span<const TensorRef> tensors,
+    const TransferPutOptions& options = {});
+
+// Initial-metadata key kvcd sets (value "registered") on a PutCache stream with external_payload
+// once the upload accepts transferred tensors.
+inline constexpr char kExternalPayloadMetadataKey[] = "kvc-external-payload";
 
 }  // namespace kvc::transfer
 
