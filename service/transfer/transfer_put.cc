@@ -15,6 +15,9 @@ using kvcache::v1::PutCacheHeader;
 using kvcache::v1::PutCacheRequest;
 using kvcache::v1::PutCacheResponse;
 
+// Room for an announcement's fields besides the payload (ids, numbers, framing).
+constexpr uint64_t kAnnouncementOverhead = 1024;
+
 absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
@@ -99,6 +102,36 @@ absl::StatusOr<TransferPutResult> PutCacheWithTransfer(
   result.path = client->transport() == kvcache::v1::TRANSFER_TRANSPORT_NCCL ? PutPath::kNccl
                                                                           : PutPath::kGrpcBytes;
   result.fallback_reason = client->fallback_reason();
+  if (result.path == PutPath::kGrpcBytes && options.allow_chunks_fallback) {
+    // A GRPC_BYTES announcement carries a whole tensor in one message: tensors that do not fit
+    // kvcd's message limit go as chunks instead.
+    auto stub = kvcache::v1::KvCache::NewStub(channel);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options.timeout));
+    kvcache::v1::ServerInfo info;
+    if (absl::Status s =
+            FromGrpc(stub->GetServerInfo(&ctx, kvcache::v1::GetServerInfoRequest(), &info));
+        !s.ok()) {
+      return s;
+    }
+    const uint64_t limit = info.limits().max_message_bytes();
+    for (const TensorRef& t : tensors) {
+      if (limit > 0 && t.bytes + kAnnouncementOverhead > limit) {
+        TransferPutOptions o = options;
+        if (info.limits().max_chunk_bytes() > 0) {
+          o.chunk_bytes = std::min(o.chunk_bytes, info.limits().max_chunk_bytes());
+        }
+        absl::StatusOr<PutCacheResponse> r = PutWithChunks(channel, header, tensors, o);
+        if (!r.ok()) return r.status();
+        result.response = *std::move(r);
+        result.path = PutPath::kChunks;
+        result.fallback_reason = absl::StrCat(
+            result.fallback_reason, "; a tensor of ", t.bytes,
+            " bytes does not fit one gRPC message (kvcd's max_message_bytes ", limit, ")");
+        return result;
+      }
+    }
+  }
 
   // The PutCache stream: header first; kvcd's initial metadata says the upload is registered
   // (a stream that fails before that ends with trailers only, without the key).

@@ -11,6 +11,9 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kvc/transfer.h"
+#include "server/ingest_registry.h"
+#include "server/server.h"
+#include "testing/fake_communicator.h"
 #include "testing/kvc_rpc.h"
 #include "testing/kvcd_process.h"
 
@@ -378,6 +381,27 @@ TEST(TransferKvcdOffTest, FallsBackToChunksWhenKvcdServesNoTransfer) {
   EXPECT_EQ(r2.status().code(), absl::StatusCode::kUnimplemented) << r2.status();
 }
 
+// GRPC_BYTES carries a whole tensor per message: tensors over kvcd's message limit go as chunks.
+TEST(TransferKvcdOffTest, TensorsOverTheMessageLimitGoAsChunks) {
+  KvcdProcess::Options opts;
+  opts.binary = KVCD_PATH;
+  opts.flags = {"--store_bytes=64MiB", "--backend=cpu", kChunkLimitFlag,
+                "--max_message_bytes=12KiB"};
+  auto kvcd = KvcdProcess::Start(opts);
+  ASSERT_TRUE(kvcd.ok()) << kvcd.status();
+  auto channel = Channel((*kvcd)->address());
+  const TestCache c = MakeCache("big-tensors");  // 16 KiB K and V tensors
+  TransferClient client(channel, ClientOptions("prefill-big"));
+  transfer::TransferPutOptions po;
+  po.chunk_bytes = 64 << 10;  // clamped to kvcd's max_chunk_bytes
+  auto r = transfer::PutCacheWithTransfer(channel, &client, c.header, Tensors(c), po);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->path, PutPath::kChunks);
+  EXPECT_NE(r->fallback_reason.find("max_message_bytes"), std::string::npos)
+      << r->fallback_reason;
+  EXPECT_EQ(r->response.input_bytes(), c.kv_bytes());
+}
+
 TEST(TransferKvcdOffTest, BadTransferFlagExitsWithCode2) {
   KvcdProcess::Options opts;
   opts.binary = KVCD_PATH;
@@ -389,6 +413,67 @@ TEST(TransferKvcdOffTest, BadTransferFlagExitsWithCode2) {
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 2);
   EXPECT_NE((*kvcd)->output().find("--transfer"), std::string::npos) << (*kvcd)->output();
+}
+
+// The NCCL session path into kvcd's ingest, with the fake data plane standing in for NCCL: kvcd
+// wired as kvcd_main.cc wires it (registry, sink, extra service), in process, so both ranks
+// share the fake. Only the communicator differs from a real NCCL deployment (tests/gpu/README.md
+// says how to run the real one on two GPUs).
+TEST(TransferNcclPathTest, NcclSessionUploadStoresTheSameBytesAsChunks) {
+  testing::FakeFactory fake;
+  server::IngestRegistry registry;
+  server::TransferIngestSink sink(&registry);
+  server::KvcServer::Options options;
+  options.config.listen = "127.0.0.1:0";
+  options.config.health_listen = "";
+  options.config.metrics_listen = "";
+  options.config.store_bytes = 64 << 20;
+  options.config.max_chunk_bytes = 4 << 10;
+  options.config.backend = "cpu";
+  options.config.threads = 2;
+  options.extra_services.push_back([&](const server::ServerResources& r)
+                                       -> absl::StatusOr<std::unique_ptr<grpc::Service>> {
+    transfer::TransferServiceOptions t;
+    t.sink = &sink;
+    t.factory = &fake;
+    r.state->ingest = &registry;
+    return transfer::CreateTransferService(t);
+  });
+  auto server = server::KvcServer::Create(std::move(options));
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto channel = Channel((*server)->address());
+  auto stub = testing::NewStub((*server)->address());
+
+  const TestCache chunked = MakeCache("nccl-chunks", 11);
+  ASSERT_TRUE(testing::PutCache(stub.get(), chunked, nullptr, 4 << 10).ok());
+  TestCache moved = chunked;
+  moved.header.set_cache_id("nccl-transfer");
+  TransferClient::Options co = ClientOptions("prefill-nccl");
+  co.factory = &fake;
+  TransferClient client(channel, co);
+  auto r = transfer::PutCacheWithTransfer(channel, &client, moved.header, Tensors(moved));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->path, PutPath::kNccl);
+  EXPECT_EQ(r->fallback_reason, "");
+  EXPECT_EQ(r->response.input_bytes(), chunked.kv_bytes());
+  // The session (and its group) is reused by the next upload.
+  TestCache second = MakeCache("nccl-second", 12);
+  auto r2 = transfer::PutCacheWithTransfer(channel, &client, second.header, Tensors(second));
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  EXPECT_EQ(r2->path, PutPath::kNccl);
+  EXPECT_EQ(fake.joins(), 2);  // one group: kvcd's rank 0 and the client's rank 1
+  ASSERT_TRUE(client.Close().ok());
+  EXPECT_EQ(registry.size(), 0);
+
+  Fetched a, b;
+  GetCacheRequest req;
+  req.set_format(kvcache::v1::FORMAT_PACKED);
+  req.set_cache_id("nccl-chunks");
+  ASSERT_TRUE(testing::Get(stub.get(), req, &a).ok());
+  req.set_cache_id("nccl-transfer");
+  ASSERT_TRUE(testing::Get(stub.get(), req, &b).ok());
+  ASSERT_FALSE(a.parts.empty());
+  EXPECT_EQ(a.parts, b.parts);
 }
 
 }  // namespace

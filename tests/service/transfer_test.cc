@@ -19,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "kvc/backend.h"
 #include "kvcache/v1/transfer.grpc.pb.h"
+#include "testing/fake_communicator.h"
 
 namespace kvc::transfer {
 namespace {
@@ -29,125 +30,7 @@ using kvcache::v1::OpenTransferSessionResponse;
 using kvcache::v1::TransferAck;
 using kvcache::v1::TransferAnnouncement;
 
-// ---- fake data plane ----
-
-struct FakeGroup {
-  absl::Mutex mu;
-  bool joined[2] ABSL_GUARDED_BY(mu) = {false, false};
-  bool closed ABSL_GUARDED_BY(mu) = false;
-  std::deque<std::vector<uint8_t>> inbox[2] ABSL_GUARDED_BY(mu);  // messages to rank r
-};
-
-class FakeEndpoint final : public Communicator {
- public:
-  FakeEndpoint(std::shared_ptr<FakeGroup> g, int rank) : g_(std::move(g)), rank_(rank) {}
-  ~FakeEndpoint() override { Close(); }
-
-  absl::Status Send(const void* src, size_t bytes, absl::Duration) override {
-    absl::MutexLock lock(&g_->mu);
-    if (g_->closed) return absl::CancelledError("fake: closed");
-    const auto* p = static_cast<const uint8_t*>(src);
-    g_->inbox[1 - rank_].emplace_back(p, p + bytes);
-    return absl::OkStatus();
-  }
-
-  absl::Status Recv(void* dst, size_t bytes, absl::Duration timeout) override {
-    absl::MutexLock lock(&g_->mu);
-    FakeGroup* g = g_.get();
-    const int r = rank_;
-    auto ready = [g, r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g->mu) {
-      return g->closed || !g->inbox[r].empty();
-    };
-    if (!g->mu.AwaitWithTimeout(absl::Condition(&ready), timeout)) {
-      return absl::DeadlineExceededError("fake: nothing received in time");
-    }
-    if (g->closed) return absl::CancelledError("fake: closed");
-    std::vector<uint8_t> msg = std::move(g->inbox[r].front());
-    g->inbox[r].pop_front();
-    // A real NCCL receive of the wrong size would corrupt or hang; the fake reports it.
-    if (msg.size() != bytes) {
-      return absl::DataLossError(
-          absl::StrCat("fake: peer sent ", msg.size(), " bytes, receive expected ", bytes));
-    }
-    std::memcpy(dst, msg.data(), bytes);
-    return absl::OkStatus();
-  }
-
-  void Close() override {
-    absl::MutexLock lock(&g_->mu);
-    g_->closed = true;
-  }
-  std::string_view kind() const override { return "fake"; }
-
- private:
-  std::shared_ptr<FakeGroup> g_;
-  const int rank_;
-};
-
-class FakeFactory final : public CommunicatorFactory {
- public:
-  absl::Status Available() override {
-    absl::MutexLock lock(&mu_);
-    return available_;
-  }
-  void SetAvailable(absl::Status s) {
-    absl::MutexLock lock(&mu_);
-    available_ = std::move(s);
-  }
-  absl::StatusOr<std::string> NewUniqueId() override {
-    absl::MutexLock lock(&mu_);
-    const std::string id = absl::StrCat("fake-group-", ++counter_);
-    groups_[id] = std::make_shared<FakeGroup>();
-    return id;
-  }
-  absl::StatusOr<std::unique_ptr<Communicator>> Join(const std::string& id, int rank,
-                                                     absl::Duration timeout,
-                                                     const absl::Notification* cancel) override {
-    std::shared_ptr<FakeGroup> g;
-    {
-      absl::MutexLock lock(&mu_);
-      auto it = groups_.find(id);
-      if (it == groups_.end()) return absl::NotFoundError("fake: unknown group");
-      g = it->second;
-      ++joins_;
-    }
-    if (rank != 0 && rank != 1) return absl::InvalidArgumentError("rank");
-    absl::MutexLock lock(&g->mu);
-    if (g->joined[rank]) return absl::AlreadyExistsError("fake: rank already joined");
-    g->joined[rank] = true;
-    FakeGroup* gp = g.get();
-    auto both = [gp]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gp->mu) {
-      return gp->joined[0] && gp->joined[1];
-    };
-    // Waits in short slices so that a cancellation is noticed promptly.
-    const absl::Time deadline = absl::Now() + timeout;
-    while (!g->mu.AwaitWithTimeout(absl::Condition(&both), absl::Milliseconds(5))) {
-      if (cancel != nullptr && cancel->HasBeenNotified()) {
-        g->joined[rank] = false;
-        cancelled_joins_.fetch_add(1);
-        return absl::CancelledError("fake: join cancelled");
-      }
-      if (absl::Now() > deadline) {
-        g->joined[rank] = false;
-        return absl::DeadlineExceededError("fake: peer did not join");
-      }
-    }
-    return std::unique_ptr<Communicator>(new FakeEndpoint(g, rank));
-  }
-  int joins() {
-    absl::MutexLock lock(&mu_);
-    return joins_;
-  }
-  int cancelled_joins() const { return cancelled_joins_.load(); }
-
- private:
-  absl::Mutex mu_;
-  absl::Status available_ ABSL_GUARDED_BY(mu_);
-  int counter_ ABSL_GUARDED_BY(mu_) = 0;
-  int joins_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<std::string, std::shared_ptr<FakeGroup>> groups_ ABSL_GUARDED_BY(mu_);
-  std::atomic<int> cancelled_joins_{0};
-};
+using testing::FakeFactory;
 
 struct Received {
   TensorHeader header;

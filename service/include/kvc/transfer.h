@@ -163,8 +163,9 @@ struct TransferPutResult {
 };
 
 struct TransferPutOptions {
-  // When kvcd serves no transfer service (UNIMPLEMENTED, or FAILED_PRECONDITION for the
-  // external_payload header), upload with ordinary chunk messages instead. Requires host memory.
+  // Upload with ordinary chunk messages instead when kvcd serves no transfer service
+  // (UNIMPLEMENTED, or FAILED_PRECONDITION for the external_payload header), or when the session
+  // is GRPC_BYTES and a tensor does not fit kvcd's max_message_bytes. Requires host memory.
   bool allow_chunks_fallback = true;
   uint64_t chunk_bytes = uint64_t{1} << 20;  // chunk size of that fallback; >= 1
   absl::Duration timeout = absl::Minutes(5);  // deadline of the PutCache stream
