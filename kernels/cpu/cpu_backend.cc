@@ -36,8 +36,9 @@ class CpuBackend final : public Backend {
 
   // Packing runs on the pool, one task per (KV head, K or V), and quantization happens inside
   // those tasks. `pack` + `quantize` is the wall time of that packing stage, split in proportion
-  // to the thread time the tasks spent quantizing (computing and writing scales, zeros and codes)
-  // versus everything else (gather, fp32 conversion); `quantize` is 0 when bits == 0.
+  // to the time (summed over tasks, cpu::PackWork) the tasks spent quantizing (computing and
+  // writing scales, zeros and codes) versus everything else (gather, fp32 conversion); `quantize`
+  // is 0 when bits == 0.
   absl::StatusOr<CompactLayer> Compress(const LayerInput& in, const CompressionSpec& spec,
                                         CompressTimings* timings) override {
     const auto start = std::chrono::steady_clock::now();

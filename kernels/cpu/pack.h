@@ -15,8 +15,8 @@ class ThreadPool;  // cpu/thread_pool.h
 
 namespace kvc::cpu {
 
-// Thread time spent inside one PackLayerImpl call, summed over all tasks (so with several threads
-// it can exceed the wall time).
+// Time the tasks of one PackLayerImpl call ran, each measured with the steady clock around the
+// task on its thread and summed over tasks (so with several threads it can exceed the wall time).
 struct PackWork {
   double task_seconds = 0;      // everything the tasks did (gather, conversion, quantization)
   double quantize_seconds = 0;  // the part spent computing and writing scales, zeros and codes
