@@ -1,6 +1,9 @@
 // kvcd: the KV-cache compression daemon. Flags (also from --flagfile, e.g. a mounted ConfigMap)
 // configure addresses and limits; see --help. SIGTERM/SIGINT drain and shut down cleanly.
+#include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
@@ -62,6 +65,44 @@ void ExitBadFlagsIfParsing() {
   if (g_parsing_flags.load()) std::_Exit(kExitBadFlags);
 }
 
+// Shutdown signals go through a self-pipe. Libraries start threads before main (OpenBLAS does
+// when it loads), and those threads do not inherit a mask set later in main, so a process-directed
+// SIGTERM may land on any of them. A handler runs in whichever thread receives the signal and only
+// writes the signal number to the pipe, which the main thread reads; delivery to any thread is
+// therefore equivalent. The handler is installed first thing in main, before anything else runs.
+int g_signal_pipe[2] = {-1, -1};
+
+void OnShutdownSignal(int sig) {
+  const int saved_errno = errno;
+  const unsigned char byte = static_cast<unsigned char>(sig);
+  // A full pipe means a signal is already pending: dropping this one loses nothing.
+  [[maybe_unused]] const ssize_t n = write(g_signal_pipe[1], &byte, 1);
+  errno = saved_errno;
+}
+
+bool InstallShutdownHandlers() {
+  if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) return false;
+  // The read end blocks: the main thread sleeps on it.
+  const int flags = fcntl(g_signal_pipe[0], F_GETFL);
+  if (flags < 0 || fcntl(g_signal_pipe[0], F_SETFL, flags & ~O_NONBLOCK) != 0) return false;
+  struct sigaction sa = {};
+  sa.sa_handler = OnShutdownSignal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  return sigaction(SIGTERM, &sa, nullptr) == 0 && sigaction(SIGINT, &sa, nullptr) == 0;
+}
+
+// Blocks until a shutdown signal arrives; returns its number.
+int WaitForShutdownSignal() {
+  for (;;) {
+    unsigned char byte = 0;
+    const ssize_t n = read(g_signal_pipe[0], &byte, 1);
+    if (n == 1) return byte;
+    if (n < 0 && errno == EINTR) continue;
+    return SIGTERM;  // the pipe cannot fail while open; treat anything else as a stop request
+  }
+}
+
 bool AsksForHelpOrVersion(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -113,6 +154,10 @@ absl::StatusOr<kvc::server::ServerConfig> ConfigFromFlags() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (!InstallShutdownHandlers()) {
+    std::fprintf(stderr, "kvcd: cannot install the SIGTERM/SIGINT handlers\n");
+    return 1;
+  }
   absl::SetProgramUsageMessage(
       "kvcd: KV-cache compression service. Usage: kvcd [--flag=value ...] [--flagfile=FILE]");
   absl::FlagsUsageConfig usage;
@@ -130,13 +175,6 @@ int main(int argc, char** argv) {
     return kExitBadFlags;
   }
 
-  // Block the shutdown signals in every thread (gRPC's included, which inherit the mask) so this
-  // thread alone receives them through sigwait.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
   kvc::server::KvcServer::Options options;
@@ -196,8 +234,7 @@ int main(int argc, char** argv) {
     }
   }
 
-  int sig = 0;
-  sigwait(&signals, &sig);
+  const int sig = WaitForShutdownSignal();
   std::printf("kvcd: signal %d, draining\n", sig);
   std::fflush(stdout);
   const absl::Time drain_start = absl::Now();
