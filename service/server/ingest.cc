@@ -55,10 +55,12 @@ bool Upload::Coverage::Add(uint64_t begin, uint64_t end) {
   return true;
 }
 
-Upload::Upload(Backend* backend, CacheStore* store, ThreadPool* pool, const IngestLimits& limits)
+Upload::Upload(Backend* backend, CacheStore* store, ThreadPool* pool, const IngestLimits& limits,
+               StagingPool* staging)
     : backend_(backend),
       store_(store),
       pool_(pool),
+      staging_(staging),
       limits_(limits),
       backend_name_(backend->name()),
       start_(absl::Now()) {}
@@ -121,6 +123,11 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
   tensor_bytes_[1] = lb.v;
   tensor_bytes_[2] = lb.q_obs;
   layers_.resize(num_layers);
+  hash_ = {XXH3_createState(), &XXH3_freeState};
+  if (hash_ == nullptr) {
+    return absl::ResourceExhaustedError("header: cannot allocate the checksum state");
+  }
+  XXH3_64bits_reset(hash_.get());
   {
     absl::MutexLock lock(&mu_);
     compact_.resize(num_layers);
@@ -188,7 +195,15 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
                                 kTensorNames[t], " were already received"));
   }
   layer.coverage[t].received += req.data_size;
-  if (!layer.tensor[t]) layer.tensor[t].reset(new uint8_t[size]);
+  if (!layer.tensor[t]) {
+    layer.tensor[t] = staging_->Acquire(size);
+    if (!layer.tensor[t]) {
+      return Reject(RejectReason::kNoSpace,
+                    absl::ResourceExhaustedError(absl::StrCat(
+                        "chunk: cannot allocate ", size, " bytes of staging for layer ",
+                        c.layer(), " tensor ", kTensorNames[t])));
+    }
+  }
   req.CopyDataTo(layer.tensor[t].get() + c.offset());
   payload_bytes_ += req.data_size;
   if (!layer.scheduled && LayerComplete(layer)) {
@@ -224,10 +239,9 @@ void Upload::CompressLayer(int index) {
   in.q_obs = shape_.obs_window > 0 ? layer.tensor[2].get() : nullptr;
   CompressTimings t;
   absl::StatusOr<CompactLayer> out = backend_->Compress(in, spec_, &t);
-  for (auto& buf : layer.tensor) buf.reset();  // staging is freed as soon as the layer is done
+  for (auto& buf : layer.tensor) buf.reset();  // staging goes back as soon as the layer is done
 
   absl::MutexLock lock(&mu_);
-  --pending_;
   if (aborted_) {
     // Results of an abandoned upload are dropped.
   } else if (!out.ok()) {
@@ -246,8 +260,30 @@ void Upload::CompressLayer(int index) {
     timings_.pack += t.pack;
     timings_.quantize += t.quantize;
     timings_.total += t.total;
+    AdvanceChecksum();
   }
+  // Only now: Finalize must not run while this thread may still be hashing.
+  --pending_;
   MaybeFinalize();
+}
+
+void Upload::AdvanceChecksum() {
+  if (hashing_) return;  // the thread hashing now will pick up this layer when it gets there
+  hashing_ = true;
+  while (!aborted_ && hashed_ < compressed_.size() && compressed_[hashed_]) {
+    const std::vector<uint8_t>& blob = compact_[hashed_].bytes;
+    // compact_ is not resized while hashing_ is set (Abort defers to this thread, Finalize waits
+    // for pending_), and layer hashed_ is complete and no longer written.
+    mu_.Unlock();
+    if (!blob.empty()) XXH3_64bits_update(hash_.get(), blob.data(), blob.size());
+    mu_.Lock();
+    ++hashed_;
+  }
+  hashing_ = false;
+  if (aborted_) {
+    compact_.clear();
+    compressed_.clear();
+  }
 }
 
 void Upload::Finish(DoneCallback done) {
@@ -260,6 +296,7 @@ void Upload::Finish(DoneCallback done) {
 void Upload::Abort() {
   absl::MutexLock lock(&mu_);
   aborted_ = true;
+  if (hashing_) return;  // the hashing thread frees the layers when it stops
   compact_.clear();
   compressed_.clear();
 }
@@ -330,7 +367,11 @@ absl::StatusOr<kvcache::v1::PutCacheResponse> Upload::Finalize() {
     entry->layers.push_back(std::move(layer.bytes));
   }
   compact_.clear();
-  FinalizeEntry(*entry);
+  if (hashed_ == entry->layers.size()) {
+    entry->checksum = XXH3_64bits_digest(hash_.get());  // fed layer by layer as they finished
+  } else {
+    FinalizeEntry(*entry);
+  }
   info.set_input_bytes(entry->input_bytes);
   info.set_stored_bytes(stored);
   info.set_compression_ratio(stored > 0 ? static_cast<double>(entry->input_bytes) / stored : 0);

@@ -11,6 +11,8 @@
 #ifndef KVC_SERVICE_SERVER_INGEST_H_
 #define KVC_SERVICE_SERVER_INGEST_H_
 
+#include <xxhash.h>
+
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -25,6 +27,7 @@
 #include "kvc/backend.h"
 #include "kvc/cache_store.h"
 #include "kvcache/v1/kvcache.pb.h"
+#include "server/staging_pool.h"
 #include "server/thread_pool.h"
 #include "server/wire.h"
 
@@ -42,9 +45,10 @@ const char* RejectReasonName(RejectReason r);
 
 class Upload : public std::enable_shared_from_this<Upload> {
  public:
-  // `backend`, `store` and `pool` must outlive every job of this upload (the server joins the
-  // pool before destroying them).
-  Upload(Backend* backend, CacheStore* store, ThreadPool* pool, const IngestLimits& limits);
+  // `backend`, `store`, `pool` and `staging` must outlive every job of this upload (the server
+  // joins the pool before destroying them). Staging buffers come from `staging` (non-null).
+  Upload(Backend* backend, CacheStore* store, ThreadPool* pool, const IngestLimits& limits,
+         StagingPool* staging);
 
   // Validates the header; on success the upload accepts chunks. Errors: INVALID_ARGUMENT (shape,
   // dtype, layout, spec, id), RESOURCE_EXHAUSTED (over max_cache_bytes or cannot fit the store),
@@ -80,7 +84,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
     bool Add(uint64_t begin, uint64_t end);
   };
   struct LayerState {
-    std::unique_ptr<uint8_t[]> tensor[3];  // K, V, Q_obs staging (allocated on first chunk)
+    StagingPool::Buffer tensor[3];  // K, V, Q_obs staging (acquired on first chunk)
     Coverage coverage[3];
     bool scheduled = false;
   };
@@ -88,6 +92,9 @@ class Upload : public std::enable_shared_from_this<Upload> {
   absl::Status Reject(RejectReason reason, absl::Status status);
   bool LayerComplete(const LayerState& layer) const;
   void CompressLayer(int layer);  // on a pool thread
+  // Feeds the checksum with every compressed layer that directly follows the hashed prefix, so
+  // the checksum is ready when the last layer is; hashes with mu_ released.
+  void AdvanceChecksum() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeFinalize() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<kvcache::v1::PutCacheResponse> Finalize() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string IncompleteMessage() const;
@@ -95,6 +102,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
   Backend* const backend_;
   CacheStore* const store_;
   ThreadPool* const pool_;
+  StagingPool* const staging_;
   const IngestLimits limits_;
   const std::string backend_name_;
 
@@ -121,6 +129,11 @@ class Upload : public std::enable_shared_from_this<Upload> {
   bool aborted_ ABSL_GUARDED_BY(mu_) = false;
   DoneCallback done_ ABSL_GUARDED_BY(mu_);
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;
+  // XXH3-64 streaming state over compact_[0, hashed_) (CacheEntry::checksum's definition). One
+  // thread at a time (hashing_) reads compact_ unlocked; Abort leaves compact_ to it meanwhile.
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> hash_{nullptr, nullptr};
+  size_t hashed_ ABSL_GUARDED_BY(mu_) = 0;
+  bool hashing_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace kvc::server

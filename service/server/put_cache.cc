@@ -58,7 +58,8 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     limits.max_chunk_bytes = state_->config.max_chunk_bytes;
     limits.max_cache_bytes = EffectiveMaxCacheBytes(state_->config);
     limits.default_ttl_seconds = state_->config.default_ttl_seconds;
-    upload_ = std::make_shared<Upload>(state_->backend, state_->store, state_->pool, limits);
+    upload_ = std::make_shared<Upload>(state_->backend, state_->store, state_->pool, limits,
+                                       state_->staging);
     StartRead(&request_);
   }
 

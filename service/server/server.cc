@@ -61,6 +61,7 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
   int threads = config.threads;
   if (threads == 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   s->pool_ = std::make_unique<ThreadPool>(threads);
+  s->staging_ = std::make_unique<StagingPool>(config.staging_pool_bytes);
 
   if (!config.auth_tokens_file.empty()) {
     auto auth = TokenAuth::Load(config.auth_tokens_file);
@@ -75,6 +76,7 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
   s->state_->store = s->store_.get();
   s->state_->metrics = s->metrics_.get();
   s->state_->pool = s->pool_.get();
+  s->state_->staging = s->staging_.get();
   s->state_->version = s->options_.version;
   s->state_->RefreshStoreGauges();
   s->service_ = std::make_unique<KvCacheServiceImpl>(s->state_.get());

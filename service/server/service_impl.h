@@ -29,6 +29,7 @@
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "server/auth.h"
 #include "server/config.h"
+#include "server/staging_pool.h"
 #include "server/thread_pool.h"
 
 namespace kvc::server {
@@ -42,6 +43,7 @@ struct ServiceState {
   CacheStore* store = nullptr;
   Metrics* metrics = nullptr;
   ThreadPool* pool = nullptr;
+  StagingPool* staging = nullptr;  // PutCache staging buffers (server/staging_pool.h)
   std::string version;
   bool nccl_available = false;      // set by the transfer service when it is registered
   const TokenAuth* auth = nullptr;  // null: no authentication
@@ -59,7 +61,7 @@ struct ServiceState {
   // The caller's store-id prefix: "" without authentication, else "TENANT/"; UNAUTHENTICATED
   // (and a rejection metric) when the bearer token is missing or unknown.
   absl::StatusOr<std::string> Namespace(const grpc::ServerContextBase& context);
-  // Pushes the store's size and entry count to the gauges.
+  // Pushes the store's size and entry count, and the CUDA backend's device memory, to the gauges.
   void RefreshStoreGauges();
 };
 
