@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "kvc/gpu_memory.h"
 #include "kvc/spec.h"
 #include "server/convert.h"
 
@@ -49,7 +50,9 @@ absl::StatusOr<std::string> ServiceState::Namespace(const grpc::ServerContextBas
 }
 
 void ServiceState::RefreshStoreGauges() {
-  if (metrics) metrics->SetStoreStats(store->GetStats());
+  if (!metrics) return;
+  metrics->SetStoreStats(store->GetStats());
+  metrics->SetGpuMemoryUsed(GpuMemoryUsedBytes());  // 0 without a live CUDA backend
 }
 
 RpcRecorder::RpcRecorder(ServiceState* state, const char* method)
