@@ -2,12 +2,18 @@
 // cannot be evicted or freed meanwhile), keeps exactly one write in flight and produces the next
 // message from OnWriteDone. PACKED chunks reference the stored blob in place; DENSE chunks
 // reference the exported layer, which lives until gRPC releases the last slice.
+//
+// DENSE export runs on the worker pool, never on a gRPC callback thread, one layer ahead of the
+// layer being sent: while layer L streams, layer L+1 is exported, so at most two exported layers
+// (plus whatever gRPC still holds) exist at a time. When the next layer is not ready yet the
+// reactor parks, and the export job resumes it.
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "kvc/compact.h"
 #include "server/convert.h"
 #include "server/service_impl.h"
@@ -66,6 +72,42 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     CacheStore::Lease lease;
   };
 
+  // The export of one layer, handed from a pool job to the reactor. Whichever of the two comes
+  // second continues: the reactor takes a finished result, or the job resumes a parked reactor.
+  struct Export {
+    absl::Mutex mu;
+    bool ready ABSL_GUARDED_BY(mu) = false;
+    bool reactor_waiting ABSL_GUARDED_BY(mu) = false;
+    absl::StatusOr<std::shared_ptr<const DenseLayer>> result ABSL_GUARDED_BY(mu) =
+        absl::UnknownError("not exported");
+  };
+
+  // Starts exporting layer `index` on the pool. The job holds the lease (the blob stays valid);
+  // the reactor outlives it because it cannot finish while parked on this export.
+  std::shared_ptr<Export> StartExport(uint32_t index) {
+    auto ex = std::make_shared<Export>();
+    state_->pool->Schedule([this, ex, keep = keep_, index] {
+      absl::StatusOr<std::shared_ptr<const DenseLayer>> result;
+      auto view = CompactLayerView::Parse(keep->lease.entry().layers[index]);
+      if (!view.ok()) {
+        result = view.status();
+      } else if (auto dense = ExportDense(*view); !dense.ok()) {
+        result = dense.status();
+      } else {
+        result = std::make_shared<const DenseLayer>(*std::move(dense));
+      }
+      bool resume;
+      {
+        absl::MutexLock lock(&ex->mu);
+        ex->result = std::move(result);
+        ex->ready = true;
+        resume = std::exchange(ex->reactor_waiting, false);
+      }
+      if (resume) NextWrite();  // the reactor is parked: no write in flight, nothing else runs
+    });
+    return ex;
+  }
+
   grpc::Status Begin(const grpc::ByteBuffer& buffer) {
     std::vector<grpc::Slice> slices;
     if (!buffer.Dump(&slices).ok()) {
@@ -115,14 +157,17 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
                                        ") is not a range within [0, ", num_layers, "]"));
     }
     chunk_ = state_->config.max_chunk_bytes;
+    if (dense_ && layer_ < layer_end_) next_export_ = StartExport(layer_);
     pending_ = SerializeToByteBuffer(first);
     has_pending_ = true;
     return grpc::Status::OK;
   }
 
   // Loads the parts of the current layer: the blob for PACKED, the three exported arrays for
-  // DENSE.
-  grpc::Status LoadLayer() {
+  // DENSE. Sets *parked (DENSE only) when the export is still running: the export job calls
+  // NextWrite again when it is done.
+  grpc::Status LoadLayer(bool* parked) {
+    *parked = false;
     const auto& blob = keep_->lease.entry().layers[layer_];
     auto view = CompactLayerView::Parse(blob);
     if (!view.ok()) {
@@ -135,9 +180,19 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     if (!dense_) {
       parts_.push_back({kvcache::v1::PART_PACKED, blob.data(), blob.size(), keep_});
     } else {
-      auto dense = ExportDense(*view);
-      if (!dense.ok()) return ToGrpc(dense.status());
-      auto owned = std::make_shared<DenseLayer>(*std::move(dense));
+      std::shared_ptr<const DenseLayer> owned;
+      {
+        absl::MutexLock lock(&next_export_->mu);
+        if (!next_export_->ready) {
+          next_export_->reactor_waiting = true;
+          *parked = true;
+          return grpc::Status::OK;
+        }
+        if (!next_export_->result.ok()) return ToGrpc(next_export_->result.status());
+        owned = *std::move(next_export_->result);
+      }
+      // Export the following layer while this one streams.
+      next_export_ = layer_ + 1 < layer_end_ ? StartExport(layer_ + 1) : nullptr;
       parts_.push_back({kvcache::v1::PART_K, owned->k.data(), owned->k.size(), owned});
       parts_.push_back({kvcache::v1::PART_V, owned->v.data(), owned->v.size(), owned});
       parts_.push_back({kvcache::v1::PART_POSITIONS,
@@ -159,15 +214,20 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     for (;;) {
       if (part_ >= parts_.size()) {
         if (loaded_) ++layer_;
+        loaded_ = false;
         if (layer_ >= layer_end_) {
           FinishOnce(grpc::Status::OK);
           return;
         }
-        grpc::Status s = LoadLayer();
+        bool parked;
+        grpc::Status s = LoadLayer(&parked);
         if (!s.ok()) {
           FinishOnce(s);
           return;
         }
+        // Parked: the export job may already be running NextWrite, so touch nothing more. It
+        // loads this same layer (loaded_ is false).
+        if (parked) return;
         loaded_ = true;
       }
       const Part& p = parts_[part_];
@@ -216,6 +276,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   uint64_t chunk_ = 0;
   int kept_tokens_ = 0;
   std::vector<Part> parts_;
+  std::shared_ptr<Export> next_export_;  // DENSE: the export of the next layer to load
   size_t part_ = 0;
   uint64_t offset_ = 0;
   bool sent_empty_ = false;
