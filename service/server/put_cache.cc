@@ -160,6 +160,8 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   void FinishWithError(const grpc::Status& status,
                        absl::optional<RejectionReason> reason = absl::nullopt) {
     if (upload_) {
+      // Stop transfer deliveries first: the Upload takes one caller at a time.
+      CloseExternal().IgnoreError();
       upload_->Abort();
       if (!reason) reason = MetricReason(upload_->reject_reason());
     }

@@ -162,6 +162,9 @@ absl::StatusOr<TransferPutResult> PutCacheWithTransfer(
       // stored, whatever the PutCache stream would say.
       ctx.TryCancel();
       writer->Finish().ok();
+      // The session remembers the tensors it carried (and refuses them again): a retry of this
+      // upload needs a fresh session.
+      client->Close().IgnoreError();
       return s;
     }
   }

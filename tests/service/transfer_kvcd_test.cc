@@ -250,6 +250,29 @@ TEST_F(TransferKvcdTest, EachBadTensorFailsItsUpload) {
   }
 }
 
+// The library flow: a failed upload stores nothing and closes the client, so that the retry
+// with the same client goes through.
+TEST_F(TransferKvcdTest, FailedUploadCanBeRetriedWithTheSameClient) {
+  const TestCache c = MakeCache("retry");
+  std::vector<TensorRef> bad = Tensors(c);
+  bad[4].bytes -= 1;  // layer 1 V
+  TransferClient client(channel_, ClientOptions("prefill-retry"));
+  auto r = transfer::PutCacheWithTransfer(channel_, &client, c.header, bad);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_FALSE(client.is_open());
+  EXPECT_FALSE(Stored("retry"));
+  absl::StatusOr<transfer::TransferPutResult> ok;
+  for (int attempt = 0; attempt < 100; ++attempt) {  // until kvcd saw the cancellation
+    ok = transfer::PutCacheWithTransfer(channel_, &client, c.header, Tensors(c));
+    if (ok.status().code() != absl::StatusCode::kAborted) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->path, PutPath::kGrpcBytes);
+  EXPECT_TRUE(Stored("retry"));
+  client.Close().IgnoreError();
+}
+
 TEST_F(TransferKvcdTest, DuplicateTensorFailsTheUpload) {
   const TestCache c = MakeCache("duplicate");
   ExternalPut put(stub_.get(), c.header);

@@ -182,8 +182,10 @@ struct TransferPutOptions {
 // GRPC_BYTES sessions read host memory).
 // Errors: kvcd's status for the upload (e.g. INVALID_ARGUMENT for a tensor of the wrong size or
 // a missing tensor, ALREADY_EXISTS); a transfer error cancels the PutCache stream, so nothing is
-// stored. INVALID_ARGUMENT for a null tensor pointer or chunk_bytes 0. Not thread-safe per
-// `client`.
+// stored, and closes `client` (a session refuses a (cache_id, layer, tensor) it already carried,
+// so a retry must not reuse it). For the same reason, uploading a cache id again (overwrite)
+// needs `client` closed first. INVALID_ARGUMENT for a null tensor pointer or chunk_bytes 0.
+// Not thread-safe per `client`.
 absl::StatusOr<TransferPutResult> PutCacheWithTransfer(
     const std::shared_ptr<grpc::Channel>& channel, TransferClient* client,
     const kvcache::v1::PutCacheHeader& header, absl::Span<const TensorRef> tensors,
