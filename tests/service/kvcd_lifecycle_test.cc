@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
@@ -270,7 +271,11 @@ TEST(KvcdLifecycleTest, SigtermRightAfterStartUpAlwaysDrainsAndExitsZero) {
     auto code = kvcd->Wait(absl::Seconds(20));
     ASSERT_TRUE(code.ok()) << "run " << i << ": " << code.status();
     ASSERT_EQ(*code, 0) << "run " << i << ", output:\n" << kvcd->output();
-    absl::SleepFor(absl::Milliseconds(20));  // let the reader collect the last output
+    // The reader thread may still be collecting the last lines (slow on a loaded machine).
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    while (kvcd->output().find("stopped after") == std::string::npos && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
     EXPECT_THAT(kvcd->output(), HasSubstr("draining")) << "run " << i;
     EXPECT_THAT(kvcd->output(), HasSubstr("stopped after")) << "run " << i;
   }
