@@ -92,8 +92,8 @@ absl::Status IngestRegistry::Deliver(const std::string& store_id, uint32_t layer
   absl::MutexLock lock(&e->mu_);
   if (!e->open_) return not_found();
   if (!e->error_.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cache_id: the upload of '", store_id, "' already failed: ", e->error_.message()));
+    return absl::FailedPreconditionError(absl::StrCat("cache_id: the upload of '", store_id,
+                                                      "' already failed: ", e->error_.message()));
   }
   absl::Status s;
   const int t = TensorIndex(tensor);

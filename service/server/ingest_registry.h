@@ -69,8 +69,8 @@ class IngestRegistry {
   // tensor's size or the chunk path refuses it (layer, kind, bytes already received);
   // FAILED_PRECONDITION when an earlier tensor of this upload already failed. Any error but
   // NOT_FOUND aborts the upload: its PutCache stream then ends with the first error.
-  absl::Status Deliver(const std::string& store_id, uint32_t layer,
-                       kvcache::v1::TensorKind tensor, absl::Span<const uint8_t> bytes);
+  absl::Status Deliver(const std::string& store_id, uint32_t layer, kvcache::v1::TensorKind tensor,
+                       absl::Span<const uint8_t> bytes);
 
   int size() const;
 

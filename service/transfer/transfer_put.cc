@@ -100,7 +100,7 @@ absl::StatusOr<TransferPutResult> PutCacheWithTransfer(
     if (!s.ok()) return s;
   }
   result.path = client->transport() == kvcache::v1::TRANSFER_TRANSPORT_NCCL ? PutPath::kNccl
-                                                                          : PutPath::kGrpcBytes;
+                                                                            : PutPath::kGrpcBytes;
   result.fallback_reason = client->fallback_reason();
   if (result.path == PutPath::kGrpcBytes && options.allow_chunks_fallback) {
     // A GRPC_BYTES announcement carries a whole tensor in one message: tensors that do not fit

@@ -185,8 +185,8 @@ TEST_F(TransferKvcdTest, TensorForAnUnregisteredCacheIsNotFound) {
   const TestCache c = MakeCache("never-registered");
   TransferClient client(channel_, ClientOptions("prefill-unknown"));
   ASSERT_TRUE(client.Open().ok());
-  absl::Status s = client.Send("never-registered", 0, kvcache::v1::TENSOR_K, c.k[0].data(),
-                               c.k[0].size());
+  absl::Status s =
+      client.Send("never-registered", 0, kvcache::v1::TENSOR_K, c.k[0].data(), c.k[0].size());
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
   EXPECT_NE(s.message().find("never-registered"), absl::string_view::npos) << s;
   client.Close().IgnoreError();
@@ -199,8 +199,8 @@ TEST_F(TransferKvcdTest, WrongSizeFailsTheTransferAndTheUpload) {
   ASSERT_TRUE(put.registered);
   TransferClient client(channel_, ClientOptions("prefill-size"));
   ASSERT_TRUE(client.Open().ok());
-  absl::Status s = client.Send("wrong-size", 0, kvcache::v1::TENSOR_K, c.k[0].data(),
-                               c.k[0].size() - 2);
+  absl::Status s =
+      client.Send("wrong-size", 0, kvcache::v1::TENSOR_K, c.k[0].data(), c.k[0].size() - 2);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find("num_bytes"), absl::string_view::npos) << s;
   // The upload has failed: further tensors are refused, and the stream reports the first error.
@@ -317,15 +317,15 @@ TEST_F(TransferKvcdTest, ClosingBeforeAllTensorsArrivedStoresNothing) {
   ASSERT_TRUE(client.Open().ok());
   const std::vector<TensorRef> all = Tensors(c);
   for (size_t i = 0; i + 1 < all.size(); ++i) {  // all but layer 2's Q_obs
-    ASSERT_TRUE(client.Send("early-close", all[i].layer, all[i].tensor, all[i].data,
-                            all[i].bytes).ok());
+    ASSERT_TRUE(
+        client.Send("early-close", all[i].layer, all[i].tensor, all[i].data, all[i].bytes).ok());
   }
   const grpc::Status put_status = put.Close();
   EXPECT_EQ(put_status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_FALSE(Stored("early-close"));
   // The stream ended, so the last tensor has nowhere to go.
-  absl::Status s = client.Send("early-close", all.back().layer, all.back().tensor,
-                               all.back().data, all.back().bytes);
+  absl::Status s = client.Send("early-close", all.back().layer, all.back().tensor, all.back().data,
+                               all.back().bytes);
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
   client.Close().IgnoreError();
 }
@@ -420,8 +420,7 @@ TEST(TransferKvcdOffTest, TensorsOverTheMessageLimitGoAsChunks) {
   auto r = transfer::PutCacheWithTransfer(channel, &client, c.header, Tensors(c), po);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->path, PutPath::kChunks);
-  EXPECT_NE(r->fallback_reason.find("max_message_bytes"), std::string::npos)
-      << r->fallback_reason;
+  EXPECT_NE(r->fallback_reason.find("max_message_bytes"), std::string::npos) << r->fallback_reason;
   EXPECT_EQ(r->response.input_bytes(), c.kv_bytes());
 }
 
@@ -454,14 +453,14 @@ TEST(TransferNcclPathTest, NcclSessionUploadStoresTheSameBytesAsChunks) {
   options.config.max_chunk_bytes = 4 << 10;
   options.config.backend = "cpu";
   options.config.threads = 2;
-  options.extra_services.push_back([&](const server::ServerResources& r)
-                                       -> absl::StatusOr<std::unique_ptr<grpc::Service>> {
-    transfer::TransferServiceOptions t;
-    t.sink = &sink;
-    t.factory = &fake;
-    r.state->ingest = &registry;
-    return transfer::CreateTransferService(t);
-  });
+  options.extra_services.push_back(
+      [&](const server::ServerResources& r) -> absl::StatusOr<std::unique_ptr<grpc::Service>> {
+        transfer::TransferServiceOptions t;
+        t.sink = &sink;
+        t.factory = &fake;
+        r.state->ingest = &registry;
+        return transfer::CreateTransferService(t);
+      });
   auto server = server::KvcServer::Create(std::move(options));
   ASSERT_TRUE(server.ok()) << server.status();
   auto channel = Channel((*server)->address());

@@ -27,7 +27,6 @@ namespace kvc::testing {
 using transfer::Communicator;
 using transfer::CommunicatorFactory;
 
-
 struct FakeGroup {
   absl::Mutex mu;
   bool joined[2] ABSL_GUARDED_BY(mu) = {false, false};
