@@ -162,8 +162,8 @@ absl::StatusOr<TransferPutResult> PutCacheWithTransfer(
       // stored, whatever the PutCache stream would say.
       ctx.TryCancel();
       writer->Finish().ok();
-      // The session remembers the tensors it carried (and refuses them again): a retry of this
-      // upload needs a fresh session.
+      // The stream has ended, and after a data-plane failure the group's state is unknown: a
+      // retry starts from a fresh session.
       client->Close().IgnoreError();
       return s;
     }

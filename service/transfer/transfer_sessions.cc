@@ -1,9 +1,8 @@
 #include "transfer/transfer_sessions.h"
 
 #include <atomic>
+#include <memory>
 #include <random>
-#include <set>
-#include <tuple>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -47,8 +46,11 @@ struct TransferSessions::Session {
   absl::Mutex io_mu;
   // Written under io_mu; read without it by Open, which must not wait for a tensor in flight.
   std::atomic<uint64_t> next_sequence{0};
-  std::set<std::tuple<std::string, uint32_t, int>> seen ABSL_GUARDED_BY(io_mu);
-  std::vector<uint8_t> staging ABSL_GUARDED_BY(io_mu);
+  // NCCL receive buffer of staging_bytes, reused by every tensor (at most max_tensor_bytes).
+  // Nothing else of a session grows with the tensors it carries: a repeated tensor is the sink's to
+  // refuse (see TransferSink), as only the sink knows where one upload ends and the next begins.
+  std::unique_ptr<uint8_t[]> staging ABSL_GUARDED_BY(io_mu);
+  uint64_t staging_bytes ABSL_GUARDED_BY(io_mu) = 0;
 
   absl::Mutex state_mu;
   bool closed ABSL_GUARDED_BY(state_mu) = false;
@@ -91,6 +93,15 @@ TransferSessions::~TransferSessions() {
 int TransferSessions::size() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(by_id_.size());
+}
+
+absl::StatusOr<uint64_t> TransferSessions::RetainedBytes(const std::string& session_id) const {
+  std::shared_ptr<Session> s = Find(session_id);
+  if (s == nullptr) {
+    return absl::NotFoundError(absl::StrCat("session_id: unknown session '", session_id, "'"));
+  }
+  absl::MutexLock io(&s->io_mu);
+  return s->staging_bytes;
 }
 
 std::shared_ptr<TransferSessions::Session> TransferSessions::Find(const std::string& id) const {
@@ -236,12 +247,6 @@ absl::StatusOr<uint64_t> TransferSessions::Handle(const TransferAnnouncement& a,
     return absl::InvalidArgumentError(absl::StrCat("num_bytes: ", a.num_bytes(), " is outside [1, ",
                                                    limits_.max_tensor_bytes, "]"));
   }
-  const auto key = std::make_tuple(a.cache_id(), a.layer(), static_cast<int>(a.tensor()));
-  if (s->seen.count(key) > 0) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor: duplicate announcement of cache '",
-                                                   a.cache_id(), "' layer ", a.layer(), " ",
-                                                   kvcache::v1::TensorKind_Name(a.tensor())));
-  }
   const bool nccl = s->transport == kvcache::v1::TRANSFER_TRANSPORT_NCCL;
   absl::Span<const uint8_t> bytes;
   if (!nccl) {
@@ -265,20 +270,23 @@ absl::StatusOr<uint64_t> TransferSessions::Handle(const TransferAnnouncement& a,
           absl::StrCat("nccl: joining the group failed: ", s->join_status.message()));
     }
     if (absl::Status p = posted(); !p.ok()) return p;
-    s->staging.resize(a.num_bytes());
-    if (absl::Status r = s->comm->Recv(s->staging.data(), a.num_bytes(), limits_.recv_timeout);
+    if (s->staging_bytes < a.num_bytes()) {
+      // Grows to exactly the largest tensor so far (never past max_tensor_bytes); the bytes are
+      // overwritten by the receive, so they are not initialized.
+      s->staging = std::make_unique_for_overwrite<uint8_t[]>(a.num_bytes());
+      s->staging_bytes = a.num_bytes();
+    }
+    if (absl::Status r = s->comm->Recv(s->staging.get(), a.num_bytes(), limits_.recv_timeout);
         !r.ok()) {
       Drop(s);  // the group's state is unknown now
       return r;
     }
-    bytes = absl::MakeConstSpan(s->staging.data(), a.num_bytes());
+    bytes = absl::MakeConstSpan(s->staging.get(), a.num_bytes());
   }
-  // The bytes are consumed from the data plane either way, so the sequence advances; a sink
-  // error leaves the tensor unmarked so it can be announced again.
+  // The bytes are consumed from the data plane either way, so the sequence advances.
   s->next_sequence.store(expected + 1);
   TensorHeader h{s->client_id, a.cache_id(), a.layer(), a.tensor(), a.sequence()};
   if (absl::Status c = sink_->Consume(h, bytes); !c.ok()) return c;
-  s->seen.insert(key);
   return static_cast<uint64_t>(bytes.size());
 }
 

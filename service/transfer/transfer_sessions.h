@@ -38,12 +38,14 @@ class TransferSessions {
       const kvcache::v1::OpenTransferSessionRequest& request);
 
   // Handles one announcement: validates it against the session (NOT_FOUND for an unknown
-  // session; INVALID_ARGUMENT naming the field for a duplicate or out-of-order sequence, a
-  // repeated (cache_id, layer, tensor), a bad size or a payload that does not match the
-  // transport or num_bytes), then NCCL: waits for the group, calls `posted()` (which sends the
-  // POSTED ack; its error aborts) and receives; GRPC_BYTES: takes the payload. Then the sink.
-  // Returns the bytes received. A data-plane failure closes the session (the next Open makes a
-  // new group).
+  // session; INVALID_ARGUMENT naming the field for a duplicate or out-of-order sequence, a bad
+  // cache_id, tensor kind or size, or a payload that does not match the transport or
+  // num_bytes), then NCCL: waits for the group, calls `posted()` (which sends the POSTED ack;
+  // its error aborts) and receives; GRPC_BYTES: takes the payload. Then the sink, which alone
+  // decides whether a (cache_id, layer, tensor) was already received by the upload it belongs
+  // to: a session keeps no record of the tensors it carried, so it serves any number of uploads
+  // (and re-uploads of one cache id) in constant memory. Returns the bytes received. A
+  // data-plane failure closes the session (the next Open makes a new group).
   absl::StatusOr<uint64_t> Handle(const kvcache::v1::TransferAnnouncement& a,
                                   const std::function<absl::Status()>& posted);
 
@@ -51,6 +53,12 @@ class TransferSessions {
   absl::Status Close(const std::string& client_id, const std::string& session_id);
 
   int size() const;
+
+  // Memory a session holds besides its fixed fields: the size of its NCCL receive buffer, which
+  // is the largest tensor it received (so at most max_tensor_bytes; 0 for GRPC_BYTES).
+  // It does not grow with the number of tensors or uploads carried. NOT_FOUND for an unknown
+  // session. Waits for a tensor of that session in flight.
+  absl::StatusOr<uint64_t> RetainedBytes(const std::string& session_id) const;
 
  private:
   struct Session;

@@ -277,7 +277,7 @@ TEST_F(TransferKvcdTest, DuplicateTensorFailsTheUpload) {
   const TestCache c = MakeCache("duplicate");
   ExternalPut put(stub_.get(), c.header);
   ASSERT_TRUE(put.registered);
-  // Two sessions (a session itself refuses a repeated tensor before kvcd's ingest sees it).
+  // Two sessions: the ingest refuses the repeat whichever session it came through.
   TransferClient a(channel_, ClientOptions("prefill-dup-a"));
   TransferClient b(channel_, ClientOptions("prefill-dup-b"));
   ASSERT_TRUE(a.Open().ok());
@@ -292,6 +292,61 @@ TEST_F(TransferKvcdTest, DuplicateTensorFailsTheUpload) {
   EXPECT_EQ(put_status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(put_status.error_message().find("already received"), std::string::npos);
   EXPECT_FALSE(Stored("duplicate"));
+}
+
+// A repeat through the same session is refused by kvcd's ingest too (the session keeps no
+// record of the tensors it carried), and fails the upload.
+TEST_F(TransferKvcdTest, DuplicateTensorThroughOneSessionFailsTheUpload) {
+  const TestCache c = MakeCache("duplicate-one-session");
+  ExternalPut put(stub_.get(), c.header);
+  ASSERT_TRUE(put.registered);
+  TransferClient client(channel_, ClientOptions("prefill-dup-one"));
+  ASSERT_TRUE(client.Open().ok());
+  const std::string& id = c.header.cache_id();
+  ASSERT_TRUE(client.Send(id, 0, kvcache::v1::TENSOR_K, c.k[0].data(), c.k[0].size()).ok());
+  absl::Status s = client.Send(id, 0, kvcache::v1::TENSOR_K, c.k[0].data(), c.k[0].size());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("already received"), absl::string_view::npos) << s;
+  client.Close().IgnoreError();
+  const grpc::Status put_status = put.Close();
+  EXPECT_EQ(put_status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_FALSE(Stored(id));
+}
+
+// One client (one long-lived session) carries many uploads in turn, then overwrites one of them
+// with other bytes: the session refuses none of the repeated tensors, and the overwrite's bytes
+// are what is stored (equal to an ordinary chunked upload of them).
+TEST_F(TransferKvcdTest, UploadsAndAnOverwriteShareOneSession) {
+  TransferClient client(channel_, ClientOptions("prefill-long-lived"));
+  std::string session;
+  for (int i = 0; i < 8; ++i) {
+    const TestCache c = MakeCache(absl::StrCat("long-lived-", i), 100 + i);
+    auto r = transfer::PutCacheWithTransfer(channel_, &client, c.header, Tensors(c));
+    ASSERT_TRUE(r.ok()) << "upload " << i << ": " << r.status();
+    if (i == 0) session = client.session_id();
+    EXPECT_EQ(client.session_id(), session) << "upload " << i << " needed a new session";
+  }
+  TestCache again = MakeCache("long-lived-3", 999);
+  again.header.set_overwrite(true);
+  auto r = transfer::PutCacheWithTransfer(channel_, &client, again.header, Tensors(again));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(client.session_id(), session);
+  client.Close().IgnoreError();
+
+  TestCache chunked = again;
+  chunked.header.set_cache_id("long-lived-3-chunks");
+  chunked.header.set_overwrite(false);
+  PutCacheResponse chunk_resp;
+  ASSERT_TRUE(testing::PutCache(stub_.get(), chunked, &chunk_resp, 4 << 10).ok());
+  Fetched a, b;
+  GetCacheRequest req;
+  req.set_format(kvcache::v1::FORMAT_PACKED);
+  req.set_cache_id("long-lived-3-chunks");
+  ASSERT_TRUE(testing::Get(stub_.get(), req, &a).ok());
+  req.set_cache_id("long-lived-3");
+  ASSERT_TRUE(testing::Get(stub_.get(), req, &b).ok());
+  ASSERT_FALSE(a.parts.empty());
+  EXPECT_EQ(a.parts, b.parts);
 }
 
 TEST_F(TransferKvcdTest, ChunkMessageOnAnExternalStreamIsInvalid) {

@@ -1,7 +1,8 @@
 // The transfer control plane over real gRPC on loopback, with an in-process fake data plane (two
 // endpoints joined through a shared queue): session creation and caching per client id, the
-// announce / POSTED / send / RECEIVED sequence, rejection of duplicate, out-of-order, repeated and
-// mis-sized announcements, teardown, limits, and the fallback to gRPC bytes.
+// announce / POSTED / send / RECEIVED sequence, rejection of duplicate, out-of-order and
+// mis-sized announcements (a repeated tensor is the sink's to refuse), teardown, limits, the
+// fallback to gRPC bytes, and a long-lived session's memory staying bounded.
 #include "kvc/transfer.h"
 
 #include <atomic>
@@ -20,6 +21,7 @@
 #include "kvc/backend.h"
 #include "kvcache/v1/transfer.grpc.pb.h"
 #include "testing/fake_communicator.h"
+#include "transfer/transfer_sessions.h"
 
 namespace kvc::transfer {
 namespace {
@@ -257,11 +259,19 @@ TEST_F(TransferRejectTest, OutOfOrderSequenceIsRejected) {
   EXPECT_TRUE(sink_.got().empty());
 }
 
-TEST_F(TransferRejectTest, RepeatedTensorIsRejected) {
+// The session keeps no record of carried tensors (a re-upload of a cache id repeats them all): a
+// repeated tensor reaches the sink, and the sink's refusal ends the stream with its status.
+TEST_F(TransferRejectTest, RepeatedTensorIsRejectedByTheSink) {
   auto rs = Stream();
   ExpectReceived(rs.get(), Announce(open_.session_id(), 0, "c", 2, kvcache::v1::TENSOR_V, 1, "x"));
-  ExpectRejected(rs.get(), Announce(open_.session_id(), 1, "c", 2, kvcache::v1::TENSOR_V, 1, "y"),
-                 grpc::StatusCode::INVALID_ARGUMENT, "duplicate announcement");
+  ExpectReceived(rs.get(), Announce(open_.session_id(), 1, "c", 2, kvcache::v1::TENSOR_V, 1, "y"));
+  ASSERT_EQ(sink_.got().size(), 2u);
+  EXPECT_EQ(sink_.got()[1].header.sequence, 1u);
+  EXPECT_EQ(sink_.got()[1].bytes, std::vector<uint8_t>{'y'});
+  sink_.Fail(absl::InvalidArgumentError("chunk: layer 2 tensor V bytes [0, 1) already received"));
+  ExpectRejected(rs.get(), Announce(open_.session_id(), 2, "c", 2, kvcache::v1::TENSOR_V, 1, "z"),
+                 grpc::StatusCode::INVALID_ARGUMENT, "already received");
+  EXPECT_EQ(sink_.got().size(), 2u);
 }
 
 TEST_F(TransferRejectTest, SizeMismatchAndBadFieldsAreRejected) {
@@ -480,6 +490,91 @@ TEST(TransferServiceCreate, RejectsMissingSinkAndBadLimits) {
   o.limits.max_tensor_bytes = 1;
   o.limits.recv_timeout = absl::ZeroDuration();
   EXPECT_EQ(CreateTransferService(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Counts what it receives without keeping the bytes.
+class CountingSink final : public TransferSink {
+ public:
+  absl::Status Consume(const TensorHeader&, absl::Span<const uint8_t>) override {
+    tensors_.fetch_add(1);
+    return absl::OkStatus();
+  }
+  int tensors() const { return tensors_.load(); }
+
+ private:
+  std::atomic<int> tensors_{0};
+};
+
+// A long-lived NCCL session carries many uploads in turn (every other one an overwrite of the
+// same cache id, which repeats all its tensors): each tensor is accepted, and the session's
+// memory stays at its largest tensor, independent of how many tensors and uploads it carried.
+TEST(TransferSessionsTest, ManyUploadsOverOneSessionKeepItsStateBounded) {
+  FakeFactory factory;
+  CountingSink sink;
+  TransferLimits limits;
+  limits.max_tensor_bytes = 256;
+  limits.join_timeout = absl::Seconds(5);
+  limits.recv_timeout = absl::Seconds(5);
+  TransferSessions sessions(limits, &factory, &sink);
+  OpenTransferSessionRequest req;
+  req.set_client_id("long-lived");
+  req.set_transport(kvcache::v1::TRANSFER_TRANSPORT_NCCL);
+  absl::StatusOr<OpenTransferSessionResponse> open = sessions.Open(req);
+  ASSERT_TRUE(open.ok()) << open.status();
+  absl::StatusOr<std::unique_ptr<Communicator>> peer =
+      factory.Join(open->nccl_unique_id(), 1, absl::Seconds(5), nullptr);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  const std::string sid = open->session_id();
+  EXPECT_EQ(sessions.RetainedBytes(sid).value(), 0u);
+  EXPECT_EQ(sessions.RetainedBytes("nope").status().code(), absl::StatusCode::kNotFound);
+
+  constexpr int kUploads = 400;
+  const kvcache::v1::TensorKind kinds[] = {kvcache::v1::TENSOR_K, kvcache::v1::TENSOR_V};
+  uint64_t seq = 0;
+  uint64_t largest = 0;
+  for (int u = 0; u < kUploads; ++u) {
+    const std::string cache = u % 2 == 0 ? "overwritten" : absl::StrCat("cache-", u);
+    for (uint32_t layer = 0; layer < 2; ++layer) {
+      for (kvcache::v1::TensorKind kind : kinds) {
+        // Sizes rise to the limit over the first uploads, then vary below it.
+        const uint64_t n = std::min<uint64_t>(limits.max_tensor_bytes, 16 + (u * 7 + layer) % 300);
+        largest = std::max(largest, n);
+        const std::vector<uint8_t> x = Bytes(n, static_cast<uint8_t>(u));
+        ASSERT_TRUE((*peer)->Send(x.data(), n, absl::Seconds(5)).ok());
+        absl::StatusOr<uint64_t> got = sessions.Handle(
+            Announce(sid, seq++, cache, layer, kind, n, ""), [] { return absl::OkStatus(); });
+        ASSERT_TRUE(got.ok()) << "upload " << u << " layer " << layer << ": " << got.status();
+        EXPECT_EQ(*got, n);
+      }
+    }
+    absl::StatusOr<uint64_t> retained = sessions.RetainedBytes(sid);
+    ASSERT_TRUE(retained.ok()) << retained.status();
+    ASSERT_EQ(*retained, largest) << "after upload " << u;
+  }
+  EXPECT_EQ(largest, limits.max_tensor_bytes);
+  EXPECT_EQ(sink.tensors(), 4 * kUploads);
+  EXPECT_EQ(sessions.size(), 1);
+}
+
+// A GRPC_BYTES session holds no buffer at all, however many tensors it carried.
+TEST(TransferSessionsTest, GrpcBytesSessionRetainsNothing) {
+  CountingSink sink;
+  TransferSessions sessions(TransferLimits{}, nullptr, &sink);
+  OpenTransferSessionRequest req;
+  req.set_client_id("bytes");
+  req.set_transport(kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES);
+  absl::StatusOr<OpenTransferSessionResponse> open = sessions.Open(req);
+  ASSERT_TRUE(open.ok()) << open.status();
+  for (uint64_t seq = 0; seq < 200; ++seq) {
+    ASSERT_TRUE(
+        sessions
+            .Handle(Announce(open->session_id(), seq, "same", 0, kvcache::v1::TENSOR_K, 3, "abc"),
+                    [] { return absl::OkStatus(); })
+            .ok())
+        << seq;
+  }
+  EXPECT_EQ(sessions.RetainedBytes(open->session_id()).value(), 0u);
+  EXPECT_EQ(sink.tensors(), 200);
 }
 
 TEST(NcclFactory, ReportsWhyItIsUnavailableWithoutADevice) {

@@ -59,6 +59,11 @@ struct TensorHeader {
 // Receives every tensor, in sequence order per session. `bytes` is host memory valid during the
 // call. An error ends the Transfer stream with that status (the tensor may be announced again
 // with the next sequence). Must be thread-safe across sessions.
+// Sessions keep no record of the tensors they carried (a session serves any number of uploads,
+// including re-uploads of one cache id), so refusing a (cache_id, layer, tensor) that the
+// upload it belongs to already received is the sink's job: kvcd's sink writes each tensor
+// through the upload's chunk path, which answers INVALID_ARGUMENT ("already received") and
+// fails that upload, whichever session the repeat came through.
 class TransferSink {
  public:
   virtual ~TransferSink() = default;
@@ -180,12 +185,13 @@ struct TransferPutOptions {
 // when the path is NCCL (a caller with device buffers sets allow_chunks_fallback = false and
 // gives `client` a factory; it then gets the TransferClient's reason if NCCL is unusable, as
 // GRPC_BYTES sessions read host memory).
-// Errors: kvcd's status for the upload (e.g. INVALID_ARGUMENT for a tensor of the wrong size or
-// a missing tensor, ALREADY_EXISTS); a transfer error cancels the PutCache stream, so nothing is
-// stored, and closes `client` (a session refuses a (cache_id, layer, tensor) it already carried,
-// so a retry must not reuse it). For the same reason, uploading a cache id again (overwrite)
-// needs `client` closed first. INVALID_ARGUMENT for a null tensor pointer or chunk_bytes 0.
-// Not thread-safe per `client`.
+// Any number of uploads may go through one `client` in turn, including an overwrite of a cache
+// id it uploaded before (header.overwrite); its session's memory does not grow with them.
+// Errors: kvcd's status for the upload (e.g. INVALID_ARGUMENT for a tensor of the wrong size, a
+// missing or repeated tensor, ALREADY_EXISTS); a transfer error cancels the PutCache stream, so
+// nothing is stored, and closes `client` (after a failed tensor the data plane's state is
+// unknown), so a retry with it opens a fresh session. INVALID_ARGUMENT for a null tensor pointer
+// or chunk_bytes 0. Not thread-safe per `client`.
 absl::StatusOr<TransferPutResult> PutCacheWithTransfer(
     const std::shared_ptr<grpc::Channel>& channel, TransferClient* client,
     const kvcache::v1::PutCacheHeader& header, absl::Span<const TensorRef> tensors,
