@@ -151,7 +151,7 @@ absl::Status Run() {
   std::vector<kvc::CompactLayer> blobs;
   for (auto& layer : fetched.layers) {
     fetched_bytes += layer.packed.size();
-    blobs.push_back(kvc::CompactLayer{std::move(layer.packed)});
+    blobs.push_back(kvc::CompactLayer{kvc::ToByteVector(layer.packed)});
   }
   ASSIGN_OR_RETURN(auto compact,
                    kvc::model::CompactKvCache::Create(cfg, std::move(blobs), nullptr, new_tokens));

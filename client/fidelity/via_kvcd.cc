@@ -69,7 +69,7 @@ Compressor KvcdCompressor(Client* client, const std::string& id_prefix) {
     if (!data.ok()) return data.status();
     RETURN_IF_ERROR(deleted);
     std::vector<CompactLayer> out;
-    for (LayerData& layer : data->layers) out.push_back(CompactLayer{std::move(layer.packed)});
+    for (LayerData& layer : data->layers) out.push_back(CompactLayer{ToByteVector(layer.packed)});
     if (out.size() != prefix.layers.size()) {
       return absl::InternalError(absl::StrCat("GetCache(", id, ") returned ", out.size(),
                                               " layers, expected ", prefix.layers.size()));

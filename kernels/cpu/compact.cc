@@ -178,8 +178,8 @@ inline void PrefetchRow(const uint8_t* p, size_t bytes) {
 }
 
 // Zeroes the padding after a block of `bytes` at offset `at` of a head section, up to the next
-// 16-byte boundary (where the next block starts). The blob buffer is zero-filled when it is sized,
-// but the format's "padding is zero" promise should not rest on how the buffer was allocated.
+// 16-byte boundary (where the next block starts). The blob buffer is not zero-filled when it is
+// sized (ByteVector), so this is what keeps the format's "padding is zero" promise.
 void PadBlock(uint8_t* section, size_t at, size_t bytes) {
   const size_t end = at + bytes;
   std::memset(section + end, 0, AlignUp(end) - end);
@@ -447,9 +447,9 @@ absl::StatusOr<CompactLayer> PackLayerImpl(const LayerInput& in, const TokenSele
   p.identity = identity.data();
 
   // Every section offset is known up front (all heads have the same layout), so the buffer is
-  // sized once and each task writes its own byte range in place. resize zero-fills: a
-  // std::vector<uint8_t> cannot skip that, but with huge pages advised first the fill is one
-  // fast pass and takes the page faults the gather would otherwise take.
+  // sized once and each task writes its own byte range in place. ByteVector's resize does not
+  // zero-fill (the header, the descriptors and every block with its padding are written below),
+  // so the first touch of each page is the write that fills it, on the task that owns it.
   CompactLayer out;
   out.bytes.reserve(total);
   AdviseHugePages(out.bytes.data(), total);

@@ -268,7 +268,9 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
   KVC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st), "compress");
 
   CompactLayer out;
-  out.bytes.assign(pinned, pinned + plan.blob_bytes);
+  // Sized without a zero-fill (ByteVector), then every byte is copied from the pinned blob.
+  out.bytes.resize(plan.blob_bytes);
+  std::memcpy(out.bytes.data(), pinned, plan.blob_bytes);
   const LayerHeader hdr = MakeLayerHeader(in, spec);
   std::memcpy(out.bytes.data(), &hdr, sizeof(hdr));
   std::memcpy(out.bytes.data() + sizeof(hdr), plan.descs.data(), sizeof(HeadDesc) * hkv);

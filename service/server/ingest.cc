@@ -271,7 +271,7 @@ void Upload::AdvanceChecksum() {
   if (hashing_) return;  // the thread hashing now will pick up this layer when it gets there
   hashing_ = true;
   while (!aborted_ && hashed_ < compressed_.size() && compressed_[hashed_]) {
-    const std::vector<uint8_t>& blob = compact_[hashed_].bytes;
+    const ByteVector& blob = compact_[hashed_].bytes;
     // compact_ is not resized while hashing_ is set (Abort defers to this thread, Finalize waits
     // for pending_), and layer hashed_ is complete and no longer written.
     mu_.Unlock();

@@ -260,7 +260,7 @@ TEST(PackedAttentionTest, HeadsWithDifferentCounts) {
   for (int h = 0; h < 3; ++h) {
     PackedCase st =
         MakePackedCase(1, 20, d, budgets[h], 8, 16, 0, 2, DType::kF16, Layout::kHND, &rng);
-    singles.push_back(st.packed.bytes);
+    singles.emplace_back(st.packed.bytes.begin(), st.packed.bytes.end());
     absl::StatusOr<CompactLayerView> one = CompactLayerView::Parse(st.packed.bytes);
     ASSERT_TRUE(one.ok());
     std::vector<float> k(budgets[h] * d), v(budgets[h] * d);

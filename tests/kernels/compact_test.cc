@@ -28,7 +28,7 @@ CompressionSpec Spec(int bits, int recent, int group = 32) {
 }
 
 template <typename T>
-T At(const std::vector<uint8_t>& b, size_t off) {
+T At(absl::Span<const uint8_t> b, size_t off) {
   T v;
   std::memcpy(&v, b.data() + off, sizeof(T));
   return v;
@@ -180,7 +180,7 @@ TEST(CompactTest, TinyHandCaseBytes) {
   in.layer_index = 5;
   absl::StatusOr<CompactLayer> packed = PackLayer(in, tokens, channels, spec);
   ASSERT_TRUE(packed.ok()) << packed.status();
-  const std::vector<uint8_t>& b = packed->bytes;
+  const ByteVector& b = packed->bytes;
   // Section: positions 12 -> 16, key_idx 16 -> 32, value_idx 32 -> 64, key_old 2x4 f32 = 32 ->
   // 96, key_recent 1x8 f32 = 32 -> 128, value_old 2x8 f32 = 64 -> 192, value_recent 32 -> 224.
   ASSERT_EQ(b.size(), 64u + 32u + 224u);
@@ -366,7 +366,7 @@ class CompactParseTest : public ::testing::Test {
     channels_ = RandomChannels(2, 16, 8, 12, &rng);
     absl::StatusOr<CompactLayer> p = PackLayer(layer_.input(), tokens_, channels_, Spec(4, 3, 4));
     ASSERT_TRUE(p.ok());
-    blob_ = p->bytes;
+    blob_.assign(p->bytes.begin(), p->bytes.end());
     ASSERT_TRUE(CompactLayerView::Parse(blob_).ok());
   }
   template <typename T>

@@ -113,7 +113,7 @@ TEST(CpuBackendTest, ResultIndependentOfThreadsLayoutAndConcurrency) {
   ASSERT_TRUE(from_nhd.ok());
   EXPECT_EQ(ref->bytes, from_nhd->bytes);
 
-  std::vector<std::vector<uint8_t>> results(4);
+  std::vector<ByteVector> results(4);
   std::vector<std::thread> threads;
   for (int i = 0; i < 4; ++i) {
     threads.emplace_back([&, i] {

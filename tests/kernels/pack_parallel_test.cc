@@ -77,13 +77,13 @@ TEST(PackParallelTest, ConcurrentCallsOnOnePoolAgree) {
   absl::StatusOr<CompactLayer> ref = PackLayer(layer.input(), tokens, channels, spec);
   ASSERT_TRUE(ref.ok()) << ref.status();
   ThreadPool pool(3);
-  std::vector<std::vector<uint8_t>> got(4);
+  std::vector<ByteVector> got(4);
   pool.ParallelFor(4, [&](int i) {
     absl::StatusOr<CompactLayer> p =
         cpu::PackLayerImpl(layer.input(), tokens, channels, spec, &pool, nullptr);
     if (p.ok()) got[i] = std::move(p->bytes);
   });
-  for (const std::vector<uint8_t>& g : got) EXPECT_EQ(g, ref->bytes);
+  for (const ByteVector& g : got) EXPECT_EQ(g, ref->bytes);
 }
 
 // The writer converts and quantizes the old block in chunks of rows; the blocks must equal one

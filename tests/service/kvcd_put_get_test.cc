@@ -46,7 +46,7 @@ class KvcdPutGetTest : public ::testing::Test {
 };
 KvcdProcess* KvcdPutGetTest::kvcd_ = nullptr;
 
-std::string Bytes(const std::vector<uint8_t>& v) {
+std::string Bytes(absl::Span<const uint8_t> v) {
   return std::string(reinterpret_cast<const char*>(v.data()), v.size());
 }
 

@@ -46,7 +46,7 @@ TEST(ServerDataLossTest, CorruptedEntryIsDataLossAndSendsNothing) {
   // Flip one byte of the stored blob behind the store's back.
   auto entry = (*store)->Peek("c");
   ASSERT_TRUE(entry.ok());
-  auto& blob = const_cast<std::vector<uint8_t>&>((*entry)->layers[1]);
+  auto& blob = const_cast<ByteVector&>((*entry)->layers[1]);
   blob[blob.size() / 2] ^= 0x40;
 
   testing::Fetched bad;

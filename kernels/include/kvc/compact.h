@@ -32,6 +32,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "kvc/bytes.h"
 #include "kvc/dtype.h"
 #include "kvc/layer.h"
 #include "kvc/selection.h"
@@ -86,9 +87,10 @@ struct CompactHead {
   const void* value_recent = nullptr;
 };
 
-// Owns one layer's blob.
+// Owns one layer's blob. ByteVector (kvc/bytes.h) does not zero-fill on resize; to wrap bytes
+// held in a std::vector<uint8_t>, use CompactLayer{ToByteVector(v)}.
 struct CompactLayer {
-  std::vector<uint8_t> bytes;
+  ByteVector bytes;
 };
 
 // A validated, non-owning view of a blob. Parse checks everything a reader relies on (magic,

@@ -10,7 +10,8 @@
 // ExpireNow sweeps them or Insert evicts them (expired entries are evicted before live ones).
 //
 // Complexity: Insert, Acquire, Peek, Delete and lease release are O(log n) plus the entries they
-// evict; List is O(log n + entries visited); Insert also hashes the entry once (outside the lock).
+// evict; List is O(log n + entries visited); with Options::verify_on_insert, Insert also hashes
+// the entry once (outside the lock).
 #ifndef KVC_CACHE_STORE_H_
 #define KVC_CACHE_STORE_H_
 
@@ -23,13 +24,14 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "kvc/bytes.h"
 
 namespace kvc {
 
 // One stored cache. Built by the ingest path, then frozen.
 struct CacheEntry {
   std::string id;                            // unique key (already tenant-qualified by the caller)
-  std::vector<std::vector<uint8_t>> layers;  // compact layer blobs (kvc/compact.h), in order
+  std::vector<ByteVector> layers;  // compact layer blobs (kvc/compact.h), in order
   std::string metadata;      // opaque to the store (kvcd keeps a serialized CacheInfo)
   uint64_t input_bytes = 0;  // uncompressed K+V bytes, for ratios and metrics
   absl::Time created;
@@ -58,6 +60,11 @@ class CacheStore {
     std::function<void(const CacheEntry&, EvictionReason)> on_evict;
     // Clock, replaceable in tests; must not be empty. Called without locks held.
     std::function<absl::Time()> now = [] { return absl::Now(); };
+    // Whether Insert recomputes the checksum and rejects a mismatch. false trusts `checksum` as
+    // given: only for callers that computed it from the very bytes they insert (kvcd's ingest
+    // hashes each layer as it finishes), sparing a serial pass over the entry. Readers that must
+    // not serve corrupt data still call VerifyEntry before serving.
+    bool verify_on_insert = true;
   };
 
   struct Stats {
@@ -94,7 +101,8 @@ class CacheStore {
   //   ALREADY_EXISTS      the id exists and !overwrite
   //   RESOURCE_EXHAUSTED  the entry exceeds the capacity, or cannot fit without evicting leased
   //                       entries
-  //   INVALID_ARGUMENT    null entry, empty id, checksum mismatch, or `expires` not in the future
+  //   INVALID_ARGUMENT    null entry, empty id, checksum mismatch (checked only with
+  //                       Options::verify_on_insert), or `expires` not in the future
   // An expired entry with the same id does not count as existing (it is evicted with kTtl).
   // Overwriting a leased entry is allowed: it leaves the index at once, but its bytes stay
   // charged until its last lease ends, so they cannot make room for the new entry.
