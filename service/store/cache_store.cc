@@ -169,8 +169,10 @@ class CacheStoreImpl final : public CacheStore {
   absl::Status Insert(std::shared_ptr<const CacheEntry> entry, bool overwrite) override {
     if (entry == nullptr) return absl::InvalidArgumentError("entry: must not be null");
     if (entry->id.empty()) return absl::InvalidArgumentError("entry.id: must not be empty");
-    if (absl::Status s = VerifyEntry(*entry); !s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("entry.checksum: ", s.message()));
+    if (options_.verify_on_insert) {
+      if (absl::Status s = VerifyEntry(*entry); !s.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("entry.checksum: ", s.message()));
+      }
     }
     const uint64_t bytes = entry->ChargedBytes();
     if (bytes > core_->capacity_) {

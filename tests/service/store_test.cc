@@ -400,6 +400,41 @@ TEST(CacheStoreTest, ChecksumDetectsCorruption) {
   EXPECT_EQ(VerifyEntry(copy).code(), absl::StatusCode::kDataLoss);
 }
 
+// verify_on_insert = false: Insert trusts the caller's checksum (it does not hash), stores the
+// entry unchanged, and VerifyEntry (what readers call before serving) still catches a mismatch.
+// Every other check still applies.
+TEST(CacheStoreTest, TrustingInsertSkipsOnlyTheChecksum) {
+  CacheStore::Options o;
+  o.capacity_bytes = 1000;
+  o.verify_on_insert = false;
+  auto store = CacheStore::Create(o);
+  ASSERT_TRUE(store.ok()) << store.status();
+
+  auto good = MakeEntry("good", 100);
+  ASSERT_TRUE((*store)->Insert(good, false).ok());
+  auto lease = (*store)->Acquire("good");
+  ASSERT_TRUE(lease.ok());
+  EXPECT_EQ(lease->entry().checksum, good->checksum);
+  EXPECT_TRUE(VerifyEntry(lease->entry()).ok());
+
+  auto bad_sum = MakeEntry("bad", 100);
+  bad_sum->checksum ^= 1;
+  ASSERT_TRUE((*store)->Insert(bad_sum, false).ok());  // accepted: not hashed on insert
+  auto bad = (*store)->Acquire("bad");
+  ASSERT_TRUE(bad.ok());
+  EXPECT_EQ(VerifyEntry(bad->entry()).code(), absl::StatusCode::kDataLoss);
+
+  const Snapshot before = Snap(**store);
+  absl::Status s = (*store)->Insert(MakeEntry("", 10), false);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("entry.id"));
+  EXPECT_EQ((*store)->Insert(MakeEntry("huge", 1001), false).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ((*store)->Insert(MakeEntry("good", 100), false).code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(Snap(**store), before);
+}
+
 TEST(CacheStoreTest, OnEvictRunsWithoutLocksHeld) {
   std::unique_ptr<CacheStore> store;
   std::vector<uint64_t> used_seen;
