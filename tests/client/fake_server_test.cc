@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -23,9 +24,16 @@ class FakeService final : public pb::KvCache::Service {
   std::atomic<int> stat_calls{0};
   std::atomic<int> unavailable_left{0};
   std::string last_authorization;
-  std::vector<pb::GetCacheResponse> script;  // what GetCache sends
   std::atomic<int> get_calls{0};
-  grpc::Status get_status = grpc::Status::OK;
+
+  // What GetCache sends, then the status it ends with. A client that rejects a stream cancels
+  // the call and returns at once, while the handler of that call may still be walking its
+  // script; so tests replace the script only through here and each call works on its own copy.
+  void SetGet(std::vector<pb::GetCacheResponse> script, grpc::Status status = grpc::Status::OK) {
+    std::lock_guard<std::mutex> lock(get_mu_);
+    script_ = std::move(script);
+    get_status_ = std::move(status);
+  }
 
   grpc::Status StatCache(grpc::ServerContext* ctx, const pb::StatCacheRequest* req,
                          pb::CacheInfo* info) override {
@@ -65,9 +73,23 @@ class FakeService final : public pb::KvCache::Service {
   grpc::Status GetCache(grpc::ServerContext*, const pb::GetCacheRequest*,
                         grpc::ServerWriter<pb::GetCacheResponse>* writer) override {
     ++get_calls;
-    for (const pb::GetCacheResponse& m : script) writer->Write(m);
-    return get_status;
+    std::vector<pb::GetCacheResponse> script;
+    grpc::Status status;
+    {
+      std::lock_guard<std::mutex> lock(get_mu_);
+      script = script_;
+      status = get_status_;
+    }
+    for (const pb::GetCacheResponse& m : script) {
+      if (!writer->Write(m)) break;  // cancelled by the client
+    }
+    return status;
   }
+
+ private:
+  std::mutex get_mu_;
+  std::vector<pb::GetCacheResponse> script_;
+  grpc::Status get_status_ = grpc::Status::OK;
 };
 
 class FakeServerTest : public ::testing::Test {
@@ -109,18 +131,19 @@ class FakeServerTest : public ::testing::Test {
     m.set_data(data);
     return m;
   }
-  void ScriptGoodDense() {
+  static std::vector<pb::GetCacheResponse> GoodDense() {
     pb::GetCacheResponse first;
     *first.mutable_info() = Info();
-    service_.script = {first};
+    std::vector<pb::GetCacheResponse> script = {first};
     const std::string k(96, 'k'), v(96, 'v');
     std::string pos(24, '\0');
     for (int i = 0; i < 6; ++i) pos[4 * i] = static_cast<char>(i);
     // V before K, K in two chunks out of order: the client must place bytes by offset.
-    service_.script.push_back(Chunk(pb::PART_V, 0, 96, v));
-    service_.script.push_back(Chunk(pb::PART_K, 50, 96, k.substr(50)));
-    service_.script.push_back(Chunk(pb::PART_POSITIONS, 0, 24, pos));
-    service_.script.push_back(Chunk(pb::PART_K, 0, 96, k.substr(0, 50)));
+    script.push_back(Chunk(pb::PART_V, 0, 96, v));
+    script.push_back(Chunk(pb::PART_K, 50, 96, k.substr(50)));
+    script.push_back(Chunk(pb::PART_POSITIONS, 0, 24, pos));
+    script.push_back(Chunk(pb::PART_K, 0, 96, k.substr(0, 50)));
+    return script;
   }
   static GetOptions Dense() {
     GetOptions o;
@@ -167,14 +190,15 @@ TEST_F(FakeServerTest, ListCachesFollowsEveryPage) {
 }
 
 TEST_F(FakeServerTest, GetCacheRetriesUnavailableOnlyBeforeDelivering) {
-  service_.get_status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining");
+  const grpc::Status draining(grpc::StatusCode::UNAVAILABLE, "draining");
+  service_.SetGet({}, draining);
   EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(service_.get_calls, 3);  // nothing delivered: retried up to max_attempts
 
   service_.get_calls = 0;
   pb::GetCacheResponse first;
   *first.mutable_info() = Info();
-  service_.script = {first};  // the CacheInfo reaches the caller, then the stream fails
+  service_.SetGet({first}, draining);  // the CacheInfo reaches the caller, then the stream fails
   int infos = 0;
   const absl::Status s = client_->GetCacheStreaming(
       "c", Dense(),
@@ -189,7 +213,7 @@ TEST_F(FakeServerTest, GetCacheRetriesUnavailableOnlyBeforeDelivering) {
 }
 
 TEST_F(FakeServerTest, DenseFromProtobufServerPlacesChunksByOffset) {
-  ScriptGoodDense();
+  service_.SetGet(GoodDense());
   auto got = client_->GetCache("c", Dense());
   ASSERT_TRUE(got.ok()) << got.status();
   ASSERT_EQ(got->layers.size(), 1u);
@@ -201,37 +225,44 @@ TEST_F(FakeServerTest, DenseFromProtobufServerPlacesChunksByOffset) {
 }
 
 TEST_F(FakeServerTest, RejectsStreamsThatContradictTheCacheInfo) {
+  std::vector<pb::GetCacheResponse> script;
   // A part size that does not follow from the shape.
-  ScriptGoodDense();
-  service_.script[1] = Chunk(pb::PART_V, 0, 1 << 30, "vv");
+  script = GoodDense();
+  script[1] = Chunk(pb::PART_V, 0, 1 << 30, "vv");
+  service_.SetGet(script);
   EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kInternal);
   // A chunk running past its part.
-  ScriptGoodDense();
-  service_.script[2] = Chunk(pb::PART_K, 90, 96, std::string(46, 'k'));
+  script = GoodDense();
+  script[2] = Chunk(pb::PART_K, 90, 96, std::string(46, 'k'));
+  service_.SetGet(script);
   EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kInternal);
   // Overlapping chunks whose sizes add up but leave a hole.
-  ScriptGoodDense();
-  service_.script[2] = Chunk(pb::PART_K, 0, 96, std::string(46, 'k'));
+  script = GoodDense();
+  script[2] = Chunk(pb::PART_K, 0, 96, std::string(46, 'k'));
+  service_.SetGet(script);
   EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kInternal);
   // A layer outside the request.
-  ScriptGoodDense();
-  service_.script[1] = Chunk(pb::PART_V, 0, 96, std::string(96, 'v'), 7);
+  script = GoodDense();
+  script[1] = Chunk(pb::PART_V, 0, 96, std::string(96, 'v'), 7);
+  service_.SetGet(script);
   EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kInternal);
   // A PACKED part in a DENSE stream.
-  ScriptGoodDense();
-  service_.script[1] = Chunk(pb::PART_PACKED, 0, 96, std::string(96, 'v'));
+  script = GoodDense();
+  script[1] = Chunk(pb::PART_PACKED, 0, 96, std::string(96, 'v'));
+  service_.SetGet(script);
   EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kInternal);
   // No CacheInfo first.
-  ScriptGoodDense();
-  service_.script.erase(service_.script.begin());
+  script = GoodDense();
+  script.erase(script.begin());
+  service_.SetGet(script);
   EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kInternal);
   // A stream that ends early.
-  ScriptGoodDense();
-  service_.script.pop_back();
+  script = GoodDense();
+  script.pop_back();
+  service_.SetGet(script);
   EXPECT_EQ(client_->GetCache("c", Dense()).status().code(), absl::StatusCode::kDataLoss);
   // The server's own error wins and keeps its message.
-  ScriptGoodDense();
-  service_.get_status = grpc::Status(grpc::StatusCode::DATA_LOSS, "checksum mismatch");
+  service_.SetGet(GoodDense(), grpc::Status(grpc::StatusCode::DATA_LOSS, "checksum mismatch"));
   const absl::Status s = client_->GetCache("c", Dense()).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
   EXPECT_EQ(s.message(), "checksum mismatch");
