@@ -27,8 +27,9 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# The CUDA toolkit is optional: kvc builds its CUDA backend when nvcc is found.
-if ! command -v nvcc >/dev/null 2>&1 && [[ -x /usr/local/cuda/bin/nvcc ]]; then
-  echo "setup: nvcc found at /usr/local/cuda/bin; add it to PATH to build the CUDA backend"
+# The CUDA toolkit is optional: CMake builds the CUDA backend when nvcc is on PATH or at
+# /usr/local/cuda/bin/nvcc, and skips it otherwise.
+if ! command -v nvcc >/dev/null 2>&1 && [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
+  echo "setup: no nvcc found; the CUDA backend will not be built"
 fi
 echo "setup: ok"
