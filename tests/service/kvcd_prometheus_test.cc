@@ -14,6 +14,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "testing/kvc_rpc.h"
 #include "testing/kvcd_process.h"
@@ -159,8 +161,16 @@ TEST(KvcdPrometheusTest, MetricsCountRequestsBytesStagesAndRejections) {
   kvcache::v1::ServerInfo info;
   ASSERT_TRUE(stub->GetServerInfo(&ctx, {}, &info).ok());
 
-  auto text = testing::HttpGet(kvcd->metrics_address(), "/metrics");
-  ASSERT_TRUE(text.ok()) << text.status();
+  // A stream leaves kvc_active_streams in its reactor's OnDone, which gRPC may run just after the
+  // client has seen the final status: scrape until the gauge settles (bounded), then check all.
+  absl::StatusOr<std::string> text;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    text = testing::HttpGet(kvcd->metrics_address(), "/metrics");
+    ASSERT_TRUE(text.ok()) << text.status();
+    auto active = testing::MetricValue(*text, "kvc_active_streams");
+    if (active.ok() && *active == 0) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
   auto value = [&](const std::string& series) {
     auto v = testing::MetricValue(*text, series);
     EXPECT_TRUE(v.ok()) << v.status();
