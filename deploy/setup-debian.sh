@@ -8,7 +8,7 @@ PKGS=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
   libxxhash-dev libopenblas-dev zlib1g-dev
-  prometheus redis-server python3
+  prometheus redis-server python3 openssl
 )
 
 missing=()

@@ -48,6 +48,11 @@ ABSL_FLAG(bool, enable_reflection, false, "serve gRPC server reflection");
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "file of 'TOKEN TENANT' lines; when set every RPC but health needs "
           "'authorization: Bearer TOKEN' and each tenant sees only its own caches");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM server certificate (chain) for TLS on --listen; needs --tls_key_file");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "PEM CA bundle: require client certificates signed by it (mutual TLS)");
 ABSL_FLAG(std::string, transfer, "auto",
           "KvCacheTransfer service for PutCache uploads with external_payload: auto (on; NCCL "
           "where libnccl and a CUDA device are available, else gRPC bytes only) or off. Not "
@@ -152,6 +157,9 @@ absl::StatusOr<kvc::server::ServerConfig> ConfigFromFlags() {
   c.ttl_sweep_seconds = absl::GetFlag(FLAGS_ttl_sweep_seconds);
   c.enable_reflection = absl::GetFlag(FLAGS_enable_reflection);
   c.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  c.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  c.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
+  c.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
   if (auto s = kvc::server::ValidateConfig(c); !s.ok()) return s;
   return c;
 }

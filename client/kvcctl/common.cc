@@ -15,12 +15,21 @@ void AddGlobalFlags(FlagSet* flags) {
                    "seconds per call; 0 = the client's defaults (10 s, 300 s streams)");
   flags->AddString("token", "", "bearer token sent as 'authorization: Bearer <token>'");
   flags->AddInt("chunk_mib", 4, "largest upload chunk in MiB, 1..4");
+  flags->AddBool("tls", false, "connect with TLS (implied by --tls_ca, --tls_cert, --tls_key)");
+  flags->AddString("tls_ca", "", "PEM roots that verify kvcd; empty = the system roots");
+  flags->AddString("tls_cert", "", "PEM client certificate for mutual TLS (with --tls_key)");
+  flags->AddString("tls_key", "", "PEM private key of --tls_cert");
 }
 
 absl::StatusOr<std::unique_ptr<Client>> MakeClient(const FlagSet& flags) {
   ClientOptions o;
   o.target = flags.GetString("target");
   o.bearer_token = flags.GetString("token");
+  o.tls_ca_file = flags.GetString("tls_ca");
+  o.tls_cert_file = flags.GetString("tls_cert");
+  o.tls_key_file = flags.GetString("tls_key");
+  o.tls = flags.GetBool("tls") || !o.tls_ca_file.empty() || !o.tls_cert_file.empty() ||
+          !o.tls_key_file.empty();
   const double timeout = flags.GetDouble("timeout");
   if (timeout < 0 || !std::isfinite(timeout)) {
     return absl::InvalidArgumentError("--timeout: must be a non-negative number of seconds");

@@ -18,7 +18,7 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailure = 1;
 inline constexpr int kExitUsage = 2;
 
-// Adds --target, --timeout, --token, --chunk_mib to a subcommand's flags.
+// Adds --target, --timeout, --token, --chunk_mib and --tls* to a subcommand's flags.
 void AddGlobalFlags(FlagSet* flags);
 absl::StatusOr<std::unique_ptr<Client>> MakeClient(const FlagSet& flags);
 

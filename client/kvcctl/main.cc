@@ -22,7 +22,7 @@ constexpr char kUsage[] =
     "\n"
     "global flags (any command): --target=127.0.0.1:50051 (host:port, a comma-separated list of\n"
     "  replicas, or dns:///name:port), --timeout=<seconds>, --token=<bearer token>,\n"
-    "  --chunk_mib=<1..4>\n"
+    "  --chunk_mib=<1..4>, --tls, --tls_ca=<pem>, --tls_cert=<pem>, --tls_key=<pem>\n"
     "'kvcctl <command> --help' lists a command's flags. Exit codes: 0 ok, 1 failure, 2 usage.\n";
 
 }  // namespace
@@ -42,7 +42,8 @@ int main(int argc, char** argv) {
     if (a.rfind("-", 0) == 0) {
       const bool takes_value =
           a.find('=') == std::string::npos &&
-          (a == "--target" || a == "--timeout" || a == "--token" || a == "--chunk_mib");
+          (a == "--target" || a == "--timeout" || a == "--token" || a == "--chunk_mib" ||
+           a == "--tls_ca" || a == "--tls_cert" || a == "--tls_key");
       if (takes_value) ++i;
       continue;
     }

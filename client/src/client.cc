@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <thread>
@@ -59,7 +61,43 @@ absl::Status ValidateOptions(const ClientOptions& o) {
       return absl::InvalidArgumentError("bearer_token: must be printable ASCII");
     }
   }
+  if (!o.tls && (!o.tls_ca_file.empty() || !o.tls_cert_file.empty() || !o.tls_key_file.empty() ||
+                 !o.tls_server_name_override.empty())) {
+    return absl::InvalidArgumentError("tls: must be true when any tls_* field is set");
+  }
+  if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(o.tls_cert_file.empty()
+                                          ? "tls_cert_file: required with tls_key_file"
+                                          : "tls_key_file: required with tls_cert_file");
+  }
   return absl::OkStatus();
+}
+
+// Reads a PEM file for `field`; only the path appears in errors, never the contents (a key).
+absl::StatusOr<std::string> ReadPem(const std::string& field, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(field, ": cannot read ", path));
+  std::string pem((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) return absl::InvalidArgumentError(absl::StrCat(field, ": cannot read ", path));
+  if (pem.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": ", path, " is empty"));
+  if (pem.find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", path, " is not PEM"));
+  }
+  return pem;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
+    const ClientOptions& o) {
+  if (!o.tls) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions ssl;
+  if (!o.tls_ca_file.empty()) {
+    ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem("tls_ca_file", o.tls_ca_file));
+  }
+  if (!o.tls_cert_file.empty()) {
+    ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPem("tls_cert_file", o.tls_cert_file));
+    ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPem("tls_key_file", o.tls_key_file));
+  }
+  return grpc::SslCredentials(ssl);
 }
 
 bool Retryable(grpc::StatusCode code) {
@@ -121,15 +159,19 @@ absl::StatusOr<TensorSizes> SizesFromHeader(const PutHeader& h) {
 
 class ClientImpl final : public Client {
  public:
-  ClientImpl(const ClientOptions& options, std::vector<std::string> addresses)
+  ClientImpl(const ClientOptions& options, std::vector<std::string> addresses,
+             const std::shared_ptr<grpc::ChannelCredentials>& credentials)
       : options_(options), addresses_(std::move(addresses)) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(options.max_message_bytes);
     args.SetMaxSendMessageSize(options.max_message_bytes);
+    if (!options.tls_server_name_override.empty()) {
+      args.SetSslTargetNameOverride(options.tls_server_name_override);
+    }
     for (const std::string& address : addresses_) {
       Replica r;
       r.address = address;
-      r.channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+      r.channel = grpc::CreateCustomChannel(address, credentials, args);
       r.stub = pb::KvCache::NewStub(r.channel);
       r.put_method = std::make_unique<grpc::internal::RpcMethod>(
           kPutMethod, grpc::internal::RpcMethod::CLIENT_STREAMING, r.channel);
@@ -421,7 +463,9 @@ std::string StatusCodeName(absl::StatusCode code) { return absl::StatusCodeToStr
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& options) {
   RETURN_IF_ERROR(ValidateOptions(options));
   ASSIGN_OR_RETURN(std::vector<std::string> addresses, ResolveTarget(options.target));
-  return std::unique_ptr<Client>(new ClientImpl(options, std::move(addresses)));
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                   ChannelCredentials(options));
+  return std::unique_ptr<Client>(new ClientImpl(options, std::move(addresses), credentials));
 }
 
 }  // namespace kvc

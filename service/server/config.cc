@@ -107,6 +107,15 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   if (!(c.ttl_sweep_seconds > 0 && c.ttl_sweep_seconds <= 3600)) {
     return absl::InvalidArgumentError("--ttl_sweep_seconds: must be in (0, 3600]");
   }
+  if (c.tls_cert_file.empty() != c.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(c.tls_cert_file.empty()
+                                          ? "--tls_cert_file: required with --tls_key_file"
+                                          : "--tls_key_file: required with --tls_cert_file");
+  }
+  if (!c.tls_client_ca_file.empty() && c.tls_cert_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls_client_ca_file: needs --tls_cert_file and --tls_key_file");
+  }
   return absl::OkStatus();
 }
 

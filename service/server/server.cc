@@ -3,6 +3,8 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -28,6 +30,41 @@ absl::Status LoadReflection() {
   return absl::OkStatus();
 }
 
+// Reads a PEM file named by `flag`. Only the path is ever printed, never the contents (a key).
+absl::StatusOr<std::string> ReadPem(const std::string& flag, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("--", flag, ": cannot read ", path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": cannot read ", path));
+  }
+  std::string pem = text.str();
+  if (pem.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": ", path, " is empty"));
+  }
+  if (pem.find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": ", path, " is not PEM"));
+  }
+  return pem;
+}
+
+// Credentials of the main port: plaintext, TLS, or TLS that requires a client certificate.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MainPortCredentials(
+    const ServerConfig& c) {
+  if (c.tls_cert_file.empty()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions ssl;
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  ASSIGN_OR_RETURN(pair.cert_chain, ReadPem("tls_cert_file", c.tls_cert_file));
+  ASSIGN_OR_RETURN(pair.private_key, ReadPem("tls_key_file", c.tls_key_file));
+  ssl.pem_key_cert_pairs.push_back(std::move(pair));
+  if (!c.tls_client_ca_file.empty()) {
+    ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem("tls_client_ca_file", c.tls_client_ca_file));
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
@@ -36,6 +73,8 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
   std::unique_ptr<KvcServer> s(new KvcServer());
   s->options_ = std::move(options);
   const ServerConfig& config = s->options_.config;
+  // Read before anything binds or starts, so a bad file fails start-up naming its flag.
+  ASSIGN_OR_RETURN(auto main_credentials, MainPortCredentials(config));
 
   ASSIGN_OR_RETURN(BackendKind kind, ParseBackendKind(config.backend));
   BackendOptions bo;
@@ -114,7 +153,7 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
   {
     grpc::ServerBuilder builder;
     int port = 0;
-    builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
+    builder.AddListeningPort(config.listen, main_credentials, &port);
     // Without this gRPC sets SO_REUSEPORT, and a second kvcd on the same port would silently
     // share its traffic instead of failing.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -125,6 +164,12 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
     s->server_ = builder.BuildAndStart();
     if (!s->server_ || port == 0) {
       if (s->health_server_) s->health_server_->Shutdown();
+      if (!config.tls_cert_file.empty()) {
+        // gRPC checks the key against the certificate only here, with no reason given.
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--tls_cert_file/--tls_key_file: TLS setup failed on --listen ", config.listen,
+            " (the key does not match the certificate, or the address cannot be bound)"));
+      }
       return absl::UnavailableError(absl::StrCat("--listen: cannot bind ", config.listen));
     }
     s->address_ = absl::StrCat(HostOf(config.listen), ":", port);

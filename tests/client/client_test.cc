@@ -70,6 +70,37 @@ TEST(ClientCreate, OtherLimits) {
   ExpectRejected([](ClientOptions* o) { o->bearer_token = "abc\ndef"; }, "bearer_token");
 }
 
+TEST(ClientCreate, TlsOptions) {
+  ExpectRejected([](ClientOptions* o) { o->tls_ca_file = "ca.pem"; }, "tls");
+  ExpectRejected([](ClientOptions* o) { o->tls_server_name_override = "localhost"; }, "tls");
+  ExpectRejected(
+      [](ClientOptions* o) {
+        o->tls = true;
+        o->tls_cert_file = "client.pem";
+      },
+      "tls_key_file");
+  ExpectRejected(
+      [](ClientOptions* o) {
+        o->tls = true;
+        o->tls_key_file = "client.key";
+      },
+      "tls_cert_file");
+  ExpectRejected(
+      [](ClientOptions* o) {
+        o->tls = true;
+        o->tls_ca_file = "/nonexistent/ca.pem";
+      },
+      "tls_ca_file");
+  ExpectRejected(
+      [](ClientOptions* o) {
+        o->tls = true;
+        o->tls_ca_file = "/dev/null";  // readable but empty
+      },
+      "tls_ca_file");
+  // TLS with the system roots needs no files.
+  EXPECT_TRUE(CreateWith([](ClientOptions* o) { o->tls = true; }).ok());
+}
+
 TEST(ClientCreate, ReplicaSetFromList) {
   ClientOptions o;
   o.target = "127.0.0.1:3,127.0.0.1:1,127.0.0.1:2";

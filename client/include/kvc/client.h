@@ -76,6 +76,14 @@ struct ClientOptions {
   // Largest message the channel accepts and sends (GRPC_ARG_MAX_{RECEIVE,SEND}_MESSAGE_LENGTH);
   // must exceed the server's max_chunk_bytes plus a small header. [kMaxChunkBytes + 4096, 1 GiB].
   int max_message_bytes = 16 << 20;
+  // TLS to every replica. The PEM files are read once by Client::Create.
+  bool tls = false;
+  std::string tls_ca_file;    // roots that verify the server; empty = the system roots
+  std::string tls_cert_file;  // client certificate for mutual TLS; needs tls_key_file
+  std::string tls_key_file;   // its private key; needs tls_cert_file
+  // Name checked against the server certificate instead of the target host (e.g. when the target
+  // is an IP the certificate does not list). Empty = the target host.
+  std::string tls_server_name_override;
 };
 
 // One layer's tensors for PutCache, in host memory, laid out as PutHeader.layout says (HND:
