@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "fidelity/eval_fixture.h"
 #include "fidelity/model_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -75,27 +76,18 @@ class UnpackedKvCache : public model::KvCache {
   std::vector<std::vector<std::vector<float>>> k_, v_;  // [layer][head][tokens * hd]
 };
 
-class CompactDecodeTest : public ::testing::Test {
+class CompactDecodeTest : public EvalFixture {
  protected:
   static constexpr int kPrefix = 96, kCont = 16, kWindow = 16;
 
   void SetUp() override {
-    KVC_REQUIRE_MODEL(path);
-    auto model = model::Transformer::Load(path);
-    ASSERT_TRUE(model.ok()) << model.status();
-    model_ = std::make_unique<model::Transformer>(*std::move(model));
-    auto backend = CreateCpuBackend({});
-    ASSERT_TRUE(backend.ok()) << backend.status();
-    backend_ = *std::move(backend);
     RunOptions o;
     o.num_sequences = 1;
     o.prefix_len = kPrefix;
     o.continuation = kCont;
     o.obs_window = kWindow;
     o.seed = 11;
-    auto eval = FidelityEval::Create(model_.get(), o, backend_.get());
-    ASSERT_TRUE(eval.ok()) << eval.status();
-    eval_ = *std::move(eval);
+    SetUpEval(o);
   }
 
   std::vector<CompactLayer> Compress(const CompressionSpec& spec) {
@@ -132,9 +124,6 @@ class CompactDecodeTest : public ::testing::Test {
     return m;
   }
 
-  std::unique_ptr<model::Transformer> model_;
-  std::unique_ptr<Backend> backend_;
-  std::unique_ptr<FidelityEval> eval_;
 };
 
 TEST_F(CompactDecodeTest, KeepEverythingMatchesFullCacheDecoding) {

@@ -5,6 +5,7 @@
 #include <map>
 #include <string>
 
+#include "fidelity/eval_fixture.h"
 #include "fidelity/model_util.h"
 #include "gtest/gtest.h"
 #include "kvc/backend.h"
@@ -14,16 +15,9 @@
 namespace kvc::fidelity {
 namespace {
 
-class GuardTest : public ::testing::Test {
+class GuardTest : public EvalFixture {
  protected:
   void SetUp() override {
-    KVC_REQUIRE_MODEL(path);
-    auto model = model::Transformer::Load(path);
-    ASSERT_TRUE(model.ok()) << model.status();
-    model_ = std::make_unique<model::Transformer>(*std::move(model));
-    auto backend = CreateCpuBackend({});
-    ASSERT_TRUE(backend.ok()) << backend.status();
-    backend_ = *std::move(backend);
     // Small enough for CI (about a second), large enough that the ordering is not noise: 4
     // sequences x 32 teacher-forced steps on 128-token prefixes.
     RunOptions o;
@@ -32,9 +26,7 @@ class GuardTest : public ::testing::Test {
     o.continuation = 32;
     o.obs_window = 16;
     o.seed = 1;
-    auto eval = FidelityEval::Create(model_.get(), o, backend_.get());
-    ASSERT_TRUE(eval.ok()) << eval.status();
-    eval_ = *std::move(eval);
+    SetUpEval(o);
   }
 
   Metrics Run(EvictionPolicy policy, double keep_ratio) {
@@ -49,9 +41,6 @@ class GuardTest : public ::testing::Test {
     return m.ok() ? *m : Metrics{};
   }
 
-  std::unique_ptr<model::Transformer> model_;
-  std::unique_ptr<Backend> backend_;
-  std::unique_ptr<FidelityEval> eval_;
 };
 
 constexpr EvictionPolicy kAllPolicies[] = {EvictionPolicy::kNone,      EvictionPolicy::kStreaming,

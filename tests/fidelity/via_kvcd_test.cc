@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "fidelity/eval_fixture.h"
 #include "fidelity/model_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -21,25 +22,17 @@ namespace {
 
 using ::testing::HasSubstr;
 
-class ViaKvcdTest : public ::testing::Test {
+class ViaKvcdTest : public EvalFixture {
  protected:
   void SetUp() override {
-    KVC_REQUIRE_MODEL(path);
-    auto model = model::Transformer::Load(path);
-    ASSERT_TRUE(model.ok()) << model.status();
-    model_ = std::make_unique<model::Transformer>(*std::move(model));
-    auto backend = CreateCpuBackend({});
-    ASSERT_TRUE(backend.ok()) << backend.status();
-    backend_ = *std::move(backend);
     RunOptions o;
     o.num_sequences = 2;
     o.prefix_len = 96;
     o.continuation = 16;
     o.obs_window = 16;
     o.seed = 5;
-    auto eval = FidelityEval::Create(model_.get(), o, backend_.get());
-    ASSERT_TRUE(eval.ok()) << eval.status();
-    eval_ = *std::move(eval);
+    SetUpEval(o);
+    if (IsSkipped() || HasFatalFailure()) return;
 
     testing::KvcdProcess::Options kvcd_options;
     kvcd_options.binary = KVCD_PATH;
@@ -53,9 +46,6 @@ class ViaKvcdTest : public ::testing::Test {
     client_ = *std::move(client);
   }
 
-  std::unique_ptr<model::Transformer> model_;
-  std::unique_ptr<Backend> backend_;
-  std::unique_ptr<FidelityEval> eval_;
   std::unique_ptr<testing::KvcdProcess> kvcd_;
   std::unique_ptr<Client> client_;
 };
