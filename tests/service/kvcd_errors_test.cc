@@ -37,6 +37,8 @@ class KvcdErrorsTest : public ::testing::Test {
   }
   void SetUp() override {
     ASSERT_NE(kvcd_, nullptr);
+    // Streams of the previous test (cancelled, past their deadline) may still hold their slot.
+    ASSERT_NO_FATAL_FAILURE(SettleStreams(0));
     stub_ = testing::NewStub(kvcd_->address());
     // One stored cache, so "unchanged" is checked against a non-empty store.
     TestCache base = Small("base");
@@ -58,12 +60,22 @@ class KvcdErrorsTest : public ::testing::Test {
                                   kvcache::v1::LAYOUT_HND, 42);
   }
 
-  // Uploads `requests` and expects `code` with `text` in the message.
+  // A stream gives its slot back in the reactor's OnDone, which gRPC may run just after the
+  // client saw the final status. With only 4 slots, back-to-back rejected uploads could otherwise
+  // see RESOURCE_EXHAUSTED instead of the error under test: wait until `open` slots are held.
+  static void SettleStreams(int open) {
+    absl::Status s = testing::WaitForMetric(kvcd_->metrics_address(), "kvc_active_streams", open);
+    ASSERT_TRUE(s.ok()) << s;
+  }
+
+  // Uploads `requests` and expects `code` with `text` in the message; `open_streams` are the
+  // uploads the test itself holds open meanwhile.
   void ExpectPut(const std::vector<PutCacheRequest>& requests, grpc::StatusCode code,
-                 const std::string& text) {
+                 const std::string& text, int open_streams = 0) {
     grpc::Status s = testing::Put(stub_.get(), requests, nullptr);
     EXPECT_EQ(s.error_code(), code) << s.error_message();
     EXPECT_THAT(s.error_message(), HasSubstr(text));
+    SettleStreams(open_streams);
   }
 
   static KvcdProcess* kvcd_;
@@ -276,8 +288,8 @@ TEST_F(KvcdErrorsTest, StreamsOverTheConcurrencyLimitAreResourceExhausted) {
     ASSERT_TRUE(o->writer->Write(h));
     open.push_back(std::move(o));
   }
-  absl::SleepFor(absl::Milliseconds(200));  // every header is being served
-  ExpectPut(requests, grpc::StatusCode::RESOURCE_EXHAUSTED, "max_concurrent_streams");
+  SettleStreams(4);  // every stream holds its slot
+  ExpectPut(requests, grpc::StatusCode::RESOURCE_EXHAUSTED, "max_concurrent_streams", 4);
   kvcache::v1::GetCacheRequest get;
   get.set_cache_id("base");
   testing::Fetched f;
@@ -286,7 +298,7 @@ TEST_F(KvcdErrorsTest, StreamsOverTheConcurrencyLimitAreResourceExhausted) {
     o->ctx.TryCancel();
     o->writer->Finish();
   }
-  absl::SleepFor(absl::Milliseconds(200));
+  SettleStreams(0);
   // Slots are released: a new upload works again (and is deleted to keep the store unchanged).
   grpc::Status s = testing::Put(stub_.get(), requests, nullptr);
   EXPECT_TRUE(s.ok()) << s.error_message();

@@ -199,13 +199,8 @@ TEST(KvcdLifecycleTest, SigtermDrainsInFlightUploadsThenExitsZero) {
   auto writer = stub->PutCache(&ctx, &resp);
   for (size_t i = 0; i < requests.size() / 2; ++i) ASSERT_TRUE(writer->Write(requests[i]));
   // Signal only once the server has the stream open (the client may still hold it back).
-  bool open = false;
-  for (int i = 0; i < 250 && !open; ++i) {
-    auto text = testing::HttpGet(kvcd->metrics_address(), "/metrics");
-    open = text.ok() && testing::MetricValue(*text, "kvc_active_streams").value_or(0) == 1;
-    if (!open) absl::SleepFor(absl::Milliseconds(20));
-  }
-  ASSERT_TRUE(open) << "the upload stream never reached the server";
+  absl::Status open = testing::WaitForMetric(kvcd->metrics_address(), "kvc_active_streams", 1);
+  ASSERT_TRUE(open.ok()) << "the upload stream never reached the server: " << open;
 
   ASSERT_TRUE(kvcd->Signal(SIGTERM).ok());
   EXPECT_TRUE(WaitForHealth(kvcd->health_address(), false, absl::Seconds(5)));

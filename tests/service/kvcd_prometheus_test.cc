@@ -163,14 +163,10 @@ TEST(KvcdPrometheusTest, MetricsCountRequestsBytesStagesAndRejections) {
 
   // A stream leaves kvc_active_streams in its reactor's OnDone, which gRPC may run just after the
   // client has seen the final status: scrape until the gauge settles (bounded), then check all.
-  absl::StatusOr<std::string> text;
-  for (int attempt = 0; attempt < 100; ++attempt) {
-    text = testing::HttpGet(kvcd->metrics_address(), "/metrics");
-    ASSERT_TRUE(text.ok()) << text.status();
-    auto active = testing::MetricValue(*text, "kvc_active_streams");
-    if (active.ok() && *active == 0) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
+  absl::Status settled = testing::WaitForMetric(kvcd->metrics_address(), "kvc_active_streams", 0);
+  ASSERT_TRUE(settled.ok()) << settled;
+  absl::StatusOr<std::string> text = testing::HttpGet(kvcd->metrics_address(), "/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
   auto value = [&](const std::string& series) {
     auto v = testing::MetricValue(*text, series);
     EXPECT_TRUE(v.ok()) << v.status();

@@ -306,4 +306,26 @@ absl::StatusOr<double> MetricValue(const std::string& exposition, const std::str
   return absl::NotFoundError(absl::StrCat("series ", series, " not in the exposition"));
 }
 
+absl::Status WaitForMetric(const std::string& metrics_address, const std::string& series,
+                           double value, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  std::string last = "no scrape";
+  while (true) {
+    absl::StatusOr<std::string> text = HttpGet(metrics_address, "/metrics");
+    if (text.ok()) {
+      absl::StatusOr<double> v = MetricValue(*text, series);
+      if (v.ok() && *v == value) return absl::OkStatus();
+      last = v.ok() ? absl::StrCat(*v) : v.status().ToString();
+    } else {
+      last = text.status().ToString();
+    }
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(series, " did not reach ", value, " within ",
+                                                      absl::FormatDuration(timeout),
+                                                      " (last: ", last, ")"));
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
 }  // namespace kvc::testing

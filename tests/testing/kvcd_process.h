@@ -101,6 +101,12 @@ absl::StatusOr<std::string> HttpGet(const std::string& host_port, const std::str
 // MetricValue(text, "kvc_evictions_total{reason=\"ttl\"}"); NOT_FOUND when absent.
 absl::StatusOr<double> MetricValue(const std::string& exposition, const std::string& series);
 
+// Scrapes http://metrics_address/metrics until `series` equals `value` or `timeout` passes; the
+// error names the last value seen. Tests use it instead of sleeping, e.g. to wait until kvcd has
+// released every stream slot (kvc_active_streams == 0) or holds the ones a test opened.
+absl::Status WaitForMetric(const std::string& metrics_address, const std::string& series,
+                           double value, absl::Duration timeout = absl::Seconds(10));
+
 }  // namespace kvc::testing
 
 #endif  // KVC_TESTS_TESTING_KVCD_PROCESS_H_
