@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -173,6 +174,10 @@ absl::StatusOr<int> KvcdProcess::Wait(absl::Duration timeout) {
     if (r == pid_) {
       exited_ = true;
       exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      // The reader thread may not have drained the pipe yet: callers read output() next.
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithDeadline(absl::Condition(&eof_),
+                            std::max(deadline, absl::Now() + absl::Seconds(5)));
       return exit_code_;
     }
     if (r < 0 && errno != EINTR) return Errno("waitpid");

@@ -58,7 +58,8 @@ class KvcdProcess {
 
   // Sends a signal (e.g. SIGTERM). FAILED_PRECONDITION when the process has already exited.
   absl::Status Signal(int sig);
-  // Waits for exit; returns the exit code (128 + signal when killed by a signal).
+  // Waits for exit and for its output to be read to the end (so output() is complete); returns
+  // the exit code (128 + signal when killed by a signal).
   // DEADLINE_EXCEEDED when it is still running after `timeout`.
   absl::StatusOr<int> Wait(absl::Duration timeout);
   bool running() const { return !exited_; }
