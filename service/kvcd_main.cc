@@ -37,8 +37,9 @@ ABSL_FLAG(std::string, max_cache_bytes, "",
           "largest upload (K + V + Q_obs bytes) per cache; default: the store budget");
 ABSL_FLAG(uint32_t, max_concurrent_streams, 64,
           "concurrent PutCache/GetCache streams; more get RESOURCE_EXHAUSTED");
-ABSL_FLAG(std::string, staging_pool_bytes, "256MiB",
-          "idle upload staging memory kept for reuse (bytes or K/M/G[i][B]); 0 disables reuse");
+ABSL_FLAG(std::string, buffer_pool_bytes, "512MiB",
+          "idle large buffers (upload staging, memory of evicted or deleted caches) kept for reuse "
+          "by later uploads (bytes or K/M/G[i][B]); 0 disables reuse");
 ABSL_FLAG(std::string, backend, "auto", "compression backend: auto, cpu or cuda");
 ABSL_FLAG(int32_t, threads, 0, "engine and compression threads; 0 = hardware concurrency");
 ABSL_FLAG(double, drain_seconds, 5, "on SIGTERM, how long to wait for in-flight streams");
@@ -145,9 +146,9 @@ absl::StatusOr<kvc::server::ServerConfig> ConfigFromFlags() {
     if (*cache == 0) return absl::InvalidArgumentError("--max_cache_bytes: must be > 0");
     c.max_cache_bytes = *cache;
   }
-  auto staging = bytes("staging_pool_bytes", absl::GetFlag(FLAGS_staging_pool_bytes));
-  if (!staging.ok()) return staging.status();
-  c.staging_pool_bytes = *staging;
+  auto pool = bytes("buffer_pool_bytes", absl::GetFlag(FLAGS_buffer_pool_bytes));
+  if (!pool.ok()) return pool.status();
+  c.buffer_pool_bytes = *pool;
   c.default_ttl_seconds = absl::GetFlag(FLAGS_default_ttl_seconds);
   c.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   c.backend = absl::GetFlag(FLAGS_backend);

@@ -7,11 +7,8 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <vector>
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -141,21 +138,33 @@ int RecentCount(int n_kept, int key_channels, int value_channels, int head_dim,
   return std::clamp(spec.recent_tokens, 0, n_kept);
 }
 
-// A large blob is a fresh allocation on every call, and first-touch page faults on 4 KiB pages
-// cost as much as the gather itself for multi-MiB layers. Asking for transparent huge pages on
-// the interior of the buffer cuts the fault count ~500x where the kernel allows it (THP in
-// "madvise" or "always" mode); elsewhere the call fails harmlessly.
-void AdviseHugePages(uint8_t* p, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  if (bytes < 2 * kHuge) return;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#else
-  (void)p;
-  (void)bytes;
-#endif
+// Writes the header and the descriptor table; every head has the same counts and a section of
+// `section_size` bytes, back to back after the table.
+void WriteLayerMeta(const LayerShape& s, DType dtype, int layer_index, const CompressionSpec& spec,
+                    int n_kept, int n_recent, int tk, int tv, size_t section_size, uint8_t* blob) {
+  LayerHeader header;
+  header.dtype = static_cast<uint8_t>(dtype);
+  header.quant_bits = static_cast<uint8_t>(spec.quant.bits);
+  header.layer_index = layer_index;
+  header.num_kv_heads = s.num_kv_heads;
+  header.head_dim = s.head_dim;
+  header.seq_len = s.seq_len;
+  header.quant_group = spec.quant.bits > 0 ? spec.quant.group_size : 0;
+  header.eviction_policy = static_cast<uint8_t>(spec.eviction.policy);
+  header.channel_policy = static_cast<uint8_t>(spec.channels.key_policy);
+  std::memcpy(blob, &header, sizeof(header));
+  const size_t begin = internal::SectionsBegin(s.num_kv_heads);
+  for (int h = 0; h < s.num_kv_heads; ++h) {
+    HeadDesc desc;
+    desc.n_kept = n_kept;
+    desc.n_recent = n_recent;
+    desc.key_channels = tk;
+    desc.value_channels = tv;
+    desc.offset = begin + static_cast<size_t>(h) * section_size;
+    desc.size = section_size;
+    std::memcpy(blob + sizeof(header) + sizeof(HeadDesc) * static_cast<size_t>(h), &desc,
+                sizeof(desc));
+  }
 }
 
 // Source rows of one tensor (K or V) for head h: row(t) points at the D elements of token t.
@@ -416,6 +425,92 @@ absl::StatusOr<CompactLayer> PackLayer(const LayerInput& in, const TokenSelectio
   return cpu::PackLayerImpl(in, tokens, channels, spec, /*pool=*/nullptr, /*work=*/nullptr);
 }
 
+bool InPlaceLayer::KeepsEverything(const CompressionSpec& spec) {
+  return spec.eviction.policy == EvictionPolicy::kNone &&
+         spec.channels.key_policy == ChannelPolicy::kNone && !spec.channels.prune_values &&
+         spec.quant.bits == 0;
+}
+
+absl::StatusOr<InPlaceLayer> InPlaceLayer::Create(const LayerShape& shape, DType dtype,
+                                                  Layout layout, int layer_index,
+                                                  const CompressionSpec& spec) {
+  RETURN_IF_ERROR(ValidateShape(shape));
+  if (static_cast<int>(dtype) > static_cast<int>(DType::kBF16)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dtype: ", static_cast<int>(dtype), " is not a known dtype"));
+  }
+  if (layout != Layout::kHND && layout != Layout::kNHD) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layout: ", static_cast<int>(layout), " is not a known layout"));
+  }
+  RETURN_IF_ERROR(ValidateSpec(spec, shape, layer_index));
+  if (!KeepsEverything(spec)) {
+    return absl::InvalidArgumentError(
+        "spec: an in-place layer needs eviction, channel pruning and quantization all off");
+  }
+  InPlaceLayer l;
+  const int s = shape.seq_len, d = shape.head_dim;
+  const size_t elem = DTypeSize(dtype);
+  const internal::HeadLayout hl = internal::ComputeHeadLayout(s, 0, d, d, d, elem, 0, 0);
+  l.layout_ = layout;
+  l.heads_ = shape.num_kv_heads;
+  l.row_bytes_ = static_cast<size_t>(d) * elem;
+  l.head_bytes_ = static_cast<uint64_t>(s) * l.row_bytes_;
+  l.tensor_bytes_ = l.head_bytes_ * static_cast<uint64_t>(l.heads_);
+  l.sections_ = internal::SectionsBegin(l.heads_);
+  l.section_size_ = hl.size;
+  l.keys_at_ = hl.key_old;
+  l.values_at_ = hl.value_old;
+  try {
+    l.layer_.bytes.resize(l.sections_ + static_cast<size_t>(l.heads_) * hl.size);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot allocate ", l.sections_ + static_cast<size_t>(l.heads_) * hl.size,
+        " bytes for layer ", layer_index));
+  }
+  uint8_t* blob = l.layer_.bytes.data();
+  WriteLayerMeta(shape, dtype, layer_index, spec, s, 0, d, d, hl.size, blob);
+  std::vector<int32_t> positions(std::max(s, d));
+  for (size_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<int32_t>(i);
+  for (int h = 0; h < l.heads_; ++h) {
+    uint8_t* section = blob + l.sections_ + static_cast<size_t>(h) * hl.size;
+    PutBlock(section, hl.positions, positions.data(), sizeof(int32_t) * s);
+    PutBlock(section, hl.key_idx, positions.data(), sizeof(int32_t) * d);
+    PutBlock(section, hl.value_idx, positions.data(), sizeof(int32_t) * d);
+    PadBlock(section, hl.key_old, l.head_bytes_);
+    PadBlock(section, hl.value_old, l.head_bytes_);
+  }
+  return l;
+}
+
+void InPlaceLayer::Write(bool values, uint64_t offset, const uint8_t* data, size_t size,
+                         absl::FunctionRef<void(size_t, size_t)> placed) {
+  uint8_t* const base = layer_.bytes.data();
+  uint8_t* const blob = base + sections_ + (values ? values_at_ : keys_at_);
+  while (size > 0) {
+    size_t take;
+    uint8_t* dst;
+    if (layout_ == Layout::kHND) {  // [H, S, D]: a head's rows are contiguous, as in the blob
+      const uint64_t h = offset / head_bytes_, within = offset % head_bytes_;
+      take = static_cast<size_t>(std::min<uint64_t>(size, head_bytes_ - within));
+      dst = blob + h * section_size_ + within;
+    } else {  // [S, H, D]: row (t, h) goes to row t of head h's block
+      const uint64_t token_bytes = row_bytes_ * static_cast<uint64_t>(heads_);
+      const uint64_t t = offset / token_bytes, in_token = offset % token_bytes;
+      const uint64_t h = in_token / row_bytes_, c = in_token % row_bytes_;
+      take = static_cast<size_t>(std::min<uint64_t>(size, row_bytes_ - c));
+      dst = blob + h * section_size_ + t * row_bytes_ + c;
+    }
+    const size_t at = static_cast<size_t>(dst - base);
+    take = std::min(take, kPieceBytes - at % kPieceBytes);  // pieces end on kPieceBytes multiples
+    std::memcpy(dst, data, take);
+    placed(at, take);
+    data += take;
+    offset += take;
+    size -= take;
+  }
+}
+
 namespace cpu {
 
 absl::StatusOr<CompactLayer> PackLayerImpl(const LayerInput& in, const TokenSelection& tokens,
@@ -449,36 +544,15 @@ absl::StatusOr<CompactLayer> PackLayerImpl(const LayerInput& in, const TokenSele
   // Every section offset is known up front (all heads have the same layout), so the buffer is
   // sized once and each task writes its own byte range in place. ByteVector's resize does not
   // zero-fill (the header, the descriptors and every block with its padding are written below),
-  // so the first touch of each page is the write that fills it, on the task that owns it.
+  // and a large blob is a huge-page block from the buffer pool (kvc/bytes.h), reused memory when
+  // the pool holds one of this size.
   CompactLayer out;
-  out.bytes.reserve(total);
-  AdviseHugePages(out.bytes.data(), total);
   out.bytes.resize(total);
   uint8_t* blob = out.bytes.data();
   p.sections = blob + begin;
 
-  LayerHeader header;
-  header.dtype = static_cast<uint8_t>(in.dtype);
-  header.quant_bits = static_cast<uint8_t>(p.bits);
-  header.layer_index = in.layer_index;
-  header.num_kv_heads = heads;
-  header.head_dim = d;
-  header.seq_len = s.seq_len;
-  header.quant_group = p.g;
-  header.eviction_policy = static_cast<uint8_t>(spec.eviction.policy);
-  header.channel_policy = static_cast<uint8_t>(spec.channels.key_policy);
-  std::memcpy(blob, &header, sizeof(header));
-  for (int h = 0; h < heads; ++h) {
-    HeadDesc desc;
-    desc.n_kept = p.n_kept;
-    desc.n_recent = p.r;
-    desc.key_channels = p.tk;
-    desc.value_channels = p.tv;
-    desc.offset = begin + static_cast<size_t>(h) * p.layout.size;
-    desc.size = p.layout.size;
-    std::memcpy(blob + sizeof(header) + sizeof(HeadDesc) * static_cast<size_t>(h), &desc,
-                sizeof(desc));
-  }
+  WriteLayerMeta(s, in.dtype, in.layer_index, spec, p.n_kept, p.r, p.tk, p.tv, p.layout.size,
+                 blob);
 
   // Task i writes half i % 2 (keys, values) of head i / 2. Each task records its own times in its
   // own slot, so no synchronization is needed beyond ParallelFor's join.

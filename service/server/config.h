@@ -23,8 +23,9 @@ struct ServerConfig {
   uint64_t max_chunk_bytes = 4ull << 20;
   uint64_t max_cache_bytes = 0;  // 0 = the store capacity
   uint32_t max_concurrent_streams = 64;
-  // Idle PutCache staging memory kept for reuse (server/staging_pool.h); 0 disables reuse.
-  uint64_t staging_pool_bytes = 256ull << 20;
+  // Idle large buffers (upload staging, freed compact blobs) kept for reuse by the process-wide
+  // pool (kvc/buffer_pool.h); 0 disables reuse.
+  uint64_t buffer_pool_bytes = 512ull << 20;
   std::string backend = "auto";  // auto | cpu | cuda
   int threads = 0;               // engine and compression pool threads; 0 = hardware concurrency
   double drain_seconds = 5;

@@ -56,7 +56,7 @@ bool Upload::Coverage::Add(uint64_t begin, uint64_t end) {
 }
 
 Upload::Upload(Backend* backend, CacheStore* store, ThreadPool* pool, const IngestLimits& limits,
-               StagingPool* staging)
+               BufferPool* staging)
     : backend_(backend),
       store_(store),
       pool_(pool),
@@ -122,12 +122,8 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
   tensor_bytes_[0] = lb.k;
   tensor_bytes_[1] = lb.v;
   tensor_bytes_[2] = lb.q_obs;
+  in_place_ = InPlaceLayer::KeepsEverything(*spec);
   layers_.resize(num_layers);
-  hash_ = {XXH3_createState(), &XXH3_freeState};
-  if (hash_ == nullptr) {
-    return absl::ResourceExhaustedError("header: cannot allocate the checksum state");
-  }
-  XXH3_64bits_reset(hash_.get());
   {
     absl::MutexLock lock(&mu_);
     compact_.resize(num_layers);
@@ -195,16 +191,61 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
                                 kTensorNames[t], " were already received"));
   }
   layer.coverage[t].received += req.data_size;
-  if (!layer.tensor[t]) {
-    layer.tensor[t] = staging_->Acquire(size);
-    if (!layer.tensor[t]) {
-      return Reject(RejectReason::kNoSpace,
-                    absl::ResourceExhaustedError(absl::StrCat(
-                        "chunk: cannot allocate ", size, " bytes of staging for layer ",
-                        c.layer(), " tensor ", kTensorNames[t])));
+  if (in_place_) {
+    // Stored whole: K and V bytes go straight to their place in the blob; Q_obs is not part of
+    // a blob that keeps everything, so its bytes are only accounted for.
+    if (t < 2) {
+      if (!layer.in_place) {
+        auto blob = InPlaceLayer::Create(shape_, dtype_, layout_, static_cast<int>(c.layer()),
+                                         spec_);
+        if (!blob.ok()) {
+          return Reject(RejectReason::kNoSpace,
+                        absl::Status(blob.status().code(),
+                                     absl::StrCat("chunk: layer ", c.layer(), ": ",
+                                                  std::string(blob.status().message()))));
+        }
+        layer.in_place.emplace(*std::move(blob));
+        layer.hashing = std::make_unique<LayerState::Hashing>();
+        const size_t blocks =
+            (layer.in_place->blob_bytes() + kChecksumBlockBytes - 1) / kChecksumBlockBytes;
+        layer.hashing->block_done = std::make_unique<std::atomic<uint8_t>[]>(blocks);
+        for (size_t i = 0; i < blocks; ++i) layer.hashing->block_done[i] = 0;
+      }
+      const absl::Time start = absl::Now();
+      std::vector<std::pair<size_t, size_t>> runs;  // blob ranges written, adjacent ones merged
+      uint64_t offset = c.offset();
+      for (const auto& seg : req.data) {
+        layer.in_place->Write(t == 1, offset, seg.ptr, seg.size, [&runs](size_t at, size_t n) {
+          if (!runs.empty() && runs.back().first + runs.back().second == at) {
+            runs.back().second += n;
+          } else {
+            runs.emplace_back(at, n);
+          }
+        });
+        offset += seg.size;
+      }
+      layer.place_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+      // Hashing goes to the pool, so this thread goes back to reading the stream.
+      layer.hashing->refs.fetch_add(1);
+      {
+        absl::MutexLock lock(&mu_);
+        ++pending_;
+      }
+      pool_->Schedule([self = shared_from_this(), index = static_cast<int>(c.layer()),
+                       runs = std::move(runs)]() mutable { self->HashRuns(index, std::move(runs)); });
     }
+  } else {
+    if (!layer.tensor[t]) {
+      layer.tensor[t] = staging_->Acquire(size);
+      if (!layer.tensor[t]) {
+        return Reject(RejectReason::kNoSpace,
+                      absl::ResourceExhaustedError(absl::StrCat(
+                          "chunk: cannot allocate ", size, " bytes of staging for layer ",
+                          c.layer(), " tensor ", kTensorNames[t])));
+      }
+    }
+    req.CopyDataTo(layer.tensor[t].get() + c.offset());
   }
-  req.CopyDataTo(layer.tensor[t].get() + c.offset());
   payload_bytes_ += req.data_size;
   if (!layer.scheduled && LayerComplete(layer)) {
     layer.scheduled = true;
@@ -213,9 +254,70 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
       ++pending_;
     }
     const int index = static_cast<int>(c.layer());
-    pool_->Schedule([self = shared_from_this(), index] { self->CompressLayer(index); });
+    // From here on only the job touches the layer's staging or blob: any further chunk for it
+    // overlaps bytes already received and is rejected before reaching them.
+    if (in_place_) {
+      ReleaseLayerHashing(index, /*on_pool=*/false);
+    } else {
+      pool_->Schedule([self = shared_from_this(), index] { self->CompressLayer(index); });
+    }
   }
   return absl::OkStatus();
+}
+
+void Upload::HashRuns(int index, std::vector<std::pair<size_t, size_t>> runs) {
+  LayerState& layer = layers_[index];
+  // The blob itself does not move while the layer is incomplete or a hash job holds a reference.
+  const uint8_t* blob = layer.in_place->blob();
+  const size_t size = layer.in_place->blob_bytes();
+  uint64_t sum = 0;
+  for (const auto& [at, n] : runs) {
+    for (size_t i = (at + kChecksumBlockBytes - 1) / kChecksumBlockBytes;
+         i * kChecksumBlockBytes < at + n; ++i) {
+      const size_t begin = i * kChecksumBlockBytes;
+      const size_t end = std::min(begin + kChecksumBlockBytes, size);
+      if (end > at + n) break;  // the block continues past these bytes
+      sum += ChecksumBlock(static_cast<uint32_t>(index), i, blob + begin, end - begin);
+      layer.hashing->block_done[i].store(1, std::memory_order_relaxed);
+    }
+  }
+  layer.hashing->checksum.fetch_add(sum, std::memory_order_relaxed);
+  ReleaseLayerHashing(index, /*on_pool=*/true);
+  absl::MutexLock lock(&mu_);
+  --pending_;
+  MaybeFinalize();
+}
+
+void Upload::ReleaseLayerHashing(int index, bool on_pool) {
+  if (layers_[index].hashing->refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  // The layer is complete and no hash job is left: what they did is visible here (acq_rel).
+  if (on_pool) {
+    CompleteInPlaceLayer(index);
+  } else {
+    pool_->Schedule([self = shared_from_this(), index] { self->CompleteInPlaceLayer(index); });
+  }
+}
+
+void Upload::CompleteInPlaceLayer(int index) {
+  LayerState& layer = layers_[index];
+  // Blocks no single piece covered (metadata, chunk boundaries, NHD rows) are hashed now.
+  const absl::Time start = absl::Now();
+  const uint8_t* data = layer.in_place->blob();
+  const size_t size = layer.in_place->blob_bytes();
+  uint64_t checksum = layer.hashing->checksum.load(std::memory_order_relaxed);
+  for (size_t i = 0, begin = 0; begin < size; ++i, begin += kChecksumBlockBytes) {
+    if (layer.hashing->block_done[i].load(std::memory_order_relaxed) != 0) continue;
+    checksum += ChecksumBlock(static_cast<uint32_t>(index), i, data + begin,
+                              std::min(kChecksumBlockBytes, size - begin));
+  }
+  CompressTimings t;
+  t.pack = layer.place_seconds + absl::ToDoubleSeconds(absl::Now() - start);  // the only work
+  t.total = t.pack;
+  CompactLayer blob = std::move(*layer.in_place).Release();
+  layer.in_place.reset();
+  layer.hashing.reset();
+  absl::MutexLock lock(&mu_);
+  LayerDone(index, std::move(blob), checksum, t);
 }
 
 void Upload::CompressLayer(int index) {
@@ -240,8 +342,15 @@ void Upload::CompressLayer(int index) {
   CompressTimings t;
   absl::StatusOr<CompactLayer> out = backend_->Compress(in, spec_, &t);
   for (auto& buf : layer.tensor) buf.reset();  // staging goes back as soon as the layer is done
+  // Hashed here, right after the engine wrote it, on this job's thread.
+  const uint64_t checksum = out.ok() ? ChecksumLayer(static_cast<uint32_t>(index), out->bytes) : 0;
 
   absl::MutexLock lock(&mu_);
+  LayerDone(index, std::move(out), checksum, t);
+}
+
+void Upload::LayerDone(int index, absl::StatusOr<CompactLayer> out, uint64_t checksum,
+                       const CompressTimings& t) {
   if (aborted_) {
     // Results of an abandoned upload are dropped.
   } else if (!out.ok()) {
@@ -255,35 +364,15 @@ void Upload::CompressLayer(int index) {
   } else {
     compact_[index] = *std::move(out);
     compressed_[index] = true;
+    checksum_ += checksum;
     timings_.score += t.score;
     timings_.select += t.select;
     timings_.pack += t.pack;
     timings_.quantize += t.quantize;
     timings_.total += t.total;
-    AdvanceChecksum();
   }
-  // Only now: Finalize must not run while this thread may still be hashing.
   --pending_;
   MaybeFinalize();
-}
-
-void Upload::AdvanceChecksum() {
-  if (hashing_) return;  // the thread hashing now will pick up this layer when it gets there
-  hashing_ = true;
-  while (!aborted_ && hashed_ < compressed_.size() && compressed_[hashed_]) {
-    const ByteVector& blob = compact_[hashed_].bytes;
-    // compact_ is not resized while hashing_ is set (Abort defers to this thread, Finalize waits
-    // for pending_), and layer hashed_ is complete and no longer written.
-    mu_.Unlock();
-    if (!blob.empty()) XXH3_64bits_update(hash_.get(), blob.data(), blob.size());
-    mu_.Lock();
-    ++hashed_;
-  }
-  hashing_ = false;
-  if (aborted_) {
-    compact_.clear();
-    compressed_.clear();
-  }
 }
 
 void Upload::Finish(DoneCallback done) {
@@ -296,7 +385,6 @@ void Upload::Finish(DoneCallback done) {
 void Upload::Abort() {
   absl::MutexLock lock(&mu_);
   aborted_ = true;
-  if (hashing_) return;  // the hashing thread frees the layers when it stops
   compact_.clear();
   compressed_.clear();
 }
@@ -367,11 +455,7 @@ absl::StatusOr<kvcache::v1::PutCacheResponse> Upload::Finalize() {
     entry->layers.push_back(std::move(layer.bytes));
   }
   compact_.clear();
-  if (hashed_ == entry->layers.size()) {
-    entry->checksum = XXH3_64bits_digest(hash_.get());  // fed layer by layer as they finished
-  } else {
-    FinalizeEntry(*entry);
-  }
+  entry->checksum = checksum_;  // each layer's share, summed as the layers finished
   info.set_input_bytes(entry->input_bytes);
   info.set_stored_bytes(stored);
   info.set_compression_ratio(stored > 0 ? static_cast<double>(entry->input_bytes) / stored : 0);

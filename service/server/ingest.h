@@ -1,6 +1,9 @@
 // One PutCache upload in progress: header validation, placement of chunks into per-layer staging
 // buffers with exact byte coverage, compression of each layer on the worker pool as soon as its
-// tensors are complete, and the final insertion into the store.
+// tensors are complete, and the final insertion into the store. An upload that asks for no
+// compression at all (InPlaceLayer::KeepsEverything) skips staging: its K and V chunks are copied
+// straight into the layer's compact blob and Q_obs is only accounted for, so each payload byte is
+// copied once; completed layers only get hashed on the pool.
 //
 // Use: OnHeader once, OnChunk for each chunk, then either Finish (stream closed cleanly) or Abort
 // (cancelled, or a read failed). Nothing reaches the store unless Finish succeeds.
@@ -11,13 +14,14 @@
 #ifndef KVC_SERVICE_SERVER_INGEST_H_
 #define KVC_SERVICE_SERVER_INGEST_H_
 
-#include <xxhash.h>
-
 #include <cstdint>
 #include <functional>
+#include <atomic>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -25,9 +29,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvc/backend.h"
+#include "kvc/buffer_pool.h"
+#include "kvc/compact.h"
 #include "kvc/cache_store.h"
 #include "kvcache/v1/kvcache.pb.h"
-#include "server/staging_pool.h"
 #include "server/thread_pool.h"
 #include "server/wire.h"
 
@@ -48,7 +53,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
   // `backend`, `store`, `pool` and `staging` must outlive every job of this upload (the server
   // joins the pool before destroying them). Staging buffers come from `staging` (non-null).
   Upload(Backend* backend, CacheStore* store, ThreadPool* pool, const IngestLimits& limits,
-         StagingPool* staging);
+         BufferPool* staging);
 
   // Validates the header; on success the upload accepts chunks. Errors: INVALID_ARGUMENT (shape,
   // dtype, layout, spec, id), RESOURCE_EXHAUSTED (over max_cache_bytes or cannot fit the store),
@@ -84,7 +89,16 @@ class Upload : public std::enable_shared_from_this<Upload> {
     bool Add(uint64_t begin, uint64_t end);
   };
   struct LayerState {
-    StagingPool::Buffer tensor[3];  // K, V, Q_obs staging (acquired on first chunk)
+    BufferPool::Buffer tensor[3];  // K, V, Q_obs staging (acquired on first chunk)
+    std::optional<InPlaceLayer> in_place;  // instead of staging when in_place_ (first K/V chunk)
+    double place_seconds = 0;              // copying chunks into in_place
+    // Checksum progress of an in-place layer, shared with its hash jobs.
+    struct Hashing {
+      std::unique_ptr<std::atomic<uint8_t>[]> block_done;  // 1 once the block is summed
+      std::atomic<uint64_t> checksum{0};                    // sum of the blocks done so far
+      std::atomic<int> refs{1};  // hash jobs in flight, + 1 until the layer is complete
+    };
+    std::unique_ptr<Hashing> hashing;
     Coverage coverage[3];
     bool scheduled = false;
   };
@@ -92,9 +106,18 @@ class Upload : public std::enable_shared_from_this<Upload> {
   absl::Status Reject(RejectReason reason, absl::Status status);
   bool LayerComplete(const LayerState& layer) const;
   void CompressLayer(int layer);  // on a pool thread
-  // Feeds the checksum with every compressed layer that directly follows the hashed prefix, so
-  // the checksum is ready when the last layer is; hashes with mu_ released.
-  void AdvanceChecksum() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records an in-place layer's finished blob and hashes it (on a pool thread).
+  void CompleteInPlaceLayer(int layer);
+  // A pool job after each in-place chunk: sums the checksum blocks lying wholly inside the byte
+  // ranges the chunk just wrote (so they are complete, and still in the shared cache); the last
+  // one to finish after the layer is complete completes it.
+  void HashRuns(int index, std::vector<std::pair<size_t, size_t>> runs);
+  // Drops one reference to layer `index`'s hashing; the last one completes the layer.
+  void ReleaseLayerHashing(int index, bool on_pool);
+  // Records layer `index`'s result and its share of the checksum, then finalizes if it was the
+  // last job.
+  void LayerDone(int index, absl::StatusOr<CompactLayer> out, uint64_t checksum,
+                 const CompressTimings& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeFinalize() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<kvcache::v1::PutCacheResponse> Finalize() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string IncompleteMessage() const;
@@ -102,7 +125,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
   Backend* const backend_;
   CacheStore* const store_;
   ThreadPool* const pool_;
-  StagingPool* const staging_;
+  BufferPool* const staging_;
   const IngestLimits limits_;
   const std::string backend_name_;
 
@@ -115,6 +138,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
   Layout layout_ = Layout::kHND;
   CompressionSpec spec_;
   uint64_t tensor_bytes_[3] = {0, 0, 0};
+  bool in_place_ = false;  // no compression asked: chunks go straight into the blobs
   std::vector<LayerState> layers_;
   uint64_t payload_bytes_ = 0;
   absl::Time start_;
@@ -129,11 +153,9 @@ class Upload : public std::enable_shared_from_this<Upload> {
   bool aborted_ ABSL_GUARDED_BY(mu_) = false;
   DoneCallback done_ ABSL_GUARDED_BY(mu_);
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;
-  // XXH3-64 streaming state over compact_[0, hashed_) (CacheEntry::checksum's definition). One
-  // thread at a time (hashing_) reads compact_ unlocked; Abort leaves compact_ to it meanwhile.
-  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> hash_{nullptr, nullptr};
-  size_t hashed_ ABSL_GUARDED_BY(mu_) = 0;
-  bool hashing_ ABSL_GUARDED_BY(mu_) = false;
+  // Sum of the finished layers' checksum shares (CacheEntry::checksum's definition, kvc/
+  // cache_store.h): each job hashes its own layer, so layers never wait for each other.
+  uint64_t checksum_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvc::server

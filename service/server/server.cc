@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "kvc/buffer_pool.h"
 #include "kvc/status_macros.h"
 
 namespace kvc::server {
@@ -103,7 +104,9 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
   int threads = config.threads;
   if (threads == 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   s->pool_ = std::make_unique<ThreadPool>(threads);
-  s->staging_ = std::make_unique<StagingPool>(config.staging_pool_bytes);
+  // One process-wide pool serves upload staging and every compact blob (ByteVector), so the
+  // memory of an evicted or deleted cache goes to the next upload instead of back to the kernel.
+  LargeBuffers().set_cap(config.buffer_pool_bytes);
 
   if (!config.auth_tokens_file.empty()) {
     auto auth = TokenAuth::Load(config.auth_tokens_file);
@@ -118,7 +121,7 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
   s->state_->store = s->store_.get();
   s->state_->metrics = s->metrics_.get();
   s->state_->pool = s->pool_.get();
-  s->state_->staging = s->staging_.get();
+  s->state_->staging = &LargeBuffers();
   s->state_->version = s->options_.version;
   s->state_->RefreshStoreGauges();
   s->service_ = std::make_unique<KvCacheServiceImpl>(s->state_.get());

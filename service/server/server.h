@@ -26,7 +26,6 @@
 #include "kvc/metrics.h"
 #include "server/config.h"
 #include "server/service_impl.h"
-#include "server/staging_pool.h"
 #include "server/thread_pool.h"
 
 namespace kvc::server {
@@ -77,7 +76,6 @@ class KvcServer {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<CacheStore> store_;
   std::unique_ptr<Backend> backend_;
-  std::unique_ptr<StagingPool> staging_;  // before pool_: outlives the jobs that release buffers
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<TokenAuth> auth_;
   std::unique_ptr<ServiceState> state_;

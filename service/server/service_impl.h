@@ -24,12 +24,12 @@
 
 #include "grpcpp/grpcpp.h"
 #include "kvc/backend.h"
+#include "kvc/buffer_pool.h"
 #include "kvc/cache_store.h"
 #include "kvc/metrics.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "server/auth.h"
 #include "server/config.h"
-#include "server/staging_pool.h"
 #include "server/thread_pool.h"
 
 namespace kvc::server {
@@ -43,7 +43,7 @@ struct ServiceState {
   CacheStore* store = nullptr;
   Metrics* metrics = nullptr;
   ThreadPool* pool = nullptr;
-  StagingPool* staging = nullptr;  // PutCache staging buffers (server/staging_pool.h)
+  BufferPool* staging = nullptr;  // PutCache staging buffers (kvc/buffer_pool.h)
   std::string version;
   bool nccl_available = false;      // set by the transfer service when it is registered
   const TokenAuth* auth = nullptr;  // null: no authentication

@@ -11,6 +11,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <iterator>
 #include <list>
@@ -41,17 +42,26 @@ uint64_t CacheEntry::ChargedBytes() const {
 namespace {
 
 uint64_t ComputeChecksum(const CacheEntry& entry) {
-  XXH3_state_t* state = XXH3_createState();
-  XXH3_64bits_reset(state);
-  for (const auto& layer : entry.layers) {
-    if (!layer.empty()) XXH3_64bits_update(state, layer.data(), layer.size());
+  uint64_t sum = 0;
+  for (size_t l = 0; l < entry.layers.size(); ++l) {
+    sum += ChecksumLayer(static_cast<uint32_t>(l), entry.layers[l]);
   }
-  const uint64_t digest = XXH3_64bits_digest(state);
-  XXH3_freeState(state);
-  return digest;
+  return sum;
 }
 
 }  // namespace
+
+uint64_t ChecksumBlock(uint32_t layer, uint64_t block, const uint8_t* data, size_t size) {
+  return XXH3_64bits_withSeed(data, size, (uint64_t{layer} << 32) + block);
+}
+
+uint64_t ChecksumLayer(uint32_t layer, absl::Span<const uint8_t> blob) {
+  uint64_t sum = 0;
+  for (size_t at = 0, i = 0; at < blob.size(); at += kChecksumBlockBytes, ++i) {
+    sum += ChecksumBlock(layer, i, blob.data() + at, std::min(kChecksumBlockBytes, blob.size() - at));
+  }
+  return sum;
+}
 
 void FinalizeEntry(CacheEntry& entry) { entry.checksum = ComputeChecksum(entry); }
 

@@ -17,9 +17,10 @@ const req = lib.modulesRequire(args.modules);
 const YAML = req('yaml');
 
 // The least overhead above the store budget (deploy/OPERATIONS.md, "Sizing"): binary, threads,
-// allocator slack and gRPC, plus one receive buffer per concurrent stream, plus the CUDA context
-// and pinned buffers on GPU pods. Staging of uploads depends on the model and is the operator's
-// part of the kvc.dev/memory-overhead annotation.
+// allocator slack and gRPC, plus one receive buffer per concurrent stream, plus the idle buffers
+// kvcd keeps for reuse (--buffer_pool_bytes), plus the CUDA context and pinned buffers on GPU
+// pods. Staging of uploads depends on the model and is the operator's part of the
+// kvc.dev/memory-overhead annotation.
 const FIXED_OVERHEAD = 256 * 2 ** 20;
 const CUDA_OVERHEAD = 512 * 2 ** 20;
 
@@ -217,7 +218,8 @@ function lintDeployment(objects) {
   const streams = Number(flags.max_concurrent_streams || 64);
   const message = lib.parseByteSize(flags.max_message_bytes || '8MiB');
   const cuda = flags.backend === 'cuda';
-  const minOverhead = FIXED_OVERHEAD + streams * message + (cuda ? CUDA_OVERHEAD : 0);
+  const pool = lib.parseByteSize(flags.buffer_pool_bytes || '512MiB');
+  const minOverhead = FIXED_OVERHEAD + streams * message + pool + (cuda ? CUDA_OVERHEAD : 0);
   const annotations = (d.spec.template.metadata || {}).annotations || {};
   const overheadText = annotations['kvc.dev/memory-overhead'];
   const overhead = lib.parseQuantity(overheadText);
@@ -230,7 +232,8 @@ function lintDeployment(objects) {
       problem(
         where,
         `kvc.dev/memory-overhead ${overheadText} is below the minimum ${mi(minOverhead)} ` +
-          `(256Mi fixed + ${streams} streams x ${mi(message)}${cuda ? ' + 512Mi CUDA' : ''})`,
+          `(256Mi fixed + ${streams} streams x ${mi(message)} + ${mi(pool)} buffer pool` +
+          `${cuda ? ' + 512Mi CUDA' : ''})`,
       );
     }
     if (memLimit !== store + overhead) {

@@ -83,7 +83,7 @@ TEST(KvcdLifecycleTest, InvalidFlagsExitWithCode2AndNameTheFlag) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--store_bytes=12X", "--store_bytes"},
       {"--store_bytes=0", "--store_bytes"},
-      {"--staging_pool_bytes=1Q", "--staging_pool_bytes"},
+      {"--buffer_pool_bytes=1Q", "--buffer_pool_bytes"},
       {"--max_chunk_bytes=8MiB", "--max_chunk_bytes"},  // not below --max_message_bytes
       {"--max_message_bytes=100", "--max_message_bytes"},
       {"--max_concurrent_streams=0", "--max_concurrent_streams"},

@@ -1,5 +1,6 @@
 #include <xxhash.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -379,6 +380,32 @@ TEST(CacheStoreTest, OverwriteOfLeasedEntryKeepsOldBytesUntilRelease) {
   EXPECT_EQ(store->GetStats().leased_bytes, 0u);
 }
 
+// A layer of several blocks: the checksum changes when blocks trade places, within a layer or
+// across layers, and when a byte changes in the short last block.
+TEST(CacheStoreTest, ChecksumTiesEachBlockToItsPlace) {
+  constexpr size_t kBlock = kChecksumBlockBytes;
+  auto e = std::make_shared<CacheEntry>();
+  e->id = "b";
+  for (int l = 0; l < 2; ++l) {
+    ByteVector layer(2 * kBlock + 100);
+    for (size_t i = 0; i < layer.size(); ++i) layer[i] = static_cast<uint8_t>((i / kBlock) * 7 + l);
+    e->layers.push_back(std::move(layer));
+  }
+  FinalizeEntry(*e);
+  ASSERT_TRUE(VerifyEntry(*e).ok());
+  CacheEntry swapped = *e;  // blocks 0 and 1 of layer 0 trade places
+  std::swap_ranges(swapped.layers[0].begin(), swapped.layers[0].begin() + kBlock,
+                   swapped.layers[0].begin() + kBlock);
+  EXPECT_EQ(VerifyEntry(swapped).code(), absl::StatusCode::kDataLoss);
+  CacheEntry layers_swapped = *e;
+  std::swap(layers_swapped.layers[0], layers_swapped.layers[1]);
+  EXPECT_EQ(VerifyEntry(layers_swapped).code(), absl::StatusCode::kDataLoss);
+  CacheEntry tail = *e;
+  tail.layers[1].back() ^= 1;
+  EXPECT_EQ(VerifyEntry(tail).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(e->checksum, ChecksumLayer(0, e->layers[0]) + ChecksumLayer(1, e->layers[1]));
+}
+
 TEST(CacheStoreTest, ChecksumDetectsCorruption) {
   auto e = MakeEntry("a", 64);
   e->layers.push_back({1, 2, 3});
@@ -390,11 +417,17 @@ TEST(CacheStoreTest, ChecksumDetectsCorruption) {
   absl::Status s = VerifyEntry(copy);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("'a'"));
-  // The wire contract (CacheInfo.checksum): XXH3-64 of the layers concatenated in order, so a
-  // client can check it with a one-shot hash.
-  std::vector<uint8_t> all;
-  for (const auto& layer : e->layers) all.insert(all.end(), layer.begin(), layer.end());
-  EXPECT_EQ(e->checksum, XXH3_64bits(all.data(), all.size()));
+  // The wire contract (CacheInfo.checksum), computed here straight from its definition: the sum
+  // of XXH3-64 over 64 KiB blocks of each layer, seeded with (layer << 32) + block.
+  uint64_t expected = 0;
+  for (size_t l = 0; l < e->layers.size(); ++l) {
+    const auto& layer = e->layers[l];
+    for (size_t at = 0, i = 0; at < layer.size(); at += 65536, ++i) {
+      expected += XXH3_64bits_withSeed(layer.data() + at, std::min<size_t>(65536, layer.size() - at),
+                                       (uint64_t{l} << 32) + i);
+    }
+  }
+  EXPECT_EQ(e->checksum, expected);
   copy = *e;
   copy.layers[1][2] = 9;
   EXPECT_EQ(VerifyEntry(copy).code(), absl::StatusCode::kDataLoss);

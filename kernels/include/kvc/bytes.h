@@ -4,6 +4,8 @@
 // written by its producer, so a zero-fill would be a wasted pass over memory. Consequence for
 // producers: every byte of a sized buffer must be written before it is read. Copies, assign and
 // the value-taking resize(n, v) behave as for std::vector.
+// Blocks of BufferPool::kMinPooledBytes (1 MiB) or more come from the process-wide buffer pool
+// (kvc/buffer_pool.h): huge-page mappings, reused after a blob is freed when the pool has a cap.
 // Thread-safety: as std::vector.
 #ifndef KVC_BYTES_H_
 #define KVC_BYTES_H_
@@ -22,9 +24,19 @@ namespace kvc {
 
 // A std::allocator whose construct() with no arguments default-initializes (leaves a trivial
 // type uninitialized) instead of value-initializing. Stateless; all instances compare equal.
+namespace internal {
+inline constexpr size_t kLargeBlockBytes = size_t{1} << 20;  // == BufferPool::kMinPooledBytes
+// LargeBuffers().AllocateBlock, throwing std::bad_alloc when no memory can be mapped.
+void* AllocateLargeBlock(size_t bytes);
+void FreeLargeBlock(void* p, size_t bytes) noexcept;
+}  // namespace internal
+
+// Blocks of internal::kLargeBlockBytes or more go to the process-wide buffer pool; allocate and
+// deallocate decide by the same size, so every block returns to where it came from.
 template <class T>
 class DefaultInitAllocator : public std::allocator<T> {
  public:
+  using value_type = T;
   template <class U>
   struct rebind {
     using other = DefaultInitAllocator<U>;
@@ -33,6 +45,20 @@ class DefaultInitAllocator : public std::allocator<T> {
   DefaultInitAllocator() noexcept = default;
   template <class U>
   DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}  // NOLINT: implicit by design
+
+  T* allocate(size_t n) {
+    if (n >= internal::kLargeBlockBytes / sizeof(T)) {
+      return static_cast<T*>(internal::AllocateLargeBlock(n * sizeof(T)));
+    }
+    return std::allocator<T>::allocate(n);
+  }
+  void deallocate(T* p, size_t n) noexcept {
+    if (n >= internal::kLargeBlockBytes / sizeof(T)) {
+      internal::FreeLargeBlock(p, n * sizeof(T));
+      return;
+    }
+    std::allocator<T>::deallocate(p, n);
+  }
 
   template <class U>
   void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {

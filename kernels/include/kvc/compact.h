@@ -28,8 +28,10 @@
 #define KVC_COMPACT_H_
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kvc/bytes.h"
@@ -132,6 +134,56 @@ absl::StatusOr<CompactLayer> PackLayer(const LayerInput& in, const TokenSelectio
 // Byte size PackLayer will produce for inputs it accepts (for budgets and benchmarks).
 size_t PackedSize(const LayerShape& shape, DType dtype, const TokenSelection& tokens,
                   const ChannelSelection& channels, const CompressionSpec& spec);
+
+// A layer stored whole, built in place. When a spec keeps every token and channel unquantized
+// (KeepsEverything: eviction, key and value pruning all off, bits 0), PackLayer's blob is the
+// input's K and V rows verbatim plus metadata. Create writes the metadata (header, descriptors,
+// positions, channel lists, padding) into a blob of the final size; Write copies bytes of the K or
+// V tensor, addressed as in the input (shape and layout), straight to their place in it, so a
+// receiver can place chunks as they arrive with no staging copy and no pack pass. Once every K and
+// V byte has been written, Release returns exactly the blob PackLayer would (Q_obs is not part of
+// it). Thread-compatible; Writes to disjoint byte ranges may run concurrently.
+class InPlaceLayer {
+ public:
+  static bool KeepsEverything(const CompressionSpec& spec);
+
+  // INVALID_ARGUMENT for a bad shape, dtype or layout, a spec that fails ValidateSpec or does not
+  // keep everything (naming the field); RESOURCE_EXHAUSTED when the blob cannot be allocated.
+  static absl::StatusOr<InPlaceLayer> Create(const LayerShape& shape, DType dtype, Layout layout,
+                                             int layer_index, const CompressionSpec& spec);
+
+  // Bytes of one K or V tensor in the input layout (Hkv * S * D * dtype size).
+  uint64_t tensor_bytes() const { return tensor_bytes_; }
+
+  // Copies `size` bytes of tensor K (values == false) or V starting at byte `offset` of that
+  // tensor. Requires offset + size <= tensor_bytes() (callers validate chunk ranges first).
+  // `placed(blob_offset, n)` runs after each contiguous piece lands in the blob, while it is still
+  // in cache (ingest hashes it there); pieces never cross a multiple of kPieceBytes in the blob,
+  // so fixed blocks that divide kPieceBytes are cut only where a run of the input ends.
+  static constexpr size_t kPieceBytes = size_t{256} << 10;
+  void Write(bool values, uint64_t offset, const uint8_t* data, size_t size,
+             absl::FunctionRef<void(size_t blob_offset, size_t n)> placed);
+  void Write(bool values, uint64_t offset, const uint8_t* data, size_t size) {
+    Write(values, offset, data, size, [](size_t, size_t) {});
+  }
+  const uint8_t* blob() const { return layer_.bytes.data(); }
+  size_t blob_bytes() const { return layer_.bytes.size(); }
+
+  CompactLayer Release() && { return std::move(layer_); }
+
+ private:
+  InPlaceLayer() = default;
+
+  CompactLayer layer_;
+  Layout layout_ = Layout::kHND;
+  int heads_ = 0;
+  size_t row_bytes_ = 0;       // D * dtype size
+  uint64_t head_bytes_ = 0;    // S * row_bytes_: one head's rows, contiguous in HND and the blob
+  uint64_t tensor_bytes_ = 0;
+  size_t sections_ = 0;        // offset of head 0's section
+  size_t section_size_ = 0;
+  size_t keys_at_ = 0, values_at_ = 0;  // of the rows within a section
+};
 
 // DENSE export: kept tokens with pruned channels zero-filled and quantized blocks dequantized, in
 // the blob's dtype, HND [Hkv, n_kept, D]; positions [Hkv, n_kept]. Requires every head to keep the

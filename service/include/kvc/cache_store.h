@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "kvc/bytes.h"
 
 namespace kvc {
@@ -42,7 +43,18 @@ struct CacheEntry {
   uint64_t ChargedBytes() const;
 };
 
-// Computes and stores the checksum (XXH3-64 over the layer blobs in order).
+// The checksum of a cache (CacheEntry::checksum, CacheInfo.checksum): each layer blob is cut into
+// consecutive blocks of kChecksumBlockBytes (the last may be shorter; an empty blob has none);
+// block i of layer l hashes to XXH3-64 with seed (l << 32) + i; the checksum is the sum of all
+// block hashes modulo 2^64. The seeds tie each block to its place, and a sum can be accumulated
+// in any order, so ingest hashes every block as soon as it is written, while it is still in
+// cache, and layers that finish out of order need not wait for each other.
+inline constexpr size_t kChecksumBlockBytes = size_t{64} << 10;
+uint64_t ChecksumBlock(uint32_t layer, uint64_t block, const uint8_t* data, size_t size);
+// The sum over one layer's blocks (its share of the checksum).
+uint64_t ChecksumLayer(uint32_t layer, absl::Span<const uint8_t> blob);
+
+// Computes and stores the checksum.
 void FinalizeEntry(CacheEntry& entry);
 // OK when the stored checksum matches the blobs; DATA_LOSS otherwise.
 absl::Status VerifyEntry(const CacheEntry& entry);

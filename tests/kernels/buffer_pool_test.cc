@@ -1,0 +1,182 @@
+// BufferPool: reuse of released buffers, the idle-byte cap, small buffers outside the pool, and
+// buffers that stay writable across reuse.
+#include "kvc/buffer_pool.h"
+
+#include <cstring>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvc/bytes.h"
+
+namespace kvc {
+namespace {
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+TEST(BufferPoolTest, ZeroBytesGivesAnEmptyBuffer) {
+  BufferPool pool(64 * kMiB);
+  BufferPool::Buffer b = pool.Acquire(0);
+  EXPECT_FALSE(b);
+  EXPECT_EQ(b.capacity(), 0u);
+}
+
+TEST(BufferPoolTest, SmallBuffersAreNotPooled) {
+  BufferPool pool(64 * kMiB);
+  {
+    BufferPool::Buffer b = pool.Acquire(1000);
+    ASSERT_TRUE(b);
+    EXPECT_GE(b.capacity(), 1000u);
+    std::memset(b.get(), 7, 1000);
+  }
+  EXPECT_EQ(pool.idle_bytes(), 0u);
+  EXPECT_EQ(pool.mapped(), 0u);
+}
+
+TEST(BufferPoolTest, ReleasedBufferIsReusedWithItsContentsIntact) {
+  BufferPool pool(64 * kMiB);
+  uint8_t* first = nullptr;
+  {
+    BufferPool::Buffer b = pool.Acquire(3 * kMiB);
+    ASSERT_TRUE(b);
+    EXPECT_EQ(b.capacity(), 4 * kMiB);  // rounded up to the 2 MiB granule
+    std::memset(b.get(), 0x5a, 3 * kMiB);
+    first = b.get();
+  }
+  EXPECT_EQ(pool.idle_bytes(), 4 * kMiB);
+  BufferPool::Buffer again = pool.Acquire(4 * kMiB);
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again.get(), first);
+  EXPECT_EQ(again.get()[3 * kMiB - 1], 0x5a);  // reused, not remapped (no zero fill)
+  EXPECT_EQ(pool.reused(), 1u);
+  EXPECT_EQ(pool.mapped(), 1u);
+  EXPECT_EQ(pool.idle_bytes(), 0u);
+}
+
+TEST(BufferPoolTest, DoesNotHandOutABufferMoreThanTwiceTheNeed) {
+  BufferPool pool(64 * kMiB);
+  { BufferPool::Buffer big = pool.Acquire(16 * kMiB); }
+  BufferPool::Buffer small = pool.Acquire(2 * kMiB);
+  ASSERT_TRUE(small);
+  EXPECT_EQ(small.capacity(), 2 * kMiB);
+  EXPECT_EQ(pool.reused(), 0u);
+  EXPECT_EQ(pool.idle_bytes(), 16 * kMiB);  // the big one stays for a big request
+}
+
+TEST(BufferPoolTest, IdleBytesNeverExceedTheCap) {
+  BufferPool pool(10 * kMiB);
+  {
+    std::vector<BufferPool::Buffer> held;
+    for (int i = 0; i < 8; ++i) held.push_back(pool.Acquire(4 * kMiB));
+    for (const auto& b : held) ASSERT_TRUE(b);
+  }  // 32 MiB released into a 10 MiB pool
+  EXPECT_LE(pool.idle_bytes(), 10 * kMiB);
+  EXPECT_EQ(pool.idle_bytes(), 8 * kMiB);  // two 4 MiB buffers fit
+  {
+    BufferPool::Buffer huge = pool.Acquire(64 * kMiB);
+    ASSERT_TRUE(huge);
+  }  // larger than the whole cap: unmapped, and the idle ones are kept
+  EXPECT_EQ(pool.idle_bytes(), 8 * kMiB);
+}
+
+TEST(BufferPoolTest, ABiggerReleaseDisplacesSmallerIdleBuffers) {
+  BufferPool pool(8 * kMiB);
+  {
+    BufferPool::Buffer a = pool.Acquire(2 * kMiB);
+    BufferPool::Buffer b = pool.Acquire(2 * kMiB);
+    BufferPool::Buffer c = pool.Acquire(6 * kMiB);
+    a.reset();
+    b.reset();
+    EXPECT_EQ(pool.idle_bytes(), 4 * kMiB);
+  }  // c (6 MiB) needs room: one 2 MiB buffer is dropped
+  EXPECT_EQ(pool.idle_bytes(), 8 * kMiB);
+  BufferPool::Buffer reuse = pool.Acquire(6 * kMiB);
+  EXPECT_EQ(pool.reused(), 1u);
+}
+
+TEST(BufferPoolTest, ZeroCapDisablesReuse) {
+  BufferPool pool(0);
+  { BufferPool::Buffer b = pool.Acquire(4 * kMiB); }
+  EXPECT_EQ(pool.idle_bytes(), 0u);
+  { BufferPool::Buffer b = pool.Acquire(4 * kMiB); }
+  EXPECT_EQ(pool.reused(), 0u);
+  EXPECT_EQ(pool.mapped(), 2u);
+}
+
+TEST(BufferPoolTest, MovedBufferReleasesOnce) {
+  BufferPool pool(64 * kMiB);
+  BufferPool::Buffer a = pool.Acquire(2 * kMiB);
+  BufferPool::Buffer b = std::move(a);
+  EXPECT_FALSE(a);  // NOLINT(bugprone-use-after-move): the moved-from state is specified
+  ASSERT_TRUE(b);
+  b.reset();
+  EXPECT_EQ(pool.idle_bytes(), 2 * kMiB);
+}
+
+TEST(BufferPoolTest, BlocksAreReusedOnlyAtTheirExactRoundedSize) {
+  BufferPool pool(64 * kMiB);
+  void* a = pool.AllocateBlock(3 * kMiB);  // capacity 4 MiB
+  ASSERT_NE(a, nullptr);
+  std::memset(a, 0x33, 3 * kMiB);
+  pool.FreeBlock(a, 3 * kMiB);
+  EXPECT_EQ(pool.idle_bytes(), 4 * kMiB);
+  void* b = pool.AllocateBlock(2 * kMiB);  // 2 MiB: the idle 4 MiB buffer is not taken
+  EXPECT_EQ(pool.reused(), 0u);
+  void* c = pool.AllocateBlock(4 * kMiB);  // same rounded size: reused, contents left as they were
+  EXPECT_EQ(c, a);
+  EXPECT_EQ(static_cast<uint8_t*>(c)[3 * kMiB - 1], 0x33);
+  EXPECT_EQ(pool.reused(), 1u);
+  pool.FreeBlock(b, 2 * kMiB);
+  pool.FreeBlock(c, 4 * kMiB);
+  EXPECT_EQ(pool.idle_bytes(), 6 * kMiB);
+  // An Acquire may take a block's buffer (up to twice the need), and a block a released Buffer's.
+  BufferPool::Buffer staging = pool.Acquire(3 * kMiB);
+  EXPECT_EQ(staging.get(), a);
+  EXPECT_EQ(pool.reused(), 2u);
+}
+
+TEST(BufferPoolTest, LoweringTheCapUnmapsIdleBuffers) {
+  BufferPool pool(64 * kMiB);
+  {
+    BufferPool::Buffer a = pool.Acquire(2 * kMiB);
+    BufferPool::Buffer b = pool.Acquire(8 * kMiB);
+  }
+  EXPECT_EQ(pool.idle_bytes(), 10 * kMiB);
+  pool.set_cap(9 * kMiB);  // the small one goes first
+  EXPECT_EQ(pool.cap_bytes(), 9 * kMiB);
+  EXPECT_EQ(pool.idle_bytes(), 8 * kMiB);
+  pool.set_cap(0);
+  EXPECT_EQ(pool.idle_bytes(), 0u);
+}
+
+// ByteVector's large blocks go through the process-wide pool: with a cap, a freed blob's memory
+// is what the next blob of the same size gets; small vectors never touch the pool.
+TEST(BufferPoolTest, ByteVectorBlobsRecycleThroughTheProcessWidePool) {
+  BufferPool& pool = LargeBuffers();
+  EXPECT_EQ(pool.cap_bytes(), 0u);  // nothing set it in this process
+  pool.set_cap(32 * kMiB);
+  const uint64_t mapped = pool.mapped(), reused = pool.reused();
+  const uint8_t* first = nullptr;
+  {
+    ByteVector blob(5 * kMiB);
+    blob[5 * kMiB - 1] = 0x77;
+    first = blob.data();
+  }
+  EXPECT_EQ(pool.mapped(), mapped + 1);
+  EXPECT_EQ(pool.idle_bytes(), 6 * kMiB);
+  {
+    ByteVector again(5 * kMiB + 100);  // rounds to the same 6 MiB
+    EXPECT_EQ(again.data(), first);
+    EXPECT_EQ(pool.reused(), reused + 1);
+    ByteVector copy = again;  // a copy is another block
+    EXPECT_NE(copy.data(), again.data());
+    ByteVector small(kMiB - 1);
+    small.back() = 1;
+  }
+  EXPECT_EQ(pool.mapped(), mapped + 2);  // the copy, not the small vector
+  EXPECT_EQ(pool.idle_bytes(), 12 * kMiB);
+  pool.set_cap(0);
+  EXPECT_EQ(pool.idle_bytes(), 0u);
+}
+
+}  // namespace
+}  // namespace kvc
