@@ -366,11 +366,23 @@ double Median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
+// The ratio to the plain stream is the median over rounds of (case GB/s / plain GB/s) within the
+// same round: a round's cases run back to back, so a burst of load from elsewhere on the machine
+// mostly scales both sides of a ratio alike.
 void Print(const std::vector<Case>& cases) {
-  double ref[2] = {0, 0};
+  const Case* ref[2] = {nullptr, nullptr};
   for (const Case& c : cases) {
-    if (c.ok && c.name.rfind("plain", 0) == 0) ref[c.download] = c.bytes / Median(c.seconds) / 1e9;
+    if (c.ok && c.name.rfind("plain", 0) == 0) ref[c.download] = &c;
   }
+  auto paired_ratio = [&](const Case& c) {
+    const Case* p = ref[c.download];
+    if (p == nullptr || p->seconds.size() != c.seconds.size()) return 0.0;
+    std::vector<double> r;
+    for (size_t i = 0; i < c.seconds.size(); ++i) {
+      r.push_back((double(c.bytes) / c.seconds[i]) / (double(p->bytes) / p->seconds[i]));
+    }
+    return Median(r);
+  };
   std::printf("%-40s %9s %9s %8s %9s  %s\n", "case", "MiB/run", "ms/run", "GB/s", "vs plain",
               "notes");
   for (const Case& c : cases) {
@@ -381,7 +393,7 @@ void Print(const std::vector<Case>& cases) {
     }
     const double t = Median(c.seconds), gbps = c.bytes / t / 1e9;
     std::printf("%-40s %9.1f %9.2f %8.3f %8.2fx  %s\n", c.name.c_str(), c.bytes / 1048576.0,
-                t * 1e3, gbps, ref[c.download] > 0 ? gbps / ref[c.download] : 0.0, c.note.c_str());
+                t * 1e3, gbps, paired_ratio(c), c.note.c_str());
   }
 }
 
