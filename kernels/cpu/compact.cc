@@ -464,9 +464,9 @@ absl::StatusOr<InPlaceLayer> InPlaceLayer::Create(const LayerShape& shape, DType
   try {
     l.layer_.bytes.resize(l.sections_ + static_cast<size_t>(l.heads_) * hl.size);
   } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot allocate ", l.sections_ + static_cast<size_t>(l.heads_) * hl.size,
-        " bytes for layer ", layer_index));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", l.sections_ + static_cast<size_t>(l.heads_) * hl.size,
+                     " bytes for layer ", layer_index));
   }
   uint8_t* blob = l.layer_.bytes.data();
   WriteLayerMeta(shape, dtype, layer_index, spec, s, 0, d, d, hl.size, blob);
@@ -551,8 +551,7 @@ absl::StatusOr<CompactLayer> PackLayerImpl(const LayerInput& in, const TokenSele
   uint8_t* blob = out.bytes.data();
   p.sections = blob + begin;
 
-  WriteLayerMeta(s, in.dtype, in.layer_index, spec, p.n_kept, p.r, p.tk, p.tv, p.layout.size,
-                 blob);
+  WriteLayerMeta(s, in.dtype, in.layer_index, spec, p.n_kept, p.r, p.tk, p.tv, p.layout.size, blob);
 
   // Task i writes half i % 2 (keys, values) of head i / 2. Each task records its own times in its
   // own slot, so no synchronization is needed beyond ParallelFor's join.

@@ -196,8 +196,8 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
     // a blob that keeps everything, so its bytes are only accounted for.
     if (t < 2) {
       if (!layer.in_place) {
-        auto blob = InPlaceLayer::Create(shape_, dtype_, layout_, static_cast<int>(c.layer()),
-                                         spec_);
+        auto blob =
+            InPlaceLayer::Create(shape_, dtype_, layout_, static_cast<int>(c.layer()), spec_);
         if (!blob.ok()) {
           return Reject(RejectReason::kNoSpace,
                         absl::Status(blob.status().code(),
@@ -231,8 +231,9 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
         absl::MutexLock lock(&mu_);
         ++pending_;
       }
-      pool_->Schedule([self = shared_from_this(), index = static_cast<int>(c.layer()),
-                       runs = std::move(runs)]() mutable { self->HashRuns(index, std::move(runs)); });
+      pool_->Schedule(
+          [self = shared_from_this(), index = static_cast<int>(c.layer()),
+           runs = std::move(runs)]() mutable { self->HashRuns(index, std::move(runs)); });
     }
   } else {
     if (!layer.tensor[t]) {
@@ -268,16 +269,13 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
 void Upload::HashRuns(int index, std::vector<std::pair<size_t, size_t>> runs) {
   LayerState& layer = layers_[index];
   // The blob itself does not move while the layer is incomplete or a hash job holds a reference.
-  const uint8_t* blob = layer.in_place->blob();
-  const size_t size = layer.in_place->blob_bytes();
+  const absl::Span<const uint8_t> blob(layer.in_place->blob(), layer.in_place->blob_bytes());
   uint64_t sum = 0;
   for (const auto& [at, n] : runs) {
     for (size_t i = (at + kChecksumBlockBytes - 1) / kChecksumBlockBytes;
          i * kChecksumBlockBytes < at + n; ++i) {
-      const size_t begin = i * kChecksumBlockBytes;
-      const size_t end = std::min(begin + kChecksumBlockBytes, size);
-      if (end > at + n) break;  // the block continues past these bytes
-      sum += ChecksumBlock(static_cast<uint32_t>(index), i, blob + begin, end - begin);
+      if (std::min((i + 1) * kChecksumBlockBytes, blob.size()) > at + n) break;  // runs on past
+      sum += ChecksumBlock(static_cast<uint32_t>(index), blob, i);
       layer.hashing->block_done[i].store(1, std::memory_order_relaxed);
     }
   }
@@ -302,22 +300,21 @@ void Upload::CompleteInPlaceLayer(int index) {
   LayerState& layer = layers_[index];
   // Blocks no single piece covered (metadata, chunk boundaries, NHD rows) are hashed now.
   const absl::Time start = absl::Now();
-  const uint8_t* data = layer.in_place->blob();
-  const size_t size = layer.in_place->blob_bytes();
+  const absl::Span<const uint8_t> blob(layer.in_place->blob(), layer.in_place->blob_bytes());
   uint64_t checksum = layer.hashing->checksum.load(std::memory_order_relaxed);
-  for (size_t i = 0, begin = 0; begin < size; ++i, begin += kChecksumBlockBytes) {
-    if (layer.hashing->block_done[i].load(std::memory_order_relaxed) != 0) continue;
-    checksum += ChecksumBlock(static_cast<uint32_t>(index), i, data + begin,
-                              std::min(kChecksumBlockBytes, size - begin));
+  for (size_t i = 0; i * kChecksumBlockBytes < blob.size(); ++i) {
+    if (layer.hashing->block_done[i].load(std::memory_order_relaxed) == 0) {
+      checksum += ChecksumBlock(static_cast<uint32_t>(index), blob, i);
+    }
   }
   CompressTimings t;
   t.pack = layer.place_seconds + absl::ToDoubleSeconds(absl::Now() - start);  // the only work
   t.total = t.pack;
-  CompactLayer blob = std::move(*layer.in_place).Release();
+  CompactLayer done = std::move(*layer.in_place).Release();
   layer.in_place.reset();
   layer.hashing.reset();
   absl::MutexLock lock(&mu_);
-  LayerDone(index, std::move(blob), checksum, t);
+  LayerDone(index, std::move(done), checksum, t);
 }
 
 void Upload::CompressLayer(int index) {

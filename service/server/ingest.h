@@ -14,12 +14,12 @@
 #ifndef KVC_SERVICE_SERVER_INGEST_H_
 #define KVC_SERVICE_SERVER_INGEST_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
-#include <atomic>
 #include <map>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,8 +30,8 @@
 #include "absl/time/time.h"
 #include "kvc/backend.h"
 #include "kvc/buffer_pool.h"
-#include "kvc/compact.h"
 #include "kvc/cache_store.h"
+#include "kvc/compact.h"
 #include "kvcache/v1/kvcache.pb.h"
 #include "server/thread_pool.h"
 #include "server/wire.h"
@@ -89,13 +89,13 @@ class Upload : public std::enable_shared_from_this<Upload> {
     bool Add(uint64_t begin, uint64_t end);
   };
   struct LayerState {
-    BufferPool::Buffer tensor[3];  // K, V, Q_obs staging (acquired on first chunk)
+    BufferPool::Buffer tensor[3];          // K, V, Q_obs staging (acquired on first chunk)
     std::optional<InPlaceLayer> in_place;  // instead of staging when in_place_ (first K/V chunk)
     double place_seconds = 0;              // copying chunks into in_place
     // Checksum progress of an in-place layer, shared with its hash jobs.
     struct Hashing {
       std::unique_ptr<std::atomic<uint8_t>[]> block_done;  // 1 once the block is summed
-      std::atomic<uint64_t> checksum{0};                    // sum of the blocks done so far
+      std::atomic<uint64_t> checksum{0};                   // sum of the blocks done so far
       std::atomic<int> refs{1};  // hash jobs in flight, + 1 until the layer is complete
     };
     std::unique_ptr<Hashing> hashing;

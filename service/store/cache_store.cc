@@ -51,15 +51,16 @@ uint64_t ComputeChecksum(const CacheEntry& entry) {
 
 }  // namespace
 
-uint64_t ChecksumBlock(uint32_t layer, uint64_t block, const uint8_t* data, size_t size) {
-  return XXH3_64bits_withSeed(data, size, (uint64_t{layer} << 32) + block);
+uint64_t ChecksumBlock(uint32_t layer, absl::Span<const uint8_t> blob, uint64_t block) {
+  const size_t at = block * kChecksumBlockBytes;
+  return XXH3_64bits_withSeed(blob.data() + at, std::min(kChecksumBlockBytes, blob.size() - at),
+                              (uint64_t{layer} << 32) + block);
 }
 
 uint64_t ChecksumLayer(uint32_t layer, absl::Span<const uint8_t> blob) {
   uint64_t sum = 0;
-  for (size_t at = 0, i = 0; at < blob.size(); at += kChecksumBlockBytes, ++i) {
-    sum += ChecksumBlock(layer, i, blob.data() + at, std::min(kChecksumBlockBytes, blob.size() - at));
-  }
+  for (uint64_t i = 0; i * kChecksumBlockBytes < blob.size(); ++i)
+    sum += ChecksumBlock(layer, blob, i);
   return sum;
 }
 

@@ -40,13 +40,13 @@ TEST(InPlaceLayerTest, EqualsPackLayerAndTheCpuBackendForEveryDtypeLayoutAndChun
   struct Shape {
     int hkv, seq, dim;
   };
-  for (Shape sh : {Shape{1, 1, 8}, Shape{2, 37, 8}, Shape{4, 130, 64}, Shape{8, 64, 128},
-                   Shape{3, 9, 256}}) {
+  for (Shape sh :
+       {Shape{1, 1, 8}, Shape{2, 37, 8}, Shape{4, 130, 64}, Shape{8, 64, 128}, Shape{3, 9, 256}}) {
     for (DType dtype : {DType::kF16, DType::kBF16, DType::kF32}) {
       for (Layout layout : {Layout::kHND, Layout::kNHD}) {
-        SCOPED_TRACE(::testing::Message() << sh.hkv << "x" << sh.seq << "x" << sh.dim << " dtype "
-                                          << static_cast<int>(dtype) << " layout "
-                                          << static_cast<int>(layout));
+        SCOPED_TRACE(::testing::Message()
+                     << sh.hkv << "x" << sh.seq << "x" << sh.dim << " dtype "
+                     << static_cast<int>(dtype) << " layout " << static_cast<int>(layout));
         const PackLayerData data = MakePackLayer(sh.hkv, sh.seq, sh.dim, dtype, layout, rng());
         LayerInput in = data.input();
         in.layer_index = 3;

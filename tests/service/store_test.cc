@@ -244,8 +244,7 @@ TEST(CacheStoreTest, ExpiredLeasedEntryLeavesIndexButKeepsBytesUntilRelease) {
   ASSERT_TRUE(lease.ok());
   clock.now += absl::Seconds(1);
   // Expired and leased: nothing can be evicted to make room.
-  EXPECT_EQ(store->Insert(MakeEntry("b", 200), false).code(),
-            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store->Insert(MakeEntry("b", 200), false).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(store->ExpireNow(), 1u);
   EXPECT_THAT(rec.Take(), ElementsAre(Pair("a", EvictionReason::kTtl)));
   EXPECT_EQ(store->GetStats().entries, 0u);
@@ -423,8 +422,8 @@ TEST(CacheStoreTest, ChecksumDetectsCorruption) {
   for (size_t l = 0; l < e->layers.size(); ++l) {
     const auto& layer = e->layers[l];
     for (size_t at = 0, i = 0; at < layer.size(); at += 65536, ++i) {
-      expected += XXH3_64bits_withSeed(layer.data() + at, std::min<size_t>(65536, layer.size() - at),
-                                       (uint64_t{l} << 32) + i);
+      expected += XXH3_64bits_withSeed(
+          layer.data() + at, std::min<size_t>(65536, layer.size() - at), (uint64_t{l} << 32) + i);
     }
   }
   EXPECT_EQ(e->checksum, expected);

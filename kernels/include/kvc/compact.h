@@ -48,13 +48,13 @@ inline constexpr uint16_t kCompactVersion = 1;
 struct LayerHeader {
   uint32_t magic = kCompactMagic;
   uint16_t version = kCompactVersion;
-  uint8_t dtype = 0;        // DType of full-precision blocks (the input's dtype)
-  uint8_t quant_bits = 0;   // 0, 2, 4, 8
+  uint8_t dtype = 0;       // DType of full-precision blocks (the input's dtype)
+  uint8_t quant_bits = 0;  // 0, 2, 4, 8
   int32_t layer_index = 0;
   int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;     // D
-  int32_t seq_len = 0;      // original prompt length; new tokens continue at this position
-  int32_t quant_group = 0;  // G
+  int32_t head_dim = 0;         // D
+  int32_t seq_len = 0;          // original prompt length; new tokens continue at this position
+  int32_t quant_group = 0;      // G
   uint8_t eviction_policy = 0;  // EvictionPolicy, informational
   uint8_t channel_policy = 0;   // ChannelPolicy, informational
   uint8_t reserved[34] = {};
@@ -177,10 +177,10 @@ class InPlaceLayer {
   CompactLayer layer_;
   Layout layout_ = Layout::kHND;
   int heads_ = 0;
-  size_t row_bytes_ = 0;       // D * dtype size
-  uint64_t head_bytes_ = 0;    // S * row_bytes_: one head's rows, contiguous in HND and the blob
+  size_t row_bytes_ = 0;     // D * dtype size
+  uint64_t head_bytes_ = 0;  // S * row_bytes_: one head's rows, contiguous in HND and the blob
   uint64_t tensor_bytes_ = 0;
-  size_t sections_ = 0;        // offset of head 0's section
+  size_t sections_ = 0;  // offset of head 0's section
   size_t section_size_ = 0;
   size_t keys_at_ = 0, values_at_ = 0;  // of the rows within a section
 };
@@ -191,7 +191,7 @@ class InPlaceLayer {
 struct DenseLayer {
   int num_kv_heads = 0, n_kept = 0, head_dim = 0, seq_len = 0;
   DType dtype = DType::kF16;
-  std::vector<uint8_t> k, v;         // dtype elements
+  std::vector<uint8_t> k, v;  // dtype elements
   std::vector<int32_t> positions;
 };
 absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view);

@@ -31,10 +31,10 @@ namespace kvc {
 
 // One stored cache. Built by the ingest path, then frozen.
 struct CacheEntry {
-  std::string id;                            // unique key (already tenant-qualified by the caller)
+  std::string id;                  // unique key (already tenant-qualified by the caller)
   std::vector<ByteVector> layers;  // compact layer blobs (kvc/compact.h), in order
-  std::string metadata;      // opaque to the store (kvcd keeps a serialized CacheInfo)
-  uint64_t input_bytes = 0;  // uncompressed K+V bytes, for ratios and metrics
+  std::string metadata;            // opaque to the store (kvcd keeps a serialized CacheInfo)
+  uint64_t input_bytes = 0;        // uncompressed K+V bytes, for ratios and metrics
   absl::Time created;
   absl::Time expires = absl::InfiniteFuture();
   uint64_t checksum = 0;  // set by FinalizeEntry
@@ -50,7 +50,9 @@ struct CacheEntry {
 // in any order, so ingest hashes every block as soon as it is written, while it is still in
 // cache, and layers that finish out of order need not wait for each other.
 inline constexpr size_t kChecksumBlockBytes = size_t{64} << 10;
-uint64_t ChecksumBlock(uint32_t layer, uint64_t block, const uint8_t* data, size_t size);
+// The hash of block `block` of `blob` (layer `layer`); requires block * kChecksumBlockBytes <
+// blob.size().
+uint64_t ChecksumBlock(uint32_t layer, absl::Span<const uint8_t> blob, uint64_t block);
 // The sum over one layer's blocks (its share of the checksum).
 uint64_t ChecksumLayer(uint32_t layer, absl::Span<const uint8_t> blob);
 
