@@ -212,15 +212,15 @@ int RunGet(const std::vector<std::string>& args) {
     if (opt.format == CacheFormat::kPacked) {
       bytes += l.packed.size();
       const int64_t n = static_cast<int64_t>(l.packed.size());
-      out.tensors.push_back({p + "packed", StDType::kU8, {n}, std::move(l.packed)});
+      out.tensors.push_back({p + "packed", StDType::kU8, {n}, {l.packed.begin(), l.packed.end()}});
       continue;
     }
     const int64_t kept = l.kept_tokens;
     bytes += l.k.size() + l.v.size() + l.positions.size() * 4;
     std::vector<uint8_t> pos_bytes(l.positions.size() * 4);
     std::memcpy(pos_bytes.data(), l.positions.data(), pos_bytes.size());
-    out.tensors.push_back({p + "k", elem, {heads, kept, dim}, std::move(l.k)});
-    out.tensors.push_back({p + "v", elem, {heads, kept, dim}, std::move(l.v)});
+    out.tensors.push_back({p + "k", elem, {heads, kept, dim}, {l.k.begin(), l.k.end()}});
+    out.tensors.push_back({p + "v", elem, {heads, kept, dim}, {l.v.begin(), l.v.end()}});
     out.tensors.push_back({p + "positions", StDType::kI32, {heads, kept}, std::move(pos_bytes)});
   }
   if (absl::Status s = WriteSafetensors(pos[1], out); !s.ok()) return Fail("get", s);

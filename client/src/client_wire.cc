@@ -117,7 +117,7 @@ void RawData::CopyTo(uint8_t* dst) const {
   }
 }
 
-void RawData::AppendTo(std::vector<uint8_t>* dst) const {
+void RawData::AppendTo(ByteVector* dst) const {
   for (const Piece& p : pieces_) {
     const uint8_t* begin = slices_[p.slice].begin() + p.offset;
     dst->insert(dst->end(), begin, begin + p.size);

@@ -92,7 +92,7 @@ absl::Status LayerAssembler::Add(const pb::LayerChunk& chunk, const RawData& dat
   if (index == 2) {
     data.CopyTo(reinterpret_cast<uint8_t*>(d.positions.data()) + chunk.offset());
   } else {
-    std::vector<uint8_t>& dst = format_ == CacheFormat::kPacked ? d.packed : index == 0 ? d.k : d.v;
+    ByteVector& dst = format_ == CacheFormat::kPacked ? d.packed : index == 0 ? d.k : d.v;
     const size_t end = static_cast<size_t>(chunk.offset() + data.size());
     if (chunk.offset() == dst.size()) {
       data.AppendTo(&dst);

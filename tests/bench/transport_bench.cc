@@ -49,8 +49,8 @@
 #endif
 
 ABSL_FLAG(int, reps, 5, "timed runs per row (median reported), after one warm-up");
-ABSL_FLAG(int, layers_4k, 4, "layers per 4K-token cache");
-ABSL_FLAG(int, layers_32k, 2, "layers per 32K-token cache");
+ABSL_FLAG(int, layers_4k, 4, "layers per 4K-token cache; 0 skips that size");
+ABSL_FLAG(int, layers_32k, 2, "layers per 32K-token cache; 0 skips that size");
 ABSL_FLAG(std::string, kvcd, KVCD_PATH, "kvcd binary");
 ABSL_FLAG(std::string, redis, "redis-server", "redis-server binary; empty skips Redis");
 ABSL_FLAG(int, kvcd_threads, 2, "kvcd --threads");
@@ -177,15 +177,27 @@ bool PlainDownload(grpc::Channel* ch, const grpc::internal::RpcMethod& m, uint64
   grpc::ByteBuffer bb;
   std::vector<grpc::Slice> slices;
   uint64_t got = 0;
+  bool overflow = false;
   while (r->Read(&bb)) {
     (void)bb.Dump(&slices);
     for (const grpc::Slice& s : slices) {
-      if (got + s.size() > total) return false;
+      if (got + s.size() > total) {
+        overflow = true;
+        break;
+      }
       std::memcpy(dst + got, s.begin(), s.size());
       got += s.size();
     }
   }
-  return r->Finish().ok() && got == total;
+  const grpc::Status st = r->Finish();
+  if (!st.ok() || overflow || got != total) {
+    std::fprintf(stderr, "plain download: status %d '%s', %llu of %llu bytes%s\n",
+                 static_cast<int>(st.error_code()), st.error_message().c_str(),
+                 static_cast<unsigned long long>(got), static_cast<unsigned long long>(total),
+                 overflow ? ", more than asked for" : "");
+    return false;
+  }
+  return true;
 }
 
 // ---- (b) Redis: the server, and a minimal RESP client -------------------------------------
@@ -426,6 +438,7 @@ int main(int argc, char** argv) {
 
   for (const auto& [tokens, layers] : {std::pair<int, int>{4096, absl::GetFlag(FLAGS_layers_4k)},
                                        {32768, absl::GetFlag(FLAGS_layers_32k)}}) {
+    if (layers <= 0) continue;  // --layers_4k=0 or --layers_32k=0 skips that size
     const size_t kv_bytes = size_t{8} * tokens * 128 * 2;  // [8, S, 128] fp16
     const size_t q_bytes = size_t{32} * 32 * 128 * 2;      // [32, 32, 128] fp16
     std::vector<uint8_t> k(kv_bytes), v(kv_bytes), q(q_bytes);

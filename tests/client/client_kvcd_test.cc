@@ -76,8 +76,8 @@ TEST_F(ClientKvcdTest, DenseRoundTripIsBitExactWithoutCompression) {
     const LayerData& d = got->layers[l];
     EXPECT_EQ(d.layer, l);
     EXPECT_EQ(d.kept_tokens, 4096u);
-    EXPECT_TRUE(d.k == cache.k[l]) << "layer " << l;
-    EXPECT_TRUE(d.v == cache.v[l]) << "layer " << l;
+    EXPECT_TRUE(absl::MakeConstSpan(d.k) == absl::MakeConstSpan(cache.k[l])) << "layer " << l;
+    EXPECT_TRUE(absl::MakeConstSpan(d.v) == absl::MakeConstSpan(cache.v[l])) << "layer " << l;
     ASSERT_EQ(d.positions.size(), 2u * 4096);
     for (size_t i = 0; i < d.positions.size(); ++i) {
       ASSERT_EQ(d.positions[i], static_cast<int32_t>(i % 4096));
@@ -109,8 +109,8 @@ TEST_F(ClientKvcdTest, PackedBlobsParseAndMatchDense) {
     ASSERT_TRUE(exported.ok()) << exported.status();
     EXPECT_EQ(exported->n_kept, 1024);
     EXPECT_EQ(dense->layers[l].kept_tokens, 1024u);
-    EXPECT_TRUE(exported->k == dense->layers[l].k);
-    EXPECT_TRUE(exported->v == dense->layers[l].v);
+    EXPECT_TRUE(absl::MakeConstSpan(exported->k) == absl::MakeConstSpan(dense->layers[l].k));
+    EXPECT_TRUE(absl::MakeConstSpan(exported->v) == absl::MakeConstSpan(dense->layers[l].v));
     EXPECT_TRUE(exported->positions == dense->layers[l].positions);
   }
 }
@@ -133,7 +133,7 @@ TEST_F(ClientKvcdTest, StreamingDeliversLayersInRangeAndCallbackErrorsCancel) {
       },
       [&](LayerData&& d) {
         seen.push_back(d.layer);
-        EXPECT_TRUE(d.k == cache.k[1]);
+        EXPECT_TRUE(absl::MakeConstSpan(d.k) == absl::MakeConstSpan(cache.k[1]));
         return absl::OkStatus();
       });
   ASSERT_TRUE(s.ok()) << s;

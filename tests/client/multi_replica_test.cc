@@ -103,7 +103,7 @@ TEST(MultiReplica, RendezvousPlacementAndFailover) {
     } else {
       EXPECT_TRUE(stat.ok()) << id << ": " << stat;
       ASSERT_TRUE(got.ok()) << id << ": " << got.status();
-      EXPECT_TRUE(got->layers[0].k == c.k[0]) << id;
+      EXPECT_TRUE(absl::MakeConstSpan(got->layers[0].k) == absl::MakeConstSpan(c.k[0])) << id;
     }
   }
   // Listing needs every replica.

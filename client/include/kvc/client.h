@@ -42,6 +42,7 @@
 #include "absl/time/time.h"
 #include "absl/types/optional.h"
 #include "absl/types/span.h"
+#include "kvc/bytes.h"
 #include "kvcache/v1/kvcache.pb.h"
 
 namespace grpc {
@@ -107,12 +108,14 @@ struct GetOptions {
 // One layer of a fetched cache. PACKED: `packed` is the layer's compact blob (parse it with
 // kvc::CompactLayerView::Parse). DENSE: `k`, `v` are [Hkv, kept_tokens, D] in the cache's dtype
 // with pruned channels zero-filled, `positions` is [Hkv, kept_tokens] original token positions.
+// Byte parts are ByteVectors (kvc/bytes.h): large ones are huge-page mappings, recycled when the
+// process gives the buffer pool a cap (kvc::LargeBuffers().set_cap, kvc/buffer_pool.h).
 struct LayerData {
   uint32_t layer = 0;
   uint32_t kept_tokens = 0;
-  std::vector<uint8_t> packed;
-  std::vector<uint8_t> k;
-  std::vector<uint8_t> v;
+  ByteVector packed;
+  ByteVector k;
+  ByteVector v;
   std::vector<int32_t> positions;
 };
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kvc/bytes.h"
 #include "kvcache/v1/kvcache.pb.h"
 
 namespace kvc {
@@ -49,7 +50,7 @@ class RawData {
   // Copies the payload to dst (size() bytes).
   void CopyTo(uint8_t* dst) const;
   // Appends the payload to *dst.
-  void AppendTo(std::vector<uint8_t>* dst) const;
+  void AppendTo(ByteVector* dst) const;
 
  private:
   friend absl::Status ParseRawMessage(const grpc::ByteBuffer&, google::protobuf::MessageLite*,
