@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "kvc/buffer_pool.h"
 #include "kvc/client_wire.h"
 #include "kvc/replicas.h"
 #include "kvc/status_macros.h"
@@ -465,6 +466,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   ASSIGN_OR_RETURN(std::vector<std::string> addresses, ResolveTarget(options.target));
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
                    ChannelCredentials(options));
+  BufferPool& pool = LargeBuffers();
+  if (pool.cap_bytes() < options.buffer_pool_bytes) pool.set_cap(options.buffer_pool_bytes);
   return std::unique_ptr<Client>(new ClientImpl(options, std::move(addresses), credentials));
 }
 

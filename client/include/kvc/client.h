@@ -85,6 +85,10 @@ struct ClientOptions {
   // Name checked against the server certificate instead of the target host (e.g. when the target
   // is an IP the certificate does not list). Empty = the target host.
   std::string tls_server_name_override;
+  // Fetched layers are ByteVectors; freed large ones are kept for the next fetch (no page faults,
+  // no kernel zeroing) by the process-wide buffer pool (kvc/buffer_pool.h). Create raises the
+  // pool's cap to this if it is lower (it never lowers a cap the application set); 0 leaves it.
+  uint64_t buffer_pool_bytes = uint64_t{512} << 20;
 };
 
 // One layer's tensors for PutCache, in host memory, laid out as PutHeader.layout says (HND:
