@@ -17,6 +17,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kvc/buffer_pool.h"
 #include "kvc/transfer.h"
 #include "server/config.h"
 #include "server/ingest_registry.h"
@@ -168,6 +169,7 @@ absl::StatusOr<kvc::server::ServerConfig> ConfigFromFlags() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvc::ReuseLargeMallocs();  // gRPC's multi-MiB message buffers: reused, not remapped each time
   if (!InstallShutdownHandlers()) {
     std::fprintf(stderr, "kvcd: cannot install the SIGTERM/SIGINT handlers\n");
     return 1;

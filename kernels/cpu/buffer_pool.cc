@@ -1,7 +1,12 @@
 #include "kvc/buffer_pool.h"
 
 #include <sys/mman.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
+#include <algorithm>
+#include <climits>
 #include <new>
 #include <utility>
 
@@ -153,6 +158,16 @@ uint64_t BufferPool::reused() const {
 uint64_t BufferPool::mapped() const {
   absl::MutexLock lock(&mu_);
   return mapped_;
+}
+
+bool ReuseLargeMallocs(size_t trim_bytes) {
+#if defined(__GLIBC__)
+  return mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 &&
+         mallopt(M_TRIM_THRESHOLD, static_cast<int>(std::min<size_t>(trim_bytes, INT_MAX))) == 1;
+#else
+  (void)trim_bytes;
+  return false;
+#endif
 }
 
 BufferPool& LargeBuffers() {

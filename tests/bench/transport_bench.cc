@@ -39,6 +39,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "kvc/buffer_pool.h"
 #include "kvc/client.h"
 #include "kvc/client_wire.h"
 #include "kvc/dtype.h"
@@ -413,6 +414,9 @@ void Print(const std::vector<Case>& cases) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  // The same malloc behaviour kvcd runs with, for the plain stream and the client alike (this
+  // process holds both ends of the plain stream and the kvc client).
+  kvc::ReuseLargeMallocs();
   const int reps = std::max(1, absl::GetFlag(FLAGS_reps));
   signal(SIGPIPE, SIG_IGN);
 

@@ -101,6 +101,14 @@ class BufferPool {
   uint64_t mapped_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
+// For executables that move multi-MiB messages (kvcd, benchmarks): glibc serves allocations above
+// its mmap threshold (128 KiB until the first large free raises it) with fresh mappings, so
+// gRPC's message buffers would be faulted in, zeroed by the kernel and unmapped again for every
+// message. This fixes the threshold at 32 MiB (glibc's ceiling) and the trim threshold at
+// `trim_bytes`, so those buffers are reused from the heap. Returns false where it cannot (not
+// glibc, or mallopt refused). Libraries should leave malloc alone; kvc::Client does not call it.
+bool ReuseLargeMallocs(size_t trim_bytes = size_t{128} << 20);
+
 // The process-wide pool behind ByteVector's large blocks (cap 0 until someone sets it). Never
 // destroyed, so blobs freed during static destruction still have somewhere to go.
 BufferPool& LargeBuffers();
