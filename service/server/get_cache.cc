@@ -88,9 +88,15 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     auto ex = std::make_shared<Export>();
     state_->pool->Schedule([this, ex, keep = keep_, index] {
       absl::StatusOr<std::shared_ptr<const DenseLayer>> result;
-      auto view = CompactLayerView::Parse(keep->lease.entry().layers[index]);
-      if (!view.ok()) {
-        result = view.status();
+      const CacheEntry& entry = keep->lease.entry();
+      absl::StatusOr<CompactLayerView> view = absl::UnknownError("not parsed");
+      if (absl::Status verified =
+              VerifyBlocks(entry, index, 0, entry.block_checksums[index].size());
+          !verified.ok()) {
+        result = verified;
+      } else if (view = CompactLayerView::Parse(entry.layers[index]); !view.ok()) {
+        result = absl::DataLossError(
+            absl::StrCat("layer ", index, ": ", std::string(view.status().message())));
       } else if (auto dense = ExportDense(*view); !dense.ok()) {
         result = dense.status();
       } else {
@@ -140,10 +146,9 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     keep_ = std::make_shared<Keepalive>();
     keep_->lease = *std::move(lease);
     const CacheEntry& entry = keep_->lease.entry();
-    if (auto s = VerifyEntry(entry); !s.ok()) {
-      return grpc::Status(grpc::StatusCode::DATA_LOSS,
-                          absl::StrCat("cache '", req.cache_id(), "': ", std::string(s.message())));
-    }
+    // The block table is checked against the checksum here (cheap); each block's bytes are
+    // hashed just before they are sent (PACKED) or exported (DENSE).
+    if (auto s = VerifyBlockTable(entry); !s.ok()) return ToGrpc(s);
     kvcache::v1::GetCacheResponse first;
     if (!first.mutable_info()->ParseFromString(entry.metadata)) {
       return grpc::Status(grpc::StatusCode::DATA_LOSS, "stored metadata is unreadable");
@@ -168,16 +173,23 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   // NextWrite again when it is done.
   grpc::Status LoadLayer(bool* parked) {
     *parked = false;
-    const auto& blob = keep_->lease.entry().layers[layer_];
-    auto view = CompactLayerView::Parse(blob);
-    if (!view.ok()) {
-      return grpc::Status(
-          grpc::StatusCode::DATA_LOSS,
-          absl::StrCat("layer ", layer_, ": ", std::string(view.status().message())));
-    }
-    kept_tokens_ = view->num_kv_heads() > 0 ? view->desc(0).n_kept : 0;
+    const CacheEntry& entry = keep_->lease.entry();
+    const auto& blob = entry.layers[layer_];
     parts_.clear();
     if (!dense_) {
+      // Parse is safe on any bytes; its blocks are verified chunk by chunk as they are sent.
+      auto view = CompactLayerView::Parse(blob);
+      if (!view.ok()) {
+        // Only corruption makes a stored blob unreadable: name the block when the hashes can.
+        if (absl::Status s = VerifyBlocks(entry, layer_, 0, entry.block_checksums[layer_].size());
+            !s.ok()) {
+          return ToGrpc(s);
+        }
+        return grpc::Status(
+            grpc::StatusCode::DATA_LOSS,
+            absl::StrCat("layer ", layer_, ": ", std::string(view.status().message())));
+      }
+      kept_tokens_ = view->num_kv_heads() > 0 ? view->desc(0).n_kept : 0;
       parts_.push_back({kvcache::v1::PART_PACKED, blob.data(), blob.size(), keep_});
     } else {
       std::shared_ptr<const DenseLayer> owned;
@@ -191,6 +203,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
         if (!next_export_->result.ok()) return ToGrpc(next_export_->result.status());
         owned = *std::move(next_export_->result);
       }
+      kept_tokens_ = owned->n_kept;
       // Export the following layer while this one streams.
       next_export_ = layer_ + 1 < layer_end_ ? StartExport(layer_ + 1) : nullptr;
       parts_.push_back({kvcache::v1::PART_K, owned->k.data(), owned->k.size(), owned});
@@ -201,6 +214,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     }
     part_ = 0;
     offset_ = 0;
+    verified_blocks_ = 0;
     return grpc::Status::OK;
   }
 
@@ -234,6 +248,19 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       // An empty part still gets one (empty) message so the client learns its size.
       if (offset_ < p.size || (p.size == 0 && offset_ == 0 && !sent_empty_)) {
         const size_t n = std::min<uint64_t>(chunk_, p.size - offset_);
+        if (p.kind == kvcache::v1::PART_PACKED) {
+          // The blocks this chunk reaches into are verified now, while the kernel is about to
+          // read them anyway: a corrupt block ends the stream before any of its bytes go out.
+          const uint64_t upto = NumChecksumBlocks(offset_ + n);
+          if (upto > verified_blocks_) {
+            const CacheEntry& entry = keep_->lease.entry();
+            if (absl::Status s = VerifyBlocks(entry, layer_, verified_blocks_, upto); !s.ok()) {
+              FinishOnce(ToGrpc(s));
+              return;
+            }
+            verified_blocks_ = upto;
+          }
+        }
         kvcache::v1::LayerChunk chunk;
         chunk.set_layer(layer_);
         chunk.set_part(p.kind);
@@ -279,6 +306,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   std::shared_ptr<Export> next_export_;  // DENSE: the export of the next layer to load
   size_t part_ = 0;
   uint64_t offset_ = 0;
+  uint64_t verified_blocks_ = 0;  // PACKED: blocks of the current layer checked so far
   bool sent_empty_ = false;
   grpc::ByteBuffer pending_;
   bool has_pending_ = false;

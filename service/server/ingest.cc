@@ -128,6 +128,7 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
     absl::MutexLock lock(&mu_);
     compact_.resize(num_layers);
     compressed_.assign(num_layers, false);
+    block_checksums_.assign(num_layers, {});
   }
   has_header_ = true;
   start_ = absl::Now();
@@ -206,10 +207,9 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
         }
         layer.in_place.emplace(*std::move(blob));
         layer.hashing = std::make_unique<LayerState::Hashing>();
-        const size_t blocks =
-            (layer.in_place->blob_bytes() + kChecksumBlockBytes - 1) / kChecksumBlockBytes;
-        layer.hashing->block_done = std::make_unique<std::atomic<uint8_t>[]>(blocks);
-        for (size_t i = 0; i < blocks; ++i) layer.hashing->block_done[i] = 0;
+        const uint64_t blocks = NumChecksumBlocks(layer.in_place->blob_bytes());
+        layer.hashing->blocks.assign(blocks, 0);
+        layer.hashing->done.assign(blocks, 0);
       }
       const absl::Time start = absl::Now();
       std::vector<std::pair<size_t, size_t>> runs;  // blob ranges written, adjacent ones merged
@@ -270,16 +270,14 @@ void Upload::HashRuns(int index, std::vector<std::pair<size_t, size_t>> runs) {
   LayerState& layer = layers_[index];
   // The blob itself does not move while the layer is incomplete or a hash job holds a reference.
   const absl::Span<const uint8_t> blob(layer.in_place->blob(), layer.in_place->blob_bytes());
-  uint64_t sum = 0;
   for (const auto& [at, n] : runs) {
     for (size_t i = (at + kChecksumBlockBytes - 1) / kChecksumBlockBytes;
          i * kChecksumBlockBytes < at + n; ++i) {
       if (std::min((i + 1) * kChecksumBlockBytes, blob.size()) > at + n) break;  // runs on past
-      sum += ChecksumBlock(static_cast<uint32_t>(index), blob, i);
-      layer.hashing->block_done[i].store(1, std::memory_order_relaxed);
+      layer.hashing->blocks[i] = ChecksumBlock(static_cast<uint32_t>(index), blob, i);
+      layer.hashing->done[i] = 1;
     }
   }
-  layer.hashing->checksum.fetch_add(sum, std::memory_order_relaxed);
   ReleaseLayerHashing(index, /*on_pool=*/true);
   absl::MutexLock lock(&mu_);
   --pending_;
@@ -301,11 +299,10 @@ void Upload::CompleteInPlaceLayer(int index) {
   // Blocks no single piece covered (metadata, chunk boundaries, NHD rows) are hashed now.
   const absl::Time start = absl::Now();
   const absl::Span<const uint8_t> blob(layer.in_place->blob(), layer.in_place->blob_bytes());
-  uint64_t checksum = layer.hashing->checksum.load(std::memory_order_relaxed);
-  for (size_t i = 0; i * kChecksumBlockBytes < blob.size(); ++i) {
-    if (layer.hashing->block_done[i].load(std::memory_order_relaxed) == 0) {
-      checksum += ChecksumBlock(static_cast<uint32_t>(index), blob, i);
-    }
+  std::vector<uint64_t> blocks = std::move(layer.hashing->blocks);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (layer.hashing->done[i] == 0)
+      blocks[i] = ChecksumBlock(static_cast<uint32_t>(index), blob, i);
   }
   CompressTimings t;
   t.pack = layer.place_seconds + absl::ToDoubleSeconds(absl::Now() - start);  // the only work
@@ -314,7 +311,7 @@ void Upload::CompleteInPlaceLayer(int index) {
   layer.in_place.reset();
   layer.hashing.reset();
   absl::MutexLock lock(&mu_);
-  LayerDone(index, std::move(done), checksum, t);
+  LayerDone(index, std::move(done), std::move(blocks), t);
 }
 
 void Upload::CompressLayer(int index) {
@@ -340,13 +337,14 @@ void Upload::CompressLayer(int index) {
   absl::StatusOr<CompactLayer> out = backend_->Compress(in, spec_, &t);
   for (auto& buf : layer.tensor) buf.reset();  // staging goes back as soon as the layer is done
   // Hashed here, right after the engine wrote it, on this job's thread.
-  const uint64_t checksum = out.ok() ? ChecksumLayer(static_cast<uint32_t>(index), out->bytes) : 0;
+  std::vector<uint64_t> blocks;
+  if (out.ok()) blocks = ChecksumLayerBlocks(static_cast<uint32_t>(index), out->bytes);
 
   absl::MutexLock lock(&mu_);
-  LayerDone(index, std::move(out), checksum, t);
+  LayerDone(index, std::move(out), std::move(blocks), t);
 }
 
-void Upload::LayerDone(int index, absl::StatusOr<CompactLayer> out, uint64_t checksum,
+void Upload::LayerDone(int index, absl::StatusOr<CompactLayer> out, std::vector<uint64_t> blocks,
                        const CompressTimings& t) {
   if (aborted_) {
     // Results of an abandoned upload are dropped.
@@ -361,7 +359,8 @@ void Upload::LayerDone(int index, absl::StatusOr<CompactLayer> out, uint64_t che
   } else {
     compact_[index] = *std::move(out);
     compressed_[index] = true;
-    checksum_ += checksum;
+    for (uint64_t h : blocks) checksum_ += h;
+    block_checksums_[index] = std::move(blocks);
     timings_.score += t.score;
     timings_.select += t.select;
     timings_.pack += t.pack;
@@ -453,6 +452,7 @@ absl::StatusOr<kvcache::v1::PutCacheResponse> Upload::Finalize() {
   }
   compact_.clear();
   entry->checksum = checksum_;  // each layer's share, summed as the layers finished
+  entry->block_checksums = std::move(block_checksums_);
   info.set_input_bytes(entry->input_bytes);
   info.set_stored_bytes(stored);
   info.set_compression_ratio(stored > 0 ? static_cast<double>(entry->input_bytes) / stored : 0);

@@ -93,10 +93,12 @@ class Upload : public std::enable_shared_from_this<Upload> {
     std::optional<InPlaceLayer> in_place;  // instead of staging when in_place_ (first K/V chunk)
     double place_seconds = 0;              // copying chunks into in_place
     // Checksum progress of an in-place layer, shared with its hash jobs.
+    // Hash jobs write distinct blocks; the layer's completion reads them all after the last
+    // job let go of `refs` (acquire-release), so the vectors need no lock.
     struct Hashing {
-      std::unique_ptr<std::atomic<uint8_t>[]> block_done;  // 1 once the block is summed
-      std::atomic<uint64_t> checksum{0};                   // sum of the blocks done so far
-      std::atomic<int> refs{1};  // hash jobs in flight, + 1 until the layer is complete
+      std::vector<uint64_t> blocks;  // block hashes (CacheEntry::block_checksums' row)
+      std::vector<uint8_t> done;     // 1 once blocks[i] is set
+      std::atomic<int> refs{1};      // hash jobs in flight, + 1 until the layer is complete
     };
     std::unique_ptr<Hashing> hashing;
     Coverage coverage[3];
@@ -116,7 +118,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
   void ReleaseLayerHashing(int index, bool on_pool);
   // Records layer `index`'s result and its share of the checksum, then finalizes if it was the
   // last job.
-  void LayerDone(int index, absl::StatusOr<CompactLayer> out, uint64_t checksum,
+  void LayerDone(int index, absl::StatusOr<CompactLayer> out, std::vector<uint64_t> blocks,
                  const CompressTimings& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeFinalize() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<kvcache::v1::PutCacheResponse> Finalize() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -153,8 +155,9 @@ class Upload : public std::enable_shared_from_this<Upload> {
   bool aborted_ ABSL_GUARDED_BY(mu_) = false;
   DoneCallback done_ ABSL_GUARDED_BY(mu_);
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;
-  // Sum of the finished layers' checksum shares (CacheEntry::checksum's definition, kvc/
-  // cache_store.h): each job hashes its own layer, so layers never wait for each other.
+  // Block hashes of the finished layers and their sum (CacheEntry::block_checksums and checksum,
+  // kvc/cache_store.h): each job hashes its own layer, so layers never wait for each other.
+  std::vector<std::vector<uint64_t>> block_checksums_ ABSL_GUARDED_BY(mu_);
   uint64_t checksum_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -11,7 +11,8 @@
 //                       room
 //   ALREADY_EXISTS      the id exists and the header does not set overwrite
 //   NOT_FOUND           unknown or expired cache
-//   DATA_LOSS           stored checksum mismatch
+//   DATA_LOSS           stored bytes do not match their checksum (found block by block as a
+//                       GetCache sends them)
 //   CANCELLED / DEADLINE_EXCEEDED  from the client; the partial upload is discarded
 //   UNAVAILABLE         the server is draining
 //

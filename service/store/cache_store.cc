@@ -29,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kvc/status_macros.h"
 #include "store/annotated_lock.h"
 
 namespace kvc {
@@ -39,17 +40,7 @@ uint64_t CacheEntry::ChargedBytes() const {
   return total;
 }
 
-namespace {
-
-uint64_t ComputeChecksum(const CacheEntry& entry) {
-  uint64_t sum = 0;
-  for (size_t l = 0; l < entry.layers.size(); ++l) {
-    sum += ChecksumLayer(static_cast<uint32_t>(l), entry.layers[l]);
-  }
-  return sum;
-}
-
-}  // namespace
+namespace {}  // namespace
 
 uint64_t ChecksumBlock(uint32_t layer, absl::Span<const uint8_t> blob, uint64_t block) {
   const size_t at = block * kChecksumBlockBytes;
@@ -57,21 +48,67 @@ uint64_t ChecksumBlock(uint32_t layer, absl::Span<const uint8_t> blob, uint64_t 
                               (uint64_t{layer} << 32) + block);
 }
 
-uint64_t ChecksumLayer(uint32_t layer, absl::Span<const uint8_t> blob) {
-  uint64_t sum = 0;
-  for (uint64_t i = 0; i * kChecksumBlockBytes < blob.size(); ++i)
-    sum += ChecksumBlock(layer, blob, i);
-  return sum;
+std::vector<uint64_t> ChecksumLayerBlocks(uint32_t layer, absl::Span<const uint8_t> blob) {
+  std::vector<uint64_t> blocks(NumChecksumBlocks(blob.size()));
+  for (uint64_t i = 0; i < blocks.size(); ++i) blocks[i] = ChecksumBlock(layer, blob, i);
+  return blocks;
 }
 
-void FinalizeEntry(CacheEntry& entry) { entry.checksum = ComputeChecksum(entry); }
+void FinalizeEntry(CacheEntry& entry) {
+  entry.block_checksums.clear();
+  entry.checksum = 0;
+  for (size_t l = 0; l < entry.layers.size(); ++l) {
+    entry.block_checksums.push_back(ChecksumLayerBlocks(static_cast<uint32_t>(l), entry.layers[l]));
+    for (uint64_t h : entry.block_checksums.back()) entry.checksum += h;
+  }
+}
 
 absl::Status VerifyEntry(const CacheEntry& entry) {
-  const uint64_t actual = ComputeChecksum(entry);
+  const bool table = !entry.block_checksums.empty();
+  if (table) RETURN_IF_ERROR(VerifyBlockTable(entry));
+  uint64_t actual = 0;
+  for (size_t l = 0; l < entry.layers.size(); ++l) {
+    const std::vector<uint64_t> blocks =
+        ChecksumLayerBlocks(static_cast<uint32_t>(l), entry.layers[l]);
+    for (uint64_t i = 0; i < blocks.size(); ++i) {
+      if (table && blocks[i] != entry.block_checksums[l][i]) {
+        return absl::DataLossError(
+            absl::StrCat("cache '", entry.id, "': layer ", l, " block ", i, ": checksum mismatch"));
+      }
+      actual += blocks[i];
+    }
+  }
   if (actual != entry.checksum) {
     return absl::DataLossError(absl::StrCat("cache '", entry.id, "': checksum mismatch (stored ",
                                             absl::Hex(entry.checksum), ", computed ",
                                             absl::Hex(actual), ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status VerifyBlockTable(const CacheEntry& entry) {
+  uint64_t sum = 0;
+  bool shaped = entry.block_checksums.size() == entry.layers.size();
+  for (size_t l = 0; shaped && l < entry.layers.size(); ++l) {
+    shaped = entry.block_checksums[l].size() == NumChecksumBlocks(entry.layers[l].size());
+    for (uint64_t h : entry.block_checksums[l]) sum += h;
+  }
+  if (!shaped || sum != entry.checksum) {
+    return absl::DataLossError(absl::StrCat("cache '", entry.id,
+                                            "': the block checksum table does not match the "
+                                            "layers or the checksum ",
+                                            absl::Hex(entry.checksum)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status VerifyBlocks(const CacheEntry& entry, size_t layer, uint64_t begin, uint64_t end) {
+  const std::vector<uint64_t>& table = entry.block_checksums[layer];
+  for (uint64_t i = begin; i < end; ++i) {
+    if (ChecksumBlock(static_cast<uint32_t>(layer), entry.layers[layer], i) != table[i]) {
+      return absl::DataLossError(absl::StrCat("cache '", entry.id, "': layer ", layer, " block ", i,
+                                              ": checksum mismatch"));
+    }
   }
   return absl::OkStatus();
 }

@@ -1,6 +1,7 @@
-// GetCache verifies the stored checksum before sending anything: a corrupted entry yields
-// DATA_LOSS and no bytes. The corruption is injected in-process (the store never corrupts data
-// through its API), so this test runs the KvCache service on an in-process gRPC server.
+// GetCache checks the block checksum table before sending anything and each block just before
+// its bytes are sent: a corrupted block ends the stream with DATA_LOSS before any of its bytes
+// go out. The corruption is injected in-process (the store never corrupts data through its API),
+// so this test runs the KvCache service on an in-process gRPC server.
 #include <memory>
 #include <string>
 
@@ -16,45 +17,109 @@
 namespace kvc::server {
 namespace {
 
-TEST(ServerDataLossTest, CorruptedEntryIsDataLossAndSendsNothing) {
-  auto backend = CreateCpuBackend(BackendOptions{});
-  ASSERT_TRUE(backend.ok()) << backend.status();
-  auto store = CacheStore::Create(CacheStore::Options{});
-  ASSERT_TRUE(store.ok()) << store.status();
-  ThreadPool pool(1);
-  ServiceState state;
-  state.backend = backend->get();
-  state.store = store->get();
-  state.pool = &pool;
-  KvCacheServiceImpl service(&state);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  auto server = builder.BuildAndStart();
-  ASSERT_NE(server, nullptr);
-  auto stub = testing::NewStub("127.0.0.1:" + std::to_string(port));
+class ServerDataLossTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto backend = CreateCpuBackend(BackendOptions{});
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    backend_ = *std::move(backend);
+    auto store = CacheStore::Create(CacheStore::Options{});
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = *std::move(store);
+    state_.backend = backend_.get();
+    state_.store = store_.get();
+    state_.pool = &pool_;
+    // Chunks not aligned to the 64 KiB checksum blocks: a block may straddle two chunks.
+    state_.config.max_chunk_bytes = 96 << 10;
+    service_ = std::make_unique<KvCacheServiceImpl>(&state_);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    stub_ = testing::NewStub("127.0.0.1:" + std::to_string(port));
+    // Two layers of 2048 tokens x 1 KV head x 64 dims fp16: each blob spans 8+ checksum blocks.
+    auto cache = testing::MakeTestCache("c", testing::Shape(2, 1, 1, 64, 2048, 0),
+                                        kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 1);
+    grpc::Status put = testing::PutCache(stub_.get(), cache);
+    ASSERT_TRUE(put.ok()) << put.error_message();
+    get_.set_cache_id("c");
+    ASSERT_TRUE(testing::Get(stub_.get(), get_, &good_).ok());
+  }
+  void TearDown() override {
+    if (server_) server_->Shutdown();
+  }
 
-  auto cache = testing::MakeTestCache("c", testing::Shape(2, 1, 1, 8, 32, 0),
-                                      kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 1);
-  ASSERT_TRUE(testing::PutCache(stub.get(), cache).ok());
-  kvcache::v1::GetCacheRequest get;
-  get.set_cache_id("c");
-  testing::Fetched good;
-  ASSERT_TRUE(testing::Get(stub.get(), get, &good).ok());
+  // The stored entry, modified behind the store's back (the store never corrupts data through
+  // its API).
+  CacheEntry& Stored() {
+    auto entry = store_->Peek("c");
+    EXPECT_TRUE(entry.ok());
+    return const_cast<CacheEntry&>(**entry);
+  }
 
-  // Flip one byte of the stored blob behind the store's back.
-  auto entry = (*store)->Peek("c");
-  ASSERT_TRUE(entry.ok());
-  auto& blob = const_cast<ByteVector&>((*entry)->layers[1]);
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<CacheStore> store_;
+  ThreadPool pool_{1};
+  ServiceState state_;
+  std::unique_ptr<KvCacheServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<kvcache::v1::KvCache::Stub> stub_;
+  kvcache::v1::GetCacheRequest get_;
+  testing::Fetched good_;
+};
+
+// Each block is verified just before it is sent: the layers before the corrupt block arrive
+// whole (and verified), no byte of the corrupt block's chunk goes out, the stream ends DATA_LOSS
+// naming the cache, the layer and the block.
+TEST_F(ServerDataLossTest, CorruptBlockEndsTheStreamBeforeItsBytes) {
+  ASSERT_GT(NumChecksumBlocks(Stored().layers[1].size()), 2u);
+  ByteVector& blob = Stored().layers[1];
   blob[blob.size() / 2] ^= 0x40;
-
   testing::Fetched bad;
-  grpc::Status s = testing::Get(stub.get(), get, &bad);
+  grpc::Status s = testing::Get(stub_.get(), get_, &bad);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
   EXPECT_THAT(s.error_message(), ::testing::HasSubstr("'c'"));
+  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("layer 1 block"));
+  EXPECT_EQ(bad.part(0, kvcache::v1::PART_PACKED), good_.part(0, kvcache::v1::PART_PACKED));
+  // Only chunks wholly before the corrupt block's chunk of layer 1 may have gone out.
+  const std::string& partial = bad.part(1, kvcache::v1::PART_PACKED);
+  EXPECT_GT(partial.size(), 0u);
+  EXPECT_LT(partial.size(), blob.size() / 2);
+  EXPECT_EQ(partial, good_.part(1, kvcache::v1::PART_PACKED).substr(0, partial.size()));
+}
+
+TEST_F(ServerDataLossTest, CorruptFirstBlockSendsNoCacheBytes) {
+  Stored().layers[0][3] ^= 1;
+  testing::Fetched bad;
+  grpc::Status s = testing::Get(stub_.get(), get_, &bad);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
+  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("layer 0 block 0"));
+  EXPECT_TRUE(bad.parts.empty());
+}
+
+TEST_F(ServerDataLossTest, TamperedBlockTableIsDataLossBeforeAnything) {
+  Stored().block_checksums[1][0] ^= 1;
+  testing::Fetched bad;
+  grpc::Status s = testing::Get(stub_.get(), get_, &bad);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
+  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("block checksum table"));
   EXPECT_EQ(bad.messages, 0);
-  server->Shutdown();
+}
+
+TEST_F(ServerDataLossTest, DenseExportVerifiesTheLayerFirst) {
+  Stored().layers[1][100] ^= 1;
+  get_.set_format(kvcache::v1::FORMAT_DENSE);
+  testing::Fetched dense_good, bad;
+  Stored().layers[1][100] ^= 1;  // intact again: the reference
+  ASSERT_TRUE(testing::Get(stub_.get(), get_, &dense_good).ok());
+  Stored().layers[1][100] ^= 1;
+  grpc::Status s = testing::Get(stub_.get(), get_, &bad);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
+  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("layer 1 block 0"));
+  EXPECT_EQ(bad.part(0, kvcache::v1::PART_K), dense_good.part(0, kvcache::v1::PART_K));
+  EXPECT_EQ(bad.parts.count({1, kvcache::v1::PART_K}), 0u);
 }
 
 }  // namespace

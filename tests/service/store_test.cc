@@ -402,7 +402,44 @@ TEST(CacheStoreTest, ChecksumTiesEachBlockToItsPlace) {
   CacheEntry tail = *e;
   tail.layers[1].back() ^= 1;
   EXPECT_EQ(VerifyEntry(tail).code(), absl::StatusCode::kDataLoss);
-  EXPECT_EQ(e->checksum, ChecksumLayer(0, e->layers[0]) + ChecksumLayer(1, e->layers[1]));
+  // The block table: one row per layer, one hash per block, summing to the checksum.
+  ASSERT_EQ(e->block_checksums.size(), 2u);
+  EXPECT_EQ(e->block_checksums[0], ChecksumLayerBlocks(0, e->layers[0]));
+  EXPECT_EQ(e->block_checksums[1].size(), 3u);
+  uint64_t sum = 0;
+  for (const auto& row : e->block_checksums) {
+    for (uint64_t h : row) sum += h;
+  }
+  EXPECT_EQ(sum, e->checksum);
+  EXPECT_TRUE(VerifyBlockTable(*e).ok());
+  EXPECT_TRUE(VerifyBlocks(*e, 1, 0, 3).ok());
+}
+
+// Readers check the table once (no hashing), then only the blocks they serve: a corrupt block is
+// found by the range that covers it and named; a tampered table is caught by its sum.
+TEST(CacheStoreTest, BlockVerificationFindsTheCorruptBlock) {
+  constexpr size_t kBlock = kChecksumBlockBytes;
+  auto e = std::make_shared<CacheEntry>();
+  e->id = "c";
+  ByteVector layer(3 * kBlock);
+  for (size_t i = 0; i < layer.size(); ++i) layer[i] = static_cast<uint8_t>(i * 7);
+  e->layers.push_back(std::move(layer));
+  FinalizeEntry(*e);
+  CacheEntry bad = *e;
+  bad.layers[0][kBlock + 5] ^= 1;                // block 1
+  EXPECT_TRUE(VerifyBlockTable(bad).ok());       // the table itself is intact
+  EXPECT_TRUE(VerifyBlocks(bad, 0, 0, 1).ok());  // block 0 is fine
+  absl::Status s = VerifyBlocks(bad, 0, 0, 3);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("layer 0 block 1"));
+  EXPECT_EQ(VerifyEntry(bad).code(), absl::StatusCode::kDataLoss);
+  CacheEntry table = *e;
+  table.block_checksums[0][2] += 1;  // the table no longer sums to the checksum
+  EXPECT_EQ(VerifyBlockTable(table).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(VerifyEntry(table).code(), absl::StatusCode::kDataLoss);
+  CacheEntry shape = *e;
+  shape.block_checksums[0].pop_back();
+  EXPECT_EQ(VerifyBlockTable(shape).code(), absl::StatusCode::kDataLoss);
 }
 
 TEST(CacheStoreTest, ChecksumDetectsCorruption) {

@@ -38,6 +38,10 @@ struct CacheEntry {
   absl::Time created;
   absl::Time expires = absl::InfiniteFuture();
   uint64_t checksum = 0;  // set by FinalizeEntry
+  // The hash of every checksum block, [layer][block]; they sum to `checksum`. Readers verify the
+  // blocks they are about to serve against it (VerifyBlocks), so a GetCache hashes each block
+  // just before sending it instead of the whole cache up front. Set by FinalizeEntry.
+  std::vector<std::vector<uint64_t>> block_checksums;
 
   // Bytes charged against the budget: layer blobs + metadata + id.
   uint64_t ChargedBytes() const;
@@ -53,13 +57,24 @@ inline constexpr size_t kChecksumBlockBytes = size_t{64} << 10;
 // The hash of block `block` of `blob` (layer `layer`); requires block * kChecksumBlockBytes <
 // blob.size().
 uint64_t ChecksumBlock(uint32_t layer, absl::Span<const uint8_t> blob, uint64_t block);
-// The sum over one layer's blocks (its share of the checksum).
-uint64_t ChecksumLayer(uint32_t layer, absl::Span<const uint8_t> blob);
+// The hash of every block of one layer, in order (its entry of CacheEntry::block_checksums).
+std::vector<uint64_t> ChecksumLayerBlocks(uint32_t layer, absl::Span<const uint8_t> blob);
+// Number of checksum blocks of a blob of `bytes` bytes.
+inline uint64_t NumChecksumBlocks(uint64_t bytes) {
+  return (bytes + kChecksumBlockBytes - 1) / kChecksumBlockBytes;
+}
 
-// Computes and stores the checksum.
+// Computes and stores the block table and the checksum.
 void FinalizeEntry(CacheEntry& entry);
-// OK when the stored checksum matches the blobs; DATA_LOSS otherwise.
+// OK when the blobs hash to the stored checksum (and to the block table, when there is one);
+// DATA_LOSS otherwise.
 absl::Status VerifyEntry(const CacheEntry& entry);
+// OK when the block table has a row per layer and an entry per block and sums to the checksum
+// (cheap: no hashing); DATA_LOSS otherwise. Readers check it once before VerifyBlocks.
+absl::Status VerifyBlockTable(const CacheEntry& entry);
+// OK when blocks [begin, end) of layer `layer` hash to the block table (which VerifyBlockTable
+// accepted); DATA_LOSS naming the layer and block otherwise.
+absl::Status VerifyBlocks(const CacheEntry& entry, size_t layer, uint64_t begin, uint64_t end);
 
 enum class EvictionReason { kCapacity, kTtl, kOverwrite, kDeleted };
 const char* EvictionReasonName(EvictionReason r);  // "capacity", "ttl", "overwrite", "deleted"
