@@ -137,6 +137,12 @@ struct Metrics::Impl {
   std::array<Counter*, kNumEvictionReasons> evictions{};
   std::array<Counter*, kNumRejectionReasons> rejections{};
   Gauge* gpu_memory = nullptr;
+  Gauge* pool_idle = nullptr;
+  Gauge* pool_cap = nullptr;
+  Counter* pool_reused = nullptr;
+  Counter* pool_mapped = nullptr;
+  uint64_t pool_reused_seen ABSL_GUARDED_BY(mu) = 0;  // totals already added to the counters
+  uint64_t pool_mapped_seen ABSL_GUARDED_BY(mu) = 0;
   Gauge* active_streams = nullptr;
   Family<Gauge>* build_info_family = nullptr;
 
@@ -249,6 +255,24 @@ struct Metrics::Impl {
                       .Help("Device memory held by the CUDA backend (0 without one).")
                       .Register(r)
                       .Add({});
+    pool_idle = &prometheus::BuildGauge()
+                     .Name("kvc_buffer_pool_idle_bytes")
+                     .Help("Freed large buffers kept mapped for reuse (--buffer_pool_bytes).")
+                     .Register(r)
+                     .Add({});
+    pool_cap = &prometheus::BuildGauge()
+                    .Name("kvc_buffer_pool_capacity_bytes")
+                    .Help("The most idle bytes the buffer pool keeps (--buffer_pool_bytes).")
+                    .Register(r)
+                    .Add({});
+    auto& pool_family = prometheus::BuildCounter()
+                            .Name("kvc_buffer_pool_requests_total")
+                            .Help(
+                                "Large-buffer requests: served from the pool (reused) or by "
+                                "mapping fresh memory (mapped).")
+                            .Register(r);
+    pool_reused = &pool_family.Add({{"result", "reused"}});
+    pool_mapped = &pool_family.Add({{"result", "mapped"}});
     active_streams = &prometheus::BuildGauge()
                           .Name("kvc_active_streams")
                           .Help("PutCache and GetCache streams in progress.")
@@ -340,6 +364,21 @@ void Metrics::RecordRejection(RejectionReason reason) {
 }
 
 void Metrics::SetGpuMemoryUsed(uint64_t bytes) { impl_->gpu_memory->Set(double(bytes)); }
+void Metrics::SetBufferPoolStats(uint64_t idle_bytes, uint64_t cap_bytes, uint64_t reused,
+                                 uint64_t mapped) {
+  impl_->pool_idle->Set(double(idle_bytes));
+  impl_->pool_cap->Set(double(cap_bytes));
+  internal::WriterLock lock(&impl_->mu);
+  if (reused > impl_->pool_reused_seen) {
+    impl_->pool_reused->Increment(double(reused - impl_->pool_reused_seen));
+    impl_->pool_reused_seen = reused;
+  }
+  if (mapped > impl_->pool_mapped_seen) {
+    impl_->pool_mapped->Increment(double(mapped - impl_->pool_mapped_seen));
+    impl_->pool_mapped_seen = mapped;
+  }
+}
+
 void Metrics::StreamStarted() { impl_->active_streams->Increment(); }
 void Metrics::StreamFinished() { impl_->active_streams->Decrement(); }
 

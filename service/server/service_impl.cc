@@ -53,6 +53,10 @@ void ServiceState::RefreshStoreGauges() {
   if (!metrics) return;
   metrics->SetStoreStats(store->GetStats());
   metrics->SetGpuMemoryUsed(GpuMemoryUsedBytes());  // 0 without a live CUDA backend
+  if (staging != nullptr) {
+    metrics->SetBufferPoolStats(staging->idle_bytes(), staging->cap_bytes(), staging->reused(),
+                                staging->mapped());
+  }
 }
 
 RpcRecorder::RpcRecorder(ServiceState* state, const char* method)

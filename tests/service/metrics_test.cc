@@ -105,6 +105,9 @@ TEST(MetricsTest, EveryFamilyExistsWithItsTypeAndHelp) {
       {"kvc_evictions_total", "counter"},
       {"kvc_rejected_requests_total", "counter"},
       {"kvc_gpu_memory_used_bytes", "gauge"},
+      {"kvc_buffer_pool_idle_bytes", "gauge"},
+      {"kvc_buffer_pool_capacity_bytes", "gauge"},
+      {"kvc_buffer_pool_requests_total", "counter"},
       {"kvc_build_info", "gauge"},
       {"kvc_active_streams", "gauge"},
   };
@@ -171,6 +174,8 @@ TEST(MetricsTest, RecordingMovesTheRightSeries) {
   m->RecordEviction(EvictionReason::kTtl);
   m->RecordRejection(RejectionReason::kDraining);
   m->SetGpuMemoryUsed(1 << 20);
+  m->SetBufferPoolStats(4 << 20, 512 << 20, 3, 2);
+  m->SetBufferPoolStats(6 << 20, 512 << 20, 5, 2);  // running totals: counters add the growth
   m->StreamStarted();
   m->StreamStarted();
   m->StreamFinished();
@@ -214,6 +219,10 @@ TEST(MetricsTest, RecordingMovesTheRightSeries) {
   EXPECT_EQ(Sample(s, "kvc_rejected_requests_total", {{"reason", "draining"}}), 1);
   EXPECT_EQ(Sample(s, "kvc_gpu_memory_used_bytes"), 1 << 20);
   EXPECT_EQ(Sample(s, "kvc_active_streams"), 1);
+  EXPECT_EQ(Sample(s, "kvc_buffer_pool_idle_bytes"), 6 << 20);
+  EXPECT_EQ(Sample(s, "kvc_buffer_pool_capacity_bytes"), 512 << 20);
+  EXPECT_EQ(Sample(s, "kvc_buffer_pool_requests_total", {{"result", "reused"}}), 5);
+  EXPECT_EQ(Sample(s, "kvc_buffer_pool_requests_total", {{"result", "mapped"}}), 2);
   EXPECT_EQ(Sample(s, "kvc_build_info", {{"version", "0.1.0"}, {"backend", "cuda"}}), 1);
   EXPECT_EQ(Sample(s, "kvc_build_info", {{"version", "0.1.0"}, {"backend", "cpu"}}), -1);
 }

@@ -89,6 +89,10 @@ class Metrics {
   void RecordRejection(RejectionReason reason);
 
   void SetGpuMemoryUsed(uint64_t bytes);
+  // The buffer pool (kvc/buffer_pool.h): idle bytes and cap as gauges; `reused` and `mapped` are
+  // the pool's running totals of requests, exported as kvc_buffer_pool_requests_total{result}.
+  void SetBufferPoolStats(uint64_t idle_bytes, uint64_t cap_bytes, uint64_t reused,
+                          uint64_t mapped);
   void StreamStarted();   // kvc_active_streams + 1
   void StreamFinished();  // kvc_active_streams - 1
   // Replaces the kvc_build_info series (only one exists at a time).
