@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "kvc/buffer_pool.h"
 #include "kvcctl.h"
 
 namespace {
@@ -28,6 +29,7 @@ constexpr char kUsage[] =
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvc::ReuseLargeMallocs();  // multi-MiB message buffers: reused, not remapped per message
   std::vector<std::string> args(argv + 1, argv + argc);
   // The command is the first word that is neither a flag nor a global flag's separate value.
   size_t cmd_index = args.size();
