@@ -6,10 +6,11 @@
 // FLOPS counts 2*M*N*K of the GEMMs; pack reports out_bytes_per_second too (bytes of the packed
 // blob), which is what a gather actually copies; compare it with BM_Memcpy's bytes_per_second.
 // Run e.g.:
-//   engine_bench --benchmark_min_time=0.3
+//   engine_bench --benchmark_min_time=0.3 [--pool_mib=512]
 #include <cblas.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -20,6 +21,7 @@
 #include "../../kernels/cpu/thread_pool.h"
 #include "absl/strings/str_cat.h"
 #include "benchmark/benchmark.h"
+#include "kvc/buffer_pool.h"
 #include "kvc/backend.h"
 #include "kvc/compact.h"
 #include "kvc/dtype.h"
@@ -310,4 +312,24 @@ BENCHMARK(BM_Pipeline)
 }  // namespace
 }  // namespace kvc
 
-BENCHMARK_MAIN();
+// Outputs come from the buffer pool the way they do in kvcd, which keeps 512 MiB of freed blobs
+// by default (--buffer_pool_bytes): --pool_mib=N sets the cap here, 0 makes every pack write
+// fresh memory (page faults and kernel zeroing included).
+int main(int argc, char** argv) {
+  uint64_t pool_mib = 512;
+  int out = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--pool_mib=", 11) == 0) {
+      pool_mib = std::strtoull(argv[i] + 11, nullptr, 10);
+    } else {
+      argv[out++] = argv[i];
+    }
+  }
+  argc = out;
+  kvc::LargeBuffers().set_cap(pool_mib << 20);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
