@@ -11,6 +11,7 @@
 #include "kvc/compact.h"
 #include "testing/kvc_rpc.h"
 #include "testing/kvcd_process.h"
+#include "testing/shared_kvcd.h"
 
 namespace kvc {
 namespace {
@@ -18,22 +19,14 @@ namespace {
 namespace pb = kvcache::v1;
 using testing::KvcdProcess;
 
-class ClientKvcdTest : public ::testing::Test {
+class ClientKvcdTest : public testing::SharedKvcdTest<ClientKvcdTest> {
+ public:
+  static std::vector<std::string> KvcdFlags() { return {"--store_bytes=256MiB"}; }
+
  protected:
-  static void SetUpTestSuite() {
-    KvcdProcess::Options o;
-    o.binary = KVCD_PATH;
-    o.flags = {"--store_bytes=256MiB"};
-    auto p = KvcdProcess::Start(o);
-    ASSERT_TRUE(p.ok()) << p.status();
-    kvcd_ = p->release();
-  }
-  static void TearDownTestSuite() {
-    delete kvcd_;
-    kvcd_ = nullptr;
-  }
   void SetUp() override {
-    ASSERT_NE(kvcd_, nullptr);
+    SharedKvcdTest::SetUp();
+    if (HasFatalFailure()) return;
     ClientOptions o;
     o.target = kvcd_->address();
     o.max_chunk_bytes = kMinChunkBytes;  // several chunks per tensor below
@@ -54,10 +47,8 @@ class ClientKvcdTest : public ::testing::Test {
     return v;
   }
 
-  static KvcdProcess* kvcd_;
   std::unique_ptr<Client> client_;
 };
-KvcdProcess* ClientKvcdTest::kvcd_ = nullptr;
 
 TEST_F(ClientKvcdTest, DenseRoundTripIsBitExactWithoutCompression) {
   const testing::TestCache cache = MakeCache("exact", 1);

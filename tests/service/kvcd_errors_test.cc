@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "testing/kvc_rpc.h"
 #include "testing/kvcd_process.h"
+#include "testing/shared_kvcd.h"
 
 namespace kvc {
 namespace {
@@ -19,24 +20,18 @@ using testing::KvcdProcess;
 using testing::StoreView;
 using testing::TestCache;
 
-class KvcdErrorsTest : public ::testing::Test {
+class KvcdErrorsTest : public testing::SharedKvcdTest<KvcdErrorsTest> {
+ public:
+  static std::vector<std::string> KvcdFlags() {
+    return {"--store_bytes=4MiB",       "--backend=cpu",
+            "--max_chunk_bytes=16KiB",  "--max_message_bytes=64KiB",
+            "--max_cache_bytes=512KiB", "--max_concurrent_streams=4"};
+  }
+
  protected:
-  static void SetUpTestSuite() {
-    KvcdProcess::Options opts;
-    opts.binary = KVCD_PATH;
-    opts.flags = {"--store_bytes=4MiB",       "--backend=cpu",
-                  "--max_chunk_bytes=16KiB",  "--max_message_bytes=64KiB",
-                  "--max_cache_bytes=512KiB", "--max_concurrent_streams=4"};
-    auto p = KvcdProcess::Start(opts);
-    ASSERT_TRUE(p.ok()) << p.status();
-    kvcd_ = p->release();
-  }
-  static void TearDownTestSuite() {
-    delete kvcd_;
-    kvcd_ = nullptr;
-  }
   void SetUp() override {
-    ASSERT_NE(kvcd_, nullptr);
+    SharedKvcdTest::SetUp();
+    if (HasFatalFailure()) return;
     // Streams of the previous test (cancelled, past their deadline) may still hold their slot.
     ASSERT_NO_FATAL_FAILURE(SettleStreams(0));
     stub_ = testing::NewStub(kvcd_->address());
@@ -50,7 +45,7 @@ class KvcdErrorsTest : public ::testing::Test {
     ASSERT_NO_FATAL_FAILURE(SettleStreams(0));
   }
   void TearDown() override {
-    // Give the server a moment to settle cancelled streams before comparing.
+    if (stub_ == nullptr) return;  // SetUp failed before the store was looked at
     StoreView after = testing::ViewStore(stub_.get());
     EXPECT_EQ(after.used_bytes, before_.used_bytes);
     EXPECT_EQ(after.entries, before_.entries);
@@ -80,11 +75,9 @@ class KvcdErrorsTest : public ::testing::Test {
     SettleStreams(open_streams);
   }
 
-  static KvcdProcess* kvcd_;
   std::unique_ptr<kvcache::v1::KvCache::Stub> stub_;
   StoreView before_;
 };
-KvcdProcess* KvcdErrorsTest::kvcd_ = nullptr;
 
 TEST_F(KvcdErrorsTest, BadHeaderFieldsAreInvalidArgumentNamingTheField) {
   struct Case {

@@ -10,6 +10,7 @@
 #include "kvc/compact.h"
 #include "testing/kvc_rpc.h"
 #include "testing/kvcd_process.h"
+#include "testing/shared_kvcd.h"
 
 namespace kvc {
 namespace {
@@ -21,30 +22,22 @@ using testing::TestCache;
 
 constexpr uint64_t kChunkLimit = 16 << 10;
 
-class KvcdPutGetTest : public ::testing::Test {
+class KvcdPutGetTest : public testing::SharedKvcdTest<KvcdPutGetTest> {
+ public:
+  static std::vector<std::string> KvcdFlags() {
+    return {"--store_bytes=64MiB", "--backend=cpu", "--max_chunk_bytes=16KiB",
+            "--max_message_bytes=64KiB"};
+  }
+
  protected:
-  static void SetUpTestSuite() {
-    KvcdProcess::Options opts;
-    opts.binary = KVCD_PATH;
-    opts.flags = {"--store_bytes=64MiB", "--backend=cpu", "--max_chunk_bytes=16KiB",
-                  "--max_message_bytes=64KiB"};
-    auto p = KvcdProcess::Start(opts);
-    ASSERT_TRUE(p.ok()) << p.status();
-    kvcd_ = p->release();
-  }
-  static void TearDownTestSuite() {
-    delete kvcd_;
-    kvcd_ = nullptr;
-  }
   void SetUp() override {
-    ASSERT_NE(kvcd_, nullptr);
+    SharedKvcdTest::SetUp();
+    if (HasFatalFailure()) return;
     stub_ = testing::NewStub(kvcd_->address());
   }
 
-  static KvcdProcess* kvcd_;
   std::unique_ptr<kvcache::v1::KvCache::Stub> stub_;
 };
-KvcdProcess* KvcdPutGetTest::kvcd_ = nullptr;
 
 std::string Bytes(absl::Span<const uint8_t> v) {
   return std::string(reinterpret_cast<const char*>(v.data()), v.size());

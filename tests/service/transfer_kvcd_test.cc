@@ -16,6 +16,7 @@
 #include "testing/fake_communicator.h"
 #include "testing/kvc_rpc.h"
 #include "testing/kvcd_process.h"
+#include "testing/shared_kvcd.h"
 
 namespace kvc {
 namespace {
@@ -99,22 +100,16 @@ struct ExternalPut {
   }
 };
 
-class TransferKvcdTest : public ::testing::Test {
+class TransferKvcdTest : public testing::SharedKvcdTest<TransferKvcdTest> {
+ public:
+  static std::vector<std::string> KvcdFlags() {
+    return {"--store_bytes=64MiB", "--backend=cpu", kChunkLimitFlag, "--transfer=auto"};
+  }
+
  protected:
-  static void SetUpTestSuite() {
-    KvcdProcess::Options opts;
-    opts.binary = KVCD_PATH;
-    opts.flags = {"--store_bytes=64MiB", "--backend=cpu", kChunkLimitFlag, "--transfer=auto"};
-    auto p = KvcdProcess::Start(opts);
-    ASSERT_TRUE(p.ok()) << p.status();
-    kvcd_ = p->release();
-  }
-  static void TearDownTestSuite() {
-    delete kvcd_;
-    kvcd_ = nullptr;
-  }
   void SetUp() override {
-    ASSERT_NE(kvcd_, nullptr);
+    SharedKvcdTest::SetUp();
+    if (HasFatalFailure()) return;
     channel_ = Channel(kvcd_->address());
     stub_ = testing::NewStub(kvcd_->address());
   }
@@ -136,11 +131,9 @@ class TransferKvcdTest : public ::testing::Test {
     return false;
   }
 
-  static KvcdProcess* kvcd_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<kvcache::v1::KvCache::Stub> stub_;
 };
-KvcdProcess* TransferKvcdTest::kvcd_ = nullptr;
 
 TEST_F(TransferKvcdTest, TransferredUploadStoresTheSameBytesAsChunks) {
   const TestCache chunked = MakeCache("same-chunks");
