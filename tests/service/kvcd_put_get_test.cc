@@ -43,18 +43,6 @@ std::string Bytes(absl::Span<const uint8_t> v) {
   return std::string(reinterpret_cast<const char*>(v.data()), v.size());
 }
 
-// A compression config exercising eviction, key-channel pruning and quantization.
-kvcache::v1::CompressionConfig Compressed() {
-  kvcache::v1::CompressionConfig c;
-  c.mutable_eviction()->set_policy("snapkv");
-  c.mutable_eviction()->set_keep_ratio(0.25);
-  c.mutable_channels()->set_key_policy("think");
-  c.mutable_channels()->set_key_lambda(0.5);
-  c.mutable_quant()->set_bits(4);
-  c.set_recent_tokens(16);
-  return c;
-}
-
 // The same config as the engine's spec (what the server must map it to).
 CompressionSpec CompressedSpec() {
   CompressionSpec s;
@@ -139,7 +127,7 @@ TEST_F(KvcdPutGetTest, UncompressedRoundTripIsBitExactForEveryDtypeAndLayout) {
 TEST_F(KvcdPutGetTest, PackedEqualsTheEnginesCompressOutput) {
   TestCache cache = testing::MakeTestCache("packed/a", testing::Shape(3, 2, 8, 32, 200, 32),
                                            kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_NHD, 5);
-  *cache.header.mutable_compression() = Compressed();
+  *cache.header.mutable_compression() = testing::FullCompression();
   kvcache::v1::PutCacheResponse resp;
   grpc::Status s = testing::PutCache(stub_.get(), cache, &resp);
   ASSERT_TRUE(s.ok()) << s.error_message();
@@ -170,7 +158,7 @@ TEST_F(KvcdPutGetTest, PackedEqualsTheEnginesCompressOutput) {
 TEST_F(KvcdPutGetTest, DenseEqualsExportDenseAndHonoursTheLayerRange) {
   TestCache cache = testing::MakeTestCache("dense/a", testing::Shape(4, 2, 4, 64, 128, 16),
                                            kvcache::v1::DTYPE_BF16, kvcache::v1::LAYOUT_HND, 9);
-  *cache.header.mutable_compression() = Compressed();
+  *cache.header.mutable_compression() = testing::FullCompression();
   ASSERT_TRUE(testing::PutCache(stub_.get(), cache).ok());
   const std::vector<CompactLayer> blobs = CompressLocally(cache, CompressedSpec());
   GetCacheRequest req;

@@ -35,21 +35,10 @@ using transfer::TransferClient;
 // 16 KiB per K/V tensor: four pieces of --max_chunk_bytes each when delivered.
 constexpr char kChunkLimitFlag[] = "--max_chunk_bytes=4KiB";
 
-kvcache::v1::CompressionConfig Compressed() {
-  kvcache::v1::CompressionConfig c;
-  c.mutable_eviction()->set_policy("snapkv");
-  c.mutable_eviction()->set_keep_ratio(0.25);
-  c.mutable_channels()->set_key_policy("think");
-  c.mutable_channels()->set_key_lambda(0.5);
-  c.mutable_quant()->set_bits(4);
-  c.set_recent_tokens(16);
-  return c;
-}
-
 TestCache MakeCache(const std::string& id, uint64_t seed = 7) {
   TestCache c = testing::MakeTestCache(id, testing::Shape(3, 2, 4, 32, 128, 16),
                                        kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, seed);
-  *c.header.mutable_compression() = Compressed();
+  *c.header.mutable_compression() = testing::FullCompression();
   return c;
 }
 

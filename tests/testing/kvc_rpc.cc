@@ -102,6 +102,17 @@ kvcache::v1::ModelShape Shape(uint32_t layers, uint32_t kv_heads, uint32_t q_hea
   return s;
 }
 
+kvcache::v1::CompressionConfig FullCompression() {
+  kvcache::v1::CompressionConfig c;
+  c.mutable_eviction()->set_policy("snapkv");
+  c.mutable_eviction()->set_keep_ratio(0.25);
+  c.mutable_channels()->set_key_policy("think");
+  c.mutable_channels()->set_key_lambda(0.5);
+  c.mutable_quant()->set_bits(4);
+  c.set_recent_tokens(16);
+  return c;
+}
+
 TestCache MakeTestCache(const std::string& id, const kvcache::v1::ModelShape& shape,
                         kvcache::v1::DType dtype, kvcache::v1::Layout layout, uint64_t seed) {
   TestCache c;

@@ -38,6 +38,10 @@ TestCache MakeTestCache(const std::string& id, const kvcache::v1::ModelShape& sh
 kvcache::v1::ModelShape Shape(uint32_t layers, uint32_t kv_heads, uint32_t q_heads,
                               uint32_t head_dim, uint32_t seq_len, uint32_t obs_window);
 
+// A compression config exercising eviction (snapkv 0.25), key-channel pruning (ThinK 0.5) and
+// 4-bit quantization, with 16 recent tokens kept whole.
+kvcache::v1::CompressionConfig FullCompression();
+
 // The header followed by chunks of at most `chunk_bytes` for every tensor of every layer, in
 // layer order (K, V, Q_obs per layer), or shuffled with `shuffle_seed` != 0.
 std::vector<kvcache::v1::PutCacheRequest> MakeRequests(const TestCache& cache, size_t chunk_bytes,
