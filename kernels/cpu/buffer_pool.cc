@@ -115,10 +115,7 @@ void BufferPool::Release(uint8_t* data, size_t capacity) {
     // A buffer larger than the whole cap is never kept, so it displaces nothing.
     while (capacity <= cap_ && idle_bytes_ + capacity > cap_ && !idle_.empty() &&
            idle_.begin()->first < capacity) {
-      auto smallest = idle_.begin();
-      munmap(smallest->second, smallest->first);
-      idle_bytes_ -= smallest->first;
-      idle_.erase(smallest);
+      UnmapSmallestIdle();
     }
     if (idle_bytes_ + capacity <= cap_) {
       idle_.emplace(capacity, data);
@@ -132,12 +129,14 @@ void BufferPool::Release(uint8_t* data, size_t capacity) {
 void BufferPool::set_cap(uint64_t cap_bytes) {
   absl::MutexLock lock(&mu_);
   cap_ = cap_bytes;
-  while (idle_bytes_ > cap_) {  // smallest first, as in Release
-    auto smallest = idle_.begin();
-    munmap(smallest->second, smallest->first);
-    idle_bytes_ -= smallest->first;
-    idle_.erase(smallest);
-  }
+  while (idle_bytes_ > cap_) UnmapSmallestIdle();  // smallest first, as in Release
+}
+
+void BufferPool::UnmapSmallestIdle() {
+  auto smallest = idle_.begin();
+  munmap(smallest->second, smallest->first);
+  idle_bytes_ -= smallest->first;
+  idle_.erase(smallest);
 }
 
 uint64_t BufferPool::cap_bytes() const {

@@ -64,19 +64,17 @@ void FinalizeEntry(CacheEntry& entry) {
 }
 
 absl::Status VerifyEntry(const CacheEntry& entry) {
-  const bool table = !entry.block_checksums.empty();
-  if (table) RETURN_IF_ERROR(VerifyBlockTable(entry));
+  if (!entry.block_checksums.empty()) {
+    // Blocks matching a table that sums to the checksum sum to the checksum too.
+    RETURN_IF_ERROR(VerifyBlockTable(entry));
+    for (size_t l = 0; l < entry.layers.size(); ++l) {
+      RETURN_IF_ERROR(VerifyBlocks(entry, l, 0, entry.block_checksums[l].size()));
+    }
+    return absl::OkStatus();
+  }
   uint64_t actual = 0;
   for (size_t l = 0; l < entry.layers.size(); ++l) {
-    const std::vector<uint64_t> blocks =
-        ChecksumLayerBlocks(static_cast<uint32_t>(l), entry.layers[l]);
-    for (uint64_t i = 0; i < blocks.size(); ++i) {
-      if (table && blocks[i] != entry.block_checksums[l][i]) {
-        return absl::DataLossError(
-            absl::StrCat("cache '", entry.id, "': layer ", l, " block ", i, ": checksum mismatch"));
-      }
-      actual += blocks[i];
-    }
+    for (uint64_t h : ChecksumLayerBlocks(static_cast<uint32_t>(l), entry.layers[l])) actual += h;
   }
   if (actual != entry.checksum) {
     return absl::DataLossError(absl::StrCat("cache '", entry.id, "': checksum mismatch (stored ",

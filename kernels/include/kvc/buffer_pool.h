@@ -92,6 +92,8 @@ class BufferPool {
   // Takes an idle buffer of capacity in [min, max]; nullptr (and counts a mapping) when none.
   uint8_t* TakeIdle(size_t min, size_t max, size_t* capacity);
   void Release(uint8_t* data, size_t capacity);
+  // Unmaps the smallest idle buffer (there must be one).
+  void UnmapSmallestIdle() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   uint64_t cap_ ABSL_GUARDED_BY(mu_);
