@@ -9,8 +9,6 @@
 // last lease ends: that memory really is still held.
 #include "kvc/cache_store.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <iterator>
@@ -30,6 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvc/status_macros.h"
+#include "kvc/xxh3.h"
 #include "store/annotated_lock.h"
 
 namespace kvc {
@@ -40,12 +39,10 @@ uint64_t CacheEntry::ChargedBytes() const {
   return total;
 }
 
-namespace {}  // namespace
-
 uint64_t ChecksumBlock(uint32_t layer, absl::Span<const uint8_t> blob, uint64_t block) {
   const size_t at = block * kChecksumBlockBytes;
-  return XXH3_64bits_withSeed(blob.data() + at, std::min(kChecksumBlockBytes, blob.size() - at),
-                              (uint64_t{layer} << 32) + block);
+  return Xxh3(blob.data() + at, std::min(kChecksumBlockBytes, blob.size() - at),
+              (uint64_t{layer} << 32) + block);
 }
 
 std::vector<uint64_t> ChecksumLayerBlocks(uint32_t layer, absl::Span<const uint8_t> blob) {

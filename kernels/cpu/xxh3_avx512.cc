@@ -1,0 +1,21 @@
+// XXH3 built for AVX-512: only this file gets the instruction-set flag (kernels/CMakeLists.txt).
+#include "cpu/xxh3_isa.h"
+
+#if defined(__AVX512F__)
+#define XXH_INLINE_ALL  // static copies in this file only, compiled for its target
+#include <xxhash.h>
+#endif
+
+namespace kvc::internal {
+
+#if defined(__AVX512F__)
+bool Xxh3Avx512Built() { return true; }
+uint64_t Xxh3Avx512Unchecked(const void* data, size_t size, uint64_t seed) {
+  return XXH3_64bits_withSeed(data, size, seed);
+}
+#else
+bool Xxh3Avx512Built() { return false; }
+uint64_t Xxh3Avx512Unchecked(const void*, size_t, uint64_t) { return 0; }
+#endif
+
+}  // namespace kvc::internal
