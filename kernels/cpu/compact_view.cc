@@ -181,6 +181,12 @@ void ScatterOld(const CompactLayerView& view, const CompactHead& hd, bool keys, 
   const int bits = view.header().quant_bits;
   if (bits == 0) {
     const uint8_t* src = static_cast<const uint8_t*>(keys ? hd.key_old : hd.value_old);
+    bool all_in_order = t == d;
+    for (int c = 0; all_in_order && c < t; ++c) all_in_order = idx[c] == c;
+    if (all_in_order) {  // nothing pruned: the rows are already full-D
+      std::memcpy(dst, src, static_cast<size_t>(m) * d * elem);
+      return;
+    }
     for (int j = 0; j < m; ++j) {
       const uint8_t* row = src + static_cast<size_t>(j) * t * elem;
       uint8_t* out = dst + static_cast<size_t>(j) * d * elem;
@@ -221,8 +227,9 @@ absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view) {
   const size_t elem = DTypeSize(out.dtype);
   const size_t row_bytes = static_cast<size_t>(out.head_dim) * elem;
   const size_t head_bytes = static_cast<size_t>(out.n_kept) * row_bytes;
-  out.k.assign(head_bytes * out.num_kv_heads, 0);
-  out.v.assign(head_bytes * out.num_kv_heads, 0);
+  // Not zero-filled up front: a head's rows are only zeroed where channels were pruned.
+  out.k.resize(head_bytes * out.num_kv_heads);
+  out.v.resize(head_bytes * out.num_kv_heads);
   out.positions.resize(static_cast<size_t>(out.n_kept) * out.num_kv_heads);
   for (int h = 0; h < out.num_kv_heads; ++h) {
     const CompactHead hd = view.head(h);
@@ -231,6 +238,8 @@ absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view) {
                 sizeof(int32_t) * out.n_kept);
     uint8_t* k = out.k.data() + h * head_bytes;
     uint8_t* v = out.v.data() + h * head_bytes;
+    if (hd.key_channels < out.head_dim) std::memset(k, 0, m * row_bytes);
+    if (hd.value_channels < out.head_dim) std::memset(v, 0, m * row_bytes);
     ScatterOld(view, hd, /*keys=*/true, k);
     ScatterOld(view, hd, /*keys=*/false, v);
     std::memcpy(k + m * row_bytes, hd.key_recent, hd.n_recent * row_bytes);

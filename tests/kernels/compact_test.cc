@@ -308,46 +308,51 @@ TEST(CompactTest, RecentOnlyWhenReduced) {
 }
 
 // DENSE export: kept rows in the original dtype, pruned channels zero, bit-exact without
-// quantization, the dequantized values (rounded to dtype) with it.
+// quantization, the dequantized values (rounded to dtype) with it. Channel sets: both tensors
+// pruned, nothing pruned (whole rows copied), keys whole and values pruned.
 TEST(CompactTest, ExportDense) {
   std::mt19937 rng(21);
   for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (int bits : {0, 8}) {
-      const PackLayerData layer = MakePackLayer(3, 64, 16, dt, Layout::kHND, 4);
-      const TokenSelection tokens = RandomTokens(3, 64, 30, &rng);
-      const ChannelSelection channels = RandomChannels(3, 16, 9, 12, &rng);
-      absl::StatusOr<CompactLayer> p = PackLayer(layer.input(), tokens, channels, Spec(bits, 5));
-      ASSERT_TRUE(p.ok());
-      absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(p->bytes);
-      ASSERT_TRUE(view.ok());
-      absl::StatusOr<DenseLayer> dense = ExportDense(*view);
-      ASSERT_TRUE(dense.ok()) << dense.status();
-      EXPECT_EQ(dense->num_kv_heads, 3);
-      EXPECT_EQ(dense->n_kept, 30);
-      EXPECT_EQ(dense->head_dim, 16);
-      EXPECT_EQ(dense->seq_len, 64);
-      EXPECT_EQ(dense->dtype, dt);
-      ASSERT_EQ(dense->k.size(), 3u * 30 * 16 * DTypeSize(dt));
-      EXPECT_EQ(dense->positions, tokens.positions);
-      std::vector<float> uk(30 * 16), uv(30 * 16), wk, wv;
-      for (int h = 0; h < 3; ++h) {
-        ExpectedHeadRows(layer, tokens, channels, h, 5, &wk, &wv);
-        UnpackHeadToFloat(*view, h, uk.data(), uv.data());
-        for (int i = 0; i < 30 * 16; ++i) {
-          const float gk = LoadAsFloat(dense->k.data(), dt, h * 480 + i);
-          const float gv = LoadAsFloat(dense->v.data(), dt, h * 480 + i);
-          if (bits == 0) {
-            ASSERT_EQ(gk, wk[i]) << i;
-            ASSERT_EQ(gv, wv[i]) << i;
-          } else {
-            // The dequantized float, rounded once to the dtype.
-            float rk = 0, rv = 0;
-            StoreFromFloat(&rk, dt, 0, uk[i]);
-            StoreFromFloat(&rv, dt, 0, uv[i]);
-            ASSERT_EQ(gk, LoadAsFloat(&rk, dt, 0)) << i;
-            ASSERT_EQ(gv, LoadAsFloat(&rv, dt, 0)) << i;
-            if (wk[i] == 0.0f) {
-              ASSERT_EQ(gk, 0.0f);  // pruned stays zero
+      for (const auto& [tk, tv] : {std::pair{9, 12}, {16, 16}, {16, 10}}) {
+        SCOPED_TRACE(testing::Message() << "dtype " << static_cast<int>(dt) << " bits " << bits
+                                        << " channels " << tk << "/" << tv);
+        const PackLayerData layer = MakePackLayer(3, 64, 16, dt, Layout::kHND, 4);
+        const TokenSelection tokens = RandomTokens(3, 64, 30, &rng);
+        const ChannelSelection channels = RandomChannels(3, 16, tk, tv, &rng);
+        absl::StatusOr<CompactLayer> p = PackLayer(layer.input(), tokens, channels, Spec(bits, 5));
+        ASSERT_TRUE(p.ok());
+        absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(p->bytes);
+        ASSERT_TRUE(view.ok());
+        absl::StatusOr<DenseLayer> dense = ExportDense(*view);
+        ASSERT_TRUE(dense.ok()) << dense.status();
+        EXPECT_EQ(dense->num_kv_heads, 3);
+        EXPECT_EQ(dense->n_kept, 30);
+        EXPECT_EQ(dense->head_dim, 16);
+        EXPECT_EQ(dense->seq_len, 64);
+        EXPECT_EQ(dense->dtype, dt);
+        ASSERT_EQ(dense->k.size(), 3u * 30 * 16 * DTypeSize(dt));
+        EXPECT_EQ(dense->positions, tokens.positions);
+        std::vector<float> uk(30 * 16), uv(30 * 16), wk, wv;
+        for (int h = 0; h < 3; ++h) {
+          ExpectedHeadRows(layer, tokens, channels, h, 5, &wk, &wv);
+          UnpackHeadToFloat(*view, h, uk.data(), uv.data());
+          for (int i = 0; i < 30 * 16; ++i) {
+            const float gk = LoadAsFloat(dense->k.data(), dt, h * 480 + i);
+            const float gv = LoadAsFloat(dense->v.data(), dt, h * 480 + i);
+            if (bits == 0) {
+              ASSERT_EQ(gk, wk[i]) << i;
+              ASSERT_EQ(gv, wv[i]) << i;
+            } else {
+              // The dequantized float, rounded once to the dtype.
+              float rk = 0, rv = 0;
+              StoreFromFloat(&rk, dt, 0, uk[i]);
+              StoreFromFloat(&rv, dt, 0, uv[i]);
+              ASSERT_EQ(gk, LoadAsFloat(&rk, dt, 0)) << i;
+              ASSERT_EQ(gv, LoadAsFloat(&rv, dt, 0)) << i;
+              if (wk[i] == 0.0f) {
+                ASSERT_EQ(gk, 0.0f);  // pruned stays zero
+              }
             }
           }
         }

@@ -191,7 +191,7 @@ class InPlaceLayer {
 struct DenseLayer {
   int num_kv_heads = 0, n_kept = 0, head_dim = 0, seq_len = 0;
   DType dtype = DType::kF16;
-  std::vector<uint8_t> k, v;  // dtype elements
+  ByteVector k, v;  // dtype elements (large ones come from the process's buffer pool)
   std::vector<int32_t> positions;
 };
 absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view);
