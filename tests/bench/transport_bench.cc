@@ -1,9 +1,11 @@
 // Transport benchmark: kvc PutCache/GetCache against kvcd on loopback, next to (a) a plain gRPC
-// byte stream of the same message sizes on the same kind of channel (an in-process raw service
-// that discards uploads and streams downloads from memory) and (b) Redis SET/GET of the same
+// byte stream of the same message sizes on the same kind of channel (a raw service in a child
+// process, as kvcd is one, that discards uploads and streams downloads from memory) and (b)
+// Redis SET/GET of the same
 // blobs over a minimal RESP client. Prints one table with GB/s and ratios vs the plain stream.
 //
 //   transport_bench [--reps=5] [--layers_4k=4] [--layers_32k=2] [--kvcd=PATH] [--redis=PATH]
+//                   [--only=TEXT]
 //
 // Caches are Llama-3-8B-shaped layers (8 KV heads, 32 query heads, head_dim 128, fp16, 32
 // observation queries) at 4K and 32K tokens; only a few layers per cache (a 32K-token layer is
@@ -19,6 +21,7 @@
 #include <netinet/tcp.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -28,6 +31,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <list>
 #include <map>
 #include <memory>
 #include <random>
@@ -55,6 +59,9 @@ ABSL_FLAG(int, layers_32k, 2, "layers per 32K-token cache; 0 skips that size");
 ABSL_FLAG(std::string, kvcd, KVCD_PATH, "kvcd binary");
 ABSL_FLAG(std::string, redis, "redis-server", "redis-server binary; empty skips Redis");
 ABSL_FLAG(int, kvcd_threads, 2, "kvcd --threads");
+ABSL_FLAG(std::string, only, "",
+          "run only the cases whose name contains this text (the plain stream rows always run: "
+          "they are the baseline of the ratios); for profiling one path");
 
 namespace {
 
@@ -146,6 +153,43 @@ class SinkService final : public grpc::CallbackGenericService {
 
   const std::vector<uint8_t>* source_;
 };
+
+// Serves the sink on 127.0.0.1 from a child process, as kvcd serves from its own: both ends of
+// the plain stream then run in separate processes with their own gRPC threads, like the client
+// and kvcd (in one process they would share one gRPC runtime). Fork happens before this process
+// starts any gRPC or other threads. Returns the child's pid and sets *port.
+pid_t ForkSink(uint64_t source_bytes, int* port) {
+  int fds[2];
+  if (pipe(fds) != 0) return -1;
+  const pid_t pid = fork();
+  if (pid != 0) {
+    close(fds[1]);
+    if (pid < 0 || read(fds[0], port, sizeof(*port)) != sizeof(*port)) *port = 0;
+    close(fds[0]);
+    return pid;
+  }
+  close(fds[0]);
+  prctl(PR_SET_PDEATHSIG, SIGTERM);  // never outlive the bench
+  std::vector<uint8_t> source(source_bytes);
+  std::mt19937_64 rng(11);
+  for (size_t i = 0; i + 8 <= source.size(); i += 8) {
+    const uint64_t x = rng();
+    std::memcpy(source.data() + i, &x, 8);
+  }
+  SinkService sink(&source);
+  grpc::ServerBuilder sb;
+  int p = 0;
+  sb.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &p);
+  sb.RegisterCallbackGenericService(&sink);
+  sb.SetMaxReceiveMessageSize(kMaxMessage);
+  sb.SetMaxSendMessageSize(kMaxMessage);
+  std::unique_ptr<grpc::Server> server = sb.BuildAndStart();
+  if (server == nullptr) p = 0;
+  (void)!write(fds[1], &p, sizeof(p));
+  close(fds[1]);
+  if (server != nullptr) server->Wait();  // until SIGTERM
+  _exit(0);
+}
 
 // Uploads `tensors` (each sent as PutCache would: same framing and chunk sizes) to the sink.
 bool PlainUpload(grpc::Channel* ch, const grpc::internal::RpcMethod& m,
@@ -253,6 +297,8 @@ class Redis {
     return absl::UnavailableError("redis-server did not accept connections");
   }
 
+  pid_t pid() const { return pid_; }
+
   bool Set(const std::string& key, const uint8_t* data, size_t n) {
     const std::string head =
         absl::StrCat("*3\r\n$3\r\nSET\r\n$", key.size(), "\r\n", key, "\r\n$", n, "\r\n");
@@ -339,30 +385,68 @@ class Redis {
 
 // ---- the table ------------------------------------------------------------------------------
 
+// CPU time (user + system, seconds) and minor page faults of a process so far, from /proc.
+struct ProcUsage {
+  double cpu_seconds = 0;
+  uint64_t minor_faults = 0;
+};
+ProcUsage ReadProcUsage(pid_t pid) {
+  ProcUsage u;
+  FILE* f = std::fopen(absl::StrCat("/proc/", pid, "/stat").c_str(), "r");
+  if (f == nullptr) return u;
+  char buf[1024];
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  // Fields after the command name (which may hold spaces) start at field 3, the state.
+  const char* rest = std::strrchr(buf, ')');
+  unsigned long long minflt = 0, utime = 0, stime = 0;
+  if (rest != nullptr &&
+      std::sscanf(rest + 2, "%*c %*d %*d %*d %*d %*d %*u %llu %*u %*u %*u %llu %llu", &minflt,
+                  &utime, &stime) == 3) {
+    u.minor_faults = minflt;
+    u.cpu_seconds = double(utime + stime) / double(sysconf(_SC_CLK_TCK));
+  }
+  return u;
+}
+
 struct Case {
   Case(std::string n, bool d, std::function<bool()> r, uint64_t b)
       : name(std::move(n)), download(d), run(std::move(r)), bytes(b) {}
   std::string name;
   bool download = false;  // compared with the plain download, else with the plain upload
   std::function<bool()> run;
-  uint64_t bytes = 0;  // per run (for downloads: what arrived in the warm-up)
+  std::function<void()> after;  // untimed, after each run (e.g. deleting what it uploaded)
+  uint64_t bytes = 0;           // per run (for downloads: what arrived in the warm-up)
   std::vector<double> seconds;
-  std::string note;  // why it has no numbers, or what the server reported
+  std::string note;       // why it has no numbers, or what the server reported
+  pid_t server_pid = -1;  // the process serving this case: kvcd, the sink or Redis
+  ProcUsage server;       // its CPU time and page faults over the timed runs
+  ProcUsage client;       // this process's (the client's; Redis and sink rows: also idle threads)
   bool ok = true;
 };
 
 // Warm-up, then `reps` rounds that run every case once in turn, so load from other processes
 // on the machine hits all cases alike. Reports each case's median.
-void RunRoundRobin(std::vector<Case>& cases, int reps) {
+void RunRoundRobin(std::list<Case>& cases, int reps) {
   for (Case& c : cases) {
     if (c.ok && !c.run()) {
       c.ok = false;
       c.note = "failed";
     }
+    if (c.after) c.after();
   }
+  std::vector<Case*> order;
+  for (Case& c : cases) order.push_back(&c);
+  std::mt19937 rng(1);
   for (int r = 0; r < reps; ++r) {
-    for (Case& c : cases) {
+    // A fresh (seeded) order each round, so no case always follows the same one: a case can run
+    // slower right after a heavy one.
+    std::shuffle(order.begin(), order.end(), rng);
+    for (Case* case_in_order : order) {
+      Case& c = *case_in_order;
       if (!c.ok) continue;
+      const ProcUsage u0 = ReadProcUsage(c.server_pid), self0 = ReadProcUsage(getpid());
       const absl::Time t0 = absl::Now();
       if (!c.run()) {
         c.ok = false;
@@ -370,6 +454,12 @@ void RunRoundRobin(std::vector<Case>& cases, int reps) {
         continue;
       }
       c.seconds.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
+      const ProcUsage u1 = ReadProcUsage(c.server_pid), self1 = ReadProcUsage(getpid());
+      c.server.cpu_seconds += u1.cpu_seconds - u0.cpu_seconds;
+      c.server.minor_faults += u1.minor_faults - u0.minor_faults;
+      c.client.cpu_seconds += self1.cpu_seconds - self0.cpu_seconds;
+      c.client.minor_faults += self1.minor_faults - self0.minor_faults;
+      if (c.after) c.after();
     }
   }
 }
@@ -382,7 +472,7 @@ double Median(std::vector<double> v) {
 // The ratio to the plain stream is the median over rounds of (case GB/s / plain GB/s) within the
 // same round: a round's cases run back to back, so a burst of load from elsewhere on the machine
 // mostly scales both sides of a ratio alike.
-void Print(const std::vector<Case>& cases) {
+void Print(const std::list<Case>& cases) {
   const Case* ref[2] = {nullptr, nullptr};
   for (const Case& c : cases) {
     if (c.ok && c.name.rfind("plain", 0) == 0) ref[c.download] = &c;
@@ -419,6 +509,27 @@ int main(int argc, char** argv) {
   kvc::ReuseLargeMallocs();
   const int reps = std::max(1, absl::GetFlag(FLAGS_reps));
   signal(SIGPIPE, SIG_IGN);
+  const std::pair<int, int> sizes[] = {{4096, absl::GetFlag(FLAGS_layers_4k)},
+                                       {32768, absl::GetFlag(FLAGS_layers_32k)}};
+  auto kv_bytes_of = [](int tokens) { return size_t{8} * tokens * 128 * 2; };  // [8, S, 128] fp16
+  uint64_t largest_download = 0;
+  for (const auto& [tokens, layers] : sizes) {
+    largest_download = std::max<uint64_t>(largest_download,
+                                          uint64_t(std::max(layers, 0)) * 2 * kv_bytes_of(tokens));
+  }
+  int sink_port = 0;
+  const pid_t sink_pid = ForkSink(largest_download, &sink_port);
+  if (sink_pid < 0 || sink_port == 0) {
+    std::fprintf(stderr, "transport_bench: cannot start the plain stream's server\n");
+    return 1;
+  }
+  struct StopSink {
+    pid_t pid;
+    ~StopSink() {
+      kill(pid, SIGTERM);
+      waitpid(pid, nullptr, 0);
+    }
+  } stop_sink{sink_pid};
 
   kvc::testing::KvcdProcess::Options ko;
   ko.binary = absl::GetFlag(FLAGS_kvcd);
@@ -440,11 +551,10 @@ int main(int argc, char** argv) {
   absl::Status redis_status = absl::UnavailableError("skipped (--redis empty)");
   if (!absl::GetFlag(FLAGS_redis).empty()) redis_status = redis.Start(absl::GetFlag(FLAGS_redis));
 
-  for (const auto& [tokens, layers] : {std::pair<int, int>{4096, absl::GetFlag(FLAGS_layers_4k)},
-                                       {32768, absl::GetFlag(FLAGS_layers_32k)}}) {
+  for (const auto& [tokens, layers] : sizes) {
     if (layers <= 0) continue;  // --layers_4k=0 or --layers_32k=0 skips that size
-    const size_t kv_bytes = size_t{8} * tokens * 128 * 2;  // [8, S, 128] fp16
-    const size_t q_bytes = size_t{32} * 32 * 128 * 2;      // [32, 32, 128] fp16
+    const size_t kv_bytes = kv_bytes_of(tokens);
+    const size_t q_bytes = size_t{32} * 32 * 128 * 2;  // [32, 32, 128] fp16
     std::vector<uint8_t> k(kv_bytes), v(kv_bytes), q(q_bytes);
     std::mt19937 rng(7);
     std::normal_distribution<float> dist;
@@ -465,17 +575,7 @@ int main(int argc, char** argv) {
     const uint64_t upload = static_cast<uint64_t>(layers) * (2 * kv_bytes + q_bytes);
     const uint64_t kv_total = static_cast<uint64_t>(layers) * 2 * kv_bytes;
 
-    // (a) the plain stream, on its own server but the same channel arguments.
-    std::vector<uint8_t> source(kv_total);
-    std::memcpy(source.data(), k.data(), std::min(kv_total, kv_bytes));
-    SinkService sink(&source);
-    grpc::ServerBuilder sb;
-    int sink_port = 0;
-    sb.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &sink_port);
-    sb.RegisterCallbackGenericService(&sink);
-    sb.SetMaxReceiveMessageSize(kMaxMessage);
-    sb.SetMaxSendMessageSize(kMaxMessage);
-    std::unique_ptr<grpc::Server> sink_server = sb.BuildAndStart();
+    // (a) the plain stream: the sink process, over a channel with the same arguments.
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(kMaxMessage);
     args.SetMaxSendMessageSize(kMaxMessage);
@@ -491,7 +591,7 @@ int main(int argc, char** argv) {
         "\n== %d tokens x %d layers (Llama-3-8B layer: 8 KV heads, 32 q heads, head_dim "
         "128, fp16); upload %.1f MiB per cache, chunks %zu MiB, median of %d ==\n",
         tokens, layers, upload / 1048576.0, kChunk >> 20, reps);
-    std::vector<Case> cases;
+    std::list<Case> cases;  // a list: the download cases keep pointers to their own entry
     cases.push_back({"plain gRPC stream upload", false,
                      [&] { return PlainUpload(ch.get(), up, tensors); }, upload});
     int seq = 0;
@@ -521,10 +621,13 @@ int main(int argc, char** argv) {
                            return false;
                          }
                          server_seconds[name].push_back(r->elapsed_seconds());
-                         (void)(*client)->DeleteCache(h.cache_id());
                          return true;
                        },
                        upload});
+      // Deleting is a separate request, not part of an upload's time.
+      cases.back().after = [&] {
+        (void)(*client)->DeleteCache(absl::StrCat("bench-", tokens, "-", seq - 1));
+      };
       // The cache the download cases read.
       h.set_cache_id(absl::StrCat("bench-", tokens, "-", policy));
       return (*client)->PutCache(h, views).ok() ? h.cache_id() : std::string();
@@ -563,22 +666,21 @@ int main(int argc, char** argv) {
                      [&] { return PlainDownload(ch.get(), down, kv_total, dst.data()); },
                      kv_total});
     auto get_case = [&](const std::string& name, const std::string& id, kvc::CacheFormat f) {
-      cases.push_back({name, true, nullptr, 0});
-      const size_t index = cases.size() - 1;
+      Case* c = &cases.emplace_back(name, true, nullptr, 0);
       kvc::GetOptions o;
       o.format = f;
-      cases[index].run = [&, o, id, index] {
+      c->run = [&, o, id, c] {
         uint64_t got = 0;
         absl::Status st = (*client)->GetCacheStreaming(id, o, nullptr, [&](kvc::LayerData&& l) {
           got += l.packed.size() + l.k.size() + l.v.size() + 4 * l.positions.size();
           return absl::OkStatus();
         });
-        cases[index].bytes = got;
+        c->bytes = got;
         return st.ok();
       };
       if (id.empty()) {
-        cases[index].ok = false;
-        cases[index].note = "upload failed";
+        c->ok = false;
+        c->note = "upload failed";
       }
     };
     get_case("kvc GetCache PACKED, none", id_none, kvc::CacheFormat::kPacked);
@@ -600,18 +702,37 @@ int main(int argc, char** argv) {
       cases.back().ok = false;
       cases.back().note = std::string(redis_status.message());
     }
+    if (const std::string only = absl::GetFlag(FLAGS_only); !only.empty()) {
+      std::erase_if(cases, [&](const Case& c) {
+        return c.name.rfind("plain", 0) != 0 && c.name.find(only) == std::string::npos;
+      });
+    }
+    for (Case& c : cases) {
+      const bool plain = c.name.rfind("plain", 0) == 0 || c.name.find("sink") != std::string::npos;
+      c.server_pid = plain                           ? sink_pid
+                     : c.name.rfind("Redis", 0) == 0 ? redis.pid()
+                                                     : (*kvcd)->pid();
+    }
     RunRoundRobin(cases, reps);
     for (Case& c : cases) {
+      if (!c.ok) continue;
+      // What the server and this process spent per run: CPU time (clock-tick resolution, summed
+      // over the runs) and page faults (fresh memory).
+      c.note =
+          absl::StrFormat("server cpu %.1f ms, %.0f faults; client %.1f ms, %.0f faults",
+                          c.server.cpu_seconds / reps * 1e3, double(c.server.minor_faults) / reps,
+                          c.client.cpu_seconds / reps * 1e3, double(c.client.minor_faults) / reps);
       auto it = server_seconds.find(c.name);
-      if (c.ok && it != server_seconds.end()) {
-        c.note = absl::StrFormat("kvcd elapsed %.2f ms", Median(it->second) * 1e3);
+      if (it != server_seconds.end() && it->second.size() > 1) {
+        // The first one is the warm-up run's.
+        absl::StrAppendFormat(&c.note, "; kvcd elapsed %.2f ms",
+                              Median({it->second.begin() + 1, it->second.end()}) * 1e3);
       }
     }
     Print(cases);
     if (redis_status.ok()) redis.Command({"FLUSHALL"});
     (void)(*client)->DeleteCache(id_none);
     (void)(*client)->DeleteCache(id_snap);
-    sink_server->Shutdown();
   }
   return 0;
 }
