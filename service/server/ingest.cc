@@ -211,29 +211,30 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
         layer.hashing->blocks.assign(blocks, 0);
         layer.hashing->done.assign(blocks, 0);
       }
+      // Each piece is hashed right after it lands, while it is still in this core's cache:
+      // every checksum block lying wholly inside the contiguous blob range this chunk has
+      // written so far. Blocks cut by a chunk boundary wait for the layer's completion.
       const absl::Time start = absl::Now();
-      std::vector<std::pair<size_t, size_t>> runs;  // blob ranges written, adjacent ones merged
+      const absl::Span<const uint8_t> blob(layer.in_place->blob(), layer.in_place->blob_bytes());
+      LayerState::Hashing& hashing = *layer.hashing;
+      const uint32_t index = c.layer();
+      size_t run_end = SIZE_MAX;  // end of the contiguous range written so far
+      uint64_t next = 0;          // its first block not hashed yet
+      auto placed = [&](size_t at, size_t n) {
+        if (at != run_end) next = (at + kChecksumBlockBytes - 1) / kChecksumBlockBytes;
+        run_end = at + n;
+        for (; next < hashing.blocks.size(); ++next) {
+          if (std::min((next + 1) * kChecksumBlockBytes, blob.size()) > run_end) break;
+          hashing.blocks[next] = ChecksumBlock(index, blob, next);
+          hashing.done[next] = 1;
+        }
+      };
       uint64_t offset = c.offset();
       for (const auto& seg : req.data) {
-        layer.in_place->Write(t == 1, offset, seg.ptr, seg.size, [&runs](size_t at, size_t n) {
-          if (!runs.empty() && runs.back().first + runs.back().second == at) {
-            runs.back().second += n;
-          } else {
-            runs.emplace_back(at, n);
-          }
-        });
+        layer.in_place->Write(t == 1, offset, seg.ptr, seg.size, placed);
         offset += seg.size;
       }
       layer.place_seconds += absl::ToDoubleSeconds(absl::Now() - start);
-      // Hashing goes to the pool, so this thread goes back to reading the stream.
-      layer.hashing->refs.fetch_add(1);
-      {
-        absl::MutexLock lock(&mu_);
-        ++pending_;
-      }
-      pool_->Schedule(
-          [self = shared_from_this(), index = static_cast<int>(c.layer()),
-           runs = std::move(runs)]() mutable { self->HashRuns(index, std::move(runs)); });
     }
   } else {
     if (!layer.tensor[t]) {
@@ -258,7 +259,7 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
     // From here on only the job touches the layer's staging or blob: any further chunk for it
     // overlaps bytes already received and is rejected before reaching them.
     if (in_place_) {
-      ReleaseLayerHashing(index, /*on_pool=*/false);
+      pool_->Schedule([self = shared_from_this(), index] { self->CompleteInPlaceLayer(index); });
     } else {
       pool_->Schedule([self = shared_from_this(), index] { self->CompressLayer(index); });
     }
@@ -266,37 +267,9 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
   return absl::OkStatus();
 }
 
-void Upload::HashRuns(int index, std::vector<std::pair<size_t, size_t>> runs) {
-  LayerState& layer = layers_[index];
-  // The blob itself does not move while the layer is incomplete or a hash job holds a reference.
-  const absl::Span<const uint8_t> blob(layer.in_place->blob(), layer.in_place->blob_bytes());
-  for (const auto& [at, n] : runs) {
-    for (size_t i = (at + kChecksumBlockBytes - 1) / kChecksumBlockBytes;
-         i * kChecksumBlockBytes < at + n; ++i) {
-      if (std::min((i + 1) * kChecksumBlockBytes, blob.size()) > at + n) break;  // runs on past
-      layer.hashing->blocks[i] = ChecksumBlock(static_cast<uint32_t>(index), blob, i);
-      layer.hashing->done[i] = 1;
-    }
-  }
-  ReleaseLayerHashing(index, /*on_pool=*/true);
-  absl::MutexLock lock(&mu_);
-  --pending_;
-  MaybeFinalize();
-}
-
-void Upload::ReleaseLayerHashing(int index, bool on_pool) {
-  if (layers_[index].hashing->refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-  // The layer is complete and no hash job is left: what they did is visible here (acq_rel).
-  if (on_pool) {
-    CompleteInPlaceLayer(index);
-  } else {
-    pool_->Schedule([self = shared_from_this(), index] { self->CompleteInPlaceLayer(index); });
-  }
-}
-
 void Upload::CompleteInPlaceLayer(int index) {
   LayerState& layer = layers_[index];
-  // Blocks no single piece covered (metadata, chunk boundaries, NHD rows) are hashed now.
+  // Blocks no single chunk covered (metadata, chunk boundaries, NHD rows) are hashed now.
   const absl::Time start = absl::Now();
   const absl::Span<const uint8_t> blob(layer.in_place->blob(), layer.in_place->blob_bytes());
   std::vector<uint64_t> blocks = std::move(layer.hashing->blocks);

@@ -2,8 +2,8 @@
 // buffers with exact byte coverage, compression of each layer on the worker pool as soon as its
 // tensors are complete, and the final insertion into the store. An upload that asks for no
 // compression at all (InPlaceLayer::KeepsEverything) skips staging: its K and V chunks are copied
-// straight into the layer's compact blob and Q_obs is only accounted for, so each payload byte is
-// copied once; completed layers only get hashed on the pool.
+// straight into the layer's compact blob (and hashed there while in cache) and Q_obs is only
+// accounted for, so each payload byte is copied once.
 //
 // Use: OnHeader once, OnChunk for each chunk, then either Finish (stream closed cleanly) or Abort
 // (cancelled, or a read failed). Nothing reaches the store unless Finish succeeds.
@@ -14,7 +14,6 @@
 #ifndef KVC_SERVICE_SERVER_INGEST_H_
 #define KVC_SERVICE_SERVER_INGEST_H_
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -91,14 +90,13 @@ class Upload : public std::enable_shared_from_this<Upload> {
   struct LayerState {
     BufferPool::Buffer tensor[3];          // K, V, Q_obs staging (acquired on first chunk)
     std::optional<InPlaceLayer> in_place;  // instead of staging when in_place_ (first K/V chunk)
-    double place_seconds = 0;              // copying chunks into in_place
-    // Checksum progress of an in-place layer, shared with its hash jobs.
-    // Hash jobs write distinct blocks; the layer's completion reads them all after the last
-    // job let go of `refs` (acquire-release), so the vectors need no lock.
+    double place_seconds = 0;              // copying chunks into in_place and hashing them
+    // Checksum progress of an in-place layer: written by the reactor thread as chunks land,
+    // read by the completion job, which is scheduled after the last chunk (the pool's queue
+    // orders the two).
     struct Hashing {
       std::vector<uint64_t> blocks;  // block hashes (CacheEntry::block_checksums' row)
       std::vector<uint8_t> done;     // 1 once blocks[i] is set
-      std::atomic<int> refs{1};      // hash jobs in flight, + 1 until the layer is complete
     };
     std::unique_ptr<Hashing> hashing;
     Coverage coverage[3];
@@ -108,14 +106,9 @@ class Upload : public std::enable_shared_from_this<Upload> {
   absl::Status Reject(RejectReason reason, absl::Status status);
   bool LayerComplete(const LayerState& layer) const;
   void CompressLayer(int layer);  // on a pool thread
-  // Records an in-place layer's finished blob and hashes it (on a pool thread).
+  // Hashes the blocks of an in-place layer that no single chunk covered and records its
+  // finished blob (on a pool thread).
   void CompleteInPlaceLayer(int layer);
-  // A pool job after each in-place chunk: sums the checksum blocks lying wholly inside the byte
-  // ranges the chunk just wrote (so they are complete, and still in the shared cache); the last
-  // one to finish after the layer is complete completes it.
-  void HashRuns(int index, std::vector<std::pair<size_t, size_t>> runs);
-  // Drops one reference to layer `index`'s hashing; the last one completes the layer.
-  void ReleaseLayerHashing(int index, bool on_pool);
   // Records layer `index`'s result and its share of the checksum, then finalizes if it was the
   // last job.
   void LayerDone(int index, absl::StatusOr<CompactLayer> out, std::vector<uint64_t> blocks,
