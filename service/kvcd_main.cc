@@ -55,6 +55,9 @@ ABSL_FLAG(std::string, tls_cert_file, "",
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
 ABSL_FLAG(std::string, tls_client_ca_file, "",
           "PEM CA bundle: require client certificates signed by it (mutual TLS)");
+ABSL_FLAG(int32_t, tls_reload_seconds, 60,
+          "re-read the --tls_* files this often, so rotated certificates take effect for new "
+          "connections without a restart; 0 = read once at start");
 ABSL_FLAG(std::string, transfer, "auto",
           "KvCacheTransfer service for PutCache uploads with external_payload: auto (on; NCCL "
           "where libnccl and a CUDA device are available, else gRPC bytes only) or off. Not "
@@ -162,6 +165,7 @@ absl::StatusOr<kvc::server::ServerConfig> ConfigFromFlags() {
   c.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
   c.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
   c.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
+  c.tls_reload_seconds = absl::GetFlag(FLAGS_tls_reload_seconds);
   if (auto s = kvc::server::ValidateConfig(c); !s.ok()) return s;
   return c;
 }

@@ -112,6 +112,10 @@ absl::Status ValidateConfig(const ServerConfig& c) {
                                           ? "--tls_cert_file: required with --tls_key_file"
                                           : "--tls_key_file: required with --tls_cert_file");
   }
+  if (c.tls_reload_seconds < 0 || c.tls_reload_seconds > 86400) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_reload_seconds: ", c.tls_reload_seconds, " is outside [0, 86400]"));
+  }
   if (!c.tls_client_ca_file.empty() && c.tls_cert_file.empty()) {
     return absl::InvalidArgumentError(
         "--tls_client_ca_file: needs --tls_cert_file and --tls_key_file");

@@ -33,12 +33,15 @@ struct ServerConfig {
   double ttl_sweep_seconds = 1;  // period of the TTL sweep and store gauge refresh
   bool enable_reflection = false;
   std::string auth_tokens_file;  // "TOKEN TENANT" lines; empty = no authentication (server/auth.h)
-  // TLS on the main gRPC port (the health-only port stays plaintext for probes). PEM files, read
-  // once at start. Cert and key: both or neither. Client CA: requires and verifies client
+  // TLS on the main gRPC port (the health-only port stays plaintext for probes). PEM files,
+  // checked at start. Cert and key: both or neither. Client CA: requires and verifies client
   // certificates signed by it (mutual TLS); needs cert and key.
   std::string tls_cert_file;
   std::string tls_key_file;
   std::string tls_client_ca_file;
+  // Seconds between re-reads of the three files (certificate rotation: new connections get the
+  // new files; open ones keep theirs). 0 = read once at start. [0, 86400].
+  int tls_reload_seconds = 60;
 };
 
 // Parses "1073741824", "512K", "64MiB", "1G", "1GiB", "4KB" (K/M/G/T are powers of 1024, with

@@ -3,8 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
-#include <fstream>
-#include <sstream>
+#include <cstdio>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -31,41 +30,6 @@ absl::Status LoadReflection() {
   return absl::OkStatus();
 }
 
-// Reads a PEM file named by `flag`. Only the path is ever printed, never the contents (a key).
-absl::StatusOr<std::string> ReadPem(const std::string& flag, const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat("--", flag, ": cannot read ", path));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": cannot read ", path));
-  }
-  std::string pem = text.str();
-  if (pem.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": ", path, " is empty"));
-  }
-  if (pem.find("-----BEGIN ") == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": ", path, " is not PEM"));
-  }
-  return pem;
-}
-
-// Credentials of the main port: plaintext, TLS, or TLS that requires a client certificate.
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MainPortCredentials(
-    const ServerConfig& c) {
-  if (c.tls_cert_file.empty()) return grpc::InsecureServerCredentials();
-  grpc::SslServerCredentialsOptions ssl;
-  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-  ASSIGN_OR_RETURN(pair.cert_chain, ReadPem("tls_cert_file", c.tls_cert_file));
-  ASSIGN_OR_RETURN(pair.private_key, ReadPem("tls_key_file", c.tls_key_file));
-  ssl.pem_key_cert_pairs.push_back(std::move(pair));
-  if (!c.tls_client_ca_file.empty()) {
-    ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem("tls_client_ca_file", c.tls_client_ca_file));
-    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
-  }
-  return grpc::SslServerCredentials(ssl);
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
@@ -75,7 +39,11 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
   s->options_ = std::move(options);
   const ServerConfig& config = s->options_.config;
   // Read before anything binds or starts, so a bad file fails start-up naming its flag.
-  ASSIGN_OR_RETURN(auto main_credentials, MainPortCredentials(config));
+  std::shared_ptr<grpc::ServerCredentials> main_credentials = grpc::InsecureServerCredentials();
+  if (!config.tls_cert_file.empty()) {
+    ASSIGN_OR_RETURN(s->tls_, TlsFiles::Create(config));
+    main_credentials = s->tls_->credentials();
+  }
 
   ASSIGN_OR_RETURN(BackendKind kind, ParseBackendKind(config.backend));
   BackendOptions bo;
@@ -188,9 +156,19 @@ KvcServer::~KvcServer() { Shutdown(); }
 
 void KvcServer::SweepLoop() {
   const absl::Duration period = absl::Seconds(options_.config.ttl_sweep_seconds);
-  while (!stop_sweep_.WaitForNotificationWithTimeout(period)) {
+  const absl::Duration tls_period = absl::Seconds(options_.config.tls_reload_seconds);
+  const bool reload_tls = tls_ && tls_->reloads();
+  const absl::Duration wait = reload_tls ? std::min(period, tls_period) : period;
+  absl::Time next_tls = absl::Now() + tls_period;
+  while (!stop_sweep_.WaitForNotificationWithTimeout(wait)) {
     store_->ExpireNow();  // evictions are counted by the store's on_evict callback
     state_->RefreshStoreGauges();
+    if (reload_tls && absl::Now() >= next_tls) {
+      next_tls = absl::Now() + tls_period;
+      if (const std::string line = tls_->Poll(); !line.empty()) {
+        std::fprintf(stderr, "kvcd: %s\n", line.c_str());
+      }
+    }
   }
 }
 

@@ -27,6 +27,7 @@
 #include "server/config.h"
 #include "server/service_impl.h"
 #include "server/thread_pool.h"
+#include "server/tls_files.h"
 
 namespace kvc::server {
 
@@ -78,6 +79,7 @@ class KvcServer {
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<TokenAuth> auth_;
+  std::unique_ptr<TlsFiles> tls_;  // null without TLS
   std::unique_ptr<ServiceState> state_;
   std::unique_ptr<KvCacheServiceImpl> service_;
   std::vector<std::unique_ptr<grpc::Service>> extra_;

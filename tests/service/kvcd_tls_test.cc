@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
 #include "kvc/client.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
@@ -45,9 +46,9 @@ bool Run(const std::string& dir, const std::string& cmd) {
 bool MakeLeaf(const std::string& dir, const std::string& name, const std::string& ca,
               const std::string& cn, const std::string& ext) {
   std::ofstream(absl::StrCat(dir, "/", name, ".ext")) << ext << "\n";
-  return Run(dir, absl::StrCat("openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 ",
-                               "-nodes -keyout ", name, ".key -out ", name, ".csr -subj /CN=",
-                               cn)) &&
+  return Run(dir,
+             absl::StrCat("openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 ",
+                          "-nodes -keyout ", name, ".key -out ", name, ".csr -subj /CN=", cn)) &&
          Run(dir, absl::StrCat("openssl x509 -req -in ", name, ".csr -CA ", ca, ".pem -CAkey ", ca,
                                ".key -CAcreateserial -days 2 -out ", name, ".pem -extfile ", name,
                                ".ext"));
@@ -69,10 +70,13 @@ class KvcdTlsTest : public ::testing::Test {
     const std::string& d = *dir_;
     ASSERT_TRUE(MakeCa(d, "ca"));
     ASSERT_TRUE(MakeCa(d, "other_ca"));
-    ASSERT_TRUE(MakeLeaf(d, "server", "ca", "localhost",
-                         "subjectAltName=IP:127.0.0.1,DNS:localhost"));
+    ASSERT_TRUE(
+        MakeLeaf(d, "server", "ca", "localhost", "subjectAltName=IP:127.0.0.1,DNS:localhost"));
     ASSERT_TRUE(MakeLeaf(d, "client", "ca", "kvc-test-client", "extendedKeyUsage=clientAuth"));
     ASSERT_TRUE(MakeLeaf(d, "stranger", "other_ca", "stranger", "extendedKeyUsage=clientAuth"));
+    // The certificate kvcd rotates to in the reload test: same names, the other CA.
+    ASSERT_TRUE(MakeLeaf(d, "rotated", "other_ca", "localhost",
+                         "subjectAltName=IP:127.0.0.1,DNS:localhost"));
     std::ofstream(d + "/empty.pem").flush();
   }
   static void TearDownTestSuite() {
@@ -110,7 +114,12 @@ class KvcdTlsTest : public ::testing::Test {
       ssl.pem_cert_chain = ReadFile(F(cert));
       ssl.pem_private_key = ReadFile(F(key));
     }
-    return pb::KvCache::NewStub(grpc::CreateChannel(address, grpc::SslCredentials(ssl)));
+    // A connection of its own: channels with equal arguments would otherwise share one
+    // connection (and its TLS session), or its reconnect backoff after a failed handshake.
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    return pb::KvCache::NewStub(
+        grpc::CreateCustomChannel(address, grpc::SslCredentials(ssl), args));
   }
 
   static grpc::Status Info(pb::KvCache::Stub* stub) {
@@ -122,8 +131,8 @@ class KvcdTlsTest : public ::testing::Test {
 
   // Uploads a small cache and reads it back PACKED over `stub`.
   static void ExpectRoundTrip(pb::KvCache::Stub* stub, const std::string& id) {
-    const testing::TestCache cache = testing::MakeTestCache(
-        id, testing::Shape(2, 2, 4, 64, 128, 8), pb::DTYPE_F16, pb::LAYOUT_HND, 7);
+    const testing::TestCache cache = testing::MakeTestCache(id, testing::Shape(2, 2, 4, 64, 128, 8),
+                                                            pb::DTYPE_F16, pb::LAYOUT_HND, 7);
     pb::PutCacheResponse put;
     grpc::Status s = testing::PutCache(stub, cache, &put);
     ASSERT_TRUE(s.ok()) << s.error_code() << " " << s.error_message();
@@ -221,6 +230,51 @@ TEST_F(KvcdTlsTest, MutualTlsRequiresACertificateSignedByTheClientCa) {
   EXPECT_EQ((*anonymous)->StatCache("mtls-raw").status().code(), absl::StatusCode::kUnavailable);
 }
 
+// Certificate rotation: kvcd re-reads its files every --tls_reload_seconds; new connections get
+// the new certificate, and a pair that does not load (here: a key of another certificate) is
+// skipped while the last good one stays in use.
+TEST_F(KvcdTlsTest, ReloadsRotatedCertificatesForNewConnections) {
+  const std::string cert = F("live.pem"), key = F("live.key");
+  auto install = [&](const std::string& from_cert, const std::string& from_key) {
+    // Each file is replaced whole (written aside, then renamed over), as a secret mount does.
+    for (const auto& [from, to] : {std::pair{F(from_cert), cert}, std::pair{F(from_key), key}}) {
+      std::ofstream(to + ".tmp", std::ios::binary) << ReadFile(from);
+      ASSERT_EQ(std::rename((to + ".tmp").c_str(), to.c_str()), 0) << to;
+    }
+  };
+  install("server.pem", "server.key");
+  auto kvcd =
+      StartKvcd({"--tls_cert_file=" + cert, "--tls_key_file=" + key, "--tls_reload_seconds=1"});
+  ASSERT_NE(kvcd, nullptr);
+  ASSERT_TRUE(Info(SslStub(kvcd->address(), "ca.pem").get()).ok());
+  EXPECT_FALSE(Info(SslStub(kvcd->address(), "other_ca.pem").get()).ok());
+  auto stub_before = SslStub(kvcd->address(), "ca.pem");
+  ASSERT_TRUE(Info(stub_before.get()).ok());  // an open connection, kept across the rotation
+
+  install("rotated.pem", "rotated.key");
+  // Picked up within a few reload periods.
+  bool rotated = false;
+  for (int i = 0; i < 100 && !rotated; ++i) {
+    rotated = Info(SslStub(kvcd->address(), "other_ca.pem").get()).ok();
+    if (!rotated) absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_TRUE(rotated) << "kvcd still presents the old certificate after 10 s\n" << kvcd->output();
+  EXPECT_FALSE(Info(SslStub(kvcd->address(), "ca.pem").get()).ok());
+  ExpectRoundTrip(SslStub(kvcd->address(), "other_ca.pem").get(), "rotated");
+  EXPECT_TRUE(Info(stub_before.get()).ok()) << "the connection made before the rotation broke";
+
+  // A broken pair (the key of another certificate) is not taken.
+  install("server.pem", "client.key");
+  absl::SleepFor(absl::Seconds(3));
+  EXPECT_TRUE(Info(SslStub(kvcd->address(), "other_ca.pem").get()).ok())
+      << "kvcd dropped its last good certificate for a pair that does not match\n"
+      << kvcd->output();
+  const std::string out = kvcd->output();
+  EXPECT_NE(out.find("TLS files reloaded"), std::string::npos) << out;
+  EXPECT_NE(out.find("TLS files changed but cannot be used"), std::string::npos) << out;
+  EXPECT_EQ(out.find("PRIVATE KEY"), std::string::npos) << out;
+}
+
 TEST_F(KvcdTlsTest, BadTlsFlagsExitTwoNamingTheFlag) {
   const std::string cert = "--tls_cert_file=" + F("server.pem");
   const std::string key = "--tls_key_file=" + F("server.key");
@@ -237,6 +291,8 @@ TEST_F(KvcdTlsTest, BadTlsFlagsExitTwoNamingTheFlag) {
       {{cert, key, "--tls_client_ca_file=" + F("server.ext")}, "--tls_client_ca_file"},
       // A valid key that belongs to another certificate.
       {{cert, "--tls_key_file=" + F("client.key")}, "--tls_key_file"},
+      {{cert, key, "--tls_reload_seconds=-1"}, "--tls_reload_seconds"},
+      {{cert, key, "--tls_reload_seconds=86401"}, "--tls_reload_seconds"},
   };
   for (const Case& c : cases) {
     KvcdProcess::Options o;
