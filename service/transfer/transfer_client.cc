@@ -1,3 +1,4 @@
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -5,6 +6,9 @@
 
 namespace kvc::transfer {
 
+using kvcache::v1::FetchRequest;
+using kvcache::v1::FetchResponse;
+using kvcache::v1::FetchStart;
 using kvcache::v1::OpenTransferSessionRequest;
 using kvcache::v1::OpenTransferSessionResponse;
 using kvcache::v1::TransferAck;
@@ -150,6 +154,101 @@ absl::Status TransferClient::Send(const std::string& cache_id, uint32_t layer,
         absl::StrCat("transfer: kvcd received ", received, " bytes of ", bytes));
   }
   return absl::OkStatus();
+}
+
+absl::Status TransferClient::Fetch(const std::string& cache_id, uint32_t layer_begin,
+                                   std::optional<uint32_t> layer_end, const FetchInfoFn& on_info,
+                                   const FetchLayerFn& on_layer) {
+  if (stream_ == nullptr) return absl::FailedPreconditionError("transfer client: not open");
+  const bool nccl = transport_ == kvcache::v1::TRANSFER_TRANSPORT_NCCL;
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<FetchRequest, FetchResponse>> stream =
+      stub_->Fetch(&ctx);
+  // Ends the stream with `s`; kvcd's status when kvcd ended it first.
+  auto fail = [&](absl::Status s) -> absl::Status {
+    ctx.TryCancel();
+    const grpc::Status g = stream->Finish();
+    return g.ok() || g.error_code() == grpc::StatusCode::CANCELLED ? s : FromGrpc(g);
+  };
+  // The stream ended or broke where a message was due: kvcd's status says why.
+  auto ended = [&](const char* what) -> absl::Status {
+    const grpc::Status g = stream->Finish();
+    if (!g.ok()) return FromGrpc(g);
+    return absl::InternalError(absl::StrCat("fetch: the stream ended before ", what));
+  };
+  FetchRequest req;
+  FetchStart* start = req.mutable_start();
+  start->set_session_id(session_id_);
+  start->set_sequence(next_sequence_);
+  start->set_cache_id(cache_id);
+  start->set_layer_begin(layer_begin);
+  if (layer_end.has_value()) start->set_layer_end(*layer_end);
+  if (!stream->Write(req)) return ended("the header");
+  FetchResponse resp;
+  if (!stream->Read(&resp)) return ended("the header");
+  if (!resp.has_header()) return fail(absl::InternalError("fetch: the first message is no header"));
+  ++next_sequence_;  // kvcd accepted the fetch
+  const uint32_t begin = resp.header().layer_begin(), end = resp.header().layer_end();
+  if (absl::Status s = on_info(resp.header().info(), begin, end); !s.ok()) return fail(s);
+  std::vector<uint8_t> blob;
+  for (uint32_t layer = begin; layer < end; ++layer) {
+    if (!stream->Read(&resp)) return ended(absl::StrCat("layer ", layer).c_str());
+    if (!resp.has_layer() || resp.layer().layer() != layer) {
+      return fail(
+          absl::InternalError(absl::StrCat("fetch: expected the announcement of layer ", layer)));
+    }
+    const uint64_t n = resp.layer().num_bytes();
+    // One buffer for all layers; every byte of the layer is overwritten by the receive.
+    if (blob.size() < n) blob.resize(n);
+    if (n > 0 && nccl) {
+      FetchRequest posted;
+      posted.mutable_posted()->set_layer(layer);
+      // Only after the announcement: kvcd sends nothing before it reads this, so a fetch that
+      // fails before it never leaves a receive without a send.
+      if (!stream->Write(posted)) return ended(absl::StrCat("layer ", layer).c_str());
+      if (absl::Status s = comm_->Recv(blob.data(), n, options_.send_timeout); !s.ok()) {
+        // The data plane's state is unknown: this client must be opened again.
+        FinishStream().IgnoreError();
+        return fail(s);
+      }
+    } else {
+      for (uint64_t offset = 0; offset < n;) {
+        if (!stream->Read(&resp)) return ended(absl::StrCat("layer ", layer).c_str());
+        const auto& p = resp.payload();
+        if (!resp.has_payload() || p.layer() != layer || p.offset() != offset ||
+            p.data().size() > n - offset || p.data().empty()) {
+          return fail(absl::InternalError(
+              absl::StrCat("fetch: bad payload piece for layer ", layer, " at offset ", offset)));
+        }
+        std::memcpy(blob.data() + offset, p.data().data(), p.data().size());
+        offset += p.data().size();
+      }
+    }
+    if (absl::Status s = on_layer(layer, absl::MakeConstSpan(blob.data(), n)); !s.ok()) {
+      return fail(s);
+    }
+  }
+  stream->WritesDone();
+  return FromGrpc(stream->Finish());
+}
+
+absl::StatusOr<TransferClient::FetchedCache> TransferClient::Fetch(
+    const std::string& cache_id, uint32_t layer_begin, std::optional<uint32_t> layer_end) {
+  FetchedCache out;
+  absl::Status s = Fetch(
+      cache_id, layer_begin, layer_end,
+      [&](const kvcache::v1::CacheInfo& info, uint32_t begin, uint32_t end) {
+        out.info = info;
+        out.layer_begin = begin;
+        out.layers.reserve(end - begin);
+        return absl::OkStatus();
+      },
+      [&](uint32_t, absl::Span<const uint8_t> blob) {
+        out.layers.emplace_back(blob.begin(), blob.end());
+        return absl::OkStatus();
+      });
+  if (!s.ok()) return s;
+  return out;
 }
 
 absl::Status TransferClient::Close() {

@@ -9,6 +9,8 @@ namespace {
 
 using kvcache::v1::CloseTransferSessionRequest;
 using kvcache::v1::CloseTransferSessionResponse;
+using kvcache::v1::FetchRequest;
+using kvcache::v1::FetchResponse;
 using kvcache::v1::OpenTransferSessionRequest;
 using kvcache::v1::OpenTransferSessionResponse;
 using kvcache::v1::TransferAck;
@@ -19,8 +21,8 @@ class TransferServiceImpl final : public kvcache::v1::KvCacheTransfer::Service {
   TransferServiceImpl(const TransferServiceOptions& o, std::unique_ptr<CommunicatorFactory> owned)
       : owned_factory_(std::move(owned)),
         sessions_(o.limits,
-                  !o.enable_nccl ? nullptr : (o.factory ? o.factory : owned_factory_.get()),
-                  o.sink) {}
+                  !o.enable_nccl ? nullptr : (o.factory ? o.factory : owned_factory_.get()), o.sink,
+                  o.source) {}
 
   grpc::Status OpenTransferSession(grpc::ServerContext*, const OpenTransferSessionRequest* req,
                                    OpenTransferSessionResponse* resp) override {
@@ -54,6 +56,33 @@ class TransferServiceImpl final : public kvcache::v1::KvCacheTransfer::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status Fetch(grpc::ServerContext* ctx,
+                     grpc::ServerReaderWriter<FetchResponse, FetchRequest>* stream) override {
+    FetchRequest first;
+    if (!stream->Read(&first)) {
+      if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "fetch: the stream ended before a start message");
+    }
+    if (!first.has_start()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "fetch: the first message must be start");
+    }
+    TransferSessions::FetchIo io;
+    io.write = [stream](const FetchResponse& r) -> absl::Status {
+      if (!stream->Write(r)) return absl::CancelledError("fetch: the client went away");
+      return absl::OkStatus();
+    };
+    io.read = [stream]() -> absl::StatusOr<FetchRequest> {
+      FetchRequest r;
+      if (!stream->Read(&r)) {
+        return absl::CancelledError("fetch: the client ended the stream before posting a layer");
+      }
+      return r;
+    };
+    return ToGrpcStatus(sessions_.Fetch(first.start(), io));
+  }
+
   grpc::Status CloseTransferSession(grpc::ServerContext*, const CloseTransferSessionRequest* req,
                                     CloseTransferSessionResponse*) override {
     return ToGrpcStatus(sessions_.Close(req->client_id(), req->session_id()));
@@ -81,6 +110,9 @@ absl::StatusOr<std::unique_ptr<grpc::Service>> CreateTransferService(
   if (l.max_sessions < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("limits.max_sessions: ", l.max_sessions, " must be >= 1"));
+  }
+  if (l.fetch_chunk_bytes == 0) {
+    return absl::InvalidArgumentError("limits.fetch_chunk_bytes: must be > 0");
   }
   if (l.join_timeout <= absl::ZeroDuration() || l.recv_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("limits.join_timeout/recv_timeout: must be > 0");

@@ -1,5 +1,6 @@
 #include "transfer/transfer_sessions.h"
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <random>
@@ -10,6 +11,9 @@
 
 namespace kvc::transfer {
 
+using kvcache::v1::FetchRequest;
+using kvcache::v1::FetchResponse;
+using kvcache::v1::FetchStart;
 using kvcache::v1::OpenTransferSessionRequest;
 using kvcache::v1::OpenTransferSessionResponse;
 using kvcache::v1::TransferAnnouncement;
@@ -72,8 +76,8 @@ struct TransferSessions::Session {
 };
 
 TransferSessions::TransferSessions(TransferLimits limits, CommunicatorFactory* factory,
-                                   TransferSink* sink)
-    : limits_(limits), factory_(factory), sink_(sink) {}
+                                   TransferSink* sink, TransferSource* source)
+    : limits_(limits), factory_(factory), sink_(sink), source_(source) {}
 
 TransferSessions::~TransferSessions() {
   std::vector<std::thread> joiners;
@@ -164,6 +168,7 @@ absl::StatusOr<OpenTransferSessionResponse> TransferSessions::Open(
       r.set_reused(true);
       r.set_max_tensor_bytes(limits_.max_tensor_bytes);
       r.set_next_sequence(old->next_sequence.load());
+      r.set_fetch_chunk_bytes(limits_.fetch_chunk_bytes);
       return r;
     }
     Drop(old);  // another transport, or a broken group: replace it
@@ -211,6 +216,7 @@ absl::StatusOr<OpenTransferSessionResponse> TransferSessions::Open(
   r.set_reused(false);
   r.set_max_tensor_bytes(limits_.max_tensor_bytes);
   r.set_next_sequence(0);
+  r.set_fetch_chunk_bytes(limits_.fetch_chunk_bytes);
   return r;
 }
 
@@ -226,14 +232,7 @@ absl::StatusOr<uint64_t> TransferSessions::Handle(const TransferAnnouncement& a,
         absl::StrCat("session_id: session '", a.session_id(), "' is closed"));
   }
   const uint64_t expected = s->next_sequence.load();
-  if (a.sequence() < expected) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sequence: ", a.sequence(), " was already handled (duplicate); expected ", expected));
-  }
-  if (a.sequence() > expected) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sequence: ", a.sequence(), " is out of order; expected ", expected));
-  }
+  if (absl::Status q = CheckSequence(a.sequence(), expected); !q.ok()) return q;
   if (a.cache_id().empty() || a.cache_id().size() > kMaxCacheIdBytes) {
     return absl::InvalidArgumentError(absl::StrCat("cache_id: must be 1 to ", kMaxCacheIdBytes,
                                                    " bytes, got ", a.cache_id().size()));
@@ -260,15 +259,7 @@ absl::StatusOr<uint64_t> TransferSessions::Handle(const TransferAnnouncement& a,
     if (!a.payload().empty()) {
       return absl::InvalidArgumentError("payload: must be empty in an NCCL session");
     }
-    if (!s->joined.WaitForNotificationWithTimeout(limits_.join_timeout)) {
-      Drop(s);
-      return absl::DeadlineExceededError("nccl: the client did not join the group in time");
-    }
-    if (!s->join_status.ok()) {
-      Drop(s);
-      return absl::FailedPreconditionError(
-          absl::StrCat("nccl: joining the group failed: ", s->join_status.message()));
-    }
+    if (absl::Status g = AwaitGroup(s); !g.ok()) return g;
     if (absl::Status p = posted(); !p.ok()) return p;
     if (s->staging_bytes < a.num_bytes()) {
       // Grows to exactly the largest tensor so far (never past max_tensor_bytes); the bytes are
@@ -288,6 +279,125 @@ absl::StatusOr<uint64_t> TransferSessions::Handle(const TransferAnnouncement& a,
   TensorHeader h{s->client_id, a.cache_id(), a.layer(), a.tensor(), a.sequence()};
   if (absl::Status c = sink_->Consume(h, bytes); !c.ok()) return c;
   return static_cast<uint64_t>(bytes.size());
+}
+
+absl::Status TransferSessions::CheckSequence(uint64_t sequence, uint64_t expected) {
+  if (sequence < expected) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence: ", sequence, " was already handled (duplicate); expected ", expected));
+  }
+  if (sequence > expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence: ", sequence, " is out of order; expected ", expected));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TransferSessions::AwaitGroup(const std::shared_ptr<Session>& s) {
+  if (!s->joined.WaitForNotificationWithTimeout(limits_.join_timeout)) {
+    Drop(s);
+    return absl::DeadlineExceededError("nccl: the client did not join the group in time");
+  }
+  if (!s->join_status.ok()) {
+    Drop(s);
+    return absl::FailedPreconditionError(
+        absl::StrCat("nccl: joining the group failed: ", s->join_status.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TransferSessions::Fetch(const FetchStart& f, const FetchIo& io) {
+  std::shared_ptr<Session> s = Find(f.session_id());
+  if (s == nullptr) {
+    return absl::NotFoundError(absl::StrCat("session_id: unknown session '", f.session_id(), "'"));
+  }
+  if (source_ == nullptr) {
+    return absl::FailedPreconditionError("fetch: this server has no cache store to fetch from");
+  }
+  // The whole fetch holds the session: its data-plane operations must not interleave with
+  // another stream's, or the two ranks would match sends and receives in different orders.
+  absl::MutexLock io_lock(&s->io_mu);
+  if (s->IsClosed()) {
+    return absl::NotFoundError(
+        absl::StrCat("session_id: session '", f.session_id(), "' is closed"));
+  }
+  const uint64_t expected = s->next_sequence.load();
+  if (absl::Status q = CheckSequence(f.sequence(), expected); !q.ok()) return q;
+  if (f.cache_id().empty() || f.cache_id().size() > kMaxCacheIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("cache_id: must be 1 to ", kMaxCacheIdBytes,
+                                                   " bytes, got ", f.cache_id().size()));
+  }
+  // The reader holds the entry (kvcd: a store read lease) until the fetch ends.
+  absl::StatusOr<std::unique_ptr<CacheReader>> reader = source_->Open(s->client_id, f.cache_id());
+  if (!reader.ok()) return reader.status();
+  const uint32_t num_layers = (*reader)->num_layers();
+  const uint32_t begin = f.layer_begin();
+  const uint32_t end = f.has_layer_end() ? f.layer_end() : num_layers;
+  if (end > num_layers || begin > end) {
+    return absl::InvalidArgumentError(absl::StrCat("layer_begin/layer_end: [", begin, ", ", end,
+                                                   ") is not a range within [0, ", num_layers,
+                                                   "] of cache '", f.cache_id(), "'"));
+  }
+  const bool nccl = s->transport == kvcache::v1::TRANSFER_TRANSPORT_NCCL;
+  if (nccl && begin < end) {
+    if (absl::Status g = AwaitGroup(s); !g.ok()) return g;
+  }
+  FetchResponse header;
+  *header.mutable_header()->mutable_info() = (*reader)->info();
+  header.mutable_header()->set_layer_begin(begin);
+  header.mutable_header()->set_layer_end(end);
+  if (absl::Status w = io.write(header); !w.ok()) return w;
+  s->next_sequence.store(expected + 1);
+
+  for (uint32_t layer = begin; layer < end; ++layer) {
+    // Every block is hashed before the layer is announced: a corrupt layer never reaches the
+    // data plane, so the group stays usable after DATA_LOSS.
+    absl::StatusOr<absl::Span<const uint8_t>> blob = (*reader)->Layer(layer);
+    if (!blob.ok()) return blob.status();
+    FetchResponse announce;
+    announce.mutable_layer()->set_layer(layer);
+    announce.mutable_layer()->set_num_bytes(blob->size());
+    if (absl::Status w = io.write(announce); !w.ok()) return w;
+    if (blob->empty()) {
+      (*reader)->Delivered(0);
+      continue;
+    }
+    if (nccl) {
+      absl::StatusOr<FetchRequest> next = io.read();
+      if (!next.ok()) return next.status();
+      if (!next->has_posted()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("fetch: expected posted for layer ", layer, ", got ",
+                         next->has_start() ? "a second start" : "an empty request"));
+      }
+      if (next->posted().layer() != layer) {
+        return absl::InvalidArgumentError(absl::StrCat("posted.layer: ", next->posted().layer(),
+                                                       " is not the announced layer ", layer));
+      }
+      if (s->IsClosed()) {
+        return absl::NotFoundError(
+            absl::StrCat("session_id: session '", f.session_id(), "' is closed"));
+      }
+      // Stored blobs are host memory; the communicator stages them through its device buffer.
+      if (absl::Status r = s->comm->Send(blob->data(), blob->size(), limits_.recv_timeout);
+          !r.ok()) {
+        Drop(s);  // the group's state is unknown now
+        return r;
+      }
+    } else {
+      for (uint64_t offset = 0; offset < blob->size();) {
+        const uint64_t n = std::min<uint64_t>(limits_.fetch_chunk_bytes, blob->size() - offset);
+        FetchResponse piece;
+        piece.mutable_payload()->set_layer(layer);
+        piece.mutable_payload()->set_offset(offset);
+        piece.mutable_payload()->set_data(reinterpret_cast<const char*>(blob->data() + offset), n);
+        if (absl::Status w = io.write(piece); !w.ok()) return w;
+        offset += n;
+      }
+    }
+    (*reader)->Delivered(blob->size());
+  }
+  return absl::OkStatus();
 }
 
 absl::Status TransferSessions::Close(const std::string& client_id, const std::string& session_id) {

@@ -1,8 +1,9 @@
 // The transfer control plane without gRPC: sessions cached per client id, NCCL group setup (kvcd
 // makes the unique id and joins as rank 0 in the background), and the per-tensor protocol of
-// kvcache/v1/transfer.proto (sequencing, validation, receive, hand-off to a sink).
-// Thread-safe: Open/Close/Handle may be called concurrently; the tensors of one session are
-// handled one at a time, in sequence order.
+// kvcache/v1/transfer.proto (sequencing, validation, receive, hand-off to a sink) and of its
+// fetches (layers of a stored cache read from a source and sent to the client).
+// Thread-safe: Open/Close/Handle/Fetch may be called concurrently; the tensors and fetches of one
+// session are handled one at a time, in sequence order.
 #ifndef KVC_SERVICE_TRANSFER_TRANSFER_SESSIONS_H_
 #define KVC_SERVICE_TRANSFER_TRANSFER_SESSIONS_H_
 
@@ -25,8 +26,10 @@ namespace kvc::transfer {
 
 class TransferSessions {
  public:
-  // `factory` may be null (NCCL sessions then answer UNAVAILABLE); `sink` must outlive this.
-  TransferSessions(TransferLimits limits, CommunicatorFactory* factory, TransferSink* sink);
+  // `factory` may be null (NCCL sessions then answer UNAVAILABLE); `sink` must outlive this;
+  // `source` (may be null: fetches answer FAILED_PRECONDITION) too.
+  TransferSessions(TransferLimits limits, CommunicatorFactory* factory, TransferSink* sink,
+                   TransferSource* source = nullptr);
   ~TransferSessions();  // closes every session and joins the background joins
   TransferSessions(const TransferSessions&) = delete;
   TransferSessions& operator=(const TransferSessions&) = delete;
@@ -49,6 +52,21 @@ class TransferSessions {
   absl::StatusOr<uint64_t> Handle(const kvcache::v1::TransferAnnouncement& a,
                                   const std::function<absl::Status()>& posted);
 
+  // The stream side of one Fetch: `write` sends a response (its error aborts the fetch),
+  // `read` waits for the client's next request (an error: the client ended the stream).
+  struct FetchIo {
+    std::function<absl::Status(const kvcache::v1::FetchResponse&)> write;
+    std::function<absl::StatusOr<kvcache::v1::FetchRequest>()> read;
+  };
+
+  // Serves one fetch (kvcache/v1/transfer.proto): validates `start` like an announcement
+  // (session, sequence, cache_id), opens the cache through the source, checks the layer range,
+  // writes the header (the sequence then advances), then each layer: announced once the source
+  // verified it, then sent over the data plane after the client's FetchPosted (NCCL) or in
+  // pieces of fetch_chunk_bytes (GRPC_BYTES). Holds the session for the whole fetch (its
+  // announcements wait). Errors as the proto file says; a data-plane failure closes the session.
+  absl::Status Fetch(const kvcache::v1::FetchStart& start, const FetchIo& io);
+
   // NOT_FOUND when no such session belongs to client_id.
   absl::Status Close(const std::string& client_id, const std::string& session_id);
 
@@ -64,10 +82,15 @@ class TransferSessions {
   struct Session;
   std::shared_ptr<Session> Find(const std::string& session_id) const;
   void Drop(const std::shared_ptr<Session>& s);
+  // NCCL: waits for the session's group; a failed or late join drops the session.
+  absl::Status AwaitGroup(const std::shared_ptr<Session>& s);
+  // INVALID_ARGUMENT unless `sequence` is the session's next one.
+  static absl::Status CheckSequence(uint64_t sequence, uint64_t expected);
 
   const TransferLimits limits_;
   CommunicatorFactory* const factory_;
   TransferSink* const sink_;
+  TransferSource* const source_;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> by_id_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<Session>> by_client_ ABSL_GUARDED_BY(mu_);

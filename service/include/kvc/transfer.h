@@ -4,13 +4,15 @@
 // The data plane is a 2-rank point-to-point channel between kvcd (rank 0) and one client
 // (rank 1). Production uses NCCL (libnccl.so.2 loaded at run time, so kvcd neither links nor
 // requires it); tests use an in-process fake. gRPC is the control plane: it hands out the NCCL
-// unique id and sequences and acknowledges every tensor.
+// unique id and sequences and acknowledges every tensor. The same session also carries the
+// download direction (Fetch): layers of a stored cache, read from a TransferSource, to the client.
 //
 //
 // Wiring into kvcd (server side): create the service and register it on the main port, e.g.
 // through KvcServer::Options::extra_services:
 //   TransferServiceOptions topts;            // limits, CUDA device, NCCL on/off
 //   topts.sink = my_sink;                    // receives every tensor (must outlive the server)
+//   topts.source = my_source;                // serves Fetch (kvcd: StoreTransferSource)
 //   options.extra_services.push_back([topts](const ServerResources& r) {
 //     std::string why;
 //     r.state->nccl_available = NcclTransportAvailable(topts.device, &why);
@@ -24,9 +26,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -45,6 +50,7 @@ struct TransferLimits {
   int max_sessions = 64;                            // open sessions across all clients
   absl::Duration join_timeout = absl::Seconds(60);  // rank 0 waits this long for the client
   absl::Duration recv_timeout = absl::Seconds(60);  // per tensor, after POSTED
+  uint64_t fetch_chunk_bytes = uint64_t{1} << 20;   // GRPC_BYTES fetches: bytes per message
 };
 
 // What a received tensor is.
@@ -70,6 +76,31 @@ class TransferSink {
   virtual absl::Status Consume(const TensorHeader& header, absl::Span<const uint8_t> bytes) = 0;
 };
 
+// One fetch's view of a stored cache (kvcache/v1/transfer.proto, Fetch). It keeps the bytes it
+// hands out valid, and the entry unevictable, until it is destroyed (kvcd: a store read lease).
+// Used by one thread at a time.
+class CacheReader {
+ public:
+  virtual ~CacheReader() = default;
+  // The cache's CacheInfo, as GetCache's first message carries it.
+  virtual const kvcache::v1::CacheInfo& info() const = 0;
+  virtual uint32_t num_layers() const = 0;
+  // The PACKED blob of `layer` (< num_layers()), every checksum block verified; valid while this
+  // reader lives. DATA_LOSS naming the layer and block when it is corrupt.
+  virtual absl::StatusOr<absl::Span<const uint8_t>> Layer(uint32_t layer) = 0;
+  // `bytes` of a layer reached the client (kvcd counts them as served bytes).
+  virtual void Delivered(uint64_t bytes) = 0;
+};
+
+// Where fetches read stored caches. Must be thread-safe.
+class TransferSource {
+ public:
+  virtual ~TransferSource() = default;
+  // NOT_FOUND for an unknown cache; DATA_LOSS when its metadata or block table is corrupt.
+  virtual absl::StatusOr<std::unique_ptr<CacheReader>> Open(const std::string& client_id,
+                                                            const std::string& cache_id) = 0;
+};
+
 struct TransferServiceOptions {
   TransferLimits limits;
   bool enable_nccl = true;  // false: only GRPC_BYTES sessions
@@ -77,6 +108,8 @@ struct TransferServiceOptions {
   // Data plane; null = NCCL (libnccl.so.2 loaded at run time). Must outlive the service.
   CommunicatorFactory* factory = nullptr;
   TransferSink* sink = nullptr;  // required; must outlive the service
+  // Serves Fetch; null: Fetch answers FAILED_PRECONDITION. Must outlive the service.
+  TransferSource* source = nullptr;
 };
 
 // INVALID_ARGUMENT when the sink is missing or a limit is not positive. The service is returned
@@ -125,6 +158,30 @@ class TransferClient {
   absl::Status Send(const std::string& cache_id, uint32_t layer, kvcache::v1::TensorKind tensor,
                     const void* data, uint64_t bytes);
 
+  // Fetches layers [layer_begin, layer_end) (layer_end: num_layers when unset) of stored cache
+  // `cache_id` over the session: `on_info` gets the CacheInfo first, then `on_layer` each PACKED
+  // layer blob (exactly the bytes GetCache FORMAT_PACKED streams for it) in order, as host
+  // memory valid during the call. NCCL sessions receive each layer over the data plane (staged
+  // into host memory by the communicator), GRPC_BYTES sessions inside the stream. Errors are
+  // kvcd's (NOT_FOUND, INVALID_ARGUMENT, DATA_LOSS: see transfer.proto) or a callback's, which
+  // cancels the fetch. A data-plane failure also ends the Transfer stream, as in Send (Open
+  // again to go on). Uploads and fetches may alternate on one client.
+  using FetchInfoFn = std::function<absl::Status(const kvcache::v1::CacheInfo& info,
+                                                 uint32_t layer_begin, uint32_t layer_end)>;
+  using FetchLayerFn = std::function<absl::Status(uint32_t layer, absl::Span<const uint8_t> blob)>;
+  absl::Status Fetch(const std::string& cache_id, uint32_t layer_begin,
+                     std::optional<uint32_t> layer_end, const FetchInfoFn& on_info,
+                     const FetchLayerFn& on_layer);
+
+  // Fetch, collected: info and the blobs of layers layer_begin.. in order.
+  struct FetchedCache {
+    kvcache::v1::CacheInfo info;
+    uint32_t layer_begin = 0;
+    std::vector<std::vector<uint8_t>> layers;
+  };
+  absl::StatusOr<FetchedCache> Fetch(const std::string& cache_id, uint32_t layer_begin = 0,
+                                     std::optional<uint32_t> layer_end = std::nullopt);
+
   // Ends the stream and closes the session on the server.
   absl::Status Close();
 
@@ -172,7 +229,7 @@ struct TransferPutOptions {
   // (UNIMPLEMENTED, or FAILED_PRECONDITION for the external_payload header), or when the session
   // is GRPC_BYTES and a tensor does not fit kvcd's max_message_bytes. Requires host memory.
   bool allow_chunks_fallback = true;
-  uint64_t chunk_bytes = uint64_t{1} << 20;  // chunk size of that fallback; >= 1
+  uint64_t chunk_bytes = uint64_t{1} << 20;   // chunk size of that fallback; >= 1
   absl::Duration timeout = absl::Minutes(5);  // deadline of the PutCache stream
 };
 
