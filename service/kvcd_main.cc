@@ -22,6 +22,7 @@
 #include "server/config.h"
 #include "server/ingest_registry.h"
 #include "server/server.h"
+#include "server/transfer_source.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "gRPC address host:port (port 0 picks a free port)");
@@ -205,6 +206,8 @@ int main(int argc, char** argv) {
   // It has no per-tenant authorization yet, so it is not served when authentication is on.
   kvc::server::IngestRegistry transfer_ingest;
   kvc::server::TransferIngestSink transfer_sink(&transfer_ingest);
+  // Fetches read the server's store; made once the store exists, and outlives the server.
+  std::unique_ptr<kvc::server::StoreTransferSource> transfer_source;
   const std::string transfer = absl::GetFlag(FLAGS_transfer);
   if (transfer != "auto" && transfer != "off") {
     std::fprintf(stderr, "kvcd: --transfer: '%s' is not auto or off\n", transfer.c_str());
@@ -214,10 +217,14 @@ int main(int argc, char** argv) {
     std::printf("kvcd: transfer service off (not available with --auth_tokens_file)\n");
   } else if (transfer == "auto") {
     options.extra_services.push_back(
-        [&transfer_ingest, &transfer_sink](const kvc::server::ServerResources& r)
+        [&transfer_ingest, &transfer_sink, &transfer_source](const kvc::server::ServerResources& r)
             -> absl::StatusOr<std::unique_ptr<grpc::Service>> {
           kvc::transfer::TransferServiceOptions topts;
           topts.sink = &transfer_sink;
+          transfer_source = std::make_unique<kvc::server::StoreTransferSource>(r.store, r.metrics);
+          topts.source = transfer_source.get();
+          // GRPC_BYTES fetches send pieces of GetCache's chunk size, which fits the message limit.
+          topts.limits.fetch_chunk_bytes = r.config->max_chunk_bytes;
           std::string why;
           topts.enable_nccl = kvc::transfer::NcclTransportAvailable(topts.device, &why);
           r.state->nccl_available = topts.enable_nccl;

@@ -7,6 +7,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvcache/v1/transfer.grpc.pb.h"
 #include "testing/kvc_rpc.h"
 #include "testing/kvcd_process.h"
 
@@ -120,6 +121,33 @@ TEST_F(KvcdAuthTest, TenantsSeeOnlyTheirOwnCaches) {
   EXPECT_EQ(b->DeleteCache(&c1, del, &dr).error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_TRUE(a->DeleteCache(&c2, del, &dr).ok());
   EXPECT_THAT(testing::ViewStore(a.get()).ids, ElementsAre("shared/id"));
+}
+
+// The transfer service has no per-tenant authorization, so kvcd does not serve it with tokens:
+// no session can be opened and no tenant's cache can be fetched through it.
+TEST_F(KvcdAuthTest, TransferServiceAndItsFetchAreNotServed) {
+  auto a = testing::NewStub(kvcd_->address(), kTokenA);
+  ASSERT_TRUE(testing::PutCache(a.get(), Cache("private", 3)).ok());
+  auto channel = grpc::CreateChannel(kvcd_->address(), grpc::InsecureChannelCredentials());
+  auto transfer = kvcache::v1::KvCacheTransfer::NewStub(channel);
+  grpc::ClientContext open_ctx;
+  open_ctx.AddMetadata("authorization", std::string("Bearer ") + kTokenA);
+  kvcache::v1::OpenTransferSessionRequest open;
+  open.set_client_id("decode");
+  open.set_transport(kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES);
+  kvcache::v1::OpenTransferSessionResponse session;
+  EXPECT_EQ(transfer->OpenTransferSession(&open_ctx, open, &session).error_code(),
+            grpc::StatusCode::UNIMPLEMENTED);
+  grpc::ClientContext fetch_ctx;
+  fetch_ctx.AddMetadata("authorization", std::string("Bearer ") + kTokenA);
+  auto fetch = transfer->Fetch(&fetch_ctx);
+  kvcache::v1::FetchRequest req;
+  req.mutable_start()->set_cache_id("private");
+  fetch->Write(req);
+  fetch->WritesDone();
+  kvcache::v1::FetchResponse resp;
+  EXPECT_FALSE(fetch->Read(&resp));
+  EXPECT_EQ(fetch->Finish().error_code(), grpc::StatusCode::UNIMPLEMENTED);
 }
 
 TEST(KvcdAuthFlagsTest, BadTokenFilesExitWithCode2) {

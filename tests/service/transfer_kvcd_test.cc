@@ -155,6 +155,45 @@ TEST_F(TransferKvcdTest, TransferredUploadStoresTheSameBytesAsChunks) {
   }
 }
 
+// kvcd serves fetches from its store (the source kvcd_main.cc wires): the blobs are GetCache
+// PACKED's, and uploads and fetches share one session (more in transfer_fetch*_test.cc).
+TEST_F(TransferKvcdTest, FetchReturnsTheBlobsOfGetCachePacked) {
+  const TestCache c = MakeCache("fetch-me");
+  ASSERT_TRUE(testing::PutCache(stub_.get(), c, nullptr, 4 << 10).ok());
+  Fetched packed;
+  GetCacheRequest req;
+  req.set_format(kvcache::v1::FORMAT_PACKED);
+  req.set_cache_id("fetch-me");
+  ASSERT_TRUE(testing::Get(stub_.get(), req, &packed).ok());
+
+  TransferClient client(channel_, ClientOptions("decode-fetch"));
+  ASSERT_TRUE(client.Open().ok());
+  auto got = client.Fetch("fetch-me");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->info.SerializeAsString(), packed.info.SerializeAsString());
+  ASSERT_EQ(got->layers.size(), c.k.size());
+  for (uint32_t l = 0; l < got->layers.size(); ++l) {
+    EXPECT_EQ(std::string(got->layers[l].begin(), got->layers[l].end()),
+              packed.part(l, kvcache::v1::PART_PACKED))
+        << "layer " << l;
+  }
+  // An upload through the same session, then a fetch of what it stored.
+  TestCache moved = MakeCache("fetch-uploaded", 9);
+  auto put = transfer::PutCacheWithTransfer(channel_, &client, moved.header, Tensors(moved));
+  ASSERT_TRUE(put.ok()) << put.status();
+  auto again = client.Fetch("fetch-uploaded", 1, 2);
+  ASSERT_TRUE(again.ok()) << again.status();
+  req.set_cache_id("fetch-uploaded");
+  Fetched uploaded;
+  ASSERT_TRUE(testing::Get(stub_.get(), req, &uploaded).ok());
+  ASSERT_EQ(again->layers.size(), 1u);
+  EXPECT_EQ(std::string(again->layers[0].begin(), again->layers[0].end()),
+            uploaded.part(1, kvcache::v1::PART_PACKED));
+  auto missing = client.Fetch("fetch-never-stored");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
+  client.Close().IgnoreError();
+}
+
 TEST_F(TransferKvcdTest, ServerInfoReportsNcclAsTheTransferServiceSeesIt) {
   grpc::ClientContext ctx;
   kvcache::v1::ServerInfo info;
@@ -459,6 +498,39 @@ TEST(TransferKvcdOffTest, TensorsOverTheMessageLimitGoAsChunks) {
   EXPECT_EQ(r->path, PutPath::kChunks);
   EXPECT_NE(r->fallback_reason.find("max_message_bytes"), std::string::npos) << r->fallback_reason;
   EXPECT_EQ(r->response.input_bytes(), c.kv_bytes());
+}
+
+// GRPC_BYTES fetches cut a layer into pieces of --max_chunk_bytes, so layers larger than
+// --max_message_bytes still arrive whole.
+TEST(TransferKvcdOffTest, FetchedLayersOverTheMessageLimitArriveInPieces) {
+  KvcdProcess::Options opts;
+  opts.binary = KVCD_PATH;
+  opts.flags = {"--store_bytes=64MiB", "--backend=cpu", kChunkLimitFlag,
+                "--max_message_bytes=12KiB"};
+  auto kvcd = KvcdProcess::Start(opts);
+  ASSERT_TRUE(kvcd.ok()) << kvcd.status();
+  auto channel = Channel((*kvcd)->address());
+  auto stub = testing::NewStub((*kvcd)->address());
+  TestCache c = MakeCache("big-layers");
+  c.header.clear_compression();  // uncompressed: 32 KiB+ per layer blob
+  ASSERT_TRUE(testing::PutCache(stub.get(), c, nullptr, 4 << 10).ok());
+  Fetched packed;
+  GetCacheRequest req;
+  req.set_cache_id("big-layers");
+  req.set_format(kvcache::v1::FORMAT_PACKED);
+  ASSERT_TRUE(testing::Get(stub.get(), req, &packed).ok());
+  TransferClient client(channel, ClientOptions("decode-big"));
+  ASSERT_TRUE(client.Open().ok());
+  auto got = client.Fetch("big-layers");
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->layers.size(), c.k.size());
+  for (uint32_t l = 0; l < got->layers.size(); ++l) {
+    EXPECT_GT(got->layers[l].size(), 12u << 10);
+    EXPECT_EQ(std::string(got->layers[l].begin(), got->layers[l].end()),
+              packed.part(l, kvcache::v1::PART_PACKED))
+        << "layer " << l;
+  }
+  client.Close().IgnoreError();
 }
 
 TEST(TransferKvcdOffTest, BadTransferFlagExitsWithCode2) {
