@@ -1,6 +1,7 @@
 // The NCCL data path of the transfer service on real GPUs: two ranks in one process (device 0 is
 // kvcd's rank 0, device 1 the client's rank 1) join one group and move host and device buffers;
-// a receive without a sender times out instead of hanging. Needs two visible GPUs and
+// the fetch direction (rank 0's host blobs into rank 1's host and device buffers); a receive
+// without a sender times out instead of hanging. Needs two visible GPUs and
 // libnccl.so.2; otherwise main() prints the reason and exits 77 (skipped).
 #include <cuda_runtime_api.h>
 
@@ -73,6 +74,40 @@ TEST(NcclDataPath, HostAndDeviceBuffersArriveIntact) {
   cudaFree(ddst);
   cudaSetDevice(1);
   cudaFree(dsrc);
+}
+
+// The fetch direction (kvcd's rank 0 sends a stored blob, host memory, to the client's rank 1):
+// into a host buffer as TransferClient::Fetch receives it, and into a device buffer on GPU 1,
+// several layers in a row on one group, as a fetch sends them.
+TEST(NcclDataPath, FetchDirectionHostBlobsArriveOnHostAndDevice) {
+  Pair p = JoinPair();
+  ASSERT_NE(p.rank0, nullptr);
+  ASSERT_NE(p.rank1, nullptr);
+  const size_t sizes[] = {size_t{3} << 20, 12345, size_t{1} << 20};
+  for (size_t n : sizes) {
+    std::vector<uint8_t> blob(n), host(n, 0);
+    for (size_t i = 0; i < n; ++i) blob[i] = static_cast<uint8_t>(i * 17 + n);
+    absl::Status send_status;
+    std::thread sender([&] { send_status = p.rank0->Send(blob.data(), n, absl::Seconds(30)); });
+    ASSERT_TRUE(p.rank1->Recv(host.data(), n, absl::Seconds(30)).ok());
+    sender.join();
+    ASSERT_TRUE(send_status.ok()) << send_status;
+    EXPECT_EQ(host, blob) << n << " bytes to host";
+
+    void* dev = nullptr;
+    ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&dev, n), cudaSuccess);
+    ASSERT_EQ(cudaMemset(dev, 0, n), cudaSuccess);
+    std::thread dsender([&] { send_status = p.rank0->Send(blob.data(), n, absl::Seconds(30)); });
+    ASSERT_TRUE(p.rank1->Recv(dev, n, absl::Seconds(30)).ok());
+    dsender.join();
+    ASSERT_TRUE(send_status.ok()) << send_status;
+    std::vector<uint8_t> back(n, 0);
+    ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(back.data(), dev, n, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(back, blob) << n << " bytes to device";
+    cudaFree(dev);
+  }
 }
 
 TEST(NcclDataPath, ReceiveWithoutSenderTimesOut) {
