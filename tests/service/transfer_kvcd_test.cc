@@ -480,13 +480,18 @@ TEST(TransferKvcdOffTest, FallsBackToChunksWhenKvcdServesNoTransfer) {
   EXPECT_EQ(r2.status().code(), absl::StatusCode::kUnimplemented) << r2.status();
 }
 
-// GRPC_BYTES carries a whole tensor per message: tensors over kvcd's message limit go as chunks.
-TEST(TransferKvcdOffTest, TensorsOverTheMessageLimitGoAsChunks) {
+// A kvcd whose messages are limited to 12 KiB, below the tensors and layers the tests move.
+absl::StatusOr<std::unique_ptr<KvcdProcess>> StartWithSmallMessages() {
   KvcdProcess::Options opts;
   opts.binary = KVCD_PATH;
   opts.flags = {"--store_bytes=64MiB", "--backend=cpu", kChunkLimitFlag,
                 "--max_message_bytes=12KiB"};
-  auto kvcd = KvcdProcess::Start(opts);
+  return KvcdProcess::Start(opts);
+}
+
+// GRPC_BYTES carries a whole tensor per message: tensors over kvcd's message limit go as chunks.
+TEST(TransferKvcdOffTest, TensorsOverTheMessageLimitGoAsChunks) {
+  auto kvcd = StartWithSmallMessages();
   ASSERT_TRUE(kvcd.ok()) << kvcd.status();
   auto channel = Channel((*kvcd)->address());
   const TestCache c = MakeCache("big-tensors");  // 16 KiB K and V tensors
@@ -503,11 +508,7 @@ TEST(TransferKvcdOffTest, TensorsOverTheMessageLimitGoAsChunks) {
 // GRPC_BYTES fetches cut a layer into pieces of --max_chunk_bytes, so layers larger than
 // --max_message_bytes still arrive whole.
 TEST(TransferKvcdOffTest, FetchedLayersOverTheMessageLimitArriveInPieces) {
-  KvcdProcess::Options opts;
-  opts.binary = KVCD_PATH;
-  opts.flags = {"--store_bytes=64MiB", "--backend=cpu", kChunkLimitFlag,
-                "--max_message_bytes=12KiB"};
-  auto kvcd = KvcdProcess::Start(opts);
+  auto kvcd = StartWithSmallMessages();
   ASSERT_TRUE(kvcd.ok()) << kvcd.status();
   auto channel = Channel((*kvcd)->address());
   auto stub = testing::NewStub((*kvcd)->address());
