@@ -60,9 +60,9 @@ ABSL_FLAG(int32_t, tls_reload_seconds, 60,
           "re-read the --tls_* files this often, so rotated certificates take effect for new "
           "connections without a restart; 0 = read once at start");
 ABSL_FLAG(std::string, transfer, "auto",
-          "KvCacheTransfer service for PutCache uploads with external_payload: auto (on; NCCL "
-          "where libnccl and a CUDA device are available, else gRPC bytes only) or off. Not "
-          "served with --auth_tokens_file");
+          "KvCacheTransfer service for PutCache uploads with external_payload and Fetch of "
+          "stored caches: auto (on; NCCL where libnccl and a CUDA device are available, else "
+          "gRPC bytes only) or off. Not served with --auth_tokens_file");
 
 namespace {
 
