@@ -16,6 +16,7 @@
 #include "server/server.h"
 #include "server/transfer_source.h"
 #include "testing/fake_communicator.h"
+#include "testing/in_process_kvcd.h"
 #include "testing/kvc_rpc.h"
 #include "testing/kvcd_process.h"
 
@@ -27,14 +28,7 @@ using transfer::TransferClient;
 class TransferFetchKvcdTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    server::KvcServer::Options options;
-    options.config.listen = "127.0.0.1:0";
-    options.config.health_listen = "";
-    options.config.metrics_listen = "";
-    options.config.store_bytes = 64 << 20;
-    options.config.max_chunk_bytes = 16 << 10;
-    options.config.backend = "cpu";
-    options.config.threads = 2;
+    server::KvcServer::Options options = testing::InProcessKvcdOptions(16 << 10);
     options.extra_services.push_back(
         [this](const server::ServerResources& r) -> absl::StatusOr<std::unique_ptr<grpc::Service>> {
           store_ = r.store;

@@ -14,6 +14,7 @@
 #include "server/ingest_registry.h"
 #include "server/server.h"
 #include "testing/fake_communicator.h"
+#include "testing/in_process_kvcd.h"
 #include "testing/kvc_rpc.h"
 #include "testing/kvcd_process.h"
 #include "testing/shared_kvcd.h"
@@ -555,14 +556,7 @@ TEST(TransferNcclPathTest, NcclSessionUploadStoresTheSameBytesAsChunks) {
   testing::FakeFactory fake;
   server::IngestRegistry registry;
   server::TransferIngestSink sink(&registry);
-  server::KvcServer::Options options;
-  options.config.listen = "127.0.0.1:0";
-  options.config.health_listen = "";
-  options.config.metrics_listen = "";
-  options.config.store_bytes = 64 << 20;
-  options.config.max_chunk_bytes = 4 << 10;
-  options.config.backend = "cpu";
-  options.config.threads = 2;
+  server::KvcServer::Options options = testing::InProcessKvcdOptions(4 << 10);
   options.extra_services.push_back(
       [&](const server::ServerResources& r) -> absl::StatusOr<std::unique_ptr<grpc::Service>> {
         transfer::TransferServiceOptions t;
