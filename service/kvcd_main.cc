@@ -223,6 +223,7 @@ int main(int argc, char** argv) {
           topts.sink = &transfer_sink;
           transfer_source = std::make_unique<kvc::server::StoreTransferSource>(r.store, r.metrics);
           topts.source = transfer_source.get();
+          topts.metrics = r.metrics;
           // GRPC_BYTES fetches send pieces of GetCache's chunk size, which fits the message limit.
           topts.limits.fetch_chunk_bytes = r.config->max_chunk_bytes;
           std::string why;

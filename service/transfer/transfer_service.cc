@@ -1,6 +1,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "kvc/transfer.h"
 #include "transfer/transfer_sessions.h"
 
@@ -16,25 +17,70 @@ using kvcache::v1::OpenTransferSessionResponse;
 using kvcache::v1::TransferAck;
 using kvcache::v1::TransferAnnouncement;
 
+// Records one RPC in the per-method series: started now, handled (with its code and time) when
+// the handler returns through Done.
+class Recorded {
+ public:
+  Recorded(Metrics* metrics, const char* method)
+      : metrics_(metrics), method_(method), start_(absl::Now()) {
+    if (metrics_ != nullptr) metrics_->RecordRpcStarted(method_);
+  }
+  grpc::Status Done(grpc::Status status) {
+    if (metrics_ != nullptr) {
+      metrics_->RecordRpc(method_, status.error_code(),
+                          absl::ToDoubleSeconds(absl::Now() - start_));
+    }
+    return status;
+  }
+
+ private:
+  Metrics* const metrics_;
+  const char* const method_;
+  const absl::Time start_;
+};
+
 class TransferServiceImpl final : public kvcache::v1::KvCacheTransfer::Service {
  public:
   TransferServiceImpl(const TransferServiceOptions& o, std::unique_ptr<CommunicatorFactory> owned)
       : owned_factory_(std::move(owned)),
+        metrics_(o.metrics),
         sessions_(o.limits,
                   !o.enable_nccl ? nullptr : (o.factory ? o.factory : owned_factory_.get()), o.sink,
                   o.source) {}
 
-  grpc::Status OpenTransferSession(grpc::ServerContext*, const OpenTransferSessionRequest* req,
+  grpc::Status OpenTransferSession(grpc::ServerContext* ctx, const OpenTransferSessionRequest* req,
                                    OpenTransferSessionResponse* resp) override {
+    Recorded rpc(metrics_, "OpenTransferSession");
+    return rpc.Done(DoOpen(ctx, req, resp));
+  }
+  grpc::Status Transfer(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<TransferAck, TransferAnnouncement>* stream) override {
+    Recorded rpc(metrics_, "Transfer");
+    return rpc.Done(DoTransfer(ctx, stream));
+  }
+  grpc::Status Fetch(grpc::ServerContext* ctx,
+                     grpc::ServerReaderWriter<FetchResponse, FetchRequest>* stream) override {
+    Recorded rpc(metrics_, "Fetch");
+    return rpc.Done(DoFetch(ctx, stream));
+  }
+  grpc::Status CloseTransferSession(grpc::ServerContext*, const CloseTransferSessionRequest* req,
+                                    CloseTransferSessionResponse*) override {
+    Recorded rpc(metrics_, "CloseTransferSession");
+    return rpc.Done(ToGrpcStatus(sessions_.Close(req->client_id(), req->session_id())));
+  }
+
+ private:
+  grpc::Status DoOpen(grpc::ServerContext*, const OpenTransferSessionRequest* req,
+                      OpenTransferSessionResponse* resp) {
     absl::StatusOr<OpenTransferSessionResponse> r = sessions_.Open(*req);
     if (!r.ok()) return ToGrpcStatus(r.status());
     *resp = *std::move(r);
     return grpc::Status::OK;
   }
 
-  grpc::Status Transfer(
-      grpc::ServerContext* ctx,
-      grpc::ServerReaderWriter<TransferAck, TransferAnnouncement>* stream) override {
+  grpc::Status DoTransfer(grpc::ServerContext* ctx,
+                          grpc::ServerReaderWriter<TransferAck, TransferAnnouncement>* stream) {
     TransferAnnouncement a;
     while (stream->Read(&a)) {
       auto posted = [&]() -> absl::Status {
@@ -56,8 +102,8 @@ class TransferServiceImpl final : public kvcache::v1::KvCacheTransfer::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Fetch(grpc::ServerContext* ctx,
-                     grpc::ServerReaderWriter<FetchResponse, FetchRequest>* stream) override {
+  grpc::Status DoFetch(grpc::ServerContext* ctx,
+                       grpc::ServerReaderWriter<FetchResponse, FetchRequest>* stream) {
     FetchRequest first;
     if (!stream->Read(&first)) {
       if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
@@ -83,13 +129,8 @@ class TransferServiceImpl final : public kvcache::v1::KvCacheTransfer::Service {
     return ToGrpcStatus(sessions_.Fetch(first.start(), io));
   }
 
-  grpc::Status CloseTransferSession(grpc::ServerContext*, const CloseTransferSessionRequest* req,
-                                    CloseTransferSessionResponse*) override {
-    return ToGrpcStatus(sessions_.Close(req->client_id(), req->session_id()));
-  }
-
- private:
   std::unique_ptr<CommunicatorFactory> owned_factory_;
+  Metrics* const metrics_;
   TransferSessions sessions_;
 };
 

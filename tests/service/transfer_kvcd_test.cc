@@ -535,6 +535,38 @@ TEST(TransferKvcdOffTest, FetchedLayersOverTheMessageLimitArriveInPieces) {
   client.Close().IgnoreError();
 }
 
+// The transfer service's RPCs appear in the per-method series next to the KvCache methods'.
+TEST(TransferKvcdOffTest, TransferRpcsAreCountedPerMethodAndCode) {
+  KvcdProcess::Options opts;
+  opts.binary = KVCD_PATH;
+  opts.flags = {"--store_bytes=64MiB", "--backend=cpu", kChunkLimitFlag};
+  auto kvcd = KvcdProcess::Start(opts);
+  ASSERT_TRUE(kvcd.ok()) << kvcd.status();
+  ASSERT_FALSE((*kvcd)->metrics_address().empty());
+  auto stub = testing::NewStub((*kvcd)->address());
+  const TestCache c = MakeCache("counted");
+  ASSERT_TRUE(testing::PutCache(stub.get(), c, nullptr, 4 << 10).ok());
+  {
+    TransferClient client(Channel((*kvcd)->address()), ClientOptions("decode-counted"));
+    ASSERT_TRUE(client.Open().ok());
+    ASSERT_TRUE(client.Fetch("counted").ok());
+    EXPECT_EQ(client.Fetch("never-stored").status().code(), absl::StatusCode::kNotFound);
+    ASSERT_TRUE(client.Close().ok());
+  }
+  const std::string& m = (*kvcd)->metrics_address();
+  for (const auto& [series, value] : std::vector<std::pair<std::string, double>>{
+           {R"(grpc_server_started_total{grpc_method="Fetch"})", 2},
+           {R"(grpc_server_handled_total{grpc_code="OK",grpc_method="Fetch"})", 1},
+           {R"(grpc_server_handled_total{grpc_code="NOT_FOUND",grpc_method="Fetch"})", 1},
+           {R"(grpc_server_handled_total{grpc_code="OK",grpc_method="OpenTransferSession"})", 1},
+           {R"(grpc_server_handled_total{grpc_code="OK",grpc_method="CloseTransferSession"})", 1},
+           {R"(grpc_server_handling_seconds_count{grpc_method="Fetch"})", 2},
+       }) {
+    EXPECT_TRUE(testing::WaitForMetric(m, series, value).ok())
+        << series << ": " << testing::WaitForMetric(m, series, value, absl::ZeroDuration());
+  }
+}
+
 TEST(TransferKvcdOffTest, BadTransferFlagExitsWithCode2) {
   KvcdProcess::Options opts;
   opts.binary = KVCD_PATH;

@@ -39,6 +39,7 @@
 #include "absl/types/span.h"
 #include "grpcpp/grpcpp.h"
 #include "kvc/communicator.h"
+#include "kvc/metrics.h"
 #include "kvcache/v1/transfer.grpc.pb.h"
 
 namespace kvc::transfer {
@@ -110,6 +111,10 @@ struct TransferServiceOptions {
   TransferSink* sink = nullptr;  // required; must outlive the service
   // Serves Fetch; null: Fetch answers FAILED_PRECONDITION. Must outlive the service.
   TransferSource* source = nullptr;
+  // Per-method RPC series (grpc_server_started_total, grpc_server_handled_total by code,
+  // grpc_server_handling_seconds), as the KvCache service records them; null records nothing.
+  // Must outlive the service.
+  Metrics* metrics = nullptr;
 };
 
 // INVALID_ARGUMENT when the sink is missing or a limit is not positive. The service is returned
