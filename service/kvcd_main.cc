@@ -241,16 +241,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvcd: %s\n", std::string(server.status().message()).c_str());
     return server.status().code() == absl::StatusCode::kInvalidArgument ? kExitBadFlags : 1;
   }
-  std::printf("kvcd: listening on %s\n", (*server)->address().c_str());
-  if (!(*server)->health_address().empty()) {
-    std::printf("kvcd: health on %s\n", (*server)->health_address().c_str());
-  }
-  if (!(*server)->metrics_address().empty()) {
-    std::printf("kvcd: metrics on http://%s/metrics\n", (*server)->metrics_address().c_str());
-  }
-  std::fflush(stdout);
   if (!config->port_file.empty()) {
-    // Write then rename, so a reader never sees a partial address.
+    // Write then rename, so a reader never sees a partial address; before the address is
+    // printed, so whoever waits for that line finds the file in place.
     const std::string tmp = config->port_file + ".tmp";
     {
       std::ofstream out(tmp, std::ios::trunc);
@@ -261,6 +254,14 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  std::printf("kvcd: listening on %s\n", (*server)->address().c_str());
+  if (!(*server)->health_address().empty()) {
+    std::printf("kvcd: health on %s\n", (*server)->health_address().c_str());
+  }
+  if (!(*server)->metrics_address().empty()) {
+    std::printf("kvcd: metrics on http://%s/metrics\n", (*server)->metrics_address().c_str());
+  }
+  std::fflush(stdout);
 
   const int sig = WaitForShutdownSignal();
   std::printf("kvcd: signal %d, draining\n", sig);
