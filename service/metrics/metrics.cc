@@ -203,7 +203,7 @@ struct Metrics::Impl {
                         .Add({});
     served_bytes = &prometheus::BuildCounter()
                         .Name("kvc_served_bytes_total")
-                        .Help("Cache bytes sent to clients by GetCache.")
+                        .Help("Cache bytes sent to clients by GetCache and transfer Fetch.")
                         .Register(r)
                         .Add({});
     auto& compress_family = prometheus::BuildHistogram()

@@ -227,15 +227,8 @@ absl::StatusOr<uint64_t> TransferSessions::Handle(const TransferAnnouncement& a,
     return absl::NotFoundError(absl::StrCat("session_id: unknown session '", a.session_id(), "'"));
   }
   absl::MutexLock io(&s->io_mu);
-  if (s->IsClosed()) {
-    return absl::NotFoundError(
-        absl::StrCat("session_id: session '", a.session_id(), "' is closed"));
-  }
-  const uint64_t expected = s->next_sequence.load();
-  if (absl::Status q = CheckSequence(a.sequence(), expected); !q.ok()) return q;
-  if (a.cache_id().empty() || a.cache_id().size() > kMaxCacheIdBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("cache_id: must be 1 to ", kMaxCacheIdBytes,
-                                                   " bytes, got ", a.cache_id().size()));
+  if (absl::Status q = CheckNext(*s, a.session_id(), a.sequence(), a.cache_id()); !q.ok()) {
+    return q;
   }
   if (a.tensor() != kvcache::v1::TENSOR_K && a.tensor() != kvcache::v1::TENSOR_V &&
       a.tensor() != kvcache::v1::TENSOR_Q_OBS) {
@@ -274,14 +267,20 @@ absl::StatusOr<uint64_t> TransferSessions::Handle(const TransferAnnouncement& a,
     }
     bytes = absl::MakeConstSpan(s->staging.get(), a.num_bytes());
   }
-  // The bytes are consumed from the data plane either way, so the sequence advances.
-  s->next_sequence.store(expected + 1);
+  // The bytes are consumed from the data plane either way, so the sequence advances (CheckNext
+  // made sure it was the next one).
+  s->next_sequence.store(a.sequence() + 1);
   TensorHeader h{s->client_id, a.cache_id(), a.layer(), a.tensor(), a.sequence()};
   if (absl::Status c = sink_->Consume(h, bytes); !c.ok()) return c;
   return static_cast<uint64_t>(bytes.size());
 }
 
-absl::Status TransferSessions::CheckSequence(uint64_t sequence, uint64_t expected) {
+absl::Status TransferSessions::CheckNext(Session& s, const std::string& session_id,
+                                         uint64_t sequence, const std::string& cache_id) {
+  if (s.IsClosed()) {
+    return absl::NotFoundError(absl::StrCat("session_id: session '", session_id, "' is closed"));
+  }
+  const uint64_t expected = s.next_sequence.load();
   if (sequence < expected) {
     return absl::InvalidArgumentError(absl::StrCat(
         "sequence: ", sequence, " was already handled (duplicate); expected ", expected));
@@ -289,6 +288,10 @@ absl::Status TransferSessions::CheckSequence(uint64_t sequence, uint64_t expecte
   if (sequence > expected) {
     return absl::InvalidArgumentError(
         absl::StrCat("sequence: ", sequence, " is out of order; expected ", expected));
+  }
+  if (cache_id.empty() || cache_id.size() > kMaxCacheIdBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cache_id: must be 1 to ", kMaxCacheIdBytes, " bytes, got ", cache_id.size()));
   }
   return absl::OkStatus();
 }
@@ -317,15 +320,8 @@ absl::Status TransferSessions::Fetch(const FetchStart& f, const FetchIo& io) {
   // The whole fetch holds the session: its data-plane operations must not interleave with
   // another stream's, or the two ranks would match sends and receives in different orders.
   absl::MutexLock io_lock(&s->io_mu);
-  if (s->IsClosed()) {
-    return absl::NotFoundError(
-        absl::StrCat("session_id: session '", f.session_id(), "' is closed"));
-  }
-  const uint64_t expected = s->next_sequence.load();
-  if (absl::Status q = CheckSequence(f.sequence(), expected); !q.ok()) return q;
-  if (f.cache_id().empty() || f.cache_id().size() > kMaxCacheIdBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("cache_id: must be 1 to ", kMaxCacheIdBytes,
-                                                   " bytes, got ", f.cache_id().size()));
+  if (absl::Status q = CheckNext(*s, f.session_id(), f.sequence(), f.cache_id()); !q.ok()) {
+    return q;
   }
   // The reader holds the entry (kvcd: a store read lease) until the fetch ends.
   absl::StatusOr<std::unique_ptr<CacheReader>> reader = source_->Open(s->client_id, f.cache_id());
@@ -347,7 +343,7 @@ absl::Status TransferSessions::Fetch(const FetchStart& f, const FetchIo& io) {
   header.mutable_header()->set_layer_begin(begin);
   header.mutable_header()->set_layer_end(end);
   if (absl::Status w = io.write(header); !w.ok()) return w;
-  s->next_sequence.store(expected + 1);
+  s->next_sequence.store(f.sequence() + 1);  // CheckNext: it was the next one
 
   for (uint32_t layer = begin; layer < end; ++layer) {
     // Every block is hashed before the layer is announced: a corrupt layer never reaches the

@@ -84,8 +84,11 @@ class TransferSessions {
   void Drop(const std::shared_ptr<Session>& s);
   // NCCL: waits for the session's group; a failed or late join drops the session.
   absl::Status AwaitGroup(const std::shared_ptr<Session>& s);
-  // INVALID_ARGUMENT unless `sequence` is the session's next one.
-  static absl::Status CheckSequence(uint64_t sequence, uint64_t expected);
+  // What an announcement and a fetch both need, checked in this order with s.io_mu held:
+  // NOT_FOUND when the session is closed; INVALID_ARGUMENT unless `sequence` is its next one and
+  // cache_id is 1 to 256 bytes.
+  static absl::Status CheckNext(Session& s, const std::string& session_id, uint64_t sequence,
+                                const std::string& cache_id);
 
   const TransferLimits limits_;
   CommunicatorFactory* const factory_;
