@@ -424,6 +424,8 @@ struct Case {
   ProcUsage server;       // its CPU time and page faults over the timed runs
   ProcUsage client;       // this process's (the client's; Redis and sink rows: also idle threads)
   bool ok = true;
+  // The plain stream rows: the baselines of the ratios.
+  bool plain() const { return name.rfind("plain", 0) == 0; }
 };
 
 // Warm-up, then `reps` rounds that run every case once in turn, so load from other processes
@@ -475,7 +477,7 @@ double Median(std::vector<double> v) {
 void Print(const std::list<Case>& cases) {
   const Case* ref[2] = {nullptr, nullptr};
   for (const Case& c : cases) {
-    if (c.ok && c.name.rfind("plain", 0) == 0) ref[c.download] = &c;
+    if (c.ok && c.plain()) ref[c.download] = &c;
   }
   auto paired_ratio = [&](const Case& c) {
     const Case* p = ref[c.download];
@@ -704,12 +706,12 @@ int main(int argc, char** argv) {
     }
     if (const std::string only = absl::GetFlag(FLAGS_only); !only.empty()) {
       std::erase_if(cases, [&](const Case& c) {
-        return c.name.rfind("plain", 0) != 0 && c.name.find(only) == std::string::npos;
+        return !c.plain() && c.name.find(only) == std::string::npos;
       });
     }
     for (Case& c : cases) {
-      const bool plain = c.name.rfind("plain", 0) == 0 || c.name.find("sink") != std::string::npos;
-      c.server_pid = plain                           ? sink_pid
+      const bool to_sink = c.plain() || c.name.find("sink") != std::string::npos;
+      c.server_pid = to_sink                         ? sink_pid
                      : c.name.rfind("Redis", 0) == 0 ? redis.pid()
                                                      : (*kvcd)->pid();
     }
