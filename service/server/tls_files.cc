@@ -65,11 +65,12 @@ std::shared_ptr<grpc::ServerCredentials> StaticCredentials(const Pems& p) {
 }
 
 // gRPC checks a key against its certificate only when a server starts listening, so the pair is
-// tried on a throwaway loopback listener.
-absl::Status CheckPems(const Pems& p) {
+// tried on a throwaway loopback listener. Returns the credentials that passed.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> CheckedCredentials(const Pems& p) {
+  std::shared_ptr<grpc::ServerCredentials> credentials = StaticCredentials(p);
   grpc::ServerBuilder probe;
   int port = 0;
-  probe.AddListeningPort("127.0.0.1:0", StaticCredentials(p), &port);
+  probe.AddListeningPort("127.0.0.1:0", credentials, &port);
   probe.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   grpc::CallbackGenericService nothing;  // a server needs a service to start
   probe.RegisterCallbackGenericService(&nothing);
@@ -80,7 +81,7 @@ absl::Status CheckPems(const Pems& p) {
         "certificate, or a file is not a valid PEM certificate or key)");
   }
   server->Shutdown();
-  return absl::OkStatus();
+  return credentials;
 }
 
 absl::Status WritePrivate(const std::string& path, const std::string& text) {
@@ -102,9 +103,9 @@ absl::Status WritePrivate(const std::string& path, const std::string& text) {
 absl::StatusOr<std::unique_ptr<TlsFiles>> TlsFiles::Create(const ServerConfig& config) {
   std::unique_ptr<TlsFiles> t(new TlsFiles(config));
   ASSIGN_OR_RETURN(Pems p, ReadPems(config));
-  RETURN_IF_ERROR(CheckPems(p));
+  ASSIGN_OR_RETURN(auto checked, CheckedCredentials(p));
   if (!t->reloads()) {
-    t->credentials_ = StaticCredentials(p);
+    t->credentials_ = std::move(checked);
     return t;
   }
   std::error_code ec;
@@ -178,7 +179,7 @@ std::string TlsFiles::Poll() {
     return absl::StrCat("TLS files changed but cannot be used (", p.status().message(),
                         "); still serving the previous certificate");
   }
-  if (absl::Status s = CheckPems(*p); !s.ok()) {
+  if (absl::Status s = CheckedCredentials(*p).status(); !s.ok()) {
     return absl::StrCat("TLS files changed but cannot be used (", s.message(),
                         "); still serving the previous certificate");
   }

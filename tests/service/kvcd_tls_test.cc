@@ -275,6 +275,16 @@ TEST_F(KvcdTlsTest, ReloadsRotatedCertificatesForNewConnections) {
   EXPECT_EQ(out.find("PRIVATE KEY"), std::string::npos) << out;
 }
 
+// --tls_reload_seconds=0: the files are read once, and TLS works the same.
+TEST_F(KvcdTlsTest, ReloadOffServesTheFilesReadAtStart) {
+  std::vector<std::string> flags = TlsFlags();
+  flags.push_back("--tls_reload_seconds=0");
+  auto kvcd = StartKvcd(flags);
+  ASSERT_NE(kvcd, nullptr);
+  ExpectRoundTrip(SslStub(kvcd->address(), "ca.pem").get(), "reload-off");
+  EXPECT_FALSE(Info(SslStub(kvcd->address(), "other_ca.pem").get()).ok());
+}
+
 TEST_F(KvcdTlsTest, BadTlsFlagsExitTwoNamingTheFlag) {
   const std::string cert = "--tls_cert_file=" + F("server.pem");
   const std::string key = "--tls_key_file=" + F("server.key");
