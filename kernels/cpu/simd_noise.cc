@@ -103,10 +103,19 @@ __attribute__((target("avx2,fma"))) float AddGumbelAvx2Impl(float* x, size_t n, 
   _mm256_store_ps(lanes, vmax);
   float m = lanes[0];
   for (int i = 1; i < 8; ++i) m = lanes[i] > m ? lanes[i] : m;
-  for (; j < n; ++j) {
-    x[j] =
-        (x[j] + CounterGumbel(seed, layer, head, row, col0 + static_cast<uint32_t>(j))) * inv_tau;
-    m = x[j] > m ? x[j] : m;
+  if (j < n) {
+    // The tail goes through the same polynomials as full vectors, so a column's value does not
+    // depend on where a caller splits the row (std::log would differ in the last bits).
+    alignas(32) float tail[8] = {};
+    const size_t rest = n - j;
+    for (size_t k = 0; k < rest; ++k) tail[k] = x[j + k];
+    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, col0 + j)));
+    const __m256 g = _mm256_sub_ps(_mm256_setzero_ps(), Log8(neg_log_u));
+    _mm256_store_ps(tail, _mm256_mul_ps(_mm256_add_ps(_mm256_load_ps(tail), g), vtau));
+    for (size_t k = 0; k < rest; ++k) {
+      x[j + k] = tail[k];
+      m = tail[k] > m ? tail[k] : m;
+    }
   }
   return m;
 }
