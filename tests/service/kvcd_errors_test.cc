@@ -2,6 +2,7 @@
 // naming the problem, and leaves the store exactly as it was; unparsable unary requests are
 // INVALID_ARGUMENT, and a flood of them does not flood kvcd's log.
 #include <cmath>
+#include <cstdio>
 #include <future>
 #include <memory>
 #include <sstream>
@@ -319,10 +320,13 @@ TEST_F(KvcdErrorsTest, NonUtf8IdsDoNotFloodTheLog) {
     ++sent;
   }
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  std::printf("%d protobuf log lines and %llu counted as dropped for %d requests in %.2f s\n",
+              lines, static_cast<unsigned long long>(suppressed), sent, seconds);
   EXPECT_GT(suppressed, 0u) << lines << " lines for " << sent << " requests";
   EXPECT_GE(lines + suppressed, static_cast<uint64_t>(sent));
-  // 5 lines a second (kProtobufLogLinesPerSecond), in every started second.
-  EXPECT_LE(lines, 5 * (static_cast<int>(std::ceil(seconds)) + 1))
+  // 5 lines a second (kProtobufLogLinesPerSecond), in every started second; one more second's
+  // worth for a window already open at the start and lines of earlier tests still in the pipe.
+  EXPECT_LE(lines, 5 * (static_cast<int>(std::ceil(seconds)) + 2))
       << sent << " requests in " << seconds << " s";
 }
 
