@@ -403,7 +403,10 @@ function lintNetworkPolicies(objects, dep) {
     problem('NetworkPolicy', 'none selects the kvcd pods: every pod in the cluster can reach them');
     return;
   }
-  const containerPorts = (dep.c.ports || []).map((p) => ({ name: p.name, number: p.containerPort }));
+  const containerPorts = (dep.c.ports || []).map((p) => ({
+    name: p.name,
+    number: p.containerPort,
+  }));
   const covers = (rule, cp) =>
     !(rule.ports || []).length ||
     rule.ports.some((p) => {
