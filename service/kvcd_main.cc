@@ -21,6 +21,7 @@
 #include "kvc/transfer.h"
 #include "server/config.h"
 #include "server/ingest_registry.h"
+#include "server/log_limit.h"
 #include "server/server.h"
 #include "server/transfer_source.h"
 
@@ -175,6 +176,8 @@ absl::StatusOr<kvc::server::ServerConfig> ConfigFromFlags() {
 
 int main(int argc, char** argv) {
   kvc::ReuseLargeMallocs();  // gRPC's multi-MiB message buffers: reused, not remapped each time
+  // A client repeating a request protobuf refuses (a non-UTF-8 string) must not flood the log.
+  kvc::server::InstallProtobufLogLimit();
   if (!InstallShutdownHandlers()) {
     std::fprintf(stderr, "kvcd: cannot install the SIGTERM/SIGINT handlers\n");
     return 1;

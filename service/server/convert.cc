@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "kvc/compact.h"
 #include "kvc/status_macros.h"
 
@@ -205,6 +206,12 @@ uint64_t EstimateStoredBytes(const LayerShape& s, DType dtype, const Compression
 grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+grpc::Status ToGrpc(const absl::Status& s, absl::string_view ns) {
+  if (s.ok() || ns.empty()) return ToGrpc(s);
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()),
+                      absl::StrReplaceAll(s.message(), {{absl::StrCat("'", ns), "'"}}));
 }
 
 }  // namespace kvc::server

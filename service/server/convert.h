@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "grpcpp/support/status.h"
 #include "kvc/dtype.h"
 #include "kvc/layer.h"
@@ -43,6 +44,10 @@ uint64_t EstimateStoredBytes(const LayerShape& shape, DType dtype, const Compres
                              int num_layers);
 
 grpc::Status ToGrpc(const absl::Status& status);
+// ToGrpc for a caller whose store ids carry the tenant prefix `ns` (ServiceState::Namespace):
+// the store quotes ids as 'ID', and the caller is shown its own id, never the store's
+// tenant-qualified form ('ns' + ID becomes 'ID'). With an empty `ns` it is ToGrpc(status).
+grpc::Status ToGrpc(const absl::Status& status, absl::string_view ns);
 
 }  // namespace kvc::server
 

@@ -142,13 +142,13 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     auto ns = state_->Namespace(*context_);
     if (!ns.ok()) return ToGrpc(ns.status());
     auto lease = state_->store->Acquire(*ns + req.cache_id());
-    if (!lease.ok()) return ToGrpc(lease.status());
+    if (!lease.ok()) return ToGrpc(lease.status(), *ns);
     keep_ = std::make_shared<Keepalive>();
     keep_->lease = *std::move(lease);
     const CacheEntry& entry = keep_->lease.entry();
     // The block table is checked against the checksum here (cheap); each block's bytes are
     // hashed just before they are sent (PACKED) or exported (DENSE).
-    if (auto s = VerifyBlockTable(entry); !s.ok()) return ToGrpc(s);
+    if (auto s = VerifyBlockTable(entry); !s.ok()) return ToGrpc(s, *ns);
     kvcache::v1::GetCacheResponse first;
     if (!first.mutable_info()->ParseFromString(entry.metadata)) {
       return grpc::Status(grpc::StatusCode::DATA_LOSS, "stored metadata is unreadable");

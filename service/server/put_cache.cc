@@ -84,7 +84,7 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       // Clean end of stream: the upload finishes when its last layer is compressed.
       upload_->Finish([this](absl::StatusOr<kvcache::v1::PutCacheResponse> result) {
         if (!result.ok()) {
-          FinishWithError(ToGrpc(result.status()));
+          FinishWithError(ToGrpc(result.status(), namespace_));
           return;
         }
         state_->RefreshStoreGauges();

@@ -1,16 +1,19 @@
-// The KvCache gRPC service on the callback API. PutCache and GetCache are raw methods (ByteBuffer
-// in and out, see wire.h) so bulk bytes bypass protobuf parsing; the other methods are ordinary
-// unary callbacks.
+// The KvCache gRPC service on the callback API. Every method is raw (ByteBuffer in and out, see
+// wire.h): PutCache and GetCache so bulk bytes bypass protobuf parsing, the unary ones so that an
+// unparsable request gets INVALID_ARGUMENT with a message (gRPC's generated handler answers it with
+// UNIMPLEMENTED and none).
 //
 // Status codes (every message names the offending field):
-//   INVALID_ARGUMENT    bad header/shape/dtype/layout/spec/id, no header, header twice, chunk
+//   INVALID_ARGUMENT    unparsable request (e.g. a string that is not UTF-8),
+//                       bad header/shape/dtype/layout/spec/id, no header, header twice, chunk
 //                       before header, unknown layer/tensor, out-of-range or overlapping chunk,
 //                       stream closed with bytes missing, bad layer range or format
 //   RESOURCE_EXHAUSTED  over --max_message_bytes (from gRPC), --max_chunk_bytes,
 //                       --max_cache_bytes or --max_concurrent_streams, or the store cannot make
 //                       room
 //   ALREADY_EXISTS      the id exists and the header does not set overwrite
-//   NOT_FOUND           unknown or expired cache
+//   NOT_FOUND           unknown or expired cache (the message quotes the caller's id, never
+//                       the tenant-qualified store id)
 //   DATA_LOSS           stored bytes do not match their checksum (found block by block as a
 //                       GetCache sends them)
 //   CANCELLED / DEADLINE_EXCEEDED  from the client; the partial upload is discarded
@@ -81,7 +84,12 @@ class RpcRecorder {
 };
 
 using KvCacheBase = kvcache::v1::KvCache::WithRawCallbackMethod_PutCache<
-    kvcache::v1::KvCache::WithRawCallbackMethod_GetCache<kvcache::v1::KvCache::CallbackService>>;
+    kvcache::v1::KvCache::WithRawCallbackMethod_GetCache<
+        kvcache::v1::KvCache::WithRawCallbackMethod_StatCache<
+            kvcache::v1::KvCache::WithRawCallbackMethod_DeleteCache<
+                kvcache::v1::KvCache::WithRawCallbackMethod_ListCaches<
+                    kvcache::v1::KvCache::WithRawCallbackMethod_GetServerInfo<
+                        kvcache::v1::KvCache::CallbackService>>>>>>;
 
 class KvCacheServiceImpl final : public KvCacheBase {
  public:
@@ -91,18 +99,22 @@ class KvCacheServiceImpl final : public KvCacheBase {
                                                       grpc::ByteBuffer* response) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* GetCache(grpc::CallbackServerContext* context,
                                                        const grpc::ByteBuffer* request) override;
+  // The unary methods take a serialized StatCacheRequest, DeleteCacheRequest, ListCachesRequest
+  // or GetServerInfoRequest and answer a CacheInfo, DeleteCacheResponse, ListCachesResponse or
+  // ServerInfo. With authentication, GetServerInfo's store_used_bytes and store_entries count
+  // only the caller tenant's own caches.
   grpc::ServerUnaryReactor* StatCache(grpc::CallbackServerContext* context,
-                                      const kvcache::v1::StatCacheRequest* request,
-                                      kvcache::v1::CacheInfo* response) override;
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* DeleteCache(grpc::CallbackServerContext* context,
-                                        const kvcache::v1::DeleteCacheRequest* request,
-                                        kvcache::v1::DeleteCacheResponse* response) override;
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ListCaches(grpc::CallbackServerContext* context,
-                                       const kvcache::v1::ListCachesRequest* request,
-                                       kvcache::v1::ListCachesResponse* response) override;
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
-                                          const kvcache::v1::GetServerInfoRequest* request,
-                                          kvcache::v1::ServerInfo* response) override;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
 
  private:
   ServiceState* const state_;

@@ -163,6 +163,22 @@ grpc::ByteBuffer MakeChunkResponse(const kvcache::v1::LayerChunk& chunk, const u
   return grpc::ByteBuffer(slices, size == 0 ? 1 : 2);
 }
 
+absl::Status ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message) {
+  std::vector<grpc::Slice> slices;
+  // An invalid (never filled) buffer holds no bytes: the empty message.
+  if (buffer.Valid() && !buffer.Dump(&slices).ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("unreadable ", message->GetTypeName()));
+  }
+  std::string bytes;
+  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  if (!message->ParseFromString(bytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed ", message->GetTypeName(),
+                     ": not a valid serialization (string fields must be UTF-8)"));
+  }
+  return absl::OkStatus();
+}
+
 grpc::ByteBuffer SerializeToByteBuffer(const google::protobuf::MessageLite& message) {
   grpc::Slice slice(message.SerializeAsString());
   return grpc::ByteBuffer(&slice, 1);

@@ -47,6 +47,12 @@ absl::StatusOr<RawPutRequest> ParsePutRequest(grpc::ByteBuffer* buffer);
 grpc::ByteBuffer MakeChunkResponse(const kvcache::v1::LayerChunk& chunk, const uint8_t* data,
                                    size_t size, std::shared_ptr<const void> keepalive);
 
+// Parses an ordinary (small) request message held in `buffer` into `message`. INVALID_ARGUMENT
+// naming the message type when the bytes are not a valid serialization, including a string field
+// that is not UTF-8. Raw unary handlers use it: gRPC's own handler answers an unparsable request
+// with UNIMPLEMENTED and no message.
+absl::Status ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message);
+
 // Serializes an ordinary message into a ByteBuffer (for the info message and the Put response).
 grpc::ByteBuffer SerializeToByteBuffer(const google::protobuf::MessageLite& message);
 

@@ -1,11 +1,13 @@
-// Renders a kustomization (or reads a YAML file), validates every object against the Kubernetes
-// and Prometheus Operator schemas (kubernetes-models; no network, no cluster), then checks the
-// kvcd-specific policy the deployment promises: non-root, read-only, no capabilities, gRPC probes
-// on the health port, a grace period above drain + shutdown, memory = store + overhead, GPU only
-// where expected, Services and monitors that select the pods.
+// Renders a kustomization (or reads a YAML file), validates every object against the Kubernetes,
+// Prometheus Operator and cert-manager schemas (kubernetes-models; no network, no cluster), then
+// checks the kvcd-specific policy the deployment promises: non-root, read-only, no capabilities,
+// gRPC probes on the health port, a grace period above drain + shutdown, memory = store +
+// overhead, GPU only where expected, Services and monitors that select the pods, one namespace,
+// and a NetworkPolicy that admits only labelled pods to the kvcd ports. With --secure: TLS and
+// bearer tokens are on, from Secrets, the TLS one written by a cert-manager Certificate.
 //
 // Usage: node validate_manifests.cjs --modules=DIR (--kustomize=DIR [--kubectl=PATH] | --file=F)
-//            [--expect=cpu|gpu]
+//            [--expect=cpu|gpu] [--secure]
 // Exit 0 when every check passes; 1 with one "FAIL:" line per problem otherwise.
 'use strict';
 const fs = require('fs');
@@ -63,6 +65,8 @@ function modelFor(apiVersion, kind) {
   const candidates = [];
   if (String(apiVersion).startsWith('monitoring.coreos.com/')) {
     candidates.push(`@kubernetes-models/prometheus-operator/${apiVersion}/${kind}`);
+  } else if (String(apiVersion).startsWith('cert-manager.io/')) {
+    candidates.push(`@kubernetes-models/cert-manager/${apiVersion}/${kind}`);
   } else if (/^([a-z0-9.-]+\/)?v[0-9a-z]+$/.test(apiVersion || '')) {
     candidates.push(`kubernetes-models/${apiVersion}/${kind}`);
   }
@@ -158,6 +162,11 @@ function lintDeployment(objects) {
     problem(where, 'capabilities.add is not empty');
 
   if (!flags) return { d, c, pod, podLabels, flags: null };
+  // Flags given as container args after --flagfile override the file's, as kvcd reads them.
+  for (const a of (c.args || []).slice((c.args || []).indexOf(flagArg) + 1)) {
+    const m = /^--([A-Za-z0-9_]+)(?:=(.*))?$/s.exec(a);
+    if (m) flags[m[1]] = m[2] === undefined ? 'true' : m[2];
+  }
 
   // Ports and probes agree with the flags.
   const containerPort = (name) =>
@@ -341,6 +350,186 @@ function lintServices(objects, dep) {
   }
 }
 
+// Kinds that live outside namespaces (the ones these manifests could contain).
+const CLUSTER_SCOPED = new Set(['Namespace', 'ClusterIssuer', 'ClusterRole', 'ClusterRoleBinding']);
+
+function lintNamespaces(objects, dep) {
+  if (!dep) return;
+  const ns = dep.d.metadata.namespace;
+  for (const o of objects) {
+    if (CLUSTER_SCOPED.has(o.kind)) continue;
+    if (o.metadata.namespace !== ns) {
+      problem(
+        `${o.kind}/${o.metadata.name}`,
+        `namespace ${o.metadata.namespace} is not the Deployment's (${ns})`,
+      );
+    }
+  }
+}
+
+// A label selector (matchLabels and matchExpressions) against a set of labels.
+function selects(selector, labels) {
+  const l = labels || {};
+  return (
+    matches((selector || {}).matchLabels, l) &&
+    ((selector || {}).matchExpressions || []).every((e) => {
+      const has = Object.prototype.hasOwnProperty.call(l, e.key);
+      if (e.operator === 'Exists') return has;
+      if (e.operator === 'DoesNotExist') return !has;
+      const inValues = has && (e.values || []).includes(l[e.key]);
+      return e.operator === 'In' ? inValues : !inValues;
+    })
+  );
+}
+
+const selectsSome = (selector) =>
+  !!selector &&
+  (Object.keys(selector.matchLabels || {}).length > 0 ||
+    (selector.matchExpressions || []).length > 0);
+
+// The NetworkPolicies that select the kvcd pods must admit to the gRPC and metrics ports only pods
+// chosen by label (never every source, an address block of the whole internet, or every pod),
+// and must admit someone to each (clients to grpc, Prometheus to metrics).
+function lintNetworkPolicies(objects, dep) {
+  if (!dep) return;
+  const ns = dep.d.metadata.namespace;
+  const policies = objects.filter(
+    (o) =>
+      o.kind === 'NetworkPolicy' &&
+      o.metadata.namespace === ns &&
+      selects((o.spec || {}).podSelector, dep.podLabels),
+  );
+  if (!policies.length) {
+    problem('NetworkPolicy', 'none selects the kvcd pods: every pod in the cluster can reach them');
+    return;
+  }
+  const containerPorts = (dep.c.ports || []).map((p) => ({
+    name: p.name,
+    number: p.containerPort,
+  }));
+  const covers = (rule, cp) =>
+    !(rule.ports || []).length ||
+    rule.ports.some((p) => {
+      if (p.port === undefined) return true;
+      if (typeof p.port === 'string') return p.port === cp.name;
+      return p.endPort === undefined
+        ? p.port === cp.number
+        : cp.number >= p.port && cp.number <= p.endPort;
+    });
+  const admitted = new Set();
+  let restrictsIngress = false;
+  for (const pol of policies) {
+    const where = `NetworkPolicy/${pol.metadata.name}`;
+    const types = pol.spec.policyTypes || ['Ingress'];
+    if (!types.includes('Ingress')) continue;
+    restrictsIngress = true;
+    (pol.spec.ingress || []).forEach((rule, i) => {
+      for (const p of rule.ports || []) {
+        if (typeof p.port === 'string' && !containerPorts.some((cp) => cp.name === p.port)) {
+          problem(where, `ingress rule ${i + 1}: port '${p.port}' is not a container port name`);
+        }
+      }
+      const ports = containerPorts.filter((cp) => covers(rule, cp));
+      if (!ports.length) return;
+      const names = ports.map((cp) => cp.name).join(', ');
+      const peers = rule.from || [];
+      if (!peers.length) problem(where, `ingress rule ${i + 1} admits every source to ${names}`);
+      for (const peer of peers) {
+        if (peer.ipBlock) {
+          if (['0.0.0.0/0', '::/0'].includes(peer.ipBlock.cidr)) {
+            problem(where, `ingress rule ${i + 1} admits ${peer.ipBlock.cidr} to ${names}`);
+          }
+        } else if (!selectsSome(peer.podSelector)) {
+          problem(where, `ingress rule ${i + 1} admits pods not chosen by label to ${names}`);
+        }
+      }
+      for (const cp of ports) admitted.add(cp.name);
+    });
+  }
+  if (!restrictsIngress) problem('NetworkPolicy', 'none restricts ingress to the kvcd pods');
+  for (const [name, who] of [
+    ['grpc', 'clients'],
+    ['metrics', 'Prometheus'],
+  ]) {
+    if (restrictsIngress && !admitted.has(name)) {
+      problem('NetworkPolicy', `no rule admits ${who} to port ${name}`);
+    }
+  }
+}
+
+// --secure: TLS (mutual) and bearer tokens are on, their files come from Secrets that are
+// required, the TLS Secret is written by a cert-manager Certificate naming every Service, and no
+// token Secret is committed with the manifests.
+function lintSecure(objects, dep) {
+  if (!dep || !dep.flags) return;
+  const { d, c, pod, flags } = dep;
+  const where = `Deployment/${d.metadata.name}`;
+  const secretFile = (flag) => {
+    const file = flags[flag];
+    const mount = (c.volumeMounts || []).find((m) => file.startsWith(`${m.mountPath}/`));
+    const volume = mount && (pod.volumes || []).find((v) => v.name === mount.name);
+    if (!volume || !volume.secret) {
+      problem(where, `secure: --${flag}=${file} is not in a mounted Secret`);
+      return null;
+    }
+    if (volume.secret.optional === true) {
+      problem(where, `secure: the Secret of --${flag} is optional: pods would start without it`);
+    }
+    return { name: volume.secret.secretName, key: file.slice(mount.mountPath.length + 1) };
+  };
+  const files = {};
+  for (const flag of ['tls_cert_file', 'tls_key_file', 'tls_client_ca_file', 'auth_tokens_file']) {
+    if (!flags[flag]) problem(where, `secure: --${flag} is not set`);
+    else files[flag] = secretFile(flag);
+  }
+  if (flags.tls_reload_seconds === '0') {
+    problem(where, 'secure: --tls_reload_seconds=0 never picks up a renewed certificate');
+  }
+  const tls = files.tls_cert_file;
+  if (tls) {
+    // cert-manager writes tls.crt, tls.key and ca.crt into the Certificate's Secret.
+    for (const [flag, key] of [
+      ['tls_cert_file', 'tls.crt'],
+      ['tls_key_file', 'tls.key'],
+      ['tls_client_ca_file', 'ca.crt'],
+    ]) {
+      const f = files[flag];
+      if (f && (f.name !== tls.name || f.key !== key)) {
+        problem(where, `secure: --${flag} is not key ${key} of Secret ${tls.name}`);
+      }
+    }
+    const certs = objects.filter(
+      (o) =>
+        o.kind === 'Certificate' &&
+        String(o.apiVersion).startsWith('cert-manager.io/') &&
+        (o.spec || {}).secretName === tls.name,
+    );
+    if (!certs.length) {
+      problem(where, `secure: no cert-manager Certificate writes Secret ${tls.name}`);
+    }
+    const ns = d.metadata.namespace;
+    for (const cert of certs) {
+      const names = cert.spec.dnsNames || [];
+      for (const s of objects.filter((o) => o.kind === 'Service')) {
+        const dns = `${s.metadata.name}.${ns}.svc`;
+        if (!names.includes(dns)) {
+          problem(`Certificate/${cert.metadata.name}`, `dnsNames lack ${dns} (Service)`);
+        }
+      }
+      if (cert.spec.usages && !cert.spec.usages.includes('server auth')) {
+        problem(`Certificate/${cert.metadata.name}`, `usages lack 'server auth'`);
+      }
+    }
+  }
+  const tokens = files.auth_tokens_file;
+  if (tokens && objects.some((o) => o.kind === 'Secret' && o.metadata.name === tokens.name)) {
+    problem(
+      `Secret/${tokens.name}`,
+      'holds the bearer tokens and is part of the manifests: create it in the cluster instead',
+    );
+  }
+}
+
 const text = render();
 let objects = [];
 for (const doc of YAML.parseAllDocuments(text)) {
@@ -353,6 +542,9 @@ validateSchema(objects);
 if (args.kustomize) {
   const dep = lintDeployment(objects);
   lintServices(objects, dep);
+  lintNamespaces(objects, dep);
+  lintNetworkPolicies(objects, dep);
+  if (args.secure) lintSecure(objects, dep);
 }
 const source = args.kustomize || args.file;
 if (problems.length) {

@@ -1,9 +1,11 @@
 // --auth_tokens_file: every RPC but health needs a known bearer token (UNAUTHENTICATED otherwise),
-// and tenants are isolated: same ids, separate caches, listings show only their own.
+// and tenants are isolated: same ids, separate caches, listings, store counts and error messages
+// show only their own.
 #include <cstdio>
 #include <fstream>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -121,6 +123,54 @@ TEST_F(KvcdAuthTest, TenantsSeeOnlyTheirOwnCaches) {
   EXPECT_EQ(b->DeleteCache(&c1, del, &dr).error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_TRUE(a->DeleteCache(&c2, del, &dr).ok());
   EXPECT_THAT(testing::ViewStore(a.get()).ids, ElementsAre("shared/id"));
+}
+
+// Errors quote the id the caller sent, never the store's tenant-qualified form.
+TEST_F(KvcdAuthTest, NotFoundNamesTheCallersOwnId) {
+  auto a = testing::NewStub(kvcd_->address(), kTokenA);
+  std::vector<grpc::Status> statuses;
+  kvcache::v1::GetCacheRequest get;
+  get.set_cache_id("no/such");
+  testing::Fetched f;
+  statuses.push_back(testing::Get(a.get(), get, &f));
+  grpc::ClientContext c1, c2;
+  kvcache::v1::StatCacheRequest stat;
+  stat.set_cache_id("no/such");
+  kvcache::v1::CacheInfo info;
+  statuses.push_back(a->StatCache(&c1, stat, &info));
+  kvcache::v1::DeleteCacheRequest del;
+  del.set_cache_id("no/such");
+  kvcache::v1::DeleteCacheResponse dr;
+  statuses.push_back(a->DeleteCache(&c2, del, &dr));
+  for (size_t i = 0; i < statuses.size(); ++i) {
+    const char* const methods[] = {"GetCache", "StatCache", "DeleteCache"};
+    SCOPED_TRACE(methods[i]);
+    const grpc::Status& s = statuses[i];
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("'no/such'"));
+    EXPECT_THAT(s.error_message(), ::testing::Not(HasSubstr("alpha")));
+  }
+}
+
+// GetServerInfo's store counts are the caller's own: the whole store's would tell one tenant how
+// much the others hold.
+TEST_F(KvcdAuthTest, ServerInfoCountsOnlyTheCallersCaches) {
+  auto a = testing::NewStub(kvcd_->address(), kTokenA);
+  auto b = testing::NewStub(kvcd_->address(), kTokenB);
+  ASSERT_TRUE(testing::PutCache(a.get(), Cache("a/one", 1)).ok());
+  ASSERT_TRUE(testing::PutCache(a.get(), Cache("a/two", 2)).ok());
+  const testing::StoreView a_view = testing::ViewStore(a.get());
+  EXPECT_EQ(a_view.entries, 2u);
+  EXPECT_GT(a_view.used_bytes, 0u);
+  const testing::StoreView b_empty = testing::ViewStore(b.get());
+  EXPECT_EQ(b_empty.entries, 0u);
+  EXPECT_EQ(b_empty.used_bytes, 0u);
+  ASSERT_TRUE(testing::PutCache(b.get(), Cache("b/one", 3)).ok());
+  const testing::StoreView b_view = testing::ViewStore(b.get());
+  EXPECT_EQ(b_view.entries, 1u);
+  EXPECT_GT(b_view.used_bytes, 0u);
+  EXPECT_LT(b_view.used_bytes, a_view.used_bytes);  // one cache of the same shape, not three
+  EXPECT_EQ(testing::ViewStore(a.get()), a_view);   // B's upload does not show in A's counts
 }
 
 // The transfer service has no per-tenant authorization, so kvcd does not serve it with tokens:

@@ -1,11 +1,17 @@
 // Every bad input and limit of PutCache/GetCache gets its documented status code, a message
-// naming the problem, and leaves the store exactly as it was.
+// naming the problem, and leaves the store exactly as it was; unparsable unary requests are
+// INVALID_ARGUMENT, and a flood of them does not flood kvcd's log.
+#include <cmath>
+#include <cstdio>
+#include <future>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
 #include "testing/kvc_rpc.h"
 #include "testing/kvcd_process.h"
@@ -19,6 +25,47 @@ using ::testing::HasSubstr;
 using testing::KvcdProcess;
 using testing::StoreView;
 using testing::TestCache;
+
+// A KvCache unary call whose request is `request` as is: the generated stub could not send
+// bytes protobuf refuses to parse (a string that is not UTF-8).
+grpc::Status RawUnary(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                      const std::string& request) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  grpc::Slice slice(request);
+  grpc::ByteBuffer req(&slice, 1), resp;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&ctx, "/kvcache.v1.KvCache/" + method, grpc::StubOptions(), &req, &resp,
+                 [&done](grpc::Status s) { done.set_value(std::move(s)); });
+  return done.get_future().get();
+}
+
+// Field 1 (cache_id, prefix) holding the bytes FF FE, which are not UTF-8.
+const std::string kNotUtf8("\x0a\x02\xff\xfe", 4);
+// Field 1 announcing 5 bytes of which 2 ("ab") follow.
+const std::string kTruncated("\x0a\x05\x61\x62", 4);
+
+// Lines of `text` containing `needle`.
+int CountLines(const std::string& text, const std::string& needle) {
+  std::istringstream in(text);
+  int n = 0;
+  for (std::string line; std::getline(in, line);) n += line.find(needle) != std::string::npos;
+  return n;
+}
+
+// The sum of N over kvcd's "[libprotobuf] N log lines suppressed" lines.
+uint64_t SuppressedLines(const std::string& text) {
+  std::istringstream in(text);
+  uint64_t total = 0;
+  const std::string prefix = "[libprotobuf] ";
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(prefix, 0) == 0 && line.find("log lines suppressed") != std::string::npos) {
+      total += std::stoull(line.substr(prefix.size()));
+    }
+  }
+  return total;
+}
 
 class KvcdErrorsTest : public testing::SharedKvcdTest<KvcdErrorsTest> {
  public:
@@ -215,6 +262,72 @@ TEST_F(KvcdErrorsTest, UnknownCacheIsNotFoundEverywhere) {
   del.set_cache_id("no/such");
   kvcache::v1::DeleteCacheResponse dr;
   EXPECT_EQ(stub_->DeleteCache(&c2, del, &dr).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// gRPC's generated handler answers a request it cannot parse with UNIMPLEMENTED and no message;
+// kvcd parses its unary requests itself and names the message.
+TEST_F(KvcdErrorsTest, UnparsableUnaryRequestsAreInvalidArgument) {
+  auto channel = grpc::CreateChannel(kvcd_->address(), grpc::InsecureChannelCredentials());
+  struct Case {
+    std::string method, request_type, bytes;
+  };
+  const std::vector<Case> cases = {
+      {"StatCache", "StatCacheRequest", kNotUtf8},
+      {"StatCache", "StatCacheRequest", kTruncated},
+      {"DeleteCache", "DeleteCacheRequest", kNotUtf8},
+      {"DeleteCache", "DeleteCacheRequest", kTruncated},
+      {"ListCaches", "ListCachesRequest", kNotUtf8},
+      {"ListCaches", "ListCachesRequest", kTruncated},
+      // GetServerInfoRequest has no fields: FF FE is an unknown field, but a truncated one fails.
+      {"GetServerInfo", "GetServerInfoRequest", kTruncated},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.method + " " + std::to_string(c.bytes == kNotUtf8));
+    grpc::Status s = RawUnary(channel, c.method, c.bytes);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("malformed kvcache.v1." + c.request_type));
+  }
+  // The raw path still serves well-formed requests.
+  kvcache::v1::StatCacheRequest stat;
+  stat.set_cache_id("base");
+  EXPECT_TRUE(RawUnary(channel, "StatCache", stat.SerializeAsString()).ok());
+}
+
+// Protobuf logs a line for every string it refuses as not UTF-8; kvcd writes at most a few such
+// lines a second and then one saying how many it dropped.
+TEST_F(KvcdErrorsTest, NonUtf8IdsDoNotFloodTheLog) {
+  auto channel = grpc::CreateChannel(kvcd_->address(), grpc::InsecureChannelCredentials());
+  constexpr char kLine[] = "invalid UTF-8";
+  const int lines_before = CountLines(kvcd_->output(), kLine);
+  const uint64_t suppressed_before = SuppressedLines(kvcd_->output());
+  const absl::Time start = absl::Now();
+  int sent = 0;
+  for (; sent < 200; ++sent) EXPECT_FALSE(RawUnary(channel, "StatCache", kNotUtf8).ok());
+  // The count of dropped lines is written with the next line kvcd logs after a window ends, and
+  // output arrives asynchronously: keep sending one more now and then until every request sent
+  // is accounted for by a line or the count.
+  int lines = 0;
+  uint64_t suppressed = 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  for (;;) {
+    const std::string out = kvcd_->output();
+    lines = CountLines(out, kLine) - lines_before;
+    suppressed = SuppressedLines(out) - suppressed_before;
+    if (suppressed > 0 && lines + suppressed >= static_cast<uint64_t>(sent)) break;
+    if (absl::Now() > deadline) break;
+    absl::SleepFor(absl::Milliseconds(250));
+    EXPECT_FALSE(RawUnary(channel, "StatCache", kNotUtf8).ok());
+    ++sent;
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  std::printf("%d protobuf log lines and %llu counted as dropped for %d requests in %.2f s\n",
+              lines, static_cast<unsigned long long>(suppressed), sent, seconds);
+  EXPECT_GT(suppressed, 0u) << lines << " lines for " << sent << " requests";
+  EXPECT_GE(lines + suppressed, static_cast<uint64_t>(sent));
+  // 5 lines a second (kProtobufLogLinesPerSecond), in every started second; one more second's
+  // worth for a window already open at the start and lines of earlier tests still in the pipe.
+  EXPECT_LE(lines, 5 * (static_cast<int>(std::ceil(seconds)) + 2))
+      << sent << " requests in " << seconds << " s";
 }
 
 TEST_F(KvcdErrorsTest, BadGetRequests) {

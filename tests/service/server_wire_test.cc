@@ -1,12 +1,14 @@
 // Unit tests of kvcd's raw wire handling and flag parsing: PutCacheRequest parsed over arbitrary
 // slice boundaries equals protobuf's own parse; GetCacheResponse built from a prefix and a
-// referenced payload parses back with protobuf; byte sizes and config validation.
+// referenced payload parses back with protobuf; unary requests that do not parse are
+// INVALID_ARGUMENT; error messages show callers their own ids; byte sizes and config validation.
 #include <string>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/config.h"
+#include "server/convert.h"
 #include "server/wire.h"
 
 namespace kvc::server {
@@ -101,6 +103,52 @@ TEST(ServerWireTest, MalformedInputIsInvalidArgument) {
     EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument)
         << "input of " << b.size() << " bytes";
   }
+}
+
+// The unary methods parse their own requests, so that bytes protobuf refuses are
+// INVALID_ARGUMENT naming the message (gRPC's generated handler answers UNIMPLEMENTED, no message).
+TEST(ServerWireTest, ParseMessageAcceptsValidBytesOverAnySliceBoundary) {
+  kvcache::v1::ListCachesRequest req;
+  req.set_prefix("tenant-visible/prefix");
+  req.set_page_size(7);
+  req.set_page_token("after/this");
+  const std::string bytes = req.SerializeAsString();
+  for (size_t cut = 0; cut <= bytes.size(); ++cut) {
+    kvcache::v1::ListCachesRequest parsed;
+    ASSERT_TRUE(ParseMessage(Split(bytes, {cut}), &parsed).ok()) << "cut " << cut;
+    EXPECT_EQ(parsed.SerializeAsString(), bytes);
+  }
+  kvcache::v1::GetServerInfoRequest empty;
+  EXPECT_TRUE(ParseMessage(grpc::ByteBuffer(), &empty).ok());
+}
+
+TEST(ServerWireTest, ParseMessageRejectsUnparsableBytesNamingTheMessage) {
+  const std::vector<std::string> bad = {
+      std::string("\x0a\x02\xff\xfe", 4),  // cache_id that is not UTF-8
+      std::string("\x0a\x05\x61\x62", 4),  // cache_id shorter than its length
+      std::string("\x08", 1),              // varint missing
+      std::string("\x00\x01", 2),          // field number 0
+  };
+  for (const auto& b : bad) {
+    kvcache::v1::StatCacheRequest req;
+    absl::Status s = ParseMessage(Split(b, {}), &req);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "input of " << b.size() << " bytes";
+    EXPECT_THAT(s.message(), HasSubstr("malformed kvcache.v1.StatCacheRequest"));
+  }
+}
+
+// Store messages quote the tenant-qualified id; the caller is shown the id it sent.
+TEST(ServerWireTest, ToGrpcShowsTheCallerItsOwnId) {
+  const absl::Status not_found = absl::NotFoundError("cache 'alpha/shared/id' not found");
+  grpc::Status s = ToGrpc(not_found, "alpha/");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(s.error_message(), "cache 'shared/id' not found");
+  // Without authentication the prefix is empty and the message unchanged.
+  EXPECT_EQ(ToGrpc(not_found, "").error_message(), "cache 'alpha/shared/id' not found");
+  // Only the quoted prefix is rewritten, every occurrence of it.
+  EXPECT_EQ(ToGrpc(absl::AlreadyExistsError("cache 'beta/x' ('beta/x')"), "beta/").error_message(),
+            "cache 'x' ('x')");
+  EXPECT_TRUE(ToGrpc(absl::OkStatus(), "alpha/").ok());
 }
 
 TEST(ServerWireTest, ChunkResponseParsesWithProtobuf) {
