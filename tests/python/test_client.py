@@ -210,3 +210,55 @@ def test_mutual_tls(make_kvcd, tmp_path):
     with pytest.raises(kvc.KvcError) as e:
         kvc.Client(server.address, ca_file=f("ca.pem"))
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def rotate_np(k, shift, theta=10000.0, half_split=False):
+    """Reference: keys [H, N, D] turned by `shift` positions (float64)."""
+    d = k.shape[-1]
+    freq = theta ** (-2.0 * np.arange(d // 2) / d)
+    cs, sn = np.cos(shift * freq), np.sin(shift * freq)
+    k = k.astype(np.float64)
+    a, b = (k[..., :d // 2], k[..., d // 2:]) if half_split else (k[..., 0::2], k[..., 1::2])
+    out = np.empty_like(k)
+    if half_split:
+        out[..., :d // 2], out[..., d // 2:] = a * cs - b * sn, a * sn + b * cs
+    else:
+        out[..., 0::2], out[..., 1::2] = a * cs - b * sn, a * sn + b * cs
+    return out
+
+
+@pytest.mark.parametrize("style", ["ROPE_INTERLEAVED", "ROPE_HALF_SPLIT"])
+def test_contiguous_export_rerotates_keys(client, style):
+    client.put("py/contig", make_layers(13), overwrite=True,
+               compression={"eviction": {"policy": "snapkv", "budget": 24}})
+    dense = client.get("py/contig", format="dense")
+    contig = client.get("py/contig", format="contiguous", rope={"theta": 10000, "style": style})
+    for a, b in zip(dense.layers, contig.layers):
+        assert b.kept_tokens == 24
+        np.testing.assert_array_equal(a.v, b.v)
+        np.testing.assert_array_equal(a.positions, b.positions)  # the original positions
+        want = rotate_np(a.k, -(S - 24), half_split=style == "ROPE_HALF_SPLIT")
+        np.testing.assert_allclose(b.k, want, rtol=1e-6, atol=1e-6)
+
+
+def test_contiguous_export_refuses_what_it_cannot_shift(client):
+    client.put("py/uneven", make_layers(14), overwrite=True,
+               compression={"eviction": {"policy": "snapkv", "budget": 24,
+                                         "layer_budgets": [24, 40]}})
+    rope = {"theta": 10000, "style": "ROPE_INTERLEAVED"}
+    with pytest.raises(kvc.KvcError) as e:
+        client.get("py/uneven", format="contiguous", rope=rope)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "layer 1" in e.value.details
+    client.put("py/even", make_layers(14), overwrite=True)
+    with pytest.raises(kvc.KvcError) as e:
+        client.get("py/even", format="contiguous", rope=dict(rope, scaling="ROPE_SCALING_DYNAMIC_NTK"))
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "DYNAMIC_NTK" in e.value.details
+    with pytest.raises(kvc.KvcError) as e:
+        client.get("py/even", format="contiguous", rope={"theta": 10000})
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "rope.style" in e.value.details
+    with pytest.raises(kvc.KvcError) as e:
+        client.get("py/even", format="contiguous", rope=dict(rope, rotary_dims=D + 2))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "rotary_dims" in e.value.details
+    # Nothing removed: K = S, no shift, the keys come back as stored.
+    got = client.get("py/even", format="contiguous", rope=rope).layers[0].k
+    np.testing.assert_array_equal(got, make_layers(14)[0][0])
