@@ -20,7 +20,6 @@ namespace pb = kvcache::v1;
 // Parses flags; on --help prints usage and sets *exit to 0, on a bad flag to 2.
 bool ParseArgs(FlagSet& flags, const std::vector<std::string>& args, const std::string& usage,
                std::vector<std::string>* positional, int* exit_code) {
-  flags.AddBool("help", false, "show this help");
   absl::StatusOr<std::vector<std::string>> p = flags.Parse(args);
   if (!p.ok()) {
     *exit_code = Usage(std::string(p.status().message()), usage, flags);
@@ -128,9 +127,9 @@ int RunPut(const std::vector<std::string>& args) {
   FlagSet flags;
   AddGlobalFlags(&flags);
   AddCompressionFlags(&flags);
-  flags.AddString("id", "", "cache id (default: the file name without directory and extension)");
-  flags.AddInt("ttl", 0, "seconds until the cache expires; 0 = the server's default");
-  flags.AddBool("overwrite", false, "replace an existing cache with the same id");
+  flags.Use("id");
+  flags.Use("ttl");
+  flags.Use("overwrite");
   std::vector<std::string> pos;
   int code;
   if (!ParseArgs(flags, args, usage, &pos, &code)) return code;
@@ -167,9 +166,9 @@ int RunGet(const std::vector<std::string>& args) {
   const std::string usage = "kvcctl get <id> <out.safetensors> [--format=packed|dense]";
   FlagSet flags;
   AddGlobalFlags(&flags);
-  flags.AddString("format", "packed", "packed (compact blobs) or dense (K, V, positions)");
-  flags.AddInt("layer_begin", 0, "first layer");
-  flags.AddInt("layer_end", -1, "one past the last layer; -1 = all");
+  flags.Use("format");
+  flags.Use("layer_begin");
+  flags.Use("layer_end");
   std::vector<std::string> pos;
   int code;
   if (!ParseArgs(flags, args, usage, &pos, &code)) return code;
@@ -263,7 +262,7 @@ int RunLs(const std::vector<std::string>& args) {
   const std::string usage = "kvcctl ls [--prefix=P]";
   FlagSet flags;
   AddGlobalFlags(&flags);
-  flags.AddString("prefix", "", "only ids starting with this");
+  flags.Use("prefix");
   std::vector<std::string> pos;
   int code;
   if (!ParseArgs(flags, args, usage, &pos, &code)) return code;
