@@ -15,8 +15,8 @@ absl::Status ValidateRope(const RopeParams& rope, int head_dim) {
   }
   if (rope.rotary_dims < 0 || rope.rotary_dims % 2 != 0 || rope.rotary_dims > head_dim) {
     return absl::InvalidArgumentError(absl::StrCat("rope.rotary_dims: ", rope.rotary_dims,
-                                                   " must be even and at most head_dim ",
-                                                   head_dim, " (0 = head_dim)"));
+                                                   " must be even and at most head_dim ", head_dim,
+                                                   " (0 = head_dim)"));
   }
   if (!(rope.linear_factor >= 1) || !std::isfinite(rope.linear_factor)) {
     return absl::InvalidArgumentError(

@@ -35,9 +35,10 @@ absl::StatusOr<RopeParams> RopeFromProto(const pb::RopeSpec& rope, int head_dim)
           "rope.scaling: DYNAMIC_NTK rescales the frequencies by the sequence length, so keys "
           "stored at one length cannot be moved to another exactly; fetch FORMAT_DENSE");
     default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "rope.scaling: ", static_cast<int>(rope.scaling()), " is not NONE, LINEAR or "
-          "DYNAMIC_NTK"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("rope.scaling: ", static_cast<int>(rope.scaling()),
+                       " is not NONE, LINEAR or "
+                       "DYNAMIC_NTK"));
   }
   if (absl::Status s = ValidateRope(p, head_dim); !s.ok()) return s;
   return p;
@@ -46,10 +47,10 @@ absl::StatusOr<RopeParams> RopeFromProto(const pb::RopeSpec& rope, int head_dim)
 absl::Status CheckUniformKept(const pb::CacheInfo& info) {
   for (int l = 1; l < info.kept_tokens_size(); ++l) {
     if (info.kept_tokens(l) != info.kept_tokens(0)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "FORMAT_DENSE_CONTIGUOUS: layer ", l, " keeps ", info.kept_tokens(l),
-          " tokens per KV head but layer 0 keeps ", info.kept_tokens(0),
-          "; a stock engine needs one count for every layer (no layer_budgets)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("FORMAT_DENSE_CONTIGUOUS: layer ", l, " keeps ", info.kept_tokens(l),
+                       " tokens per KV head but layer 0 keeps ", info.kept_tokens(0),
+                       "; a stock engine needs one count for every layer (no layer_budgets)"));
     }
   }
   return absl::OkStatus();

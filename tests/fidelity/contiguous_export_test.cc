@@ -2,6 +2,8 @@
 // tokens re-rotated into slots 0..K-1, as a plain full cache at positions K, K+1, ..., gives the
 // logits of decoding the compact cache at the original positions, for both RoPE pair conventions
 // and with eviction alone, channel pruning and quantization on top.
+#include "kvc/contiguous_export.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -14,7 +16,6 @@
 #include "gtest/gtest.h"
 #include "kvc/backend.h"
 #include "kvc/compact.h"
-#include "kvc/contiguous_export.h"
 #include "kvc/fidelity/fidelity.h"
 #include "kvc/model/checkpoint.h"
 #include "kvc/model/kv_cache.h"
@@ -130,10 +131,10 @@ TEST_P(ContiguousExportTest, MatchesCompactDecodingAtOriginalPositions) {
     // Not vacuous: the unrotated keys, or the other pair convention, decode something else.
     const double unrotated = MaxAbsDiff(*compact, DecodeOnExport(*blobs, false, HalfSplit()));
     const double other = MaxAbsDiff(*compact, DecodeOnExport(*blobs, true, !HalfSplit()));
-    std::printf("%s %s: max |logit diff| %.3g (max |logit| %.3g); unrotated %.3g, other pairs "
-                "%.3g\n",
-                HalfSplit() ? "half-split" : "interleaved", c.name.c_str(), diff, scale,
-                unrotated, other);
+    std::printf(
+        "%s %s: max |logit diff| %.3g (max |logit| %.3g); unrotated %.3g, other pairs "
+        "%.3g\n",
+        HalfSplit() ? "half-split" : "interleaved", c.name.c_str(), diff, scale, unrotated, other);
     EXPECT_LE(diff, 1e-5 * scale) << c.name;
     EXPECT_GT(unrotated, 1e-2 * scale) << c.name;
     EXPECT_GT(other, 1e-2 * scale) << c.name;
