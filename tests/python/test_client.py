@@ -262,3 +262,25 @@ def test_contiguous_export_refuses_what_it_cannot_shift(client):
     # Nothing removed: K = S, no shift, the keys come back as stored.
     got = client.get("py/even", format="contiguous", rope=rope).layers[0].k
     np.testing.assert_array_equal(got, make_layers(14)[0][0])
+
+
+def test_unreachable_server_is_unavailable_after_retries():
+    with kvc.Client("127.0.0.1:1", max_attempts=2, initial_backoff=0.01, timeout=5) as c:
+        with pytest.raises(kvc.KvcError) as e:
+            c.stat("py/x")
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_asyncio_put_reports_the_bad_layer(kvcd):
+    async def main():
+        async with kvc.aio.Client(kvcd.address) as c:
+            bad = make_layers(15)
+            bad[1] = (bad[1][0], bad[1][1][:1], bad[1][2])
+            with pytest.raises(kvc.KvcError) as e:
+                await c.put("py/aio-bad", bad)
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "layers[1].v" in e.value.details
+            with pytest.raises(kvc.KvcError) as e:
+                await c.stat("py/aio-bad")
+            assert e.value.code == grpc.StatusCode.NOT_FOUND
+    asyncio.run(main())

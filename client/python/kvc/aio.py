@@ -113,7 +113,9 @@ class Client:
             if failed:
                 raise failed[0] from None
             raise from_rpc_error(e) from None
-        except Exception:
+        except (Exception, asyncio.CancelledError):
+            # grpc.aio ends the call with CancelledError when the request iterator raised: report
+            # the caller's mistake instead.
             if failed:
                 raise failed[0] from None
             raise
