@@ -163,10 +163,15 @@ int RunPut(const std::vector<std::string>& args) {
 }
 
 int RunGet(const std::vector<std::string>& args) {
-  const std::string usage = "kvcctl get <id> <out.safetensors> [--format=packed|dense]";
+  const std::string usage =
+      "kvcctl get <id> <out.safetensors> [--format=packed|dense|contiguous --rope_pairs=...]";
   FlagSet flags;
   AddGlobalFlags(&flags);
   flags.Use("format");
+  flags.Use("rope_theta");
+  flags.Use("rope_pairs");
+  flags.Use("rope_dims");
+  flags.Use("rope_linear");
   flags.Use("layer_begin");
   flags.Use("layer_end");
   std::vector<std::string> pos;
@@ -175,10 +180,29 @@ int RunGet(const std::vector<std::string>& args) {
   if (pos.size() != 2) return Usage("get takes an id and an output file", usage, flags);
   GetOptions opt;
   const std::string format = flags.GetString("format");
-  if (format == "dense") {
+  if (format == "dense" || format == "contiguous") {
     opt.format = CacheFormat::kDense;
   } else if (format != "packed") {
-    return Usage("--format: must be packed or dense", usage, flags);
+    return Usage("--format: must be packed, dense or contiguous", usage, flags);
+  }
+  if (format == "contiguous") {
+    pb::RopeSpec& rope = opt.contiguous_rope.emplace();
+    const std::string pairs = flags.GetString("rope_pairs");
+    if (pairs == "interleaved") {
+      rope.set_style(pb::ROPE_INTERLEAVED);
+    } else if (pairs == "half_split") {
+      rope.set_style(pb::ROPE_HALF_SPLIT);
+    } else {
+      return Usage("--rope_pairs: must be interleaved or half_split", usage, flags);
+    }
+    const int64_t dims = flags.GetInt("rope_dims");
+    if (dims < 0 || dims > UINT32_MAX) return Usage("--rope_dims: out of range", usage, flags);
+    rope.set_theta(flags.GetDouble("rope_theta"));
+    rope.set_rotary_dims(static_cast<uint32_t>(dims));
+    if (const double linear = flags.GetDouble("rope_linear"); linear != 0) {
+      rope.set_scaling(pb::ROPE_SCALING_LINEAR);
+      rope.set_scaling_factor(linear);
+    }
   }
   const int64_t begin = flags.GetInt("layer_begin"), end = flags.GetInt("layer_end");
   if (begin < 0 || begin > UINT32_MAX) return Usage("--layer_begin: out of range", usage, flags);
@@ -194,7 +218,9 @@ int RunGet(const std::vector<std::string>& args) {
 
   StFile out;
   const pb::CacheInfo& info = data->info;
-  out.metadata["format"] = opt.format == CacheFormat::kDense ? "kvc-dense-v1" : "kvc-compact-v1";
+  out.metadata["format"] = opt.contiguous_rope.has_value()     ? "kvc-contiguous-v1"
+                           : opt.format == CacheFormat::kDense ? "kvc-dense-v1"
+                                                               : "kvc-compact-v1";
   out.metadata["cache_id"] = info.cache_id();
   out.metadata["dtype"] = DTypeName(info.dtype());
   out.metadata["num_layers"] = absl::StrCat(info.shape().num_layers());

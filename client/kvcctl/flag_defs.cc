@@ -29,7 +29,8 @@ ABSL_FLAG(std::string, id, "", "cache id (default: the file name without directo
 ABSL_FLAG(int64_t, ttl, 0, "seconds until the cache expires; 0 = the server's default");
 ABSL_FLAG(bool, overwrite, false, "replace an existing cache with the same id");
 ABSL_FLAG(std::string, format, "packed",
-          "GetCache format: packed (compact blobs) or dense (K, V, positions)");
+          "GetCache format: packed (compact blobs), dense (K, V, positions) or contiguous "
+          "(dense with keys re-rotated for slots 0..K-1; get only, needs the --rope_* flags)");
 ABSL_FLAG(int64_t, layer_begin, 0, "first layer");
 ABSL_FLAG(int64_t, layer_end, -1, "one past the last layer; -1 = all");
 ABSL_FLAG(std::string, prefix, "", "only ids starting with this");
@@ -45,3 +46,10 @@ ABSL_FLAG(int64_t, tokens, 4096, "prompt tokens per cache");
 ABSL_FLAG(int64_t, window, 32, "observation queries per layer");
 ABSL_FLAG(std::string, dtype, "f16", "f16, bf16 or f32");
 ABSL_FLAG(std::string, id_prefix, "bench", "cache ids are <prefix>-<pid>-<worker>-<n>");
+ABSL_FLAG(double, rope_theta, 10000,
+          "--format=contiguous: the RoPE base the keys were stored with");
+ABSL_FLAG(std::string, rope_pairs, "",
+          "--format=contiguous: interleaved (pairs 2i, 2i+1: llama2.c, Meta) or half_split "
+          "(pairs i, i+d/2: Hugging Face Llama); required");
+ABSL_FLAG(int64_t, rope_dims, 0, "--format=contiguous: rotated channels; 0 = head_dim");
+ABSL_FLAG(double, rope_linear, 0, "--format=contiguous: linear RoPE scaling factor; 0 = none");

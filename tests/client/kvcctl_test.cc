@@ -173,6 +173,9 @@ TEST_F(KvcctlTest, ExitCodes) {
   EXPECT_EQ(Kvcctl("put a.safetensors --bits=3").code, 2);
   EXPECT_EQ(Kvcctl("get onlyone").code, 2);
   EXPECT_EQ(Kvcctl("get a b --format=sparse").code, 2);
+  r = Kvcctl("get a b --format=contiguous");  // the RoPE convention is not guessed
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("--rope_pairs"), std::string::npos) << r.out;
   EXPECT_EQ(Kvcctl("stat x --chunk_mib=9").code, 1);  // rejected by the client options
   EXPECT_EQ(Kvcctl("bench").code, 2);                 // neither --requests nor --duration
   r = Kvcctl("stat x --target=127.0.0.1:1", false);
