@@ -251,7 +251,8 @@ def test_contiguous_export_refuses_what_it_cannot_shift(client):
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "layer 1" in e.value.details
     client.put("py/even", make_layers(14), overwrite=True)
     with pytest.raises(kvc.KvcError) as e:
-        client.get("py/even", format="contiguous", rope=dict(rope, scaling="ROPE_SCALING_DYNAMIC_NTK"))
+        client.get("py/even", format="contiguous",
+                   rope=dict(rope, scaling="ROPE_SCALING_DYNAMIC_NTK"))
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "DYNAMIC_NTK" in e.value.details
     with pytest.raises(kvc.KvcError) as e:
         client.get("py/even", format="contiguous", rope={"theta": 10000})

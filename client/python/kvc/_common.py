@@ -158,7 +158,7 @@ class PutPlan:
         self.layout = layout
         ks = tensors.shape_of(k)
         if len(ks) != 3:
-            raise invalid(f"layers[0].k: shape {ks} is not 3-d ({'HND' if layout == 'HND' else 'NHD'})")
+            raise invalid(f"layers[0].k: shape {ks} is not 3-d ({layout})")
         hkv, s, d = (ks[0], ks[1], ks[2]) if layout == "HND" else (ks[1], ks[0], ks[2])
         if q is None:
             hq, w = hkv, 0
@@ -359,7 +359,7 @@ class Assembler:
                      v=tensors.from_bytes(parts[pb.PART_V], self.info.dtype, shape, self.kind),
                      positions=parts[pb.PART_POSITIONS].view(np.int32).reshape(shape[:2]))
 
-    def finish(self, layer_count):
+    def finish(self):
         if self.info is None:
             raise self._fail("ended without info")
         if self.cur is not None:

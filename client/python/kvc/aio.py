@@ -132,7 +132,8 @@ class Client:
                 await stream._start()
                 return stream
             except KvcError as e:
-                if e.code != grpc.StatusCode.UNAVAILABLE or attempt + 1 == self.options.max_attempts:
+                last = attempt + 1 == self.options.max_attempts
+                if e.code != grpc.StatusCode.UNAVAILABLE or last:
                     raise
                 await self._sleep(attempt, deadline)
 
@@ -230,7 +231,7 @@ class AsyncGetStream:
             raise from_rpc_error(e) from None
         finally:
             self._call.cancel()
-        self._asm.finish(got)
+        self._asm.finish()
         if got != self._want:
             raise KvcError(grpc.StatusCode.INTERNAL,
                            f"GetCache stream: {got} of {self._want} layers received")

@@ -123,7 +123,8 @@ class Client:
                 stream._start()
                 return stream
             except KvcError as e:
-                if e.code != grpc.StatusCode.UNAVAILABLE or attempt + 1 == self.options.max_attempts:
+                last = attempt + 1 == self.options.max_attempts
+                if e.code != grpc.StatusCode.UNAVAILABLE or last:
                     raise
                 self._sleep(attempt, deadline)
 
@@ -224,7 +225,7 @@ class GetStream:
             raise from_rpc_error(e)
         finally:
             self._call.cancel()
-        self._asm.finish(got)
+        self._asm.finish()
         if got != self._want:
             raise KvcError(grpc.StatusCode.INTERNAL,
                            f"GetCache stream: {got} of {self._want} layers received")
