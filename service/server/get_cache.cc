@@ -6,7 +6,9 @@
 // DENSE export runs on the worker pool, never on a gRPC callback thread, one layer ahead of the
 // layer being sent: while layer L streams, layer L+1 is exported, so at most two exported layers
 // (plus whatever gRPC still holds) exist at a time. When the next layer is not ready yet the
-// reactor parks, and the export job resumes it.
+// reactor parks, and the export job resumes it. DENSE_CONTIGUOUS is DENSE with the keys
+// re-rotated (kvc/contiguous_export.h), its RopeSpec and kept counts checked up front
+// (server/contiguous.h).
 #include <memory>
 #include <string>
 #include <utility>
