@@ -9,6 +9,7 @@ PKGS=(
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
   libxxhash-dev libopenblas-dev zlib1g-dev
   prometheus redis-server python3 openssl
+  python3-grpcio python3-protobuf python3-numpy python3-pytest python3-xxhash
 )
 
 missing=()
@@ -18,6 +19,13 @@ done
 # kubectl renders the Kubernetes manifests offline; any kubectl with kustomize will do.
 if ! command -v kubectl >/dev/null 2>&1; then missing+=(kubernetes-client); fi
 if ! command -v npm >/dev/null 2>&1; then missing+=(nodejs npm); fi  # tests/deploy validators
+
+# torch is optional (the Python client returns bf16 as torch.bfloat16 with it, and the end-to-end
+# Python flow runs on it); installed when the archive has it, skipped otherwise.
+if ! dpkg-query -W -f='${Status}' python3-torch 2>/dev/null | grep -q "install ok installed" &&
+   apt-cache show python3-torch >/dev/null 2>&1; then
+  missing+=(python3-torch)
+fi
 
 if ((${#missing[@]})); then
   SUDO=""

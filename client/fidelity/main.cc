@@ -19,6 +19,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "kvc/backend.h"
 #include "kvc/fidelity/fidelity.h"
@@ -44,6 +45,9 @@ ABSL_FLAG(std::string, via, "",
           "kvcd address: compress through PutCache/GetCache(PACKED) instead of in-process, and "
           "check that the numbers equal the in-process ones");
 ABSL_FLAG(int, threads, 1, "CPU backend threads (0 = all cores)");
+ABSL_FLAG(std::string, tokens_out, "",
+          "write the sampled sequences (prefix + continuation) to this file, one a line, token "
+          "ids separated by spaces, so other implementations can evaluate the same sequences");
 
 namespace kvc::fidelity {
 namespace {
@@ -109,6 +113,15 @@ absl::Status Run() {
   const auto start = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(std::unique_ptr<FidelityEval> eval,
                    FidelityEval::Create(&model, options, backend.get()));
+  if (const std::string path = absl::GetFlag(FLAGS_tokens_out); !path.empty()) {
+    std::ofstream out(path, std::ios::trunc);
+    for (const std::vector<int32_t>& seq : eval->sequences()) {
+      out << absl::StrJoin(seq, " ") << "\n";
+    }
+    if (!out.flush()) {
+      return absl::InvalidArgumentError(absl::StrCat("--tokens_out: cannot write ", path));
+    }
+  }
 
   const std::string via = absl::GetFlag(FLAGS_via);
   std::unique_ptr<Client> client;

@@ -20,7 +20,6 @@ namespace pb = kvcache::v1;
 // Parses flags; on --help prints usage and sets *exit to 0, on a bad flag to 2.
 bool ParseArgs(FlagSet& flags, const std::vector<std::string>& args, const std::string& usage,
                std::vector<std::string>* positional, int* exit_code) {
-  flags.AddBool("help", false, "show this help");
   absl::StatusOr<std::vector<std::string>> p = flags.Parse(args);
   if (!p.ok()) {
     *exit_code = Usage(std::string(p.status().message()), usage, flags);
@@ -128,9 +127,9 @@ int RunPut(const std::vector<std::string>& args) {
   FlagSet flags;
   AddGlobalFlags(&flags);
   AddCompressionFlags(&flags);
-  flags.AddString("id", "", "cache id (default: the file name without directory and extension)");
-  flags.AddInt("ttl", 0, "seconds until the cache expires; 0 = the server's default");
-  flags.AddBool("overwrite", false, "replace an existing cache with the same id");
+  flags.Use("id");
+  flags.Use("ttl");
+  flags.Use("overwrite");
   std::vector<std::string> pos;
   int code;
   if (!ParseArgs(flags, args, usage, &pos, &code)) return code;
@@ -164,22 +163,46 @@ int RunPut(const std::vector<std::string>& args) {
 }
 
 int RunGet(const std::vector<std::string>& args) {
-  const std::string usage = "kvcctl get <id> <out.safetensors> [--format=packed|dense]";
+  const std::string usage =
+      "kvcctl get <id> <out.safetensors> [--format=packed|dense|contiguous --rope_pairs=...]";
   FlagSet flags;
   AddGlobalFlags(&flags);
-  flags.AddString("format", "packed", "packed (compact blobs) or dense (K, V, positions)");
-  flags.AddInt("layer_begin", 0, "first layer");
-  flags.AddInt("layer_end", -1, "one past the last layer; -1 = all");
+  flags.Use("format");
+  flags.Use("rope_theta");
+  flags.Use("rope_pairs");
+  flags.Use("rope_dims");
+  flags.Use("rope_linear");
+  flags.Use("layer_begin");
+  flags.Use("layer_end");
   std::vector<std::string> pos;
   int code;
   if (!ParseArgs(flags, args, usage, &pos, &code)) return code;
   if (pos.size() != 2) return Usage("get takes an id and an output file", usage, flags);
   GetOptions opt;
   const std::string format = flags.GetString("format");
-  if (format == "dense") {
+  if (format == "dense" || format == "contiguous") {
     opt.format = CacheFormat::kDense;
   } else if (format != "packed") {
-    return Usage("--format: must be packed or dense", usage, flags);
+    return Usage("--format: must be packed, dense or contiguous", usage, flags);
+  }
+  if (format == "contiguous") {
+    pb::RopeSpec& rope = opt.contiguous_rope.emplace();
+    const std::string pairs = flags.GetString("rope_pairs");
+    if (pairs == "interleaved") {
+      rope.set_style(pb::ROPE_INTERLEAVED);
+    } else if (pairs == "half_split") {
+      rope.set_style(pb::ROPE_HALF_SPLIT);
+    } else {
+      return Usage("--rope_pairs: must be interleaved or half_split", usage, flags);
+    }
+    const int64_t dims = flags.GetInt("rope_dims");
+    if (dims < 0 || dims > UINT32_MAX) return Usage("--rope_dims: out of range", usage, flags);
+    rope.set_theta(flags.GetDouble("rope_theta"));
+    rope.set_rotary_dims(static_cast<uint32_t>(dims));
+    if (const double linear = flags.GetDouble("rope_linear"); linear != 0) {
+      rope.set_scaling(pb::ROPE_SCALING_LINEAR);
+      rope.set_scaling_factor(linear);
+    }
   }
   const int64_t begin = flags.GetInt("layer_begin"), end = flags.GetInt("layer_end");
   if (begin < 0 || begin > UINT32_MAX) return Usage("--layer_begin: out of range", usage, flags);
@@ -195,7 +218,9 @@ int RunGet(const std::vector<std::string>& args) {
 
   StFile out;
   const pb::CacheInfo& info = data->info;
-  out.metadata["format"] = opt.format == CacheFormat::kDense ? "kvc-dense-v1" : "kvc-compact-v1";
+  out.metadata["format"] = opt.contiguous_rope.has_value()     ? "kvc-contiguous-v1"
+                           : opt.format == CacheFormat::kDense ? "kvc-dense-v1"
+                                                               : "kvc-compact-v1";
   out.metadata["cache_id"] = info.cache_id();
   out.metadata["dtype"] = DTypeName(info.dtype());
   out.metadata["num_layers"] = absl::StrCat(info.shape().num_layers());
@@ -263,7 +288,7 @@ int RunLs(const std::vector<std::string>& args) {
   const std::string usage = "kvcctl ls [--prefix=P]";
   FlagSet flags;
   AddGlobalFlags(&flags);
-  flags.AddString("prefix", "", "only ids starting with this");
+  flags.Use("prefix");
   std::vector<std::string> pos;
   int code;
   if (!ParseArgs(flags, args, usage, &pos, &code)) return code;

@@ -9,16 +9,14 @@ namespace kvc::ctl {
 namespace pb = kvcache::v1;
 
 void AddGlobalFlags(FlagSet* flags) {
-  flags->AddString("target", "127.0.0.1:50051",
-                   "kvcd address: host:port, a comma-separated list, or dns:///name:port");
-  flags->AddDouble("timeout", 0,
-                   "seconds per call; 0 = the client's defaults (10 s, 300 s streams)");
-  flags->AddString("token", "", "bearer token sent as 'authorization: Bearer <token>'");
-  flags->AddInt("chunk_mib", 4, "largest upload chunk in MiB, 1..4");
-  flags->AddBool("tls", false, "connect with TLS (implied by --tls_ca, --tls_cert, --tls_key)");
-  flags->AddString("tls_ca", "", "PEM roots that verify kvcd; empty = the system roots");
-  flags->AddString("tls_cert", "", "PEM client certificate for mutual TLS (with --tls_key)");
-  flags->AddString("tls_key", "", "PEM private key of --tls_cert");
+  flags->Use("target");
+  flags->Use("timeout");
+  flags->Use("token");
+  flags->Use("chunk_mib");
+  flags->Use("tls");
+  flags->Use("tls_ca");
+  flags->Use("tls_cert");
+  flags->Use("tls_key");
 }
 
 absl::StatusOr<std::unique_ptr<Client>> MakeClient(const FlagSet& flags) {
@@ -47,17 +45,14 @@ absl::StatusOr<std::unique_ptr<Client>> MakeClient(const FlagSet& flags) {
 }
 
 void AddCompressionFlags(FlagSet* flags) {
-  flags->AddString("policy", "none",
-                   "token eviction: none, streaming, h2o, snapkv, keyformer, knorm, random");
-  flags->AddDouble("ratio", 0, "fraction of tokens kept per KV head, (0, 1]; 0 = unset");
-  flags->AddInt("budget", 0, "tokens kept per KV head (wins over --ratio); 0 = unset");
-  flags->AddString("key_policy", "",
-                   "key channel pruning: none, think, l1, l2 "
-                   "(default think when --lambda > 0)");
-  flags->AddDouble("lambda", 0, "fraction of key channels pruned, [0, 1)");
-  flags->AddInt("bits", 0, "quantization bits: 0 (off), 2, 4, 8");
-  flags->AddInt("recent", -1, "recent tokens kept unpruned and unquantized; -1 = server default");
-  flags->AddInt("seed", 0, "noise seed (keyformer, random)");
+  flags->Use("policy");
+  flags->Use("ratio");
+  flags->Use("budget");
+  flags->Use("key_policy");
+  flags->Use("lambda");
+  flags->Use("bits");
+  flags->Use("recent");
+  flags->Use("seed");
 }
 
 absl::StatusOr<pb::CompressionConfig> CompressionFromFlags(const FlagSet& flags) {

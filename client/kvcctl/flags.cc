@@ -2,58 +2,36 @@
 
 #include <cstdlib>
 
-#include "absl/strings/numbers.h"
+#include "absl/flags/commandlineflag.h"
+#include "absl/flags/reflection.h"
 #include "absl/strings/str_cat.h"
+#include "absl/types/optional.h"
 
 namespace kvc::ctl {
+namespace {
 
-void FlagSet::AddString(const std::string& name, const std::string& def, const std::string& help) {
-  flags_[name] = Flag{Type::kString, def, help};
-  order_.push_back(name);
-}
-void FlagSet::AddInt(const std::string& name, int64_t def, const std::string& help) {
-  flags_[name] = Flag{Type::kInt, std::to_string(def), help};
-  order_.push_back(name);
-}
-void FlagSet::AddDouble(const std::string& name, double def, const std::string& help) {
-  flags_[name] = Flag{Type::kDouble, absl::StrCat(def), help};
-  order_.push_back(name);
-}
-void FlagSet::AddBool(const std::string& name, bool def, const std::string& help) {
-  flags_[name] = Flag{Type::kBool, def ? "true" : "false", help};
-  order_.push_back(name);
+// A programming error in kvcctl itself (an undefined flag, a getter of the wrong type), never
+// user input.
+[[noreturn]] void Bug() { std::abort(); }
+
+template <typename T>
+T Value(const absl::CommandLineFlag& flag) {
+  absl::optional<T> v = flag.TryGet<T>();
+  if (!v.has_value()) Bug();
+  return *std::move(v);
 }
 
-absl::Status FlagSet::Set(const std::string& name, Flag& flag, const std::string& value) {
-  switch (flag.type) {
-    case Type::kString:
-      break;
-    case Type::kInt: {
-      int64_t v;
-      if (!absl::SimpleAtoi(value, &v)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--", name, ": '", value, "' is not an integer"));
-      }
-      break;
-    }
-    case Type::kDouble: {
-      double v;
-      if (!absl::SimpleAtod(value, &v)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--", name, ": '", value, "' is not a number"));
-      }
-      break;
-    }
-    case Type::kBool:
-      if (value != "true" && value != "false") {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--", name, ": '", value, "' is not true or false"));
-      }
-      break;
-  }
-  flag.value = value;
-  flag.set = true;
-  return absl::OkStatus();
+}  // namespace
+
+absl::CommandLineFlag& FlagSet::Flag(const std::string& name) const {
+  absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+  if (flag == nullptr) Bug();
+  return *flag;
+}
+
+void FlagSet::Use(const std::string& name) {
+  Flag(name);
+  if (accepted_.insert(name).second) order_.push_back(name);
 }
 
 absl::StatusOr<std::vector<std::string>> FlagSet::Parse(const std::vector<std::string>& args) {
@@ -63,6 +41,10 @@ absl::StatusOr<std::vector<std::string>> FlagSet::Parse(const std::vector<std::s
     if (a == "--") {
       positional.insert(positional.end(), args.begin() + i + 1, args.end());
       break;
+    }
+    if (a == "--help" || a == "-h") {
+      help_ = true;
+      continue;
     }
     if (a.size() < 3 || a[0] != '-' || a[1] != '-') {
       if (a.size() > 1 && a[0] == '-') {
@@ -79,19 +61,18 @@ absl::StatusOr<std::vector<std::string>> FlagSet::Parse(const std::vector<std::s
       name = name.substr(0, eq);
       has_value = true;
     }
-    auto it = flags_.find(name);
-    if (it == flags_.end() && !has_value && name.rfind("no", 0) == 0) {
-      auto neg = flags_.find(name.substr(2));
-      if (neg != flags_.end() && neg->second.type == Type::kBool) {
-        neg->second.value = "false";
-        neg->second.set = true;
-        continue;
-      }
+    if (!accepted_.count(name) && !has_value && name.rfind("no", 0) == 0 &&
+        accepted_.count(name.substr(2)) && Flag(name.substr(2)).IsOfType<bool>()) {
+      name = name.substr(2);
+      value = "false";
+      has_value = true;
     }
-    if (it == flags_.end())
+    if (!accepted_.count(name)) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
+    }
+    absl::CommandLineFlag& flag = Flag(name);
     if (!has_value) {
-      if (it->second.type == Type::kBool) {
+      if (flag.IsOfType<bool>()) {
         value = "true";
       } else if (i + 1 < args.size()) {
         value = args[++i];
@@ -99,49 +80,36 @@ absl::StatusOr<std::vector<std::string>> FlagSet::Parse(const std::vector<std::s
         return absl::InvalidArgumentError(absl::StrCat("--", name, ": missing value"));
       }
     }
-    if (absl::Status s = Set(name, it->second, value); !s.ok()) return s;
+    std::string error;
+    if (!flag.ParseFrom(value, &error)) {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, ": ", error));
+    }
+    set_.insert(name);
   }
   return positional;
 }
 
-const FlagSet::Flag& FlagSet::Get(const std::string& name, Type type) const {
-  auto it = flags_.find(name);
-  if (it == flags_.end() || it->second.type != type) {
-    // A programming error in kvcctl itself, never user input.
-    std::abort();
-  }
-  return it->second;
-}
-
 std::string FlagSet::GetString(const std::string& name) const {
-  return Get(name, Type::kString).value;
+  return Value<std::string>(Flag(name));
 }
-int64_t FlagSet::GetInt(const std::string& name) const {
-  int64_t v = 0;
-  (void)absl::SimpleAtoi(Get(name, Type::kInt).value, &v);
-  return v;
-}
-double FlagSet::GetDouble(const std::string& name) const {
-  double v = 0;
-  (void)absl::SimpleAtod(Get(name, Type::kDouble).value, &v);
-  return v;
-}
+int64_t FlagSet::GetInt(const std::string& name) const { return Value<int64_t>(Flag(name)); }
+double FlagSet::GetDouble(const std::string& name) const { return Value<double>(Flag(name)); }
 bool FlagSet::GetBool(const std::string& name) const {
-  return Get(name, Type::kBool).value == "true";
+  if (name == "help") return help_;
+  return Value<bool>(Flag(name));
 }
-bool FlagSet::WasSet(const std::string& name) const {
-  auto it = flags_.find(name);
-  return it != flags_.end() && it->second.set;
-}
+bool FlagSet::WasSet(const std::string& name) const { return set_.count(name) > 0; }
 
 std::string FlagSet::Help() const {
   std::string out;
   for (const std::string& name : order_) {
-    const Flag& f = flags_.at(name);
-    std::string left = absl::StrCat("  --", name, "=", f.value.empty() ? "\"\"" : f.value);
+    const absl::CommandLineFlag& f = Flag(name);
+    const std::string def = f.DefaultValue();
+    std::string left = absl::StrCat("  --", name, "=", def.empty() ? "\"\"" : def);
     if (left.size() < 30) left.resize(30, ' ');
-    absl::StrAppend(&out, left, " ", f.help, "\n");
+    absl::StrAppend(&out, left, " ", f.Help(), "\n");
   }
+  absl::StrAppend(&out, "  --help                       show this help\n");
   return out;
 }
 

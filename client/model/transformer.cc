@@ -50,8 +50,9 @@ void FeedForward(const Checkpoint& ck, int layer, float* x, std::vector<float>& 
 
 }  // namespace
 
-void ApplyRope(float* x, int heads, int head_dim, int pos) {
-  for (int i = 0; i < head_dim / 2; ++i) {
+void ApplyRope(float* x, int heads, int head_dim, int pos, RopePairs pairs) {
+  const int half = head_dim / 2;
+  for (int i = 0; i < half; ++i) {
     // Angles in double: positions up to a few thousand times frequencies near 1 lose several
     // digits in float.
     const double freq = std::pow(10000.0, -2.0 * i / head_dim);
@@ -59,10 +60,12 @@ void ApplyRope(float* x, int heads, int head_dim, int pos) {
     const float cs = static_cast<float>(std::cos(angle));
     const float sn = static_cast<float>(std::sin(angle));
     for (int h = 0; h < heads; ++h) {
-      float* p = x + static_cast<size_t>(h) * head_dim + 2 * i;
-      const float a = p[0], b = p[1];
-      p[0] = a * cs - b * sn;
-      p[1] = a * sn + b * cs;
+      float* p = x + static_cast<size_t>(h) * head_dim;
+      float& a = p[pairs == RopePairs::kHalfSplit ? i : 2 * i];
+      float& b = p[pairs == RopePairs::kHalfSplit ? i + half : 2 * i + 1];
+      const float a0 = a, b0 = b;
+      a = a0 * cs - b0 * sn;
+      b = a0 * sn + b0 * cs;
     }
   }
 }
@@ -149,8 +152,8 @@ absl::StatusOr<ForwardOutput> Transformer::Forward(absl::Span<const int32_t> tok
     MatMul(xn.data(), ck_.wk(l), s_len, kv_dim, dim, k.data());
     MatMul(xn.data(), ck_.wv(l), s_len, kv_dim, dim, v.data());
     for (int t = 0; t < s_len; ++t) {
-      ApplyRope(&q[static_cast<size_t>(t) * dim], c.n_heads, hd, t);
-      ApplyRope(&k[static_cast<size_t>(t) * kv_dim], c.n_kv_heads, hd, t);
+      ApplyRope(&q[static_cast<size_t>(t) * dim], c.n_heads, hd, t, pairs_);
+      ApplyRope(&k[static_cast<size_t>(t) * kv_dim], c.n_kv_heads, hd, t, pairs_);
     }
     // Causal attention, position by position, straight from the [S, heads*hd] projections.
     for (int h = 0; h < c.n_heads; ++h) {
@@ -236,8 +239,8 @@ absl::Status Transformer::DecodeStep(int32_t token, KvCache* cache, absl::Span<f
     MatVec(ck_.wq(l), xn.data(), dim, dim, q.data());
     MatVec(ck_.wk(l), xn.data(), kv_dim, dim, k.data());
     MatVec(ck_.wv(l), xn.data(), kv_dim, dim, v.data());
-    ApplyRope(q.data(), c.n_heads, hd, pos);
-    ApplyRope(k.data(), c.n_kv_heads, hd, pos);
+    ApplyRope(q.data(), c.n_heads, hd, pos, pairs_);
+    ApplyRope(k.data(), c.n_kv_heads, hd, pos, pairs_);
     RETURN_IF_ERROR(cache->AppendAndAttend(l, q.data(), k.data(), v.data(), att.data()));
     if (attn_out != nullptr) {
       std::copy(att.begin(), att.end(), attn_out->begin() + static_cast<size_t>(l) * dim);

@@ -313,6 +313,13 @@ absl::Status ClientImpl::GetCacheStreaming(
   pb::GetCacheRequest req;
   req.set_cache_id(cache_id);
   req.set_format(options.format == CacheFormat::kDense ? pb::FORMAT_DENSE : pb::FORMAT_PACKED);
+  if (options.contiguous_rope.has_value()) {
+    if (options.format != CacheFormat::kDense) {
+      return absl::InvalidArgumentError("contiguous_rope: needs format kDense");
+    }
+    req.set_format(pb::FORMAT_DENSE_CONTIGUOUS);
+    *req.mutable_rope() = *options.contiguous_rope;
+  }
   req.set_layer_begin(options.layer_begin);
   if (options.layer_end.has_value()) req.set_layer_end(*options.layer_end);
   const Replica& r = replicas_[ReplicaFor(cache_id)];
@@ -358,7 +365,7 @@ absl::Status ClientImpl::GetOnce(const Replica& r, const pb::GetCacheRequest& re
       }
       assembler = std::make_unique<LayerAssembler>(
           fields.info(),
-          req.format() == pb::FORMAT_DENSE ? CacheFormat::kDense : CacheFormat::kPacked,
+          req.format() == pb::FORMAT_PACKED ? CacheFormat::kPacked : CacheFormat::kDense,
           req.layer_begin(), req.has_layer_end() ? req.layer_end() : 0);
       *delivered = true;
       if (on_info) local = on_info(fields.info());

@@ -6,7 +6,9 @@
 // DENSE export runs on the worker pool, never on a gRPC callback thread, one layer ahead of the
 // layer being sent: while layer L streams, layer L+1 is exported, so at most two exported layers
 // (plus whatever gRPC still holds) exist at a time. When the next layer is not ready yet the
-// reactor parks, and the export job resumes it.
+// reactor parks, and the export job resumes it. DENSE_CONTIGUOUS is DENSE with the keys
+// re-rotated (kvc/contiguous_export.h), its RopeSpec and kept counts checked up front
+// (server/contiguous.h).
 #include <memory>
 #include <string>
 #include <utility>
@@ -14,7 +16,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/optional.h"
 #include "kvc/compact.h"
+#include "kvc/contiguous_export.h"
+#include "server/contiguous.h"
 #include "server/convert.h"
 #include "server/service_impl.h"
 #include "server/wire.h"
@@ -97,7 +102,8 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       } else if (view = CompactLayerView::Parse(entry.layers[index]); !view.ok()) {
         result = absl::DataLossError(
             absl::StrCat("layer ", index, ": ", std::string(view.status().message())));
-      } else if (auto dense = ExportDense(*view); !dense.ok()) {
+      } else if (auto dense = rope_ ? ExportDenseContiguous(*view, *rope_) : ExportDense(*view);
+                 !dense.ok()) {
         result = dense.status();
       } else {
         result = std::make_shared<const DenseLayer>(*std::move(dense));
@@ -132,12 +138,13 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
         dense_ = false;
         break;
       case kvcache::v1::FORMAT_DENSE:
+      case kvcache::v1::FORMAT_DENSE_CONTIGUOUS:
         dense_ = true;
         break;
       default:
-        return grpc::Status(
-            grpc::StatusCode::INVALID_ARGUMENT,
-            absl::StrCat("format: ", static_cast<int>(req.format()), " is not PACKED or DENSE"));
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("format: ", static_cast<int>(req.format()),
+                                         " is not PACKED, DENSE or DENSE_CONTIGUOUS"));
     }
     auto ns = state_->Namespace(*context_);
     if (!ns.ok()) return ToGrpc(ns.status());
@@ -152,6 +159,12 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     kvcache::v1::GetCacheResponse first;
     if (!first.mutable_info()->ParseFromString(entry.metadata)) {
       return grpc::Status(grpc::StatusCode::DATA_LOSS, "stored metadata is unreadable");
+    }
+    if (req.format() == kvcache::v1::FORMAT_DENSE_CONTIGUOUS) {
+      auto rope = RopeFromProto(req.rope(), static_cast<int>(first.info().shape().head_dim()));
+      if (!rope.ok()) return ToGrpc(rope.status());
+      if (auto s = CheckUniformKept(first.info()); !s.ok()) return ToGrpc(s);
+      rope_ = *rope;
     }
     const uint32_t num_layers = static_cast<uint32_t>(entry.layers.size());
     layer_ = req.layer_begin();
@@ -297,6 +310,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   RpcRecorder rec_;
   bool holds_stream_ = false;
   bool dense_ = false;
+  absl::optional<RopeParams> rope_;  // DENSE_CONTIGUOUS: keys re-rotated for slots 0..K-1
   std::shared_ptr<Keepalive> keep_;
   uint32_t layer_ = 0, layer_end_ = 0;
   bool loaded_ = false;

@@ -9,6 +9,7 @@
 
 #include "kvc/client.h"
 #include "kvc/compact.h"
+#include "kvc/contiguous_export.h"
 #include "testing/kvc_rpc.h"
 #include "testing/kvcd_process.h"
 #include "testing/shared_kvcd.h"
@@ -104,6 +105,49 @@ TEST_F(ClientKvcdTest, PackedBlobsParseAndMatchDense) {
     EXPECT_TRUE(absl::MakeConstSpan(exported->v) == absl::MakeConstSpan(dense->layers[l].v));
     EXPECT_TRUE(exported->positions == dense->layers[l].positions);
   }
+}
+
+TEST_F(ClientKvcdTest, ContiguousExportRotatesKeysAndKeepsValues) {
+  testing::TestCache cache = MakeCache("contig", 4);
+  cache.header.mutable_compression()->mutable_eviction()->set_policy("snapkv");
+  cache.header.mutable_compression()->mutable_eviction()->set_budget(512);
+  ASSERT_TRUE(client_->PutCache(cache.header, Views(cache)).ok());
+  GetOptions dense_opt;
+  dense_opt.format = CacheFormat::kDense;
+  auto dense = client_->GetCache("contig", dense_opt);
+  ASSERT_TRUE(dense.ok()) << dense.status();
+  GetOptions opt = dense_opt;
+  opt.contiguous_rope.emplace();
+  opt.contiguous_rope->set_theta(10000);
+  opt.contiguous_rope->set_style(pb::ROPE_HALF_SPLIT);
+  auto got = client_->GetCache("contig", opt);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->layers.size(), 2u);
+  for (size_t l = 0; l < 2; ++l) {
+    const LayerData& a = dense->layers[l];
+    const LayerData& b = got->layers[l];
+    EXPECT_EQ(b.kept_tokens, 512u);
+    EXPECT_TRUE(absl::MakeConstSpan(a.v) == absl::MakeConstSpan(b.v));
+    EXPECT_TRUE(a.positions == b.positions);
+    // The same rotation the engine applies (kvc/contiguous_export.h), here by -(4096 - 512).
+    DenseLayer want;
+    want.num_kv_heads = 2;
+    want.n_kept = 512;
+    want.head_dim = 128;
+    want.seq_len = 4096;
+    want.dtype = DType::kF16;
+    want.k.resize(a.k.size());
+    std::memcpy(want.k.data(), a.k.data(), a.k.size());
+    RopeParams rope;
+    rope.half_split = true;
+    ASSERT_TRUE(RotateKeys(rope, 4096 - 512, &want).ok());
+    EXPECT_TRUE(absl::MakeConstSpan(want.k) == absl::MakeConstSpan(b.k)) << "layer " << l;
+    EXPECT_FALSE(absl::MakeConstSpan(a.k) == absl::MakeConstSpan(b.k)) << "layer " << l;
+  }
+  // PACKED has no contiguous form.
+  GetOptions bad = opt;
+  bad.format = CacheFormat::kPacked;
+  EXPECT_EQ(client_->GetCache("contig", bad).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(ClientKvcdTest, StreamingDeliversLayersInRangeAndCallbackErrorsCancel) {

@@ -161,10 +161,21 @@ TEST_F(KvcctlTest, ExitCodes) {
   CtlRun r = Kvcctl("stat x --bogus=1");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("--bogus"), std::string::npos) << r.out;
+  // Values are parsed by the flags' own (Abseil) parsers; a flag another command takes is unknown.
+  r = Kvcctl("stat x --timeout=abc");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("Illegal value 'abc' specified for flag 'timeout'"), std::string::npos)
+      << r.out;
+  r = Kvcctl("stat x --concurrency=3");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("unknown flag --concurrency"), std::string::npos) << r.out;
   EXPECT_EQ(Kvcctl("put a.safetensors --ratio=2").code, 2);
   EXPECT_EQ(Kvcctl("put a.safetensors --bits=3").code, 2);
   EXPECT_EQ(Kvcctl("get onlyone").code, 2);
   EXPECT_EQ(Kvcctl("get a b --format=sparse").code, 2);
+  r = Kvcctl("get a b --format=contiguous");  // the RoPE convention is not guessed
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("--rope_pairs"), std::string::npos) << r.out;
   EXPECT_EQ(Kvcctl("stat x --chunk_mib=9").code, 1);  // rejected by the client options
   EXPECT_EQ(Kvcctl("bench").code, 2);                 // neither --requests nor --duration
   r = Kvcctl("stat x --target=127.0.0.1:1", false);

@@ -107,6 +107,10 @@ struct GetOptions {
   CacheFormat format = CacheFormat::kPacked;
   uint32_t layer_begin = 0;
   absl::optional<uint32_t> layer_end;  // one past the last layer; default: all layers
+  // With kDense: the engine-ready export (FORMAT_DENSE_CONTIGUOUS), keys re-rotated under this
+  // RoPE so kept token j goes in slot j of a plain cache and decoding continues at position
+  // kept_tokens (positions still holds the original positions). See kvcache.proto.
+  absl::optional<kvcache::v1::RopeSpec> contiguous_rope;
 };
 
 // One layer of a fetched cache. PACKED: `packed` is the layer's compact blob (parse it with

@@ -1,8 +1,8 @@
 // A reference Llama transformer in fp32 on the CPU, for the fidelity tests and tools: RMSNorm
-// (eps 1e-5), RoPE on adjacent channel pairs (2i, 2i+1) with frequency 10000^(-2i/head_dim), GQA
-// attention, SwiGLU FFN. Two independent code paths: Forward (a whole sequence at once, causal
-// attention per position) and DecodeStep (one token against a KvCache). They agree to float
-// rounding; the tests check that.
+// (eps 1e-5), RoPE on channel pairs (2i, 2i+1) by default or (i, i + head_dim/2) (RopePairs) with
+// frequency 10000^(-2i/head_dim), GQA attention, SwiGLU FFN. Two independent code paths: Forward
+// (a whole sequence at once, causal attention per position) and DecodeStep (one token against a
+// KvCache). They agree to float rounding; the tests check that.
 #ifndef KVC_MODEL_TRANSFORMER_H_
 #define KVC_MODEL_TRANSFORMER_H_
 
@@ -31,8 +31,14 @@ struct ForwardOutput {
   }
 };
 
+// Which channels RoPE pairs: (2i, 2i+1) as llama2.c and Meta's checkpoints (the default), or
+// (i, i + head_dim/2) as Hugging Face Llama and GPT-NeoX. The checkpoint does not say; the tests
+// run the same weights both ways to cover both conventions.
+enum class RopePairs { kInterleaved, kHalfSplit };
+
 // Rotates each head's channel pairs of `x` ([heads, head_dim]) for position `pos`.
-void ApplyRope(float* x, int heads, int head_dim, int pos);
+void ApplyRope(float* x, int heads, int head_dim, int pos,
+               RopePairs pairs = RopePairs::kInterleaved);
 
 // Seeded temperature sampling. temperature == 0 is greedy (argmax, lowest id on ties). Same seed,
 // same logits: same tokens on every platform (own uniform generator, no std distributions).
@@ -50,10 +56,12 @@ class Sampler {
 // The model. Immutable; all methods are const and thread-safe.
 class Transformer {
  public:
-  explicit Transformer(Checkpoint checkpoint) : ck_(std::move(checkpoint)) {}
+  explicit Transformer(Checkpoint checkpoint, RopePairs pairs = RopePairs::kInterleaved)
+      : ck_(std::move(checkpoint)), pairs_(pairs) {}
   static absl::StatusOr<Transformer> Load(const std::string& path);
 
   const LlamaConfig& config() const { return ck_.config(); }
+  RopePairs rope_pairs() const { return pairs_; }
 
   // Full causal forward pass over `tokens` at positions 0..S-1. INVALID_ARGUMENT when tokens is
   // empty, longer than config().seq_len, or holds an id outside [0, vocab_size).
@@ -79,6 +87,7 @@ class Transformer {
  private:
   absl::Status CheckTokens(absl::Span<const int32_t> tokens) const;
   Checkpoint ck_;
+  RopePairs pairs_;
 };
 
 }  // namespace kvc::model

@@ -1,0 +1,55 @@
+// Every kvcctl flag, defined once with Abseil's flag library (as kvcd's are). Each subcommand
+// accepts the subset it names with FlagSet::Use (flags.h); defaults and help live only here.
+#include <cstdint>
+#include <string>
+
+#include "absl/flags/flag.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051",
+          "kvcd address: host:port, a comma-separated list, or dns:///name:port");
+ABSL_FLAG(double, timeout, 0, "seconds per call; 0 = the client's defaults (10 s, 300 s streams)");
+ABSL_FLAG(std::string, token, "", "bearer token sent as 'authorization: Bearer <token>'");
+ABSL_FLAG(int64_t, chunk_mib, 4, "largest upload chunk in MiB, 1..4");
+ABSL_FLAG(bool, tls, false, "connect with TLS (implied by --tls_ca, --tls_cert, --tls_key)");
+ABSL_FLAG(std::string, tls_ca, "", "PEM roots that verify kvcd; empty = the system roots");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate for mutual TLS (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, policy, "none",
+          "token eviction: none, streaming, h2o, snapkv, keyformer, knorm, random");
+ABSL_FLAG(double, ratio, 0, "fraction of tokens kept per KV head, (0, 1]; 0 = unset");
+ABSL_FLAG(int64_t, budget, 0, "tokens kept per KV head (wins over --ratio); 0 = unset");
+ABSL_FLAG(std::string, key_policy, "",
+          "key channel pruning: none, think, l1, l2 "
+          "(default think when --lambda > 0)");
+ABSL_FLAG(double, lambda, 0, "fraction of key channels pruned, [0, 1)");
+ABSL_FLAG(int64_t, bits, 0, "quantization bits: 0 (off), 2, 4, 8");
+ABSL_FLAG(int64_t, recent, -1, "recent tokens kept unpruned and unquantized; -1 = server default");
+ABSL_FLAG(int64_t, seed, 0, "noise seed (keyformer, random)");
+ABSL_FLAG(std::string, id, "", "cache id (default: the file name without directory and extension)");
+ABSL_FLAG(int64_t, ttl, 0, "seconds until the cache expires; 0 = the server's default");
+ABSL_FLAG(bool, overwrite, false, "replace an existing cache with the same id");
+ABSL_FLAG(std::string, format, "packed",
+          "GetCache format: packed (compact blobs), dense (K, V, positions) or contiguous "
+          "(dense with keys re-rotated for slots 0..K-1; get only, needs the --rope_* flags)");
+ABSL_FLAG(int64_t, layer_begin, 0, "first layer");
+ABSL_FLAG(int64_t, layer_end, -1, "one past the last layer; -1 = all");
+ABSL_FLAG(std::string, prefix, "", "only ids starting with this");
+ABSL_FLAG(int64_t, concurrency, 4, "concurrent workers (threads), 1..256");
+ABSL_FLAG(int64_t, requests, 0, "total iterations over all workers; 0 = bounded by --duration");
+ABSL_FLAG(double, duration, 0, "seconds to run; 0 = bounded by --requests");
+ABSL_FLAG(std::string, mode, "both", "both (put, get, delete per iteration), put, or get");
+ABSL_FLAG(int64_t, layers, 4, "layers per cache");
+ABSL_FLAG(int64_t, kv_heads, 8, "KV heads");
+ABSL_FLAG(int64_t, q_heads, 32, "query heads (a multiple of --kv_heads)");
+ABSL_FLAG(int64_t, head_dim, 128, "head dimension");
+ABSL_FLAG(int64_t, tokens, 4096, "prompt tokens per cache");
+ABSL_FLAG(int64_t, window, 32, "observation queries per layer");
+ABSL_FLAG(std::string, dtype, "f16", "f16, bf16 or f32");
+ABSL_FLAG(std::string, id_prefix, "bench", "cache ids are <prefix>-<pid>-<worker>-<n>");
+ABSL_FLAG(double, rope_theta, 10000,
+          "--format=contiguous: the RoPE base the keys were stored with");
+ABSL_FLAG(std::string, rope_pairs, "",
+          "--format=contiguous: interleaved (pairs 2i, 2i+1: llama2.c, Meta) or half_split "
+          "(pairs i, i+d/2: Hugging Face Llama); required");
+ABSL_FLAG(int64_t, rope_dims, 0, "--format=contiguous: rotated channels; 0 = head_dim");
+ABSL_FLAG(double, rope_linear, 0, "--format=contiguous: linear RoPE scaling factor; 0 = none");

@@ -1,0 +1,366 @@
+"""What the synchronous and asyncio clients share: options, request building, stream assembly."""
+
+import dataclasses
+import itertools
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from . import tensors
+from ._pb import pb
+from .errors import KvcError, invalid
+
+PUT_METHOD = "/kvcache.v1.KvCache/PutCache"
+GET_METHOD = "/kvcache.v1.KvCache/GetCache"
+
+FORMATS = {"packed": pb.FORMAT_PACKED, "dense": pb.FORMAT_DENSE,
+           "contiguous": pb.FORMAT_DENSE_CONTIGUOUS}
+LAYOUTS = {"HND": pb.LAYOUT_HND, "NHD": pb.LAYOUT_NHD}
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+@dataclasses.dataclass
+class Options:
+    """Client options; the same meaning and defaults as kvc::ClientOptions (C++)."""
+    target: str = "127.0.0.1:50051"
+    timeout: float = 10.0          # seconds, each unary call with all its attempts
+    stream_timeout: float = 300.0  # seconds, each PutCache / GetCache stream
+    max_attempts: int = 3          # idempotent unary calls (stat, delete, list, server_info)
+    initial_backoff: float = 0.05
+    max_backoff: float = 1.0
+    max_chunk_bytes: int = 4 << 20   # must not exceed the server's limits.max_chunk_bytes
+    max_message_bytes: int = 16 << 20
+    token: str = ""                # sent as "authorization: Bearer <token>"
+    tls: bool = False
+    ca_file: str = ""              # empty: the system roots
+    cert_file: str = ""            # client certificate (mutual TLS), with key_file
+    key_file: str = ""
+    server_name_override: str = ""
+
+    def validate(self):
+        if not self.target:
+            raise invalid("target: empty")
+        if self.timeout <= 0:
+            raise invalid("timeout: must be positive")
+        if self.stream_timeout <= 0:
+            raise invalid("stream_timeout: must be positive")
+        if not 1 <= self.max_attempts <= 10:
+            raise invalid(f"max_attempts: {self.max_attempts} is outside [1, 10]")
+        if self.initial_backoff < 0 or self.max_backoff < self.initial_backoff:
+            raise invalid("initial_backoff/max_backoff: need 0 <= initial <= max")
+        if not 4096 <= self.max_chunk_bytes <= (64 << 20):
+            raise invalid(f"max_chunk_bytes: {self.max_chunk_bytes} is outside [4096, 64 MiB]")
+        if not self.max_chunk_bytes + 4096 <= self.max_message_bytes <= (1 << 30):
+            raise invalid(f"max_message_bytes: {self.max_message_bytes} is outside "
+                          f"[max_chunk_bytes + 4096, 1 GiB]")
+        if any(not 0x20 <= ord(c) <= 0x7E for c in self.token):
+            raise invalid("token: must be printable ASCII")
+        if not self.tls and (self.ca_file or self.cert_file or self.key_file or
+                             self.server_name_override):
+            raise invalid("tls: must be true when any TLS file or server name is set")
+        if bool(self.cert_file) != bool(self.key_file):
+            raise invalid("cert_file: required with key_file" if not self.cert_file
+                          else "key_file: required with cert_file")
+
+    def metadata(self):
+        return (("authorization", "Bearer " + self.token),) if self.token else None
+
+    def channel_options(self):
+        opts = [("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.max_send_message_length", self.max_message_bytes)]
+        if self.server_name_override:
+            opts.append(("grpc.ssl_target_name_override", self.server_name_override))
+        return opts
+
+    def credentials(self):
+        def read(field, path):
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError:
+                raise invalid(f"{field}: cannot read {path}")
+            if b"-----BEGIN " not in data:
+                raise invalid(f"{field}: {path} is not PEM")
+            return data
+        root = read("ca_file", self.ca_file) if self.ca_file else None
+        chain = read("cert_file", self.cert_file) if self.cert_file else None
+        key = read("key_file", self.key_file) if self.key_file else None
+        return grpc.ssl_channel_credentials(root_certificates=root, private_key=key,
+                                            certificate_chain=chain)
+
+
+def message(cls, value, field):
+    """A protobuf message from an instance, a dict (proto JSON names) or None."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        try:
+            return json_format.ParseDict(value, cls())
+        except json_format.ParseError as e:
+            raise invalid(f"{field}: {e}")
+    raise invalid(f"{field}: expected {cls.__name__} or dict, got {type(value).__name__}")
+
+
+# ---- PutCache -----------------------------------------------------------------------------------
+
+def _varint(n):
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def serialize_put(item):
+    """PutCacheRequest bytes: a header message, or (ChunkHeader bytes, data memoryview).
+
+    A chunk is written by hand (field 2, then field 15) so its payload is copied once, straight
+    from the caller's tensor into the message.
+    """
+    if isinstance(item, pb.PutCacheRequest):
+        return item.SerializeToString()
+    chunk, data = item
+    return b"".join((b"\x12", _varint(len(chunk)), chunk, b"\x7a", _varint(len(data)), data))
+
+
+def _layer_tuple(layer, i):
+    if isinstance(layer, dict):
+        return layer.get("k"), layer.get("v"), layer.get("q_obs")
+    try:
+        k, v, *rest = layer
+    except (TypeError, ValueError):
+        raise invalid(f"layers[{i}]: expected (k, v, q_obs) or a dict with k, v, q_obs")
+    return k, v, (rest[0] if rest else None)
+
+
+class PutPlan:
+    """Builds the header from the first layer and checks every layer against it."""
+
+    def __init__(self, cache_id, first, num_layers, layout, dtype, compression, ttl_seconds,
+                 overwrite):
+        if not isinstance(cache_id, str) or not cache_id:
+            raise invalid("cache_id: empty")
+        if layout not in LAYOUTS:
+            raise invalid(f"layout: {layout!r} is not 'HND' or 'NHD'")
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise invalid(f"num_layers: {num_layers!r} must be an int >= 1")
+        k, v, q = _layer_tuple(first, 0)
+        if k is None or v is None:
+            raise invalid("layers[0]: k and v are required")
+        self.dtype = tensors.wire_dtype(k, dtype)
+        self.layout = layout
+        ks = tensors.shape_of(k)
+        if len(ks) != 3:
+            raise invalid(f"layers[0].k: shape {ks} is not 3-d ({layout})")
+        hkv, s, d = (ks[0], ks[1], ks[2]) if layout == "HND" else (ks[1], ks[0], ks[2])
+        if q is None:
+            hq, w = hkv, 0
+        else:
+            qs = tensors.shape_of(q)
+            if len(qs) != 3:
+                raise invalid(f"layers[0].q_obs: shape {qs} is not 3-d")
+            hq, w = (qs[0], qs[1]) if layout == "HND" else (qs[1], qs[0])
+        self.kv_shape = ks
+        self.q_shape = None if q is None else tensors.shape_of(q)
+        h = pb.PutCacheHeader(cache_id=cache_id, dtype=self.dtype, layout=LAYOUTS[layout],
+                              ttl_seconds=int(ttl_seconds), overwrite=bool(overwrite))
+        h.shape.CopyFrom(pb.ModelShape(num_layers=num_layers, num_kv_heads=hkv, num_q_heads=hq,
+                                       head_dim=d, seq_len=s, obs_window=w))
+        h.compression.CopyFrom(message(pb.CompressionConfig, compression, "compression"))
+        self.header = h
+        self.num_layers = num_layers
+
+    def tensors_of(self, layer, i):
+        """The (kind, bytes) of layer i, checked against the header."""
+        k, v, q = _layer_tuple(layer, i)
+        out = []
+        for name, kind, x, want in (("k", pb.TENSOR_K, k, self.kv_shape),
+                                    ("v", pb.TENSOR_V, v, self.kv_shape),
+                                    ("q_obs", pb.TENSOR_Q_OBS, q, self.q_shape)):
+            if want is None:
+                if x is not None:
+                    raise invalid(f"layers[{i}].q_obs: given, but layers[0] had none")
+                continue
+            if x is None:
+                raise invalid(f"layers[{i}].{name}: missing")
+            if tensors.shape_of(x) != want:
+                raise invalid(f"layers[{i}].{name}: shape {tensors.shape_of(x)} != {want}")
+            if tensors.wire_dtype(x, self.dtype if self._forced(x) else None) != self.dtype:
+                raise invalid(f"layers[{i}].{name}: dtype differs from layers[0].k")
+            out.append((kind, tensors.as_bytes(x, self.dtype)))
+        return out
+
+    def _forced(self, x):
+        # uint16 numpy arrays carry bf16 bits only when the dtype was given.
+        return not tensors.is_torch(x) and np.asarray(x).dtype == np.uint16
+
+    def chunks(self, i, layer, max_chunk):
+        for kind, data in self.tensors_of(layer, i):
+            for off in range(0, len(data), max_chunk):
+                ch = pb.ChunkHeader(layer=i, tensor=kind, offset=off).SerializeToString()
+                yield ch, data[off:off + max_chunk]
+
+
+def split_layers(layers, num_layers):
+    """(first layer, iterator over all layers, num_layers) for a sequence or an iterator."""
+    if num_layers is None:
+        try:
+            num_layers = len(layers)
+        except TypeError:
+            raise invalid("num_layers: required when layers is an iterator")
+    it = iter(layers)
+    try:
+        first = next(it)
+    except StopIteration:
+        raise invalid("layers: empty")
+    return first, itertools.chain([first], it), num_layers
+
+
+# ---- GetCache -----------------------------------------------------------------------------------
+
+def get_request(cache_id, fmt, layer_begin, layer_end, rope):
+    if not isinstance(cache_id, str) or not cache_id:
+        raise invalid("cache_id: empty")
+    if fmt not in FORMATS:
+        raise invalid(f"format: {fmt!r} is not 'packed', 'dense' or 'contiguous'")
+    req = pb.GetCacheRequest(cache_id=cache_id, format=FORMATS[fmt], layer_begin=layer_begin)
+    if layer_end is not None:
+        req.layer_end = layer_end
+    if rope is not None:
+        req.rope.CopyFrom(message(pb.RopeSpec, rope, "rope"))
+    elif fmt == "contiguous":
+        raise invalid("rope: required with format='contiguous'")
+    return req
+
+
+def identity(b):
+    return b
+
+
+def _read_varint(buf, pos):
+    result = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise KvcError(grpc.StatusCode.INTERNAL, "GetCache stream: truncated message")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def parse_get_response(buf):
+    """(info or None, LayerChunk or None, data memoryview) without copying `data`."""
+    mv = memoryview(buf)
+    pos, info, chunk, data = 0, None, None, mv[0:0]
+    while pos < len(mv):
+        tag, pos = _read_varint(mv, pos)
+        if tag & 7 != 2:  # every field of GetCacheResponse is length-delimited
+            raise KvcError(grpc.StatusCode.INTERNAL, f"GetCache stream: unexpected tag {tag}")
+        n, pos = _read_varint(mv, pos)
+        field, body = tag >> 3, mv[pos:pos + n]
+        pos += n
+        if field == 1:
+            info = pb.CacheInfo.FromString(body)
+        elif field == 2:
+            chunk = pb.LayerChunk.FromString(body)
+        elif field == 15:
+            data = body
+    return info, chunk, data
+
+
+@dataclasses.dataclass
+class Layer:
+    """One fetched layer. packed: the compact blob (uint8 array); dense / contiguous: k, v
+    [num_kv_heads, kept_tokens, head_dim] in the cache's dtype and positions [num_kv_heads,
+    kept_tokens] int32 original token positions."""
+    layer: int
+    kept_tokens: int
+    packed: object = None
+    k: object = None
+    v: object = None
+    positions: object = None
+
+
+@dataclasses.dataclass
+class CacheData:
+    info: object   # CacheInfo
+    layers: list   # Layer, layer_begin .. layer_end - 1 in order
+
+
+class Assembler:
+    """Turns GetCache messages into whole layers, each handed over as soon as it is complete."""
+
+    def __init__(self, fmt, tensor_kind):
+        self.dense = fmt != "packed"
+        self.kind = tensor_kind
+        self.info = None
+        self.cur = None  # (layer, kept, {part: array}, {part: received})
+        self.expected_layer = None
+
+    def _fail(self, what):
+        return KvcError(grpc.StatusCode.INTERNAL, "GetCache stream: " + what)
+
+    def add(self, raw):
+        """Returns a finished Layer or None."""
+        info, chunk, data = parse_get_response(raw)
+        if info is not None:
+            if self.info is not None:
+                raise self._fail("second info message")
+            self.info = info
+            return None
+        if chunk is None or self.info is None:
+            raise self._fail("chunk before info" if chunk else "message without info or chunk")
+        if self.cur is None or self.cur[0] != chunk.layer:
+            if self.cur is not None:
+                raise self._fail(f"layer {chunk.layer} started before layer {self.cur[0]} ended")
+            if self.expected_layer is not None and chunk.layer != self.expected_layer:
+                raise self._fail(f"layer {chunk.layer} out of order")
+            self.cur = (chunk.layer, chunk.kept_tokens, {}, {})
+        layer, kept, parts, got = self.cur
+        if chunk.kept_tokens != kept:
+            raise self._fail(f"layer {layer} kept_tokens changed")
+        p = chunk.part
+        if p not in parts:
+            parts[p] = np.empty(chunk.total_bytes, dtype=np.uint8)
+            got[p] = 0
+        buf = parts[p]
+        if chunk.total_bytes != len(buf) or chunk.offset != got[p] or \
+                chunk.offset + len(data) > len(buf):
+            raise self._fail(f"layer {layer} part {p}: chunk at {chunk.offset} out of place")
+        buf[chunk.offset:chunk.offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        got[p] += len(data)
+        want = (pb.PART_K, pb.PART_V, pb.PART_POSITIONS) if self.dense else (pb.PART_PACKED,)
+        if any(q not in parts or got[q] < len(parts[q]) for q in want):
+            return None
+        self.cur = None
+        self.expected_layer = layer + 1
+        return self._layer(layer, kept, parts)
+
+    def _layer(self, layer, kept, parts):
+        if not self.dense:
+            return Layer(layer, kept, packed=parts[pb.PART_PACKED])
+        s = self.info.shape
+        shape = (s.num_kv_heads, kept, s.head_dim)
+        size = s.num_kv_heads * kept * s.head_dim * tensors.ELEM_BYTES[self.info.dtype]
+        if len(parts[pb.PART_K]) != size or len(parts[pb.PART_V]) != size or \
+                len(parts[pb.PART_POSITIONS]) != s.num_kv_heads * kept * 4:
+            raise self._fail(f"layer {layer}: part sizes do not match {shape}")
+        return Layer(layer, kept,
+                     k=tensors.from_bytes(parts[pb.PART_K], self.info.dtype, shape, self.kind),
+                     v=tensors.from_bytes(parts[pb.PART_V], self.info.dtype, shape, self.kind),
+                     positions=parts[pb.PART_POSITIONS].view(np.int32).reshape(shape[:2]))
+
+    def finish(self):
+        if self.info is None:
+            raise self._fail("ended without info")
+        if self.cur is not None:
+            raise self._fail(f"ended inside layer {self.cur[0]}")

@@ -1,0 +1,235 @@
+"""kvc.Client: the synchronous Python client of kvcd, mirroring kvc::Client (C++).
+
+    c = kvc.Client("127.0.0.1:50051")
+    c.put("req-1", [(k, v, q_obs) for each layer], compression={"eviction": {"policy": "snapkv",
+          "budget": 64}})
+    cache = c.get("req-1", format="dense")       # cache.layers[l].k, .v, .positions
+    for layer in c.get_stream("req-1", format="contiguous", rope={...}): ...
+
+Replicas, retries and errors are those of the C++ client (client/include/kvc/client.h): a target
+"a:1,b:2" or "dns:///name:port" is a replica set and each cache id lives on its rendezvous owner;
+stat/delete/list/server_info are retried on UNAVAILABLE and RESOURCE_EXHAUSTED; get is retried
+on UNAVAILABLE while nothing has been handed to the caller; put is never retried. Every failure
+is a kvc.KvcError carrying the grpc.StatusCode and the message. A Client is thread-safe.
+"""
+
+import time
+
+import grpc
+
+from . import _common
+from ._common import Assembler, CacheData, Options, PutPlan
+from ._pb import pb, pb_grpc
+from .errors import KvcError, from_rpc_error, invalid
+from .replicas import rendezvous_owner, resolve_target
+
+
+class Client:
+    def __init__(self, target="127.0.0.1:50051", **options):
+        self.options = Options(target=target, **options)
+        self.options.validate()
+        self._replicas = resolve_target(target)
+        creds = self.options.credentials() if self.options.tls else None
+        self._channels, self._stubs = [], []
+        for address in self._replicas:
+            opts = self.options.channel_options()
+            ch = (grpc.secure_channel(address, creds, options=opts) if creds
+                  else grpc.insecure_channel(address, options=opts))
+            self._channels.append(ch)
+            self._stubs.append((
+                pb_grpc.KvCacheStub(ch),
+                ch.stream_unary(_common.PUT_METHOD, request_serializer=_common.serialize_put,
+                                response_deserializer=pb.PutCacheResponse.FromString),
+                ch.unary_stream(_common.GET_METHOD,
+                                request_serializer=pb.GetCacheRequest.SerializeToString,
+                                response_deserializer=_common.identity)))
+
+    def close(self):
+        for ch in self._channels:
+            ch.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def replicas(self):
+        """The replica addresses, sorted."""
+        return list(self._replicas)
+
+    def replica_for(self, cache_id):
+        return 0 if len(self._replicas) == 1 else rendezvous_owner(cache_id, self._replicas)
+
+    # ---- PutCache -------------------------------------------------------------------------------
+
+    def put(self, cache_id, layers, *, num_layers=None, layout="HND", dtype=None,
+            compression=None, ttl_seconds=0, overwrite=False):
+        """Uploads one cache and returns the PutCacheResponse.
+
+        layers: per layer (k, v, q_obs) (or a dict with those keys), numpy arrays or torch
+        tensors in `layout` (HND: k, v [Hkv, S, D], q_obs [Hq, W, D]; NHD: [S, Hkv, D] and
+        [W, Hq, D]); q_obs may be None (no observation window). A sequence, or an iterator (then
+        give num_layers): each layer is sent as soon as the iterator yields it, so a prefill loop
+        can upload layer l while computing l + 1. The shape and dtype come from the first layer;
+        dtype="bf16" marks uint16 numpy arrays as bf16 bits. compression: CompressionConfig or
+        its dict form, e.g. {"eviction": {"policy": "snapkv", "budget": 64}}.
+        """
+        first, it, n = _common.split_layers(layers, num_layers)
+        plan = PutPlan(cache_id, first, n, layout, dtype, compression, ttl_seconds, overwrite)
+        max_chunk = self.options.max_chunk_bytes
+
+        failed = []  # what the request iterator raised: gRPC only sees a cancelled call
+
+        def requests():
+            try:
+                yield pb.PutCacheRequest(header=plan.header)
+                count = 0
+                for i, layer in enumerate(it):
+                    if i >= n:
+                        raise invalid(f"layers: more than num_layers={n}")
+                    yield from plan.chunks(i, layer, max_chunk)
+                    count += 1
+                if count != n:
+                    raise invalid(f"layers: {count} given, num_layers={n}")
+            except Exception as e:
+                failed.append(e)
+                raise
+
+        _, put, _ = self._stubs[self.replica_for(cache_id)]
+        try:
+            return put(requests(), timeout=self.options.stream_timeout,
+                       metadata=self.options.metadata())
+        except grpc.RpcError as e:
+            if failed:
+                raise failed[0] from None
+            raise from_rpc_error(e) from None
+
+    # ---- GetCache -------------------------------------------------------------------------------
+
+    def get_stream(self, cache_id, *, format="packed", layer_begin=0, layer_end=None, rope=None,
+                   tensors="auto"):
+        """A GetStream: iterate it for each Layer as soon as its bytes have arrived; its `info`
+        (CacheInfo) is read before this returns. format: "packed", "dense" or "contiguous" (the
+        engine-ready export; needs rope, a RopeSpec or its dict form). tensors: "numpy",
+        "torch", or "auto" (numpy; bf16 as torch.bfloat16 when torch is installed)."""
+        req = _common.get_request(cache_id, format, layer_begin, layer_end, rope)
+        _, _, get = self._stubs[self.replica_for(cache_id)]
+        deadline = time.monotonic() + self.options.stream_timeout
+        for attempt in range(self.options.max_attempts):
+            stream = GetStream(get, req, format, tensors, deadline, self.options.metadata())
+            try:
+                stream._start()
+                return stream
+            except KvcError as e:
+                last = attempt + 1 == self.options.max_attempts
+                if e.code != grpc.StatusCode.UNAVAILABLE or last:
+                    raise
+                self._sleep(attempt, deadline)
+
+    def get(self, cache_id, **kwargs):
+        """The whole cache (or a layer range) as CacheData(info, layers); see get_stream."""
+        stream = self.get_stream(cache_id, **kwargs)
+        return CacheData(stream.info, list(stream))
+
+    # ---- Unary calls ----------------------------------------------------------------------------
+
+    def _sleep(self, attempt, deadline):
+        backoff = min(self.options.initial_backoff * (2 ** attempt), self.options.max_backoff)
+        time.sleep(max(0.0, min(backoff, deadline - time.monotonic())))
+
+    def _unary(self, replica, name, request):
+        stub = self._stubs[replica][0]
+        deadline = time.monotonic() + self.options.timeout
+        for attempt in range(self.options.max_attempts):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise KvcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: deadline exceeded")
+            try:
+                return getattr(stub, name)(request, timeout=left,
+                                           metadata=self.options.metadata())
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+                if err.code not in _common.RETRYABLE or attempt + 1 == self.options.max_attempts:
+                    raise err
+            self._sleep(attempt, deadline)
+
+    def stat(self, cache_id):
+        """CacheInfo of a stored cache."""
+        return self._unary(self.replica_for(cache_id), "StatCache",
+                           pb.StatCacheRequest(cache_id=cache_id))
+
+    def delete(self, cache_id):
+        """Deletes a cache; returns the bytes freed."""
+        return self._unary(self.replica_for(cache_id), "DeleteCache",
+                           pb.DeleteCacheRequest(cache_id=cache_id)).freed_bytes
+
+    def list(self, prefix=""):
+        """CacheInfo of every cache whose id starts with prefix, from every replica, by id."""
+        out = []
+        for r in range(len(self._replicas)):
+            token = ""
+            while True:
+                resp = self._unary(r, "ListCaches", pb.ListCachesRequest(
+                    prefix=prefix, page_size=1000, page_token=token))
+                out.extend(resp.caches)
+                token = resp.next_page_token
+                if not token:
+                    break
+        return sorted(out, key=lambda c: c.cache_id)
+
+    def server_info(self, replica=0):
+        if not 0 <= replica < len(self._replicas):
+            raise invalid(f"replica: {replica} is outside [0, {len(self._replicas)})")
+        return self._unary(replica, "GetServerInfo", pb.GetServerInfoRequest())
+
+
+class GetStream:
+    """An open GetCache stream: `info`, then iterate for Layers. close() cancels it."""
+
+    def __init__(self, method, request, fmt, kind, deadline, metadata):
+        self._method, self._request, self._metadata = method, request, metadata
+        self._deadline = deadline
+        self._asm = Assembler(fmt, kind)
+        self._want = None
+        self._call = None
+        self.info = None
+
+    def _start(self):
+        timeout = max(0.001, self._deadline - time.monotonic())
+        self._call = self._method(self._request, timeout=timeout, metadata=self._metadata)
+        try:
+            for raw in self._call:
+                self._asm.add(raw)
+                if self._asm.info is not None:
+                    break
+        except grpc.RpcError as e:
+            raise from_rpc_error(e)
+        if self._asm.info is None:
+            raise KvcError(grpc.StatusCode.INTERNAL, "GetCache stream: ended without info")
+        self.info = self._asm.info
+        end = self._request.layer_end if self._request.HasField("layer_end") else \
+            self.info.shape.num_layers
+        self._want = max(0, end - self._request.layer_begin)
+
+    def __iter__(self):
+        got = 0
+        try:
+            for raw in self._call:
+                layer = self._asm.add(raw)
+                if layer is not None:
+                    got += 1
+                    yield layer
+        except grpc.RpcError as e:
+            raise from_rpc_error(e)
+        finally:
+            self._call.cancel()
+        self._asm.finish()
+        if got != self._want:
+            raise KvcError(grpc.StatusCode.INTERNAL,
+                           f"GetCache stream: {got} of {self._want} layers received")
+
+    def close(self):
+        if self._call is not None:
+            self._call.cancel()

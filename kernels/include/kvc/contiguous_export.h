@@ -1,0 +1,49 @@
+// Engine-ready export: a DENSE layer whose keys are re-rotated so that a stock decode engine
+// (vLLM, SGLang: a request's cache in slots 0..n-1, positions derived from the count) can use it.
+//
+// Keys are stored post-RoPE. When every KV head keeps the same K of the S prompt tokens, turning
+// each kept key back by (S - K) positions puts kept token j in slot j of a plain cache and lets
+// decoding continue at position K: query position K + t against a key that was at p (now at
+// p - (S - K)) has the same distance (S + t) - p as in the original sequence, so every attention
+// score is unchanged. Values carry no position and are not touched.
+//
+// Thread-safety: pure functions.
+#ifndef KVC_CONTIGUOUS_EXPORT_H_
+#define KVC_CONTIGUOUS_EXPORT_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvc/compact.h"
+
+namespace kvc {
+
+// The rotary embedding the keys were stored with: channel pair p (p < rotary_dims / 2) turns by
+// angle (position / linear_factor) * theta^(-2p / rotary_dims). Pairs are (2p, 2p + 1) when
+// interleaved (llama2.c, GPT-J), (p, p + rotary_dims / 2) when half-split (Hugging Face Llama,
+// GPT-NeoX). Channels past rotary_dims are not rotated.
+struct RopeParams {
+  double theta = 10000.0;
+  int rotary_dims = 0;  // 0 = head_dim
+  bool half_split = false;
+  double linear_factor = 1.0;
+};
+
+// INVALID_ARGUMENT naming the field: theta <= 0 or not finite, rotary_dims odd, negative or above
+// head_dim, linear_factor < 1 or not finite.
+absl::Status ValidateRope(const RopeParams& rope, int head_dim);
+
+// Rotates every key of `layer` (HND, [num_kv_heads, n_kept, head_dim] in layer->dtype) by
+// -shift positions under `rope`, in place. Computed in double, rounded once to the dtype.
+absl::Status RotateKeys(const RopeParams& rope, int shift, DenseLayer* layer);
+
+// ExportDense(view), then RotateKeys by -(seq_len - n_kept): the layer for slots 0..n_kept-1.
+// `positions` keeps the original positions. INVALID_ARGUMENT from ValidateRope; the errors of
+// ExportDense (heads keeping different counts) come back as FAILED_PRECONDITION.
+absl::StatusOr<DenseLayer> ExportDenseContiguous(const CompactLayerView& view,
+                                                 const RopeParams& rope);
+
+}  // namespace kvc
+
+#endif  // KVC_CONTIGUOUS_EXPORT_H_

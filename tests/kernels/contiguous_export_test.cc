@@ -1,0 +1,148 @@
+// RotateKeys / ExportDenseContiguous (kvc/contiguous_export.h): turning stored post-RoPE keys by
+// -shift gives the keys RoPE would have produced at position - shift, for both pair conventions,
+// partial rotary dims and linear scaling; channels past rotary_dims and the values stay as they
+// were; bad RoPE parameters are INVALID_ARGUMENT naming the field.
+#include "kvc/contiguous_export.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvc/dtype.h"
+
+namespace kvc {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Reference RoPE in double of one row at `pos`.
+std::vector<double> Rope(const std::vector<double>& x, double pos, const RopeParams& r) {
+  const int d = static_cast<int>(x.size());
+  const int rd = r.rotary_dims == 0 ? d : r.rotary_dims, half = rd / 2;
+  std::vector<double> out = x;
+  for (int p = 0; p < half; ++p) {
+    const double a = pos / r.linear_factor * std::pow(r.theta, -2.0 * p / rd);
+    const int i0 = r.half_split ? p : 2 * p, i1 = r.half_split ? p + half : 2 * p + 1;
+    out[i0] = x[i0] * std::cos(a) - x[i1] * std::sin(a);
+    out[i1] = x[i0] * std::sin(a) + x[i1] * std::cos(a);
+  }
+  return out;
+}
+
+struct Fixture {
+  DenseLayer layer;
+  std::vector<std::vector<double>> raw;  // un-rotated rows
+  std::vector<int> pos;                  // each row's original position
+};
+
+// Keys = RoPE(raw, original position) stored in `dtype`; values a copy of the keys.
+Fixture Make(const RopeParams& r, DType dtype, int heads, int kept, int d, int seq_len) {
+  Fixture f;
+  f.layer.num_kv_heads = heads;
+  f.layer.n_kept = kept;
+  f.layer.head_dim = d;
+  f.layer.seq_len = seq_len;
+  f.layer.dtype = dtype;
+  const size_t n = static_cast<size_t>(heads) * kept * d;
+  f.layer.k.resize(n * DTypeSize(dtype));
+  f.layer.v.resize(n * DTypeSize(dtype));
+  std::mt19937 rng(3);
+  std::normal_distribution<double> g;
+  for (int h = 0; h < heads; ++h) {
+    for (int j = 0; j < kept; ++j) {
+      std::vector<double> x(d);
+      for (double& e : x) e = g(rng);
+      const int pos = j * (seq_len / kept) + h;  // spread over the prompt, differing per head
+      const std::vector<double> k = Rope(x, pos, r);
+      const size_t row = (static_cast<size_t>(h) * kept + j) * d;
+      for (int c = 0; c < d; ++c) {
+        StoreFromFloat(f.layer.k.data(), dtype, row + c, static_cast<float>(k[c]));
+        StoreFromFloat(f.layer.v.data(), dtype, row + c, static_cast<float>(k[c]));
+      }
+      f.raw.push_back(x);
+      f.pos.push_back(pos);
+    }
+  }
+  return f;
+}
+
+class RotateKeysTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(RotateKeysTest, MovesKeysToTheShiftedPosition) {
+  for (const int rotary_dims : {0, 8}) {
+    for (const double factor : {1.0, 4.0}) {
+      RopeParams r;
+      r.theta = 500000;
+      r.rotary_dims = rotary_dims;
+      r.half_split = GetParam();
+      r.linear_factor = factor;
+      const int d = 16, kept = 12, seq_len = 300, shift = seq_len - kept;
+      Fixture f = Make(r, DType::kF32, 2, kept, d, seq_len);
+      const std::vector<uint8_t> values(f.layer.v.data(), f.layer.v.data() + f.layer.v.size());
+      ASSERT_TRUE(RotateKeys(r, shift, &f.layer).ok());
+      for (size_t row = 0; row < f.raw.size(); ++row) {
+        const std::vector<double> want = Rope(f.raw[row], f.pos[row] - shift, r);
+        for (int c = 0; c < d; ++c) {
+          EXPECT_NEAR(LoadAsFloat(f.layer.k.data(), DType::kF32, row * d + c), want[c], 1e-5)
+              << "row " << row << " channel " << c << " rotary_dims " << rotary_dims;
+        }
+      }
+      EXPECT_EQ(std::memcmp(values.data(), f.layer.v.data(), values.size()), 0);
+    }
+  }
+}
+
+TEST_P(RotateKeysTest, HalfPrecisionRoundsOnce) {
+  for (const DType dt : {DType::kF16, DType::kBF16}) {
+    RopeParams r;
+    r.half_split = GetParam();
+    const int d = 32, kept = 8, seq_len = 64;
+    Fixture f = Make(r, dt, 1, kept, d, seq_len);
+    ASSERT_TRUE(RotateKeys(r, seq_len - kept, &f.layer).ok());
+    const double tol = dt == DType::kF16 ? 4e-3 : 3e-2;  // storage rounding, twice
+    for (size_t row = 0; row < f.raw.size(); ++row) {
+      const std::vector<double> want = Rope(f.raw[row], f.pos[row] - (seq_len - kept), r);
+      for (int c = 0; c < d; ++c) {
+        EXPECT_NEAR(LoadAsFloat(f.layer.k.data(), dt, row * d + c), want[c],
+                    tol * (1 + std::abs(want[c])))
+            << DTypeName(dt);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Pairs, RotateKeysTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "HalfSplit" : "Interleaved"; });
+
+TEST(RopeParamsTest, RejectsBadRope) {
+  Fixture f = Make(RopeParams{}, DType::kF32, 1, 4, 16, 8);
+  const std::vector<uint8_t> before(f.layer.k.data(), f.layer.k.data() + f.layer.k.size());
+  struct Case {
+    RopeParams r;
+    const char* field;
+  };
+  std::vector<Case> cases(5);
+  cases[0].r.theta = 0;
+  cases[0].field = "rope.theta";
+  cases[1].r.rotary_dims = 7;
+  cases[1].field = "rope.rotary_dims";
+  cases[2].r.rotary_dims = 18;
+  cases[2].field = "rope.rotary_dims";
+  cases[3].r.linear_factor = 0.5;
+  cases[3].field = "rope.scaling_factor";
+  cases[4].r.theta = NAN;
+  cases[4].field = "rope.theta";
+  for (const Case& c : cases) {
+    absl::Status s = RotateKeys(c.r, 4, &f.layer);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.field));
+  }
+  // Nothing changed.
+  EXPECT_EQ(std::memcmp(before.data(), f.layer.k.data(), before.size()), 0);
+}
+
+}  // namespace
+}  // namespace kvc
