@@ -64,7 +64,8 @@ ABSL_FLAG(std::string, transfer, "auto",
           "stored caches: auto (on; NCCL where libnccl and a CUDA device are available, else "
           "gRPC bytes only) or off. Not served with --auth_tokens_file");
 ABSL_FLAG(uint32_t, transfer_session_idle_seconds, 300,
-          "a transfer session unused this long (no upload, fetch or reuse in flight) expires");
+          "a transfer session unused this long (no upload, fetch or reuse in flight) expires, and "
+          "a Transfer or Fetch stream whose client sends nothing this long is ended");
 ABSL_FLAG(uint32_t, transfer_max_sessions, 64,
           "open transfer sessions across all clients; more are RESOURCE_EXHAUSTED");
 

@@ -1,3 +1,7 @@
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -82,9 +86,80 @@ class Pending {
   bool ok_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// Ends streams whose client stays silent too long: a stream waiting for its client's next
+// message is armed with a deadline; past it, the watch cancels the call (the pending read then
+// completes, and the reactor finishes with DEADLINE_EXCEEDED). One thread for all streams.
+// TryCancel may run the call's callbacks inline, OnDone included, so the watch holds no lock
+// while it cancels; instead a reactor disarms itself before its call can go away, and Disarm
+// waits while the watch is cancelling that call from its own thread.
+class IdleWatch {
+ public:
+  explicit IdleWatch(absl::Duration idle) : idle_(idle) {
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~IdleWatch() {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    thread_.join();
+  }
+  absl::Duration idle() const { return idle_; }
+  void Arm(grpc::CallbackServerContext* ctx, std::atomic<bool>* fired) {
+    absl::MutexLock lock(&mu_);
+    armed_[ctx] = {absl::Now() + idle_, fired};
+  }
+  void Disarm(grpc::CallbackServerContext* ctx) {
+    absl::MutexLock lock(&mu_);
+    if (std::this_thread::get_id() != thread_.get_id()) {  // inline in TryCancel: no wait
+      struct Args {
+        IdleWatch* w;
+        grpc::CallbackServerContext* ctx;
+      } args{this, ctx};
+      mu_.Await(absl::Condition(
+          +[](Args* a) ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->w->cancelling_ != a->ctx; },
+          &args));
+    }
+    armed_.erase(ctx);
+  }
+
+ private:
+  struct Entry {
+    absl::Time deadline;
+    std::atomic<bool>* fired;
+  };
+  void Loop() {
+    const absl::Duration period = std::clamp(idle_ / 8, absl::Milliseconds(20), absl::Seconds(1));
+    absl::MutexLock lock(&mu_);
+    while (!mu_.AwaitWithTimeout(absl::Condition(&stopping_), period)) {
+      for (;;) {
+        const absl::Time now = absl::Now();
+        auto it = std::find_if(armed_.begin(), armed_.end(),
+                               [now](const auto& e) { return e.second.deadline <= now; });
+        if (it == armed_.end()) break;
+        grpc::CallbackServerContext* ctx = it->first;
+        it->second.fired->store(true);
+        armed_.erase(it);
+        cancelling_ = ctx;
+        mu_.Unlock();
+        ctx->TryCancel();  // valid: its reactor's Disarm waits for cancelling_ to move on
+        mu_.Lock();
+        cancelling_ = nullptr;
+      }
+    }
+  }
+
+  const absl::Duration idle_;
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<grpc::CallbackServerContext*, Entry> armed_ ABSL_GUARDED_BY(mu_);
+  grpc::CallbackServerContext* cancelling_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::thread thread_;
+};
+
 class TransferServiceImpl;
 
-// What the stream reactors share: admission, the metrics and finishing exactly once.
+// What the stream reactors share: admission, the metrics, the idle watch and finishing once.
 template <typename Base>
 class StreamReactor : public Base {
  protected:
@@ -94,11 +169,17 @@ class StreamReactor : public Base {
   bool admitted() const { return admitted_; }
   void FinishWith(const grpc::Status& status) { this->Finish(rec_.Done(status)); }
   void OnDone() override { delete this; }
+  // Around each wait for the client's next message.
+  void ArmIdle();
+  void DisarmIdle();
+  // The status for a read that failed: DEADLINE_EXCEEDED when the idle watch ended the stream.
+  grpc::Status ReadFailed(const grpc::Status& otherwise) const;
 
   TransferServiceImpl* const service_;
   grpc::CallbackServerContext* const ctx_;
   Recorded rec_;
   grpc::Status rejected_;
+  std::atomic<bool> idled_out_{false};
 
  private:
   bool admitted_ = false;
@@ -115,6 +196,7 @@ class TransferServiceImpl final : public kvcache::v1::KvCacheTransfer::CallbackS
         sessions_(o.limits,
                   !o.enable_nccl ? nullptr : (o.factory ? o.factory : owned_factory_.get()), o.sink,
                   o.source, o.clock),
+        idle_watch_(o.limits.session_idle_timeout),
         pool_(o.worker_threads) {}
 
   grpc::ServerUnaryReactor* OpenTransferSession(grpc::CallbackServerContext* ctx,
@@ -148,6 +230,7 @@ class TransferServiceImpl final : public kvcache::v1::KvCacheTransfer::CallbackS
   }
 
   Metrics* metrics() const { return metrics_; }
+  IdleWatch& idle_watch() { return idle_watch_; }
   const TransferLimits& limits() const { return limits_; }
   TransferSessions& sessions() { return sessions_; }
   server::ThreadPool& pool() { return pool_; }
@@ -163,6 +246,7 @@ class TransferServiceImpl final : public kvcache::v1::KvCacheTransfer::CallbackS
   const std::function<absl::Status()> admit_;
   const std::function<void()> release_;
   TransferSessions sessions_;
+  IdleWatch idle_watch_;
   // Last: destroyed first, after every reactor is done (the server is shut down before the
   // service is destroyed), running what is queued.
   server::ThreadPool pool_;
@@ -181,7 +265,29 @@ StreamReactor<Base>::StreamReactor(TransferServiceImpl* service, grpc::CallbackS
 
 template <typename Base>
 StreamReactor<Base>::~StreamReactor() {
+  DisarmIdle();
   if (admitted_) service_->Release();
+}
+
+template <typename Base>
+void StreamReactor<Base>::ArmIdle() {
+  service_->idle_watch().Arm(ctx_, &idled_out_);
+}
+
+template <typename Base>
+void StreamReactor<Base>::DisarmIdle() {
+  service_->idle_watch().Disarm(ctx_);
+}
+
+template <typename Base>
+grpc::Status StreamReactor<Base>::ReadFailed(const grpc::Status& otherwise) const {
+  if (idled_out_.load()) {
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                        absl::StrCat("transfer: the client sent nothing for ",
+                                     absl::FormatDuration(service_->idle_watch().idle())));
+  }
+  if (ctx_->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+  return otherwise;
 }
 
 // Transfer: reads an announcement, hands it to a worker (Handle may block on the data plane),
@@ -195,13 +301,14 @@ class TransferReactor final
       FinishWith(rejected_);
       return;
     }
+    ArmIdle();
     StartRead(&announcement_);
   }
 
   void OnReadDone(bool ok) override {
+    DisarmIdle();
     if (!ok) {
-      FinishWith(ctx_->IsCancelled() ? grpc::Status(grpc::StatusCode::CANCELLED, "cancelled")
-                                     : grpc::Status::OK);
+      FinishWith(ReadFailed(grpc::Status::OK));
       return;
     }
     service_->pool().Schedule([this] { HandleOne(); });
@@ -213,6 +320,7 @@ class TransferReactor final
       FinishWith(grpc::Status(grpc::StatusCode::CANCELLED, "client gone"));
       return;
     }
+    ArmIdle();
     StartRead(&announcement_);
   }
 
@@ -260,16 +368,16 @@ class FetchReactor final : public StreamReactor<grpc::ServerBidiReactor<FetchReq
       FinishWith(rejected_);
       return;
     }
+    ArmIdle();
     StartRead(&request_);
   }
 
   void OnReadDone(bool ok) override {
     if (io_.Complete(ok)) return;  // a read of the fetch, awaited by the worker
+    DisarmIdle();
     if (!ok) {
-      FinishWith(ctx_->IsCancelled()
-                     ? grpc::Status(grpc::StatusCode::CANCELLED, "cancelled")
-                     : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                    "fetch: the stream ended before a start message"));
+      FinishWith(ReadFailed(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                         "fetch: the stream ended before a start message")));
       return;
     }
     if (!request_.has_start()) {

@@ -51,7 +51,9 @@ namespace kvc::transfer {
 struct TransferLimits {
   uint64_t max_tensor_bytes = uint64_t{1} << 30;    // per announcement
   int max_sessions = 64;                            // open sessions across all clients
-  // A session unused this long (no announcement, fetch or reuse; nothing in flight) expires.
+  // A session unused this long (no announcement, fetch or reuse; nothing in flight) expires,
+  // and a Transfer or Fetch stream whose client sends nothing this long is ended
+  // (cancelled; recorded as DEADLINE_EXCEEDED), giving its stream slot back.
   absl::Duration session_idle_timeout = absl::Minutes(5);
   absl::Duration join_timeout = absl::Seconds(60);  // rank 0 waits this long for the client
   absl::Duration recv_timeout = absl::Seconds(60);  // per tensor, after POSTED
