@@ -1,5 +1,7 @@
-// Transfer and Fetch streams against a real kvcd: they take --max_concurrent_streams slots like
-// PutCache and GetCache, and an open stream that sends nothing holds no kvcd thread.
+// The transfer service's limits against a real kvcd: Transfer and Fetch streams take
+// --max_concurrent_streams slots like PutCache and GetCache, an open stream that sends nothing
+// holds no kvcd thread and is ended after the idle time, and a session is its opener's alone
+// and expires when unused.
 #include <dirent.h>
 
 #include <memory>
@@ -20,6 +22,8 @@ namespace {
 using kvcache::v1::FetchRequest;
 using kvcache::v1::FetchResponse;
 using kvcache::v1::KvCacheTransfer;
+using kvcache::v1::OpenTransferSessionRequest;
+using kvcache::v1::OpenTransferSessionResponse;
 using kvcache::v1::TransferAck;
 using kvcache::v1::TransferAnnouncement;
 using testing::KvcdProcess;
@@ -69,7 +73,7 @@ std::string Started(const char* method) {
 
 // Before: each such stream was a sync handler parked on a kvcd thread (300 streams, 318 threads),
 // and none of them counted as a stream.
-TEST(TransferStreamsKvcdTest, IdleTransferStreamsHoldNoThreads) {
+TEST(TransferLimitsKvcdTest, IdleTransferStreamsHoldNoThreads) {
   auto kvcd = StartKvcd({"--max_concurrent_streams=400"});
   ASSERT_NE(kvcd, nullptr);
   auto channel = grpc::CreateChannel(kvcd->address(), grpc::InsecureChannelCredentials());
@@ -105,7 +109,7 @@ TEST(TransferStreamsKvcdTest, IdleTransferStreamsHoldNoThreads) {
           .ok());
 }
 
-TEST(TransferStreamsKvcdTest, TransferAndFetchCountAgainstMaxConcurrentStreams) {
+TEST(TransferLimitsKvcdTest, TransferAndFetchCountAgainstMaxConcurrentStreams) {
   auto kvcd = StartKvcd({"--max_concurrent_streams=3"});
   ASSERT_NE(kvcd, nullptr);
   auto channel = grpc::CreateChannel(kvcd->address(), grpc::InsecureChannelCredentials());
@@ -147,7 +151,7 @@ TEST(TransferStreamsKvcdTest, TransferAndFetchCountAgainstMaxConcurrentStreams) 
 }
 
 // A stream slot cannot be held forever by a client that opens a stream and sends nothing.
-TEST(TransferStreamsKvcdTest, SilentStreamsAreEndedAndGiveTheirSlotBack) {
+TEST(TransferLimitsKvcdTest, SilentStreamsAreEndedAndGiveTheirSlotBack) {
   auto kvcd = StartKvcd({"--max_concurrent_streams=2", "--transfer_session_idle_seconds=1"});
   ASSERT_NE(kvcd, nullptr);
   auto channel = grpc::CreateChannel(kvcd->address(), grpc::InsecureChannelCredentials());
@@ -178,6 +182,66 @@ TEST(TransferStreamsKvcdTest, SilentStreamsAreEndedAndGiveTheirSlotBack) {
                   R"(grpc_server_handled_total{grpc_code="DEADLINE_EXCEEDED",grpc_method="Transfer"})",
                   1, absl::Seconds(30))
                   .ok());
+}
+
+grpc::Status OpenSession(KvCacheTransfer::Stub* stub, const std::string& client,
+                         OpenTransferSessionResponse* resp, const std::string& secret = "") {
+  OpenTransferSessionRequest req;
+  req.set_client_id(client);
+  req.set_transport(kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES);
+  req.set_session_secret(secret);
+  grpc::ClientContext ctx;
+  return stub->OpenTransferSession(&ctx, req, resp);
+}
+
+// Before: re-opening a client id returned its session (id included), which anyone could then
+// close or feed.
+TEST(TransferLimitsKvcdTest, OpeningAKnownClientIdRevealsNothing) {
+  auto kvcd = StartKvcd({});
+  ASSERT_NE(kvcd, nullptr);
+  auto stub = KvCacheTransfer::NewStub(
+      grpc::CreateChannel(kvcd->address(), grpc::InsecureChannelCredentials()));
+  OpenTransferSessionResponse owner, intruder;
+  ASSERT_TRUE(OpenSession(stub.get(), "prefill-7", &owner).ok());
+  const grpc::Status st = OpenSession(stub.get(), "prefill-7", &intruder);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::ALREADY_EXISTS) << st.error_message();
+  EXPECT_TRUE(intruder.session_id().empty());
+  kvcache::v1::CloseTransferSessionRequest close;
+  close.set_client_id("prefill-7");
+  close.set_session_id(owner.session_id());
+  kvcache::v1::CloseTransferSessionResponse resp;
+  {
+    grpc::ClientContext ctx;
+    EXPECT_EQ(stub->CloseTransferSession(&ctx, close, &resp).error_code(),
+              grpc::StatusCode::PERMISSION_DENIED);
+  }
+  OpenTransferSessionResponse again;
+  ASSERT_TRUE(OpenSession(stub.get(), "prefill-7", &again, owner.session_secret()).ok());
+  EXPECT_TRUE(again.reused());
+  close.set_session_secret(owner.session_secret());
+  grpc::ClientContext ctx;
+  EXPECT_TRUE(stub->CloseTransferSession(&ctx, close, &resp).ok());
+}
+
+// Before: 64 opens with new client ids filled the session table for good.
+TEST(TransferLimitsKvcdTest, UnusedSessionsExpireAndFreeTheTable) {
+  auto kvcd = StartKvcd({"--transfer_max_sessions=4", "--transfer_session_idle_seconds=1"});
+  ASSERT_NE(kvcd, nullptr);
+  auto stub = KvCacheTransfer::NewStub(
+      grpc::CreateChannel(kvcd->address(), grpc::InsecureChannelCredentials()));
+  OpenTransferSessionResponse r;
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(OpenSession(stub.get(), absl::StrCat("c", i), &r).ok());
+  EXPECT_EQ(r.idle_timeout_seconds(), 1u);
+  const grpc::Status full = OpenSession(stub.get(), "late", &r);
+  EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << full.error_message();
+  // Once the four have been idle for a second, there is room again.
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  grpc::Status late;
+  do {
+    absl::SleepFor(absl::Milliseconds(200));
+    late = OpenSession(stub.get(), "late", &r);
+  } while (!late.ok() && absl::Now() < give_up);
+  EXPECT_TRUE(late.ok()) << late.error_message();
 }
 
 }  // namespace
