@@ -35,14 +35,15 @@ std::string Response(int code, const char* reason, const std::string& content_ty
 struct HttpExposer::Connection {
   int fd = -1;
   absl::Time deadline;
-  std::string in;         // the request so far
-  std::string out;        // the response, once the request is complete
-  size_t sent = 0;        // bytes of `out` written
+  std::string in;   // the request so far
+  std::string out;  // the response, once the request is complete
+  size_t sent = 0;  // bytes of `out` written
   bool responding = false;
 };
 
-absl::StatusOr<std::unique_ptr<HttpExposer>> HttpExposer::Start(
-    const std::string& address, std::function<std::string()> render, Limits limits) {
+absl::StatusOr<std::unique_ptr<HttpExposer>> HttpExposer::Start(const std::string& address,
+                                                                std::function<std::string()> render,
+                                                                Limits limits) {
   if (limits.request_deadline <= absl::ZeroDuration() || limits.max_connections < 1) {
     return absl::InvalidArgumentError(
         "metrics exposer: request_deadline and max_connections must be positive");
@@ -120,8 +121,7 @@ void HttpExposer::Serve() {
       fds.push_back({c.fd, static_cast<short>(c.responding ? POLLOUT : POLLIN), 0});
       next = std::min(next, c.deadline);
     }
-    const int64_t wait_ms =
-        std::max<int64_t>(0, absl::ToInt64Milliseconds(next - absl::Now()) + 1);
+    const int64_t wait_ms = std::max<int64_t>(0, absl::ToInt64Milliseconds(next - absl::Now()) + 1);
     if (poll(fds.data(), fds.size(), static_cast<int>(wait_ms)) < 0 && errno != EINTR) break;
 
     const absl::Time now = absl::Now();
@@ -175,8 +175,8 @@ bool HttpExposer::OnReadable(Connection& c) {
     if (HttpHeadLength(c.in) != std::string::npos) {
       c.out = Respond(c.in);
     } else if (c.in.size() > kMaxHttpRequestHeadBytes) {
-      c.out = Response(431, "Request Header Fields Too Large", "text/plain",
-                       "request too large\n", false);
+      c.out = Response(431, "Request Header Fields Too Large", "text/plain", "request too large\n",
+                       false);
     } else {
       continue;
     }

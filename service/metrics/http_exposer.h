@@ -40,10 +40,10 @@ class HttpExposer {
   // `render` produces the exposition text for each scrape. UNAVAILABLE when the address cannot be
   // bound, INVALID_ARGUMENT when it does not parse or a limit is not positive.
   static absl::StatusOr<std::unique_ptr<HttpExposer>> Start(const std::string& address,
-                                                           std::function<std::string()> render,
-                                                           Limits limits);
+                                                            std::function<std::string()> render,
+                                                            Limits limits);
   static absl::StatusOr<std::unique_ptr<HttpExposer>> Start(const std::string& address,
-                                                           std::function<std::string()> render) {
+                                                            std::function<std::string()> render) {
     return Start(address, std::move(render), Limits());
   }
   ~HttpExposer();  // stops serving, closes every connection and joins the thread

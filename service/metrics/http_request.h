@@ -19,8 +19,8 @@ namespace kvc {
 inline constexpr size_t kMaxHttpRequestHeadBytes = 16 * 1024;
 
 struct HttpRequest {
-  std::string method;  // e.g. "GET"
-  std::string path;    // the request target without its query, e.g. "/metrics"
+  std::string method;     // e.g. "GET"
+  std::string path;       // the request target without its query, e.g. "/metrics"
   int minor_version = 1;  // HTTP/1.<minor_version>
 };
 

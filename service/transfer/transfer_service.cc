@@ -163,8 +163,7 @@ class TransferServiceImpl;
 template <typename Base>
 class StreamReactor : public Base {
  protected:
-  StreamReactor(TransferServiceImpl* service, grpc::CallbackServerContext* ctx,
-                const char* method);
+  StreamReactor(TransferServiceImpl* service, grpc::CallbackServerContext* ctx, const char* method);
   ~StreamReactor() override;
   bool admitted() const { return admitted_; }
   void FinishWith(const grpc::Status& status) { this->Finish(rec_.Done(status)); }
@@ -360,7 +359,8 @@ class TransferReactor final
 // Fetch: reads `start`, then runs the whole fetch on a worker, which writes and reads the
 // stream through Pending waits (each bounded by recv_timeout: a client that stops reading or
 // posting is cancelled rather than holding the worker).
-class FetchReactor final : public StreamReactor<grpc::ServerBidiReactor<FetchRequest, FetchResponse>> {
+class FetchReactor final
+    : public StreamReactor<grpc::ServerBidiReactor<FetchRequest, FetchResponse>> {
  public:
   FetchReactor(TransferServiceImpl* service, grpc::CallbackServerContext* ctx)
       : StreamReactor(service, ctx, "Fetch") {

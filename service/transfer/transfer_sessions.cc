@@ -194,8 +194,8 @@ absl::StatusOr<std::shared_ptr<TransferSessions::Session>> TransferSessions::Aut
                                             "' (closed, expired or never opened)"));
   }
   if (!SecretEquals(s->secret, secret)) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "session_secret: not the secret of session '", session_id, "' (only its opener has it)"));
+    return absl::PermissionDeniedError(absl::StrCat("session_secret: not the secret of session '",
+                                                    session_id, "' (only its opener has it)"));
   }
   return s;
 }
@@ -548,8 +548,8 @@ absl::Status TransferSessions::Close(const std::string& client_id, const std::st
         absl::StrCat("session_id: no session '", session_id, "' of client '", client_id, "'"));
   }
   if (!SecretEquals(s->secret, secret)) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "session_secret: not the secret of session '", session_id, "' (only its opener has it)"));
+    return absl::PermissionDeniedError(absl::StrCat("session_secret: not the secret of session '",
+                                                    session_id, "' (only its opener has it)"));
   }
   Drop(s);
   return absl::OkStatus();

@@ -49,14 +49,14 @@ class TransferSessions {
       const kvcache::v1::OpenTransferSessionRequest& request);
 
   // Handles one announcement: validates it against the session (NOT_FOUND for an unknown or
-  // expired session, PERMISSION_DENIED for a wrong session_secret; INVALID_ARGUMENT naming the field for a duplicate or out-of-order sequence, a bad
-  // cache_id, tensor kind or size, or a payload that does not match the transport or
-  // num_bytes), then NCCL: waits for the group, calls `posted()` (which sends the POSTED ack;
-  // its error aborts) and receives; GRPC_BYTES: takes the payload. Then the sink, which alone
-  // decides whether a (cache_id, layer, tensor) was already received by the upload it belongs
-  // to: a session keeps no record of the tensors it carried, so it serves any number of uploads
-  // (and re-uploads of one cache id) in constant memory. Returns the bytes received. A
-  // data-plane failure closes the session (the next Open makes a new group).
+  // expired session, PERMISSION_DENIED for a wrong session_secret; INVALID_ARGUMENT naming the
+  // field for a duplicate or out-of-order sequence, a bad cache_id, tensor kind or size, or a
+  // payload that does not match the transport or num_bytes), then NCCL: waits for the group, calls
+  // `posted()` (which sends the POSTED ack; its error aborts) and receives; GRPC_BYTES: takes the
+  // payload. Then the sink, which alone decides whether a (cache_id, layer, tensor) was already
+  // received by the upload it belongs to: a session keeps no record of the tensors it carried, so
+  // it serves any number of uploads (and re-uploads of one cache id) in constant memory. Returns
+  // the bytes received. A data-plane failure closes the session (the next Open makes a new group).
   absl::StatusOr<uint64_t> Handle(const kvcache::v1::TransferAnnouncement& a,
                                   const std::function<absl::Status()>& posted);
 
@@ -68,9 +68,9 @@ class TransferSessions {
   };
 
   // Serves one fetch (kvcache/v1/transfer.proto): validates `start` like an announcement
-  // (session, secret, sequence, cache_id), opens the cache through the source, checks the layer range,
-  // writes the header (the sequence then advances), then each layer: announced once the source
-  // verified it, then sent over the data plane after the client's FetchPosted (NCCL) or in
+  // (session, secret, sequence, cache_id), opens the cache through the source, checks the layer
+  // range, writes the header (the sequence then advances), then each layer: announced once the
+  // source verified it, then sent over the data plane after the client's FetchPosted (NCCL) or in
   // pieces of fetch_chunk_bytes (GRPC_BYTES). Holds the session for the whole fetch (its
   // announcements wait). Errors as the proto file says; a data-plane failure closes the session.
   absl::Status Fetch(const kvcache::v1::FetchStart& start, const FetchIo& io);

@@ -140,7 +140,8 @@ TEST(HttpExposerTest, HalfOpenConnectionsDoNotLockScrapersOut) {
 TEST(HttpExposerTest, TheDeadlineCoversTheWholeRequest) {
   HttpExposer::Limits limits;
   limits.request_deadline = absl::Seconds(1);
-  auto e = HttpExposer::Start("127.0.0.1:0", [] { return std::string("kvc_up 1\n"); }, limits);
+  auto e = HttpExposer::Start(
+      "127.0.0.1:0", [] { return std::string("kvc_up 1\n"); }, limits);
   ASSERT_TRUE(e.ok()) << e.status();
   const int slow = Connect((*e)->port(), /*blocking=*/true);
   ASSERT_GE(slow, 0);
@@ -169,7 +170,9 @@ TEST(HttpExposerTest, TheDeadlineCoversTheWholeRequest) {
 TEST(HttpExposerTest, BadLimitsAreRejected) {
   HttpExposer::Limits limits;
   limits.max_connections = 0;
-  EXPECT_FALSE(HttpExposer::Start("127.0.0.1:0", [] { return std::string(); }, limits).ok());
+  EXPECT_FALSE(HttpExposer::Start(
+                   "127.0.0.1:0", [] { return std::string(); }, limits)
+                   .ok());
 }
 
 }  // namespace

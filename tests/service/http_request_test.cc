@@ -31,22 +31,22 @@ TEST(HttpRequestTest, ParsesAScrape) {
 
 TEST(HttpRequestTest, RejectsMalformedHeads) {
   const char* bad[] = {
-      "GET /metrics HTTP/1.1\r\n",                        // no empty line
-      "\r\n\r\n",                                         // no request line
-      "GET /metrics\r\n\r\n",                             // no version
-      "GET  /metrics HTTP/1.1\r\n\r\n",                   // two spaces
-      "GET /metrics HTTP/1.1 x\r\n\r\n",                  // three parts
-      "G(T /metrics HTTP/1.1\r\n\r\n",                    // method not a token
-      "GET metrics HTTP/1.1\r\n\r\n",                     // not origin-form
-      "GET http://x/metrics HTTP/1.1\r\n\r\n",            // absolute-form
-      "GET /me\x01trics HTTP/1.1\r\n\r\n",                // control in the target
-      "GET /m\xc3\xa9trics HTTP/1.1\r\n\r\n",             // non-ASCII in the target
-      "GET /metrics HTTP/2.0\r\n\r\n",                    // version
-      "GET /metrics HTTP/1.1\r\nHost 1\r\n\r\n",          // no colon
-      "GET /metrics HTTP/1.1\r\nHo st: 1\r\n\r\n",        // name not a token
-      "GET /metrics HTTP/1.1\r\n: 1\r\n\r\n",             // empty name
-      "GET /metrics HTTP/1.1\r\nA: b\x7f\r\n\r\n",        // control in a value
-      "GET /metrics HTTP/1.1\r\nA: b\r\n c\r\n\r\n",      // obs-fold
+      "GET /metrics HTTP/1.1\r\n",                    // no empty line
+      "\r\n\r\n",                                     // no request line
+      "GET /metrics\r\n\r\n",                         // no version
+      "GET  /metrics HTTP/1.1\r\n\r\n",               // two spaces
+      "GET /metrics HTTP/1.1 x\r\n\r\n",              // three parts
+      "G(T /metrics HTTP/1.1\r\n\r\n",                // method not a token
+      "GET metrics HTTP/1.1\r\n\r\n",                 // not origin-form
+      "GET http://x/metrics HTTP/1.1\r\n\r\n",        // absolute-form
+      "GET /me\x01trics HTTP/1.1\r\n\r\n",            // control in the target
+      "GET /m\xc3\xa9trics HTTP/1.1\r\n\r\n",         // non-ASCII in the target
+      "GET /metrics HTTP/2.0\r\n\r\n",                // version
+      "GET /metrics HTTP/1.1\r\nHost 1\r\n\r\n",      // no colon
+      "GET /metrics HTTP/1.1\r\nHo st: 1\r\n\r\n",    // name not a token
+      "GET /metrics HTTP/1.1\r\n: 1\r\n\r\n",         // empty name
+      "GET /metrics HTTP/1.1\r\nA: b\x7f\r\n\r\n",    // control in a value
+      "GET /metrics HTTP/1.1\r\nA: b\r\n c\r\n\r\n",  // obs-fold
   };
   for (const char* head : bad) {
     auto r = ParseHttpRequest(head);

@@ -145,8 +145,8 @@ TEST_F(TransferFetchKvcdTest, UnknownCacheAndBadRange) {
 // (it used to be looked up whenever its length was right), and the session carries on.
 TEST_F(TransferFetchKvcdTest, CacheIdsAreValidatedLikeGetCache) {
   auto client = Client("decode-ids", /*nccl=*/false);
-  const std::string bad_ids[] = {"a b", "caf\xc3\xa9", "a\nb", std::string("c\0", 2), "x*",
-                                 "\xff\xfe", "c?"};
+  const std::string bad_ids[] = {"a b", "caf\xc3\xa9", "a\nb", std::string("c\0", 2),
+                                 "x*",  "\xff\xfe",    "c?"};
   for (const std::string& id : bad_ids) {
     kvcache::v1::GetCacheRequest get;
     get.set_cache_id(id);

@@ -276,10 +276,10 @@ TEST_F(TransferFetchTest, UnknownCacheAndBadRangeChangeNothing) {
     // No sequence was consumed and nothing was delivered; the session still works.
     const uint64_t delivered = source_.delivered();
     EXPECT_EQ(delivered, nccl ? 0u : 300u);  // the NCCL round's good fetch came first
-    const OpenTransferSessionResponse r =
-        OpenRaw(nccl ? "bad-nccl" : "bad-bytes", nccl ? kvcache::v1::TRANSFER_TRANSPORT_NCCL
-                                                      : kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES,
-                client->session_secret());
+    const OpenTransferSessionResponse r = OpenRaw(
+        nccl ? "bad-nccl" : "bad-bytes",
+        nccl ? kvcache::v1::TRANSFER_TRANSPORT_NCCL : kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES,
+        client->session_secret());
     EXPECT_TRUE(r.reused());
     EXPECT_EQ(r.next_sequence(), 0u);
     auto good = client->Fetch("cache", 0, 1);

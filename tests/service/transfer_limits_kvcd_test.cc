@@ -91,12 +91,11 @@ TEST(TransferLimitsKvcdTest, IdleTransferStreamsHoldNoThreads) {
   std::vector<std::unique_ptr<IdleTransfer>> streams;
   for (int i = 0; i < kStreams; ++i) streams.push_back(std::make_unique<IdleTransfer>(stub.get()));
   // Every stream reached kvcd, and each holds a slot.
-  const absl::Status started =
-      testing::WaitForMetric(kvcd->metrics_address(), Started("Transfer"), kStreams + 1,
-                             absl::Seconds(60));
+  const absl::Status started = testing::WaitForMetric(kvcd->metrics_address(), Started("Transfer"),
+                                                      kStreams + 1, absl::Seconds(60));
   ASSERT_TRUE(started.ok()) << started;
-  const absl::Status counted = testing::WaitForMetric(
-      kvcd->metrics_address(), "kvc_active_streams", kStreams, absl::Seconds(30));
+  const absl::Status counted = testing::WaitForMetric(kvcd->metrics_address(), "kvc_active_streams",
+                                                      kStreams, absl::Seconds(30));
   EXPECT_TRUE(counted.ok()) << counted;
   const int during = Threads(kvcd->pid());
   std::printf("kvcd threads: %d before, %d with %d idle Transfer streams\n", before, during,
@@ -177,11 +176,12 @@ TEST(TransferLimitsKvcdTest, SilentStreamsAreEndedAndGiveTheirSlotBack) {
   EXPECT_TRUE(
       testing::WaitForMetric(kvcd->metrics_address(), "kvc_active_streams", 0, absl::Seconds(30))
           .ok());
-  EXPECT_TRUE(testing::WaitForMetric(
-                  kvcd->metrics_address(),
-                  R"(grpc_server_handled_total{grpc_code="DEADLINE_EXCEEDED",grpc_method="Transfer"})",
-                  1, absl::Seconds(30))
-                  .ok());
+  EXPECT_TRUE(
+      testing::WaitForMetric(
+          kvcd->metrics_address(),
+          R"(grpc_server_handled_total{grpc_code="DEADLINE_EXCEEDED",grpc_method="Transfer"})", 1,
+          absl::Seconds(30))
+          .ok());
 }
 
 grpc::Status OpenSession(KvCacheTransfer::Stub* stub, const std::string& client,

@@ -39,7 +39,9 @@ std::map<std::string, std::string>& Secrets() {
   static auto* secrets = new std::map<std::string, std::string>();
   return *secrets;
 }
-void Remember(const OpenTransferSessionResponse& r) { Secrets()[r.session_id()] = r.session_secret(); }
+void Remember(const OpenTransferSessionResponse& r) {
+  Secrets()[r.session_id()] = r.session_secret();
+}
 
 struct Received {
   TensorHeader header;
@@ -617,7 +619,8 @@ TEST_F(TransferTest, SessionsBelongToTheirOpener) {
               grpc::StatusCode::ALREADY_EXISTS);
   }
   // The session id alone (say, leaked in a log) does not let anyone announce or close.
-  TransferAnnouncement forged = Announce(owner.session_id(), 0, "c", 0, kvcache::v1::TENSOR_K, 1, "x");
+  TransferAnnouncement forged =
+      Announce(owner.session_id(), 0, "c", 0, kvcache::v1::TENSOR_K, 1, "x");
   forged.set_session_secret(std::string(16, 'k'));
   RawStream rs;
   rs.s = stub_->Transfer(&rs.ctx);
@@ -684,11 +687,11 @@ TEST(TransferSessionsTest, IdleSessionsExpireAndFreeTheirPlaces) {
   absl::StatusOr<OpenTransferSessionResponse> c = open("c");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(sessions.size(), 2);
-  EXPECT_EQ(sessions
-                .Handle(Announce(b->session_id(), 0, "x", 0, kvcache::v1::TENSOR_K, 1, "x"), noop)
-                .status()
-                .code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(
+      sessions.Handle(Announce(b->session_id(), 0, "x", 0, kvcache::v1::TENSOR_K, 1, "x"), noop)
+          .status()
+          .code(),
+      absl::StatusCode::kNotFound);
   // After its timeout the client id is free again: a new opener gets a new session.
   advance(absl::Seconds(61));
   sessions.Sweep();  // (the background sweep may have been first)
