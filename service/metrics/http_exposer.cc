@@ -148,10 +148,14 @@ void HttpExposer::Serve() {
         const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd < 0) break;  // EAGAIN: none left (or a transient error: poll again)
         if (static_cast<int>(conns.size()) >= limits_.max_connections) {
-          // The oldest has had the longest to send its request: at the cap it goes, so a pile
-          // of half-open connections cannot keep a scraper out.
-          close(conns.front().fd);
-          conns.pop_front();
+          // The oldest still sending its request has had the longest to do so: at the cap it
+          // goes (a response being written is kept if there is another), so a pile of half-open
+          // connections cannot keep a scraper out.
+          auto victim = std::find_if(conns.begin(), conns.end(),
+                                     [](const Connection& c) { return !c.responding; });
+          if (victim == conns.end()) victim = conns.begin();
+          close(victim->fd);
+          conns.erase(victim);
           dropped_.fetch_add(1);
         }
         Connection c;

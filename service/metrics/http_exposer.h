@@ -11,7 +11,8 @@
 // silent client never delays another's scrape. Each connection gets `request_deadline` in all,
 // from accept to the last byte of the response (not per read): a client trickling its request or
 // not reading the response is dropped then. At most `max_connections` are open; accepting one
-// more drops the oldest, so half-open connections cannot lock scrapers out.
+// more drops the oldest that has not sent a whole request (else the oldest), so half-open
+// connections cannot lock scrapers out.
 //
 // Thread-safety: Start/destruction from one thread; scrapes run on the exposer's own thread
 // (`render` is called there).

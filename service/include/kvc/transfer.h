@@ -16,6 +16,7 @@
 //   options.extra_services.push_back([topts](const ServerResources& r) {
 //     std::string why;
 //     r.state->nccl_available = NcclTransportAvailable(topts.device, &why);
+//     server::ShareStreamSlots(r.state, &topts);  // server/transfer_source.h
 //     return CreateTransferService(topts);
 //   });
 // The service uses gRPC's callback API: a stream holds no thread while it waits for its client.
