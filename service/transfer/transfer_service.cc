@@ -376,8 +376,11 @@ class FetchReactor final
     if (io_.Complete(ok)) return;  // a read of the fetch, awaited by the worker
     DisarmIdle();
     if (!ok) {
-      FinishWith(ReadFailed(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                         "fetch: the stream ended before a start message")));
+      // A message that does not parse (e.g. a cache_id that is not UTF-8) also ends the reads.
+      FinishWith(ReadFailed(grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          "fetch: the stream ended before a start message (or it did not parse: string fields "
+          "such as cache_id must be UTF-8)")));
       return;
     }
     if (!request_.has_start()) {
