@@ -64,6 +64,11 @@ ABSL_FLAG(std::string, transfer, "auto",
           "KvCacheTransfer service for PutCache uploads with external_payload and Fetch of "
           "stored caches: auto (on; NCCL where libnccl and a CUDA device are available, else "
           "gRPC bytes only) or off. Not served with --auth_tokens_file");
+ABSL_FLAG(uint32_t, transfer_session_idle_seconds, 300,
+          "a transfer session unused this long (no upload, fetch or reuse in flight) expires, and "
+          "a Transfer or Fetch stream whose client sends nothing this long is ended");
+ABSL_FLAG(uint32_t, transfer_max_sessions, 64,
+          "open transfer sessions across all clients; more are RESOURCE_EXHAUSTED");
 
 namespace {
 
@@ -229,6 +234,11 @@ int main(int argc, char** argv) {
           topts.metrics = r.metrics;
           // GRPC_BYTES fetches send pieces of GetCache's chunk size, which fits the message limit.
           topts.limits.fetch_chunk_bytes = r.config->max_chunk_bytes;
+          topts.limits.session_idle_timeout =
+              absl::Seconds(absl::GetFlag(FLAGS_transfer_session_idle_seconds));
+          topts.limits.max_sessions = static_cast<int>(
+              std::min<uint32_t>(absl::GetFlag(FLAGS_transfer_max_sessions), 1 << 20));
+          kvc::server::ShareStreamSlots(r.state, &topts);  // Transfer/Fetch count as streams
           std::string why;
           topts.enable_nccl = kvc::transfer::NcclTransportAvailable(topts.device, &why);
           r.state->nccl_available = topts.enable_nccl;

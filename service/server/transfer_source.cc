@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvc/compact.h"
+#include "server/convert.h"
 
 namespace kvc::server {
 namespace {
@@ -54,6 +55,8 @@ class LeasedCacheReader final : public transfer::CacheReader {
 
 absl::StatusOr<std::unique_ptr<transfer::CacheReader>> StoreTransferSource::Open(
     const std::string& /*client_id*/, const std::string& cache_id) {
+  // Exactly GetCache's rules, so a fetch cannot reach what GetCache would refuse to name.
+  if (absl::Status s = ValidateCacheId("start.cache_id", cache_id); !s.ok()) return s;
   absl::StatusOr<CacheStore::Lease> lease = store_->Acquire(cache_id);
   if (!lease.ok()) return lease.status();
   const CacheEntry& entry = lease->entry();
@@ -66,6 +69,23 @@ absl::StatusOr<std::unique_ptr<transfer::CacheReader>> StoreTransferSource::Open
   }
   return std::unique_ptr<transfer::CacheReader>(
       new LeasedCacheReader(*std::move(lease), std::move(info), metrics_));
+}
+
+void ShareStreamSlots(ServiceState* state, transfer::TransferServiceOptions* options) {
+  options->admit_stream = [state]() -> absl::Status {
+    if (state->draining) {
+      if (state->metrics) state->metrics->RecordRejection(RejectionReason::kDraining);
+      return absl::UnavailableError("kvcd is shutting down");
+    }
+    if (!state->TryAcquireStream()) {
+      if (state->metrics) state->metrics->RecordRejection(RejectionReason::kLimit);
+      return absl::ResourceExhaustedError(
+          absl::StrCat("too many concurrent streams (--max_concurrent_streams=",
+                       state->config.max_concurrent_streams, ")"));
+    }
+    return absl::OkStatus();
+  };
+  options->release_stream = [state] { state->ReleaseStream(); };
 }
 
 }  // namespace kvc::server

@@ -1,5 +1,6 @@
 // The transfer service's source in kvcd (kvc/transfer.h, TransferSource): fetches read stored
-// caches from the CacheStore with the guarantees of GetCache FORMAT_PACKED. A fetch holds a read
+// caches from the CacheStore with the guarantees of GetCache FORMAT_PACKED (and its cache id
+// rules: a cache_id GetCache refuses is INVALID_ARGUMENT). A fetch holds a read
 // lease for its whole duration (the entry is neither evicted nor freed meanwhile), the block
 // table is checked when it opens and every checksum block of a layer is hashed before the layer
 // is handed out; corruption is DATA_LOSS. Delivered bytes count as kvc_served_bytes_total, as
@@ -14,6 +15,7 @@
 #include "kvc/cache_store.h"
 #include "kvc/metrics.h"
 #include "kvc/transfer.h"
+#include "server/service_impl.h"
 
 namespace kvc::server {
 
@@ -29,6 +31,11 @@ class StoreTransferSource final : public transfer::TransferSource {
   CacheStore* const store_;
   Metrics* const metrics_;
 };
+
+// Makes the transfer service's Transfer and Fetch streams take --max_concurrent_streams slots
+// of `state` (shared with PutCache and GetCache: RESOURCE_EXHAUSTED beyond them, UNAVAILABLE
+// while draining, each counted as a rejection). `state` must outlive the service.
+void ShareStreamSlots(ServiceState* state, transfer::TransferServiceOptions* options);
 
 }  // namespace kvc::server
 

@@ -36,6 +36,7 @@ absl::Status TransferClient::OpenSession(TransferTransport t, OpenTransferSessio
   OpenTransferSessionRequest req;
   req.set_client_id(options_.client_id);
   req.set_transport(t);
+  req.set_session_secret(session_secret_);  // "" unless this client opened the session
   grpc::ClientContext ctx;
   return FromGrpc(stub_->OpenTransferSession(&ctx, req, resp));
 }
@@ -57,6 +58,7 @@ absl::Status TransferClient::Open() {
       kvcache::v1::CloseTransferSessionRequest close;
       close.set_client_id(options_.client_id);
       close.set_session_id(resp.session_id());
+      close.set_session_secret(resp.session_secret());
       kvcache::v1::CloseTransferSessionResponse ignored;
       stub_->CloseTransferSession(&ctx, close, &ignored);
       s = OpenSession(kvcache::v1::TRANSFER_TRANSPORT_NCCL, &resp);
@@ -82,6 +84,7 @@ absl::Status TransferClient::Open() {
     if (absl::Status s = OpenSession(transport_, &resp); !s.ok()) return s;
   }
   session_id_ = resp.session_id();
+  session_secret_ = resp.session_secret();
   next_sequence_ = resp.next_sequence();
   ctx_ = std::make_unique<grpc::ClientContext>();
   stream_ = stub_->Transfer(ctx_.get());
@@ -124,6 +127,7 @@ absl::Status TransferClient::Send(const std::string& cache_id, uint32_t layer,
   const bool nccl = transport_ == kvcache::v1::TRANSFER_TRANSPORT_NCCL;
   TransferAnnouncement a;
   a.set_session_id(session_id_);
+  a.set_session_secret(session_secret_);
   a.set_sequence(next_sequence_);
   a.set_cache_id(cache_id);
   a.set_layer(layer);
@@ -179,6 +183,7 @@ absl::Status TransferClient::Fetch(const std::string& cache_id, uint32_t layer_b
   FetchRequest req;
   FetchStart* start = req.mutable_start();
   start->set_session_id(session_id_);
+  start->set_session_secret(session_secret_);
   start->set_sequence(next_sequence_);
   start->set_cache_id(cache_id);
   start->set_layer_begin(layer_begin);
@@ -258,9 +263,11 @@ absl::Status TransferClient::Close() {
   kvcache::v1::CloseTransferSessionRequest req;
   req.set_client_id(options_.client_id);
   req.set_session_id(session_id_);
+  req.set_session_secret(session_secret_);
   kvcache::v1::CloseTransferSessionResponse resp;
   absl::Status c = FromGrpc(stub_->CloseTransferSession(&ctx, req, &resp));
   session_id_.clear();
+  session_secret_.clear();
   if (comm_ != nullptr) {
     comm_->Close();
     comm_.reset();

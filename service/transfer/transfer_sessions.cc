@@ -1,9 +1,14 @@
 #include "transfer/transfer_sessions.h"
 
+#include <sys/random.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
-#include <random>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -24,19 +29,46 @@ namespace {
 constexpr size_t kMaxClientIdBytes = 128;
 constexpr size_t kMaxCacheIdBytes = 256;
 
-std::string RandomSessionId() {
-  static absl::Mutex mu(absl::kConstInit);
-  static std::mt19937_64* rng = new std::mt19937_64(std::random_device{}());
-  absl::MutexLock lock(&mu);
-  std::string raw(16, '\0');
-  for (char& c : raw) c = static_cast<char>((*rng)() & 0xff);
-  return absl::BytesToHexString(raw);
+// Session ids and secrets come from the kernel's CSPRNG: a secret is the only proof of owning a
+// session, so it must not be predictable from ids or secrets seen before.
+std::string RandomBytes(size_t n) {
+  std::string raw(n, '\0');
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = getrandom(raw.data() + got, n - got, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      // getrandom only fails on kernels older than 3.17 or with bad arguments; never hand out
+      // a guessable secret.
+      std::fprintf(stderr, "kvcd: getrandom failed: %s\n", std::strerror(errno));
+      std::abort();
+    }
+    got += static_cast<size_t>(r);
+  }
+  return raw;
 }
+
+// Compares in time that depends only on the lengths (which are not secret: always 16 bytes).
+bool SecretEquals(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  }
+  return diff == 0;
+}
+
+constexpr size_t kSecretBytes = 16;
 
 }  // namespace
 
 struct TransferSessions::Session {
   std::string id, client_id;
+  std::string secret;  // kSecretBytes random bytes, known only to the opener
+  // Expiry: the last time the session was used (unix ns), and the uses in flight (a session
+  // with one in flight never expires).
+  std::atomic<int64_t> last_used_ns{0};
+  std::atomic<int> in_flight{0};
   TransferTransport transport = kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES;
   std::string unique_id;
 
@@ -75,13 +107,44 @@ struct TransferSessions::Session {
   }
 };
 
+// One use of a session (an announcement, a fetch): holds off expiry while it runs and counts as
+// use when it ends.
+class TransferSessions::Use {
+ public:
+  Use(Session* s, const std::function<absl::Time()>& clock) : s_(s), clock_(clock) {
+    s_->in_flight.fetch_add(1);
+  }
+  ~Use() {
+    s_->last_used_ns.store(absl::ToUnixNanos(clock_()));
+    s_->in_flight.fetch_sub(1);
+  }
+  Use(const Use&) = delete;
+  Use& operator=(const Use&) = delete;
+
+ private:
+  Session* const s_;
+  const std::function<absl::Time()>& clock_;
+};
+
 TransferSessions::TransferSessions(TransferLimits limits, CommunicatorFactory* factory,
-                                   TransferSink* sink, TransferSource* source)
-    : limits_(limits), factory_(factory), sink_(sink), source_(source) {}
+                                   TransferSink* sink, TransferSource* source,
+                                   std::function<absl::Time()> clock)
+    : limits_(limits),
+      factory_(factory),
+      sink_(sink),
+      source_(source),
+      clock_(clock ? std::move(clock) : std::function<absl::Time()>([] { return absl::Now(); })) {
+  sweeper_ = std::thread([this] { SweepLoop(); });
+}
 
 TransferSessions::~TransferSessions() {
   std::vector<std::thread> joiners;
   std::map<std::string, std::shared_ptr<Session>> sessions;
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  sweeper_.join();
   {
     absl::MutexLock lock(&mu_);
     joiners.swap(joiners_);
@@ -112,6 +175,69 @@ std::shared_ptr<TransferSessions::Session> TransferSessions::Find(const std::str
   absl::MutexLock lock(&mu_);
   auto it = by_id_.find(id);
   return it == by_id_.end() ? nullptr : it->second;
+}
+
+bool TransferSessions::Expired(const Session& s, absl::Time now) const {
+  return s.in_flight.load() == 0 &&
+         now - absl::FromUnixNanos(s.last_used_ns.load()) >= limits_.session_idle_timeout;
+}
+
+absl::StatusOr<std::shared_ptr<TransferSessions::Session>> TransferSessions::Authorize(
+    const std::string& session_id, const std::string& secret) {
+  std::shared_ptr<Session> s = Find(session_id);
+  if (s != nullptr && Expired(*s, clock_())) {
+    Drop(s);
+    s = nullptr;
+  }
+  if (s == nullptr) {
+    return absl::NotFoundError(absl::StrCat("session_id: unknown session '", session_id,
+                                            "' (closed, expired or never opened)"));
+  }
+  if (!SecretEquals(s->secret, secret)) {
+    return absl::PermissionDeniedError(absl::StrCat("session_secret: not the secret of session '",
+                                                    session_id, "' (only its opener has it)"));
+  }
+  return s;
+}
+
+std::vector<std::shared_ptr<TransferSessions::Session>> TransferSessions::TakeExpiredLocked(
+    absl::Time now) {
+  std::vector<std::shared_ptr<Session>> expired;
+  for (auto it = by_id_.begin(); it != by_id_.end();) {
+    if (!Expired(*it->second, now)) {
+      ++it;
+      continue;
+    }
+    auto jt = by_client_.find(it->second->client_id);
+    if (jt != by_client_.end() && jt->second == it->second) by_client_.erase(jt);
+    expired.push_back(it->second);
+    it = by_id_.erase(it);
+  }
+  return expired;
+}
+
+int TransferSessions::Sweep() {
+  std::vector<std::shared_ptr<Session>> expired;
+  {
+    absl::MutexLock lock(&mu_);
+    expired = TakeExpiredLocked(clock_());
+  }
+  for (const auto& s : expired) s->CloseNow();
+  return static_cast<int>(expired.size());
+}
+
+void TransferSessions::SweepLoop() {
+  // Often enough that an expired session's communicator and staging buffer do not linger much
+  // past its timeout, rarely enough to cost nothing.
+  const absl::Duration period =
+      std::clamp(limits_.session_idle_timeout / 4, absl::Milliseconds(100), absl::Seconds(10));
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), period)) return;
+    }
+    Sweep();
+  }
 }
 
 void TransferSessions::Drop(const std::shared_ptr<Session>& s) {
@@ -150,34 +276,35 @@ absl::StatusOr<OpenTransferSessionResponse> TransferSessions::Open(
   }
 
   std::shared_ptr<Session> old;
+  std::vector<std::shared_ptr<Session>> expired;
   {
     absl::MutexLock lock(&mu_);
+    expired = TakeExpiredLocked(clock_());
     auto it = by_client_.find(client);
     if (it != by_client_.end()) old = it->second;
   }
+  for (const auto& e : expired) e->CloseNow();
   if (old != nullptr) {
+    // Only the opener may reuse or replace a session: anyone else learns nothing of it (not its
+    // id, not whether it is healthy) and cannot take the client id over.
+    if (!SecretEquals(old->secret, request.session_secret())) {
+      return AlreadyOpen(client);
+    }
     const bool healthy =
         !old->IsClosed() && (!old->joined.HasBeenNotified() || old->join_status.ok());
     if (old->transport == transport && healthy) {
-      OpenTransferSessionResponse r;
-      r.set_session_id(old->id);
-      r.set_transport(old->transport);
-      r.set_nccl_unique_id(old->unique_id);
-      r.set_server_rank(0);
-      r.set_client_rank(1);
-      r.set_reused(true);
-      r.set_max_tensor_bytes(limits_.max_tensor_bytes);
-      r.set_next_sequence(old->next_sequence.load());
-      r.set_fetch_chunk_bytes(limits_.fetch_chunk_bytes);
-      return r;
+      old->last_used_ns.store(absl::ToUnixNanos(clock_()));
+      return Response(*old, /*reused=*/true);
     }
     Drop(old);  // another transport, or a broken group: replace it
   }
 
   auto s = std::make_shared<Session>();
-  s->id = RandomSessionId();
+  s->id = absl::BytesToHexString(RandomBytes(16));
+  s->secret = RandomBytes(kSecretBytes);
   s->client_id = client;
   s->transport = transport;
+  s->last_used_ns.store(absl::ToUnixNanos(clock_()));
   if (nccl) {
     absl::StatusOr<std::string> uid = factory_->NewUniqueId();
     if (!uid.ok()) return uid.status();
@@ -185,9 +312,11 @@ absl::StatusOr<OpenTransferSessionResponse> TransferSessions::Open(
   }
   {
     absl::MutexLock lock(&mu_);
+    if (by_client_.count(client) > 0) return AlreadyOpen(client);  // a concurrent Open won
     if (static_cast<int>(by_id_.size()) >= limits_.max_sessions) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "transfer sessions: ", by_id_.size(), " open, the limit is ", limits_.max_sessions));
+          "transfer sessions: ", by_id_.size(), " open, the limit is ", limits_.max_sessions,
+          " (idle ones expire after ", absl::FormatDuration(limits_.session_idle_timeout), ")"));
     }
     by_id_[s->id] = s;
     by_client_[client] = s;
@@ -207,25 +336,40 @@ absl::StatusOr<OpenTransferSessionResponse> TransferSessions::Open(
       });
     }
   }
+  return Response(*s, /*reused=*/false);
+}
+
+absl::Status TransferSessions::AlreadyOpen(const std::string& client_id) const {
+  return absl::AlreadyExistsError(absl::StrCat(
+      "client_id: '", client_id,
+      "' has an open transfer session; only its opener can reuse or close it (with its "
+      "session_secret), else it expires after ",
+      absl::FormatDuration(limits_.session_idle_timeout), " unused"));
+}
+
+OpenTransferSessionResponse TransferSessions::Response(const Session& s, bool reused) const {
   OpenTransferSessionResponse r;
-  r.set_session_id(s->id);
-  r.set_transport(transport);
-  r.set_nccl_unique_id(s->unique_id);
+  r.set_session_id(s.id);
+  r.set_session_secret(s.secret);
+  r.set_transport(s.transport);
+  r.set_nccl_unique_id(s.unique_id);
   r.set_server_rank(0);
   r.set_client_rank(1);
-  r.set_reused(false);
+  r.set_reused(reused);
   r.set_max_tensor_bytes(limits_.max_tensor_bytes);
-  r.set_next_sequence(0);
+  r.set_next_sequence(s.next_sequence.load());
   r.set_fetch_chunk_bytes(limits_.fetch_chunk_bytes);
+  r.set_idle_timeout_seconds(
+      static_cast<uint64_t>(absl::ToInt64Seconds(limits_.session_idle_timeout)));
   return r;
 }
 
 absl::StatusOr<uint64_t> TransferSessions::Handle(const TransferAnnouncement& a,
                                                   const std::function<absl::Status()>& posted) {
-  std::shared_ptr<Session> s = Find(a.session_id());
-  if (s == nullptr) {
-    return absl::NotFoundError(absl::StrCat("session_id: unknown session '", a.session_id(), "'"));
-  }
+  absl::StatusOr<std::shared_ptr<Session>> found = Authorize(a.session_id(), a.session_secret());
+  if (!found.ok()) return found.status();
+  const std::shared_ptr<Session>& s = *found;
+  Use use(s.get(), clock_);
   absl::MutexLock io(&s->io_mu);
   if (absl::Status q = CheckNext(*s, a.session_id(), a.sequence(), a.cache_id()); !q.ok()) {
     return q;
@@ -310,10 +454,10 @@ absl::Status TransferSessions::AwaitGroup(const std::shared_ptr<Session>& s) {
 }
 
 absl::Status TransferSessions::Fetch(const FetchStart& f, const FetchIo& io) {
-  std::shared_ptr<Session> s = Find(f.session_id());
-  if (s == nullptr) {
-    return absl::NotFoundError(absl::StrCat("session_id: unknown session '", f.session_id(), "'"));
-  }
+  absl::StatusOr<std::shared_ptr<Session>> found = Authorize(f.session_id(), f.session_secret());
+  if (!found.ok()) return found.status();
+  const std::shared_ptr<Session>& s = *found;
+  Use use(s.get(), clock_);
   if (source_ == nullptr) {
     return absl::FailedPreconditionError("fetch: this server has no cache store to fetch from");
   }
@@ -396,11 +540,16 @@ absl::Status TransferSessions::Fetch(const FetchStart& f, const FetchIo& io) {
   return absl::OkStatus();
 }
 
-absl::Status TransferSessions::Close(const std::string& client_id, const std::string& session_id) {
+absl::Status TransferSessions::Close(const std::string& client_id, const std::string& session_id,
+                                     const std::string& secret) {
   std::shared_ptr<Session> s = Find(session_id);
   if (s == nullptr || s->client_id != client_id) {
     return absl::NotFoundError(
         absl::StrCat("session_id: no session '", session_id, "' of client '", client_id, "'"));
+  }
+  if (!SecretEquals(s->secret, secret)) {
+    return absl::PermissionDeniedError(absl::StrCat("session_secret: not the secret of session '",
+                                                    session_id, "' (only its opener has it)"));
   }
   Drop(s);
   return absl::OkStatus();

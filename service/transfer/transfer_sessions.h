@@ -2,6 +2,10 @@
 // makes the unique id and joins as rank 0 in the background), and the per-tensor protocol of
 // kvcache/v1/transfer.proto (sequencing, validation, receive, hand-off to a sink) and of its
 // fetches (layers of a stored cache read from a source and sent to the client).
+// Sessions belong to their opener, who alone gets the session's random 128-bit secret; every
+// use of a session must present it (compared in constant time). A session unused for
+// limits.session_idle_timeout (nothing in flight) expires: a background sweep closes it, and so
+// does the next Open or use that finds it.
 // Thread-safe: Open/Close/Handle/Fetch may be called concurrently; the tensors and fetches of one
 // session are handled one at a time, in sequence order.
 #ifndef KVC_SERVICE_TRANSFER_TRANSFER_SESSIONS_H_
@@ -27,28 +31,32 @@ namespace kvc::transfer {
 class TransferSessions {
  public:
   // `factory` may be null (NCCL sessions then answer UNAVAILABLE); `sink` must outlive this;
-  // `source` (may be null: fetches answer FAILED_PRECONDITION) too.
+  // `source` (may be null: fetches answer FAILED_PRECONDITION) too. `clock` (null: absl::Now)
+  // decides expiry; tests inject one.
   TransferSessions(TransferLimits limits, CommunicatorFactory* factory, TransferSink* sink,
-                   TransferSource* source = nullptr);
-  ~TransferSessions();  // closes every session and joins the background joins
+                   TransferSource* source = nullptr, std::function<absl::Time()> clock = nullptr);
+  ~TransferSessions();  // closes every session, stops the sweep and joins the background joins
   TransferSessions(const TransferSessions&) = delete;
   TransferSessions& operator=(const TransferSessions&) = delete;
 
   // INVALID_ARGUMENT for a bad client_id or transport; UNAVAILABLE / FAILED_PRECONDITION (with
-  // the reason) when NCCL is asked for and cannot be used; RESOURCE_EXHAUSTED at max_sessions.
-  // A live session of the same client id and transport is returned again with reused = true.
+  // the reason) when NCCL is asked for and cannot be used; RESOURCE_EXHAUSTED at max_sessions
+  // live ones (expired ones are reclaimed first). A client id's open session is returned again
+  // (reused = true, same transport) or replaced (another transport, or a broken group) only
+  // when the request carries its session_secret; otherwise ALREADY_EXISTS, and nothing about
+  // that session is revealed. A new session's response carries its secret.
   absl::StatusOr<kvcache::v1::OpenTransferSessionResponse> Open(
       const kvcache::v1::OpenTransferSessionRequest& request);
 
-  // Handles one announcement: validates it against the session (NOT_FOUND for an unknown
-  // session; INVALID_ARGUMENT naming the field for a duplicate or out-of-order sequence, a bad
-  // cache_id, tensor kind or size, or a payload that does not match the transport or
-  // num_bytes), then NCCL: waits for the group, calls `posted()` (which sends the POSTED ack;
-  // its error aborts) and receives; GRPC_BYTES: takes the payload. Then the sink, which alone
-  // decides whether a (cache_id, layer, tensor) was already received by the upload it belongs
-  // to: a session keeps no record of the tensors it carried, so it serves any number of uploads
-  // (and re-uploads of one cache id) in constant memory. Returns the bytes received. A
-  // data-plane failure closes the session (the next Open makes a new group).
+  // Handles one announcement: validates it against the session (NOT_FOUND for an unknown or
+  // expired session, PERMISSION_DENIED for a wrong session_secret; INVALID_ARGUMENT naming the
+  // field for a duplicate or out-of-order sequence, a bad cache_id, tensor kind or size, or a
+  // payload that does not match the transport or num_bytes), then NCCL: waits for the group, calls
+  // `posted()` (which sends the POSTED ack; its error aborts) and receives; GRPC_BYTES: takes the
+  // payload. Then the sink, which alone decides whether a (cache_id, layer, tensor) was already
+  // received by the upload it belongs to: a session keeps no record of the tensors it carried, so
+  // it serves any number of uploads (and re-uploads of one cache id) in constant memory. Returns
+  // the bytes received. A data-plane failure closes the session (the next Open makes a new group).
   absl::StatusOr<uint64_t> Handle(const kvcache::v1::TransferAnnouncement& a,
                                   const std::function<absl::Status()>& posted);
 
@@ -60,17 +68,21 @@ class TransferSessions {
   };
 
   // Serves one fetch (kvcache/v1/transfer.proto): validates `start` like an announcement
-  // (session, sequence, cache_id), opens the cache through the source, checks the layer range,
-  // writes the header (the sequence then advances), then each layer: announced once the source
-  // verified it, then sent over the data plane after the client's FetchPosted (NCCL) or in
+  // (session, secret, sequence, cache_id), opens the cache through the source, checks the layer
+  // range, writes the header (the sequence then advances), then each layer: announced once the
+  // source verified it, then sent over the data plane after the client's FetchPosted (NCCL) or in
   // pieces of fetch_chunk_bytes (GRPC_BYTES). Holds the session for the whole fetch (its
   // announcements wait). Errors as the proto file says; a data-plane failure closes the session.
   absl::Status Fetch(const kvcache::v1::FetchStart& start, const FetchIo& io);
 
-  // NOT_FOUND when no such session belongs to client_id.
-  absl::Status Close(const std::string& client_id, const std::string& session_id);
+  // NOT_FOUND when no such session belongs to client_id; PERMISSION_DENIED for a wrong secret.
+  absl::Status Close(const std::string& client_id, const std::string& session_id,
+                     const std::string& secret);
 
-  int size() const;
+  // Closes every expired session now (the background sweep calls it too); returns how many.
+  int Sweep();
+
+  int size() const;  // sessions held, expired ones not yet swept included
 
   // Memory a session holds besides its fixed fields: the size of its NCCL receive buffer, which
   // is the largest tensor it received (so at most max_tensor_bytes; 0 for GRPC_BYTES).
@@ -80,7 +92,18 @@ class TransferSessions {
 
  private:
   struct Session;
+  class Use;
   std::shared_ptr<Session> Find(const std::string& session_id) const;
+  // The session, if `secret` is its own and it has not expired: NOT_FOUND / PERMISSION_DENIED.
+  absl::StatusOr<std::shared_ptr<Session>> Authorize(const std::string& session_id,
+                                                     const std::string& secret);
+  bool Expired(const Session& s, absl::Time now) const;
+  absl::Status AlreadyOpen(const std::string& client_id) const;
+  kvcache::v1::OpenTransferSessionResponse Response(const Session& s, bool reused) const;
+  // Removes the expired sessions from the maps (mu_ held) and returns them, to be closed after.
+  std::vector<std::shared_ptr<Session>> TakeExpiredLocked(absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SweepLoop();
   void Drop(const std::shared_ptr<Session>& s);
   // NCCL: waits for the session's group; a failed or late join drops the session.
   absl::Status AwaitGroup(const std::shared_ptr<Session>& s);
@@ -94,7 +117,10 @@ class TransferSessions {
   CommunicatorFactory* const factory_;
   TransferSink* const sink_;
   TransferSource* const source_;
+  const std::function<absl::Time()> clock_;
   mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread sweeper_;
   std::map<std::string, std::shared_ptr<Session>> by_id_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<Session>> by_client_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> joiners_ ABSL_GUARDED_BY(mu_);

@@ -141,6 +141,28 @@ TEST_F(TransferFetchKvcdTest, UnknownCacheAndBadRange) {
   EXPECT_EQ(Str(good->layers[0]), Packed(2));
 }
 
+// Fetch names caches by GetCache's rules: an id GetCache refuses is INVALID_ARGUMENT here too
+// (it used to be looked up whenever its length was right), and the session carries on.
+TEST_F(TransferFetchKvcdTest, CacheIdsAreValidatedLikeGetCache) {
+  auto client = Client("decode-ids", /*nccl=*/false);
+  const std::string bad_ids[] = {"a b", "caf\xc3\xa9", "a\nb", std::string("c\0", 2),
+                                 "x*",  "\xff\xfe",    "c?"};
+  for (const std::string& id : bad_ids) {
+    kvcache::v1::GetCacheRequest get;
+    get.set_cache_id(id);
+    testing::Fetched ignored;
+    EXPECT_EQ(testing::Get(stub_.get(), get, &ignored).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+    auto f = client->Fetch(id);
+    EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument) << f.status();
+    // (Invalid UTF-8 never reaches the handler: protobuf refuses the string field.)
+    EXPECT_NE(f.status().message().find("cache_id"), std::string::npos) << f.status();
+  }
+  auto good = client->Fetch("c", 0, 1);
+  ASSERT_TRUE(good.ok()) << good.status();
+  EXPECT_EQ(Str(good->layers[0]), Packed(0));
+}
+
 TEST_F(TransferFetchKvcdTest, CorruptBlockIsDataLossBeforeAnyOfItsLayerGoesOut) {
   for (bool nccl : {true, false}) {
     auto client = Client(nccl ? "corrupt-nccl" : "corrupt-bytes", nccl);

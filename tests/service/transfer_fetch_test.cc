@@ -166,10 +166,12 @@ class TransferFetchTest : public ::testing::Test {
     return c;
   }
 
-  OpenTransferSessionResponse OpenRaw(const std::string& client, kvcache::v1::TransferTransport t) {
+  OpenTransferSessionResponse OpenRaw(const std::string& client, kvcache::v1::TransferTransport t,
+                                      const std::string& secret = "") {
     OpenTransferSessionRequest req;
     req.set_client_id(client);
     req.set_transport(t);
+    req.set_session_secret(secret);
     grpc::ClientContext ctx;
     OpenTransferSessionResponse resp;
     EXPECT_TRUE(stub_->OpenTransferSession(&ctx, req, &resp).ok());
@@ -210,12 +212,13 @@ TEST_F(TransferFetchTest, GrpcBytesSessionFetchesLayersInPieces) {
 
   // On the wire: header, then per layer an announcement and pieces of at most 400 bytes.
   const OpenTransferSessionResponse r =
-      OpenRaw("decode-bytes", kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES);
+      OpenRaw("decode-bytes", kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES, client->session_secret());
   EXPECT_EQ(r.fetch_chunk_bytes(), 400u);
   grpc::ClientContext ctx;
   auto s = stub_->Fetch(&ctx);
   FetchRequest req;
   req.mutable_start()->set_session_id(r.session_id());
+  req.mutable_start()->set_session_secret(r.session_secret());
   req.mutable_start()->set_sequence(r.next_sequence());
   req.mutable_start()->set_cache_id("cache");
   req.mutable_start()->set_layer_begin(1);
@@ -273,9 +276,10 @@ TEST_F(TransferFetchTest, UnknownCacheAndBadRangeChangeNothing) {
     // No sequence was consumed and nothing was delivered; the session still works.
     const uint64_t delivered = source_.delivered();
     EXPECT_EQ(delivered, nccl ? 0u : 300u);  // the NCCL round's good fetch came first
-    const OpenTransferSessionResponse r =
-        OpenRaw(nccl ? "bad-nccl" : "bad-bytes", nccl ? kvcache::v1::TRANSFER_TRANSPORT_NCCL
-                                                      : kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES);
+    const OpenTransferSessionResponse r = OpenRaw(
+        nccl ? "bad-nccl" : "bad-bytes",
+        nccl ? kvcache::v1::TRANSFER_TRANSPORT_NCCL : kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES,
+        client->session_secret());
     EXPECT_TRUE(r.reused());
     EXPECT_EQ(r.next_sequence(), 0u);
     auto good = client->Fetch("cache", 0, 1);
@@ -352,6 +356,7 @@ class TransferFetchRawTest : public TransferFetchTest {
                                const std::string& cache = "cache") {
     FetchRequest req;
     req.mutable_start()->set_session_id(r.session_id());
+    req.mutable_start()->set_session_secret(r.session_secret());
     req.mutable_start()->set_sequence(seq);
     req.mutable_start()->set_cache_id(cache);
     return req;
@@ -393,6 +398,12 @@ TEST_F(TransferFetchRawTest, SequenceMustBeTheSessionsNext) {
   bogus.set_session_id("nope");
   ASSERT_TRUE(unknown->s->Write(StartMsg(bogus, 1)));
   ExpectEnds(unknown.get(), grpc::StatusCode::NOT_FOUND, "session_id");
+  // The session id without its secret fetches nothing.
+  auto forged = Stream();
+  OpenTransferSessionResponse wrong = r;
+  wrong.set_session_secret(std::string(16, 'k'));
+  ASSERT_TRUE(forged->s->Write(StartMsg(wrong, 1)));
+  ExpectEnds(forged.get(), grpc::StatusCode::PERMISSION_DENIED, "session_secret");
 }
 
 TEST_F(TransferFetchRawTest, FirstMessageMustBeStart) {

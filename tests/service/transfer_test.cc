@@ -34,6 +34,15 @@ using kvcache::v1::TransferAnnouncement;
 
 using testing::FakeFactory;
 
+// The secrets of the sessions this test opened, by session id, so announcements can carry them.
+std::map<std::string, std::string>& Secrets() {
+  static auto* secrets = new std::map<std::string, std::string>();
+  return *secrets;
+}
+void Remember(const OpenTransferSessionResponse& r) {
+  Secrets()[r.session_id()] = r.session_secret();
+}
+
 struct Received {
   TensorHeader header;
   std::vector<uint8_t> bytes;
@@ -91,12 +100,15 @@ class TransferTest : public ::testing::Test {
   }
 
   grpc::Status Open(const std::string& client, kvcache::v1::TransferTransport t,
-                    OpenTransferSessionResponse* resp) {
+                    OpenTransferSessionResponse* resp, const std::string& secret = "") {
     OpenTransferSessionRequest req;
     req.set_client_id(client);
     req.set_transport(t);
+    req.set_session_secret(secret);
     grpc::ClientContext ctx;
-    return stub_->OpenTransferSession(&ctx, req, resp);
+    grpc::Status st = stub_->OpenTransferSession(&ctx, req, resp);
+    if (st.ok()) Remember(*resp);
+    return st;
   }
 
   TransferClient::Options ClientOptions(const std::string& id, bool with_factory = true) {
@@ -132,7 +144,9 @@ TEST_F(TransferTest, NcclSessionsAreCreatedAndCachedPerClient) {
   EXPECT_EQ(a.client_rank(), 1);
   EXPECT_FALSE(a.reused());
   EXPECT_EQ(a.transport(), kvcache::v1::TRANSFER_TRANSPORT_NCCL);
-  ASSERT_TRUE(Open("client-a", kvcache::v1::TRANSFER_TRANSPORT_UNSPECIFIED, &b).ok());
+  EXPECT_EQ(a.session_secret().size(), 16u);
+  ASSERT_TRUE(
+      Open("client-a", kvcache::v1::TRANSFER_TRANSPORT_UNSPECIFIED, &b, a.session_secret()).ok());
   EXPECT_TRUE(b.reused());
   EXPECT_EQ(b.session_id(), a.session_id());
   EXPECT_EQ(b.nccl_unique_id(), a.nccl_unique_id());
@@ -178,7 +192,7 @@ TEST_F(TransferTest, ReopenedClientContinuesTheSequenceOnTheCachedGroup) {
   const int joins = server_factory_.joins();
   // A second open of the same client id reuses the server's session: nobody joins again.
   OpenTransferSessionResponse r;
-  ASSERT_TRUE(Open("c", kvcache::v1::TRANSFER_TRANSPORT_NCCL, &r).ok());
+  ASSERT_TRUE(Open("c", kvcache::v1::TRANSFER_TRANSPORT_NCCL, &r, client.session_secret()).ok());
   EXPECT_TRUE(r.reused());
   EXPECT_EQ(r.next_sequence(), 1u);
   EXPECT_EQ(server_factory_.joins(), joins);
@@ -197,6 +211,7 @@ TransferAnnouncement Announce(const std::string& session, uint64_t seq, const st
                               const std::string& payload) {
   TransferAnnouncement a;
   a.set_session_id(session);
+  if (auto it = Secrets().find(session); it != Secrets().end()) a.set_session_secret(it->second);
   a.set_sequence(seq);
   a.set_cache_id(cache);
   a.set_layer(layer);
@@ -382,6 +397,7 @@ TEST_F(TransferTest, ClosingASessionCancelsItsPendingJoin) {
   kvcache::v1::CloseTransferSessionRequest req;
   req.set_client_id("never-joins");
   req.set_session_id(r.session_id());
+  req.set_session_secret(r.session_secret());
   kvcache::v1::CloseTransferSessionResponse resp;
   ASSERT_TRUE(stub_->CloseTransferSession(&ctx, req, &resp).ok());
   // The server's rank-0 join ends as CANCELLED, not by running into its timeout.
@@ -402,8 +418,13 @@ TEST_F(TransferTest, CloseOfAnotherClientsSessionIsNotFound) {
   kvcache::v1::CloseTransferSessionResponse resp;
   EXPECT_EQ(stub_->CloseTransferSession(&ctx, req, &resp).error_code(),
             grpc::StatusCode::NOT_FOUND);
+  req.set_client_id("owner");
+  grpc::ClientContext ctx2;  // the right client id, without the secret
+  EXPECT_EQ(stub_->CloseTransferSession(&ctx2, req, &resp).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
   OpenTransferSessionResponse same;
-  ASSERT_TRUE(Open("owner", kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES, &same).ok());
+  ASSERT_TRUE(
+      Open("owner", kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES, &same, r.session_secret()).ok());
   EXPECT_TRUE(same.reused());
 }
 
@@ -521,6 +542,7 @@ TEST(TransferSessionsTest, ManyUploadsOverOneSessionKeepItsStateBounded) {
   req.set_transport(kvcache::v1::TRANSFER_TRANSPORT_NCCL);
   absl::StatusOr<OpenTransferSessionResponse> open = sessions.Open(req);
   ASSERT_TRUE(open.ok()) << open.status();
+  Remember(*open);
   absl::StatusOr<std::unique_ptr<Communicator>> peer =
       factory.Join(open->nccl_unique_id(), 1, absl::Seconds(5), nullptr);
   ASSERT_TRUE(peer.ok()) << peer.status();
@@ -565,6 +587,7 @@ TEST(TransferSessionsTest, GrpcBytesSessionRetainsNothing) {
   req.set_transport(kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES);
   absl::StatusOr<OpenTransferSessionResponse> open = sessions.Open(req);
   ASSERT_TRUE(open.ok()) << open.status();
+  Remember(*open);
   for (uint64_t seq = 0; seq < 200; ++seq) {
     ASSERT_TRUE(
         sessions
@@ -575,6 +598,109 @@ TEST(TransferSessionsTest, GrpcBytesSessionRetainsNothing) {
   }
   EXPECT_EQ(sessions.RetainedBytes(open->session_id()).value(), 0u);
   EXPECT_EQ(sink.tensors(), 200);
+}
+
+// Knowing a client id is not enough to reach its session: re-opening it reveals nothing, and
+// announcing on it, fetching from it or closing it needs the secret only its opener got.
+TEST_F(TransferTest, SessionsBelongToTheirOpener) {
+  Start();
+  OpenTransferSessionResponse owner;
+  ASSERT_TRUE(Open("victim", kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES, &owner).ok());
+  ASSERT_EQ(owner.session_secret().size(), 16u);
+  for (const std::string& guess : {std::string(), std::string(16, '\0'), std::string("x")}) {
+    OpenTransferSessionResponse intruder;
+    const grpc::Status st =
+        Open("victim", kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES, &intruder, guess);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::ALREADY_EXISTS) << st.error_message();
+    EXPECT_EQ(st.error_message().find(owner.session_id()), std::string::npos);
+    EXPECT_TRUE(intruder.session_id().empty());
+    // Another transport does not take the client id over either.
+    EXPECT_EQ(Open("victim", kvcache::v1::TRANSFER_TRANSPORT_NCCL, &intruder, guess).error_code(),
+              grpc::StatusCode::ALREADY_EXISTS);
+  }
+  // The session id alone (say, leaked in a log) does not let anyone announce or close.
+  TransferAnnouncement forged =
+      Announce(owner.session_id(), 0, "c", 0, kvcache::v1::TENSOR_K, 1, "x");
+  forged.set_session_secret(std::string(16, 'k'));
+  RawStream rs;
+  rs.s = stub_->Transfer(&rs.ctx);
+  ExpectRejected(&rs, forged, grpc::StatusCode::PERMISSION_DENIED, "session_secret");
+  grpc::ClientContext ctx;
+  kvcache::v1::CloseTransferSessionRequest close;
+  close.set_client_id("victim");
+  close.set_session_id(owner.session_id());
+  kvcache::v1::CloseTransferSessionResponse resp;
+  EXPECT_EQ(stub_->CloseTransferSession(&ctx, close, &resp).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_TRUE(sink_.got().empty());
+  // The opener is unaffected: sequence 0 is still next, and its secret closes the session.
+  RawStream ok;
+  ok.s = stub_->Transfer(&ok.ctx);
+  ExpectReceived(&ok, Announce(owner.session_id(), 0, "c", 0, kvcache::v1::TENSOR_K, 1, "x"));
+  ok.s->WritesDone();
+  EXPECT_TRUE(ok.s->Finish().ok());
+  close.set_session_secret(owner.session_secret());
+  grpc::ClientContext ctx2;
+  EXPECT_TRUE(stub_->CloseTransferSession(&ctx2, close, &resp).ok());
+  // Secrets are random per session.
+  OpenTransferSessionResponse other;
+  ASSERT_TRUE(Open("other", kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES, &other).ok());
+  EXPECT_NE(other.session_secret(), owner.session_secret());
+}
+
+// Idle sessions expire (the clock is the test's), which frees their places under max_sessions.
+TEST(TransferSessionsTest, IdleSessionsExpireAndFreeTheirPlaces) {
+  CountingSink sink;
+  TransferLimits limits;
+  limits.max_sessions = 2;
+  limits.session_idle_timeout = absl::Seconds(60);
+  absl::Mutex mu;
+  absl::Time now = absl::FromUnixSeconds(1000);
+  auto clock = [&] {
+    absl::MutexLock lock(&mu);
+    return now;
+  };
+  auto advance = [&](absl::Duration d) {
+    absl::MutexLock lock(&mu);
+    now += d;
+  };
+  TransferSessions sessions(limits, nullptr, &sink, nullptr, clock);
+  auto open = [&](const std::string& client) {
+    OpenTransferSessionRequest req;
+    req.set_client_id(client);
+    req.set_transport(kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES);
+    absl::StatusOr<OpenTransferSessionResponse> r = sessions.Open(req);
+    if (r.ok()) Remember(*r);
+    return r;
+  };
+  absl::StatusOr<OpenTransferSessionResponse> a = open("a"), b = open("b");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(open("c").status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(open("a").status().code(), absl::StatusCode::kAlreadyExists);
+  // `a` is used at 50 s, so only `b` is idle at 70 s.
+  advance(absl::Seconds(50));
+  auto noop = [] { return absl::OkStatus(); };
+  ASSERT_TRUE(
+      sessions.Handle(Announce(a->session_id(), 0, "x", 0, kvcache::v1::TENSOR_K, 1, "x"), noop)
+          .ok());
+  advance(absl::Seconds(20));
+  absl::StatusOr<OpenTransferSessionResponse> c = open("c");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(sessions.size(), 2);
+  EXPECT_EQ(
+      sessions.Handle(Announce(b->session_id(), 0, "x", 0, kvcache::v1::TENSOR_K, 1, "x"), noop)
+          .status()
+          .code(),
+      absl::StatusCode::kNotFound);
+  // After its timeout the client id is free again: a new opener gets a new session.
+  advance(absl::Seconds(61));
+  sessions.Sweep();  // (the background sweep may have been first)
+  EXPECT_EQ(sessions.size(), 0);
+  absl::StatusOr<OpenTransferSessionResponse> again = open("a");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_FALSE(again->reused());
+  EXPECT_NE(again->session_id(), a->session_id());
+  EXPECT_EQ(again->idle_timeout_seconds(), 60u);
 }
 
 TEST(NcclFactory, ReportsWhyItIsUnavailableWithoutADevice) {

@@ -16,11 +16,14 @@
 //   options.extra_services.push_back([topts](const ServerResources& r) {
 //     std::string why;
 //     r.state->nccl_available = NcclTransportAvailable(topts.device, &why);
+//     server::ShareStreamSlots(r.state, &topts);  // server/transfer_source.h
 //     return CreateTransferService(topts);
 //   });
-// The service uses gRPC's synchronous API (a Transfer stream blocks on the data plane while a
-// tensor is in flight), so the server needs sync worker threads; gRPC creates them when a sync
-// service is registered, alongside the callback services.
+// The service uses gRPC's callback API: a stream holds no thread while it waits for its client.
+// The blocking work of a tensor or a fetch (the data plane, the sink, the source) runs on the
+// service's own pool of TransferServiceOptions::worker_threads, so threads stay bounded however
+// many streams are open. Each Transfer and Fetch stream is admitted through admit_stream (kvcd:
+// a --max_concurrent_streams slot shared with PutCache and GetCache).
 #ifndef KVC_TRANSFER_H_
 #define KVC_TRANSFER_H_
 
@@ -49,6 +52,10 @@ namespace kvc::transfer {
 struct TransferLimits {
   uint64_t max_tensor_bytes = uint64_t{1} << 30;    // per announcement
   int max_sessions = 64;                            // open sessions across all clients
+  // A session unused this long (no announcement, fetch or reuse; nothing in flight) expires,
+  // and a Transfer or Fetch stream whose client sends nothing this long is ended
+  // (cancelled; recorded as DEADLINE_EXCEEDED), giving its stream slot back.
+  absl::Duration session_idle_timeout = absl::Minutes(5);
   absl::Duration join_timeout = absl::Seconds(60);  // rank 0 waits this long for the client
   absl::Duration recv_timeout = absl::Seconds(60);  // per tensor, after POSTED
   uint64_t fetch_chunk_bytes = uint64_t{1} << 20;   // GRPC_BYTES fetches: bytes per message
@@ -115,6 +122,15 @@ struct TransferServiceOptions {
   // grpc_server_handling_seconds), as the KvCache service records them; null records nothing.
   // Must outlive the service.
   Metrics* metrics = nullptr;
+  // Threads that run tensors and fetches (each blocks one while it waits on the data plane or
+  // a slow client, at most recv_timeout per step); more wait in turn.
+  int worker_threads = 8;
+  // Called as each Transfer or Fetch stream starts: an error ends the stream with it at once,
+  // OK admits it, and release_stream is called when an admitted stream ends. Null admits all.
+  std::function<absl::Status()> admit_stream;
+  std::function<void()> release_stream;
+  // The clock of session expiry; null: absl::Now. Tests inject one.
+  std::function<absl::Time()> clock;
 };
 
 // INVALID_ARGUMENT when the sink is missing or a limit is not positive. The service is returned
@@ -146,7 +162,9 @@ class TransferClient {
   };
 
   TransferClient(std::shared_ptr<grpc::Channel> channel, Options options);
-  ~TransferClient();  // ends the stream; the session stays cached on the server until Close
+  // Ends the stream; the session stays cached on the server until Close or until it expires
+  // (another TransferClient of the same client id is ALREADY_EXISTS meanwhile).
+  ~TransferClient();
   TransferClient(const TransferClient&) = delete;
   TransferClient& operator=(const TransferClient&) = delete;
 
@@ -156,6 +174,9 @@ class TransferClient {
   // Why NCCL was not used ("" when it was).
   const std::string& fallback_reason() const { return fallback_reason_; }
   const std::string& session_id() const { return session_id_; }
+  // The session's secret (kvcache/v1/transfer.proto): only this client has it, and with it
+  // reuses the session when opened again.
+  const std::string& session_secret() const { return session_secret_; }
   bool is_open() const { return stream_ != nullptr; }
 
   // Sends `bytes` bytes at `data` (host memory, or device memory in an NCCL session) and waits
@@ -201,6 +222,7 @@ class TransferClient {
   kvcache::v1::TransferTransport transport_ = kvcache::v1::TRANSFER_TRANSPORT_UNSPECIFIED;
   std::string fallback_reason_;
   std::string session_id_;
+  std::string session_secret_;
   uint64_t next_sequence_ = 0;
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<grpc::ClientContext> ctx_;
