@@ -60,8 +60,8 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
         if (state_->metrics) state_->metrics->RecordRejection(RejectionReason::kPeerStreams);
         FinishOnce(grpc::Status(
             grpc::StatusCode::RESOURCE_EXHAUSTED,
-            absl::StrCat("too many concurrent streams from ", peer_, " (--max_streams_per_peer=",
-                         state_->peer_streams->per_peer(), ")")));
+            absl::StrCat("too many concurrent streams from ", peer_,
+                         " (--max_streams_per_peer=", state_->peer_streams->per_peer(), ")")));
         return;
       }
       holds_peer_ = true;

@@ -245,9 +245,9 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     }
     store_id_ = namespace_ + header.cache_id();
     // A tensor delivered by the transfer service is activity of this stream.
-    auto entry = state_->ingest->Register(store_id_, upload_, header,
-                                          state_->config.max_chunk_bytes,
-                                          [watch = watch_] { watch->Touch(); });
+    auto entry =
+        state_->ingest->Register(store_id_, upload_, header, state_->config.max_chunk_bytes,
+                                 [watch = watch_] { watch->Touch(); });
     if (!entry.ok()) return FinishWithError(ToGrpc(entry.status()));
     external_ = *std::move(entry);
     context_->AddInitialMetadata(transfer::kExternalPayloadMetadataKey, "registered");

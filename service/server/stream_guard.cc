@@ -11,8 +11,7 @@ namespace kvc::server {
 void StreamWatch::Touch() {
   int64_t since = armed_since_ns_.load();
   // Only an armed watch is refreshed: a disarmed one must stay disarmed.
-  while (since != 0 &&
-         !armed_since_ns_.compare_exchange_weak(since, absl::GetCurrentTimeNanos())) {
+  while (since != 0 && !armed_since_ns_.compare_exchange_weak(since, absl::GetCurrentTimeNanos())) {
   }
 }
 

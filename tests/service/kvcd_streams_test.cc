@@ -74,8 +74,8 @@ double Metric(const KvcdProcess& kvcd, const std::string& series) {
 }
 
 TEST(KvcdStreamsTest, IdleUploadsAreEndedAndFreeTheirSlots) {
-  auto kvcd = StartKvcd({"--stream_idle_seconds=1", "--max_concurrent_streams=4",
-                         "--max_streams_per_peer=4"});
+  auto kvcd = StartKvcd(
+      {"--stream_idle_seconds=1", "--max_concurrent_streams=4", "--max_streams_per_peer=4"});
   ASSERT_NE(kvcd, nullptr);
   auto stub = testing::NewStub(kvcd->address());
   const auto requests = testing::MakeRequests(Small("x"), 4096);
@@ -182,7 +182,8 @@ TEST_F(KvcdPeerShareTest, OneTenantCannotTakeEverySlot) {
   auto b = testing::NewStub(kvcd->address(), kTokenB);
   const auto requests = testing::MakeRequests(Small("x"), 4096);
   std::vector<std::unique_ptr<StalledPut>> held;
-  for (int i = 0; i < 2; ++i) held.push_back(SendHeaderOnly(a.get(), requests[0], "a" + std::to_string(i)));
+  for (int i = 0; i < 2; ++i)
+    held.push_back(SendHeaderOnly(a.get(), requests[0], "a" + std::to_string(i)));
   ASSERT_TRUE(
       testing::WaitForMetric(kvcd->metrics_address(), "kvc_active_streams", 2, absl::Seconds(30))
           .ok());
@@ -213,8 +214,8 @@ TEST_F(KvcdPeerShareTest, OneTenantCannotTakeEverySlot) {
 }
 
 TEST(KvcdStreamsTest, WithoutTokensThePeerIsTheClientAddress) {
-  auto kvcd = StartKvcd({"--max_concurrent_streams=8", "--max_streams_per_peer=2",
-                         "--stream_idle_seconds=120"});
+  auto kvcd = StartKvcd(
+      {"--max_concurrent_streams=8", "--max_streams_per_peer=2", "--stream_idle_seconds=120"});
   ASSERT_NE(kvcd, nullptr);
   auto stub = testing::NewStub(kvcd->address());
   const auto requests = testing::MakeRequests(Small("x"), 4096);
@@ -270,9 +271,8 @@ TEST(KvcdStreamsTest, StalledUploadsCannotStageMoreThanTheBudget) {
   });
   // 1 layer of 16 MiB K + 16 MiB V + 32 KiB Q_obs, compressed (so it is staged): two uploads fit
   // the staging budget, a third does not.
-  TestCache cache = testing::MakeTestCache(
-      "stalled", testing::Shape(1, 8, 8, 128, 8192, 16), kvcache::v1::DTYPE_F16,
-      kvcache::v1::LAYOUT_HND, 11);
+  TestCache cache = testing::MakeTestCache("stalled", testing::Shape(1, 8, 8, 128, 8192, 16),
+                                           kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 11);
   *cache.header.mutable_compression() = testing::FullCompression();
   std::vector<PutCacheRequest> requests = testing::MakeRequests(cache, 1 << 20);
   // All but the last KiB: the last chunk loses its final KiB and is never completed.
@@ -323,8 +323,8 @@ TEST(KvcdStreamsTest, StalledUploadsCannotStageMoreThanTheBudget) {
   const int64_t bound = kStore + kStaging + kPool + kFixed;
   EXPECT_LE(peak.load(), bound) << "peak RSS " << peak / kMiB << " MiB over the bound "
                                 << bound / kMiB << " MiB";
-  std::printf("kvcd peak RSS %lld MiB (bound %lld MiB)\n",
-              static_cast<long long>(peak / kMiB), static_cast<long long>(bound / kMiB));
+  std::printf("kvcd peak RSS %lld MiB (bound %lld MiB)\n", static_cast<long long>(peak / kMiB),
+              static_cast<long long>(bound / kMiB));
 }
 
 }  // namespace
