@@ -96,9 +96,10 @@ absl::Status ValidateConfig(const ServerConfig& c) {
                      " is above --max_concurrent_streams (", c.max_concurrent_streams, ")"));
   }
   if (c.staging_bytes != 0 && c.staging_bytes < EffectiveMaxCacheBytes(c)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--staging_bytes: ", c.staging_bytes, " is below --max_cache_bytes (",
-        EffectiveMaxCacheBytes(c), "), so an upload of the largest allowed size could never start"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--staging_bytes: ", c.staging_bytes, " is below --max_cache_bytes (",
+                     EffectiveMaxCacheBytes(c),
+                     "), so an upload of the largest allowed size could never start"));
   }
   if (!(c.stream_idle_seconds > 0 && c.stream_idle_seconds <= 86400)) {
     return absl::InvalidArgumentError("--stream_idle_seconds: must be in (0, 86400]");

@@ -217,7 +217,7 @@ void KvcServer::Shutdown() {
   stop_sweep_.Notify();
   if (sweeper_.joinable()) sweeper_.join();
   reaper_.reset();  // every stream is done: no watch is left to check
-  pool_.reset();  // runs queued compressions (their uploads are already finished or cancelled)
+  pool_.reset();    // runs queued compressions (their uploads are already finished or cancelled)
 }
 
 }  // namespace kvc::server
