@@ -104,7 +104,7 @@ TEST(KvcdStreamsTest, IdleUploadsAreEndedAndFreeTheirSlots) {
 }
 
 TEST(KvcdStreamsTest, AnUploadThatKeepsSendingIsNotIdle) {
-  auto kvcd = StartKvcd({"--stream_idle_seconds=1"});
+  auto kvcd = StartKvcd({"--stream_idle_seconds=1.5"});
   ASSERT_NE(kvcd, nullptr);
   auto stub = testing::NewStub(kvcd->address());
   const auto requests = testing::MakeRequests(Small("slow"), 256);
@@ -112,10 +112,10 @@ TEST(KvcdStreamsTest, AnUploadThatKeepsSendingIsNotIdle) {
   grpc::ClientContext ctx;
   kvcache::v1::PutCacheResponse resp;
   auto writer = stub->PutCache(&ctx, &resp);
-  // Messages 0.4 s apart: the stream lasts well past the idle time, but is never idle for it.
+  // Messages 0.5 s apart: the stream lasts well past the idle time, but is never idle for it.
   for (const auto& r : requests) {
     ASSERT_TRUE(writer->Write(r));
-    absl::SleepFor(absl::Milliseconds(400));
+    absl::SleepFor(absl::Milliseconds(500));
   }
   writer->WritesDone();
   grpc::Status s = writer->Finish();
@@ -123,7 +123,7 @@ TEST(KvcdStreamsTest, AnUploadThatKeepsSendingIsNotIdle) {
 }
 
 TEST(KvcdStreamsTest, AReaderThatStopsReadingLosesItsLease) {
-  auto kvcd = StartKvcd({"--stream_idle_seconds=1", "--store_bytes=12MiB",
+  auto kvcd = StartKvcd({"--stream_idle_seconds=2", "--store_bytes=12MiB",
                          "--max_cache_bytes=12MiB", "--max_chunk_bytes=16KiB"});
   ASSERT_NE(kvcd, nullptr);
   auto stub = testing::NewStub(kvcd->address());
