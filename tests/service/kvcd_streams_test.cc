@@ -162,6 +162,74 @@ TEST(KvcdStreamsTest, AReaderThatStopsReadingLosesItsLease) {
               AnyOf(grpc::StatusCode::CANCELLED, grpc::StatusCode::DEADLINE_EXCEEDED));
 }
 
+// Streams whose gaps straddle the idle time, so that the reaper ends some of them just as their
+// next message or read arrives: kvcd must neither crash nor leak a slot, and every stream ends
+// either normally or with DEADLINE_EXCEEDED / CANCELLED.
+TEST(KvcdStreamsTest, ReapingRacesWithTrafficSafely) {
+  auto kvcd = StartKvcd({"--stream_idle_seconds=0.3", "--max_concurrent_streams=64",
+                         "--max_streams_per_peer=64", "--store_bytes=64MiB",
+                         "--max_cache_bytes=16MiB", "--max_chunk_bytes=16KiB"});
+  ASSERT_NE(kvcd, nullptr);
+  {
+    auto stub = testing::NewStub(kvcd->address());
+    ASSERT_TRUE(testing::PutCache(stub.get(), Big("read")).ok());
+  }
+  constexpr int kClients = 12;
+  std::vector<std::thread> clients;
+  std::vector<std::string> unexpected(kClients);
+  for (int c = 0; c < kClients; ++c) {
+    clients.emplace_back([&, c] {
+      auto stub = testing::NewStub(kvcd->address());
+      for (int round = 0; round < 3; ++round) {
+        // Gaps from 0.1 to 0.6 s around the 0.3 s idle time.
+        const absl::Duration gap = absl::Milliseconds(100 + 50 * ((c + round) % 11));
+        grpc::Status s;
+        if (c % 2 == 0) {
+          const auto requests = testing::MakeRequests(Small("race/" + std::to_string(c)), 256);
+          grpc::ClientContext ctx;
+          ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+          kvcache::v1::PutCacheResponse resp;
+          auto writer = stub->PutCache(&ctx, &resp);
+          PutCacheRequest header = requests[0];
+          header.mutable_header()->set_overwrite(true);
+          bool ok = writer->Write(header);
+          for (size_t r = 1; ok && r < requests.size(); ++r) {
+            absl::SleepFor(gap);
+            ok = writer->Write(requests[r]);
+          }
+          writer->WritesDone();
+          s = writer->Finish();
+        } else {
+          grpc::ClientContext ctx;
+          ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+          kvcache::v1::GetCacheRequest get;
+          get.set_cache_id("read");
+          auto reader = stub->GetCache(&ctx, get);
+          kvcache::v1::GetCacheResponse msg;
+          for (int n = 0; reader->Read(&msg); ++n) {
+            if (n % 64 == 0) absl::SleepFor(gap);
+          }
+          s = reader->Finish();
+        }
+        if (!s.ok() && s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED &&
+            s.error_code() != grpc::StatusCode::CANCELLED) {
+          unexpected[c] = std::to_string(s.error_code()) + " " + s.error_message();
+        }
+      }
+    });
+  }
+  for (auto& t : clients) t.join();
+  for (const auto& u : unexpected) EXPECT_EQ(u, "");
+  ASSERT_TRUE(kvcd->running()) << kvcd->output();
+  EXPECT_TRUE(
+      testing::WaitForMetric(kvcd->metrics_address(), "kvc_active_streams", 0, absl::Seconds(30))
+          .ok());
+  EXPECT_GT(Metric(*kvcd, "kvc_rejected_requests_total{reason=\"stream_idle\"}"), 0.0);
+  auto stub = testing::NewStub(kvcd->address());
+  grpc::Status s = testing::PutCache(stub.get(), Small("after"));
+  EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
 class KvcdPeerShareTest : public ::testing::Test {
  protected:
   static constexpr char kTokenA[] = "token-alpha-0123456789";
