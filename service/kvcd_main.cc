@@ -37,9 +37,20 @@ ABSL_FLAG(uint32_t, default_ttl_seconds, 0, "TTL of caches whose upload sets non
 ABSL_FLAG(std::string, max_message_bytes, "8MiB", "largest gRPC message accepted");
 ABSL_FLAG(std::string, max_chunk_bytes, "4MiB", "largest data payload of one stream message");
 ABSL_FLAG(std::string, max_cache_bytes, "",
-          "largest upload (K + V + Q_obs bytes) per cache; default: the store budget");
+          "largest upload (K + V + Q_obs bytes) per cache; default: a quarter of --store_bytes");
+ABSL_FLAG(std::string, staging_bytes, "",
+          "bytes all uploads in flight may stage together: each reserves its declared K + V + "
+          "Q_obs bytes at its header, and one that does not fit gets RESOURCE_EXHAUSTED; "
+          "default: max(--store_bytes / 2, --max_cache_bytes)");
 ABSL_FLAG(uint32_t, max_concurrent_streams, 64,
           "concurrent PutCache/GetCache streams; more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint32_t, max_streams_per_peer, 0,
+          "concurrent streams one client may hold (one tenant with --auth_tokens_file, else one "
+          "client IP address); more get RESOURCE_EXHAUSTED; 0 = max(1, "
+          "--max_concurrent_streams / 4)");
+ABSL_FLAG(double, stream_idle_seconds, 10,
+          "a PutCache that receives no message, or a GetCache whose client takes none, for this "
+          "long ends with DEADLINE_EXCEEDED, freeing its slot, staging and read lease");
 ABSL_FLAG(std::string, buffer_pool_bytes, "512MiB",
           "idle large buffers (upload staging, memory of evicted or deleted caches) kept for reuse "
           "by later uploads (bytes or K/M/G[i][B]); 0 disables reuse");
@@ -157,11 +168,19 @@ absl::StatusOr<kvc::server::ServerConfig> ConfigFromFlags() {
     if (*cache == 0) return absl::InvalidArgumentError("--max_cache_bytes: must be > 0");
     c.max_cache_bytes = *cache;
   }
+  if (!absl::GetFlag(FLAGS_staging_bytes).empty()) {
+    auto staging = bytes("staging_bytes", absl::GetFlag(FLAGS_staging_bytes));
+    if (!staging.ok()) return staging.status();
+    if (*staging == 0) return absl::InvalidArgumentError("--staging_bytes: must be > 0");
+    c.staging_bytes = *staging;
+  }
   auto pool = bytes("buffer_pool_bytes", absl::GetFlag(FLAGS_buffer_pool_bytes));
   if (!pool.ok()) return pool.status();
   c.buffer_pool_bytes = *pool;
   c.default_ttl_seconds = absl::GetFlag(FLAGS_default_ttl_seconds);
   c.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  c.max_streams_per_peer = absl::GetFlag(FLAGS_max_streams_per_peer);
+  c.stream_idle_seconds = absl::GetFlag(FLAGS_stream_idle_seconds);
   c.backend = absl::GetFlag(FLAGS_backend);
   c.threads = absl::GetFlag(FLAGS_threads);
   c.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);

@@ -61,6 +61,12 @@ const char* RejectionReasonName(RejectionReason r) {
       return "unauthenticated";
     case RejectionReason::kPermissionDenied:
       return "permission_denied";
+    case RejectionReason::kStreamIdle:
+      return "stream_idle";
+    case RejectionReason::kPeerStreams:
+      return "peer_streams";
+    case RejectionReason::kStaging:
+      return "staging";
   }
   return "unknown";
 }
@@ -75,7 +81,7 @@ using prometheus::Histogram;
 constexpr int kNumCodes = 17;  // OK .. UNAUTHENTICATED; absl and gRPC share the numbering
 constexpr int kNumStages = 5;
 constexpr int kNumEvictionReasons = 4;
-constexpr int kNumRejectionReasons = 7;
+constexpr int kNumRejectionReasons = 10;
 
 // The KvCache service's methods (proto/kvcache/v1/kvcache.proto), pre-created at start.
 constexpr const char* kKnownMethods[] = {"PutCache",    "GetCache",   "StatCache",

@@ -90,6 +90,20 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   if (c.max_concurrent_streams == 0) {
     return absl::InvalidArgumentError("--max_concurrent_streams: must be > 0");
   }
+  if (c.max_streams_per_peer > c.max_concurrent_streams) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_streams_per_peer: ", c.max_streams_per_peer,
+                     " is above --max_concurrent_streams (", c.max_concurrent_streams, ")"));
+  }
+  if (c.staging_bytes != 0 && c.staging_bytes < EffectiveMaxCacheBytes(c)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--staging_bytes: ", c.staging_bytes, " is below --max_cache_bytes (",
+                     EffectiveMaxCacheBytes(c),
+                     "), so an upload of the largest allowed size could never start"));
+  }
+  if (!(c.stream_idle_seconds > 0 && c.stream_idle_seconds <= 86400)) {
+    return absl::InvalidArgumentError("--stream_idle_seconds: must be in (0, 86400]");
+  }
   if (c.backend != "auto" && c.backend != "cpu" && c.backend != "cuda") {
     return absl::InvalidArgumentError(
         absl::StrCat("--backend: '", c.backend, "' is not auto, cpu or cuda"));

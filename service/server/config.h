@@ -21,8 +21,19 @@ struct ServerConfig {
   uint32_t default_ttl_seconds = 0;  // 0 = entries never expire
   uint64_t max_message_bytes = 8ull << 20;
   uint64_t max_chunk_bytes = 4ull << 20;
-  uint64_t max_cache_bytes = 0;  // 0 = the store capacity
+  uint64_t max_cache_bytes = 0;  // 0 = a quarter of the store (EffectiveMaxCacheBytes)
+  // Bytes all uploads in flight may stage: each upload reserves its declared K + V + Q_obs bytes
+  // at its header and gives them back when it ends. 0 = max(store / 2, max cache bytes)
+  // (EffectiveStagingBytes).
+  uint64_t staging_bytes = 0;
   uint32_t max_concurrent_streams = 64;
+  // Streams one peer may hold at once (the tenant with --auth_tokens_file, else the client's
+  // address without its port). 0 = max(1, max_concurrent_streams / 4) (EffectiveStreamsPerPeer).
+  uint32_t max_streams_per_peer = 0;
+  // A stream that moves no bytes for this long ends with DEADLINE_EXCEEDED and frees its slot,
+  // staging and lease: a PutCache waiting for the client's next message, a GetCache whose write
+  // the client does not take. (0, 86400].
+  double stream_idle_seconds = 10;
   // Idle large buffers (upload staging, freed compact blobs) kept for reuse by the process-wide
   // pool (kvc/buffer_pool.h); 0 disables reuse.
   uint64_t buffer_pool_bytes = 512ull << 20;
@@ -52,9 +63,23 @@ absl::StatusOr<uint64_t> ParseByteSize(const std::string& field, const std::stri
 // message, ...). The message names the offending flag.
 absl::Status ValidateConfig(const ServerConfig& config);
 
-// max_cache_bytes with the default resolved (the store capacity when 0).
+// max_cache_bytes with the default resolved (a quarter of the store when 0, at least 1 byte).
 inline uint64_t EffectiveMaxCacheBytes(const ServerConfig& c) {
-  return c.max_cache_bytes == 0 ? c.store_bytes : c.max_cache_bytes;
+  if (c.max_cache_bytes != 0) return c.max_cache_bytes;
+  return c.store_bytes / 4 > 0 ? c.store_bytes / 4 : 1;
+}
+
+// staging_bytes with the default resolved: max(store / 2, EffectiveMaxCacheBytes) when 0.
+inline uint64_t EffectiveStagingBytes(const ServerConfig& c) {
+  if (c.staging_bytes != 0) return c.staging_bytes;
+  const uint64_t max_cache = EffectiveMaxCacheBytes(c);
+  return c.store_bytes / 2 > max_cache ? c.store_bytes / 2 : max_cache;
+}
+
+// max_streams_per_peer with the default resolved: max(1, max_concurrent_streams / 4) when 0.
+inline uint32_t EffectiveStreamsPerPeer(const ServerConfig& c) {
+  if (c.max_streams_per_peer != 0) return c.max_streams_per_peer;
+  return c.max_concurrent_streams / 4 > 0 ? c.max_concurrent_streams / 4 : 1;
 }
 
 }  // namespace kvc::server

@@ -9,12 +9,17 @@
 // reactor parks, and the export job resumes it. DENSE_CONTIGUOUS is DENSE with the keys
 // re-rotated (kvc/contiguous_export.h), its RopeSpec and kept counts checked up front
 // (server/contiguous.h).
+//
+// A client that stops reading leaves a write outstanding (flow control): after
+// --stream_idle_seconds the reaper (server/stream_guard.h) ends the stream, which releases the
+// lease even if the entry was deleted meanwhile.
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/optional.h"
 #include "kvc/compact.h"
@@ -32,9 +37,17 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   GetCacheReactor(ServiceState* state, grpc::CallbackServerContext* context,
                   const grpc::ByteBuffer* request)
       : state_(state), context_(context), rec_(state, "GetCache") {
+    StreamWatch::IdleFn on_idle = [this](absl::Duration idle) { OnIdle(idle); };
+    watch_ = state_->reaper ? state_->reaper->Watch(std::move(on_idle))
+                            : std::make_shared<StreamWatch>(std::move(on_idle));
     if (state_->draining) {
       if (state_->metrics) state_->metrics->RecordRejection(RejectionReason::kDraining);
       FinishOnce(grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvcd is shutting down"));
+      return;
+    }
+    auto ns = state_->Namespace(*context_);
+    if (!ns.ok()) {
+      FinishOnce(ToGrpc(ns.status()));
       return;
     }
     if (!state_->TryAcquireStream()) {
@@ -46,7 +59,19 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       return;
     }
     holds_stream_ = true;
-    grpc::Status s = Begin(*request);
+    if (state_->peer_streams) {
+      peer_ = PeerKey(context_->peer(), *ns);
+      if (!state_->peer_streams->TryAcquire(peer_)) {
+        if (state_->metrics) state_->metrics->RecordRejection(RejectionReason::kPeerStreams);
+        FinishOnce(grpc::Status(
+            grpc::StatusCode::RESOURCE_EXHAUSTED,
+            absl::StrCat("too many concurrent streams from ", peer_,
+                         " (--max_streams_per_peer=", state_->peer_streams->per_peer(), ")")));
+        return;
+      }
+      holds_peer_ = true;
+    }
+    grpc::Status s = Begin(*request, *ns);
     if (!s.ok()) {
       FinishOnce(s);
       return;
@@ -55,6 +80,9 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   }
 
   void OnWriteDone(bool ok) override {
+    // The reaper ended the stream while this write was outstanding: start nothing more (no
+    // export either, whose job would outlive this reactor); OnDone follows.
+    if (!watch_->Disarm()) return;
     if (!ok) {
       // The client went away or cancelled; nothing more can be sent.
       FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled"));
@@ -67,6 +95,8 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   }
 
   void OnDone() override {
+    watch_->Detach();  // the reaper no longer calls OnIdle
+    if (holds_peer_) state_->peer_streams->Release(peer_);
     if (holds_stream_) state_->ReleaseStream();
     delete this;
   }
@@ -120,7 +150,27 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     return ex;
   }
 
-  grpc::Status Begin(const grpc::ByteBuffer& buffer) {
+  // The reaper's IdleFn (watch lock held, on the reaper's thread): the client took no message for
+  // `idle`. Finish alone would queue the status behind the unread data, so the call is also
+  // cancelled: gRPC drops what it holds and the lease goes with the last slice.
+  void OnIdle(absl::Duration idle) {
+    const grpc::Status status(
+        grpc::StatusCode::DEADLINE_EXCEEDED,
+        absl::StrFormat("no bytes taken for %.1f s (--stream_idle_seconds=%g)",
+                        absl::ToDoubleSeconds(idle), state_->config.stream_idle_seconds));
+    if (state_->metrics) state_->metrics->RecordRejection(RejectionReason::kStreamIdle);
+    rec_.Record(status.error_code());
+    Finish(status);
+    context_->TryCancel();
+  }
+
+  // Hands `pending_` to gRPC; the stream is idle until the client takes it.
+  void Write() {
+    watch_->Arm();
+    watch_->Run([this] { StartWrite(&pending_); });  // not run once ended: OnDone follows
+  }
+
+  grpc::Status Begin(const grpc::ByteBuffer& buffer, const std::string& ns) {
     std::vector<grpc::Slice> slices;
     if (!buffer.Dump(&slices).ok()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "unreadable GetCacheRequest");
@@ -146,16 +196,14 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
                             absl::StrCat("format: ", static_cast<int>(req.format()),
                                          " is not PACKED, DENSE or DENSE_CONTIGUOUS"));
     }
-    auto ns = state_->Namespace(*context_);
-    if (!ns.ok()) return ToGrpc(ns.status());
-    auto lease = state_->store->Acquire(*ns + req.cache_id());
-    if (!lease.ok()) return ToGrpc(lease.status(), *ns);
+    auto lease = state_->store->Acquire(ns + req.cache_id());
+    if (!lease.ok()) return ToGrpc(lease.status(), ns);
     keep_ = std::make_shared<Keepalive>();
     keep_->lease = *std::move(lease);
     const CacheEntry& entry = keep_->lease.entry();
     // The block table is checked against the checksum here (cheap); each block's bytes are
     // hashed just before they are sent (PACKED) or exported (DENSE).
-    if (auto s = VerifyBlockTable(entry); !s.ok()) return ToGrpc(s, *ns);
+    if (auto s = VerifyBlockTable(entry); !s.ok()) return ToGrpc(s, ns);
     kvcache::v1::GetCacheResponse first;
     if (!first.mutable_info()->ParseFromString(entry.metadata)) {
       return grpc::Status(grpc::StatusCode::DATA_LOSS, "stored metadata is unreadable");
@@ -235,7 +283,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     if (has_pending_) {  // the info message
       has_pending_ = false;
       last_data_bytes_ = 0;
-      StartWrite(&pending_);
+      Write();
       return;
     }
     for (;;) {
@@ -284,7 +332,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
         offset_ += n;
         last_data_bytes_ = n;
         sent_empty_ = p.size == 0;
-        StartWrite(&pending_);
+        Write();
         return;
       }
       ++part_;
@@ -294,8 +342,10 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   }
 
   void FinishOnce(const grpc::Status& status) {
-    rec_.Record(status.error_code());
-    Finish(status);
+    watch_->End([&] {
+      rec_.Record(status.error_code());
+      Finish(status);
+    });
   }
 
   struct Part {
@@ -307,8 +357,11 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
 
   ServiceState* const state_;
   grpc::CallbackServerContext* const context_;
-  RpcRecorder rec_;
+  RpcRecorder rec_;  // recorded under the watch's lock (End, OnIdle)
+  std::shared_ptr<StreamWatch> watch_;
   bool holds_stream_ = false;
+  bool holds_peer_ = false;
+  std::string peer_;  // PeerKey of the caller
   bool dense_ = false;
   absl::optional<RopeParams> rope_;  // DENSE_CONTIGUOUS: keys re-rotated for slots 0..K-1
   std::shared_ptr<Keepalive> keep_;

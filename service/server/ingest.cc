@@ -131,8 +131,14 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
     block_checksums_.assign(num_layers, {});
   }
   has_header_ = true;
+  declared_bytes_ = total;
   start_ = absl::Now();
   return absl::OkStatus();
+}
+
+void Upload::HoldStaging(StagingBudget::Reservation r) {
+  absl::MutexLock lock(&mu_);
+  staging_reservation_ = std::move(r);
 }
 
 bool Upload::LayerComplete(const LayerState& layer) const {
@@ -439,6 +445,7 @@ absl::StatusOr<kvcache::v1::PutCacheResponse> Upload::Finalize() {
                                                            : RejectReason::kNoSpace;
     return absl::Status(s.code(), absl::StrCat("store: ", std::string(s.message())));
   }
+  staging_reservation_.Release();  // the staging is freed; the cache is charged to the store
   kvcache::v1::PutCacheResponse resp;
   resp.set_cache_id(header_.cache_id());
   resp.set_input_bytes(entry->input_bytes);

@@ -32,6 +32,7 @@
 #include "kvc/cache_store.h"
 #include "kvc/compact.h"
 #include "kvcache/v1/kvcache.pb.h"
+#include "server/stream_guard.h"
 #include "server/thread_pool.h"
 #include "server/wire.h"
 
@@ -73,6 +74,13 @@ class Upload : public std::enable_shared_from_this<Upload> {
 
   // Drops everything; pending jobs discard their results. Safe to call more than once.
   void Abort();
+
+  // K + V + Q_obs bytes the accepted header declares (0 before OnHeader succeeded): what the
+  // upload may stage.
+  uint64_t declared_bytes() const { return declared_bytes_; }
+  // Holds `r` (the staging reserved for this upload) until the cache is in the store or the
+  // upload is destroyed, so its bytes are given back once the staging is freed.
+  void HoldStaging(StagingBudget::Reservation r) ABSL_LOCKS_EXCLUDED(mu_);
 
   bool has_header() const { return has_header_; }
   RejectReason reject_reason() const;
@@ -136,6 +144,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
   bool in_place_ = false;  // no compression asked: chunks go straight into the blobs
   std::vector<LayerState> layers_;
   uint64_t payload_bytes_ = 0;
+  uint64_t declared_bytes_ = 0;
   absl::Time start_;
 
   mutable absl::Mutex mu_;
@@ -152,6 +161,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
   // kvc/cache_store.h): each job hashes its own layer, so layers never wait for each other.
   std::vector<std::vector<uint64_t>> block_checksums_ ABSL_GUARDED_BY(mu_);
   uint64_t checksum_ ABSL_GUARDED_BY(mu_) = 0;
+  StagingBudget::Reservation staging_reservation_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvc::server

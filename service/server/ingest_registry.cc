@@ -55,7 +55,8 @@ uint64_t IngestRegistry::Entry::delivered_bytes() const {
 
 absl::StatusOr<std::shared_ptr<IngestRegistry::Entry>> IngestRegistry::Register(
     const std::string& store_id, std::shared_ptr<Upload> upload,
-    const kvcache::v1::PutCacheHeader& header, uint64_t max_chunk_bytes) {
+    const kvcache::v1::PutCacheHeader& header, uint64_t max_chunk_bytes,
+    std::function<void()> on_delivery) {
   absl::MutexLock lock(&mu_);
   if (entries_.count(store_id) > 0) {
     return absl::AbortedError(absl::StrCat("header.cache_id: '", header.cache_id(),
@@ -63,6 +64,7 @@ absl::StatusOr<std::shared_ptr<IngestRegistry::Entry>> IngestRegistry::Register(
                                            "stream"));
   }
   std::shared_ptr<Entry> e(new Entry(std::move(upload), header, max_chunk_bytes));
+  e->on_delivery_ = std::move(on_delivery);
   entries_[store_id] = e;
   return e;
 }
@@ -126,6 +128,7 @@ absl::Status IngestRegistry::Deliver(const std::string& store_id, uint32_t layer
     return s;
   }
   e->delivered_ += bytes.size();
+  if (e->on_delivery_) e->on_delivery_();
   return absl::OkStatus();
 }
 

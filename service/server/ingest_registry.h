@@ -15,6 +15,7 @@
 #define KVC_SERVICE_SERVER_INGEST_REGISTRY_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -44,6 +45,7 @@ class IngestRegistry {
           uint64_t max_chunk_bytes);
 
     const std::shared_ptr<Upload> upload_;
+    std::function<void()> on_delivery_;
     uint64_t tensor_bytes_[3] = {0, 0, 0};  // K, V, Q_obs bytes of one layer
     uint32_t num_layers_ = 0;
     const uint64_t max_chunk_bytes_;
@@ -56,11 +58,13 @@ class IngestRegistry {
   // Registers `upload`, whose OnHeader(header, store_id) succeeded. ABORTED when an upload with
   // the same store id is already registered (two external uploads of one id cannot share the
   // transfer announcements). `max_chunk_bytes` is the Upload's chunk limit: a tensor is handed
-  // over in pieces of at most that size.
+  // over in pieces of at most that size. `on_delivery` (optional) runs after each tensor the
+  // upload accepted, e.g. to count it as activity of the PutCache stream.
   absl::StatusOr<std::shared_ptr<Entry>> Register(const std::string& store_id,
                                                   std::shared_ptr<Upload> upload,
                                                   const kvcache::v1::PutCacheHeader& header,
-                                                  uint64_t max_chunk_bytes);
+                                                  uint64_t max_chunk_bytes,
+                                                  std::function<void()> on_delivery = nullptr);
   // Removes `entry` if it is still the one registered under `store_id`; closes it first.
   void Unregister(const std::string& store_id, const std::shared_ptr<Entry>& entry);
 

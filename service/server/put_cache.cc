@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "kvc/transfer.h"
 #include "server/convert.h"
 #include "server/ingest.h"
@@ -34,6 +35,9 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   PutCacheReactor(ServiceState* state, grpc::CallbackServerContext* context,
                   grpc::ByteBuffer* response)
       : state_(state), context_(context), response_(response), rec_(state, "PutCache") {
+    StreamWatch::IdleFn on_idle = [this](absl::Duration idle) { OnIdle(idle); };
+    watch_ = state_->reaper ? state_->reaper->Watch(std::move(on_idle))
+                            : std::make_shared<StreamWatch>(std::move(on_idle));
     if (state_->draining) {
       Reject(absl::nullopt, grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvcd is shutting down"),
              RejectionReason::kDraining);
@@ -54,16 +58,35 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       return;
     }
     holds_stream_ = true;
+    if (state_->peer_streams) {
+      peer_ = PeerKey(context_->peer(), namespace_);
+      if (!state_->peer_streams->TryAcquire(peer_)) {
+        Reject(absl::nullopt,
+               grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            absl::StrCat("too many concurrent streams from ", peer_,
+                                         " (--max_streams_per_peer=",
+                                         state_->peer_streams->per_peer(), ")")),
+               RejectionReason::kPeerStreams);
+        return;
+      }
+      holds_peer_ = true;
+    }
     IngestLimits limits;
     limits.max_chunk_bytes = state_->config.max_chunk_bytes;
     limits.max_cache_bytes = EffectiveMaxCacheBytes(state_->config);
     limits.default_ttl_seconds = state_->config.default_ttl_seconds;
     upload_ = std::make_shared<Upload>(state_->backend, state_->store, state_->pool, limits,
                                        state_->staging);
-    StartRead(&request_);
+    Read();
   }
 
   void OnReadDone(bool ok) override {
+    if (!watch_->Disarm()) {
+      // The reaper ended the stream while this read was outstanding: discard the upload.
+      CloseExternal().IgnoreError();
+      upload_->Abort();
+      return;
+    }
     if (!ok) {
       // External payload: no transfer thread touches the upload after this.
       absl::Status transferred = CloseExternal();
@@ -118,6 +141,15 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
                                RejectionReason::kInvalidArgument);
       }
       s = upload_->OnHeader(req->header, namespace_ + req->header.cache_id());
+      if (s.ok() && state_->staging_budget != nullptr) {
+        // Reserved from the declared sizes before any byte is staged, so that uploads in flight
+        // never stage more than --staging_bytes together.
+        auto reservation = state_->staging_budget->Reserve(upload_->declared_bytes());
+        if (!reservation.ok()) {
+          return FinishWithError(ToGrpc(reservation.status()), RejectionReason::kStaging);
+        }
+        upload_->HoldStaging(*std::move(reservation));
+      }
       if (s.ok() && req->header.external_payload()) return StartExternal(req->header);
     } else if (req->kind == RawPutRequest::Kind::kChunk) {
       if (!upload_->has_header()) {
@@ -141,7 +173,7 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
                              RejectionReason::kInvalidArgument);
     }
     if (!s.ok()) return FinishWithError(ToGrpc(s));
-    StartRead(&request_);
+    Read();
   }
 
   void OnCancel() override {
@@ -150,12 +182,36 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   }
 
   void OnDone() override {
+    watch_->Detach();  // the reaper no longer calls OnIdle
     CloseExternal().IgnoreError();
+    if (holds_peer_) state_->peer_streams->Release(peer_);
     if (holds_stream_) state_->ReleaseStream();
     delete this;
   }
 
  private:
+  // Waits for the client's next message; the stream is idle until it arrives.
+  void Read() {
+    watch_->Arm();
+    if (!watch_->Run([this] { StartRead(&request_); })) {
+      // Ended by the reaper just now: nothing is outstanding, so OnDone follows.
+      CloseExternal().IgnoreError();
+      upload_->Abort();
+    }
+  }
+
+  // The reaper's IdleFn (watch lock held, on the reaper's thread): the client sent nothing for
+  // `idle`. The outstanding read then fails, and OnReadDone discards the upload.
+  void OnIdle(absl::Duration idle) {
+    const grpc::Status status(
+        grpc::StatusCode::DEADLINE_EXCEEDED,
+        absl::StrFormat("no bytes for %.1f s (--stream_idle_seconds=%g): upload discarded",
+                        absl::ToDoubleSeconds(idle), state_->config.stream_idle_seconds));
+    if (state_->metrics) state_->metrics->RecordRejection(RejectionReason::kStreamIdle);
+    rec_.Record(status.error_code());
+    Finish(status);
+  }
+
   // Fails the stream; the reason for the metric is the explicit one or the upload's.
   void FinishWithError(const grpc::Status& status,
                        absl::optional<RejectionReason> reason = absl::nullopt) {
@@ -188,13 +244,16 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
           RejectionReason::kInvalidArgument);
     }
     store_id_ = namespace_ + header.cache_id();
+    // A tensor delivered by the transfer service is activity of this stream.
     auto entry =
-        state_->ingest->Register(store_id_, upload_, header, state_->config.max_chunk_bytes);
+        state_->ingest->Register(store_id_, upload_, header, state_->config.max_chunk_bytes,
+                                 [watch = watch_] { watch->Touch(); });
     if (!entry.ok()) return FinishWithError(ToGrpc(entry.status()));
     external_ = *std::move(entry);
     context_->AddInitialMetadata(transfer::kExternalPayloadMetadataKey, "registered");
-    StartSendInitialMetadata();
-    StartRead(&request_);
+    watch_->Arm();
+    if (!watch_->Run([this] { StartSendInitialMetadata(); })) return;
+    Read();
   }
 
   // Ends transfer delivery into this upload and unregisters it; returns the first error a
@@ -208,15 +267,20 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
   void FinishOnce(const grpc::Status& status) {
     CloseExternal().IgnoreError();
-    rec_.Record(status.error_code());
-    Finish(status);
+    watch_->End([&] {
+      rec_.Record(status.error_code());
+      Finish(status);
+    });
   }
 
   ServiceState* const state_;
   grpc::CallbackServerContext* const context_;
   grpc::ByteBuffer* const response_;
-  RpcRecorder rec_;
+  RpcRecorder rec_;  // recorded under the watch's lock (End, OnIdle)
+  std::shared_ptr<StreamWatch> watch_;
   bool holds_stream_ = false;
+  bool holds_peer_ = false;
+  std::string peer_;       // PeerKey of the caller
   std::string namespace_;  // store-id prefix of the caller's tenant
   std::shared_ptr<Upload> upload_;
   grpc::ByteBuffer request_;

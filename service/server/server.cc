@@ -82,6 +82,13 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
     s->auth_ = *std::move(auth);
   }
 
+  // Idle streams are checked four times per idle period (at least every 250 ms), so one ends
+  // within 1.25 idle periods of its last byte.
+  const absl::Duration idle = absl::Seconds(config.stream_idle_seconds);
+  s->reaper_ = std::make_unique<StreamReaper>(idle, std::min(idle / 4, absl::Milliseconds(250)));
+  s->peer_streams_ = std::make_unique<PeerStreams>(EffectiveStreamsPerPeer(config));
+  s->staging_budget_ = std::make_unique<StagingBudget>(EffectiveStagingBytes(config));
+
   s->state_ = std::make_unique<ServiceState>();
   s->state_->auth = s->auth_.get();
   s->state_->config = config;
@@ -90,6 +97,9 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
   s->state_->metrics = s->metrics_.get();
   s->state_->pool = s->pool_.get();
   s->state_->staging = &LargeBuffers();
+  s->state_->reaper = s->reaper_.get();
+  s->state_->peer_streams = s->peer_streams_.get();
+  s->state_->staging_budget = s->staging_budget_.get();
   s->state_->version = s->options_.version;
   s->state_->RefreshStoreGauges();
   s->service_ = std::make_unique<KvCacheServiceImpl>(s->state_.get());
@@ -128,6 +138,16 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
     // Without this gRPC sets SO_REUSEPORT, and a second kvcd on the same port would silently
     // share its traffic instead of failing.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    // Keepalive enforcement: kvcd pings a connection silent for a minute and drops it when the
+    // peer does not answer within 20 s (dead clients free their streams); a client may ping at
+    // most every 10 s while no data flows, else it gets strikes and, at the third, GOAWAY; a
+    // connection without calls for 5 minutes is closed (clients reconnect transparently).
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60 * 1000);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20 * 1000);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10 * 1000);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 2);
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 5 * 60 * 1000);
     builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
     builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
     builder.RegisterService(s->service_.get());
@@ -196,7 +216,8 @@ void KvcServer::Shutdown() {
   if (health_server_) health_server_->Wait();
   stop_sweep_.Notify();
   if (sweeper_.joinable()) sweeper_.join();
-  pool_.reset();  // runs queued compressions (their uploads are already finished or cancelled)
+  reaper_.reset();  // every stream is done: no watch is left to check
+  pool_.reset();    // runs queued compressions (their uploads are already finished or cancelled)
 }
 
 }  // namespace kvc::server

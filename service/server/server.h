@@ -26,6 +26,7 @@
 #include "kvc/metrics.h"
 #include "server/config.h"
 #include "server/service_impl.h"
+#include "server/stream_guard.h"
 #include "server/thread_pool.h"
 #include "server/tls_files.h"
 
@@ -80,6 +81,9 @@ class KvcServer {
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<TokenAuth> auth_;
   std::unique_ptr<TlsFiles> tls_;  // null without TLS
+  std::unique_ptr<StreamReaper> reaper_;
+  std::unique_ptr<PeerStreams> peer_streams_;
+  std::unique_ptr<StagingBudget> staging_budget_;
   std::unique_ptr<ServiceState> state_;
   std::unique_ptr<KvCacheServiceImpl> service_;
   std::vector<std::unique_ptr<grpc::Service>> extra_;

@@ -9,14 +9,16 @@
 //                       before header, unknown layer/tensor, out-of-range or overlapping chunk,
 //                       stream closed with bytes missing, bad layer range or format
 //   RESOURCE_EXHAUSTED  over --max_message_bytes (from gRPC), --max_chunk_bytes,
-//                       --max_cache_bytes or --max_concurrent_streams, or the store cannot make
-//                       room
+//                       --max_cache_bytes, --max_concurrent_streams, --max_streams_per_peer or
+//                       --staging_bytes, or the store cannot make room
 //   ALREADY_EXISTS      the id exists and the header does not set overwrite
 //   NOT_FOUND           unknown or expired cache (the message quotes the caller's id, never
 //                       the tenant-qualified store id)
 //   DATA_LOSS           stored bytes do not match their checksum (found block by block as a
 //                       GetCache sends them)
 //   CANCELLED / DEADLINE_EXCEEDED  from the client; the partial upload is discarded
+//   DEADLINE_EXCEEDED   also: the stream moved no bytes for --stream_idle_seconds (a GetCache
+//                       client that stopped reading may see CANCELLED instead)
 //   UNAVAILABLE         the server is draining
 //
 // Thread-safety: gRPC calls the methods concurrently; all shared state is in ServiceState.
@@ -34,6 +36,7 @@
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "server/auth.h"
 #include "server/config.h"
+#include "server/stream_guard.h"
 #include "server/thread_pool.h"
 
 namespace kvc::server {
@@ -54,6 +57,10 @@ struct ServiceState {
   // Uploads fed by the transfer service (PutCacheHeader.external_payload); set by whoever
   // registers that service. null: external_payload uploads are FAILED_PRECONDITION.
   IngestRegistry* ingest = nullptr;
+  // Stream protections (server/stream_guard.h), owned by the server; null: not applied.
+  StreamReaper* reaper = nullptr;
+  PeerStreams* peer_streams = nullptr;
+  StagingBudget* staging_budget = nullptr;
 
   std::atomic<bool> draining{false};
   std::atomic<int> active_streams{0};

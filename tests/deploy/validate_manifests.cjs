@@ -20,9 +20,8 @@ const YAML = req('yaml');
 
 // The least overhead above the store budget (deploy/OPERATIONS.md, "Sizing"): binary, threads,
 // allocator slack and gRPC, plus one receive buffer per concurrent stream, plus the idle buffers
-// kvcd keeps for reuse (--buffer_pool_bytes), plus the CUDA context and pinned buffers on GPU
-// pods. Staging of uploads depends on the model and is the operator's part of the
-// kvc.dev/memory-overhead annotation.
+// kvcd keeps for reuse (--buffer_pool_bytes), plus the staging of uploads in flight
+// (--staging_bytes, which kvcd enforces), plus the CUDA context and pinned buffers on GPU pods.
 const FIXED_OVERHEAD = 256 * 2 ** 20;
 const CUDA_OVERHEAD = 512 * 2 ** 20;
 
@@ -223,17 +222,31 @@ function lintDeployment(objects) {
     }
   }
   // The overhead is stated on the pod template; it must cover the parts kvcd always needs.
+  const mi = (b) => `${Math.ceil(b / 2 ** 20)}Mi`;
   const store = lib.parseByteSize(flags.store_bytes || '1GiB');
   const streams = Number(flags.max_concurrent_streams || 64);
   const message = lib.parseByteSize(flags.max_message_bytes || '8MiB');
   const cuda = flags.backend === 'cuda';
   const pool = lib.parseByteSize(flags.buffer_pool_bytes || '512MiB');
-  const minOverhead = FIXED_OVERHEAD + streams * message + pool + (cuda ? CUDA_OVERHEAD : 0);
+  // kvcd's defaults (server/config.h): max cache = store / 4, staging = max(store / 2, max cache).
+  const maxCache = flags.max_cache_bytes
+    ? lib.parseByteSize(flags.max_cache_bytes)
+    : Math.max(1, Math.floor(store / 4));
+  const staging = flags.staging_bytes
+    ? lib.parseByteSize(flags.staging_bytes)
+    : Math.max(Math.floor(store / 2), maxCache);
+  if (staging < maxCache) {
+    problem(
+      where,
+      `--staging_bytes ${mi(staging)} is below --max_cache_bytes ${mi(maxCache)} (kvcd refuses it)`,
+    );
+  }
+  const minOverhead =
+    FIXED_OVERHEAD + streams * message + pool + staging + (cuda ? CUDA_OVERHEAD : 0);
   const annotations = (d.spec.template.metadata || {}).annotations || {};
   const overheadText = annotations['kvc.dev/memory-overhead'];
   const overhead = lib.parseQuantity(overheadText);
   const memLimit = lib.parseQuantity(lim.memory);
-  const mi = (b) => `${Math.ceil(b / 2 ** 20)}Mi`;
   if (overheadText === undefined || !(overhead >= 0)) {
     problem(where, 'pod template lacks the kvc.dev/memory-overhead annotation');
   } else {
@@ -241,8 +254,8 @@ function lintDeployment(objects) {
       problem(
         where,
         `kvc.dev/memory-overhead ${overheadText} is below the minimum ${mi(minOverhead)} ` +
-          `(256Mi fixed + ${streams} streams x ${mi(message)} + ${mi(pool)} buffer pool` +
-          `${cuda ? ' + 512Mi CUDA' : ''})`,
+          `(256Mi fixed + ${streams} streams x ${mi(message)} + ${mi(pool)} buffer pool + ` +
+          `${mi(staging)} staging${cuda ? ' + 512Mi CUDA' : ''})`,
       );
     }
     if (memLimit !== store + overhead) {

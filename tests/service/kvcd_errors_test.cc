@@ -72,7 +72,8 @@ class KvcdErrorsTest : public testing::SharedKvcdTest<KvcdErrorsTest> {
   static std::vector<std::string> KvcdFlags() {
     return {"--store_bytes=4MiB",       "--backend=cpu",
             "--max_chunk_bytes=16KiB",  "--max_message_bytes=64KiB",
-            "--max_cache_bytes=512KiB", "--max_concurrent_streams=4"};
+            "--max_cache_bytes=512KiB", "--max_concurrent_streams=4",
+            "--max_streams_per_peer=4"};
   }
 
  protected:

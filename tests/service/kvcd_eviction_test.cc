@@ -42,7 +42,8 @@ double Metric(const KvcdProcess& kvcd, const std::string& series) {
 }
 
 TEST(KvcdEvictionTest, LeastRecentlyUsedIsEvictedFirst) {
-  auto kvcd = StartKvcd({"--store_bytes=210KiB", "--max_chunk_bytes=16KiB"});
+  auto kvcd =
+      StartKvcd({"--store_bytes=210KiB", "--max_cache_bytes=210KiB", "--max_chunk_bytes=16KiB"});
   ASSERT_NE(kvcd, nullptr);
   auto stub = testing::NewStub(kvcd->address());
   for (const char* id : {"a", "b", "c"})
@@ -76,7 +77,8 @@ TEST(KvcdEvictionTest, UploadThatCannotFitIsRejectedEarlyAndChangesNothing) {
 }
 
 TEST(KvcdEvictionTest, AnEntryBeingReadIsNotEvicted) {
-  auto kvcd = StartKvcd({"--store_bytes=12MiB", "--max_chunk_bytes=16KiB"});
+  auto kvcd =
+      StartKvcd({"--store_bytes=12MiB", "--max_cache_bytes=12MiB", "--max_chunk_bytes=16KiB"});
   ASSERT_NE(kvcd, nullptr);
   auto stub = testing::NewStub(kvcd->address());
   // 1 layer, 4 heads, D = 128, S = 4096, f16: 8 MiB of K + V, more than gRPC buffers for a
@@ -110,7 +112,8 @@ TEST(KvcdEvictionTest, AnEntryBeingReadIsNotEvicted) {
 }
 
 TEST(KvcdEvictionTest, CancellingAReadReleasesItsLease) {
-  auto kvcd = StartKvcd({"--store_bytes=32MiB", "--max_chunk_bytes=16KiB"});
+  auto kvcd =
+      StartKvcd({"--store_bytes=32MiB", "--max_cache_bytes=32MiB", "--max_chunk_bytes=16KiB"});
   ASSERT_NE(kvcd, nullptr);
   auto stub = testing::NewStub(kvcd->address());
   ASSERT_TRUE(testing::PutCache(stub.get(), testing::MakeTestCache(

@@ -71,7 +71,7 @@ TEST(KvcdLifecycleTest, PrintsAddressesWritesPortFileAndServesHealthOnBothPorts)
   ASSERT_TRUE(stub->GetServerInfo(&ctx2, {}, &info).ok());
   EXPECT_TRUE(info.serving());
   EXPECT_EQ(info.limits().store_capacity_bytes(), 64u << 20);  // the helper's default
-  EXPECT_EQ(info.limits().max_cache_bytes(), 64u << 20);       // defaults to the store size
+  EXPECT_EQ(info.limits().max_cache_bytes(), 16u << 20);       // defaults to store / 4
   EXPECT_EQ(info.limits().max_message_bytes(), 8u << 20);
   EXPECT_EQ(info.limits().max_chunk_bytes(), 4u << 20);
   EXPECT_EQ(info.limits().max_concurrent_streams(), 64u);

@@ -138,7 +138,8 @@ TEST(MetricsTest, KnownSeriesExistFromStartAtZero) {
     EXPECT_EQ(Sample(text, "kvc_evictions_total", {{"reason", reason}}), 0) << reason;
   }
   for (const char* reason : {"invalid_argument", "too_large", "budget", "limit", "draining",
-                             "unauthenticated", "permission_denied"}) {
+                             "unauthenticated", "permission_denied", "stream_idle",
+                             "peer_streams", "staging"}) {
     EXPECT_EQ(Sample(text, "kvc_rejected_requests_total", {{"reason", reason}}), 0) << reason;
   }
   EXPECT_EQ(Sample(text, "kvc_ingest_bytes_total"), 0);

@@ -208,6 +208,21 @@ TEST(ServerConfigTest, ParseByteSize) {
   }
 }
 
+TEST(ServerConfigTest, DefaultsKeepOneUploadAndOnePeerBounded) {
+  ServerConfig c;
+  c.store_bytes = 1 << 30;
+  c.max_concurrent_streams = 64;
+  EXPECT_EQ(EffectiveMaxCacheBytes(c), 256u << 20);  // a quarter of the store
+  EXPECT_EQ(EffectiveStagingBytes(c), 512u << 20);   // half of it
+  EXPECT_EQ(EffectiveStreamsPerPeer(c), 16u);
+  c.max_cache_bytes = 768 << 20;  // larger uploads raise the staging default with them
+  EXPECT_EQ(EffectiveStagingBytes(c), 768u << 20);
+  c.max_concurrent_streams = 3;
+  EXPECT_EQ(EffectiveStreamsPerPeer(c), 1u);
+  c.max_streams_per_peer = 2;
+  EXPECT_EQ(EffectiveStreamsPerPeer(c), 2u);
+}
+
 TEST(ServerConfigTest, ValidateConfigNamesTheFlag) {
   EXPECT_TRUE(ValidateConfig(ServerConfig()).ok());
   auto expect_bad = [](std::function<void(ServerConfig&)> mutate, const std::string& flag) {
@@ -231,6 +246,15 @@ TEST(ServerConfigTest, ValidateConfigNamesTheFlag) {
   expect_bad([](auto& c) { c.drain_seconds = -1; }, "--drain_seconds");
   expect_bad([](auto& c) { c.shutdown_deadline_seconds = 1e9; }, "--shutdown_deadline_seconds");
   expect_bad([](auto& c) { c.ttl_sweep_seconds = 0; }, "--ttl_sweep_seconds");
+  expect_bad([](auto& c) { c.max_streams_per_peer = c.max_concurrent_streams + 1; },
+             "--max_streams_per_peer");
+  expect_bad(
+      [](auto& c) {
+        c.max_cache_bytes = 64 << 20;
+        c.staging_bytes = 32 << 20;
+      },
+      "--staging_bytes");
+  expect_bad([](auto& c) { c.stream_idle_seconds = 0; }, "--stream_idle_seconds");
   // Empty optional addresses disable those listeners.
   ServerConfig c;
   c.health_listen = "";

@@ -49,6 +49,9 @@ enum class RejectionReason {
   kDraining,          // "draining": shutting down
   kUnauthenticated,   // "unauthenticated": missing or unknown token
   kPermissionDenied,  // "permission_denied": tenant may not touch the cache
+  kStreamIdle,        // "stream_idle": no bytes moved for --stream_idle_seconds; stream ended
+  kPeerStreams,       // "peer_streams": the peer (or tenant) holds --max_streams_per_peer
+  kStaging,           // "staging": the upload's declared bytes exceed the free --staging_bytes
 };
 const char* RejectionReasonName(RejectionReason r);
 
