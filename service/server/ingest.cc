@@ -307,11 +307,16 @@ void Upload::CompressLayer(int index) {
   in.v = layer.tensor[1].get();
   in.q_obs = shape_.obs_window > 0 ? layer.tensor[2].get() : nullptr;
   CompressTimings t;
-  absl::StatusOr<CompactLayer> out = backend_->Compress(in, spec_, &t);
-  for (auto& buf : layer.tensor) buf.reset();  // staging goes back as soon as the layer is done
-  // Hashed here, right after the engine wrote it, on this job's thread.
   std::vector<uint64_t> blocks;
-  if (out.ok()) blocks = ChecksumLayerBlocks(static_cast<uint32_t>(index), out->bytes);
+  // Nothing may escape a pool thread: a failed allocation in the engine (std::bad_alloc) fails
+  // this upload with RESOURCE_EXHAUSTED, any other exception with INTERNAL, and kvcd carries on.
+  absl::StatusOr<CompactLayer> out = CallNoThrow([&]() -> absl::StatusOr<CompactLayer> {
+    ASSIGN_OR_RETURN(CompactLayer compact, backend_->Compress(in, spec_, &t));
+    // Hashed here, right after the engine wrote it, on this job's thread.
+    blocks = ChecksumLayerBlocks(static_cast<uint32_t>(index), compact.bytes);
+    return compact;
+  });
+  for (auto& buf : layer.tensor) buf.reset();  // staging goes back as soon as the layer is done
 
   absl::MutexLock lock(&mu_);
   LayerDone(index, std::move(out), std::move(blocks), t);
@@ -323,9 +328,11 @@ void Upload::LayerDone(int index, absl::StatusOr<CompactLayer> out, std::vector<
     // Results of an abandoned upload are dropped.
   } else if (!out.ok()) {
     if (compress_error_.ok()) {
+      const absl::StatusCode code = out.status().code();
       compress_error_ = absl::Status(
-          out.status().code() == absl::StatusCode::kInvalidArgument ? out.status().code()
-                                                                    : absl::StatusCode::kInternal,
+          code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kResourceExhausted
+              ? code
+              : absl::StatusCode::kInternal,
           absl::StrCat("layer ", index, ": ", std::string(out.status().message())));
       if (reason_ == RejectReason::kNone) reason_ = RejectReason::kCompress;
     }
