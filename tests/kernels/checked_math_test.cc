@@ -132,8 +132,8 @@ TEST(ValidateShapePropertyTest, RandomHugeShapesAreRejectedOrFitExactly) {
       ++accepted;
       // Everything the engine derives from an accepted shape is far from 64 bits: the largest
       // tensor in bytes, the whole compact blob at fp32 with headers and per-head metadata.
-      ASSERT_LT(kv * 4 + static_cast<u128>(s.num_kv_heads) * (64 + 4 * s.seq_len + 8 * s.head_dim),
-                static_cast<u128>(1) << 40);
+      const u128 per_head = 64 + 4 * static_cast<u128>(s.seq_len) + 8 * s.head_dim;
+      ASSERT_LT(kv * 4 + s.num_kv_heads * per_head, static_cast<u128>(1) << 40);
     } else if (dims_ok && kv > kU64Max) {
       ++overflowed;
       ASSERT_THAT(std::string(st.message()),
