@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "kvc/checked_math.h"
 #include "kvc/status_macros.h"
 
 namespace kvc::model {
@@ -14,12 +15,6 @@ namespace {
 
 constexpr int kHeaderInts = 7;
 constexpr uint64_t kHeaderBytes = kHeaderInts * sizeof(int32_t);
-
-bool MulAdd(uint64_t a, uint64_t b, uint64_t* acc) {
-  uint64_t product;
-  if (__builtin_mul_overflow(a, b, &product)) return false;
-  return !__builtin_add_overflow(*acc, product, acc);
-}
 
 int32_t ReadLe32(const unsigned char* p) {
   const uint32_t u = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
@@ -65,14 +60,14 @@ absl::StatusOr<uint64_t> CheckpointFloatCount(const LlamaConfig& c) {
                  vocab = c.vocab_size, seq = c.seq_len, half = c.head_dim() / 2;
   uint64_t n = 0;
   uint64_t per_layer = 0;
-  bool ok = MulAdd(2, dim, &per_layer) &&                               // two RMSNorm weights
-            MulAdd(2 * dim, dim, &per_layer) &&                         // wq, wo
-            MulAdd(2 * kv, dim, &per_layer) &&                          // wk, wv
-            MulAdd(3 * hidden, dim, &per_layer) &&                      // w1, w2, w3
-            MulAdd(layers, per_layer, &n) && MulAdd(vocab, dim, &n) &&  // embedding
-            MulAdd(1, dim, &n) &&                                       // final RMSNorm
-            MulAdd(2 * seq, half, &n);                                  // legacy RoPE tables
-  if (ok && !c.shared_classifier) ok = MulAdd(vocab, dim, &n);
+  bool ok = CheckedMulAdd(2, dim, &per_layer) &&           // two RMSNorm weights
+            CheckedMulAdd(2 * dim, dim, &per_layer) &&     // wq, wo
+            CheckedMulAdd(2 * kv, dim, &per_layer) &&      // wk, wv
+            CheckedMulAdd(3 * hidden, dim, &per_layer) &&  // w1, w2, w3
+            CheckedMulAdd(layers, per_layer, &n) && CheckedMulAdd(vocab, dim, &n) &&  // embedding
+            CheckedMulAdd(1, dim, &n) &&       // final RMSNorm
+            CheckedMulAdd(2 * seq, half, &n);  // legacy RoPE tables
+  if (ok && !c.shared_classifier) ok = CheckedMulAdd(vocab, dim, &n);
   if (!ok || n > (UINT64_MAX - kHeaderBytes) / sizeof(float)) {
     return absl::InvalidArgumentError("header: the weight count it implies overflows 64 bits");
   }

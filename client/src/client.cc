@@ -17,6 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "kvc/buffer_pool.h"
+#include "kvc/checked_math.h"
 #include "kvc/client_wire.h"
 #include "kvc/replicas.h"
 #include "kvc/status_macros.h"
@@ -148,14 +149,23 @@ absl::StatusOr<TensorSizes> SizesFromHeader(const PutHeader& h) {
       h.layout() != pb::LAYOUT_NHD) {
     return absl::InvalidArgumentError(absl::StrCat("header.layout: ", h.layout(), " is unknown"));
   }
-  // Products of three uint32 fit in 128 bits; anything past 2^48 bytes per tensor is nonsense.
-  const unsigned __int128 kv =
-      static_cast<unsigned __int128>(s.num_kv_heads()) * s.seq_len() * s.head_dim() * elem;
-  const unsigned __int128 q =
-      static_cast<unsigned __int128>(s.num_q_heads()) * s.obs_window() * s.head_dim() * elem;
-  constexpr unsigned __int128 kLimit = static_cast<unsigned __int128>(1) << 48;
-  if (kv > kLimit || q > kLimit) return absl::InvalidArgumentError("shape: tensor size overflows");
-  return TensorSizes{static_cast<uint64_t>(kv), static_cast<uint64_t>(q)};
+  // Overflow-checked (kvc/checked_math.h); anything past 2^48 bytes per tensor is nonsense.
+  ASSIGN_OR_RETURN(const uint64_t kv,
+                   CheckedProduct("header.shape", {{"num_kv_heads", s.num_kv_heads()},
+                                                   {"seq_len", s.seq_len()},
+                                                   {"head_dim", s.head_dim()},
+                                                   {"dtype_bytes", elem}}));
+  ASSIGN_OR_RETURN(const uint64_t q,
+                   CheckedProduct("header.shape", {{"num_q_heads", s.num_q_heads()},
+                                                   {"obs_window", s.obs_window()},
+                                                   {"head_dim", s.head_dim()},
+                                                   {"dtype_bytes", elem}}));
+  constexpr uint64_t kLimit = uint64_t{1} << 48;
+  if (kv > kLimit || q > kLimit) {
+    return absl::InvalidArgumentError(absl::StrCat("header.shape: a tensor of ", std::max(kv, q),
+                                                   " bytes is over the limit of ", kLimit));
+  }
+  return TensorSizes{kv, q};
 }
 
 class ClientImpl final : public Client {

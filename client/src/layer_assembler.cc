@@ -1,8 +1,10 @@
 #include "src/layer_assembler.h"
 
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kvc/checked_math.h"
 
 namespace kvc {
 namespace {
@@ -52,8 +54,16 @@ absl::Status LayerAssembler::Add(const pb::LayerChunk& chunk, const RawData& dat
         return absl::InternalError(absl::StrCat("GetCache stream: layer ", l, " kept_tokens ", kept,
                                                 " outside [1, seq_len]"));
       }
-      expected =
-          index == 2 ? heads * kept * 4 : heads * kept * info_.shape().head_dim() * elem_size_;
+      // Checked: a CacheInfo with absurd fields must not wrap into a plausible size.
+      const std::optional<uint64_t> want =
+          index == 2 ? CheckedProduct({heads, kept, 4})
+                     : CheckedProduct({heads, kept, info_.shape().head_dim(), elem_size_});
+      if (!want) {
+        return absl::InternalError(absl::StrCat(
+            "GetCache stream: layer ", l, " part ", chunk.part(), ": num_kv_heads*kept_tokens*",
+            index == 2 ? "4" : "head_dim*dtype_bytes", " overflows 64 bits"));
+      }
+      expected = *want;
       if (total != expected) {
         return absl::InternalError(absl::StrCat("GetCache stream: layer ", l, " part ",
                                                 chunk.part(), " total_bytes ", total,

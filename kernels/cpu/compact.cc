@@ -17,9 +17,9 @@
 #include "cpu/gather.h"
 #include "cpu/pack.h"
 #include "cpu/quantize.h"
-#include "cpu/thread_pool.h"
 #include "kvc/convert.h"
 #include "kvc/status_macros.h"
+#include "kvc/thread_pool.h"
 
 namespace kvc {
 namespace {
@@ -547,7 +547,12 @@ absl::StatusOr<CompactLayer> PackLayerImpl(const LayerInput& in, const TokenSele
   // and a large blob is a huge-page block from the buffer pool (kvc/bytes.h), reused memory when
   // the pool holds one of this size.
   CompactLayer out;
-  out.bytes.resize(total);
+  try {
+    out.bytes.resize(total);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", total, " bytes for layer ", in.layer_index));
+  }
   uint8_t* blob = out.bytes.data();
   p.sections = blob + begin;
 

@@ -9,12 +9,12 @@
 #include "absl/strings/str_cat.h"
 #include "cpu/engine.h"
 #include "cpu/pack.h"
-#include "cpu/thread_pool.h"
 #include "kvc/attention.h"
 #include "kvc/backend.h"
 #include "kvc/compact.h"
 #include "kvc/convert.h"
 #include "kvc/status_macros.h"
+#include "kvc/thread_pool.h"
 
 namespace kvc {
 namespace {
@@ -39,8 +39,22 @@ class CpuBackend final : public Backend {
   // to the time (summed over tasks, cpu::PackWork) the tasks spent quantizing (computing and
   // writing scales, zeros and codes) versus everything else (gather, fp32 conversion); `quantize`
   // is 0 when bits == 0.
+  // Scratch and result buffers are sized from the shape; a failed allocation (std::bad_alloc,
+  // rethrown here from whichever pool thread hit it) is RESOURCE_EXHAUSTED, never an exception
+  // out of the backend.
   absl::StatusOr<CompactLayer> Compress(const LayerInput& in, const CompressionSpec& spec,
                                         CompressTimings* timings) override {
+    return CallNoThrow([&] { return CompressImpl(in, spec, timings); });
+  }
+
+  absl::Status Attend(const CompactLayerView& cache, const DecodeQuery& query,
+                      float* out) override {
+    return PackedAttentionCpu(cache, query, out);
+  }
+
+ private:
+  absl::StatusOr<CompactLayer> CompressImpl(const LayerInput& in, const CompressionSpec& spec,
+                                            CompressTimings* timings) {
     const auto start = std::chrono::steady_clock::now();
     RETURN_IF_ERROR(ValidateInput(in));
     RETURN_IF_ERROR(ValidateSpec(spec, in.shape, in.layer_index));
@@ -62,12 +76,6 @@ class CpuBackend final : public Backend {
     return layer;
   }
 
-  absl::Status Attend(const CompactLayerView& cache, const DecodeQuery& query,
-                      float* out) override {
-    return PackedAttentionCpu(cache, query, out);
-  }
-
- private:
   ThreadPool pool_;
 };
 

@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "cpu/thread_pool.h"
 #include "kvc/layer.h"
 #include "kvc/selection.h"
 #include "kvc/spec.h"
+#include "kvc/thread_pool.h"
 
 namespace kvc::cpu {
 

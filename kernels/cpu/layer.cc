@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kvc/checked_math.h"
 
 namespace kvc {
 namespace {
@@ -37,17 +38,25 @@ absl::Status ValidateShape(const LayerShape& shape) {
     return Invalid("shape.obs_window",
                    absl::StrCat(shape.obs_window, " is outside [0, seq_len ", shape.seq_len, "]"));
   }
-  // Products below are computed in 64 bits; the limit keeps every byte offset far from overflow.
-  const uint64_t kv_elems = static_cast<uint64_t>(shape.num_kv_heads) * shape.seq_len *
-                            static_cast<uint64_t>(shape.head_dim);
-  if (kv_elems > kMaxLayerElements) {
-    return Invalid("shape", absl::StrCat("K has ", kv_elems, " elements, above the limit ",
+  // The element counts are checked products: each field may be up to INT32_MAX, so the exact
+  // product can exceed 64 bits, and a wrapped count would pass the limit below. Within the limit,
+  // every byte offset the engine computes from the shape fits comfortably in 64 bits.
+  absl::StatusOr<uint64_t> kv_elems =
+      CheckedProduct("shape", {{"num_kv_heads", static_cast<uint64_t>(shape.num_kv_heads)},
+                               {"seq_len", static_cast<uint64_t>(shape.seq_len)},
+                               {"head_dim", static_cast<uint64_t>(shape.head_dim)}});
+  if (!kv_elems.ok()) return kv_elems.status();
+  if (*kv_elems > kMaxLayerElements) {
+    return Invalid("shape", absl::StrCat("K has ", *kv_elems, " elements, above the limit ",
                                          kMaxLayerElements));
   }
-  const uint64_t q_elems = static_cast<uint64_t>(shape.num_q_heads) * shape.obs_window *
-                           static_cast<uint64_t>(shape.head_dim);
-  if (q_elems > kMaxLayerElements) {
-    return Invalid("shape", absl::StrCat("Q_obs has ", q_elems, " elements, above the limit ",
+  absl::StatusOr<uint64_t> q_elems =
+      CheckedProduct("shape", {{"num_q_heads", static_cast<uint64_t>(shape.num_q_heads)},
+                               {"obs_window", static_cast<uint64_t>(shape.obs_window)},
+                               {"head_dim", static_cast<uint64_t>(shape.head_dim)}});
+  if (!q_elems.ok()) return q_elems.status();
+  if (*q_elems > kMaxLayerElements) {
+    return Invalid("shape", absl::StrCat("Q_obs has ", *q_elems, " elements, above the limit ",
                                          kMaxLayerElements));
   }
   return absl::OkStatus();

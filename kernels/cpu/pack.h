@@ -10,7 +10,7 @@
 #include "kvc/spec.h"
 
 namespace kvc {
-class ThreadPool;  // cpu/thread_pool.h
+class ThreadPool;  // kvc/thread_pool.h
 }  // namespace kvc
 
 namespace kvc::cpu {

@@ -1,7 +1,12 @@
-#include "cpu/thread_pool.h"
+#include "kvc/thread_pool.h"
 
 #include <algorithm>
-#include <atomic>
+#include <cstdio>
+#include <new>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
 
 namespace kvc {
 
@@ -9,9 +14,12 @@ struct ThreadPool::Job {
   const std::function<void(int)>* fn = nullptr;
   int n = 0;
   std::atomic<int> next{0};
+  // Set once an index threw: the indices claimed after that are counted done without running.
+  std::atomic<bool> failed{false};
   std::mutex mu;
   std::condition_variable cv;
-  int done = 0;  // guarded by mu
+  int done = 0;              // guarded by mu
+  std::exception_ptr error;  // guarded by mu: the first exception fn threw
 };
 
 ThreadPool::ThreadPool(int num_threads) {
@@ -38,7 +46,16 @@ ThreadPool* ThreadPool::Default() {
 void ThreadPool::RunJob(Job* job) {
   int finished = 0;
   for (int i = job->next.fetch_add(1); i < job->n; i = job->next.fetch_add(1)) {
-    (*job->fn)(i);
+    if (!job->failed.load(std::memory_order_relaxed)) {
+      // A worker thread must not let an exception out (std::terminate): hand it to the caller.
+      try {
+        (*job->fn)(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(job->mu);
+        if (!job->error) job->error = std::current_exception();
+        job->failed.store(true, std::memory_order_relaxed);
+      }
+    }
     ++finished;
   }
   if (finished > 0) {
@@ -48,22 +65,42 @@ void ThreadPool::RunJob(Job* job) {
   }
 }
 
+void ThreadPool::RunClosure(const std::function<void()>& fn) {
+  // Nobody waits for a scheduled closure, so its exception has no one to go to: report it and
+  // keep the worker (and the process) alive.
+  try {
+    fn();
+  } catch (...) {
+    const absl::Status s = StatusFromException(std::current_exception());
+    std::fprintf(stderr, "kvc::ThreadPool: a scheduled closure threw: %s\n", s.ToString().c_str());
+  }
+}
+
 void ThreadPool::WorkerLoop() {
   for (;;) {
-    std::shared_ptr<Job> job;
+    Task task;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stop_ and nothing left
-      job = queue_.front();
-      // Every index of the front job is claimed once its counter reaches n: retire it so workers
-      // move on to the next job.
-      if (job->next.load() >= job->n) {
+      Task& front = queue_.front();
+      if (front.job == nullptr) {
+        task.fn = std::move(front.fn);
+        queue_.pop_front();
+      } else if (front.job->next.load() >= front.job->n) {
+        // Every index of the front job is claimed once its counter reaches n: retire it so
+        // workers move on to the next entry.
         queue_.pop_front();
         continue;
+      } else {
+        task.job = front.job;
       }
     }
-    RunJob(job.get());
+    if (task.job != nullptr) {
+      RunJob(task.job.get());
+    } else {
+      RunClosure(task.fn);
+    }
   }
 }
 
@@ -78,17 +115,48 @@ void ThreadPool::ParallelFor(int n, const std::function<void(int)>& fn) {
   job->n = n;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(job);
+    queue_.push_back(Task{job, nullptr});
   }
   cv_.notify_all();
   RunJob(job.get());
+  std::exception_ptr error;
   {
     std::unique_lock<std::mutex> lock(job->mu);
     job->cv.wait(lock, [&job] { return job->done == job->n; });
+    error = job->error;
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = std::find(queue_.begin(), queue_.end(), job);
-  if (it != queue_.end()) queue_.erase(it);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it =
+        std::find_if(queue_.begin(), queue_.end(), [&job](const Task& t) { return t.job == job; });
+    if (it != queue_.end()) queue_.erase(it);
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+void ThreadPool::Schedule(std::function<void()> fn) {
+  if (workers_.empty()) {
+    RunClosure(fn);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(Task{nullptr, std::move(fn)});
+  }
+  cv_.notify_one();
+}
+
+absl::Status StatusFromException(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::bad_alloc& ex) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("out of memory: an allocation failed (", ex.what(), ")"));
+  } catch (const std::exception& ex) {
+    return absl::InternalError(absl::StrCat("unexpected exception: ", ex.what()));
+  } catch (...) {
+    return absl::InternalError("unexpected exception of unknown type");
+  }
 }
 
 }  // namespace kvc

@@ -1,9 +1,11 @@
 #include "server/convert.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "kvc/checked_math.h"
 #include "kvc/compact.h"
 #include "kvc/status_macros.h"
 
@@ -175,30 +177,64 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   return spec;
 }
 
-LayerBytes LayerTensorBytes(const LayerShape& s, DType dtype) {
+absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& s, DType dtype) {
   const uint64_t es = DTypeSize(dtype);
   LayerBytes b;
-  b.k = static_cast<uint64_t>(s.num_kv_heads) * s.seq_len * s.head_dim * es;
+  ASSIGN_OR_RETURN(
+      b.k, CheckedProduct("header.shape", {{"num_kv_heads", static_cast<uint64_t>(s.num_kv_heads)},
+                                           {"seq_len", static_cast<uint64_t>(s.seq_len)},
+                                           {"head_dim", static_cast<uint64_t>(s.head_dim)},
+                                           {"dtype_bytes", es}}));
   b.v = b.k;
-  b.q_obs = static_cast<uint64_t>(s.num_q_heads) * s.obs_window * s.head_dim * es;
+  ASSIGN_OR_RETURN(b.q_obs, CheckedProduct("header.shape",
+                                           {{"num_q_heads", static_cast<uint64_t>(s.num_q_heads)},
+                                            {"obs_window", static_cast<uint64_t>(s.obs_window)},
+                                            {"head_dim", static_cast<uint64_t>(s.head_dim)},
+                                            {"dtype_bytes", es}}));
   return b;
 }
 
-uint64_t EstimateStoredBytes(const LayerShape& s, DType dtype, const CompressionSpec& spec,
-                             int num_layers) {
+absl::StatusOr<uint64_t> UploadBytes(const LayerShape& s, DType dtype, int num_layers) {
+  ASSIGN_OR_RETURN(const LayerBytes lb, LayerTensorBytes(s, dtype));
+  const std::optional<uint64_t> kv = CheckedAdd(lb.k, lb.v);
+  const std::optional<uint64_t> layer = kv ? CheckedAdd(*kv, lb.q_obs) : std::nullopt;
+  if (!layer) {
+    return Invalid("header.shape", absl::StrCat("K + V + Q_obs = ", lb.k, " + ", lb.v, " + ",
+                                                lb.q_obs, " bytes overflows 64 bits"));
+  }
+  return CheckedProduct(
+      "header.shape", {{"layer_bytes", *layer}, {"num_layers", static_cast<uint64_t>(num_layers)}});
+}
+
+absl::StatusOr<uint64_t> EstimateStoredBytes(const LayerShape& s, DType dtype,
+                                             const CompressionSpec& spec, int num_layers) {
   const uint64_t es = DTypeSize(dtype);
   const bool pruning = spec.channels.key_policy != ChannelPolicy::kNone;
   const int tk = pruning ? KeptChannels(spec.channels.key_lambda, s.head_dim) : s.head_dim;
   const int tv = spec.channels.prune_values ? KeptChannels(spec.channels.value_lambda, s.head_dim)
                                             : s.head_dim;
+  // Quantized elements cost bits/8 bytes, otherwise the dtype size; counted in bits and rounded
+  // down per head, and scales are not counted, so this stays a lower bound.
+  const uint64_t elem_bits = spec.quant.bits > 0 ? static_cast<uint64_t>(spec.quant.bits) : 8 * es;
+  const uint64_t heads = static_cast<uint64_t>(s.num_kv_heads);
   uint64_t total = 0;
   for (int l = 0; l < num_layers; ++l) {
     const uint64_t kept = static_cast<uint64_t>(EffectiveBudget(spec.eviction, l, s.seq_len));
-    // Quantized elements cost bits/8 bytes; otherwise the dtype size. Scales are not counted, so
-    // this stays a lower bound.
-    const double elem = spec.quant.bits > 0 ? spec.quant.bits / 8.0 : static_cast<double>(es);
-    const double per_head = static_cast<double>(kept) * (tk + tv) * elem + kept * 4.0;
-    total += sizeof(LayerHeader) + s.num_kv_heads * (sizeof(HeadDesc) + per_head);
+    ASSIGN_OR_RETURN(
+        const uint64_t data_bits,
+        CheckedProduct("header.shape", {{"kept_tokens", kept},
+                                        {"kept_channels", static_cast<uint64_t>(tk + tv)},
+                                        {"element_bits", elem_bits}}));
+    // Per head: its descriptor, the kept data and one int32 position per kept token.
+    uint64_t per_head = sizeof(HeadDesc) + data_bits / 8;
+    uint64_t layer = sizeof(LayerHeader);
+    if (!CheckedMulAdd(kept, 4, &per_head) || !CheckedMulAdd(heads, per_head, &layer) ||
+        !CheckedMulAdd(1, layer, &total)) {
+      return ProductOverflowError("header.shape",
+                                  {{"num_kv_heads", heads},
+                                   {"stored_bytes_per_head", per_head},
+                                   {"num_layers", static_cast<uint64_t>(num_layers)}});
+    }
   }
   return total;
 }

@@ -32,16 +32,23 @@ absl::StatusOr<LayerShape> ShapeFromProto(const kvcache::v1::ModelShape& shape);
 absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConfig& config,
                                               const LayerShape& shape, int num_layers);
 
-// Byte sizes of one layer's tensors.
+// Byte sizes of one layer's tensors. Overflow-checked (kvc/checked_math.h): INVALID_ARGUMENT
+// naming the product when a size does not fit in 64 bits (never for a shape ShapeFromProto
+// accepted).
 struct LayerBytes {
   uint64_t k = 0, v = 0, q_obs = 0;
 };
-LayerBytes LayerTensorBytes(const LayerShape& shape, DType dtype);
+absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& shape, DType dtype);
+
+// K + V + Q_obs bytes of all `num_layers` layers, overflow-checked like LayerTensorBytes.
+absl::StatusOr<uint64_t> UploadBytes(const LayerShape& shape, DType dtype, int num_layers);
 
 // Lower bound on the compact size of the whole cache (blob headers, kept tokens, kept channels,
-// quantized sizes; scales ignored): used only to reject uploads that can never fit.
-uint64_t EstimateStoredBytes(const LayerShape& shape, DType dtype, const CompressionSpec& spec,
-                             int num_layers);
+// quantized sizes; scales ignored): used only to reject uploads that can never fit. Computed in
+// checked integer arithmetic: INVALID_ARGUMENT naming the product when it does not fit in 64 bits
+// (never for a shape ShapeFromProto accepted with num_layers <= 4096).
+absl::StatusOr<uint64_t> EstimateStoredBytes(const LayerShape& shape, DType dtype,
+                                             const CompressionSpec& spec, int num_layers);
 
 grpc::Status ToGrpc(const absl::Status& status);
 // ToGrpc for a caller whose store ids carry the tenant prefix `ns` (ServiceState::Namespace):

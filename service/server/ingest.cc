@@ -93,8 +93,13 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
   auto spec = SpecFromProto(h.compression(), *shape, num_layers);
   if (!spec.ok()) return invalid(spec.status());
 
-  const LayerBytes lb = LayerTensorBytes(*shape, *dtype);
-  const uint64_t total = (lb.k + lb.v + lb.q_obs) * num_layers;
+  // Checked sizes: ShapeFromProto bounds the element counts, and these products are checked too,
+  // so a wrapped (small) size can never pass the limits below.
+  auto lb = LayerTensorBytes(*shape, *dtype);
+  if (!lb.ok()) return invalid(lb.status());
+  auto upload_bytes = UploadBytes(*shape, *dtype, num_layers);
+  if (!upload_bytes.ok()) return invalid(upload_bytes.status());
+  const uint64_t total = *upload_bytes;
   if (total > limits_.max_cache_bytes) {
     return Reject(RejectReason::kTooLarge,
                   absl::ResourceExhaustedError(absl::StrCat(
@@ -106,7 +111,9 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
                   absl::AlreadyExistsError(absl::StrCat("header.cache_id: '", h.cache_id(),
                                                         "' exists (set overwrite to replace)")));
   }
-  const uint64_t estimate = EstimateStoredBytes(*shape, *dtype, *spec, num_layers);
+  auto estimated = EstimateStoredBytes(*shape, *dtype, *spec, num_layers);
+  if (!estimated.ok()) return invalid(estimated.status());
+  const uint64_t estimate = *estimated;
   if (auto s = store_->CheckCanFit(estimate); !s.ok()) {
     return Reject(RejectReason::kNoSpace, absl::ResourceExhaustedError(absl::StrCat(
                                               "store: a compact cache of at least ", estimate,
@@ -119,9 +126,9 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
   dtype_ = *dtype;
   layout_ = *layout;
   spec_ = *spec;
-  tensor_bytes_[0] = lb.k;
-  tensor_bytes_[1] = lb.v;
-  tensor_bytes_[2] = lb.q_obs;
+  tensor_bytes_[0] = lb->k;
+  tensor_bytes_[1] = lb->v;
+  tensor_bytes_[2] = lb->q_obs;
   in_place_ = InPlaceLayer::KeepsEverything(*spec);
   layers_.resize(num_layers);
   {
@@ -313,11 +320,16 @@ void Upload::CompressLayer(int index) {
   in.v = layer.tensor[1].get();
   in.q_obs = shape_.obs_window > 0 ? layer.tensor[2].get() : nullptr;
   CompressTimings t;
-  absl::StatusOr<CompactLayer> out = backend_->Compress(in, spec_, &t);
-  for (auto& buf : layer.tensor) buf.reset();  // staging goes back as soon as the layer is done
-  // Hashed here, right after the engine wrote it, on this job's thread.
   std::vector<uint64_t> blocks;
-  if (out.ok()) blocks = ChecksumLayerBlocks(static_cast<uint32_t>(index), out->bytes);
+  // Nothing may escape a pool thread: a failed allocation in the engine (std::bad_alloc) fails
+  // this upload with RESOURCE_EXHAUSTED, any other exception with INTERNAL, and kvcd carries on.
+  absl::StatusOr<CompactLayer> out = CallNoThrow([&]() -> absl::StatusOr<CompactLayer> {
+    ASSIGN_OR_RETURN(CompactLayer compact, backend_->Compress(in, spec_, &t));
+    // Hashed here, right after the engine wrote it, on this job's thread.
+    blocks = ChecksumLayerBlocks(static_cast<uint32_t>(index), compact.bytes);
+    return compact;
+  });
+  for (auto& buf : layer.tensor) buf.reset();  // staging goes back as soon as the layer is done
 
   absl::MutexLock lock(&mu_);
   LayerDone(index, std::move(out), std::move(blocks), t);
@@ -329,9 +341,11 @@ void Upload::LayerDone(int index, absl::StatusOr<CompactLayer> out, std::vector<
     // Results of an abandoned upload are dropped.
   } else if (!out.ok()) {
     if (compress_error_.ok()) {
+      const absl::StatusCode code = out.status().code();
       compress_error_ = absl::Status(
-          out.status().code() == absl::StatusCode::kInvalidArgument ? out.status().code()
-                                                                    : absl::StatusCode::kInternal,
+          code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kResourceExhausted
+              ? code
+              : absl::StatusCode::kInternal,
           absl::StrCat("layer ", index, ": ", std::string(out.status().message())));
       if (reason_ == RejectReason::kNone) reason_ = RejectReason::kCompress;
     }
@@ -408,8 +422,8 @@ absl::StatusOr<kvcache::v1::PutCacheResponse> Upload::Finalize() {
   const uint32_t ttl =
       header_.ttl_seconds() > 0 ? header_.ttl_seconds() : limits_.default_ttl_seconds;
   if (ttl > 0) entry->expires = now + absl::Seconds(ttl);
-  const LayerBytes lb = LayerTensorBytes(shape_, dtype_);
-  entry->input_bytes = (lb.k + lb.v) * layers_.size();
+  // OnHeader checked K + V + Q_obs of all layers, so this cannot overflow.
+  entry->input_bytes = (tensor_bytes_[0] + tensor_bytes_[1]) * layers_.size();
 
   kvcache::v1::CacheInfo info;
   info.set_cache_id(header_.cache_id());

@@ -31,9 +31,9 @@
 #include "kvc/buffer_pool.h"
 #include "kvc/cache_store.h"
 #include "kvc/compact.h"
+#include "kvc/thread_pool.h"
 #include "kvcache/v1/kvcache.pb.h"
 #include "server/stream_guard.h"
-#include "server/thread_pool.h"
 #include "server/wire.h"
 
 namespace kvc::server {
@@ -64,7 +64,8 @@ class Upload : public std::enable_shared_from_this<Upload> {
   // Copies the chunk's payload into place. INVALID_ARGUMENT (unknown layer or tensor, out of
   // range, overlap) or RESOURCE_EXHAUSTED (payload over max_chunk_bytes). Schedules compression
   // of the layer when it becomes complete. Also returns a compression error as soon as one layer
-  // failed.
+  // failed: the engine's INVALID_ARGUMENT, RESOURCE_EXHAUSTED when memory ran out (an exception
+  // thrown by the engine never leaves the pool thread), else INTERNAL.
   absl::Status OnChunk(const RawPutRequest& chunk);
 
   // The stream closed: once every scheduled compression finishes, checks completeness, builds

@@ -34,10 +34,11 @@ IngestRegistry::Entry::Entry(std::shared_ptr<Upload> upload,
   auto shape = ShapeFromProto(header.shape());
   auto dtype = FromProto(header.dtype());
   if (shape.ok() && dtype.ok()) {
-    const LayerBytes lb = LayerTensorBytes(*shape, *dtype);
-    tensor_bytes_[0] = lb.k;
-    tensor_bytes_[1] = lb.v;
-    tensor_bytes_[2] = lb.q_obs;
+    if (auto lb = LayerTensorBytes(*shape, *dtype); lb.ok()) {
+      tensor_bytes_[0] = lb->k;
+      tensor_bytes_[1] = lb->v;
+      tensor_bytes_[2] = lb->q_obs;
+    }
   }
   num_layers_ = header.shape().num_layers();
 }

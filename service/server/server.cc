@@ -71,7 +71,8 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
 
   int threads = config.threads;
   if (threads == 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  s->pool_ = std::make_unique<ThreadPool>(threads);
+  // `threads` compression workers; ThreadPool counts the ParallelFor caller too, hence the + 1.
+  s->pool_ = std::make_unique<ThreadPool>(threads + 1);
   // One process-wide pool serves upload staging and every compact blob (ByteVector), so the
   // memory of an evicted or deleted cache goes to the next upload instead of back to the kernel.
   LargeBuffers().set_cap(config.buffer_pool_bytes);

@@ -24,10 +24,10 @@
 #include "kvc/backend.h"
 #include "kvc/cache_store.h"
 #include "kvc/metrics.h"
+#include "kvc/thread_pool.h"
 #include "server/config.h"
 #include "server/service_impl.h"
 #include "server/stream_guard.h"
-#include "server/thread_pool.h"
 #include "server/tls_files.h"
 
 namespace kvc::server {

@@ -33,11 +33,11 @@
 #include "kvc/buffer_pool.h"
 #include "kvc/cache_store.h"
 #include "kvc/metrics.h"
+#include "kvc/thread_pool.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "server/auth.h"
 #include "server/config.h"
 #include "server/stream_guard.h"
-#include "server/thread_pool.h"
 
 namespace kvc::server {
 

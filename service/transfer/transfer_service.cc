@@ -8,7 +8,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "kvc/transfer.h"
-#include "server/thread_pool.h"
+#include "kvc/thread_pool.h"
 #include "transfer/transfer_sessions.h"
 
 namespace kvc::transfer {
@@ -196,7 +196,7 @@ class TransferServiceImpl final : public kvcache::v1::KvCacheTransfer::CallbackS
                   !o.enable_nccl ? nullptr : (o.factory ? o.factory : owned_factory_.get()), o.sink,
                   o.source, o.clock),
         idle_watch_(o.limits.session_idle_timeout),
-        pool_(o.worker_threads) {}
+        pool_(o.worker_threads + 1) {}  // + 1: ThreadPool counts a ParallelFor caller
 
   grpc::ServerUnaryReactor* OpenTransferSession(grpc::CallbackServerContext* ctx,
                                                 const OpenTransferSessionRequest* req,
@@ -232,7 +232,7 @@ class TransferServiceImpl final : public kvcache::v1::KvCacheTransfer::CallbackS
   IdleWatch& idle_watch() { return idle_watch_; }
   const TransferLimits& limits() const { return limits_; }
   TransferSessions& sessions() { return sessions_; }
-  server::ThreadPool& pool() { return pool_; }
+  kvc::ThreadPool& pool() { return pool_; }
   absl::Status Admit() { return admit_ ? admit_() : absl::OkStatus(); }
   void Release() {
     if (release_) release_();
@@ -248,7 +248,7 @@ class TransferServiceImpl final : public kvcache::v1::KvCacheTransfer::CallbackS
   IdleWatch idle_watch_;
   // Last: destroyed first, after every reactor is done (the server is shut down before the
   // service is destroyed), running what is queued.
-  server::ThreadPool pool_;
+  kvc::ThreadPool pool_;
 };
 
 template <typename Base>

@@ -18,14 +18,14 @@
 #include <vector>
 
 #include "../../kernels/cpu/pack.h"
-#include "../../kernels/cpu/thread_pool.h"
 #include "absl/strings/str_cat.h"
 #include "benchmark/benchmark.h"
-#include "kvc/buffer_pool.h"
 #include "kvc/backend.h"
+#include "kvc/buffer_pool.h"
 #include "kvc/compact.h"
 #include "kvc/dtype.h"
 #include "kvc/selection.h"
+#include "kvc/thread_pool.h"
 
 namespace kvc {
 namespace {

@@ -171,6 +171,19 @@ TEST(Client, PutCacheValidatesBeforeSending) {
   h = SmallHeader();
   h.set_layout(static_cast<pb::Layout>(9));
   expect_invalid(h, layers, "layout");
+  // Tensor sizes are overflow-checked products, never wrapped.
+  h = SmallHeader();
+  h.mutable_shape()->set_num_kv_heads(0xFFFFFFFFu);
+  h.mutable_shape()->set_seq_len(0xFFFFFFFFu);
+  h.mutable_shape()->set_head_dim(0xFFFFFFFFu);
+  expect_invalid(h, layers,
+                 "header.shape: num_kv_heads*seq_len*head_dim*dtype_bytes = "
+                 "4294967295*4294967295*4294967295*2 overflows 64 bits");
+  h = SmallHeader();
+  h.mutable_shape()->set_num_kv_heads(1u << 20);
+  h.mutable_shape()->set_seq_len(1u << 20);
+  h.mutable_shape()->set_head_dim(1u << 10);
+  expect_invalid(h, layers, "over the limit");
   h = SmallHeader();
   std::vector<LayerTensors> bad = layers;
   bad[1].q_obs = nullptr;

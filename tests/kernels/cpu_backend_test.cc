@@ -12,7 +12,7 @@
 #include "kvc/compact.h"
 #include "kvc/selection.h"
 // The backend's pool (internal header of the CPU backend).
-#include "../../kernels/cpu/thread_pool.h"
+#include "kvc/thread_pool.h"
 
 namespace kvc {
 namespace {

@@ -1,5 +1,6 @@
 #include "kvc/layer.h"
 
+#include <cstdint>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -83,6 +84,30 @@ TEST(ValidateShapeTest, RejectsElementCountsAboveTheLimit) {
        .head_dim = 256,
        .obs_window = 1 << 18};
   ExpectInvalid(s, "Q_obs has");
+}
+
+// Each count is checked as it is multiplied: the product below is 2^64 + 2144, which wrapped to
+// 2144 elements and passed the limit before.
+TEST(ValidateShapeTest, RejectsCountsThatOverflow64BitsNamingTheProduct) {
+  LayerShape s = {.num_kv_heads = 901467965,
+                  .num_q_heads = 901467965,
+                  .seq_len = 213156309,
+                  .head_dim = 96,
+                  .obs_window = 0};
+  absl::Status st = ValidateShape(s);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(),
+            "shape: num_kv_heads*seq_len*head_dim = 901467965*213156309*96 overflows 64 bits");
+  // K within the limit (2^34 elements), Q_obs past 2^64.
+  s = {.num_kv_heads = 1,
+       .num_q_heads = INT32_MAX,
+       .seq_len = INT32_MAX,
+       .head_dim = 8,
+       .obs_window = INT32_MAX};
+  st = ValidateShape(s);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(),
+            "shape: num_q_heads*obs_window*head_dim = 2147483647*2147483647*8 overflows 64 bits");
 }
 
 TEST(ValidateInputTest, RejectsBadPointersAndEnums) {

@@ -8,11 +8,11 @@
 
 #include "../../kernels/cpu/pack.h"
 #include "../../kernels/cpu/quantize.h"
-#include "../../kernels/cpu/thread_pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/pack_util.h"
 #include "kvc/compact.h"
+#include "kvc/thread_pool.h"
 
 namespace kvc {
 namespace {

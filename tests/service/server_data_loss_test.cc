@@ -10,8 +10,8 @@
 #include "gtest/gtest.h"
 #include "kvc/backend.h"
 #include "kvc/cache_store.h"
+#include "kvc/thread_pool.h"
 #include "server/service_impl.h"
-#include "server/thread_pool.h"
 #include "testing/kvc_rpc.h"
 
 namespace kvc::server {
@@ -61,7 +61,7 @@ class ServerDataLossTest : public ::testing::Test {
 
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<CacheStore> store_;
-  ThreadPool pool_{1};
+  ThreadPool pool_{2};  // one compression worker
   ServiceState state_;
   std::unique_ptr<KvCacheServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;

@@ -42,7 +42,10 @@ struct LayerInput {
 
 // Checks shape limits and pointers; the message names the offending field, e.g.
 // "shape.head_dim: 300 is outside [8, 256]". ValidateShape: Hkv >= 1, Hq a multiple of Hkv, S >= 1,
-// D in [kMinHeadDim, kMaxHeadDim], W in [0, S], element counts within kMaxLayerElements.
+// D in [kMinHeadDim, kMaxHeadDim], W in [0, S], element counts within kMaxLayerElements. The counts
+// are overflow-checked: a product past 64 bits is reported naming its factors, e.g.
+// "shape: num_kv_heads*seq_len*head_dim = 901467965*213156309*96 overflows 64 bits". A shape that
+// passes keeps every byte size and offset derived from it far below 2^64.
 // ValidateInput also checks dtype/layout values, layer_index >= 0 and that k, v (and q_obs when
 // W > 0) are non-null; it cannot check that the buffers are large enough.
 absl::Status ValidateShape(const LayerShape& shape);

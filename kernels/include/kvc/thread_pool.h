@@ -1,0 +1,95 @@
+// The one thread pool of kvc: fork-join ParallelFor for the CPU engine (over KV heads or any
+// index range) and fire-and-forget Schedule for kvcd's compression jobs.
+//
+// Thread-safety: every method may be called from any thread, concurrently. ParallelFor jobs and
+// scheduled closures share one FIFO queue. The thread calling ParallelFor always works on its own
+// job, so nested or concurrent calls cannot deadlock.
+//
+// Exceptions never escape a worker thread (they would terminate the process): an exception thrown
+// by a ParallelFor body is rethrown to the ParallelFor caller, and one escaping a scheduled
+// closure is caught, reported on stderr and dropped. Closures that must report failure (e.g. a
+// failed allocation) catch their own, for instance with CallNoThrow below.
+#ifndef KVC_THREAD_POOL_H_
+#define KVC_THREAD_POOL_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace kvc {
+
+class ThreadPool {
+ public:
+  // Parallelism `num_threads` counts the caller of ParallelFor: num_threads - 1 workers are
+  // started. num_threads <= 0 means std::thread::hardware_concurrency(). A pool used only for
+  // Schedule therefore needs num_threads = workers + 1.
+  explicit ThreadPool(int num_threads);
+  // Runs every closure already scheduled, then joins the workers.
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int num_threads() const { return num_threads_; }
+  int num_workers() const { return static_cast<int>(workers_.size()); }
+
+  // Runs fn(i) once for every i in [0, n) on the workers and the calling thread; returns when all
+  // have finished. If fn throws, the indices not yet started are skipped and, once the running
+  // ones have finished, the first exception is rethrown on the calling thread.
+  void ParallelFor(int n, const std::function<void(int)>& fn);
+
+  // Queues fn to run once on a worker, in FIFO order with other closures and ParallelFor jobs.
+  // A pool without workers (num_threads == 1) runs fn on the calling thread before returning.
+  void Schedule(std::function<void()> fn);
+
+  // A process-wide pool with hardware_concurrency threads, created on first use.
+  static ThreadPool* Default();
+
+ private:
+  struct Job;
+  // One queue entry: a ParallelFor job (shared with its caller) or a scheduled closure.
+  struct Task {
+    std::shared_ptr<Job> job;
+    std::function<void()> fn;
+  };
+  void WorkerLoop();
+  static void RunJob(Job* job);
+  static void RunClosure(const std::function<void()>& fn);
+
+  // std::mutex rather than absl::Mutex: a distribution-built Abseil is invisible to
+  // ThreadSanitizer, which then reports every access the lock guards; pthread-based locks keep
+  // TSAN runs meaningful.
+  int num_threads_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Task> queue_;  // guarded by mu_
+  bool stop_ = false;       // guarded by mu_
+  std::vector<std::thread> workers_;
+};
+
+// The status for an exception caught in `e`: RESOURCE_EXHAUSTED for std::bad_alloc (an allocation
+// failed), INTERNAL carrying what() for any other std::exception, INTERNAL for anything else.
+absl::Status StatusFromException(std::exception_ptr e);
+
+// Calls fn() (returning absl::Status or absl::StatusOr<T>) and returns its result, or
+// StatusFromException for an exception escaping it: no exception leaves CallNoThrow.
+template <typename F>
+auto CallNoThrow(F&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (...) {
+    return StatusFromException(std::current_exception());
+  }
+}
+
+}  // namespace kvc
+
+#endif  // KVC_THREAD_POOL_H_
