@@ -11,6 +11,11 @@
 #include "kvcache/v1/kvcache.pb.h"
 #include "wire_fuzz_util.h"
 
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  kvc::fuzz::QuietProtobuf();
+  return 0;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using kvc::fuzz::Check;
   constexpr const char* kName = "get_response_fuzz";

@@ -11,6 +11,11 @@
 #include "server/wire.h"
 #include "wire_fuzz_util.h"
 
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  kvc::fuzz::QuietProtobuf();
+  return 0;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using kvc::fuzz::Check;
   using google::protobuf::util::MessageDifferencer;

@@ -26,7 +26,7 @@ if ((status != 0)); then
   echo "FAILED: $(basename "$binary") exit $status; inputs in $work/artifacts:" \
     "$(ls "$work/artifacts")"
 else
-  grep -E "^(stat::|Done|#[0-9]+ *DONE)" "$work/log" | tail -n 8 || true
+  grep -E "^(stat::|#[0-9]+[[:space:]]+DONE)" "$work/log" | tail -n 8 || true
   echo "$(basename "$binary"): ${seconds}s, no crash ($(ls "$work/corpus" | wc -l) corpus files)"
 fi
 exit $status

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "google/protobuf/stubs/logging.h"
 #include "kvc/layer.h"
 #include "kvc/spec.h"
 #include "kvcache/v1/kvcache.pb.h"
@@ -113,6 +114,11 @@ void WireLevel(const uint8_t* data, size_t size) {
 }
 
 }  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  google::protobuf::SetLogHandler(nullptr);  // no line per rejected non-UTF-8 string
+  return 0;
+}
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   EngineLevel(data, size);

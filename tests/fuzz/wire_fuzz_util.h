@@ -12,10 +12,14 @@
 #include <string>
 #include <vector>
 
+#include "google/protobuf/stubs/logging.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/slice.h"
 
 namespace kvc::fuzz {
+
+// Protobuf logs every string field with invalid UTF-8 it rejects; millions of lines help no one.
+inline void QuietProtobuf() { google::protobuf::SetLogHandler(nullptr); }
 
 inline void Check(bool ok, const char* harness, const char* what) {
   if (!ok) {
