@@ -157,8 +157,8 @@ bool IsValidUtf8(absl::string_view s) {
 }
 
 std::string Quote(absl::string_view s) {
-  return Value(std::string(s)).dump(-1, ' ', /*ensure_ascii=*/false,
-                                    Value::error_handler_t::replace);
+  return Value(std::string(s))
+      .dump(-1, ' ', /*ensure_ascii=*/false, Value::error_handler_t::replace);
 }
 
 }  // namespace kvc::json

@@ -87,8 +87,8 @@ absl::Status ParseTensorInfo(const std::string& name, const json::Value& v, Entr
     return Bad(where + "\"data_offsets\" must be an array of two integers");
   }
   if (!AsNonNegative((*offsets)[0], &b) || !AsNonNegative((*offsets)[1], &en) || en < b) {
-    return Bad(absl::StrCat(where, "data_offsets ", (*offsets).dump(),
-                            " are not 0 <= begin <= end"));
+    return Bad(
+        absl::StrCat(where, "data_offsets ", (*offsets).dump(), " are not 0 <= begin <= end"));
   }
   e->begin = static_cast<uint64_t>(b);
   e->end = static_cast<uint64_t>(en);

@@ -199,8 +199,8 @@ absl::StatusOr<RawPutRequest> ParsePutRequest(grpc::ByteBuffer* buffer) {
     } else if (wire_type == 4) {
       return Malformed("end of a group that was not started");
     } else if (!SkipValue(r, tag, kMaxDepth)) {
-      return Malformed(absl::StrCat("bad or truncated field ", field, " (wire type ", wire_type,
-                                    ")"));
+      return Malformed(
+          absl::StrCat("bad or truncated field ", field, " (wire type ", wire_type, ")"));
     }
   }
   return req;

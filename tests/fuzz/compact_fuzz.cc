@@ -34,7 +34,9 @@ void Reference(const float* q, const std::vector<float>& keys, const std::vector
   const int n = n_cached + n_visible_new;
   std::vector<double> score(n);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  auto key = [&](int t) { return t < n_cached ? &keys[size_t(t) * d] : &k_new[size_t(t - n_cached) * d]; };
+  auto key = [&](int t) {
+    return t < n_cached ? &keys[size_t(t) * d] : &k_new[size_t(t - n_cached) * d];
+  };
   auto value = [&](int t) {
     return t < n_cached ? &values[size_t(t) * d] : &v_new[size_t(t - n_cached) * d];
   };

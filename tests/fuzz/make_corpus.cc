@@ -39,7 +39,8 @@ std::string Flatten(const grpc::ByteBuffer& buffer, uint8_t control) {
   std::vector<grpc::Slice> slices;
   (void)buffer.Dump(&slices);
   std::string out(1, static_cast<char>(control));
-  for (const grpc::Slice& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  for (const grpc::Slice& s : slices)
+    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
   return out;
 }
 
@@ -89,8 +90,8 @@ void Compact() {
   struct Case {
     const char* name;
     int budget, tk, tv, bits, group, recent;
-  } cases[] = {{"whole", 6, 8, 8, 0, 32, 0},      {"evicted", 4, 8, 8, 0, 32, 0},
-               {"pruned", 5, 4, 6, 0, 32, 2},     {"quant4", 6, 8, 8, 4, 4, 2},
+  } cases[] = {{"whole", 6, 8, 8, 0, 32, 0},        {"evicted", 4, 8, 8, 0, 32, 0},
+               {"pruned", 5, 4, 6, 0, 32, 2},       {"quant4", 6, 8, 8, 4, 4, 2},
                {"quant2_pruned", 4, 4, 4, 2, 2, 1}, {"quant8", 3, 8, 8, 8, 8, 0}};
   for (const Case& c : cases) {
     kvc::TokenSelection tokens{2, c.budget, {}};
@@ -159,8 +160,8 @@ void Wire() {
   lc.set_kept_tokens(5);
   auto keep = std::make_shared<std::string>(payload);
   Write("get_response_fuzz", "chunk",
-        Flatten(kvc::server::MakeChunkResponse(
-                    lc, reinterpret_cast<const uint8_t*>(keep->data()), keep->size(), keep),
+        Flatten(kvc::server::MakeChunkResponse(lc, reinterpret_cast<const uint8_t*>(keep->data()),
+                                               keep->size(), keep),
                 2 | (5 << 2)));
   kvcache::v1::GetCacheResponse info;
   info.mutable_info()->set_cache_id("seed/cache-1");
@@ -185,9 +186,9 @@ void Checkpoint(const char* name, int dim, int hidden, int layers, int heads, in
                 int vocab, int seq_len) {
   std::vector<int32_t> header = {dim, hidden, layers, heads, kv_heads, vocab, seq_len};
   const uint64_t kv = static_cast<uint64_t>(dim) / heads * kv_heads, v = vocab < 0 ? -vocab : vocab;
-  const uint64_t floats = layers * (2ull * dim + 2ull * dim * dim + 2 * kv * dim +
-                                    3ull * hidden * dim) +
-                          v * dim + dim + 2ull * seq_len * (dim / heads / 2) + (vocab < 0 ? v * dim : 0);
+  const uint64_t floats =
+      layers * (2ull * dim + 2ull * dim * dim + 2 * kv * dim + 3ull * hidden * dim) + v * dim +
+      dim + 2ull * seq_len * (dim / heads / 2) + (vocab < 0 ? v * dim : 0);
   std::string bytes(reinterpret_cast<const char*>(header.data()), 28);
   for (uint64_t i = 0; i < floats; ++i) {
     const float x = static_cast<float>(static_cast<int>(i % 17) - 8) / 64.0f;

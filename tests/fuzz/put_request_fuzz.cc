@@ -17,8 +17,8 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 }
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  using kvc::fuzz::Check;
   using google::protobuf::util::MessageDifferencer;
+  using kvc::fuzz::Check;
   constexpr const char* kName = "put_request_fuzz";
   std::string bytes;
   grpc::ByteBuffer buffer = kvc::fuzz::SlicedBuffer(data, size, &bytes);

@@ -3,8 +3,8 @@
 // (ValidateStFile) and survives a serialize/parse round trip unchanged.
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 
 #include "absl/types/span.h"
 #include "kvc/safetensors.h"

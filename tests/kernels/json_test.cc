@@ -71,10 +71,28 @@ TEST(JsonTest, IntegerBeyondUint64IsADouble) {
 }
 
 TEST(JsonTest, RejectsMalformed) {
-  for (const char* text :
-       {"", "{\"a\":1,}", "[1,]", "[1 2]", "{\"a\" 1}", "01", "1.", "1e", "-", "\"abc",
-        "\"a\nb\"", "\"\\x\"", "\"\\u12zz\"", "\"\\u12", "\"\\ud800\"", "\"\\udc00\"",
-        "tru", "{\"a\":1", "\"\xff\"", "\"\xc0\x80\"", "[1] // comment", "NaN"}) {
+  for (const char* text : {"",
+                           "{\"a\":1,}",
+                           "[1,]",
+                           "[1 2]",
+                           "{\"a\" 1}",
+                           "01",
+                           "1.",
+                           "1e",
+                           "-",
+                           "\"abc",
+                           "\"a\nb\"",
+                           "\"\\x\"",
+                           "\"\\u12zz\"",
+                           "\"\\u12",
+                           "\"\\ud800\"",
+                           "\"\\udc00\"",
+                           "tru",
+                           "{\"a\":1",
+                           "\"\xff\"",
+                           "\"\xc0\x80\"",
+                           "[1] // comment",
+                           "NaN"}) {
     EXPECT_THAT(ParseError(text), HasSubstr("json: ")) << text;
   }
   // The library's message names the place.
@@ -84,7 +102,8 @@ TEST(JsonTest, RejectsMalformed) {
 
 TEST(JsonTest, RejectsDuplicateKeys) {
   EXPECT_THAT(ParseError("{\"a\":1,\"a\":2}"), HasSubstr("duplicate key \"a\""));
-  EXPECT_THAT(ParseError("[{\"x\":{\"a\":1,\"b\":{},\"a\":[]}}]"), HasSubstr("duplicate key \"a\""));
+  EXPECT_THAT(ParseError("[{\"x\":{\"a\":1,\"b\":{},\"a\":[]}}]"),
+              HasSubstr("duplicate key \"a\""));
   // The same key in different objects is fine.
   EXPECT_TRUE(Parse("{\"a\":{\"a\":1},\"b\":{\"a\":2}}").ok());
 }

@@ -195,9 +195,9 @@ TEST(SafetensorsTest, UnicodeNamesRoundTrip) {
 TEST(SafetensorsTest, RejectsHostileJson) {
   // Invalid UTF-8 inside a header string, nesting beyond the limit, trailing garbage.
   EXPECT_THAT(Error(Raw("{\"\xff\":{}}", 0)), HasSubstr("bad header"));
-  EXPECT_THAT(Error(Raw("{\"__metadata__\":" + std::string(200, '[') + std::string(200, ']') + "}",
-                        0)),
-              HasSubstr("nesting deeper than"));
+  EXPECT_THAT(
+      Error(Raw("{\"__metadata__\":" + std::string(200, '[') + std::string(200, ']') + "}", 0)),
+      HasSubstr("nesting deeper than"));
   EXPECT_THAT(Error(Raw("{} {}", 0)), HasSubstr("bad header"));
   EXPECT_THAT(Error(Raw(R"({"a":{"dtype":"U8","shape":[18446744073709551615],)"
                         R"("data_offsets":[0,1]}})",
