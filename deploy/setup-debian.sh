@@ -7,7 +7,8 @@ PKGS=(
   build-essential cmake pkg-config git ca-certificates
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
-  libxxhash-dev libopenblas-dev zlib1g-dev
+  libxxhash-dev libopenblas-dev zlib1g-dev nlohmann-json3-dev
+  clang libclang-rt-dev ccache
   prometheus redis-server python3 openssl
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-xxhash
 )

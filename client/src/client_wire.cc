@@ -12,6 +12,8 @@ namespace {
 constexpr uint32_t kWireVarint = 0;
 constexpr uint32_t kWireFixed64 = 1;
 constexpr uint32_t kWireBytes = 2;
+constexpr uint32_t kWireStartGroup = 3;
+constexpr uint32_t kWireEndGroup = 4;
 constexpr uint32_t kWireFixed32 = 5;
 
 void AppendVarint(uint64_t v, std::string* out) {
@@ -51,6 +53,15 @@ class SliceCursor {
     return false;
   }
 
+  // A field tag as protobuf reads it: at most 5 bytes, bits beyond 32 dropped.
+  bool ReadTag(uint32_t* tag, std::string* copy) {
+    uint64_t v;
+    const size_t start = copy->size();
+    if (!ReadVarint(&v, copy) || copy->size() - start > 5) return false;
+    *tag = static_cast<uint32_t>(v);
+    return true;
+  }
+
   // Advances n bytes; appends them to `copy` when given, records them as pieces when given.
   template <typename OnPiece>
   bool Advance(uint64_t n, std::string* copy, OnPiece on_piece) {
@@ -81,6 +92,37 @@ class SliceCursor {
   size_t index_ = 0;
   size_t offset_ = 0;
 };
+
+// Nesting protobuf allows (its default recursion limit).
+constexpr int kMaxGroupDepth = 100;
+
+// Copies the value of a field other than data, whose tag was just read, to `rest`; protobuf
+// parses it there. A group (wire type 3) runs to its matching end tag, nesting at most `depth`
+// deep, so that a data field inside an unknown group stays part of that group, as in protobuf.
+bool CopyValue(SliceCursor& cur, uint32_t tag, int depth, std::string* rest) {
+  auto no_piece = [](size_t, size_t, size_t) {};
+  uint64_t v;
+  switch (tag & 7) {
+    case kWireVarint:
+      return cur.ReadVarint(&v, rest);
+    case kWireFixed64:
+      return cur.Advance(8, rest, no_piece);
+    case kWireBytes:
+      return cur.ReadVarint(&v, rest) && cur.Advance(v, rest, no_piece);
+    case kWireStartGroup:
+      if (--depth < 0) return false;
+      for (;;) {
+        uint32_t inner;
+        if (!cur.ReadTag(&inner, rest) || inner == 0) return false;
+        if ((inner & 7) == kWireEndGroup) return inner == tag + 1;
+        if ((inner >> 3) == 0 || !CopyValue(cur, inner, depth, rest)) return false;
+      }
+    case kWireFixed32:
+      return cur.Advance(4, rest, no_piece);
+    default:
+      return false;
+  }
+}
 
 }  // namespace
 
@@ -134,19 +176,22 @@ absl::Status ParseRawMessage(const grpc::ByteBuffer& buffer, google::protobuf::M
   }
   SliceCursor cur(data->slices_);
   std::string rest;  // every field but data, re-encoded for protobuf
-  auto no_piece = [](size_t, size_t, size_t) {};
+  // Tags, lengths and groups are read as protobuf reads them, so a message is accepted exactly
+  // when the generated parser would accept it (tests/fuzz checks this).
   while (!cur.done()) {
     const size_t tag_start = rest.size();
-    uint64_t tag;
-    if (!cur.ReadVarint(&tag, &rest)) return absl::InvalidArgumentError("message: truncated tag");
-    const uint32_t field = static_cast<uint32_t>(tag >> 3);
-    const uint32_t wire = static_cast<uint32_t>(tag & 7);
+    uint32_t tag;
+    if (!cur.ReadTag(&tag, &rest)) return absl::InvalidArgumentError("message: bad tag");
+    const uint32_t field = tag >> 3;
+    const uint32_t wire = tag & 7;
     if (field == 0) return absl::InvalidArgumentError("message: field number 0");
     if (field == kDataFieldNumber && wire == kWireBytes) {
       rest.resize(tag_start);
+      // A length as protobuf reads it: at most 5 bytes, below 2^31.
       uint64_t len;
-      if (!cur.ReadVarint(&len, nullptr)) {
-        return absl::InvalidArgumentError("data: truncated length");
+      std::string len_bytes;
+      if (!cur.ReadVarint(&len, &len_bytes) || len_bytes.size() > 5 || len >= (uint64_t{1} << 31)) {
+        return absl::InvalidArgumentError("data: bad length");
       }
       data->pieces_.clear();  // last occurrence wins
       data->size_ = 0;
@@ -157,27 +202,13 @@ absl::Status ParseRawMessage(const grpc::ByteBuffer& buffer, google::protobuf::M
       if (!ok) return absl::InvalidArgumentError(absl::StrCat("data: truncated (", len, " bytes)"));
       continue;
     }
-    bool ok = true;
-    uint64_t v;
-    switch (wire) {
-      case kWireVarint:
-        ok = cur.ReadVarint(&v, &rest);
-        break;
-      case kWireFixed64:
-        ok = cur.Advance(8, &rest, no_piece);
-        break;
-      case kWireFixed32:
-        ok = cur.Advance(4, &rest, no_piece);
-        break;
-      case kWireBytes:
-        ok = cur.ReadVarint(&v, &rest) && cur.Advance(v, &rest, no_piece);
-        break;
-      default:
-        return absl::InvalidArgumentError(
-            absl::StrCat("message: unsupported wire type ", wire, " for field ", field));
+    if (wire == kWireEndGroup) {
+      return absl::InvalidArgumentError("message: end of a group that was not started");
     }
-    if (!ok)
-      return absl::InvalidArgumentError(absl::StrCat("message: field ", field, " truncated"));
+    if (!CopyValue(cur, tag, kMaxGroupDepth, &rest)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("message: field ", field, " (wire type ", wire, ") is bad or truncated"));
+    }
   }
   if (!fields->ParseFromString(rest)) {
     return absl::InvalidArgumentError("message: fields do not parse as the expected message");

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define KVC_X86 1
 #endif
@@ -108,7 +109,11 @@ __attribute__((target("avx2"))) void FloatToBFloat16Avx2(const float* s, size_t 
 
 bool DetectSimd() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  // F16C from CPUID leaf 1 (ECX bit 29): clang before 15 has no "f16c" for
+  // __builtin_cpu_supports.
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+  return __builtin_cpu_supports("avx2") && f16c;
 }
 #else
 bool DetectSimd() { return false; }

@@ -34,50 +34,61 @@ struct Entry {
   size_t order = 0;  // position in the header, to keep zero-size ties stable
 };
 
+// A JSON integer in [0, 2^63): the library stores non-negative integers as number_unsigned.
+bool AsNonNegative(const json::Value& v, int64_t* out) {
+  if (!v.is_number_unsigned()) return v.is_number_integer() && (*out = v.get<int64_t>()) >= 0;
+  const uint64_t u = v.get<uint64_t>();
+  if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return false;
+  *out = static_cast<int64_t>(u);
+  return true;
+}
+
 absl::Status ParseTensorInfo(const std::string& name, const json::Value& v, Entry* e) {
-  const std::string where = absl::StrCat("tensor \"", name, "\": ");
-  if (v.kind != json::Value::Kind::kObject) return Bad(where + "info is not an object");
-  const json::Value* dtype = v.Find("dtype");
-  const json::Value* shape = v.Find("shape");
-  const json::Value* offsets = v.Find("data_offsets");
-  if (dtype == nullptr || dtype->kind != json::Value::Kind::kString) {
+  const std::string where = absl::StrCat("tensor ", json::Quote(name), ": ");
+  if (!v.is_object()) return Bad(where + "info is not an object");
+  const auto dtype = v.find("dtype");
+  const auto shape = v.find("shape");
+  const auto offsets = v.find("data_offsets");
+  if (dtype == v.end() || !dtype->is_string()) {
     return Bad(where + "\"dtype\" is missing or not a string");
   }
+  const std::string& dtype_name = dtype->get_ref<const json::Value::string_t&>();
   bool known = false;
   for (const NamedType& t : kTypes) {
-    if (dtype->string == t.name) {
+    if (dtype_name == t.name) {
       e->tensor.dtype = t.type;
       known = true;
     }
   }
   if (!known) {
-    return Bad(absl::StrCat(where, "dtype \"", dtype->string,
-                            "\" is not supported (expected F32, F16, BF16, I32, I64 or U8)"));
+    return Bad(absl::StrCat(where, "dtype ", json::Quote(dtype_name),
+                            " is not supported (expected F32, F16, BF16, I32, I64 or U8)"));
   }
-  if (shape == nullptr || shape->kind != json::Value::Kind::kArray) {
+  if (shape == v.end() || !shape->is_array()) {
     return Bad(where + "\"shape\" is missing or not an array");
   }
   // Element count, checked against overflow: any real tensor fits in the file, so a product
   // beyond 2^62 is an error rather than a wrap-around.
   uint64_t numel = 1;
   constexpr uint64_t kLimit = uint64_t{1} << 62;
-  for (const json::Value& d : shape->array) {
-    if (d.kind != json::Value::Kind::kInt || d.integer < 0) {
+  for (const json::Value& d : *shape) {
+    int64_t dim = 0;
+    if (!AsNonNegative(d, &dim)) {
       return Bad(where + "shape entries must be non-negative integers");
     }
-    const auto dim = static_cast<uint64_t>(d.integer);
-    if (dim != 0 && numel > kLimit / dim) return Bad(where + "shape is too large");
-    numel *= dim;
-    e->tensor.shape.push_back(d.integer);
+    const auto udim = static_cast<uint64_t>(dim);
+    if (udim != 0 && numel > kLimit / udim) return Bad(where + "shape is too large");
+    numel *= udim;
+    e->tensor.shape.push_back(dim);
   }
-  if (offsets == nullptr || offsets->kind != json::Value::Kind::kArray ||
-      offsets->array.size() != 2 || offsets->array[0].kind != json::Value::Kind::kInt ||
-      offsets->array[1].kind != json::Value::Kind::kInt) {
+  int64_t b = 0, en = 0;
+  if (offsets == v.end() || !offsets->is_array() || offsets->size() != 2 ||
+      !(*offsets)[0].is_number_integer() || !(*offsets)[1].is_number_integer()) {
     return Bad(where + "\"data_offsets\" must be an array of two integers");
   }
-  const int64_t b = offsets->array[0].integer, en = offsets->array[1].integer;
-  if (b < 0 || en < b) {
-    return Bad(absl::StrCat(where, "data_offsets [", b, ", ", en, "] are not 0 <= begin <= end"));
+  if (!AsNonNegative((*offsets)[0], &b) || !AsNonNegative((*offsets)[1], &en) || en < b) {
+    return Bad(
+        absl::StrCat(where, "data_offsets ", (*offsets).dump(), " are not 0 <= begin <= end"));
   }
   e->begin = static_cast<uint64_t>(b);
   e->end = static_cast<uint64_t>(en);
@@ -167,18 +178,19 @@ absl::StatusOr<StFile> ParseSafetensors(absl::Span<const uint8_t> bytes) {
   const absl::string_view text(reinterpret_cast<const char*>(bytes.data() + 8), n);
   absl::StatusOr<json::Value> doc = json::Parse(text);
   if (!doc.ok()) return Bad(absl::StrCat("bad header: ", doc.status().message()));
-  if (doc->kind != json::Value::Kind::kObject) return Bad("bad header: not a JSON object");
+  if (!doc->is_object()) return Bad("bad header: not a JSON object");
 
   StFile file;
   std::vector<Entry> entries;
-  for (const auto& [name, value] : doc->object) {  // the JSON parser already rejects duplicates
+  // json::Parse already rejects duplicate keys; members come in document order.
+  for (const auto& [name, value] : doc->items()) {
     if (name == "__metadata__") {
-      if (value.kind != json::Value::Kind::kObject) return Bad("__metadata__ is not an object");
-      for (const auto& [k, v] : value.object) {
-        if (v.kind != json::Value::Kind::kString) {
-          return Bad(absl::StrCat("__metadata__ \"", k, "\" is not a string"));
+      if (!value.is_object()) return Bad("__metadata__ is not an object");
+      for (const auto& [k, v] : value.items()) {
+        if (!v.is_string()) {
+          return Bad(absl::StrCat("__metadata__ ", json::Quote(k), " is not a string"));
         }
-        file.metadata[k] = v.string;
+        file.metadata[k] = v.get_ref<const json::Value::string_t&>();
       }
       continue;
     }
@@ -227,12 +239,19 @@ absl::StatusOr<StFile> ParseSafetensors(absl::Span<const uint8_t> bytes) {
 }
 
 absl::Status ValidateStFile(const StFile& file) {
+  // The header is JSON, whose strings are UTF-8: other bytes could be written but not read back.
+  for (const auto& [k, v] : file.metadata) {
+    if (!json::IsValidUtf8(k) || !json::IsValidUtf8(v)) {
+      return Bad(absl::StrCat("__metadata__ ", json::Quote(k), ": key or value is not UTF-8"));
+    }
+  }
   std::set<std::string> names;
   for (size_t i = 0; i < file.tensors.size(); ++i) {
     const StTensor& t = file.tensors[i];
     const std::string where = absl::StrCat("tensors[", i, "] \"", t.name, "\": ");
     if (t.name == "__metadata__") return Bad(where + "the name __metadata__ is reserved");
     if (!names.insert(t.name).second) return Bad(where + "duplicate tensor name");
+    if (!json::IsValidUtf8(t.name)) return Bad(where + "the name is not UTF-8");
     uint64_t numel = 1;
     for (int64_t d : t.shape) {
       if (d < 0) return Bad(absl::StrCat(where, "shape dimension ", d, " is negative"));

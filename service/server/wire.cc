@@ -5,6 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/io/coded_stream.h"
 
 namespace kvc::server {
 namespace {
@@ -32,6 +33,36 @@ class SliceReader {
       if ((b & 0x80) == 0) {
         *out = v;
         return true;
+      }
+    }
+    return false;
+  }
+
+  // A field tag as protobuf reads it: at most 5 bytes, bits beyond 32 dropped.
+  bool ReadTag(uint32_t* out) {
+    uint32_t v = 0;
+    for (int i = 0; i < 5; ++i) {
+      uint8_t b;
+      if (!ReadByte(&b)) return false;
+      v |= static_cast<uint32_t>(b & 0x7f) << (7 * i);
+      if ((b & 0x80) == 0) {
+        *out = v;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // A length prefix as protobuf reads it: at most 5 bytes, below 2^31.
+  bool ReadLength(uint64_t* out) {
+    uint64_t v = 0;
+    for (int i = 0; i < 5; ++i) {
+      uint8_t b;
+      if (!ReadByte(&b)) return false;
+      v |= static_cast<uint64_t>(b & 0x7f) << (7 * i);
+      if ((b & 0x80) == 0) {
+        *out = v;
+        return v < (uint64_t{1} << 31);
       }
     }
     return false;
@@ -83,6 +114,43 @@ absl::Status Malformed(const std::string& what) {
 
 void FreeKeepalive(void* p) { delete static_cast<std::shared_ptr<const void>*>(p); }
 
+// Nesting protobuf allows (its default recursion limit): groups and sub-messages count alike.
+constexpr int kMaxDepth = 100;
+
+// Skips the value of an ignored field whose tag was just read. A group (wire type 3) is skipped up
+// to its matching end tag, nesting at most `depth` deep, as protobuf keeps unknown groups.
+bool SkipValue(SliceReader& r, uint32_t tag, int depth) {
+  uint64_t n;
+  switch (tag & 7) {
+    case 0:
+      return r.ReadVarint(&n);
+    case 1:
+      return r.Take(8, nullptr);
+    case 2:
+      return r.ReadLength(&n) && r.Take(n, nullptr);
+    case 3:
+      if (--depth < 0) return false;
+      for (;;) {
+        uint32_t inner;
+        if (!r.ReadTag(&inner) || inner == 0) return false;
+        if ((inner & 7) == 4) return inner == tag + 1;  // the end of this group, not another
+        if ((inner >> 3) == 0 || !SkipValue(r, inner, depth)) return false;
+      }
+    case 5:
+      return r.Take(4, nullptr);
+    default:
+      return false;
+  }
+}
+
+// Merges serialized `bytes` into `msg` as protobuf merges a sub-message one level down.
+bool MergeSubMessage(const std::string& bytes, google::protobuf::MessageLite* msg) {
+  google::protobuf::io::CodedInputStream in(reinterpret_cast<const uint8_t*>(bytes.data()),
+                                            static_cast<int>(bytes.size()));
+  in.SetRecursionLimit(kMaxDepth - 1);
+  return msg->MergeFromCodedStream(&in) && in.ConsumedEntireMessage();
+}
+
 }  // namespace
 
 void RawPutRequest::CopyDataTo(uint8_t* dst) const {
@@ -99,44 +167,40 @@ absl::StatusOr<RawPutRequest> ParsePutRequest(grpc::ByteBuffer* buffer) {
   SliceReader r(req.slices);
   std::string scratch;
   while (!r.AtEnd()) {
-    uint64_t tag;
-    if (!r.ReadVarint(&tag)) return Malformed("truncated tag");
-    const uint64_t field = tag >> 3;
+    // Tags, lengths, groups and nesting are read exactly as protobuf reads them, so that kvcd
+    // accepts a request exactly when the generated parser would (tests/fuzz checks this).
+    uint32_t tag;
+    if (!r.ReadTag(&tag)) return Malformed("truncated tag");
+    const uint32_t field = tag >> 3;
     const int wire_type = static_cast<int>(tag & 7);
     if (field == 0) return Malformed("field number 0");
-    if (wire_type == 2) {
+    if (wire_type == 2 && (field == 1 || field == 2 || field == 15)) {
       uint64_t len;
-      if (!r.ReadVarint(&len)) return Malformed("truncated length");
+      if (!r.ReadLength(&len)) return Malformed("bad length");
       if (field == 15) {
         req.data.clear();
         if (!r.Take(len, &req.data)) return Malformed("truncated data");
         req.data_size = static_cast<size_t>(len);
-      } else if (field == 1 || field == 2) {
-        if (!r.Copy(len, &scratch)) return Malformed("truncated header");
-        // A oneof member seen again merges into the previous one; a different member replaces.
-        bool ok;
-        if (field == 1) {
-          if (req.kind != RawPutRequest::Kind::kHeader) req.header.Clear();
-          ok = req.header.MergeFromString(scratch);
-          req.kind = RawPutRequest::Kind::kHeader;
-        } else {
-          if (req.kind != RawPutRequest::Kind::kChunk) req.chunk.Clear();
-          ok = req.chunk.MergeFromString(scratch);
-          req.kind = RawPutRequest::Kind::kChunk;
-        }
-        if (!ok) return Malformed(field == 1 ? "bad header" : "bad chunk");
-      } else if (!r.Take(len, nullptr)) {
-        return Malformed("truncated unknown field");
+        continue;
       }
-    } else if (wire_type == 0) {
-      uint64_t ignored;
-      if (!r.ReadVarint(&ignored)) return Malformed("truncated varint");
-    } else if (wire_type == 1) {
-      if (!r.Take(8, nullptr)) return Malformed("truncated fixed64");
-    } else if (wire_type == 5) {
-      if (!r.Take(4, nullptr)) return Malformed("truncated fixed32");
-    } else {
-      return Malformed(absl::StrCat("unsupported wire type ", wire_type));
+      if (!r.Copy(len, &scratch)) return Malformed("truncated header");
+      // A oneof member seen again merges into the previous one; a different member replaces.
+      bool ok;
+      if (field == 1) {
+        if (req.kind != RawPutRequest::Kind::kHeader) req.header.Clear();
+        ok = MergeSubMessage(scratch, &req.header);
+        req.kind = RawPutRequest::Kind::kHeader;
+      } else {
+        if (req.kind != RawPutRequest::Kind::kChunk) req.chunk.Clear();
+        ok = MergeSubMessage(scratch, &req.chunk);
+        req.kind = RawPutRequest::Kind::kChunk;
+      }
+      if (!ok) return Malformed(field == 1 ? "bad header" : "bad chunk");
+    } else if (wire_type == 4) {
+      return Malformed("end of a group that was not started");
+    } else if (!SkipValue(r, tag, kMaxDepth)) {
+      return Malformed(
+          absl::StrCat("bad or truncated field ", field, " (wire type ", wire_type, ")"));
     }
   }
   return req;

@@ -172,6 +172,39 @@ TEST(SafetensorsTest, ValidateRejectsInconsistentFiles) {
   f = Sample();
   f.tensors[1].shape = {-5};
   EXPECT_THAT(std::string(ValidateStFile(f).message()), HasSubstr("negative"));
+  // JSON strings are UTF-8: a name or metadata the header could not carry is refused up front.
+  f = Sample();
+  f.tensors[0].name = "bad\xff";
+  EXPECT_THAT(std::string(ValidateStFile(f).message()), HasSubstr("not UTF-8"));
+  f = Sample();
+  f.metadata["k"] = "\xc0\x80";  // overlong NUL
+  EXPECT_THAT(std::string(ValidateStFile(f).message()), HasSubstr("not UTF-8"));
+}
+
+TEST(SafetensorsTest, UnicodeNamesRoundTrip) {
+  StFile f = Sample();
+  f.tensors[0].name = "caf\xc3\xa9 \"q\" \x01";
+  f.metadata["\xe2\x82\xac"] = "line\nbreak";
+  ASSERT_TRUE(ValidateStFile(f).ok());
+  absl::StatusOr<StFile> back = ParseSafetensors(SerializeSafetensors(f));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_NE(back->Find(f.tensors[0].name), nullptr);
+  EXPECT_EQ(back->metadata, f.metadata);
+}
+
+TEST(SafetensorsTest, RejectsHostileJson) {
+  // Invalid UTF-8 inside a header string, nesting beyond the limit, trailing garbage.
+  EXPECT_THAT(Error(Raw("{\"\xff\":{}}", 0)), HasSubstr("bad header"));
+  EXPECT_THAT(
+      Error(Raw("{\"__metadata__\":" + std::string(200, '[') + std::string(200, ']') + "}", 0)),
+      HasSubstr("nesting deeper than"));
+  EXPECT_THAT(Error(Raw("{} {}", 0)), HasSubstr("bad header"));
+  EXPECT_THAT(Error(Raw(R"({"a":{"dtype":"U8","shape":[18446744073709551615],)"
+                        R"("data_offsets":[0,1]}})",
+                        1)),
+              HasSubstr("non-negative"));
+  EXPECT_THAT(Error(Raw(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1.5]}})", 1)),
+              HasSubstr("two integers"));
 }
 
 TEST(SafetensorsTest, FileRoundTripAndErrors) {

@@ -47,8 +47,9 @@ absl::StatusOr<StFile> ParseSafetensors(absl::Span<const uint8_t> bytes);
 // parse errors above otherwise; every message starts with the path.
 absl::StatusOr<StFile> ReadSafetensors(const std::string& path);
 
-// INVALID_ARGUMENT when a name is duplicated or "__metadata__", a dimension is negative, or a
-// tensor's data size is not product(shape) * element size.
+// INVALID_ARGUMENT when a name is duplicated or "__metadata__", a name or metadata string is not
+// UTF-8 (JSON strings are), a dimension is negative, or a tensor's data size is not
+// product(shape) * element size.
 absl::Status ValidateStFile(const StFile& file);
 // The file's bytes: header with "__metadata__" first (when not empty) and the tensors in vector
 // order, laid out contiguously in that order; the header is padded with spaces to a multiple of
