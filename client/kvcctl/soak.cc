@@ -1,0 +1,321 @@
+// kvcctl soak: N clients put/get/delete random caches against kvcd for a while, verify every
+// fetched byte, inject faults, optionally SIGKILL and restart a kvcd it runs itself, and watch
+// kvcd's RSS against a stated bound. Exit 0 only when nothing was corrupted, every status was a
+// legal one, kvcd never died on its own, served again after every restart, stayed under the RSS
+// bound and shut down cleanly at the end. See README.md beside this file.
+#include <unistd.h>
+
+#include <cstdio>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "kvcctl.h"
+#include "kvc/status_macros.h"
+#include "soak_kvcd.h"
+#include "soak_worker.h"
+
+namespace kvc::ctl {
+namespace {
+
+using soak::KvcdChild;
+using soak::RssSampler;
+using soak::SoakConfig;
+using soak::SoakState;
+using soak::SoakWorker;
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+// The largest upload the random shapes can make (K + V + Q_obs of every layer, 4-byte dtype).
+uint64_t MaxUploadBytes(const soak::ShapeLimits& l) {
+  const uint64_t hkv = l.max_kv_heads, d = l.max_head_dim, s = l.max_tokens;
+  return static_cast<uint64_t>(l.max_layers) * (2 * hkv * s * d + 4 * hkv * 32 * d) * 4;
+}
+
+// Waits until kvcd answers GetServerInfo on a fresh channel (retrying UNAVAILABLE).
+absl::Status WaitServing(const std::string& target, absl::Duration timeout) {
+  ClientOptions o;
+  o.target = target;
+  o.unary_timeout = absl::Seconds(5);
+  o.buffer_pool_bytes = 0;
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> c, Client::Create(o));
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Status s;
+  while (absl::Now() < deadline) {
+    s = c->GetServerInfo().status();
+    if (s.ok()) return s;
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  return s;
+}
+
+}  // namespace
+
+int RunSoak(const std::vector<std::string>& args) {
+  const std::string usage =
+      "kvcctl soak [--kvcd=PATH | --target=HOST:PORT] [--duration=S] [--clients=N] "
+      "[--kill_every=S] [--rss_csv=FILE] ...";
+  FlagSet flags;
+  AddGlobalFlags(&flags);
+  flags.AddString("kvcd", "",
+                  "kvcd binary to run on a loopback port (and SIGKILL/restart with "
+                  "--kill_every); empty = soak --target, which is never killed");
+  flags.AddString("kvcd_flags", "--threads=2 --backend=cpu",
+                  "extra kvcd flags, space-separated (with --kvcd)");
+  flags.AddString("kvcd_log", "", "kvcd output file; default $TMPDIR/kvcctl-soak-<pid>.log");
+  flags.AddInt("store_mib", 64, "kvcd --store_bytes in MiB (with --kvcd; else say the target's)");
+  flags.AddInt("buffer_pool_mib", 32,
+               "kvcd --buffer_pool_bytes in MiB (with --kvcd; else say the target's)");
+  flags.AddDouble("duration", 60, "seconds to run");
+  flags.AddInt("clients", 8, "concurrent clients (threads, each with its own channels), 1..256");
+  flags.AddDouble("kill_every", 0, "seconds between SIGKILL+restart of kvcd; 0 = never");
+  flags.AddDouble("fault_rate", 0.15,
+                  "share of iterations that inject a client fault (cancelled or stalled upload, "
+                  "cancelled download, tiny deadline), [0, 1]");
+  flags.AddDouble("stall_seconds", 3, "how long a stalled upload waits before cancelling; 0 = no "
+                                      "stalls");
+  flags.AddInt("tiny_deadline_ms", 20,
+               "the longest tiny deadline (clients cycle 0.2 ms, 1 ms, 5 ms, this)");
+  flags.AddInt("race_ids", 4, "cache ids shared by all clients (overwrite/delete races)");
+  flags.AddInt("max_layers", 3, "random shapes: most layers");
+  flags.AddInt("max_kv_heads", 4, "random shapes: most KV heads (1, 2 or 4)");
+  flags.AddInt("max_tokens", 384, "random shapes: longest prompt (>= 16)");
+  flags.AddInt("max_head_dim", 128, "random shapes: largest head_dim (32, 64 or 128)");
+  flags.AddDouble("recover_seconds", 30,
+                  "a client still UNAVAILABLE this long after kvcd restarted is a failure");
+  flags.AddString("rss_csv", "", "write kvcd's RSS samples here (seconds,pid,rss,hwm,ops)");
+  flags.AddInt("rss_overhead_mib", 256, "fixed part of the RSS bound (binary, threads, arenas)");
+  flags.AddInt("rss_bound_mib", 0, "RSS bound in MiB; 0 = the formula (see --help)");
+  flags.AddInt("kvcd_pid", 0, "with --target: sample this process's RSS (0 = none)");
+  flags.AddInt("seed", 1, "random seed");
+  flags.AddBool("verbose", false, "print a progress line every 5 s");
+  flags.AddBool("help", false, "show this help");
+  absl::StatusOr<std::vector<std::string>> pos = flags.Parse(args);
+  if (!pos.ok()) return Usage(std::string(pos.status().message()), usage, flags);
+  if (flags.GetBool("help")) {
+    std::printf(
+        "usage: %s\n\nRSS bound (VmRSS and VmHWM of kvcd, sampled every 0.5 s) =\n"
+        "  store_mib + buffer_pool_mib + 4 x clients x max upload + rss_overhead_mib\n"
+        "where max upload = max_layers x (2 x max_kv_heads x max_tokens x max_head_dim +\n"
+        "  4 x max_kv_heads x 32 x max_head_dim) x 4 bytes (each client's in-flight upload\n"
+        "  staged and compressed, plus an abandoned one not yet released).\n\nflags:\n%s",
+        usage.c_str(), flags.Help().c_str());
+    return kExitOk;
+  }
+  if (!pos->empty()) return Usage("soak takes no arguments", usage, flags);
+
+  SoakConfig config;
+  config.clients = static_cast<int>(flags.GetInt("clients"));
+  config.fault_rate = flags.GetDouble("fault_rate");
+  config.stall = absl::Seconds(flags.GetDouble("stall_seconds"));
+  config.tiny_deadline_ms = static_cast<int>(flags.GetInt("tiny_deadline_ms"));
+  config.race_ids = static_cast<int>(flags.GetInt("race_ids"));
+  config.recover = absl::Seconds(flags.GetDouble("recover_seconds"));
+  config.limits.max_layers = static_cast<int>(flags.GetInt("max_layers"));
+  config.limits.max_kv_heads = static_cast<int>(flags.GetInt("max_kv_heads"));
+  config.limits.max_tokens = static_cast<int>(flags.GetInt("max_tokens"));
+  config.limits.max_head_dim = static_cast<int>(flags.GetInt("max_head_dim"));
+  config.seed = static_cast<uint64_t>(flags.GetInt("seed"));
+  config.verbose = flags.GetBool("verbose");
+  if (flags.GetDouble("timeout") > 0) config.timeout = absl::Seconds(flags.GetDouble("timeout"));
+  const double duration = flags.GetDouble("duration"), kill_every = flags.GetDouble("kill_every");
+  const std::string kvcd_path = flags.GetString("kvcd");
+  if (config.clients < 1 || config.clients > 256) {
+    return Usage("--clients: outside [1, 256]", usage, flags);
+  }
+  if (!(duration > 0)) return Usage("--duration: must be > 0", usage, flags);
+  if (kill_every < 0 || (kill_every > 0 && kvcd_path.empty())) {
+    return Usage("--kill_every: needs --kvcd and must be >= 0", usage, flags);
+  }
+  if (!(config.fault_rate >= 0 && config.fault_rate <= 1)) {
+    return Usage("--fault_rate: outside [0, 1]", usage, flags);
+  }
+  if (config.limits.max_layers < 1 || config.limits.max_layers > 64 ||
+      config.limits.max_kv_heads < 1 || config.limits.max_tokens < 16 ||
+      config.limits.max_tokens > 65536 || config.limits.max_head_dim < 32 ||
+      config.limits.max_head_dim > 128 || config.race_ids < 0 || config.tiny_deadline_ms < 1 ||
+      config.stall < absl::ZeroDuration()) {
+    return Usage("a shape or fault flag is out of range (see --help)", usage, flags);
+  }
+  const uint64_t store = static_cast<uint64_t>(flags.GetInt("store_mib")) * kMiB;
+  const uint64_t pool = static_cast<uint64_t>(flags.GetInt("buffer_pool_mib")) * kMiB;
+  const uint64_t max_upload = MaxUploadBytes(config.limits);
+  const uint64_t inflight = 4 * static_cast<uint64_t>(config.clients) * max_upload;
+  const uint64_t overhead = static_cast<uint64_t>(flags.GetInt("rss_overhead_mib")) * kMiB;
+  const uint64_t bound = flags.GetInt("rss_bound_mib") > 0
+                             ? static_cast<uint64_t>(flags.GetInt("rss_bound_mib")) * kMiB
+                             : store + pool + inflight + overhead;
+
+  // kvcd: ours (restartable) or the target.
+  std::unique_ptr<KvcdChild> kvcd;
+  if (!kvcd_path.empty()) {
+    KvcdChild::Options o;
+    o.binary = kvcd_path;
+    const char* tmp = std::getenv("TMPDIR");
+    const std::string dir = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+    o.log_path = flags.GetString("kvcd_log");
+    if (o.log_path.empty()) o.log_path = absl::StrCat(dir, "/kvcctl-soak-", getpid(), ".log");
+    o.port_file = absl::StrCat(dir, "/kvcctl-soak-", getpid(), ".port");
+    o.flags = {absl::StrCat("--store_bytes=", store), absl::StrCat("--buffer_pool_bytes=", pool)};
+    for (absl::string_view f :
+         absl::StrSplit(flags.GetString("kvcd_flags"), ' ', absl::SkipWhitespace())) {
+      o.flags.emplace_back(f);
+    }
+    kvcd = std::make_unique<KvcdChild>(o);
+    if (absl::Status s = kvcd->Start(); !s.ok()) return Fail("soak: starting kvcd", s);
+    config.target = kvcd->address();
+    std::printf("soak: kvcd pid %d on %s, log %s\n", static_cast<int>(kvcd->pid()),
+                config.target.c_str(), o.log_path.c_str());
+  } else {
+    config.target = flags.GetString("target");
+  }
+  if (absl::Status s = WaitServing(config.target, absl::Seconds(30)); !s.ok()) {
+    return Fail("soak: kvcd does not serve", s);
+  }
+
+  SoakState state(config);
+  state.ready_unix_ms = absl::ToUnixMillis(absl::Now());
+  std::vector<std::unique_ptr<SoakWorker>> workers;
+  for (int i = 0; i < config.clients; ++i) {
+    absl::StatusOr<std::unique_ptr<SoakWorker>> w = SoakWorker::Create(&state, i);
+    if (!w.ok()) return Fail("soak: client", w.status());
+    workers.push_back(*std::move(w));
+  }
+  std::FILE* csv = nullptr;
+  if (!flags.GetString("rss_csv").empty()) {
+    csv = std::fopen(flags.GetString("rss_csv").c_str(), "w");
+    if (csv == nullptr) {
+      return Fail("soak", absl::InvalidArgumentError("--rss_csv: cannot open the file"));
+    }
+  }
+  const pid_t external_pid = static_cast<pid_t>(flags.GetInt("kvcd_pid"));
+  KvcdChild* child = kvcd.get();
+  RssSampler sampler([child, external_pid] { return child ? child->pid() : external_pid; },
+                     [&state] { return state.ops.load(); }, absl::Milliseconds(500), csv);
+
+  std::printf("soak: %d clients for %.0f s against %s, RSS bound %.0f MiB (store %.0f + pool %.0f "
+              "+ in-flight 4 x %d x %.1f + overhead %.0f)\n",
+              config.clients, duration, config.target.c_str(), bound / 1048576.0,
+              store / 1048576.0, pool / 1048576.0, config.clients, max_upload / 1048576.0,
+              overhead / 1048576.0);
+  std::fflush(stdout);
+  const absl::Time start = absl::Now();
+  std::vector<std::thread> threads;
+  for (auto& w : workers) threads.emplace_back([&w] { w->Run(); });
+
+  // Supervisor (this thread: the kvcd child dies with the thread that forked it).
+  int kills = 0;
+  absl::Time next_kill = kill_every > 0 ? start + absl::Seconds(kill_every) : absl::InfiniteFuture();
+  absl::Time next_progress = start + absl::Seconds(5);
+  const absl::Time end = start + absl::Seconds(duration);
+  bool crashed = false;
+  while (absl::Now() < end && !crashed) {
+    absl::SleepFor(absl::Milliseconds(100));
+    if (kvcd != nullptr) {
+      if (absl::Status s = kvcd->CheckAlive(); !s.ok()) {
+        state.Failure(absl::StrCat("CRASH: ", s.message(), "; log tail:\n", kvcd->LogTail(4000)));
+        crashed = true;
+        break;
+      }
+    }
+    if (absl::Now() >= next_kill && absl::Now() + absl::Seconds(5) < end) {
+      state.down = true;
+      ++state.epoch;
+      kvcd->Kill().IgnoreError();
+      state.ledger.Wiped(state.ledger.Tick());
+      ++kills;
+      state.Fault("kvcd_sigkill");
+      if (absl::Status s = kvcd->Start(); !s.ok()) {
+        state.Failure(absl::StrCat("restart after SIGKILL failed: ", s.message()));
+        crashed = true;
+        break;
+      }
+      state.ready_unix_ms = absl::ToUnixMillis(absl::Now());
+      state.down = false;
+      std::printf("soak: [%5.1fs] SIGKILL + restart %d: kvcd pid %d\n",
+                  absl::ToDoubleSeconds(absl::Now() - start), kills,
+                  static_cast<int>(kvcd->pid()));
+      std::fflush(stdout);
+      next_kill = absl::Now() + absl::Seconds(kill_every);
+    }
+    if (config.verbose && absl::Now() >= next_progress) {
+      std::printf("soak: [%5.1fs] %llu ops, %llu verified gets, RSS %.1f MiB (max HWM %.1f)\n",
+                  absl::ToDoubleSeconds(absl::Now() - start),
+                  static_cast<unsigned long long>(state.ops.load()),
+                  static_cast<unsigned long long>(state.verified_gets.load()),
+                  sampler.max_rss() / 1048576.0, sampler.max_hwm() / 1048576.0);
+      std::fflush(stdout);
+      next_progress += absl::Seconds(5);
+    }
+  }
+  state.stop = true;
+  for (std::thread& t : threads) t.join();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  if (!crashed) {
+    // kvcd still serves after everything (a fresh channel, generous retries).
+    if (absl::Status s = WaitServing(config.target, config.recover); !s.ok()) {
+      state.Failure(absl::StrCat("kvcd does not serve at the end: ", s.ToString()));
+    }
+  }
+  sampler.Stop();
+  if (csv != nullptr) std::fclose(csv);
+  if (kvcd != nullptr && !crashed) {
+    if (absl::Status s = kvcd->CheckAlive(); !s.ok()) {
+      state.Failure(absl::StrCat("CRASH: ", s.message(), "; log tail:\n", kvcd->LogTail(4000)));
+    } else {
+      absl::StatusOr<int> code = kvcd->Stop(absl::Seconds(60));
+      if (!code.ok() || *code != 0) {
+        state.Failure(absl::StrCat("kvcd did not shut down cleanly on SIGTERM: ",
+                                   code.ok() ? absl::StrCat("exit code ", *code)
+                                             : code.status().ToString(),
+                                   "; log tail:\n", kvcd->LogTail(4000)));
+      }
+    }
+  }
+  RssSampler::Sample over;
+  if (sampler.samples() > 0 && sampler.Exceeded(bound, &over)) {
+    state.Failure(absl::StrCat("RSS over the bound at ", over.seconds, " s: VmRSS ",
+                               over.status.rss_bytes / kMiB, " MiB, VmHWM ",
+                               over.status.hwm_bytes / kMiB, " MiB > ", bound / kMiB, " MiB"));
+  }
+
+  // Summary.
+  std::printf("\nsoak: %.1f s, %d clients, %llu ops, %d SIGKILL+restart\n", seconds,
+              config.clients, static_cast<unsigned long long>(state.ops.load()), kills);
+  std::printf("ops by type and status:\n");
+  for (const auto& [op, codes] : state.OpCounts()) {
+    std::printf("  %-12s", op.c_str());
+    for (const auto& [code, n] : codes) {
+      std::printf(" %s %llu", code.c_str(), static_cast<unsigned long long>(n));
+    }
+    std::printf("\n");
+  }
+  std::printf("faults injected:");
+  for (const auto& [kind, n] : state.FaultCounts()) {
+    std::printf(" %s %llu", kind.c_str(), static_cast<unsigned long long>(n));
+  }
+  std::printf("\nverified: %llu gets, %.1f MiB compared byte for byte (%.1f MiB of them also "
+              "against the input)\n",
+              static_cast<unsigned long long>(state.verified_gets.load()),
+              state.verified_bytes.load() / 1048576.0, state.lossless_bytes.load() / 1048576.0);
+  if (sampler.samples() > 0) {
+    std::printf("kvcd RSS: max VmRSS %.1f MiB, max VmHWM %.1f MiB, bound %.1f MiB (%llu "
+                "samples)\n",
+                sampler.max_rss() / 1048576.0, sampler.max_hwm() / 1048576.0, bound / 1048576.0,
+                static_cast<unsigned long long>(sampler.samples()));
+  }
+  const std::vector<std::string> failures = state.Failures();
+  if (failures.empty()) {
+    std::printf("soak: PASS\n");
+    return kExitOk;
+  }
+  std::printf("soak: FAIL, %llu failures; the first:\n",
+              static_cast<unsigned long long>(state.failure_count()));
+  for (const std::string& f : failures) std::printf("  - %s\n", f.c_str());
+  return kExitFailure;
+}
+
+}  // namespace kvc::ctl
