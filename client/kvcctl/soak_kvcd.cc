@@ -68,21 +68,23 @@ absl::Status KvcdChild::StartOnce(const std::string& listen) {
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
-  // Prepared before fork: the child of a threaded process may only make async-signal-safe calls.
+  // Prepared before vfork: the child may only make async-signal-safe calls before execv.
   const int log = ::open(options_.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (log < 0) {
     return absl::InternalError(
         absl::StrCat("cannot open ", options_.log_path, ": ", std::strerror(errno)));
   }
-  const pid_t pid = ::fork();
+  // vfork, not fork: fork runs the process's atfork handlers, and OpenBLAS's joins its worker
+  // threads there, which deadlocks while the soak's clients are inside a BLAS call.
+  const pid_t pid = ::vfork();
   if (pid < 0) {
     ::close(log);
-    return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
+    return absl::InternalError(absl::StrCat("vfork: ", std::strerror(errno)));
   }
   if (pid == 0) {
     ::dup2(log, STDOUT_FILENO);
     ::dup2(log, STDERR_FILENO);
-    // kvcd must not outlive the soak (the thread that forks is the soak's main thread).
+    // kvcd must not outlive the soak (the thread that spawns is the soak's main thread).
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     ::execv(argv[0], argv.data());
     _exit(127);

@@ -327,6 +327,8 @@ absl::Status Verify(const Version& ver, const CacheData& got, const GetOptions& 
                     bool complete) {
   RETURN_IF_ERROR(VerifyInfo(ver, got.info));
   RETURN_IF_ERROR(VerifyRange(ver, got, opt, complete));
+  // Bytes first: their message names the layer and offset of a difference.
+  for (const LayerData& l : got.layers) RETURN_IF_ERROR(VerifyLayer(ver, l, opt.format));
   const bool whole = complete && opt.layer_begin == 0 &&
                      opt.layer_end.value_or(ver.num_layers) >= static_cast<uint32_t>(ver.num_layers);
   if (whole && opt.format == CacheFormat::kPacked) {
@@ -339,7 +341,6 @@ absl::Status Verify(const Version& ver, const CacheData& got, const GetOptions& 
                                               absl::Hex(got.info.checksum())));
     }
   }
-  for (const LayerData& l : got.layers) RETURN_IF_ERROR(VerifyLayer(ver, l, opt.format));
   return absl::OkStatus();
 }
 

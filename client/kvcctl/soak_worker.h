@@ -38,6 +38,7 @@ struct SoakConfig {
   ShapeLimits limits;
   uint64_t seed = 1;
   bool verbose = false;
+  bool self_check = false;  // corrupt every 10th fetched cache on arrival (must be detected)
 };
 
 struct SoakState {
@@ -102,6 +103,7 @@ class SoakWorker {
   std::unique_ptr<kvcache::v1::KvCache::Stub> raw_;
   uint64_t reached_epoch_ = 0;  // the kill epoch of this client's last call that reached kvcd
   uint64_t n_ = 0;
+  uint64_t fetched_ = 0;
 };
 
 }  // namespace kvc::soak
