@@ -36,20 +36,20 @@ uint64_t MaxUploadBytes(const soak::ShapeLimits& l) {
 }
 
 // Waits until kvcd answers GetServerInfo on a fresh channel (retrying UNAVAILABLE).
-absl::Status WaitServing(const std::string& target, absl::Duration timeout) {
+absl::StatusOr<ServerInfo> WaitServing(const std::string& target, absl::Duration timeout) {
   ClientOptions o;
   o.target = target;
   o.unary_timeout = absl::Seconds(5);
   o.buffer_pool_bytes = 0;
   ASSIGN_OR_RETURN(std::unique_ptr<Client> c, Client::Create(o));
   const absl::Time deadline = absl::Now() + timeout;
-  absl::Status s;
+  absl::StatusOr<ServerInfo> info;
   while (absl::Now() < deadline) {
-    s = c->GetServerInfo().status();
-    if (s.ok()) return s;
+    info = c->GetServerInfo();
+    if (info.ok()) return info;
     absl::SleepFor(absl::Milliseconds(200));
   }
-  return s;
+  return info;
 }
 
 }  // namespace
@@ -177,8 +177,13 @@ int RunSoak(const std::vector<std::string>& args) {
   } else {
     config.target = flags.GetString("target");
   }
-  if (absl::Status s = WaitServing(config.target, absl::Seconds(30)); !s.ok()) {
-    return Fail("soak: kvcd does not serve", s);
+  absl::StatusOr<ServerInfo> info = WaitServing(config.target, absl::Seconds(30));
+  if (!info.ok()) return Fail("soak: kvcd does not serve", info.status());
+  if (info->backend() != "cpu") {
+    config.limits.lossless_only = true;
+    std::printf("soak: kvcd's backend is %s, not the CPU engine: only uncompressed caches (their "
+                "bytes are exact on every backend)\n",
+                info->backend().c_str());
   }
 
   SoakState state(config);
@@ -261,8 +266,8 @@ int RunSoak(const std::vector<std::string>& args) {
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (!crashed) {
     // kvcd still serves after everything (a fresh channel, generous retries).
-    if (absl::Status s = WaitServing(config.target, config.recover); !s.ok()) {
-      state.Failure(absl::StrCat("kvcd does not serve at the end: ", s.ToString()));
+    if (auto s = WaitServing(config.target, config.recover); !s.ok()) {
+      state.Failure(absl::StrCat("kvcd does not serve at the end: ", s.status().ToString()));
     }
   }
   sampler.Stop();

@@ -233,7 +233,8 @@ absl::StatusOr<std::shared_ptr<const Version>> MakeVersion(const std::string& id
   s.seq_len = Uniform(rng, 16, limits.max_tokens);
 
   // A third of the versions store the input as is (the byte-exact path).
-  const bool lossless = std::uniform_int_distribution<int>(0, 2)(rng) == 0;
+  const bool lossless =
+      std::uniform_int_distribution<int>(0, 2)(rng) == 0 || limits.lossless_only;
   const std::string policy = lossless ? "none" : kPolicies[Uniform(rng, 0, 6)];
   std::string key_policy = "none";
   double lambda = 0;

@@ -34,6 +34,9 @@ struct ShapeLimits {
   int max_kv_heads = 4;
   int max_tokens = 384;
   int max_head_dim = 128;  // D is drawn from {32, 64, 128} up to this
+  // Only versions stored as is (policy none, no pruning, no quantization): for a kvcd whose
+  // backend is not the CPU engine, whose compressed bytes need not equal the CPU engine's.
+  bool lossless_only = false;
 };
 
 struct Version {

@@ -110,13 +110,14 @@ absl::StatusOr<std::shared_ptr<const Version>> SoakWorker::NewVersion(const std:
   return v;
 }
 
-void SoakWorker::Judge(const std::string& op, const absl::Status& s, uint64_t epoch0,
-                       std::initializer_list<absl::StatusCode> extra_ok) {
+void SoakWorker::Judge(const std::string& op, const Client& via, const absl::Status& s,
+                       uint64_t epoch0, std::initializer_list<absl::StatusCode> extra_ok) {
   const Code c = s.code();
+  uint64_t& reached_epoch = reached_epoch_[&via == client_.get() ? 0 : 1];
   state_->Count(op, c);
   const uint64_t epoch = state_->epoch.load();
   if (ReachedServer(c)) {
-    reached_epoch_ = epoch0;
+    reached_epoch = epoch0;
     if (c != Code::kAlreadyExists) return;
   }
   for (Code ok : extra_ok) {
@@ -126,7 +127,7 @@ void SoakWorker::Judge(const std::string& op, const absl::Status& s, uint64_t ep
     // A kill during the call, or this client's channel has not reconnected since the last kill
     // (kvcd is still down, or came back less than --recover_seconds ago).
     if (epoch != epoch0) return;
-    if (reached_epoch_ < epoch && c == Code::kUnavailable) {
+    if (reached_epoch < epoch && c == Code::kUnavailable) {
       const int64_t ready = state_->ready_unix_ms.load();
       if (state_->down.load() ||
           absl::Now() - absl::FromUnixMillis(ready) < state_->config.recover) {
@@ -155,7 +156,7 @@ void SoakWorker::Put(Client& client, const std::string& op) {
                               c == Code::kAlreadyExists || c == Code::kUnimplemented);
   state_->ledger.EndPut(id, handle, r.ok(), maybe_stored, state_->ledger.Tick());
   const bool tiny = op != "put";
-  Judge(op, r.status(), epoch0,
+  Judge(op, client, r.status(), epoch0,
         tiny ? std::initializer_list<Code>{Code::kDeadlineExceeded}
              : std::initializer_list<Code>{});
   if (!r.ok()) return;
@@ -203,10 +204,10 @@ void SoakWorker::Get(bool cancel_midway) {
   if (cancelled_by_us) {
     state_->Count(op, Code::kCancelled);
     state_->Fault("cancel_download");
-    reached_epoch_ = epoch0;
+    reached_epoch_[0] = epoch0;
   } else {
     // A layer range beyond this version's layers is INVALID_ARGUMENT: legal for ranges only.
-    Judge(op, s, epoch0,
+    Judge(op, *client_, s, epoch0,
           opt.layer_end.has_value() ? std::initializer_list<Code>{Code::kInvalidArgument}
                                     : std::initializer_list<Code>{});
     if (!s.ok()) return;
@@ -245,7 +246,7 @@ void SoakWorker::Delete(Client& client, const std::string& op) {
   absl::StatusOr<uint64_t> r = client.DeleteCache(id);
   const uint64_t end = state_->ledger.Tick();
   if (r.ok() || r.status().code() == Code::kNotFound) state_->ledger.Deleted(id, start, end);
-  Judge(op, r.status(), epoch0,
+  Judge(op, client, r.status(), epoch0,
         op != "delete" ? std::initializer_list<Code>{Code::kDeadlineExceeded}
                        : std::initializer_list<Code>{});
 }
@@ -254,7 +255,7 @@ void SoakWorker::Stat() {
   const std::string id = PickId();
   const uint64_t epoch0 = state_->epoch.load();
   absl::StatusOr<CacheInfo> r = client_->StatCache(id);
-  Judge("stat", r.status(), epoch0);
+  Judge("stat", *client_, r.status(), epoch0);
   if (r.ok() && r->cache_id() != id) {
     state_->Failure(absl::StrCat("client ", index_, " stat '", id, "': answered '", r->cache_id(),
                                  "'"));

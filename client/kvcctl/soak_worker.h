@@ -92,7 +92,9 @@ class SoakWorker {
   void AbandonUpload(bool stall);
   // Records the status of `op` that started at kill epoch `epoch0`; a Failure when it is not
   // legal. `extra_ok` lists codes this op may also answer (e.g. DEADLINE_EXCEEDED when tiny).
-  void Judge(const std::string& op, const absl::Status& s, uint64_t epoch0,
+  // `via` is the client that made the call: each has its own channel, which reconnects on its own
+  // after a restart.
+  void Judge(const std::string& op, const Client& via, const absl::Status& s, uint64_t epoch0,
              std::initializer_list<absl::StatusCode> extra_ok = {});
 
   SoakState* const state_;
@@ -101,7 +103,8 @@ class SoakWorker {
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Client> client_, tiny_client_;
   std::unique_ptr<kvcache::v1::KvCache::Stub> raw_;
-  uint64_t reached_epoch_ = 0;  // the kill epoch of this client's last call that reached kvcd
+  // The kill epoch of the last call that reached kvcd, per client (0: client_, 1: tiny_client_).
+  uint64_t reached_epoch_[2] = {0, 0};
   uint64_t n_ = 0;
   uint64_t fetched_ = 0;
 };
