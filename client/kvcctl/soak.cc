@@ -13,8 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "kvcctl.h"
 #include "kvc/status_macros.h"
+#include "kvcctl.h"
 #include "soak_kvcd.h"
 #include "soak_worker.h"
 
@@ -75,8 +75,9 @@ int RunSoak(const std::vector<std::string>& args) {
   flags.AddDouble("fault_rate", 0.15,
                   "share of iterations that inject a client fault (cancelled or stalled upload, "
                   "cancelled download, tiny deadline), [0, 1]");
-  flags.AddDouble("stall_seconds", 3, "how long a stalled upload waits before cancelling; 0 = no "
-                                      "stalls");
+  flags.AddDouble("stall_seconds", 3,
+                  "how long a stalled upload waits before cancelling; 0 = no "
+                  "stalls");
   flags.AddInt("tiny_deadline_ms", 20,
                "the longest tiny deadline (clients cycle 0.2 ms, 1 ms, 5 ms, this)");
   flags.AddInt("race_ids", 4, "cache ids shared by all clients (overwrite/delete races)");
@@ -181,9 +182,10 @@ int RunSoak(const std::vector<std::string>& args) {
   if (!info.ok()) return Fail("soak: kvcd does not serve", info.status());
   if (info->backend() != "cpu") {
     config.limits.lossless_only = true;
-    std::printf("soak: kvcd's backend is %s, not the CPU engine: only uncompressed caches (their "
-                "bytes are exact on every backend)\n",
-                info->backend().c_str());
+    std::printf(
+        "soak: kvcd's backend is %s, not the CPU engine: only uncompressed caches (their "
+        "bytes are exact on every backend)\n",
+        info->backend().c_str());
   }
 
   SoakState state(config);
@@ -206,11 +208,11 @@ int RunSoak(const std::vector<std::string>& args) {
   RssSampler sampler([child, external_pid] { return child ? child->pid() : external_pid; },
                      [&state] { return state.ops.load(); }, absl::Milliseconds(500), csv);
 
-  std::printf("soak: %d clients for %.0f s against %s, RSS bound %.0f MiB (store %.0f + pool %.0f "
-              "+ in-flight 2 x %d x %.1f + overhead %.0f)\n",
-              config.clients, duration, config.target.c_str(), bound / 1048576.0,
-              store / 1048576.0, pool / 1048576.0, config.clients, max_upload / 1048576.0,
-              overhead / 1048576.0);
+  std::printf(
+      "soak: %d clients for %.0f s against %s, RSS bound %.0f MiB (store %.0f + pool %.0f "
+      "+ in-flight 2 x %d x %.1f + overhead %.0f)\n",
+      config.clients, duration, config.target.c_str(), bound / 1048576.0, store / 1048576.0,
+      pool / 1048576.0, config.clients, max_upload / 1048576.0, overhead / 1048576.0);
   std::fflush(stdout);
   const absl::Time start = absl::Now();
   std::vector<std::thread> threads;
@@ -218,7 +220,8 @@ int RunSoak(const std::vector<std::string>& args) {
 
   // Supervisor (this thread: the kvcd child dies with the thread that forked it).
   int kills = 0;
-  absl::Time next_kill = kill_every > 0 ? start + absl::Seconds(kill_every) : absl::InfiniteFuture();
+  absl::Time next_kill =
+      kill_every > 0 ? start + absl::Seconds(kill_every) : absl::InfiniteFuture();
   absl::Time next_progress = start + absl::Seconds(5);
   const absl::Time end = start + absl::Seconds(duration);
   bool crashed = false;
@@ -246,8 +249,7 @@ int RunSoak(const std::vector<std::string>& args) {
       state.ready_unix_ms = absl::ToUnixMillis(absl::Now());
       state.down = false;
       std::printf("soak: [%5.1fs] SIGKILL + restart %d: kvcd pid %d\n",
-                  absl::ToDoubleSeconds(absl::Now() - start), kills,
-                  static_cast<int>(kvcd->pid()));
+                  absl::ToDoubleSeconds(absl::Now() - start), kills, static_cast<int>(kvcd->pid()));
       std::fflush(stdout);
       next_kill = absl::Now() + absl::Seconds(kill_every);
     }
@@ -278,10 +280,10 @@ int RunSoak(const std::vector<std::string>& args) {
     } else {
       absl::StatusOr<int> code = kvcd->Stop(absl::Seconds(60));
       if (!code.ok() || *code != 0) {
-        state.Failure(absl::StrCat("kvcd did not shut down cleanly on SIGTERM: ",
-                                   code.ok() ? absl::StrCat("exit code ", *code)
-                                             : code.status().ToString(),
-                                   "; log tail:\n", kvcd->LogTail(4000)));
+        state.Failure(
+            absl::StrCat("kvcd did not shut down cleanly on SIGTERM: ",
+                         code.ok() ? absl::StrCat("exit code ", *code) : code.status().ToString(),
+                         "; log tail:\n", kvcd->LogTail(4000)));
       }
     }
   }
@@ -293,8 +295,8 @@ int RunSoak(const std::vector<std::string>& args) {
   }
 
   // Summary.
-  std::printf("\nsoak: %.1f s, %d clients, %llu ops, %d SIGKILL+restart\n", seconds,
-              config.clients, static_cast<unsigned long long>(state.ops.load()), kills);
+  std::printf("\nsoak: %.1f s, %d clients, %llu ops, %d SIGKILL+restart\n", seconds, config.clients,
+              static_cast<unsigned long long>(state.ops.load()), kills);
   std::printf("ops by type and status:\n");
   for (const auto& [op, codes] : state.OpCounts()) {
     std::printf("  %-12s", op.c_str());
@@ -307,15 +309,17 @@ int RunSoak(const std::vector<std::string>& args) {
   for (const auto& [kind, n] : state.FaultCounts()) {
     std::printf(" %s %llu", kind.c_str(), static_cast<unsigned long long>(n));
   }
-  std::printf("\nverified: %llu gets, %.1f MiB compared byte for byte (%.1f MiB of them also "
-              "against the input)\n",
-              static_cast<unsigned long long>(state.verified_gets.load()),
-              state.verified_bytes.load() / 1048576.0, state.lossless_bytes.load() / 1048576.0);
+  std::printf(
+      "\nverified: %llu gets, %.1f MiB compared byte for byte (%.1f MiB of them also "
+      "against the input)\n",
+      static_cast<unsigned long long>(state.verified_gets.load()),
+      state.verified_bytes.load() / 1048576.0, state.lossless_bytes.load() / 1048576.0);
   if (sampler.samples() > 0) {
-    std::printf("kvcd RSS: max VmRSS %.1f MiB, max VmHWM %.1f MiB, bound %.1f MiB (%llu "
-                "samples)\n",
-                sampler.max_rss() / 1048576.0, sampler.max_hwm() / 1048576.0, bound / 1048576.0,
-                static_cast<unsigned long long>(sampler.samples()));
+    std::printf(
+        "kvcd RSS: max VmRSS %.1f MiB, max VmHWM %.1f MiB, bound %.1f MiB (%llu "
+        "samples)\n",
+        sampler.max_rss() / 1048576.0, sampler.max_hwm() / 1048576.0, bound / 1048576.0,
+        static_cast<unsigned long long>(sampler.samples()));
   }
   const std::vector<std::string> failures = state.Failures();
   if (failures.empty()) {

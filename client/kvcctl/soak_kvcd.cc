@@ -59,17 +59,16 @@ KvcdChild::~KvcdChild() {
 
 absl::Status KvcdChild::StartOnce(const std::string& listen) {
   ::unlink(options_.port_file.c_str());
-  std::vector<std::string> args = {options_.binary,
-                                   "--listen=" + listen,
+  std::vector<std::string> args = {options_.binary, "--listen=" + listen,
                                    "--port_file=" + options_.port_file,
-                                   "--health_listen=127.0.0.1:0",
-                                   "--metrics_listen=127.0.0.1:0"};
+                                   "--health_listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0"};
   args.insert(args.end(), options_.flags.begin(), options_.flags.end());
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
   // Prepared before vfork: the child may only make async-signal-safe calls before execv.
-  const int log = ::open(options_.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  const int log =
+      ::open(options_.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (log < 0) {
     return absl::InternalError(
         absl::StrCat("cannot open ", options_.log_path, ": ", std::strerror(errno)));

@@ -16,8 +16,8 @@ namespace {
 
 namespace pb = kvcache::v1;
 
-const char* const kPolicies[] = {"none", "streaming", "h2o", "snapkv", "keyformer", "knorm",
-                                 "random"};
+const char* const kPolicies[] = {"none",      "streaming", "h2o",   "snapkv",
+                                 "keyformer", "knorm",     "random"};
 
 bool NeedsWindow(const std::string& policy) {
   return policy == "h2o" || policy == "snapkv" || policy == "keyformer";
@@ -124,8 +124,8 @@ absl::Status VerifyLayer(const Version& ver, const LayerData& got, CacheFormat f
   if (!view.ok()) return view.status();  // the engine's own blob: a soak bug, not kvcd's
   const std::string where = absl::StrCat("layer ", l, " ");
   if (got.kept_tokens != static_cast<uint32_t>(view->desc(0).n_kept)) {
-    return absl::DataLossError(absl::StrCat(where, "kept_tokens ", got.kept_tokens,
-                                            ", expected ", view->desc(0).n_kept));
+    return absl::DataLossError(
+        absl::StrCat(where, "kept_tokens ", got.kept_tokens, ", expected ", view->desc(0).n_kept));
   }
   if (format == CacheFormat::kPacked) {
     RETURN_IF_ERROR(CompareBytes(where + "packed", got.packed.data(), got.packed.size(),
@@ -139,10 +139,10 @@ absl::Status VerifyLayer(const Version& ver, const LayerData& got, CacheFormat f
   }
   auto dense = ExportDense(*view);
   if (!dense.ok()) return dense.status();
-  RETURN_IF_ERROR(
-      CompareBytes(where + "dense K", got.k.data(), got.k.size(), dense->k.data(), dense->k.size()));
-  RETURN_IF_ERROR(
-      CompareBytes(where + "dense V", got.v.data(), got.v.size(), dense->v.data(), dense->v.size()));
+  RETURN_IF_ERROR(CompareBytes(where + "dense K", got.k.data(), got.k.size(), dense->k.data(),
+                               dense->k.size()));
+  RETURN_IF_ERROR(CompareBytes(where + "dense V", got.v.data(), got.v.size(), dense->v.data(),
+                               dense->v.size()));
   RETURN_IF_ERROR(CompareBytes(
       where + "dense positions", reinterpret_cast<const uint8_t*>(got.positions.data()),
       got.positions.size() * 4, reinterpret_cast<const uint8_t*>(dense->positions.data()),
@@ -151,10 +151,10 @@ absl::Status VerifyLayer(const Version& ver, const LayerData& got, CacheFormat f
     const size_t es = DTypeSize(ver.dtype);
     const std::vector<uint8_t> k = ToHnd(ver.k[l], ver.layout, ver.shape, es);
     const std::vector<uint8_t> v = ToHnd(ver.v[l], ver.layout, ver.shape, es);
-    RETURN_IF_ERROR(CompareBytes(where + "dense K vs input", got.k.data(), got.k.size(), k.data(),
-                                 k.size()));
-    RETURN_IF_ERROR(CompareBytes(where + "dense V vs input", got.v.data(), got.v.size(), v.data(),
-                                 v.size()));
+    RETURN_IF_ERROR(
+        CompareBytes(where + "dense K vs input", got.k.data(), got.k.size(), k.data(), k.size()));
+    RETURN_IF_ERROR(
+        CompareBytes(where + "dense V vs input", got.v.data(), got.v.size(), v.data(), v.size()));
   }
   return absl::OkStatus();
 }
@@ -195,13 +195,12 @@ uint64_t Version::UploadBytes() const {
 
 std::string Version::Describe() const {
   const pb::CompressionConfig& c = header.compression();
-  return absl::StrCat(
-      c.eviction().policy(), " keep=", c.eviction().keep_ratio(), " ",
-      c.channels().key_policy(), "=", c.channels().key_lambda(), " bits=", c.quant().bits(),
-      " recent=", c.recent_tokens(), " ", std::string(DTypeName(dtype)), " ",
-      std::string(LayoutName(layout)), " L",
-      num_layers, " Hkv", shape.num_kv_heads, " Hq", shape.num_q_heads, " S", shape.seq_len,
-      " D", shape.head_dim, " W", shape.obs_window, " seed=", seed);
+  return absl::StrCat(c.eviction().policy(), " keep=", c.eviction().keep_ratio(), " ",
+                      c.channels().key_policy(), "=", c.channels().key_lambda(),
+                      " bits=", c.quant().bits(), " recent=", c.recent_tokens(), " ",
+                      std::string(DTypeName(dtype)), " ", std::string(LayoutName(layout)), " L",
+                      num_layers, " Hkv", shape.num_kv_heads, " Hq", shape.num_q_heads, " S",
+                      shape.seq_len, " D", shape.head_dim, " W", shape.obs_window, " seed=", seed);
 }
 
 uint64_t CacheChecksum(const std::vector<ByteVector>& blobs) {
@@ -233,8 +232,7 @@ absl::StatusOr<std::shared_ptr<const Version>> MakeVersion(const std::string& id
   s.seq_len = Uniform(rng, 16, limits.max_tokens);
 
   // A third of the versions store the input as is (the byte-exact path).
-  const bool lossless =
-      std::uniform_int_distribution<int>(0, 2)(rng) == 0 || limits.lossless_only;
+  const bool lossless = std::uniform_int_distribution<int>(0, 2)(rng) == 0 || limits.lossless_only;
   const std::string policy = lossless ? "none" : kPolicies[Uniform(rng, 0, 6)];
   std::string key_policy = "none";
   double lambda = 0;
@@ -245,8 +243,8 @@ absl::StatusOr<std::shared_ptr<const Version>> MakeVersion(const std::string& id
     bits = Pick(rng, {0, 2, 4, 8});
   }
   const bool needs_window = NeedsWindow(policy) || key_policy == "think";
-  s.obs_window = needs_window || Uniform(rng, 0, 1) == 1 ? Uniform(rng, 1, std::min(32, s.seq_len))
-                                                         : 0;
+  s.obs_window =
+      needs_window || Uniform(rng, 0, 1) == 1 ? Uniform(rng, 1, std::min(32, s.seq_len)) : 0;
   ver->lossless = lossless;
 
   pb::PutCacheHeader& h = ver->header;
@@ -314,9 +312,9 @@ absl::StatusOr<std::shared_ptr<const Version>> MakeVersion(const std::string& id
     in.q_obs = qn > 0 ? ver->q[l].data() : nullptr;
     auto layer = backend.Compress(in, spec, nullptr);
     if (!layer.ok()) {
-      return absl::Status(layer.status().code(), absl::StrCat("engine compress of ",
-                                                              ver->Describe(), ": ",
-                                                              layer.status().message()));
+      return absl::Status(
+          layer.status().code(),
+          absl::StrCat("engine compress of ", ver->Describe(), ": ", layer.status().message()));
     }
     ver->packed.push_back(std::move(layer->bytes));
   }
@@ -330,8 +328,9 @@ absl::Status Verify(const Version& ver, const CacheData& got, const GetOptions& 
   RETURN_IF_ERROR(VerifyRange(ver, got, opt, complete));
   // Bytes first: their message names the layer and offset of a difference.
   for (const LayerData& l : got.layers) RETURN_IF_ERROR(VerifyLayer(ver, l, opt.format));
-  const bool whole = complete && opt.layer_begin == 0 &&
-                     opt.layer_end.value_or(ver.num_layers) >= static_cast<uint32_t>(ver.num_layers);
+  const bool whole =
+      complete && opt.layer_begin == 0 &&
+      opt.layer_end.value_or(ver.num_layers) >= static_cast<uint32_t>(ver.num_layers);
   if (whole && opt.format == CacheFormat::kPacked) {
     std::vector<ByteVector> blobs;
     for (const LayerData& l : got.layers) blobs.push_back(l.packed);

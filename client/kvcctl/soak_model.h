@@ -13,8 +13,8 @@
 #include <atomic>
 #include <cstdint>
 #include <map>
-#include <set>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -115,8 +115,8 @@ class Ledger {
     uint64_t handle = 0;
     std::shared_ptr<const Version> version;  // null for a delete
     uint64_t start = 0, end = kOpen;
-    bool ok = false;            // completed successfully (delete: always)
-    bool maybe_stored = true;   // uploads only
+    bool ok = false;           // completed successfully (delete: always)
+    bool maybe_stored = true;  // uploads only
   };
   // True when `r` (an upload) is superseded by a successful record that ended before `before`.
   static bool Superseded(const Record& r, const std::vector<Record>& history,

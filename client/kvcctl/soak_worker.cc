@@ -139,8 +139,8 @@ void SoakWorker::Judge(const std::string& op, const Client& via, const absl::Sta
       return;
     }
   }
-  state_->Failure(absl::StrCat("client ", index_, " ", op, ": unexpected ",
-                               StatusCodeName(c), ": ", s.message()));
+  state_->Failure(absl::StrCat("client ", index_, " ", op, ": unexpected ", StatusCodeName(c), ": ",
+                               s.message()));
 }
 
 void SoakWorker::Put(Client& client, const std::string& op) {
@@ -156,9 +156,9 @@ void SoakWorker::Put(Client& client, const std::string& op) {
                               c == Code::kAlreadyExists || c == Code::kUnimplemented);
   state_->ledger.EndPut(id, handle, r.ok(), maybe_stored, state_->ledger.Tick());
   const bool tiny = op != "put";
-  Judge(op, client, r.status(), epoch0,
-        tiny ? std::initializer_list<Code>{Code::kDeadlineExceeded}
-             : std::initializer_list<Code>{});
+  Judge(
+      op, client, r.status(), epoch0,
+      tiny ? std::initializer_list<Code>{Code::kDeadlineExceeded} : std::initializer_list<Code>{});
   if (!r.ok()) return;
   uint64_t stored = 0, kv = 0;
   for (const ByteVector& b : (*v)->packed) stored += b.size();
@@ -257,8 +257,8 @@ void SoakWorker::Stat() {
   absl::StatusOr<CacheInfo> r = client_->StatCache(id);
   Judge("stat", *client_, r.status(), epoch0);
   if (r.ok() && r->cache_id() != id) {
-    state_->Failure(absl::StrCat("client ", index_, " stat '", id, "': answered '", r->cache_id(),
-                                 "'"));
+    state_->Failure(
+        absl::StrCat("client ", index_, " stat '", id, "': answered '", r->cache_id(), "'"));
   }
 }
 
@@ -273,8 +273,7 @@ void SoakWorker::AbandonUpload(bool stall) {
   const std::string op = stall ? "put_stall" : "put_cancel";
   state_->Fault(stall ? "stalled_upload" : "cancel_upload");
   grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + state_->config.timeout +
-                                      state_->config.stall));
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + state_->config.timeout + state_->config.stall));
   pb::PutCacheResponse resp;
   std::unique_ptr<grpc::ClientWriter<pb::PutCacheRequest>> writer = raw_->PutCache(&ctx, &resp);
   pb::PutCacheRequest req;
@@ -300,8 +299,8 @@ void SoakWorker::AbandonUpload(bool stall) {
   // Whatever ended it (our cancel, kvcd's idle timeout, a kill), the upload must not be stored.
   state_->Count(op, static_cast<Code>(s.error_code()));
   if (s.ok()) {
-    state_->Failure(absl::StrCat("client ", index_, " ", op, " '", id,
-                                 "': an incomplete upload answered OK"));
+    state_->Failure(
+        absl::StrCat("client ", index_, " ", op, " '", id, "': an incomplete upload answered OK"));
   }
 }
 

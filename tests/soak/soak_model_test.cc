@@ -234,7 +234,7 @@ TEST(SoakModelTest, LedgerKeepsWhatARunningGetMaySeeAndForgetsTheRest) {
   ledger.EndGet(get);
   h = ledger.BeginPut(a, ledger.Tick());
   ledger.EndPut("x", h, false, false, ledger.Tick());  // any later op prunes
-  EXPECT_EQ(ledger.RecordsForTesting(), 1u);  // only c can still be served
+  EXPECT_EQ(ledger.RecordsForTesting(), 1u);           // only c can still be served
 }
 
 }  // namespace
