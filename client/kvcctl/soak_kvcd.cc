@@ -224,6 +224,7 @@ void RssSampler::Loop() {
                        static_cast<unsigned long long>(st->rss_bytes),
                        static_cast<unsigned long long>(st->hwm_bytes),
                        static_cast<unsigned long long>(s.ops));
+          std::fflush(csv_);  // a long run can be watched (and survives a crash of the soak)
         }
         if (st->rss_bytes > max_rss_.load()) max_rss_ = st->rss_bytes;
         if (st->hwm_bytes > max_hwm_.load()) {

@@ -111,7 +111,7 @@ absl::StatusOr<std::shared_ptr<const Version>> SoakWorker::NewVersion(const std:
 }
 
 void SoakWorker::Judge(const std::string& op, const Client& via, const absl::Status& s,
-                       uint64_t epoch0, std::initializer_list<absl::StatusCode> extra_ok) {
+                       uint64_t epoch0, const std::vector<absl::StatusCode>& extra_ok) {
   const Code c = s.code();
   uint64_t& reached_epoch = reached_epoch_[&via == client_.get() ? 0 : 1];
   state_->Count(op, c);
@@ -148,17 +148,32 @@ void SoakWorker::Put(Client& client, const std::string& op) {
   absl::StatusOr<std::shared_ptr<const Version>> v = NewVersion(id);
   if (!v.ok()) return;
   const std::vector<LayerTensors> tensors = (*v)->Tensors();
+  // One upload in 8 asks not to overwrite: ALREADY_EXISTS is then legal, but only when some
+  // version could have been stored while it ran.
+  PutHeader header = (*v)->header;
+  const bool create_only = rng_() % 8 == 0;
+  header.set_overwrite(!create_only);
+  const std::string name = create_only && op == "put" ? "put_new" : op;
   const uint64_t epoch0 = state_->epoch.load();
-  const uint64_t handle = state_->ledger.BeginPut(*v, state_->ledger.Tick());
-  absl::StatusOr<PutResult> r = client.PutCache((*v)->header, tensors);
+  const uint64_t start = state_->ledger.BeginGet();  // keeps what it may collide with in view
+  const uint64_t handle = state_->ledger.BeginPut(*v, start);
+  absl::StatusOr<PutResult> r = client.PutCache(header, tensors);
   const Code c = r.status().code();
   const bool maybe_stored = !(c == Code::kInvalidArgument || c == Code::kResourceExhausted ||
                               c == Code::kAlreadyExists || c == Code::kUnimplemented);
-  state_->ledger.EndPut(id, handle, r.ok(), maybe_stored, state_->ledger.Tick());
-  const bool tiny = op != "put";
-  Judge(
-      op, client, r.status(), epoch0,
-      tiny ? std::initializer_list<Code>{Code::kDeadlineExceeded} : std::initializer_list<Code>{});
+  const uint64_t end = state_->ledger.Tick();
+  state_->ledger.EndPut(id, handle, r.ok(), maybe_stored, end);
+  const bool collided = c == Code::kAlreadyExists;
+  const size_t others = collided ? state_->ledger.Candidates(id, start, end).size() : 0;
+  state_->ledger.EndGet(start);
+  std::vector<Code> legal;
+  if (op != "put") legal.push_back(Code::kDeadlineExceeded);
+  if (create_only) legal.push_back(Code::kAlreadyExists);
+  Judge(name, client, r.status(), epoch0, legal);
+  if (collided && create_only && others == 0) {
+    state_->Failure(absl::StrCat("client ", index_, " ", name, " '", id,
+                                 "': ALREADY_EXISTS, but no upload of it could be stored then"));
+  }
   if (!r.ok()) return;
   uint64_t stored = 0, kv = 0;
   for (const ByteVector& b : (*v)->packed) stored += b.size();
@@ -208,8 +223,8 @@ void SoakWorker::Get(bool cancel_midway) {
   } else {
     // A layer range beyond this version's layers is INVALID_ARGUMENT: legal for ranges only.
     Judge(op, *client_, s, epoch0,
-          opt.layer_end.has_value() ? std::initializer_list<Code>{Code::kInvalidArgument}
-                                    : std::initializer_list<Code>{});
+          opt.layer_end.has_value() ? std::vector<Code>{Code::kInvalidArgument}
+                                    : std::vector<Code>{});
     if (!s.ok()) return;
   }
   if (got.info.cache_id().empty()) return;  // cancelled before anything arrived
@@ -247,8 +262,7 @@ void SoakWorker::Delete(Client& client, const std::string& op) {
   const uint64_t end = state_->ledger.Tick();
   if (r.ok() || r.status().code() == Code::kNotFound) state_->ledger.Deleted(id, start, end);
   Judge(op, client, r.status(), epoch0,
-        op != "delete" ? std::initializer_list<Code>{Code::kDeadlineExceeded}
-                       : std::initializer_list<Code>{});
+        op != "delete" ? std::vector<Code>{Code::kDeadlineExceeded} : std::vector<Code>{});
 }
 
 void SoakWorker::Stat() {

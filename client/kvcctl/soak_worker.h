@@ -95,7 +95,7 @@ class SoakWorker {
   // `via` is the client that made the call: each has its own channel, which reconnects on its own
   // after a restart.
   void Judge(const std::string& op, const Client& via, const absl::Status& s, uint64_t epoch0,
-             std::initializer_list<absl::StatusCode> extra_ok = {});
+             const std::vector<absl::StatusCode>& extra_ok = {});
 
   SoakState* const state_;
   const int index_;
