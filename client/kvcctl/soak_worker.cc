@@ -276,7 +276,7 @@ void SoakWorker::Stat() {
   }
 }
 
-// An upload that never completes: the header and part of the first tensor, then (stall) a wait
+// An upload that never completes: the header and a random part of the tensors, then (stall) a wait
 // of --stall_seconds, then a cancel. Nothing of it may ever be served: it is not in the ledger,
 // so a GetCache returning it would match no legal version.
 void SoakWorker::AbandonUpload(bool stall) {
@@ -293,16 +293,36 @@ void SoakWorker::AbandonUpload(bool stall) {
   pb::PutCacheRequest req;
   *req.mutable_header() = ver.header;
   bool open = writer->Write(req);
-  // Up to half of layer 0's K, in 16 KiB pieces: never the whole upload.
-  const size_t total = ver.k[0].size() / 2;
-  const size_t cut = total == 0 ? 0 : 1 + rng_() % total;
-  for (size_t off = 0; open && off < cut; off += 16 << 10) {
-    req.Clear();
-    req.mutable_chunk()->set_layer(0);
-    req.mutable_chunk()->set_tensor(pb::TENSOR_K);
-    req.mutable_chunk()->set_offset(off);
-    req.set_data(ver.k[0].data() + off, std::min<size_t>(16 << 10, cut - off));
-    open = writer->Write(req);
+  // The tensors in upload order (layer by layer: K, V, Q_obs), in 64 KiB pieces, up to a random
+  // byte short of the end: kvcd may be compressing early layers when the cancel comes.
+  struct Tensor {
+    uint32_t layer;
+    pb::TensorKind kind;
+    const std::vector<uint8_t>* bytes;
+  };
+  std::vector<Tensor> order;
+  uint64_t total = 0;
+  for (int l = 0; l < ver.num_layers; ++l) {
+    for (auto [kind, t] : {std::pair{pb::TENSOR_K, &ver.k[l]}, std::pair{pb::TENSOR_V, &ver.v[l]},
+                           std::pair{pb::TENSOR_Q_OBS, &ver.q[l]}}) {
+      if (t->empty()) continue;
+      order.push_back({static_cast<uint32_t>(l), kind, t});
+      total += t->size();
+    }
+  }
+  uint64_t left = 1 + rng_() % (total - 1);  // total >= 2: K alone has many bytes
+  constexpr size_t kPiece = 64 << 10;
+  for (const Tensor& t : order) {
+    for (size_t off = 0; open && left > 0 && off < t.bytes->size(); off += kPiece) {
+      const size_t n = std::min<uint64_t>({kPiece, t.bytes->size() - off, left});
+      req.Clear();
+      req.mutable_chunk()->set_layer(t.layer);
+      req.mutable_chunk()->set_tensor(t.kind);
+      req.mutable_chunk()->set_offset(off);
+      req.set_data(t.bytes->data() + off, n);
+      open = writer->Write(req);
+      left -= n;
+    }
   }
   if (stall) {
     const absl::Time until = absl::Now() + state_->config.stall;
