@@ -59,7 +59,9 @@ int RunSoak(const std::vector<std::string>& args) {
       "kvcctl soak [--kvcd=PATH | --target=HOST:PORT] [--duration=S] [--clients=N] "
       "[--kill_every=S] [--rss_csv=FILE] ...";
   FlagSet flags;
-  AddGlobalFlags(&flags);
+  // Plaintext, no token: the soak is for a kvcd it runs itself or a test deployment.
+  flags.AddString("target", "127.0.0.1:50051", "kvcd to soak when --kvcd is not given");
+  flags.AddDouble("timeout", 120, "deadline in seconds of every ordinary call");
   flags.AddString("kvcd", "",
                   "kvcd binary to run on a loopback port (and SIGKILL/restart with "
                   "--kill_every); empty = soak --target, which is never killed");
@@ -105,8 +107,8 @@ int RunSoak(const std::vector<std::string>& args) {
         "  store_mib + buffer_pool_mib + 2 x clients x max upload + rss_overhead_mib\n"
         "where max upload = max_layers x (2 x max_kv_heads x max_tokens x max_head_dim +\n"
         "  4 x max_kv_heads x 32 x max_head_dim) x 4 bytes (each client's in-flight upload,\n"
-        "  staged and compressed). A lasting leak of about a MiB per second fails a 60 s run\n"
-        "  at the CI sizes; longer runs find smaller ones.\n\nflags:\n%s",
+        "  staged and compressed). At the CI sizes a leak of a few MiB per second fails a\n"
+        "  60 s run; longer runs find smaller ones.\n\nflags:\n%s",
         usage.c_str(), flags.Help().c_str());
     return kExitOk;
   }
@@ -126,7 +128,8 @@ int RunSoak(const std::vector<std::string>& args) {
   config.seed = static_cast<uint64_t>(flags.GetInt("seed"));
   config.verbose = flags.GetBool("verbose");
   config.self_check = flags.GetBool("self_check");
-  if (flags.GetDouble("timeout") > 0) config.timeout = absl::Seconds(flags.GetDouble("timeout"));
+  config.timeout = absl::Seconds(flags.GetDouble("timeout"));
+  if (!(flags.GetDouble("timeout") > 0)) return Usage("--timeout: must be > 0", usage, flags);
   const double duration = flags.GetDouble("duration"), kill_every = flags.GetDouble("kill_every");
   const std::string kvcd_path = flags.GetString("kvcd");
   if (config.clients < 1 || config.clients > 256) {
