@@ -52,6 +52,56 @@ absl::StatusOr<ServerInfo> WaitServing(const std::string& target, absl::Duration
   return info;
 }
 
+// After the clients stopped: no stream slot stays held (abandoned uploads included), and once every
+// cache of the soak is deleted, a kvcd of our own holds no entry and no byte (no leaked lease).
+void EndChecks(const SoakConfig& config, bool own_kvcd, const std::string& metrics,
+               SoakState* state) {
+  if (!metrics.empty()) {
+    if (absl::Status s = soak::WaitForMetric(metrics, "kvc_active_streams", 0, absl::Seconds(30));
+        !s.ok()) {
+      state->Failure(
+          absl::StrCat("stream slots still held after every client stopped: ", s.message()));
+    }
+  }
+  ClientOptions o;
+  o.target = config.target;
+  o.unary_timeout = config.timeout;
+  o.buffer_pool_bytes = 0;
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(o);
+  if (!client.ok()) {
+    state->Failure(absl::StrCat("end checks: ", client.status().ToString()));
+    return;
+  }
+  absl::StatusOr<std::vector<CacheInfo>> all = (*client)->ListCaches(config.id_prefix);
+  if (!all.ok()) {
+    state->Failure(absl::StrCat("end checks: ListCaches: ", all.status().ToString()));
+    return;
+  }
+  const size_t left = all->size();
+  for (const CacheInfo& c : *all) {
+    absl::Status s = (*client)->DeleteCache(c.cache_id()).status();
+    if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
+      state->Failure(absl::StrCat("end checks: DeleteCache '", c.cache_id(), "': ", s.ToString()));
+    }
+  }
+  all = (*client)->ListCaches(config.id_prefix);
+  if (!all.ok() || !all->empty()) {
+    state->Failure(absl::StrCat("end checks: caches left after deleting them all: ",
+                                all.ok() ? absl::StrCat(all->size()) : all.status().ToString()));
+  }
+  if (own_kvcd && !metrics.empty()) {
+    // The gauges are refreshed every --ttl_sweep_seconds (1 s by default).
+    for (const char* series : {"kvc_store_entries", "kvc_store_used_bytes"}) {
+      if (absl::Status s = soak::WaitForMetric(metrics, series, 0, absl::Seconds(30)); !s.ok()) {
+        state->Failure(
+            absl::StrCat("the store is not empty after deleting every cache: ", s.message()));
+      }
+    }
+  }
+  std::printf("soak: end checks done (%zu caches deleted%s)\n", left,
+              metrics.empty() ? ", no metrics address: stream and store gauges not checked" : "");
+}
+
 }  // namespace
 
 int RunSoak(const std::vector<std::string>& args) {
@@ -93,6 +143,10 @@ int RunSoak(const std::vector<std::string>& args) {
   flags.AddInt("rss_overhead_mib", 128, "fixed part of the RSS bound (binary, threads, arenas)");
   flags.AddInt("rss_bound_mib", 0, "RSS bound in MiB; 0 = the formula (see --help)");
   flags.AddInt("kvcd_pid", 0, "with --target: sample this process's RSS (0 = none)");
+  flags.AddString("metrics", "",
+                  "with --target: its metrics host:port, for the end checks (with --kvcd: found)");
+  flags.AddString("id_prefix", "soak/",
+                  "every cache id starts with this; the end deletes every cache under it");
   flags.AddInt("seed", 1, "random seed");
   flags.AddBool("self_check", false,
                 "flip one byte of every 10th fetched cache before verifying it: the run must "
@@ -128,6 +182,7 @@ int RunSoak(const std::vector<std::string>& args) {
   config.seed = static_cast<uint64_t>(flags.GetInt("seed"));
   config.verbose = flags.GetBool("verbose");
   config.self_check = flags.GetBool("self_check");
+  config.id_prefix = flags.GetString("id_prefix");
   config.timeout = absl::Seconds(flags.GetDouble("timeout"));
   if (!(flags.GetDouble("timeout") > 0)) return Usage("--timeout: must be > 0", usage, flags);
   const double duration = flags.GetDouble("duration"), kill_every = flags.GetDouble("kill_every");
@@ -273,6 +328,9 @@ int RunSoak(const std::vector<std::string>& args) {
     // kvcd still serves after everything (a fresh channel, generous retries).
     if (auto s = WaitServing(config.target, config.recover); !s.ok()) {
       state.Failure(absl::StrCat("kvcd does not serve at the end: ", s.status().ToString()));
+    } else {
+      EndChecks(config, kvcd != nullptr,
+                kvcd != nullptr ? kvcd->metrics_address() : flags.GetString("metrics"), &state);
     }
   }
   sampler.Stop();

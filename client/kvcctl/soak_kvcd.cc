@@ -1,8 +1,11 @@
 #include "soak_kvcd.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -46,6 +49,76 @@ absl::StatusOr<ProcStatus> ReadProcStatus(pid_t pid) {
     }
   }
   return out;
+}
+
+absl::StatusOr<std::string> ScrapeMetrics(const std::string& host_port, absl::Duration timeout) {
+  const size_t colon = host_port.rfind(':');
+  int port = 0;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  if (colon == std::string::npos || !absl::SimpleAtoi(host_port.substr(colon + 1), &port) ||
+      inet_pton(AF_INET, host_port.substr(0, colon).c_str(), &addr.sin_addr) != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("metrics address '", host_port, "'"));
+  }
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(absl::ToInt64Seconds(timeout));
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  std::string resp;
+  absl::Status status;
+  const std::string req =
+      absl::StrCat("GET /metrics HTTP/1.0\r\nHost: ", host_port, "\r\nConnection: close\r\n\r\n");
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::send(fd, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) {
+    status = absl::UnavailableError(absl::StrCat(host_port, ": ", std::strerror(errno)));
+  } else {
+    char buf[8192];
+    for (;;) {
+      const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      resp.append(buf, static_cast<size_t>(n));
+    }
+  }
+  ::close(fd);
+  if (!status.ok()) return status;
+  const size_t body = resp.find("\r\n\r\n");
+  if (resp.rfind("HTTP/1.", 0) != 0 || resp.find(" 200 ") > resp.find("\r\n") ||
+      body == std::string::npos) {
+    return absl::UnavailableError(absl::StrCat("metrics: ", resp.substr(0, resp.find('\r'))));
+  }
+  return resp.substr(body + 4);
+}
+
+absl::StatusOr<double> MetricValue(const std::string& exposition, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(exposition, '\n')) {
+    if (absl::ConsumePrefix(&line, series) && absl::ConsumePrefix(&line, " ")) {
+      double v;
+      if (absl::SimpleAtod(line, &v)) return v;
+    }
+  }
+  return absl::NotFoundError(absl::StrCat("series ", series, " not in the exposition"));
+}
+
+absl::Status WaitForMetric(const std::string& host_port, const std::string& series, double value,
+                           absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  std::string last = "no scrape";
+  while (true) {
+    absl::StatusOr<std::string> text = ScrapeMetrics(host_port, absl::Seconds(5));
+    absl::StatusOr<double> v =
+        text.ok() ? MetricValue(*text, series) : absl::StatusOr<double>(text.status());
+    if (v.ok() && *v == value) return absl::OkStatus();
+    last = v.ok() ? absl::StrCat(*v) : v.status().ToString();
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(series, " is ", last, ", not ", value,
+                                                      " after ", absl::FormatDuration(timeout)));
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
 }
 
 KvcdChild::~KvcdChild() {
@@ -178,6 +251,17 @@ absl::Status KvcdChild::CheckAlive() {
 std::string KvcdChild::address() const {
   absl::MutexLock lock(&mu_);
   return address_;
+}
+
+std::string KvcdChild::metrics_address() const {
+  // kvcd prints "kvcd: metrics on http://ADDR/metrics" after each start; the last one is current.
+  const std::string log = LogTail(std::string::npos);
+  const std::string prefix = "kvcd: metrics on http://";
+  const size_t at = log.rfind(prefix);
+  if (at == std::string::npos) return "";
+  const size_t begin = at + prefix.size();
+  const size_t end = log.find("/metrics", begin);
+  return end == std::string::npos ? "" : log.substr(begin, end - begin);
 }
 
 pid_t KvcdChild::pid() const {

@@ -30,6 +30,14 @@ struct ProcStatus {
 // NOT_FOUND when the process is gone.
 absl::StatusOr<ProcStatus> ReadProcStatus(pid_t pid);
 
+// A plain HTTP/1.0 GET of http://<host_port>/metrics (IPv4); returns the body of a 200.
+absl::StatusOr<std::string> ScrapeMetrics(const std::string& host_port, absl::Duration timeout);
+// The value of an unlabelled series in a Prometheus text exposition; NOT_FOUND when absent.
+absl::StatusOr<double> MetricValue(const std::string& exposition, const std::string& series);
+// Scrapes until `series` equals `value` or `timeout` passes; the error names the last value.
+absl::Status WaitForMetric(const std::string& host_port, const std::string& series, double value,
+                           absl::Duration timeout);
+
 // A kvcd child process. Its output goes to `log_path` (appended, every start).
 class KvcdChild {
  public:
@@ -58,6 +66,8 @@ class KvcdChild {
   absl::Status CheckAlive();
 
   std::string address() const;
+  // The metrics address the running kvcd printed ("" if none yet).
+  std::string metrics_address() const;
   pid_t pid() const;
   std::string LogTail(size_t bytes) const;
 

@@ -99,8 +99,10 @@ absl::StatusOr<std::unique_ptr<SoakWorker>> SoakWorker::Create(SoakState* state,
 
 std::string SoakWorker::PickId() {
   const SoakConfig& c = state_->config;
-  if (c.race_ids > 0 && rng_() % 2 == 0) return absl::StrCat("race/", rng_() % c.race_ids);
-  return absl::StrCat("c", index_, "/", rng_() % std::max(1, c.own_ids));
+  if (c.race_ids > 0 && rng_() % 2 == 0) {
+    return absl::StrCat(c.id_prefix, "race/", rng_() % c.race_ids);
+  }
+  return absl::StrCat(c.id_prefix, "c", index_, "/", rng_() % std::max(1, c.own_ids));
 }
 
 absl::StatusOr<std::shared_ptr<const Version>> SoakWorker::NewVersion(const std::string& id) {

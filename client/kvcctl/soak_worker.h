@@ -27,6 +27,7 @@ namespace kvc::soak {
 
 struct SoakConfig {
   std::string target;
+  std::string id_prefix = "soak/";  // every cache id starts with it
   int clients = 8;
   double fault_rate = 0.15;  // share of iterations that inject a client-side fault
   absl::Duration stall = absl::Seconds(3);
