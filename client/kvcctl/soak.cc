@@ -148,9 +148,10 @@ int RunSoak(const std::vector<std::string>& args) {
   flags.AddString("id_prefix", "soak/",
                   "every cache id starts with this; the end deletes every cache under it");
   flags.AddInt("seed", 1, "random seed");
-  flags.AddBool("self_check", false,
-                "flip one byte of every 10th fetched cache before verifying it: the run must "
-                "then FAIL with CORRUPTION (proves the verifier sees a bad byte)");
+  flags.AddBool(
+      "self_check", false,
+      "flip one byte of the 1st, 11th, 21st... fetched cache before verifying it: the run must "
+      "then FAIL with CORRUPTION (proves the verifier sees a bad byte)");
   flags.AddBool("verbose", false, "print a progress line every 5 s");
   flags.AddBool("help", false, "show this help");
   absl::StatusOr<std::vector<std::string>> pos = flags.Parse(args);

@@ -235,7 +235,7 @@ void SoakWorker::Get(bool cancel_midway) {
                                  got.info.cache_id(), "'"));
     return;
   }
-  if (state_->config.self_check && ++fetched_ % 10 == 0 && !got.layers.empty()) {
+  if (state_->config.self_check && fetched_++ % 10 == 0 && !got.layers.empty()) {
     LayerData& l = got.layers.back();
     ByteVector& b = l.packed.empty() ? l.k : l.packed;
     if (!b.empty()) b[rng_() % b.size()] ^= 0x10;

@@ -39,7 +39,7 @@ struct SoakConfig {
   ShapeLimits limits;
   uint64_t seed = 1;
   bool verbose = false;
-  bool self_check = false;  // corrupt every 10th fetched cache on arrival (must be detected)
+  bool self_check = false;  // corrupt fetched caches 1, 11, 21, ... on arrival (must be caught)
 };
 
 struct SoakState {
