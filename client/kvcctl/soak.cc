@@ -5,6 +5,7 @@
 // bound and shut down cleanly at the end. See README.md beside this file.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <thread>
@@ -279,6 +280,7 @@ int RunSoak(const std::vector<std::string>& args) {
 
   // Supervisor (this thread: the kvcd child dies with the thread that forked it).
   int kills = 0;
+  absl::Duration longest_restart;  // SIGKILL to the new kvcd's --port_file
   absl::Time next_kill =
       kill_every > 0 ? start + absl::Seconds(kill_every) : absl::InfiniteFuture();
   absl::Time next_progress = start + absl::Seconds(5);
@@ -293,7 +295,11 @@ int RunSoak(const std::vector<std::string>& args) {
         break;
       }
     }
-    if (absl::Now() >= next_kill && absl::Now() + absl::Seconds(5) < end) {
+    // No kill in the last stretch: every client must be seen to recover before the end.
+    const absl::Duration tail =
+        std::max(absl::Seconds(5), std::min(absl::Seconds(kill_every), absl::Seconds(15)));
+    if (absl::Now() >= next_kill && absl::Now() + tail < end) {
+      const absl::Time killed = absl::Now();
       state.down = true;
       ++state.epoch;
       kvcd->Kill().IgnoreError();
@@ -307,6 +313,7 @@ int RunSoak(const std::vector<std::string>& args) {
       }
       state.ready_unix_ms = absl::ToUnixMillis(absl::Now());
       state.down = false;
+      longest_restart = std::max(longest_restart, absl::Now() - killed);
       std::printf("soak: [%5.1fs] SIGKILL + restart %d: kvcd pid %d\n",
                   absl::ToDoubleSeconds(absl::Now() - start), kills, static_cast<int>(kvcd->pid()));
       std::fflush(stdout);
@@ -324,6 +331,15 @@ int RunSoak(const std::vector<std::string>& args) {
   }
   state.stop = true;
   for (std::thread& t : threads) t.join();
+  if (kill_every > 0 && kills == 0) {
+    state.Failure("no SIGKILL happened: --duration is too short for --kill_every");
+  }
+  for (const auto& w : workers) {
+    if (!crashed && kills > 0 && !w->ReachedSince(state.epoch.load())) {
+      state.Failure(
+          absl::StrCat("client ", w->index(), " never reached kvcd after the last restart"));
+    }
+  }
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (!crashed) {
     // kvcd still serves after everything (a fresh channel, generous retries).
@@ -357,8 +373,11 @@ int RunSoak(const std::vector<std::string>& args) {
   }
 
   // Summary.
-  std::printf("\nsoak: %.1f s, %d clients, %llu ops, %d SIGKILL+restart\n", seconds, config.clients,
-              static_cast<unsigned long long>(state.ops.load()), kills);
+  std::printf(
+      "\nsoak: %.1f s, %d clients, %llu ops, %d SIGKILL+restart (longest: %.2f s to "
+      "listening again)\n",
+      seconds, config.clients, static_cast<unsigned long long>(state.ops.load()), kills,
+      absl::ToDoubleSeconds(longest_restart));
   std::printf("ops by type and status:\n");
   for (const auto& [op, codes] : state.OpCounts()) {
     std::printf("  %-12s", op.c_str());

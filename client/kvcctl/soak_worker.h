@@ -80,6 +80,9 @@ class SoakWorker {
  public:
   static absl::StatusOr<std::unique_ptr<SoakWorker>> Create(SoakState* state, int index);
   void Run();  // until state->stop
+  // True when this client's ordinary channel reached kvcd at kill epoch `epoch` or later.
+  bool ReachedSince(uint64_t epoch) const { return reached_epoch_[0] >= epoch; }
+  int index() const { return index_; }
 
  private:
   SoakWorker(SoakState* state, int index);
