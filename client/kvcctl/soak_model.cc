@@ -72,8 +72,8 @@ absl::Status CheckLosslessBlob(const Version& ver, uint32_t l, const ByteVector&
   const LayerShape& s = ver.shape;
   const size_t es = DTypeSize(ver.dtype);
   const size_t head_bytes = static_cast<size_t>(s.seq_len) * s.head_dim * es;
-  const std::vector<uint8_t> k = ToHnd(ver.k[l], ver.layout, s, es);
-  const std::vector<uint8_t> v = ToHnd(ver.v[l], ver.layout, s, es);
+  const std::vector<uint8_t> k = ToHnd(ver.input->k[l], ver.layout, s, es);
+  const std::vector<uint8_t> v = ToHnd(ver.input->v[l], ver.layout, s, es);
   for (int h = 0; h < view->num_kv_heads(); ++h) {
     const CompactHead head = view->head(h);
     if (head.n_kept != s.seq_len || head.n_recent != 0 || head.key_old == nullptr ||
@@ -149,8 +149,8 @@ absl::Status VerifyLayer(const Version& ver, const LayerData& got, CacheFormat f
       dense->positions.size() * 4));
   if (ver.lossless) {
     const size_t es = DTypeSize(ver.dtype);
-    const std::vector<uint8_t> k = ToHnd(ver.k[l], ver.layout, ver.shape, es);
-    const std::vector<uint8_t> v = ToHnd(ver.v[l], ver.layout, ver.shape, es);
+    const std::vector<uint8_t> k = ToHnd(ver.input->k[l], ver.layout, ver.shape, es);
+    const std::vector<uint8_t> v = ToHnd(ver.input->v[l], ver.layout, ver.shape, es);
     RETURN_IF_ERROR(
         CompareBytes(where + "dense K vs input", got.k.data(), got.k.size(), k.data(), k.size()));
     RETURN_IF_ERROR(
@@ -179,18 +179,12 @@ absl::Status VerifyRange(const Version& ver, const CacheData& got, const GetOpti
 
 }  // namespace
 
-std::vector<LayerTensors> Version::Tensors() const {
-  std::vector<LayerTensors> t(num_layers);
-  for (int l = 0; l < num_layers; ++l) {
+std::vector<LayerTensors> Version::Input::Tensors() const {
+  std::vector<LayerTensors> t(k.size());
+  for (size_t l = 0; l < k.size(); ++l) {
     t[l] = LayerTensors{k[l].data(), v[l].data(), q[l].empty() ? nullptr : q[l].data()};
   }
   return t;
-}
-
-uint64_t Version::UploadBytes() const {
-  uint64_t n = 0;
-  for (int l = 0; l < num_layers; ++l) n += k[l].size() + v[l].size() + q[l].size();
-  return n;
 }
 
 std::string Version::Describe() const {
@@ -215,9 +209,8 @@ uint64_t CacheChecksum(const std::vector<ByteVector>& blobs) {
   return sum;
 }
 
-absl::StatusOr<std::shared_ptr<const Version>> MakeVersion(const std::string& id, uint64_t seed,
-                                                           const ShapeLimits& limits,
-                                                           Backend& backend) {
+absl::StatusOr<Upload> MakeVersion(const std::string& id, uint64_t seed, const ShapeLimits& limits,
+                                   Backend& backend) {
   std::mt19937_64 rng(seed);
   auto ver = std::make_shared<Version>();
   ver->id = id;
@@ -295,21 +288,23 @@ absl::StatusOr<std::shared_ptr<const Version>> MakeVersion(const std::string& id
     t.resize(n * es);
     for (size_t i = 0; i < n; ++i) StoreFromFloat(t.data(), ver->dtype, i, value(rng));
   };
-  ver->k.resize(ver->num_layers);
-  ver->v.resize(ver->num_layers);
-  ver->q.resize(ver->num_layers);
+  auto input = std::make_shared<Version::Input>();
+  input->k.resize(ver->num_layers);
+  input->v.resize(ver->num_layers);
+  input->q.resize(ver->num_layers);
   for (int l = 0; l < ver->num_layers; ++l) {
-    fill(ver->k[l], kv);
-    fill(ver->v[l], kv);
-    fill(ver->q[l], qn);
+    fill(input->k[l], kv);
+    fill(input->v[l], kv);
+    fill(input->q[l], qn);
+    ver->kv_bytes += 2 * kv * es;
     LayerInput in;
     in.shape = s;
     in.dtype = ver->dtype;
     in.layout = ver->layout;
     in.layer_index = l;
-    in.k = ver->k[l].data();
-    in.v = ver->v[l].data();
-    in.q_obs = qn > 0 ? ver->q[l].data() : nullptr;
+    in.k = input->k[l].data();
+    in.v = input->v[l].data();
+    in.q_obs = qn > 0 ? input->q[l].data() : nullptr;
     auto layer = backend.Compress(in, spec, nullptr);
     if (!layer.ok()) {
       return absl::Status(
@@ -319,7 +314,8 @@ absl::StatusOr<std::shared_ptr<const Version>> MakeVersion(const std::string& id
     ver->packed.push_back(std::move(layer->bytes));
   }
   ver->checksum = CacheChecksum(ver->packed);
-  return std::shared_ptr<const Version>(std::move(ver));
+  if (ver->lossless) ver->input = input;
+  return Upload{std::shared_ptr<const Version>(std::move(ver)), std::move(input)};
 }
 
 absl::Status Verify(const Version& ver, const CacheData& got, const GetOptions& opt,

@@ -51,20 +51,30 @@ struct Version {
   // True when kvcd must store the input as is (policy none, no pruning, no quantization): then
   // served bytes are also compared with the input itself, independently of the engine.
   bool lossless = false;
-  std::vector<std::vector<uint8_t>> k, v, q;  // per layer, in `layout`
-  std::vector<ByteVector> packed;             // per layer: the engine's blob
-  uint64_t checksum = 0;                      // CacheInfo.checksum of `packed`
-
-  std::vector<LayerTensors> Tensors() const;
-  uint64_t UploadBytes() const;
+  // The tensors sent, per layer, in `layout`. Kept for as long as the version lives only when
+  // lossless (MakeVersion's caller holds them for the upload otherwise), so that a long soak
+  // with many ids does not hold every input.
+  struct Input {
+    std::vector<std::vector<uint8_t>> k, v, q;
+    std::vector<LayerTensors> Tensors() const;
+  };
+  std::shared_ptr<const Input> input;  // null unless lossless
+  std::vector<ByteVector> packed;      // per layer: the engine's blob
+  uint64_t checksum = 0;               // CacheInfo.checksum of `packed`
+  uint64_t kv_bytes = 0;               // K + V bytes sent (PutCacheResponse.input_bytes)
   // "snapkv keep=0.25 think=0.5 bits=4 f16 NHD L3 Hkv2 Hq4 S200 D64 W16 seed=..."
   std::string Describe() const;
 };
 
+// A version and the tensors to upload for it.
+struct Upload {
+  std::shared_ptr<const Version> version;
+  std::shared_ptr<const Version::Input> input;
+};
+
 // Draws a version for `id` from `seed` and computes its expected blobs with `backend`.
-absl::StatusOr<std::shared_ptr<const Version>> MakeVersion(const std::string& id, uint64_t seed,
-                                                           const ShapeLimits& limits,
-                                                           Backend& backend);
+absl::StatusOr<Upload> MakeVersion(const std::string& id, uint64_t seed, const ShapeLimits& limits,
+                                   Backend& backend);
 
 // CacheInfo.checksum of a cache whose layers are `blobs` (layer l = blobs[l]).
 uint64_t CacheChecksum(const std::vector<ByteVector>& blobs);

@@ -105,9 +105,8 @@ std::string SoakWorker::PickId() {
   return absl::StrCat(c.id_prefix, "c", index_, "/", rng_() % std::max(1, c.own_ids));
 }
 
-absl::StatusOr<std::shared_ptr<const Version>> SoakWorker::NewVersion(const std::string& id) {
-  absl::StatusOr<std::shared_ptr<const Version>> v =
-      MakeVersion(id, rng_(), state_->config.limits, *backend_);
+absl::StatusOr<Upload> SoakWorker::NewVersion(const std::string& id) {
+  absl::StatusOr<Upload> v = MakeVersion(id, rng_(), state_->config.limits, *backend_);
   if (!v.ok()) state_->Failure(absl::StrCat("client ", index_, ": ", v.status().message()));
   return v;
 }
@@ -147,18 +146,19 @@ void SoakWorker::Judge(const std::string& op, const Client& via, const absl::Sta
 
 void SoakWorker::Put(Client& client, const std::string& op) {
   const std::string id = PickId();
-  absl::StatusOr<std::shared_ptr<const Version>> v = NewVersion(id);
-  if (!v.ok()) return;
-  const std::vector<LayerTensors> tensors = (*v)->Tensors();
+  absl::StatusOr<Upload> upload = NewVersion(id);
+  if (!upload.ok()) return;
+  const std::shared_ptr<const Version>& v = upload->version;
+  const std::vector<LayerTensors> tensors = upload->input->Tensors();
   // One upload in 8 asks not to overwrite: ALREADY_EXISTS is then legal, but only when some
   // version could have been stored while it ran.
-  PutHeader header = (*v)->header;
+  PutHeader header = v->header;
   const bool create_only = rng_() % 8 == 0;
   header.set_overwrite(!create_only);
   const std::string name = create_only && op == "put" ? "put_new" : op;
   const uint64_t epoch0 = state_->epoch.load();
   const uint64_t start = state_->ledger.BeginGet();  // keeps what it may collide with in view
-  const uint64_t handle = state_->ledger.BeginPut(*v, start);
+  const uint64_t handle = state_->ledger.BeginPut(v, start);
   absl::StatusOr<PutResult> r = client.PutCache(header, tensors);
   const Code c = r.status().code();
   const bool maybe_stored = !(c == Code::kInvalidArgument || c == Code::kResourceExhausted ||
@@ -177,11 +177,11 @@ void SoakWorker::Put(Client& client, const std::string& op) {
                                  "': ALREADY_EXISTS, but no upload of it could be stored then"));
   }
   if (!r.ok()) return;
-  uint64_t stored = 0, kv = 0;
-  for (const ByteVector& b : (*v)->packed) stored += b.size();
-  for (int l = 0; l < (*v)->num_layers; ++l) kv += (*v)->k[l].size() + (*v)->v[l].size();
+  uint64_t stored = 0;
+  for (const ByteVector& b : v->packed) stored += b.size();
+  const uint64_t kv = v->kv_bytes;
   if (r->stored_bytes() != stored || r->input_bytes() != kv) {
-    state_->Failure(absl::StrCat("client ", index_, " put '", id, "' [", (*v)->Describe(),
+    state_->Failure(absl::StrCat("client ", index_, " put '", id, "' [", v->Describe(),
                                  "]: stored_bytes ", r->stored_bytes(), " (engine: ", stored,
                                  "), input_bytes ", r->input_bytes(), " (sent K+V: ", kv, ")"));
   }
@@ -283,9 +283,10 @@ void SoakWorker::Stat() {
 // so a GetCache returning it would match no legal version.
 void SoakWorker::AbandonUpload(bool stall) {
   const std::string id = PickId();
-  absl::StatusOr<std::shared_ptr<const Version>> v = NewVersion(id);
-  if (!v.ok()) return;
-  const Version& ver = **v;
+  absl::StatusOr<Upload> upload = NewVersion(id);
+  if (!upload.ok()) return;
+  const Version& ver = *upload->version;
+  const Version::Input& in = *upload->input;
   const std::string op = stall ? "put_stall" : "put_cancel";
   state_->Fault(stall ? "stalled_upload" : "cancel_upload");
   grpc::ClientContext ctx;
@@ -305,8 +306,8 @@ void SoakWorker::AbandonUpload(bool stall) {
   std::vector<Tensor> order;
   uint64_t total = 0;
   for (int l = 0; l < ver.num_layers; ++l) {
-    for (auto [kind, t] : {std::pair{pb::TENSOR_K, &ver.k[l]}, std::pair{pb::TENSOR_V, &ver.v[l]},
-                           std::pair{pb::TENSOR_Q_OBS, &ver.q[l]}}) {
+    for (auto [kind, t] : {std::pair{pb::TENSOR_K, &in.k[l]}, std::pair{pb::TENSOR_V, &in.v[l]},
+                           std::pair{pb::TENSOR_Q_OBS, &in.q[l]}}) {
       if (t->empty()) continue;
       order.push_back({static_cast<uint32_t>(l), kind, t});
       total += t->size();

@@ -88,7 +88,7 @@ class SoakWorker {
   SoakWorker(SoakState* state, int index);
 
   std::string PickId();
-  absl::StatusOr<std::shared_ptr<const Version>> NewVersion(const std::string& id);
+  absl::StatusOr<Upload> NewVersion(const std::string& id);
   void Put(Client& client, const std::string& op);
   void Get(bool cancel_midway);
   void Delete(Client& client, const std::string& op);

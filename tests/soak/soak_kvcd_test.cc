@@ -29,8 +29,7 @@ TEST(SoakKvcdTest, MetricValueMatchesTheWholeSeriesName) {
       "kvc_active_streams 0\n";
   EXPECT_EQ(*MetricValue(text, "kvc_store_entries"), 3.0);
   EXPECT_EQ(*MetricValue(text, "kvc_active_streams"), 0.0);
-  EXPECT_EQ(MetricValue(text, "kvc_store_used_bytes").status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(MetricValue(text, "kvc_store_used_bytes").status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace

@@ -70,7 +70,7 @@ std::shared_ptr<const Version> Find(const std::string& id, Backend& backend,
   for (uint64_t seed = first_seed; seed < first_seed + 200; ++seed) {
     auto v = MakeVersion(id, seed, limits, backend);
     EXPECT_TRUE(v.ok()) << v.status();
-    if (v.ok() && want(**v)) return *v;
+    if (v.ok() && want(*v->version)) return v->version;
   }
   ADD_FAILURE() << "no version found";
   return nullptr;
@@ -83,20 +83,24 @@ TEST(SoakModelTest, VersionsAreDeterministicAndCoverTheSpecSpace) {
   auto a = MakeVersion("x", 7, limits, *backend);
   auto b = MakeVersion("x", 7, limits, *backend);
   ASSERT_TRUE(a.ok() && b.ok());
-  EXPECT_EQ((*a)->Describe(), (*b)->Describe());
-  ASSERT_EQ((*a)->packed.size(), (*b)->packed.size());
-  for (size_t l = 0; l < (*a)->packed.size(); ++l) EXPECT_EQ((*a)->packed[l], (*b)->packed[l]);
+  EXPECT_EQ(a->version->Describe(), b->version->Describe());
+  ASSERT_EQ(a->version->packed.size(), b->version->packed.size());
+  for (size_t l = 0; l < a->version->packed.size(); ++l)
+    EXPECT_EQ(a->version->packed[l], b->version->packed[l]);
   std::set<std::string> policies, dtypes;
   bool lossless = false, quantized = false, pruned = false, nhd = false;
   for (uint64_t seed = 1; seed <= 60; ++seed) {
     auto v = MakeVersion("x", seed, limits, *backend);
     ASSERT_TRUE(v.ok()) << v.status();
-    policies.insert((*v)->header.compression().eviction().policy());
-    dtypes.insert(std::to_string((*v)->header.dtype()));
-    lossless = lossless || (*v)->lossless;
-    quantized = quantized || (*v)->spec.quant.bits > 0;
-    pruned = pruned || (*v)->spec.channels.key_lambda > 0;
-    nhd = nhd || (*v)->layout == Layout::kNHD;
+    policies.insert(v->version->header.compression().eviction().policy());
+    dtypes.insert(std::to_string(v->version->header.dtype()));
+    lossless = lossless || v->version->lossless;
+    quantized = quantized || v->version->spec.quant.bits > 0;
+    pruned = pruned || v->version->spec.channels.key_lambda > 0;
+    nhd = nhd || v->version->layout == Layout::kNHD;
+    // Only lossless versions keep their input (for the input comparison).
+    EXPECT_EQ(v->version->input != nullptr, v->version->lossless);
+    EXPECT_NE(v->input, nullptr);
   }
   EXPECT_EQ(policies.size(), 7u);
   EXPECT_EQ(dtypes.size(), 3u);
@@ -143,7 +147,9 @@ TEST(SoakModelTest, LosslessVersionsAreAlsoComparedWithTheInput) {
   auto v = Find("a", *backend, [](const Version& v) { return v.lossless; });
   ASSERT_NE(v, nullptr);
   Version tampered = *v;  // as if the engine and kvcd agreed on bytes that are not the input
-  tampered.k[0][3] ^= 0x40;
+  auto input = std::make_shared<Version::Input>(*v->input);
+  input->k[0][3] ^= 0x40;
+  tampered.input = input;
   for (CacheFormat f : {CacheFormat::kPacked, CacheFormat::kDense}) {
     GetOptions opt;
     opt.format = f;
