@@ -53,3 +53,42 @@ ABSL_FLAG(std::string, rope_pairs, "",
           "(pairs i, i+d/2: Hugging Face Llama); required");
 ABSL_FLAG(int64_t, rope_dims, 0, "--format=contiguous: rotated channels; 0 = head_dim");
 ABSL_FLAG(double, rope_linear, 0, "--format=contiguous: linear RoPE scaling factor; 0 = none");
+
+// soak (soak.cc). It also takes --target, --timeout, --duration, --id_prefix and --seed, with
+// its own defaults when they are not given (120 s, 60 s, "soak/", 1).
+ABSL_FLAG(std::string, kvcd, "",
+          "soak: kvcd binary to run on a loopback port (and SIGKILL/restart with --kill_every); "
+          "empty = soak --target, which is never killed");
+ABSL_FLAG(std::string, kvcd_flags, "--threads=2 --backend=cpu",
+          "soak: extra kvcd flags, space-separated (with --kvcd)");
+ABSL_FLAG(std::string, kvcd_log, "", "soak: kvcd output file; default $TMPDIR/kvcctl-soak-<pid>.log");
+ABSL_FLAG(int64_t, store_mib, 64, "soak: kvcd --store_bytes in MiB (with --kvcd; else the target's)");
+ABSL_FLAG(int64_t, buffer_pool_mib, 32,
+          "soak: kvcd --buffer_pool_bytes in MiB (with --kvcd; else the target's)");
+ABSL_FLAG(int64_t, clients, 8, "soak: concurrent clients (threads, each with its own channels), 1..256");
+ABSL_FLAG(double, kill_every, 0, "soak: seconds between SIGKILL+restart of kvcd; 0 = never");
+ABSL_FLAG(double, fault_rate, 0.15,
+          "soak: share of iterations that inject a client fault (cancelled or stalled upload, "
+          "cancelled download, tiny deadline), [0, 1]");
+ABSL_FLAG(double, stall_seconds, 3,
+          "soak: how long a stalled upload waits before cancelling; 0 = no stalls");
+ABSL_FLAG(int64_t, tiny_deadline_ms, 20,
+          "soak: the longest tiny deadline (clients cycle 0.2 ms, 1 ms, 5 ms, this)");
+ABSL_FLAG(int64_t, race_ids, 4, "soak: cache ids shared by all clients (overwrite/delete races)");
+ABSL_FLAG(int64_t, max_layers, 3, "soak: random shapes: most layers");
+ABSL_FLAG(int64_t, max_kv_heads, 4, "soak: random shapes: most KV heads (1, 2 or 4)");
+ABSL_FLAG(int64_t, max_tokens, 384, "soak: random shapes: longest prompt (>= 16)");
+ABSL_FLAG(int64_t, max_head_dim, 128, "soak: random shapes: largest head_dim (32, 64 or 128)");
+ABSL_FLAG(double, recover_seconds, 30,
+          "soak: a client still UNAVAILABLE this long after kvcd restarted is a failure");
+ABSL_FLAG(std::string, rss_csv, "", "soak: write kvcd's RSS samples here (seconds,pid,rss,hwm,ops)");
+ABSL_FLAG(int64_t, rss_overhead_mib, 128,
+          "soak: fixed part of the RSS bound (binary, threads, arenas)");
+ABSL_FLAG(int64_t, rss_bound_mib, 0, "soak: RSS bound in MiB; 0 = the formula (see --help)");
+ABSL_FLAG(int64_t, kvcd_pid, 0, "soak: with --target, sample this process's RSS (0 = none)");
+ABSL_FLAG(std::string, metrics, "",
+          "soak: with --target, its metrics host:port for the end checks (with --kvcd: found)");
+ABSL_FLAG(bool, self_check, false,
+          "soak: flip one byte of the 1st, 11th, 21st... fetched cache before verifying it: the "
+          "run must then FAIL with CORRUPTION (proves the verifier sees a bad byte)");
+ABSL_FLAG(bool, verbose, false, "soak: print a progress line every 5 s");

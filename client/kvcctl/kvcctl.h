@@ -39,6 +39,7 @@ int RunLs(const std::vector<std::string>& args);
 int RunRm(const std::vector<std::string>& args);
 int RunInfo(const std::vector<std::string>& args);
 int RunBench(const std::vector<std::string>& args);
+int RunSoak(const std::vector<std::string>& args);
 
 }  // namespace kvc::ctl
 

@@ -20,6 +20,7 @@ constexpr char kUsage[] =
     "  rm <id>...                 delete caches\n"
     "  info                       show server info of every replica\n"
     "  bench                      concurrent synthetic uploads and downloads\n"
+    "  soak                       long randomized load with faults, verifying every byte\n"
     "\n"
     "global flags (any command): --target=127.0.0.1:50051 (host:port, a comma-separated list of\n"
     "  replicas, or dns:///name:port), --timeout=<seconds>, --token=<bearer token>,\n"
@@ -65,6 +66,7 @@ int main(int argc, char** argv) {
   if (cmd == "rm") return kvc::ctl::RunRm(args);
   if (cmd == "info") return kvc::ctl::RunInfo(args);
   if (cmd == "bench") return kvc::ctl::RunBench(args);
+  if (cmd == "soak") return kvc::ctl::RunSoak(args);
   std::fprintf(stderr, "kvcctl: unknown command '%s'\n\n%s", cmd.c_str(), kUsage);
   return kvc::ctl::kExitUsage;
 }
