@@ -37,8 +37,9 @@ files.forEach((file, i) => {
 });
 const run = spawnSync(
   process.execPath,
-  [tsc, '--noEmit', '--strict', '--target', 'es2020', '--moduleResolution', 'node',
-   '--pretty', 'false', ...sources.keys()],
+  // --skipLibCheck: the dashboards are checked, not Grafana's own declarations (5x faster).
+  [tsc, '--noEmit', '--strict', '--skipLibCheck', '--lib', 'es2020', '--target', 'es2020',
+   '--moduleResolution', 'node', '--pretty', 'false', ...sources.keys()],
   { encoding: 'utf8', timeout: 120000 },
 );
 fs.rmSync(work, { recursive: true, force: true });
