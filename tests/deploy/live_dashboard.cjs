@@ -170,30 +170,46 @@ async function main() {
   console.log(`prometheus ${prom} scrapes kvcd ${metricsUrl} (gRPC ${grpc})`);
 
   // --- bounded load ------------------------------------------------------------------------------
+  // Two phases of kvcctl bench (put, get, delete) with different compression; in the second,
+  // caches that stay (kvcctl put, one a second) make the store grow. The graphs show the change.
+  const cacheFile = path.join(work, 'cache.safetensors');
+  const gen = spawnSync(
+    'python3',
+    [path.join(__dirname, '..', 'bench', 'make_llama_safetensors.py'), '512', '2', cacheFile],
+    { encoding: 'utf8', timeout: 60000 },
+  );
+  if (gen.status !== 0) lib.fail(`make_llama_safetensors.py failed: ${gen.stderr || gen.error}`);
   const loadStart = Date.now() / 1000;
-  const bench = start('kvcctl bench', args.kvcctl, [
-    `--target=${grpc}`,
-    'bench',
-    '--concurrency=2',
-    `--duration=${LOAD_SECONDS}`,
-    '--tokens=2048',
-    '--layers=2',
-    '--policy=snapkv',
-    '--ratio=0.25',
-    '--bits=4',
-  ]);
-  // Unary calls (the unary latency alert selects them) and cache misses (NOT_FOUND), spread over
-  // the load.
-  while (bench.exited === null) {
-    for (const argv of [['info'], ['ls'], ['stat', 'no-such-cache']]) {
-      spawnSync(args.kvcctl, [`--target=${grpc}`, ...argv], { timeout: 30000 });
+  const phases = [
+    ['--concurrency=2', '--policy=snapkv', '--ratio=0.25', '--bits=4'],
+    ['--concurrency=1', '--policy=h2o', '--ratio=0.5', '--bits=8'],
+  ];
+  let kept = 0;
+  for (const phase of phases) {
+    const bench = start('kvcctl bench', args.kvcctl, [
+      `--target=${grpc}`,
+      'bench',
+      `--duration=${LOAD_SECONDS / phases.length}`,
+      '--tokens=2048',
+      '--layers=2',
+      ...phase,
+    ]);
+    // Unary calls (the unary latency alert selects them) and cache misses (NOT_FOUND), spread
+    // over the load.
+    const phaseEnd = Date.now() / 1000 + LOAD_SECONDS + 120;
+    while (bench.exited === null) {
+      const calls = [['info'], ['ls'], ['stat', 'no-such-cache']];
+      if (phase === phases[1]) calls.push(['put', cacheFile, `--id=kept-${kept++}`, ...phase.slice(1)]);
+      for (const argv of calls) {
+        spawnSync(args.kvcctl, [`--target=${grpc}`, ...argv], { timeout: 30000 });
+      }
+      await sleep(1000);
+      if (Date.now() / 1000 > phaseEnd) lib.fail('kvcctl bench did not end');
     }
-    await sleep(1000);
-    if (Date.now() / 1000 > loadStart + LOAD_SECONDS + 120) lib.fail('kvcctl bench did not end');
-  }
-  if (bench.exited !== 0) lib.fail(`kvcctl bench failed (${bench.exited}):\n${bench.output()}`);
-  for (const line of bench.output().split('\n')) {
-    if (/^(bench|put|get|\s+errors)\b/.test(line)) console.log(line);
+    if (bench.exited !== 0) lib.fail(`kvcctl bench failed (${bench.exited}):\n${bench.output()}`);
+    for (const line of bench.output().split('\n')) {
+      if (/^(bench|put|get|\s+errors)\b/.test(line)) console.log(line);
+    }
   }
   const loadEnd = Date.now() / 1000;
   // Two scrapes after the load, so every rate covers it.
@@ -285,7 +301,7 @@ async function main() {
     if (problems.length === before) console.log(`ok: ${where}: ${rule.state}, inputs have data`);
   }
 
-  if (args.screenshot) await screenshot(prom, loadStart, end);
+  if (args.screenshot) await screenshot(prom, loadStart);
 
   if (problems.length) {
     for (const p of problems) console.log(`FAIL: ${p}`);
@@ -296,7 +312,7 @@ async function main() {
 }
 
 // Prometheus's graph page, one graph per main metric, over the load.
-async function screenshot(prom, from, to) {
+async function screenshot(prom, from) {
   if (!args.chromium) lib.fail('--screenshot needs --chromium=BIN');
   const sel = `{namespace="${NAMESPACE}", pod=~"${POD}"}`;
   const graphs = [
@@ -304,18 +320,16 @@ async function screenshot(prom, from, to) {
     `sum by (pod) (kvc_store_used_bytes${sel})`,
     `sum(rate(kvc_compression_ratio_sum${sel}[${RATE_INTERVAL}])) / ` +
       `sum(rate(kvc_compression_ratio_count${sel}[${RATE_INTERVAL}]))`,
-    `sum by (grpc_code) (rate(grpc_server_handled_total${sel}[${RATE_INTERVAL}]))`,
+    `sum by (grpc_code) (rate(grpc_server_handled_total${sel}[${RATE_INTERVAL}])) > 0`,
   ];
-  const range = `${Math.max(60, Math.ceil(to - from + 10))}s`;
-  const endTime = new Date(Math.ceil(to) * 1000).toISOString();
+  // The graphs end now (the page's end time has minute resolution) and start before the load.
+  const range = `${Math.ceil(Date.now() / 1000 - from + 10)}s`;
   const q = new URLSearchParams();
   graphs.forEach((g, i) => {
     q.append(`g${i}.expr`, g);
     q.append(`g${i}.tab`, '0');
     q.append(`g${i}.stacked`, '0');
     q.append(`g${i}.range_input`, range);
-    q.append(`g${i}.end_input`, endTime);
-    q.append(`g${i}.moment_input`, endTime);
   });
   const url = `${prom}/graph?${q}`;
   const out = path.resolve(args.screenshot);
@@ -327,7 +341,7 @@ async function screenshot(prom, from, to) {
       '--disable-gpu',
       '--hide-scrollbars',
       `--user-data-dir=${path.join(work, 'chromium')}`,
-      '--window-size=1280,2200',
+      '--window-size=1280,2900',
       '--virtual-time-budget=15000',
       `--screenshot=${out}`,
       url,
