@@ -18,7 +18,7 @@ if ((!BUILD_ONLY)); then
 fi
 # The container image tests (tests/deploy/image_test.sh) build and run images with these; they
 # skip, saying why, without them, so failing to install them does not stop the setup.
-OPTIONAL=(podman runc debootstrap)
+OPTIONAL=(podman runc mmdebstrap)
 
 SUDO=""
 if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi

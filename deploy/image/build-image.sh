@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds kvc's container images with podman, from Debian packages alone: no container registry
-# is needed. The base image is made locally with debootstrap from the Debian mirror the host's
-# apt uses, imported under the name the Dockerfile uses, and cached (podman storage and a tarball
-# under $KVC_IMAGE_CACHE) so later runs on the same machine reuse it.
+# is needed. The base image is made locally (mmdebstrap or debootstrap) from the Debian mirror
+# the host's apt uses, imported under the name the Dockerfile uses, and cached (podman storage
+# and a tarball under $KVC_IMAGE_CACHE) so later runs on the same machine reuse it.
 #
 #   build-image.sh base                   make (or reuse) the Debian 12 base image
 #   build-image.sh full [TAG] [ARGS...]   deploy/docker/Dockerfile, as documented in OPERATIONS.md
@@ -15,9 +15,9 @@
 #
 # Podman runs with deploy/image/containers.conf and storage.conf (CONTAINERS_CONF,
 # CONTAINERS_STORAGE_CONF), not the host's /etc/containers. Needs root, podman, runc and
-# debootstrap (Debian: apt-get install podman runc debootstrap). Environment:
+# mmdebstrap or debootstrap (Debian: apt-get install podman runc mmdebstrap). Environment:
 #   KVC_IMAGE_CACHE  base image tarball cache (default /var/cache/kvc-image)
-#   DEBIAN_MIRROR    Debian mirror for debootstrap and apt in the images (default: the host's)
+#   DEBIAN_MIRROR    Debian mirror for the base and apt in the images (default: the host's)
 #   DEBIAN_IMAGE     base image name (default docker.io/library/debian:bookworm; the runtime
 #                    stage uses ${DEBIAN_IMAGE}-slim, which is tagged on the same image)
 set -euo pipefail
@@ -44,8 +44,9 @@ host_mirror() {
 
 image_exists() { podman image exists "$1" 2>/dev/null; }
 
-# base: debootstrap --variant=minbase, with the updates and security suites enabled as in
-# Debian's own images, apt lists removed; imported as $DEBIAN_IMAGE and $DEBIAN_IMAGE-slim.
+# base: a minbase Debian 12 (mmdebstrap, about twice as fast, or else debootstrap), with the
+# updates and security suites enabled as in Debian's own images, apt lists, documentation and
+# locales removed as in Debian's slim images; imported as $DEBIAN_IMAGE and $DEBIAN_IMAGE-slim.
 make_base() {
   if image_exists "$DEBIAN_IMAGE" && image_exists "$DEBIAN_IMAGE-slim"; then
     say "base image $DEBIAN_IMAGE is present"
@@ -53,17 +54,24 @@ make_base() {
   fi
   local tarball=$CACHE/debian-$SUITE-minbase.tar
   if [[ ! -s $tarball ]]; then
-    command -v debootstrap >/dev/null || die "debootstrap not found (apt-get install debootstrap)"
+    local tool
+    tool=$(command -v mmdebstrap || command -v debootstrap) ||
+      die "neither mmdebstrap nor debootstrap is installed (apt-get install mmdebstrap)"
     local mirror=${DEBIAN_MIRROR:-$(host_mirror)}
     local security=${mirror%/debian*}/debian-security
     local dir
     mkdir -p "$CACHE"
     dir=$(mktemp -d "$CACHE/rootfs.XXXXXX")
-    trap 'rm -rf "$dir"' RETURN
-    say "debootstrap --variant=minbase $SUITE from $mirror (a few minutes)"
+    trap 'rm -rf "$dir"; trap - RETURN' RETURN
+    say "$(basename "$tool") --variant=minbase $SUITE from $mirror (minutes)"
     local t0=$SECONDS
-    debootstrap --variant=minbase "$SUITE" "$dir" "$mirror" >"$CACHE/debootstrap.log" 2>&1 ||
-      die "debootstrap failed; see $CACHE/debootstrap.log"
+    local opts=(--variant=minbase)
+    # mmdebstrap merges /usr itself with this hook; without it, it installs usrmerge and perl.
+    if [[ $tool == *mmdebstrap && -d /usr/share/mmdebstrap/hooks/merged-usr ]]; then
+      opts+=(--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr)
+    fi
+    "$tool" "${opts[@]}" "$SUITE" "$dir" "$mirror" >"$CACHE/bootstrap.log" 2>&1 ||
+      die "$(basename "$tool") failed; see $CACHE/bootstrap.log"
     cat >"$dir/etc/apt/sources.list" <<EOF
 deb $mirror $SUITE main
 deb $mirror $SUITE-updates main
@@ -86,7 +94,7 @@ EOF
       "$dir"/usr/share/locale/*
     find "$dir"/usr/share/doc -mindepth 2 ! -name copyright ! -type d -delete
     tar --numeric-owner -C "$dir" -cf "$tarball.tmp" . && mv "$tarball.tmp" "$tarball"
-    say "debootstrap took $((SECONDS - t0)) s; cached $tarball"
+    say "$(basename "$tool") took $((SECONDS - t0)) s; cached $tarball"
   fi
   podman import --quiet "$tarball" "$DEBIAN_IMAGE" >/dev/null
   podman tag "$DEBIAN_IMAGE" "$DEBIAN_IMAGE-slim"

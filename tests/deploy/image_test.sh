@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The container image, built and run for real: builds the runtime-only image around this build
 # tree's kvcd and kvcctl (deploy/image/build-image.sh runtime: the Dockerfile's runtime stage, on
-# a Debian base made locally with debootstrap and cached), runs it the way the manifests do
-# (read-only root, all capabilities dropped, no new privileges, non-root), and checks that kvcd
-# answers health SERVING and /metrics on its published loopback ports, serves a kvcctl put/get
-# round trip with compression (kvcctl on the host and kvcctl in the image), and exits 0 on stop
-# within its drain and shutdown deadlines. Exits 77 (skipped, saying why) where podman cannot
-# build or run containers: not root, podman/runc/debootstrap missing, no Debian mirror.
+# a Debian base made locally with mmdebstrap or debootstrap and cached), runs it the way the
+# manifests do (read-only root, all capabilities dropped, no new privileges, non-root), and checks
+# that kvcd answers health SERVING and /metrics on its published loopback ports, serves a kvcctl
+# put/get round trip with compression (kvcctl on the host and kvcctl in the image), and exits 0
+# on stop under load within its drain and shutdown deadlines. Exits 77 (skipped, saying why) where podman cannot
+# build or run containers: not root, podman/runc/mmdebstrap missing, no Debian mirror.
 # Usage: image_test.sh BUILD_DIR HEALTH_PROBE
 set -euo pipefail
 
@@ -31,9 +31,11 @@ fail() {
 
 # --- can podman build and run containers here? --------------------------------------------------
 [[ $(id -u) -eq 0 ]] || skip "needs root (rootful podman with deploy/image/containers.conf)"
-for tool in podman runc debootstrap; do
+for tool in podman runc; do
   command -v "$tool" >/dev/null || skip "no $tool (deploy/setup-debian.sh installs it)"
 done
+command -v mmdebstrap >/dev/null || command -v debootstrap >/dev/null ||
+  skip "no mmdebstrap or debootstrap (deploy/setup-debian.sh installs mmdebstrap)"
 if ! out=$(podman info 2>&1 >/dev/null); then
   skip "podman cannot start: $(tail -n 1 <<<"$out")"
 fi
@@ -42,8 +44,9 @@ if ! out=$("$HERE/build-image.sh" base 2>&1); then
   skip "no base image (needs the Debian mirror once): $(tail -n 3 <<<"$out" | tr '\n' ' ')"
 fi
 echo "$out"
-if ! out=$(podman run --rm --network=none docker.io/library/debian:bookworm true 2>&1); then
-  skip "podman cannot run containers here: $(tail -n 1 <<<"$out")"
+# A container with a published loopback port: what the test needs of the runtime and network.
+if ! out=$(podman run --rm -p 127.0.0.1::9 docker.io/library/debian:bookworm true 2>&1); then
+  skip "podman cannot run containers with published ports here: $(tail -n 1 <<<"$out")"
 fi
 
 # --- build ----------------------------------------------------------------------------------------
