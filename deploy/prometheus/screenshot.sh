@@ -12,7 +12,7 @@ BUILD=${1:-$ROOT/build}
 OUT=${2:-$ROOT/deploy/prometheus/kvc-graphs.png}
 chromium=$(command -v chromium-headless-shell || command -v chromium || true)
 [[ -n $chromium ]] || { echo "no chromium: apt-get install chromium-headless-shell" >&2; exit 1; }
-prometheus=$(command -v prometheus) || { echo "no prometheus (deploy/setup-debian.sh)" >&2; exit 1; }
+prometheus=$(command -v prometheus) || { echo "no prometheus: deploy/setup-debian.sh" >&2; exit 1; }
 node "$ROOT/tests/deploy/live_dashboard.cjs" --kvcd="$BUILD/service/kvcd" \
   --kvcctl="$BUILD/client/kvcctl/kvcctl" --prometheus="$prometheus" \
   --rules="$ROOT/deploy/prometheus/kvc-alerts.rules.yml" \

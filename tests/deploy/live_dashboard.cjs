@@ -37,6 +37,9 @@ const problem = (p) => problems.push(p);
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
+// An error that stops until() at once (a process exited) instead of being retried.
+class Fatal extends Error {}
+
 // Polls fn (async, returns a truthy value when done) every 250 ms until deadline_s passes.
 async function until(what, fn, deadlineS = 60) {
   const end = Date.now() + deadlineS * 1000;
@@ -46,9 +49,12 @@ async function until(what, fn, deadlineS = 60) {
       const v = await fn();
       if (v) return v;
     } catch (e) {
+      if (e instanceof Fatal) throw e;
       last = e;
     }
-    if (Date.now() > end) throw new Error(`${what} within ${deadlineS} s${last ? `: ${last.message}` : ''}`);
+    if (Date.now() > end) {
+      throw new Error(`${what} within ${deadlineS} s${last ? `: ${last.message}` : ''}`);
+    }
     await sleep(250);
   }
 }
@@ -75,7 +81,8 @@ function getJson(url) {
           try {
             resolve({ status: res.statusCode, body: JSON.parse(body) });
           } catch (e) {
-            resolve({ status: res.statusCode, body: { status: 'error', error: body.slice(0, 200) } });
+            const error = body.slice(0, 200);
+            resolve({ status: res.statusCode, body: { status: 'error', error } });
           }
         });
       })
@@ -128,7 +135,7 @@ async function main() {
     '--threads=2',
   ]);
   const metricsUrl = await until('kvcd prints its metrics address', () => {
-    if (kvcd.exited !== null) throw new Error(`kvcd exited (${kvcd.exited}):\n${kvcd.output()}`);
+    if (kvcd.exited !== null) throw new Fatal(`kvcd exited (${kvcd.exited}):\n${kvcd.output()}`);
     const m = /kvcd: metrics on (http:\/\/\S+)\/metrics/.exec(kvcd.output());
     return m && m[1];
   });
@@ -138,8 +145,6 @@ async function main() {
   });
 
   // --- Prometheus ------------------------------------------------------------------------------
-  const promPort = await freePort();
-  const prom = `http://127.0.0.1:${promPort}`;
   const config = {
     global: { scrape_interval: '1s', evaluation_interval: '1s' },
     rule_files: [path.resolve(args.rules)],
@@ -147,26 +152,40 @@ async function main() {
       {
         job_name: 'kvcd',
         static_configs: [
-          { targets: [metricsUrl.replace('http://', '')], labels: { namespace: NAMESPACE, pod: POD } },
+          {
+            targets: [metricsUrl.replace('http://', '')],
+            labels: { namespace: NAMESPACE, pod: POD },
+          },
         ],
       },
     ],
   };
   fs.writeFileSync(path.join(work, 'prometheus.yml'), JSON.stringify(config, null, 2));
-  const prometheus = start('prometheus', args.prometheus, [
-    `--config.file=${path.join(work, 'prometheus.yml')}`,
-    `--storage.tsdb.path=${path.join(work, 'data')}`,
-    `--web.listen-address=127.0.0.1:${promPort}`,
-    '--log.level=warn',
-  ]);
-  await until('Prometheus scrapes kvcd', async () => {
-    if (prometheus.exited !== null) {
-      throw new Error(`prometheus exited (${prometheus.exited}):\n${prometheus.output()}`);
+  // Prometheus cannot listen on port 0 and say which port it got: take a free port, and try
+  // again should another process take it first.
+  let prom;
+  for (let attempt = 1; !prom; attempt++) {
+    const url = `http://127.0.0.1:${await freePort()}`;
+    const prometheus = start('prometheus', args.prometheus, [
+      `--config.file=${path.join(work, 'prometheus.yml')}`,
+      `--storage.tsdb.path=${path.join(work, 'data')}`,
+      `--web.listen-address=${url.replace('http://', '')}`,
+      '--log.level=warn',
+    ]);
+    try {
+      await until('Prometheus scrapes kvcd', async () => {
+        if (prometheus.exited !== null) {
+          throw new Fatal(`prometheus exited (${prometheus.exited}):\n${prometheus.output()}`);
+        }
+        const r = await getJson(`${url}/api/v1/targets`);
+        const t = r.body.data && r.body.data.activeTargets;
+        return t && t.length === 1 && t[0].health === 'up';
+      });
+      prom = url;
+    } catch (e) {
+      if (attempt >= 3 || !/address already in use/.test(prometheus.output())) throw e;
     }
-    const r = await getJson(`${prom}/api/v1/targets`);
-    const t = r.body.data && r.body.data.activeTargets;
-    return t && t.length === 1 && t[0].health === 'up';
-  });
+  }
   console.log(`prometheus ${prom} scrapes kvcd ${metricsUrl} (gRPC ${grpc})`);
 
   // --- bounded load ------------------------------------------------------------------------------
@@ -199,7 +218,9 @@ async function main() {
     const phaseEnd = Date.now() / 1000 + LOAD_SECONDS + 120;
     while (bench.exited === null) {
       const calls = [['info'], ['ls'], ['stat', 'no-such-cache']];
-      if (phase === phases[1]) calls.push(['put', cacheFile, `--id=kept-${kept++}`, ...phase.slice(1)]);
+      if (phase === phases[1]) {
+        calls.push(['put', cacheFile, `--id=kept-${kept++}`, ...phase.slice(1)]);
+      }
       for (const argv of calls) {
         spawnSync(args.kvcctl, [`--target=${grpc}`, ...argv], { timeout: 30000 });
       }
@@ -214,7 +235,8 @@ async function main() {
   const loadEnd = Date.now() / 1000;
   // Two scrapes after the load, so every rate covers it.
   await until('Prometheus scrapes after the load', async () => {
-    const r = await getJson(`${prom}/api/v1/query?query=${encodeURIComponent('timestamp(up{job="kvcd"})')}`);
+    const q = new URLSearchParams({ query: 'timestamp(up{job="kvcd"})' });
+    const r = await getJson(`${prom}/api/v1/query?${q}`);
     const v = r.body.data && r.body.data.result[0];
     return v && Number(v.value[1]) > loadEnd + 1;
   });
