@@ -50,7 +50,12 @@ if ! out=$(podman run --rm -p 127.0.0.1::9 docker.io/library/debian:bookworm tru
 fi
 
 # --- build ----------------------------------------------------------------------------------------
+old=$(podman image inspect -f '{{.Id}}' "$TAG" 2>/dev/null || true)
 "$HERE/build-image.sh" runtime "$BUILD" "$TAG" || fail "build-image.sh runtime failed"
+# The previous run's image, if this build replaced it: repeated runs keep one image, not many.
+if [[ -n $old && $old != $(podman image inspect -f '{{.Id}}' "$TAG") ]]; then
+  podman rmi "$old" >/dev/null 2>&1 || true
+fi
 echo "image: built in $((SECONDS - t0)) s (base included)"
 
 # --- run hardened -------------------------------------------------------------------------------
