@@ -103,8 +103,9 @@ EOF
 
 build() {
   local t0=$SECONDS
-  # --pull=never: the base comes from local storage, never from a registry.
-  podman build --pull=never "$@"
+  # --pull=never: the base comes from local storage, never from a registry. Docker's image
+  # format, because OCI images cannot carry the Dockerfile's SHELL (bash with pipefail).
+  podman build --pull=never --format docker "$@"
   say "podman build took $((SECONDS - t0)) s"
 }
 
