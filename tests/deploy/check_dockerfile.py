@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Static checks of deploy/docker/Dockerfile (no container engine needed).
 
-The build stage installs CI's packages with deploy/setup-debian.sh and runs CI's CMake steps
-(Release, no tests); the runtime stage runs kvcd as a numeric non-root user, exposes its three
-ports and starts kvcd listening on all interfaces. With --kvcd=BIN (a kvcd built on Debian 12),
-every shared library BIN links must come from a package the runtime stage installs, one of
-their dependencies, or the base image.
+The build works offline but for Debian packages: no `# syntax=` directive (BuildKit would pull a
+frontend image) and no download in any RUN (the CUDA toolkit comes with the build image). The
+build stage installs what compiling needs with deploy/setup-debian.sh --build-only and runs CI's
+CMake steps (Release, no tests); the runtime stage (with the stages it is built FROM) runs kvcd
+as a numeric non-root user, exposes its three ports and starts kvcd listening on all interfaces;
+a stage runtime-base holds all of that but the binaries (deploy/image/build-image.sh builds it).
+With --kvcd=BIN (a kvcd built on Debian 12), every shared library BIN links must come from a
+package the runtime stage installs, one of their dependencies, or the base image.
 
 Usage: check_dockerfile.py DOCKERFILE DOCKERIGNORE [--kvcd=BIN]
 """
@@ -32,6 +35,21 @@ def instructions(text):
             stage += 1
         out.append((stage, word, rest.strip()))
     return out
+
+
+def stage_chain(froms, stage):
+    """Stage indices `stage` is built on, itself last: FROM <earlier stage name> inherits."""
+    names = {}
+    for index, args in froms:
+        m = re.search(r"\s+AS\s+(\S+)\s*$", args, re.IGNORECASE)
+        if m:
+            names[m.group(1).lower()] = index
+    chain = [stage]
+    while True:
+        base = froms[chain[0]][1].split()[0].lower()
+        if base not in names or names[base] in chain:
+            return chain
+        chain.insert(0, names[base])
 
 
 def package_closure(roots):
@@ -67,11 +85,19 @@ def main():
     if len(froms) < 2:
         problems.append("not multi-stage (fewer than two FROM)")
     last = len(froms) - 1
-    build = [a for s, w, a in ins if w == "RUN" and s < last]
-    final = [(w, a) for s, w, a in ins if s == last]
+    chain = stage_chain(froms, last) if froms else []
+    build = [a for s, w, a in ins if w == "RUN" and s not in chain]
+    final = [(w, a) for s, w, a in ins if s in chain]
 
-    if not any("deploy/setup-debian.sh" in r for r in build):
-        problems.append("build stage does not run deploy/setup-debian.sh")
+    if re.search(r"^\s*#\s*syntax\s*=", text, re.IGNORECASE | re.MULTILINE):
+        problems.append("has a '# syntax=' directive (BuildKit would pull a frontend image)")
+    for s, w, a in ins:
+        if w in ("RUN", "ADD") and re.search(r"\b(wget|curl)\b|https?://", a):
+            problems.append(f"{w} downloads outside apt (offline builds fail): {a[:60]}...")
+    if not any(re.search(r"\s+AS\s+runtime-base\s*$", a, re.IGNORECASE) for _, a in froms):
+        problems.append("has no stage runtime-base (deploy/image/build-image.sh runtime uses it)")
+    if not any("deploy/setup-debian.sh --build-only" in r for r in build):
+        problems.append("build stage does not run deploy/setup-debian.sh --build-only")
     cmake = " ".join(r for r in build if "cmake -S" in r)
     for want in ("-DCMAKE_BUILD_TYPE=Release", "-DKVC_BUILD_TESTS=OFF", "--target kvcd"):
         if want not in cmake:
