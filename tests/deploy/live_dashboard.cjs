@@ -131,6 +131,10 @@ async function main() {
     '--metrics_listen=127.0.0.1:0',
     `--port_file=${portFile}`,
     '--store_bytes=64MiB',
+    // The bench uploads 16.5 MiB caches, two at a time: above the default per-cache limit of a
+    // quarter of this small store.
+    '--max_cache_bytes=32MiB',
+    '--staging_bytes=64MiB',
     '--buffer_pool_bytes=16MiB',
     '--threads=2',
   ]);
