@@ -3,8 +3,8 @@
 #   main      Release build of everything (CUDA code included when nvcc is present), whole ctest
 #   notests   the container's configure line (-DKVC_BUILD_TESTS=OFF -DKVC_BUILD_BENCHMARKS=OFF)
 #   sanitize  clang ASan + UBSan build (no CUDA) of the engine, kvcd, kvcctl and the fuzzers; the
-#             service and client tests (units and kvcd integration tests) run in it
-#   fuzz      each libFuzzer harness (tests/fuzz) for KVC_FUZZ_SECONDS (20) seconds
+#             service and client integration tests (real kvcd or in-process server) run in it
+#   fuzz      each libFuzzer harness (tests/fuzz) for KVC_FUZZ_SECONDS (15) seconds
 # Every stage runs even when an earlier one failed (unless the main build cannot be configured);
 # the script ends with one line per stage and "N passed, N failed" counting stages, and exits
 # non-zero if any failed. ccache (when installed) lets the later builds reuse objects.
@@ -13,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
 JOBS=${JOBS:-$(nproc)}
-FUZZ_SECONDS=${KVC_FUZZ_SECONDS:-20}
+FUZZ_SECONDS=${KVC_FUZZ_SECONDS:-15}
 
 bash deploy/setup-debian.sh || exit 1
 
@@ -75,17 +75,20 @@ sanitize() {
     -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" \
     -DKVC_SANITIZE=address,undefined -DKVC_BUILD_FUZZERS=ON -DKVC_FUZZ_SECONDS="$FUZZ_SECONDS" \
     -DKVC_BUILD_TESTS=ON -DKVC_BUILD_BENCHMARKS=OFF "${launcher[@]}" || return
-  # Only what these stages run: not the engine's own unit tests (the main stage runs them; the
-  # fuzzers and the kvcd tests drive the engine here), fidelity tools, benchmarks or deploy checks.
-  # (The Python client's tests run in the main stage: their stubs are not built here.)
+  # Only what these stages run: kvcd, kvcctl, the fuzzers, and the tests that drive a real kvcd,
+  # an in-process server or a client against one (integration tests). Unit tests, the engine's
+  # own tests, fidelity tools, benchmarks and deploy checks run in the main stage only; here the
+  # fuzzers and the kvcd tests drive the engine. The Python client's tests also stay in the main
+  # stage (their stubs are not built here).
+  local tests='service_(kvcd|server|transfer_[a-z_]*kvcd)_[a-z0-9_]*test|client_(client_kvcd|multi_replica|kvcctl)_test'
   local targets
   targets=$(cmake --build "$SAN" --target help |
-    sed -n 's/^\.\.\. \(kvcd\|kvcctl\|\(service\|client\)_[a-z0-9_]*_test\|[a-z0-9_]*_fuzz\)$/\1/p')
+    sed -En "s/^\.\.\. (kvcd|kvcctl|${tests}|[a-z0-9_]*_fuzz)$/\1/p")
   # shellcheck disable=SC2086
   cmake --build "$SAN" -j "$JOBS" --target $targets || return
   ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1} \
     UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} \
-    run_ctest "$SAN" "$SAN/summary.txt" -L "service|client" -E "^python_"
+    run_ctest "$SAN" "$SAN/summary.txt" -R "^(${tests})$"
 }
 
 fuzz() {
