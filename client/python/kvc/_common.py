@@ -299,12 +299,14 @@ class CacheData:
 class Assembler:
     """Turns GetCache messages into whole layers, each handed over as soon as it is complete."""
 
-    def __init__(self, fmt, tensor_kind):
+    def __init__(self, fmt, tensor_kind, request):
         self.dense = fmt != "packed"
         self.kind = tensor_kind
+        self.request = request  # GetCacheRequest: its layer range says how many layers to expect
         self.info = None
         self.cur = None  # (layer, kept, {part: array}, {part: received})
         self.expected_layer = None
+        self.delivered = 0
 
     def _fail(self, what):
         return KvcError(grpc.StatusCode.INTERNAL, "GetCache stream: " + what)
@@ -343,6 +345,7 @@ class Assembler:
             return None
         self.cur = None
         self.expected_layer = layer + 1
+        self.delivered += 1
         return self._layer(layer, kept, parts)
 
     def _layer(self, layer, kept, parts):
@@ -364,3 +367,8 @@ class Assembler:
             raise self._fail("ended without info")
         if self.cur is not None:
             raise self._fail(f"ended inside layer {self.cur[0]}")
+        r = self.request
+        end = r.layer_end if r.HasField("layer_end") else self.info.shape.num_layers
+        want = max(0, end - r.layer_begin)
+        if self.delivered != want:
+            raise self._fail(f"{self.delivered} of {want} layers received")

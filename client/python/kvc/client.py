@@ -191,8 +191,7 @@ class GetStream:
     def __init__(self, method, request, fmt, kind, deadline, metadata):
         self._method, self._request, self._metadata = method, request, metadata
         self._deadline = deadline
-        self._asm = Assembler(fmt, kind)
-        self._want = None
+        self._asm = Assembler(fmt, kind, request)
         self._call = None
         self.info = None
 
@@ -209,26 +208,18 @@ class GetStream:
         if self._asm.info is None:
             raise KvcError(grpc.StatusCode.INTERNAL, "GetCache stream: ended without info")
         self.info = self._asm.info
-        end = self._request.layer_end if self._request.HasField("layer_end") else \
-            self.info.shape.num_layers
-        self._want = max(0, end - self._request.layer_begin)
 
     def __iter__(self):
-        got = 0
         try:
             for raw in self._call:
                 layer = self._asm.add(raw)
                 if layer is not None:
-                    got += 1
                     yield layer
         except grpc.RpcError as e:
             raise from_rpc_error(e)
         finally:
             self._call.cancel()
         self._asm.finish()
-        if got != self._want:
-            raise KvcError(grpc.StatusCode.INTERNAL,
-                           f"GetCache stream: {got} of {self._want} layers received")
 
     def close(self):
         if self._call is not None:
