@@ -97,7 +97,6 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
   s->state_->store = s->store_.get();
   s->state_->metrics = s->metrics_.get();
   s->state_->pool = s->pool_.get();
-  s->state_->staging = &LargeBuffers();
   s->state_->reaper = s->reaper_.get();
   s->state_->peer_streams = s->peer_streams_.get();
   s->state_->staging_budget = s->staging_budget_.get();

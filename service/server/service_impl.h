@@ -50,7 +50,8 @@ struct ServiceState {
   CacheStore* store = nullptr;
   Metrics* metrics = nullptr;
   ThreadPool* pool = nullptr;
-  BufferPool* staging = nullptr;  // PutCache staging buffers (kvc/buffer_pool.h)
+  // PutCache staging buffers (kvc/buffer_pool.h); never null: the process-wide pool unless set.
+  BufferPool* staging = &LargeBuffers();
   std::string version;
   bool nccl_available = false;      // set by the transfer service when it is registered
   const TokenAuth* auth = nullptr;  // null: no authentication

@@ -13,7 +13,6 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvc/backend.h"
-#include "kvc/buffer_pool.h"
 #include "kvc/cache_store.h"
 #include "kvc/thread_pool.h"
 #include "server/service_impl.h"
@@ -65,7 +64,6 @@ class ServerIngestExceptionTest : public ::testing::Test {
     state_.backend = backend_.get();
     state_.store = store_.get();
     state_.pool = &pool_;
-    state_.staging = &LargeBuffers();  // Upload's staging must be non-null, as kvcd sets it
     service_ = std::make_unique<KvCacheServiceImpl>(&state_);
     grpc::ServerBuilder builder;
     int port = 0;
