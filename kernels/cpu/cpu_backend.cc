@@ -49,7 +49,7 @@ class CpuBackend final : public Backend {
 
   absl::Status Attend(const CompactLayerView& cache, const DecodeQuery& query,
                       float* out) override {
-    return PackedAttentionCpu(cache, query, out);
+    return PackedAttentionCpu(cache, query, out, &pool_);
   }
 
  private:

@@ -5,7 +5,9 @@
 #define KVC_ATTENTION_H_
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "kvc/compact.h"
+#include "kvc/thread_pool.h"
 
 namespace kvc {
 
@@ -23,8 +25,29 @@ struct DecodeQuery {
 // tokens). Softmax is computed stably in fp32. INVALID_ARGUMENT naming the field when Hq is not a
 // positive multiple of Hkv, n_q < 0, n_new < n_q, a needed pointer is null, or the view was not
 // produced by Parse; n_q == 0 does nothing. Thread-safe (no shared mutable state).
+//
+// The kernel reads every cached byte once: keys and values are converted (fp16 via F16C, bf16) or
+// dequantized in registers as they stream by, never into a dense copy. Each head's old rows are
+// split into chunks whose partial softmax results are merged exactly (flash-decoding), so heads
+// with different counts (ragged per-head budgets) balance across threads. `pool` (may be null:
+// the calling thread does everything) runs the chunks; small problems run on the caller.
 absl::Status PackedAttentionCpu(const CompactLayerView& cache, const DecodeQuery& query,
-                                float* out);
+                                float* out, ThreadPool* pool);
+inline absl::Status PackedAttentionCpu(const CompactLayerView& cache, const DecodeQuery& query,
+                                       float* out) {
+  return PackedAttentionCpu(cache, query, out, nullptr);
+}
+
+// A batch of independent sequences (e.g. one decode step of a batch), each with its own cache,
+// query and output, scheduled together on `pool`. The same checks as above, per item (the error
+// names the item); nothing is written unless every item is valid.
+struct PackedAttentionItem {
+  const CompactLayerView* cache = nullptr;
+  DecodeQuery query;
+  float* out = nullptr;
+};
+absl::Status PackedAttentionBatchCpu(absl::Span<const PackedAttentionItem> items,
+                                     ThreadPool* pool);
 
 }  // namespace kvc
 
