@@ -1,0 +1,519 @@
+// Decode speed on the CPU: what a compact cache buys a decode node.
+//
+// Attention rows: one decode step (one new token per sequence) of a Llama-3-8B-shaped layer
+// (8 KV heads, 32 query heads, head_dim 128, fp16 K/V) at 4K and 32K cached tokens, for batches
+// of 1 and 8 sequences (each sequence its own cache in its own memory).
+//   BM_DecodePacked/S/B/spec  packed attention (kvc::PackedAttentionBatchCpu) over compact layers
+//                             built by the real pipeline (CPU backend Compress) from the spec
+//   BM_DecodeDense/S/B        the same kernels over the full fp16 cache (the dense baseline)
+//   BM_DecodeBlas/S/B         OpenBLAS: scores = Q K^T (sgemm), softmax, out = P V (sgemm) per
+//                             KV head, over an fp32 copy of the cache (BLAS has no fp16 path, so
+//                             it reads twice the bytes)
+//   BM_DecodeMemcpy/S/B       memcpy of the full cache's bytes (the machine's copy bandwidth)
+// Every packed and BLAS row times the dense kernel in the same loop, alternating, so
+// `speedup` (dense time / this row's time) is a same-moment ratio on a noisy machine.
+// Counters: us_per_token (step time / batch), MB_per_token (bytes read per token), GBps (bytes
+// read / time), byte_ratio (dense bytes / this row's bytes), speedup, speedup_per_byte_ratio
+// (speedup / byte_ratio; the goal is >= 0.8 from keep 0.5 down).
+//
+// Model rows (--model=PATH, a llama2.c checkpoint; skipped with a message when absent):
+//   BM_ModelDecode/spec  tokens/s of teacher-forced decoding on the compact cache (attention on the
+//                        packed bytes) vs the full fp32 cache of kvc::model, same run, alternating.
+//
+// A summary table at the end repeats the ratios and the share of memcpy bandwidth.
+// Run: decode_bench [--model=PATH] [--benchmark_filter=...]
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../../kernels/cpu/attention_internal.h"
+#include "../../kernels/cpu/simd.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "benchmark/benchmark.h"
+#include "kvc/attention.h"
+#include "kvc/backend.h"
+#include "kvc/compact.h"
+#include "kvc/convert.h"
+#include "kvc/dtype.h"
+#include "kvc/fidelity/fidelity.h"
+#include "kvc/model/kv_cache.h"
+#include "kvc/model/transformer.h"
+#include "kvc/spec.h"
+#include "kvc/thread_pool.h"
+
+namespace kvc {
+namespace {
+
+constexpr int kKvHeads = 8, kQHeads = 32, kHeadDim = 128, kWindow = 32;
+constexpr int kGroup = kQHeads / kKvHeads;
+
+// The packed rows: keyformer eviction (the pipeline's scoring), ThinK key-channel pruning,
+// KIVI-style quantization.
+const char* const kSpecs[] = {
+    "full",
+    "keyformer:0.5",
+    "keyformer:0.25",
+    "keyformer:0.5+think:0.5",
+    "keyformer:0.25+think:0.5",
+    "keyformer:0.5+think:0.5+q4",
+    "keyformer:0.25+think:0.5+q4",
+    "keyformer:0.25+think:0.5+q2",
+};
+
+using Clock = std::chrono::steady_clock;
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+ThreadPool& Pool() {
+  static ThreadPool* pool = new ThreadPool(0);
+  return *pool;
+}
+
+void Fill(uint16_t* v, size_t n, uint64_t seed, float scale) {
+  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+  for (size_t i = 0; i < n; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    v[i] = FloatToHalf((static_cast<float>((x >> 40) & 0xffffff) / 16777216.0f - 0.5f) * scale);
+  }
+}
+
+std::vector<float> RandomFloats(size_t n, uint64_t seed, float scale) {
+  std::vector<uint16_t> h(n);
+  Fill(h.data(), n, seed, scale);
+  std::vector<float> f(n);
+  for (size_t i = 0; i < n; ++i) f[i] = HalfToFloat(h[i]);
+  return f;
+}
+
+// The full fp16 caches of up to 8 sequences at one length (sequence 0 also carries the
+// observation queries the compressor scores with), and one decode query per sequence.
+struct DenseSet {
+  int seq_len = 0;
+  std::vector<std::vector<uint16_t>> k, v;  // [seq] HND [Hkv, S, D]
+  std::vector<uint16_t> q_obs;              // [Hq, W, D]
+  std::vector<std::vector<float>> q, k_new, v_new;
+  double bytes_per_seq() const { return 2.0 * kKvHeads * seq_len * kHeadDim * sizeof(uint16_t); }
+  LayerInput input() const {
+    LayerInput in;
+    in.shape = {kKvHeads, kQHeads, seq_len, kHeadDim, kWindow};
+    in.dtype = DType::kF16;
+    in.layout = Layout::kHND;
+    in.k = k[0].data();
+    in.v = v[0].data();
+    in.q_obs = q_obs.data();
+    return in;
+  }
+  DecodeQuery query(int s) const {
+    return DecodeQuery{kQHeads, 1, q[s].data(), 1, k_new[s].data(), v_new[s].data()};
+  }
+  cpu::DenseKv kv(int s) const {
+    return cpu::DenseKv{DType::kF16, kKvHeads, seq_len, kHeadDim, k[s].data(), v[s].data()};
+  }
+};
+
+constexpr int kMaxBatch = 8;
+
+const DenseSet& GetDense(int seq_len) {
+  static std::map<int, std::unique_ptr<DenseSet>> sets;
+  auto& slot = sets[seq_len];
+  if (!slot) {
+    slot = std::make_unique<DenseSet>();
+    DenseSet& d = *slot;
+    d.seq_len = seq_len;
+    const size_t n = static_cast<size_t>(kKvHeads) * seq_len * kHeadDim;
+    for (int s = 0; s < kMaxBatch; ++s) {
+      d.k.emplace_back(n);
+      d.v.emplace_back(n);
+      Fill(d.k[s].data(), n, 10 + 2 * s, 4.0f);
+      Fill(d.v[s].data(), n, 11 + 2 * s, 2.0f);
+      d.q.push_back(RandomFloats(static_cast<size_t>(kQHeads) * kHeadDim, 100 + s, 4.0f));
+      d.k_new.push_back(RandomFloats(static_cast<size_t>(kKvHeads) * kHeadDim, 200 + s, 4.0f));
+      d.v_new.push_back(RandomFloats(static_cast<size_t>(kKvHeads) * kHeadDim, 300 + s, 2.0f));
+    }
+    d.q_obs.resize(static_cast<size_t>(kQHeads) * kWindow * kHeadDim);
+    Fill(d.q_obs.data(), d.q_obs.size(), 3, 4.0f);
+  }
+  return *slot;
+}
+
+void RunDense(const DenseSet& d, int batch, std::vector<std::vector<float>>* outs) {
+  std::vector<cpu::DenseKv> kv;
+  std::vector<DecodeQuery> q;
+  std::vector<float*> o;
+  for (int s = 0; s < batch; ++s) {
+    kv.push_back(d.kv(s));
+    q.push_back(d.query(s));
+    o.push_back((*outs)[s].data());
+  }
+  const absl::Status st = cpu::DenseAttentionBatch(kv, q, o, &Pool());
+  if (!st.ok()) std::fprintf(stderr, "dense: %s\n", std::string(st.message()).c_str());
+}
+
+std::vector<std::vector<float>> Outputs(int batch) {
+  return std::vector<std::vector<float>>(batch,
+                                         std::vector<float>(static_cast<size_t>(kQHeads) * kHeadDim));
+}
+
+// Results kept for the summary: GB/s and speedup per row name.
+struct RowResult {
+  double gbps = 0, speedup = 0, byte_ratio = 0;
+};
+std::map<std::string, RowResult>& Results() {
+  static auto* r = new std::map<std::string, RowResult>();
+  return *r;
+}
+
+void Report(benchmark::State& state, const std::string& name, double bytes_per_step, double seconds, double dense_seconds,
+            double dense_bytes_per_step, int batch) {
+  const double it = static_cast<double>(state.iterations());
+  state.counters["us_per_token"] = 1e6 * seconds / it / batch;
+  state.counters["MB_per_token"] = bytes_per_step / batch / 1e6;
+  state.counters["GBps"] = bytes_per_step * it / seconds / 1e9;
+  RowResult r;
+  r.gbps = bytes_per_step * it / seconds / 1e9;
+  if (dense_seconds > 0) {
+    r.speedup = dense_seconds / seconds;
+    r.byte_ratio = dense_bytes_per_step / bytes_per_step;
+    state.counters["dense_GBps"] = dense_bytes_per_step * it / dense_seconds / 1e9;
+    state.counters["speedup"] = r.speedup;
+    state.counters["byte_ratio"] = r.byte_ratio;
+    state.counters["speedup_per_byte_ratio"] = r.speedup / r.byte_ratio;
+  }
+  Results()[name] = r;
+}
+
+// ---- Attention rows -----------------------------------------------------------------------------
+
+void BM_DecodePacked(benchmark::State& state, int seq_len, int batch, int spec_index) {
+  const std::string spec_text = kSpecs[spec_index];
+  const DenseSet& d = GetDense(seq_len);
+  absl::StatusOr<CompressionSpec> spec = ParseSpecString(spec_text);
+  if (!spec.ok()) return state.SkipWithError(std::string(spec.status().message()).c_str());
+  // The real pipeline on sequence 0's layer, copied into each sequence's own memory.
+  static auto* backend = CreateCpuBackend({}).value().release();
+  absl::StatusOr<CompactLayer> blob = backend->Compress(d.input(), *spec, nullptr);
+  if (!blob.ok()) return state.SkipWithError(std::string(blob.status().message()).c_str());
+  std::vector<std::vector<uint8_t>> blobs(batch);
+  std::vector<CompactLayerView> views;
+  for (int s = 0; s < batch; ++s) {
+    blobs[s].assign(blob->bytes.begin(), blob->bytes.end());
+    views.push_back(*CompactLayerView::Parse(blobs[s]));
+  }
+  blob = absl::InternalError("freed");
+  auto outs = Outputs(batch), dense_outs = Outputs(batch);
+  std::vector<PackedAttentionItem> items;
+  for (int s = 0; s < batch; ++s) items.push_back({&views[s], d.query(s), outs[s].data()});
+  state.SetLabel(spec_text);
+  double packed_s = 0, dense_s = 0;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    const absl::Status st = PackedAttentionBatchCpu(items, &Pool());
+    const auto t1 = Clock::now();
+    if (!st.ok()) return state.SkipWithError(std::string(st.message()).c_str());
+    RunDense(d, batch, &dense_outs);
+    const auto t2 = Clock::now();
+    state.SetIterationTime(Seconds(t0, t1));
+    packed_s += Seconds(t0, t1);
+    dense_s += Seconds(t1, t2);
+  }
+  Report(state, absl::StrCat("BM_DecodePacked/", seq_len, "/", batch, "/", spec_text),
+         static_cast<double>(blobs[0].size()) * batch, packed_s, dense_s,
+         d.bytes_per_seq() * batch, batch);
+}
+
+void BM_DecodeDense(benchmark::State& state, int seq_len, int batch) {
+  const DenseSet& d = GetDense(seq_len);
+  auto outs = Outputs(batch);
+  state.SetLabel("fp16, same kernels");
+  double s = 0;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    RunDense(d, batch, &outs);
+    const double dt = Seconds(t0, Clock::now());
+    state.SetIterationTime(dt);
+    s += dt;
+  }
+  Report(state, absl::StrCat("BM_DecodeDense/", seq_len, "/", batch), d.bytes_per_seq() * batch,
+         s, 0, 0, batch);
+}
+
+// Per (sequence, KV head): scores[g, S] = Q[g, D] K[S, D]^T, softmax, out[g, D] = P[g, S] V[S, D];
+// single-threaded OpenBLAS calls spread over the pool.
+void BM_DecodeBlas(benchmark::State& state, int seq_len, int batch) {
+  const DenseSet& d = GetDense(seq_len);
+  openblas_set_num_threads(1);
+  const size_t head = static_cast<size_t>(seq_len) * kHeadDim;
+  std::vector<std::vector<float>> k(batch), v(batch);
+  for (int s = 0; s < batch; ++s) {
+    k[s].resize(head * kKvHeads);
+    v[s].resize(head * kKvHeads);
+    ToFloat(d.k[s].data(), DType::kF16, k[s].size(), k[s].data());
+    ToFloat(d.v[s].data(), DType::kF16, v[s].size(), v[s].data());
+  }
+  auto outs = Outputs(batch), dense_outs = Outputs(batch);
+  std::vector<std::vector<float>> scores(static_cast<size_t>(batch) * kKvHeads,
+                                         std::vector<float>(static_cast<size_t>(kGroup) * seq_len));
+  const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  const auto task = [&](int i) {
+    const int s = i / kKvHeads, h = i % kKvHeads;
+    const float* q = d.q[s].data() + static_cast<size_t>(h) * kGroup * kHeadDim;
+    float* sc = scores[i].data();
+    float* o = outs[s].data() + static_cast<size_t>(h) * kGroup * kHeadDim;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, kGroup, seq_len, kHeadDim, inv_sqrt_d, q,
+                kHeadDim, k[s].data() + h * head, kHeadDim, 0.0f, sc, seq_len);
+    // The new token (one dot per query) joins the softmax; its value is added after the GEMM.
+    const float* kn = d.k_new[s].data() + static_cast<size_t>(h) * kHeadDim;
+    const float* vn = d.v_new[s].data() + static_cast<size_t>(h) * kHeadDim;
+    float pn[kGroup], sums[kGroup];
+    for (int a = 0; a < kGroup; ++a) {
+      float* row = sc + static_cast<size_t>(a) * seq_len;
+      float dot = 0;
+      for (int c = 0; c < kHeadDim; ++c) dot += q[a * kHeadDim + c] * kn[c];
+      dot *= inv_sqrt_d;
+      const float m = std::max(simd::Max(row, seq_len), dot);
+      pn[a] = std::exp(dot - m);
+      sums[a] = simd::ExpShiftSum(row, seq_len, m) + pn[a];
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, kGroup, kHeadDim, seq_len, 1.0f, sc,
+                seq_len, v[s].data() + h * head, kHeadDim, 0.0f, o, kHeadDim);
+    for (int a = 0; a < kGroup; ++a) {
+      float* oa = o + a * kHeadDim;
+      for (int c = 0; c < kHeadDim; ++c) oa[c] = (oa[c] + pn[a] * vn[c]) / sums[a];
+    }
+  };
+  state.SetLabel("fp32 copy, sgemm");
+  double blas_s = 0, dense_s = 0;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    Pool().ParallelFor(batch * kKvHeads, task);
+    const auto t1 = Clock::now();
+    RunDense(d, batch, &dense_outs);
+    const auto t2 = Clock::now();
+    state.SetIterationTime(Seconds(t0, t1));
+    blas_s += Seconds(t0, t1);
+    dense_s += Seconds(t1, t2);
+  }
+  // Same math as the dense kernel: a large difference means one of them is wrong.
+  double err = 0;
+  for (int s = 0; s < batch; ++s) {
+    for (size_t i = 0; i < outs[s].size(); ++i) {
+      err = std::max(err, static_cast<double>(std::fabs(outs[s][i] - dense_outs[s][i])));
+    }
+  }
+  state.counters["max_abs_diff_vs_dense"] = err;
+  Report(state, absl::StrCat("BM_DecodeBlas/", seq_len, "/", batch), 2.0 * d.bytes_per_seq() * batch, blas_s, dense_s, d.bytes_per_seq() * batch,
+         batch);
+}
+
+void BM_DecodeMemcpy(benchmark::State& state, int seq_len, int batch) {
+  const DenseSet& d = GetDense(seq_len);
+  const size_t n = d.k[0].size() * sizeof(uint16_t);
+  std::vector<uint8_t> dst(n, 0);
+  state.SetLabel("K and V bytes of every sequence");
+  double s = 0;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    for (int i = 0; i < batch; ++i) {
+      std::memcpy(dst.data(), d.k[i].data(), n);
+      std::memcpy(dst.data(), d.v[i].data(), n);
+      benchmark::ClobberMemory();
+    }
+    const double dt = Seconds(t0, Clock::now());
+    state.SetIterationTime(dt);
+    s += dt;
+  }
+  Report(state, absl::StrCat("BM_DecodeMemcpy/", seq_len, "/", batch),
+         d.bytes_per_seq() * batch, s, 0, 0, batch);
+}
+
+void RegisterAttentionRows() {
+  for (int seq_len : {4096, 32768}) {
+    for (int batch : {1, 8}) {
+      const std::string suffix = absl::StrCat("/", seq_len, "/", batch);
+      const auto tune = [](benchmark::internal::Benchmark* b) {
+        b->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.2);
+      };
+      tune(benchmark::RegisterBenchmark(("BM_DecodeMemcpy" + suffix).c_str(), BM_DecodeMemcpy,
+                                        seq_len, batch));
+      tune(benchmark::RegisterBenchmark(("BM_DecodeDense" + suffix).c_str(), BM_DecodeDense,
+                                        seq_len, batch));
+      tune(benchmark::RegisterBenchmark(("BM_DecodeBlas" + suffix).c_str(), BM_DecodeBlas,
+                                        seq_len, batch));
+      for (int i = 0; i < static_cast<int>(std::size(kSpecs)); ++i) {
+        tune(benchmark::RegisterBenchmark(
+            absl::StrCat("BM_DecodePacked", suffix, "/", kSpecs[i]).c_str(), BM_DecodePacked,
+            seq_len, batch, i));
+      }
+    }
+  }
+}
+
+// ---- Model rows ---------------------------------------------------------------------------------
+
+const char* const kModelSpecs[] = {
+    "full",
+    "keyformer:0.5",
+    "keyformer:0.25",
+    "keyformer:0.5+think:0.5",
+    "keyformer:0.5+q4g8",
+    "keyformer:0.25+think:0.5+q4g8",
+};
+
+struct ModelRig {
+  std::unique_ptr<model::Transformer> model;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<fidelity::FidelityEval> eval;
+};
+
+ModelRig* g_model = nullptr;
+
+absl::Status LoadModel(const std::string& path) {
+  auto rig = std::make_unique<ModelRig>();
+  absl::StatusOr<model::Transformer> m = model::Transformer::Load(path);
+  if (!m.ok()) return m.status();
+  rig->model = std::make_unique<model::Transformer>(*std::move(m));
+  absl::StatusOr<std::unique_ptr<Backend>> b = CreateCpuBackend({});
+  if (!b.ok()) return b.status();
+  rig->backend = *std::move(b);
+  fidelity::RunOptions o;
+  o.num_sequences = 4;
+  o.prefix_len = rig->model->config().seq_len - 64;
+  o.continuation = 64;
+  absl::StatusOr<std::unique_ptr<fidelity::FidelityEval>> e =
+      fidelity::FidelityEval::Create(rig->model.get(), o, nullptr);
+  if (!e.ok()) return e.status();
+  rig->eval = *std::move(e);
+  g_model = rig.release();
+  return absl::OkStatus();
+}
+
+// Teacher-forced decoding of every sequence's continuation; returns seconds spent in DecodeStep.
+absl::StatusOr<double> DecodeAll(const std::vector<std::unique_ptr<model::KvCache>>& caches) {
+  const fidelity::RunOptions& o = g_model->eval->options();
+  std::vector<float> logits(g_model->model->config().vocab_size);
+  double seconds = 0;
+  for (int i = 0; i < o.num_sequences; ++i) {
+    const std::vector<int32_t>& seq = g_model->eval->sequences()[i];
+    const auto t0 = Clock::now();
+    for (int t = 0; t < o.continuation; ++t) {
+      absl::Status st = g_model->model->DecodeStep(seq[o.prefix_len + t], caches[i].get(),
+                                                   absl::MakeSpan(logits));
+      if (!st.ok()) return st;
+    }
+    seconds += Seconds(t0, Clock::now());
+  }
+  return seconds;
+}
+
+void BM_ModelDecode(benchmark::State& state, const std::string& spec_text) {
+  const fidelity::RunOptions& o = g_model->eval->options();
+  const model::LlamaConfig& c = g_model->model->config();
+  absl::StatusOr<CompressionSpec> spec = ParseSpecString(spec_text);
+  if (!spec.ok()) return state.SkipWithError(std::string(spec.status().message()).c_str());
+  const fidelity::Compressor compress = fidelity::InProcessCompressor(g_model->backend.get());
+  std::vector<std::vector<CompactLayer>> layers;
+  double compact_bytes = 0, full_bytes = 0;
+  for (int i = 0; i < o.num_sequences; ++i) {
+    absl::StatusOr<std::vector<CompactLayer>> l = compress(g_model->eval->prefix(i), *spec, i);
+    if (!l.ok()) return state.SkipWithError(std::string(l.status().message()).c_str());
+    for (const CompactLayer& b : *l) compact_bytes += static_cast<double>(b.bytes.size());
+    full_bytes += static_cast<double>(g_model->eval->prefix(i).full_bytes());
+    layers.push_back(*std::move(l));
+  }
+  double compact_s = 0, full_s = 0;
+  for (auto _ : state) {
+    std::vector<std::unique_ptr<model::KvCache>> compact, full;
+    for (int i = 0; i < o.num_sequences; ++i) {
+      auto cc = model::CompactKvCache::Create(c, layers[i], nullptr, o.continuation);
+      if (!cc.ok()) return state.SkipWithError(std::string(cc.status().message()).c_str());
+      compact.push_back(*std::move(cc));
+      auto fc = model::FullKvCache::FromPrefix(c, g_model->eval->prefix(i).layers, o.prefix_len,
+                                               o.prefix_len, o.prefix_len + o.continuation);
+      if (!fc.ok()) return state.SkipWithError(std::string(fc.status().message()).c_str());
+      full.push_back(*std::move(fc));
+    }
+    absl::StatusOr<double> a = DecodeAll(compact);
+    absl::StatusOr<double> b = DecodeAll(full);
+    if (!a.ok() || !b.ok()) return state.SkipWithError("decode failed");
+    state.SetIterationTime(*a);
+    compact_s += *a;
+    full_s += *b;
+  }
+  const double tokens = static_cast<double>(o.num_sequences) * o.continuation * state.iterations();
+  state.counters["tokens_per_s"] = tokens / compact_s;
+  state.counters["full_tokens_per_s"] = tokens / full_s;
+  state.counters["speedup"] = full_s / compact_s;
+  state.counters["size_ratio"] = compact_bytes / full_bytes;
+  state.SetLabel(absl::StrCat(spec_text, " (P ", o.prefix_len, ", C ", o.continuation, ")"));
+  Results()["BM_ModelDecode/" + spec_text] = RowResult{0, full_s / compact_s, full_bytes / compact_bytes};
+}
+
+void PrintSummary() {
+  std::printf("\nSummary (ratios within this run):\n");
+  std::printf("%-58s %8s %8s %10s %12s %10s\n", "row", "GB/s", "speedup", "byte_ratio",
+              "speedup/bytes", "of_memcpy");
+  for (const auto& [name, r] : Results()) {
+    const size_t a = name.find('/');
+    const size_t b = name.find('/', name.find('/', a + 1) + 1);
+    double memcpy_gbps = 0;
+    if (a != std::string::npos) {
+      const auto it = Results().find("BM_DecodeMemcpy" + name.substr(a, b - a));
+      if (it != Results().end()) memcpy_gbps = it->second.gbps;
+    }
+    const bool model = name.rfind("BM_ModelDecode", 0) == 0;
+    std::printf("%-58s %8s %8.2f %10.2f %12s %10s\n", name.c_str(),
+                model ? "-" : absl::StrFormat("%.2f", r.gbps).c_str(), r.speedup, r.byte_ratio,
+                r.byte_ratio > 0 ? absl::StrFormat("%.2f", r.speedup / r.byte_ratio).c_str()
+                                 : "-",
+                memcpy_gbps > 0 && !model ? absl::StrFormat("%.2f", r.gbps / memcpy_gbps).c_str()
+                                          : "-");
+  }
+}
+
+}  // namespace
+}  // namespace kvc
+
+int main(int argc, char** argv) {
+  std::string model_path;
+  int out = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--model=", 8) == 0) {
+      model_path = argv[i] + 8;
+    } else {
+      argv[out++] = argv[i];
+    }
+  }
+  argc = out;
+  kvc::RegisterAttentionRows();
+  if (model_path.empty()) {
+    std::fprintf(stderr, "decode_bench: no --model=PATH given; the model rows are skipped\n");
+  } else if (absl::Status st = kvc::LoadModel(model_path); !st.ok()) {
+    std::fprintf(stderr, "decode_bench: model rows skipped: %s\n",
+                 std::string(st.message()).c_str());
+  } else {
+    for (const char* spec : kvc::kModelSpecs) {
+      benchmark::RegisterBenchmark(absl::StrCat("BM_ModelDecode/", spec).c_str(),
+                                   kvc::BM_ModelDecode, std::string(spec))
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+    }
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  kvc::PrintSummary();
+  benchmark::Shutdown();
+  return 0;
+}
