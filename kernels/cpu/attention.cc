@@ -403,10 +403,35 @@ void PartialSoftmax(float* s, int len, int nq, float* mx, float* l) {
   }
 }
 
+#ifdef KVC_X86
+KVC_AVX2 float DotAvx2(const float* a, const float* b, int n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  }
+  float total = simd::detail::HorizontalSum(_mm256_add_ps(acc0, acc1));
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+#endif
+
+// Four independent sums: a serial fp32 reduction would cost a full add latency per element.
 float Dot(const float* a, const float* b, int n) {
-  float acc = 0.0f;
-  for (int i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
+#ifdef KVC_X86
+  if (UseSimd()) return DotAvx2(a, b, n);
+#endif
+  float acc[4] = {0, 0, 0, 0};
+  int i = 0;
+  for (; i + 4 <= n; i += 4) {
+    for (int k = 0; k < 4; ++k) acc[k] += a[i + k] * b[i + k];
+  }
+  for (; i < n; ++i) acc[0] += a[i] * b[i];
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
 // Old rows [t.j0, t.j1) of one head.
