@@ -57,7 +57,7 @@ struct Rows {
   DType dtype = DType::kF32;
   const uint8_t* base = nullptr;
   size_t row_bytes = 0;
-  int n = 0;                    // elements per row
+  int n = 0;                     // elements per row
   const int32_t* idx = nullptr;  // kept channel -> head channel; null = identity (n == D)
   int bits = 0, group = 0;
   const float* scale = nullptr;
@@ -104,30 +104,39 @@ void DecodeRowScalar(const Rows& R, int j, float* out) {
   }
 }
 
+// Row j as floats: fp32 rows are read in place, others decoded into `row`.
+const float* RowScalar(const Rows& R, int j, std::vector<float>* row) {
+  if (R.kind == Rows::kDtype && R.dtype == DType::kF32) {
+    return reinterpret_cast<const float*>(R.base + static_cast<size_t>(j) * R.row_bytes);
+  }
+  DecodeRowScalar(R, j, row->data());
+  return row->data();
+}
+
 void ScoreRowsScalar(const Rows& R, int j0, int j1, const float* qm, const float* qz, int nq,
                      float* s, int ss, std::vector<float>* row) {
   row->resize(R.n);
   for (int j = j0; j < j1; ++j) {
-    DecodeRowScalar(R, j, row->data());
+    const float* x = RowScalar(R, j, row);
     for (int a = 0; a < nq; ++a) {
       const float* qa = qm + static_cast<size_t>(a) * R.n;
       float acc = 0.0f;
-      for (int c = 0; c < R.n; ++c) acc += qa[c] * (*row)[c];
+      for (int c = 0; c < R.n; ++c) acc += qa[c] * x[c];
       s[static_cast<size_t>(a) * ss + (j - j0)] = acc + (qz != nullptr ? qz[a] : 0.0f);
     }
   }
 }
 
-void AccumulateRowsScalar(const Rows& R, int j0, int j1, const float* p, int ps, int nq,
-                          float* acc, std::vector<float>* row) {
+void AccumulateRowsScalar(const Rows& R, int j0, int j1, const float* p, int ps, int nq, float* acc,
+                          std::vector<float>* row) {
   row->resize(R.n);
   for (int j = j0; j < j1; ++j) {
-    DecodeRowScalar(R, j, row->data());
+    const float* x = RowScalar(R, j, row);
     for (int a = 0; a < nq; ++a) {
       const float w = p[static_cast<size_t>(a) * ps + (j - j0)];
       if (w == 0.0f) continue;
       float* y = acc + static_cast<size_t>(a) * R.n;
-      for (int c = 0; c < R.n; ++c) y[c] += w * (*row)[c];
+      for (int c = 0; c < R.n; ++c) y[c] += w * x[c];
     }
   }
 }
@@ -166,7 +175,8 @@ struct LoadF32 {
 template <int Bits>
 KVC_AVX2 inline __m256 Codes8(const uint8_t* p) {
   if constexpr (Bits == 8) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   } else if constexpr (Bits == 4) {
     uint32_t w;
     std::memcpy(&w, p, 4);
@@ -177,8 +187,8 @@ KVC_AVX2 inline __m256 Codes8(const uint8_t* p) {
     uint16_t w;
     std::memcpy(&w, p, 2);
     const __m256i sh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh),
-                                               _mm256_set1_epi32(3)));
+    return _mm256_cvtepi32_ps(
+        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh), _mm256_set1_epi32(3)));
   }
 }
 template <int Bits>
@@ -227,8 +237,8 @@ KVC_AVX2 void ScoreRowsAvx2(const L& load, int n, int j0, int j1, const float* q
       const __m256 h45 = _mm256_hadd_ps(acc[1][0], acc[1][1]);
       const __m256 h67 = _mm256_hadd_ps(acc[1][2], acc[1][3]);
       const __m256 a = _mm256_hadd_ps(h01, h23), b = _mm256_hadd_ps(h45, h67);
-      const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20),
-                                       _mm256_permute2f128_ps(a, b, 0x31));
+      const __m256 sum =
+          _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
       alignas(32) float t[8];
       _mm256_store_ps(t, sum);
       for (int q = 0; q < 4; ++q) {
@@ -249,7 +259,8 @@ KVC_AVX2 void ScoreRowsAvx2(const L& load, int n, int j0, int j1, const float* q
     for (int a = 0; a < NQ; ++a) acc[a] = _mm256_setzero_ps();
     for (int c = 0; c < n; c += 8) {
       const __m256 r0 = load(j, c, 0);
-      for (int a = 0; a < NQ; ++a) acc[a] = _mm256_fmadd_ps(_mm256_loadu_ps(qm + a * n + c), r0, acc[a]);
+      for (int a = 0; a < NQ; ++a)
+        acc[a] = _mm256_fmadd_ps(_mm256_loadu_ps(qm + a * n + c), r0, acc[a]);
     }
     for (int a = 0; a < NQ; ++a) {
       s[a * ss + (j - j0)] = simd::detail::HorizontalSum(acc[a]) + (qz != nullptr ? qz[a] : 0.0f);
@@ -306,10 +317,17 @@ void ForQueryBlocks(int nq, const F& f) {
   int a = 0;
   for (; a + 4 <= nq; a += 4) f(std::integral_constant<int, 4>(), a);
   switch (nq - a) {
-    case 3: f(std::integral_constant<int, 3>(), a); break;
-    case 2: f(std::integral_constant<int, 2>(), a); break;
-    case 1: f(std::integral_constant<int, 1>(), a); break;
-    default: break;
+    case 3:
+      f(std::integral_constant<int, 3>(), a);
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>(), a);
+      break;
+    case 1:
+      f(std::integral_constant<int, 1>(), a);
+      break;
+    default:
+      break;
   }
 }
 
@@ -324,12 +342,11 @@ void ScoreWith(const L& load, int n, int j0, int j1, const float* qm, const floa
 }
 
 template <class L>
-void AccumulateWith(const L& load, int n, int group, int j0, int j1, const float* p, int ps,
-                    int nq, float* acc) {
+void AccumulateWith(const L& load, int n, int group, int j0, int j1, const float* p, int ps, int nq,
+                    float* acc) {
   ForQueryBlocks(nq, [&](auto k, int a) {
-    AccumulateRowsAvx2<decltype(k)::value>(load, n, group, j0, j1,
-                                           p + static_cast<size_t>(a) * ps, ps,
-                                           acc + static_cast<size_t>(a) * n);
+    AccumulateRowsAvx2<decltype(k)::value>(load, n, group, j0, j1, p + static_cast<size_t>(a) * ps,
+                                           ps, acc + static_cast<size_t>(a) * n);
   });
 }
 #endif  // KVC_X86
@@ -513,8 +530,9 @@ void RunTail(const Problem& P, const Task& t, Scratch* sc, float* part) {
     const int last = n_new - q.n_q + a % q.n_q;
     for (int j = 0; j < n_new; ++j) {
       s[static_cast<size_t>(a) * len + r + j] =
-          j <= last ? Dot(&sc->qm[static_cast<size_t>(a) * d], k_new + static_cast<size_t>(j) * d, d)
-                    : -std::numeric_limits<float>::infinity();
+          j <= last
+              ? Dot(&sc->qm[static_cast<size_t>(a) * d], k_new + static_cast<size_t>(j) * d, d)
+              : -std::numeric_limits<float>::infinity();
     }
   }
   PartialSoftmax(s, len, nq, mx, l);
@@ -645,8 +663,8 @@ Problem FromCompact(const CompactLayerView& v, const DecodeQuery& q, float* out)
       w.k_old = DtypeRows(dt, hd.key_old, hd.key_channels, hd.key_idx);
       w.v_old = DtypeRows(dt, hd.value_old, hd.value_channels, hd.value_idx);
     } else {
-      w.k_old = CodeRows(Rows::kKeyCodes, hd.key_codes, hd.key_scale, hd.key_zero,
-                         hd.key_channels, hd.key_idx, bits, g);
+      w.k_old = CodeRows(Rows::kKeyCodes, hd.key_codes, hd.key_scale, hd.key_zero, hd.key_channels,
+                         hd.key_idx, bits, g);
       w.v_old = CodeRows(Rows::kValueCodes, hd.value_codes, hd.value_scale, hd.value_zero,
                          hd.value_channels, hd.value_idx, bits, g);
     }
@@ -732,8 +750,8 @@ absl::Status PackedAttentionBatchCpu(absl::Span<const PackedAttentionItem> items
     const PackedAttentionItem& it = items[i];
     const std::string where = items.size() > 1 ? absl::StrCat("item ", i, ": ") : "";
     if (it.cache == nullptr || it.cache->blob().empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, "cache: empty view (not produced by CompactLayerView::Parse)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "cache: empty view (not produced by CompactLayerView::Parse)"));
     }
     absl::Status st = cpu::CheckQuery(it.cache->num_kv_heads(), it.query, it.out);
     if (!st.ok()) return absl::Status(st.code(), absl::StrCat(where, st.message()));
@@ -746,8 +764,8 @@ absl::Status PackedAttentionBatchCpu(absl::Span<const PackedAttentionItem> items
   });
 }
 
-absl::Status PackedAttentionCpu(const CompactLayerView& cache, const DecodeQuery& query,
-                                float* out, ThreadPool* pool) {
+absl::Status PackedAttentionCpu(const CompactLayerView& cache, const DecodeQuery& query, float* out,
+                                ThreadPool* pool) {
   const PackedAttentionItem item{&cache, query, out};
   return PackedAttentionBatchCpu(absl::MakeConstSpan(&item, 1), pool);
 }

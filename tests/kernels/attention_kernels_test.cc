@@ -36,7 +36,11 @@ struct Queries {
   int hq = 0, n_q = 0, n_new = 0;
   std::vector<float> q, k_new, v_new;
   DecodeQuery query() const {
-    return DecodeQuery{hq, n_q, q.data(), n_new, n_new > 0 ? k_new.data() : nullptr,
+    return DecodeQuery{hq,
+                       n_q,
+                       q.data(),
+                       n_new,
+                       n_new > 0 ? k_new.data() : nullptr,
                        n_new > 0 ? v_new.data() : nullptr};
   }
 };
@@ -87,10 +91,10 @@ struct FormatCase {
 // (three chunks) and query groups that exercise the 4-query blocks and their remainders.
 TEST_F(AttentionKernelsTest, EveryFormatOnBothPathsMatchesReference) {
   const FormatCase formats[] = {
-      {DType::kF16, 0, 0, 128, 128},  {DType::kBF16, 0, 0, 64, 128}, {DType::kF32, 0, 0, 40, 24},
-      {DType::kF16, 4, 32, 64, 128},  {DType::kF16, 2, 32, 64, 128}, {DType::kF16, 8, 16, 64, 64},
-      {DType::kBF16, 4, 8, 56, 120},  {DType::kF16, 4, 12, 64, 96},  // group 12: portable values
-      {DType::kF16, 4, 32, 61, 77},                                   // odd counts: portable
+      {DType::kF16, 0, 0, 128, 128}, {DType::kBF16, 0, 0, 64, 128}, {DType::kF32, 0, 0, 40, 24},
+      {DType::kF16, 4, 32, 64, 128}, {DType::kF16, 2, 32, 64, 128}, {DType::kF16, 8, 16, 64, 64},
+      {DType::kBF16, 4, 8, 56, 120}, {DType::kF16, 4, 12, 64, 96},  // group 12: portable values
+      {DType::kF16, 4, 32, 61, 77},                                 // odd counts: portable
   };
   ThreadPool pool(3);
   std::mt19937 rng(2024);
@@ -117,10 +121,9 @@ TEST_F(AttentionKernelsTest, EveryFormatOnBothPathsMatchesReference) {
           ReferenceAttention(keys, values, d, hkv * g, n_q, q.q, q.n_new, q.k_new, q.v_new);
       for (bool simd : {true, false}) {
         for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &pool}) {
-          SCOPED_TRACE(::testing::Message()
-                       << DTypeName(f.dtype) << " bits " << f.bits << " G " << f.group << " Tk "
-                       << f.tk << " Tv " << f.tv << " g " << g << " simd " << simd << " pool "
-                       << (p != nullptr));
+          SCOPED_TRACE(::testing::Message() << DTypeName(f.dtype) << " bits " << f.bits << " G "
+                                            << f.group << " Tk " << f.tk << " Tv " << f.tv << " g "
+                                            << g << " simd " << simd << " pool " << (p != nullptr));
           cpu::SetAttentionSimdForTesting(simd);
           std::vector<float> out(q.q.size(), -9.0f);
           ASSERT_TRUE(PackedAttentionCpu(*view, q.query(), out.data(), p).ok());
@@ -163,8 +166,8 @@ TEST_F(AttentionKernelsTest, RaggedHeadsQuantizedAndNot) {
     std::vector<std::vector<float>> keys, values;
     HeadRows(*view, &keys, &values);
     const Queries q = MakeQueries(4, 16, d, 1, 1, &rng);
-    const std::vector<float> ref = ReferenceAttention(keys, values, d, 16, 1, q.q, 1, q.k_new,
-                                                      q.v_new);
+    const std::vector<float> ref =
+        ReferenceAttention(keys, values, d, 16, 1, q.q, 1, q.k_new, q.v_new);
     for (bool simd : {true, false}) {
       SCOPED_TRACE(::testing::Message() << "bits " << bits << " simd " << simd);
       cpu::SetAttentionSimdForTesting(simd);

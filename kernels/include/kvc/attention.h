@@ -31,8 +31,8 @@ struct DecodeQuery {
 // split into chunks whose partial softmax results are merged exactly (flash-decoding), so heads
 // with different counts (ragged per-head budgets) balance across threads. `pool` (may be null:
 // the calling thread does everything) runs the chunks; small problems run on the caller.
-absl::Status PackedAttentionCpu(const CompactLayerView& cache, const DecodeQuery& query,
-                                float* out, ThreadPool* pool);
+absl::Status PackedAttentionCpu(const CompactLayerView& cache, const DecodeQuery& query, float* out,
+                                ThreadPool* pool);
 inline absl::Status PackedAttentionCpu(const CompactLayerView& cache, const DecodeQuery& query,
                                        float* out) {
   return PackedAttentionCpu(cache, query, out, nullptr);
@@ -46,8 +46,7 @@ struct PackedAttentionItem {
   DecodeQuery query;
   float* out = nullptr;
 };
-absl::Status PackedAttentionBatchCpu(absl::Span<const PackedAttentionItem> items,
-                                     ThreadPool* pool);
+absl::Status PackedAttentionBatchCpu(absl::Span<const PackedAttentionItem> items, ThreadPool* pool);
 
 }  // namespace kvc
 
