@@ -11,7 +11,8 @@
 //                             it reads twice the bytes)
 //   BM_DecodeMemcpy/S/B       memcpy of the full cache's bytes (the machine's copy bandwidth)
 // Every packed and BLAS row times the dense kernel in the same loop, alternating, so
-// `speedup` (dense time / this row's time) is a same-moment ratio on a noisy machine.
+// `speedup` (the median over iterations of dense time / this row's time) is a same-moment ratio
+// on a noisy machine.
 // Counters: us_per_token (step time / batch), MB_per_token (bytes read per token), GBps (bytes
 // read / time), byte_ratio (dense bytes / this row's bytes), speedup, speedup_per_byte_ratio
 // (speedup / byte_ratio; the goal is >= 0.8 from keep 0.5 down).
@@ -184,8 +185,11 @@ std::map<std::string, RowResult>& Results() {
   return *r;
 }
 
+// `ratios`: per iteration, dense time / this row's time (measured back to back); their median is
+// the row's speedup, which a burst of load on the shared machine moves less than a ratio of sums.
 void Report(benchmark::State& state, const std::string& name, double bytes_per_step, double seconds,
-            double dense_seconds, double dense_bytes_per_step, int batch) {
+            double dense_seconds, double dense_bytes_per_step, int batch,
+            std::vector<double> ratios = {}) {
   const double it = static_cast<double>(state.iterations());
   state.counters["us_per_token"] = 1e6 * seconds / it / batch;
   state.counters["MB_per_token"] = bytes_per_step / batch / 1e6;
@@ -193,7 +197,10 @@ void Report(benchmark::State& state, const std::string& name, double bytes_per_s
   RowResult r;
   r.gbps = bytes_per_step * it / seconds / 1e9;
   if (dense_seconds > 0) {
-    r.speedup = dense_seconds / seconds;
+    std::sort(ratios.begin(), ratios.end());
+    const size_t n = ratios.size();
+    r.speedup = n == 0 ? dense_seconds / seconds
+                       : (n % 2 == 1 ? ratios[n / 2] : 0.5 * (ratios[n / 2 - 1] + ratios[n / 2]));
     r.byte_ratio = dense_bytes_per_step / bytes_per_step;
     state.counters["dense_GBps"] = dense_bytes_per_step * it / dense_seconds / 1e9;
     state.counters["speedup"] = r.speedup;
@@ -226,6 +233,7 @@ void BM_DecodePacked(benchmark::State& state, int seq_len, int batch, int spec_i
   for (int s = 0; s < batch; ++s) items.push_back({&views[s], d.query(s), outs[s].data()});
   state.SetLabel(spec_text);
   double packed_s = 0, dense_s = 0;
+  std::vector<double> ratios;
   for (auto _ : state) {
     const auto t0 = Clock::now();
     const absl::Status st = PackedAttentionBatchCpu(items, &Pool());
@@ -236,10 +244,11 @@ void BM_DecodePacked(benchmark::State& state, int seq_len, int batch, int spec_i
     state.SetIterationTime(Seconds(t0, t1));
     packed_s += Seconds(t0, t1);
     dense_s += Seconds(t1, t2);
+    ratios.push_back(Seconds(t1, t2) / Seconds(t0, t1));
   }
   Report(state, absl::StrCat("BM_DecodePacked/", seq_len, "/", batch, "/", spec_text),
          static_cast<double>(blobs[0].size()) * batch, packed_s, dense_s, d.bytes_per_seq() * batch,
-         batch);
+         batch, ratios);
 }
 
 void BM_DecodeDense(benchmark::State& state, int seq_len, int batch) {
@@ -304,6 +313,7 @@ void BM_DecodeBlas(benchmark::State& state, int seq_len, int batch) {
   };
   state.SetLabel("fp32 copy, sgemm");
   double blas_s = 0, dense_s = 0;
+  std::vector<double> ratios;
   for (auto _ : state) {
     const auto t0 = Clock::now();
     Pool().ParallelFor(batch * kKvHeads, task);
@@ -313,6 +323,7 @@ void BM_DecodeBlas(benchmark::State& state, int seq_len, int batch) {
     state.SetIterationTime(Seconds(t0, t1));
     blas_s += Seconds(t0, t1);
     dense_s += Seconds(t1, t2);
+    ratios.push_back(Seconds(t1, t2) / Seconds(t0, t1));
   }
   // Same math as the dense kernel: a large difference means one of them is wrong.
   double err = 0;
@@ -323,7 +334,8 @@ void BM_DecodeBlas(benchmark::State& state, int seq_len, int batch) {
   }
   state.counters["max_abs_diff_vs_dense"] = err;
   Report(state, absl::StrCat("BM_DecodeBlas/", seq_len, "/", batch),
-         2.0 * d.bytes_per_seq() * batch, blas_s, dense_s, d.bytes_per_seq() * batch, batch);
+         2.0 * d.bytes_per_seq() * batch, blas_s, dense_s, d.bytes_per_seq() * batch, batch,
+         ratios);
 }
 
 void BM_DecodeMemcpy(benchmark::State& state, int seq_len, int batch) {
@@ -351,8 +363,11 @@ void RegisterAttentionRows() {
   for (int seq_len : {4096, 32768}) {
     for (int batch : {1, 8}) {
       const std::string suffix = absl::StrCat("/", seq_len, "/", batch);
-      const auto tune = [](benchmark::internal::Benchmark* b) {
-        b->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.2);
+      // Fixed counts (~0.3-2 s of decoding per row) so that every row gets several back-to-back
+      // pairs and the whole run stays within a few minutes.
+      const int iterations = std::max(3, (4096 * 40) / (seq_len * batch));
+      const auto tune = [iterations](benchmark::internal::Benchmark* b) {
+        b->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(iterations);
       };
       tune(benchmark::RegisterBenchmark(("BM_DecodeMemcpy" + suffix).c_str(), BM_DecodeMemcpy,
                                         seq_len, batch));
