@@ -409,7 +409,7 @@ struct Scratch {
 void PartialSoftmax(float* s, int len, int nq, float* mx, float* l) {
   for (int a = 0; a < nq; ++a) {
     float* sa = s + static_cast<size_t>(a) * len;
-    const float m = *std::max_element(sa, sa + len);
+    const float m = simd::Max(sa, static_cast<size_t>(len));
     mx[a] = m;
     if (m == -std::numeric_limits<float>::infinity()) {  // every token masked
       std::fill(sa, sa + len, 0.0f);
