@@ -101,8 +101,12 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
   // Observation rows per scoring pass: all of W unless the logits would exceed the cap.
   const int block_rows = static_cast<int>(std::clamp<size_t>(
       kMaxLogitFloats / (static_cast<size_t>(hq) * s), 1, static_cast<size_t>(std::max(w, 1))));
-  const size_t o_logits = arena.Add(
-      plan.needs_attention_scores ? sizeof(float) * static_cast<size_t>(hq) * block_rows * s : 0);
+  // fp16/bf16 score on tensor cores without a logits buffer (LaunchTensorCoreColumnScores).
+  const bool tensor_cores = in.dtype != DType::kF32;
+  const size_t logit_floats = tensor_cores ? ColumnScoreScratchFloats(hq, block_rows, s)
+                                           : static_cast<size_t>(hq) * block_rows * s;
+  const size_t o_logits =
+      arena.Add(plan.needs_attention_scores ? sizeof(float) * logit_floats : 0);
   const size_t o_scores = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
   const size_t o_pooled = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
   const size_t o_pos = arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * b);
@@ -160,6 +164,15 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
       const float scale = 1.0f / std::sqrt(static_cast<float>(d));
       for (int row0 = 0; row0 < w; row0 += block_rows) {
         const QueryRows qr{row0, std::min(block_rows, w - row0)};
+        if (tensor_cores) {
+          KVC_CUDA_RETURN_IF_ERROR(
+              LaunchTensorCoreColumnScores(et, dq, qs, dk, kvs, hq, hkv, w, qr, s, d, scale, gumbel,
+                                           e.seed, static_cast<uint32_t>(in.layer_index),
+                                           static_cast<float>(1.0 / e.tau), row0 > 0, logits,
+                                           scores, st),
+              "attention scores (tensor cores)");
+          continue;
+        }
         KVC_CUDA_RETURN_IF_ERROR(
             LaunchQKLogits(et, dq, qs, dk, kvs, hq, hkv, w, qr, s, d, scale, logits, st),
             "QK^T scores");

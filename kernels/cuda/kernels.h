@@ -57,6 +57,21 @@ cudaError_t LaunchSoftmaxRows(float* logits, int num_q_heads, int obs_window, Qu
 cudaError_t LaunchGroupColumnSum(const float* probs, int num_q_heads, int num_kv_heads, int rows,
                                  int seq_len, bool accumulate, float* scores, cudaStream_t stream);
 
+// LaunchQKLogits + LaunchSoftmaxRows + LaunchGroupColumnSum in one, for fp16/bf16 inputs, on
+// tensor cores (fp32 accumulation) and without a logits buffer: scores[hkv, j] (+)= (1/g) * sum
+// over the g query heads of hkv and the window rows [row0, row0 + rows) of the (optionally
+// Gumbel-perturbed, as LaunchSoftmaxRows) causal softmax probability of key j. `scratch` holds
+// ColumnScoreScratchFloats(num_q_heads, qr.rows, seq_len) floats. cudaErrorInvalidValue for fp32
+// (use the three launchers) or bad shapes. Sets the kernels' dynamic shared memory limit
+// (cudaFuncSetAttribute) on every call.
+size_t ColumnScoreScratchFloats(int num_q_heads, int rows, int seq_len);
+cudaError_t LaunchTensorCoreColumnScores(ElemType dtype, const void* q, Strides qs, const void* k,
+                                         Strides ks, int num_q_heads, int num_kv_heads,
+                                         int obs_window, QueryRows qr, int seq_len, int head_dim,
+                                         float scale, bool gumbel, uint64_t seed, uint32_t layer,
+                                         float inv_tau, bool accumulate, float* scratch,
+                                         float* scores, cudaStream_t stream);
+
 // Rows of `seq_len` floats; the first `len` entries of each are pooled: out[h, j] = max or mean
 // of in[h, j - k/2 .. j + k/2] clipped to [0, len) (the mean divides by the number of in-range
 // entries); entries j >= len are copied unchanged.
