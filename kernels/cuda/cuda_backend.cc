@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "cuda/compress_plan.h"
+#include "cuda/decode_plan.h"
 #include "cuda/kernels.h"
 #include "cuda/resources.h"
 #include "kvc/status_macros.h"
@@ -355,8 +356,17 @@ absl::Status CudaBackend::AttendOnSlot(const CompactLayerView& cache, const Deco
   const size_t o_kn = arena.Add(new_bytes);
   const size_t o_vn = arena.Add(new_bytes);
   const size_t o_heads = arena.Add(sizeof(AttnHead) * hkv);
-  const size_t o_scratch =
-      arena.Add(sizeof(float) * AttnScratchFloats(hq, query.n_q, max_kept, query.n_new));
+  // The split kernel where the shape allows it (cuda/decode_plan.h), else the generic one.
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, pool_->device());
+  const DecodePlan plan = PlanDecode(
+      DecodeShape{static_cast<ElemType>(cache.dtype()), hkv, hq, d, cache.header().quant_bits,
+                  cache.header().quant_group, query.n_q, query.n_new, 1},
+      heads, sms);
+  const size_t o_seq = arena.Add(plan.split ? sizeof(DecodeSeq) : 0);
+  const size_t o_scratch = arena.Add(
+      sizeof(float) * (plan.split ? plan.partial_floats
+                                  : AttnScratchFloats(hq, query.n_q, max_kept, query.n_new)));
   const size_t o_out = arena.Add(q_bytes);
   // Inputs are staged contiguously in the pinned buffer with the arena's offsets.
   const size_t staged = o_scratch;
@@ -375,6 +385,16 @@ absl::Status CudaBackend::AttendOnSlot(const CompactLayerView& cache, const Deco
     arena.Free(st);
     cudaStreamSynchronize(st);
   };
+  if (plan.split) {
+    DecodeSeq seq;
+    seq.blob = arena.At<uint8_t>(o_blob);
+    seq.heads = arena.At<AttnHead>(o_heads);
+    seq.q = arena.At<float>(o_q);
+    seq.k_new = arena.At<float>(o_kn);
+    seq.v_new = arena.At<float>(o_vn);
+    seq.out = arena.At<float>(o_out);
+    std::memcpy(pinned + o_seq, &seq, sizeof(seq));
+  }
   KVC_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(arena.At<uint8_t>(0), pinned, staged, cudaMemcpyHostToDevice, st),
       "copy attention inputs to device");
@@ -395,7 +415,26 @@ absl::Status CudaBackend::AttendOnSlot(const CompactLayerView& cache, const Deco
   a.v_new = arena.At<float>(o_vn);
   a.scratch = arena.At<float>(o_scratch);
   a.out = arena.At<float>(o_out);
-  KVC_CUDA_RETURN_IF_ERROR(LaunchPackedAttention(a, st), "packed attention");
+  if (plan.split) {
+    DecodeArgs da;
+    da.dtype = a.dtype;
+    da.num_kv_heads = hkv;
+    da.num_q_heads = hq;
+    da.head_dim = d;
+    da.bits = a.bits;
+    da.group = a.group;
+    da.n_q = query.n_q;
+    da.n_new = query.n_new;
+    da.batch = 1;
+    da.seqs = arena.At<DecodeSeq>(o_seq);
+    da.row_tile = plan.row_tile;
+    da.chunk = plan.chunk;
+    da.max_chunks = plan.max_chunks;
+    da.partial = a.scratch;
+    KVC_CUDA_RETURN_IF_ERROR(LaunchDecodeAttention(da, st), "packed attention (split)");
+  } else {
+    KVC_CUDA_RETURN_IF_ERROR(LaunchPackedAttention(a, st), "packed attention");
+  }
   KVC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pinned, a.out, q_bytes, cudaMemcpyDeviceToHost, st),
                            "copy attention output to host");
   KVC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st), "attention");

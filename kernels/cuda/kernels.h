@@ -181,6 +181,28 @@ struct AttnArgs {
 size_t AttnScratchFloats(int num_q_heads, int n_q, int max_kept, int n_new);
 cudaError_t LaunchPackedAttention(const AttnArgs& a, cudaStream_t stream);
 
+// Split decode attention (see cuda/decode_plan.h) over a batch of sequences whose packed layers
+// share dtype, shape and quantization; each sequence has its own blob, heads and new tokens. Only
+// for shapes PlanDecode accepts (plan.split); same semantics as LaunchPackedAttention.
+struct DecodeSeq {
+  const uint8_t* blob = nullptr;
+  const AttnHead* heads = nullptr;  // [Hkv], offsets into blob
+  const float* q = nullptr;         // [Hq, n_q, D]
+  const float* k_new = nullptr;     // [Hkv, n_new, D]
+  const float* v_new = nullptr;
+  float* out = nullptr;  // [Hq, n_q, D]
+};
+
+struct DecodeArgs {
+  ElemType dtype = ElemType::kF16;
+  int num_kv_heads = 0, num_q_heads = 0, head_dim = 0, bits = 0, group = 0;
+  int n_q = 0, n_new = 0, batch = 0;
+  const DecodeSeq* seqs = nullptr;  // [batch], device memory
+  int row_tile = 0, chunk = 0, max_chunks = 0;  // from the plan
+  float* partial = nullptr;                     // plan.partial_floats floats
+};
+cudaError_t LaunchDecodeAttention(const DecodeArgs& a, cudaStream_t stream);
+
 }  // namespace kvc::cuda
 
 #endif  // KVC_KERNELS_CUDA_KERNELS_H_
