@@ -130,7 +130,11 @@ __global__ void PackedAttentionKernel(AttnArgs a) {
 // of 8 and every block of the blob starts 16-byte aligned.
 constexpr int kDecLanes = 16;
 constexpr int kDecThreads = kDecodeTeams * kDecLanes;
-constexpr int kDecUnroll = 4;  // rows loaded before any is used (loads in flight per thread)
+// Rows loaded before any is used: 64 bytes in flight per thread for fp16/bf16, 8- and 4-bit rows.
+template <int kBits>
+constexpr int Unroll() {
+  return kBits == 0 ? 4 : kBits == 8 ? 8 : 16;
+}
 static_assert(kDecLanes * 8 == kDecodeMaxHeadDim, "a team covers head_dim channels");
 static_assert(kDecodeMaxChunk % kDecodeTeams == 0 && kDecodeMinChunk % kDecodeTeams == 0);
 
@@ -232,18 +236,19 @@ __device__ __forceinline__ void ChunkScores(const ChunkRows& cr, int group, int 
 #pragma unroll
   for (int r = 0; r < kR; ++r) qz[r] = 0.f;
   int cur_group = -1;
+  constexpr int kUnroll = Unroll<kBits>();
   const uint8_t* lane_keys = cr.keys + lane * SlotBytes<kBits>();
-  for (int t = tb; t < te; t += kDecUnroll) {
-    uint4 w[kDecUnroll];
+  for (int t = tb; t < te; t += kUnroll) {
+    uint4 w[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kDecUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       w[u] = make_uint4(0u, 0u, 0u, 0u);
       if (active && t + u < te) {
         w[u] = LoadSlot<kBits>(lane_keys + static_cast<size_t>(t + u) * cr.key_row_bytes);
       }
     }
 #pragma unroll
-    for (int u = 0; u < kDecUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int row = t + u;
       if (row >= te) break;  // uniform within the team
       if constexpr (kBits > 0) {
@@ -310,11 +315,12 @@ __device__ __forceinline__ void ChunkValues(const ChunkRows& cr, int group, int 
   const int v_groups = kBits > 0 ? 1 + (cr.value_channels - 1) / group : 0;
   const int lane_group = kBits > 0 ? (8 * lane) / group : 0;
   const uint8_t* lane_values = cr.values + lane * SlotBytes<kBits>();
-  for (int t = tb; t < te; t += kDecUnroll) {
-    uint4 w[kDecUnroll];
-    float vs[kDecUnroll], vz[kDecUnroll];
+  constexpr int kUnroll = Unroll<kBits>();
+  for (int t = tb; t < te; t += kUnroll) {
+    uint4 w[kUnroll];
+    float vs[kUnroll], vz[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kDecUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       w[u] = make_uint4(0u, 0u, 0u, 0u);
       vs[u] = vz[u] = 0.f;
       if (t + u < te) {
@@ -327,7 +333,7 @@ __device__ __forceinline__ void ChunkValues(const ChunkRows& cr, int group, int 
       }
     }
 #pragma unroll
-    for (int u = 0; u < kDecUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int row = t + u;
       if (row >= te) break;
       float x[8];
