@@ -119,7 +119,6 @@ __global__ void PackedAttentionKernel(AttnArgs a) {
   }
 }
 
-
 // ---- split decode attention ----
 //
 // Block: 128 threads = 8 teams of 16 lanes. A chunk of C kept tokens (all old or all recent) is
@@ -458,8 +457,8 @@ __global__ void __launch_bounds__(kDecThreads) DecodeChunkKernel(DecodeArgs a) {
 
   // Partial row: D unnormalized outputs, then max and sum.
   const int stride = d + 2;
-  float* dst = a.partial +
-               ((static_cast<size_t>(b) * a.num_kv_heads + h) * a.max_chunks + c) * nr * stride;
+  float* dst =
+      a.partial + ((static_cast<size_t>(b) * a.num_kv_heads + h) * a.max_chunks + c) * nr * stride;
   for (int e = tid; e < nr * stride; e += kDecThreads) {
     const int r = e / stride, x = e % stride;
     dst[e] = x < d ? s_o[r][x] : s_ml[r][x - d];
@@ -479,9 +478,9 @@ __global__ void __launch_bounds__(kDecThreads) DecodeCombineKernel(DecodeArgs a)
   const AttnHead hd = seq.heads[h];
   const int m = hd.n_kept - hd.n_recent;
   const int n_chunks = (m + a.chunk - 1) / a.chunk + (hd.n_recent + a.chunk - 1) / a.chunk;
-  const float* part =
-      a.partial + (static_cast<size_t>(b) * a.num_kv_heads + h) * a.max_chunks * nr * stride +
-      static_cast<size_t>(r) * stride;
+  const float* part = a.partial +
+                      (static_cast<size_t>(b) * a.num_kv_heads + h) * a.max_chunks * nr * stride +
+                      static_cast<size_t>(r) * stride;
   const size_t chunk_stride = static_cast<size_t>(nr) * stride;
   const float* q = seq.q + (static_cast<size_t>(hq) * a.n_q + i) * d;
   const int n_vis = a.n_new - a.n_q + i + 1;
@@ -585,8 +584,8 @@ cudaError_t LaunchDecodeAttention(const DecodeArgs& a, cudaStream_t stream) {
       a.head_dim > kDecodeMaxHeadDim || a.n_q < 1 || a.n_new < a.n_q || a.n_new > kDecodeMaxNew ||
       a.batch < 1 || (a.row_tile != 4 && a.row_tile != 8) || g * a.n_q > a.row_tile ||
       a.chunk < kDecodeMinChunk || a.chunk > kDecodeMaxChunk || a.chunk % kDecodeTeams != 0 ||
-      a.max_chunks < 0 || (a.bits > 0 && (a.group < 8 || a.group % 8 != 0)) ||
-      a.seqs == nullptr || (a.max_chunks > 0 && a.partial == nullptr)) {
+      a.max_chunks < 0 || (a.bits > 0 && (a.group < 8 || a.group % 8 != 0)) || a.seqs == nullptr ||
+      (a.max_chunks > 0 && a.partial == nullptr)) {
     return cudaErrorInvalidValue;
   }
   return a.dtype == ElemType::kF16 ? LaunchDecodeRows<F16>(a, stream)

@@ -106,8 +106,7 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
   const bool tensor_cores = in.dtype != DType::kF32;
   const size_t logit_floats = tensor_cores ? ColumnScoreScratchFloats(hq, block_rows, s)
                                            : static_cast<size_t>(hq) * block_rows * s;
-  const size_t o_logits =
-      arena.Add(plan.needs_attention_scores ? sizeof(float) * logit_floats : 0);
+  const size_t o_logits = arena.Add(plan.needs_attention_scores ? sizeof(float) * logit_floats : 0);
   const size_t o_scores = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
   const size_t o_pooled = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
   const size_t o_pos = arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * b);
@@ -365,8 +364,8 @@ absl::Status CudaBackend::AttendOnSlot(const CompactLayerView& cache, const Deco
       heads, sms);
   const size_t o_seq = arena.Add(plan.split ? sizeof(DecodeSeq) : 0);
   const size_t o_scratch = arena.Add(
-      sizeof(float) * (plan.split ? plan.partial_floats
-                                  : AttnScratchFloats(hq, query.n_q, max_kept, query.n_new)));
+      sizeof(float) *
+      (plan.split ? plan.partial_floats : AttnScratchFloats(hq, query.n_q, max_kept, query.n_new)));
   const size_t o_out = arena.Add(q_bytes);
   // Inputs are staged contiguously in the pinned buffer with the arena's offsets.
   const size_t staged = o_scratch;

@@ -68,8 +68,8 @@ DecodePlan PlanDecode(const DecodeShape& shape, absl::Span<const AttnHead> heads
     const int n = static_cast<int>(CeilDiv(m, chunk) + CeilDiv(h.n_recent, chunk));
     p.max_chunks = std::max(p.max_chunks, n);
   }
-  p.partial_floats = static_cast<size_t>(shape.batch) * shape.num_kv_heads * p.max_chunks *
-                     p.rows * (static_cast<size_t>(shape.head_dim) + 2);
+  p.partial_floats = static_cast<size_t>(shape.batch) * shape.num_kv_heads * p.max_chunks * p.rows *
+                     (static_cast<size_t>(shape.head_dim) + 2);
   return p;
 }
 

@@ -35,12 +35,12 @@ struct DecodeShape {
 };
 
 struct DecodePlan {
-  bool split = false;   // the split kernel runs; else the generic one (reason in why_not)
+  bool split = false;  // the split kernel runs; else the generic one (reason in why_not)
   std::string why_not;
-  int rows = 0;          // g * n_q
-  int row_tile = 0;      // compile-time rows of the split kernel: 4 or 8
-  int chunk = 0;         // kept tokens per block, a multiple of kDecodeTeams
-  int max_chunks = 0;    // blocks per (sequence, KV head) at most
+  int rows = 0;               // g * n_q
+  int row_tile = 0;           // compile-time rows of the split kernel: 4 or 8
+  int chunk = 0;              // kept tokens per block, a multiple of kDecodeTeams
+  int max_chunks = 0;         // blocks per (sequence, KV head) at most
   size_t partial_floats = 0;  // DecodeArgs::partial
 };
 

@@ -197,7 +197,7 @@ struct DecodeArgs {
   ElemType dtype = ElemType::kF16;
   int num_kv_heads = 0, num_q_heads = 0, head_dim = 0, bits = 0, group = 0;
   int n_q = 0, n_new = 0, batch = 0;
-  const DecodeSeq* seqs = nullptr;  // [batch], device memory
+  const DecodeSeq* seqs = nullptr;              // [batch], device memory
   int row_tile = 0, chunk = 0, max_chunks = 0;  // from the plan
   float* partial = nullptr;                     // plan.partial_floats floats
 };

@@ -182,11 +182,10 @@ __global__ void SumHeadsKernel(const float* __restrict__ scores, int num_kv_head
   out[j] = s;
 }
 
-
 // ---- tensor-core column scores (fp16 / bf16) ----
 
-constexpr int kTcKeys = 64;     // keys per block (one tile)
-constexpr int kTcRows = 64;     // query rows per inner tile (4 warps x 16 rows)
+constexpr int kTcKeys = 64;  // keys per block (one tile)
+constexpr int kTcRows = 64;  // query rows per inner tile (4 warps x 16 rows)
 constexpr int kTcThreads = 128;
 constexpr int kTcLds = kTcKeys + 4;  // float stride of the logit tile (multiple of 4, WMMA store)
 
@@ -197,8 +196,8 @@ __host__ __device__ __forceinline__ int TcLd(int d) { return (d + 15) / 16 * 16 
 // Dynamic shared memory: K tile, Q tile (both kTcKeys/kTcRows x TcLd halves), logit tile, and
 // 2 x kTcRows floats of per-row or per-column values. Every part is a multiple of 128 bytes.
 __host__ __device__ __forceinline__ size_t TcSmemBytes(int d) {
-  return static_cast<size_t>(kTcKeys + kTcRows) * TcLd(d) * 2 +
-         sizeof(float) * kTcRows * kTcLds + sizeof(float) * 2 * kTcRows;
+  return static_cast<size_t>(kTcKeys + kTcRows) * TcLd(d) * 2 + sizeof(float) * kTcRows * kTcLds +
+         sizeof(float) * 2 * kTcRows;
 }
 
 struct TcArgs {
@@ -210,9 +209,9 @@ struct TcArgs {
   bool gumbel, accumulate;
   uint64_t seed;
   uint32_t layer;
-  float2* tile_stats;      // [Hq * rows, ntiles] (max, sum of exp) per row and key tile
+  float2* tile_stats;       // [Hq * rows, ntiles] (max, sum of exp) per row and key tile
   const float2* row_stats;  // [Hq * rows] (max, 1 / sum)
-  float* scores;           // [Hkv, S]
+  float* scores;            // [Hkv, S]
 };
 
 // Copies rows [first, first + n) of a [*, D] operand into a shared tile of kTile x TcLd(D)
@@ -223,7 +222,7 @@ __device__ __forceinline__ void LoadTile(const typename E::T* __restrict__ src, 
                                          typename E::T* dst) {
   using T = typename E::T;
   const int ld = TcLd(d);
-  if (vec) {  // D % 8 == 0 and every row 16-byte aligned: 8 elements per load
+  if (vec) {                     // D % 8 == 0 and every row 16-byte aligned: 8 elements per load
     const int per_row = ld / 8;  // includes the zero-filled padding vectors
     for (int e = threadIdx.x; e < tile_rows * per_row; e += blockDim.x) {
       const int r = e / per_row, c = (e % per_row) * 8;
@@ -290,8 +289,8 @@ __device__ __forceinline__ float TcInput(const TcArgs& a, const RowInfo& r, floa
   if (!r.live || j > r.pos || j >= a.seq_len) return -INFINITY;
   float x = logit * a.scale;
   if (a.gumbel) {
-    x = (x + CounterGumbel(a.seed, a.layer, static_cast<uint32_t>(r.hq),
-                           static_cast<uint32_t>(r.i), static_cast<uint32_t>(j))) *
+    x = (x + CounterGumbel(a.seed, a.layer, static_cast<uint32_t>(r.hq), static_cast<uint32_t>(r.i),
+                           static_cast<uint32_t>(j))) *
         a.inv_tau;
   }
   return x;
@@ -316,20 +315,21 @@ __global__ void __launch_bounds__(kTcThreads) TcColumnKernel(TcArgs a) {
   const bool qvec = d % 8 == 0 && a.qs.token % 8 == 0 && a.qs.head % 8 == 0 &&
                     (reinterpret_cast<uintptr_t>(q) & 15) == 0;
   const int64_t k_base = h * a.ks.head;
-  LoadTile<E>(k, min(kTcKeys, a.seq_len - j0), d, kTcKeys, kvec,
-              [&](int r) { return k_base + static_cast<int64_t>(j0 + r) * a.ks.token; }, sk);
+  LoadTile<E>(
+      k, min(kTcKeys, a.seq_len - j0), d, kTcKeys, kvec,
+      [&](int r) { return k_base + static_cast<int64_t>(j0 + r) * a.ks.token; }, sk);
   const int total_rows = a.group * a.rows;
   const int lr = threadIdx.x >> 1, half = threadIdx.x & 1;  // this thread's tile row, key half
-  float colacc = 0.f;                                        // pass 2: column threadIdx.x & 63
+  float colacc = 0.f;                                       // pass 2: column threadIdx.x & 63
   for (int r0 = 0; r0 < total_rows; r0 += kTcRows) {
     __syncthreads();  // the previous tile's readers of sq / ss are done
-    LoadTile<E>(q, min(kTcRows, total_rows - r0), d, kTcRows, qvec,
-                [&](int r) {
-                  const int gr = r0 + r, gi = gr / a.rows, ii = gr % a.rows;
-                  return (h * a.group + gi) * a.qs.head +
-                         static_cast<int64_t>(a.row0 + ii) * a.qs.token;
-                },
-                sq);
+    LoadTile<E>(
+        q, min(kTcRows, total_rows - r0), d, kTcRows, qvec,
+        [&](int r) {
+          const int gr = r0 + r, gi = gr / a.rows, ii = gr % a.rows;
+          return (h * a.group + gi) * a.qs.head + static_cast<int64_t>(a.row0 + ii) * a.qs.token;
+        },
+        sq);
     __syncthreads();
     TcLogitTile(sq, sk, d, ss);
     // Thread (lr, half) owns keys half * 32 .. + 31 of tile row lr; lr is in this warp's rows.

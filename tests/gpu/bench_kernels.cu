@@ -1,8 +1,8 @@
-#include "bench_kernels.h"
-
 #include <cuda_fp16.h>
 
 #include <cmath>
+
+#include "bench_kernels.h"
 
 namespace kvc::gpu_testing {
 namespace {

@@ -117,12 +117,12 @@ TEST(PlanDecode, ShapesOutsideTheSplitKernelFallBackWithAReason) {
 TEST(PackedHeadReadBytes, CountsEveryBlockAttentionReads) {
   // keep 0.25 of 4K + ThinK 0.5 + 4-bit, G = 32, 32 recent tokens: 992 old rows.
   const AttnHead h = Head(1024, 32, 64, 128);
-  const uint64_t want = 4 * (64 + 128)           // channel lists
-                        + 2 * 32 * 128 * 2        // recent K and V rows, fp16
-                        + 2 * 4 * 31 * 64         // key scales and zeros: 31 groups x 64 channels
-                        + 992 * 32                // key codes: 64 channels x 4 bits
-                        + 2 * 4 * 992 * 4         // value scales and zeros: 4 groups per row
-                        + 992 * 64;               // value codes
+  const uint64_t want = 4 * (64 + 128)      // channel lists
+                        + 2 * 32 * 128 * 2  // recent K and V rows, fp16
+                        + 2 * 4 * 31 * 64   // key scales and zeros: 31 groups x 64 channels
+                        + 992 * 32          // key codes: 64 channels x 4 bits
+                        + 2 * 4 * 992 * 4   // value scales and zeros: 4 groups per row
+                        + 992 * 64;         // value codes
   EXPECT_EQ(PackedHeadReadBytes(h, 128, 2, 4, 32), want);
   // Full precision: the kept rows and the channel lists.
   EXPECT_EQ(PackedHeadReadBytes(Head(4096, 0, 128, 128), 128, 2, 0, 0),
@@ -161,9 +161,9 @@ TEST(PackedHeadReadBytes, NeverExceedsTheHeadSectionOfARealBlob) {
     ASSERT_TRUE(view.ok()) << view.status();
     for (int h = 0; h < 2; ++h) {
       const HeadDesc& d = view->desc(h);
-      const uint64_t read = PackedHeadReadBytes(Head(d.n_kept, d.n_recent, d.key_channels,
-                                                     d.value_channels),
-                                                128, 2, bits, view->header().quant_group);
+      const uint64_t read =
+          PackedHeadReadBytes(Head(d.n_kept, d.n_recent, d.key_channels, d.value_channels), 128, 2,
+                              bits, view->header().quant_group);
       // The section also holds the positions (not read) and at most 15 padding bytes per block.
       const uint64_t positions = 4 * 301;
       EXPECT_LE(read + positions, d.size) << "bits " << bits;

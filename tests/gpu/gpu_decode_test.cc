@@ -27,14 +27,17 @@ using cuda::AttnHead;
 template <typename T>
 struct Dev {
   T* p = nullptr;
-  explicit Dev(size_t n) { EXPECT_EQ(cudaMalloc(&p, sizeof(T) * std::max<size_t>(n, 1)), 0); }
+  explicit Dev(size_t n) {
+    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&p), sizeof(T) * std::max<size_t>(n, 1)),
+              cudaSuccess);
+  }
   Dev(const T* host, size_t n) : Dev(n) {
-    EXPECT_EQ(cudaMemcpy(p, host, sizeof(T) * n, cudaMemcpyHostToDevice), 0);
+    EXPECT_EQ(cudaMemcpy(p, host, sizeof(T) * n, cudaMemcpyHostToDevice), cudaSuccess);
   }
   ~Dev() { cudaFree(p); }
   std::vector<T> Get(size_t n) const {
     std::vector<T> h(n);
-    EXPECT_EQ(cudaMemcpy(h.data(), p, sizeof(T) * n, cudaMemcpyDeviceToHost), 0);
+    EXPECT_EQ(cudaMemcpy(h.data(), p, sizeof(T) * n, cudaMemcpyDeviceToHost), cudaSuccess);
     return h;
   }
 };
@@ -45,10 +48,10 @@ AttnHead HeadOf(const CompactLayerView& v, int h) {
     return p == nullptr ? 0 : static_cast<uint64_t>(static_cast<const uint8_t*>(p) - base);
   };
   const CompactHead c = v.head(h);
-  return {c.n_kept,           c.n_recent,         c.key_channels,      c.value_channels,
-          rel(c.positions),   rel(c.key_idx),     rel(c.value_idx),    rel(c.key_old),
-          rel(c.key_scale),   rel(c.key_zero),    rel(c.key_codes),    rel(c.key_recent),
-          rel(c.value_old),   rel(c.value_scale), rel(c.value_zero),   rel(c.value_codes),
+  return {c.n_kept,           c.n_recent,         c.key_channels,    c.value_channels,
+          rel(c.positions),   rel(c.key_idx),     rel(c.value_idx),  rel(c.key_old),
+          rel(c.key_scale),   rel(c.key_zero),    rel(c.key_codes),  rel(c.key_recent),
+          rel(c.value_old),   rel(c.value_scale), rel(c.value_zero), rel(c.value_codes),
           rel(c.value_recent)};
 }
 
@@ -139,15 +142,23 @@ void RunCase(const Case& cs) {
       heads.push_back(a);
     }
   }
-  cuda::DecodeShape ds{static_cast<cuda::ElemType>(cs.dtype), hkv, hkv * cs.g, d, cs.bits,
-                       view->header().quant_group, cs.n_q, cs.n_new, batch};
+  cuda::DecodeShape ds{static_cast<cuda::ElemType>(cs.dtype),
+                       hkv,
+                       hkv * cs.g,
+                       d,
+                       cs.bits,
+                       view->header().quant_group,
+                       cs.n_q,
+                       cs.n_new,
+                       batch};
   const cuda::DecodePlan plan = cuda::PlanDecode(ds, heads, 132, cs.chunk);
   ASSERT_TRUE(plan.split) << plan.why_not;
 
   const int hq = hkv * cs.g;
   std::mt19937_64 rng(5);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  const size_t qn = static_cast<size_t>(hq) * cs.n_q * d, kn = static_cast<size_t>(hkv) * cs.n_new * d;
+  const size_t qn = static_cast<size_t>(hq) * cs.n_q * d,
+               kn = static_cast<size_t>(hkv) * cs.n_new * d;
   std::vector<float> q(batch * qn), k_new(batch * kn), v_new(batch * kn);
   for (float& x : q) x = 2 * u(rng);
   for (float& x : k_new) x = u(rng);
@@ -159,8 +170,8 @@ void RunCase(const Case& cs) {
   cudaMemset(dout.p, 0xff, sizeof(float) * batch * qn);  // NaN until written
   std::vector<cuda::DecodeSeq> seqs(batch);
   for (int b = 0; b < batch; ++b) {
-    seqs[b] = {dblob.p, dheads.p + b * hkv, dq.p + b * qn, dk.p + b * kn, dv.p + b * kn,
-               dout.p + b * qn};
+    seqs[b] = {dblob.p,       dheads.p + b * hkv, dq.p + b * qn,
+               dk.p + b * kn, dv.p + b * kn,      dout.p + b * qn};
   }
   Dev<cuda::DecodeSeq> dseqs(seqs.data(), seqs.size());
   cuda::DecodeArgs a;
@@ -232,9 +243,9 @@ TEST(SplitDecode, MatchesTheHostReferenceOnRaggedHeads) {
       RunCase({dt, bits, 4, 1, 1, 32, true});
     }
   }
-  RunCase({DType::kF16, 4, 1, 1, 1, 256, false});  // one query row, one chunk per block
-  RunCase({DType::kF16, 8, 2, 3, 5, 40, true});    // 6 rows (row tile 8), 5 new tokens
-  RunCase({DType::kBF16, 0, 8, 1, 64, 64, false}); // 8 rows, the most new tokens
+  RunCase({DType::kF16, 4, 1, 1, 1, 256, false});   // one query row, one chunk per block
+  RunCase({DType::kF16, 8, 2, 3, 5, 40, true});     // 6 rows (row tile 8), 5 new tokens
+  RunCase({DType::kBF16, 0, 8, 1, 64, 64, false});  // 8 rows, the most new tokens
 }
 
 TEST(SplitDecode, RejectsArgumentsOutsideThePlan) {
@@ -259,8 +270,8 @@ TEST(SplitDecode, RejectsArgumentsOutsideThePlan) {
 
 // Tensor-core column scores against the CUDA-core three-kernel path on the same device buffers.
 void CompareScores(DType dt, int hkv, int g, int s, int d, int w, int row_block, bool gumbel) {
-  SCOPED_TRACE(absl::StrCat("dtype ", static_cast<int>(dt), " S ", s, " D ", d, " W ", w,
-                            " rows ", row_block, " gumbel ", gumbel));
+  SCOPED_TRACE(absl::StrCat("dtype ", static_cast<int>(dt), " S ", s, " D ", d, " W ", w, " rows ",
+                            row_block, " gumbel ", gumbel));
   const int hq = hkv * g;
   const LayerShape shape{hkv, hq, s, d, w};
   const gpu_testing::Layer layer = gpu_testing::RandomLayer(shape, dt, Layout::kNHD, 11);
@@ -273,9 +284,9 @@ void CompareScores(DType dt, int hkv, int g, int s, int d, int w, int row_block,
   Dev<float> scratch(cuda::ColumnScoreScratchFloats(hq, row_block, s));
   for (int row0 = 0; row0 < w; row0 += row_block) {
     const cuda::QueryRows qr{row0, std::min(row_block, w - row0)};
-    ASSERT_EQ(cuda::LaunchQKLogits(et, q.p, qs, k.p, ks, hq, hkv, w, qr, s, d, scale, logits.p,
-                                   nullptr),
-              cudaSuccess);
+    ASSERT_EQ(
+        cuda::LaunchQKLogits(et, q.p, qs, k.p, ks, hq, hkv, w, qr, s, d, scale, logits.p, nullptr),
+        cudaSuccess);
     ASSERT_EQ(cuda::LaunchSoftmaxRows(logits.p, hq, w, qr, s, gumbel, 9, 2, 1.0f / 1.5f, nullptr),
               cudaSuccess);
     ASSERT_EQ(cuda::LaunchGroupColumnSum(logits.p, hq, hkv, qr.rows, s, row0 > 0, ref.p, nullptr),
@@ -301,11 +312,11 @@ TEST(TensorCoreScores, MatchTheCudaCorePath) {
     CompareScores(dt, 2, 4, 1000, 128, 32, 32, false);
     CompareScores(dt, 2, 4, 1000, 128, 32, 32, true);
   }
-  CompareScores(DType::kF16, 1, 1, 1, 8, 1, 1, false);       // one key
-  CompareScores(DType::kF16, 2, 1, 77, 8, 5, 5, true);       // tiles with tails, D < 16
-  CompareScores(DType::kBF16, 2, 3, 300, 96, 40, 16, true);  // 3 row blocks, accumulate
-  CompareScores(DType::kF16, 1, 4, 513, 256, 64, 64, false); // D 256, rows over 4 row tiles
-  CompareScores(DType::kF16, 2, 2, 130, 100, 130, 50, true); // W = S, D not a multiple of 8
+  CompareScores(DType::kF16, 1, 1, 1, 8, 1, 1, false);        // one key
+  CompareScores(DType::kF16, 2, 1, 77, 8, 5, 5, true);        // tiles with tails, D < 16
+  CompareScores(DType::kBF16, 2, 3, 300, 96, 40, 16, true);   // 3 row blocks, accumulate
+  CompareScores(DType::kF16, 1, 4, 513, 256, 64, 64, false);  // D 256, rows over 4 row tiles
+  CompareScores(DType::kF16, 2, 2, 130, 100, 130, 50, true);  // W = S, D not a multiple of 8
 }
 
 TEST(TensorCoreScores, Fp32IsLeftToTheCudaCorePath) {
