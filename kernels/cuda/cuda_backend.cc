@@ -99,11 +99,14 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
 
   Arena arena;
   const size_t o_in = arena.Add(in_bytes);
-  // Observation rows per scoring pass: all of W unless the logits would exceed the cap.
-  const int block_rows = static_cast<int>(std::clamp<size_t>(
-      kMaxLogitFloats / (static_cast<size_t>(hq) * s), 1, static_cast<size_t>(std::max(w, 1))));
-  // fp16/bf16 score on tensor cores without a logits buffer (LaunchTensorCoreColumnScores).
+  // fp16/bf16 score on tensor cores without a logits buffer (LaunchTensorCoreColumnScores); its
+  // per-row scratch is about S / 32 floats instead of S.
   const bool tensor_cores = in.dtype != DType::kF32;
+  const size_t row_floats =
+      tensor_cores ? ColumnScoreScratchFloats(hq, 1, s) : static_cast<size_t>(hq) * s;
+  // Observation rows per scoring pass: all of W unless the scratch would exceed the cap.
+  const int block_rows = static_cast<int>(
+      std::clamp<size_t>(kMaxLogitFloats / row_floats, 1, static_cast<size_t>(std::max(w, 1))));
   const size_t logit_floats = tensor_cores ? ColumnScoreScratchFloats(hq, block_rows, s)
                                            : static_cast<size_t>(hq) * block_rows * s;
   const size_t o_logits = arena.Add(plan.needs_attention_scores ? sizeof(float) * logit_floats : 0);
