@@ -1,7 +1,13 @@
 // Decode attention directly over the packed blob: pruned key channels are absent from the dot
 // product, pruned value channels contribute zero, quantized blocks are dequantized on the fly,
 // and the uncompressed new tokens are attended causally after the cache.
+//
+// Two implementations with the same semantics: the split kernel (DecodeChunkKernel +
+// DecodeCombineKernel, planned by cuda/decode_plan.h) reads every packed byte once, as 16-lane
+// coalesced rows with fused dequantization, for all query heads of a KV head at once; the generic
+// kernel (PackedAttentionKernel, one block per query row) covers every other shape.
 #include "cuda/cuda_common.cuh"
+#include "cuda/decode_plan.h"
 #include "cuda/reduce.cuh"
 
 namespace kvc::cuda {
@@ -113,6 +119,448 @@ __global__ void PackedAttentionKernel(AttnArgs a) {
   }
 }
 
+// ---- split decode attention ----
+//
+// Block: 128 threads = 8 teams of 16 lanes. A chunk of C kept tokens (all old or all recent) is
+// split into 8 contiguous runs of C / 8 rows, one per team. Lane l of a team owns the 8 channels
+// [8l, 8l + 8) of every row (compact channel indices in old blocks, head channels in recent ones),
+// so a team reads a row as 16 consecutive slots: 16 bytes each for fp16/bf16, or `bits` bytes of
+// codes. Every slot is aligned to its size: the plan requires channel counts that are multiples
+// of 8 and every block of the blob starts 16-byte aligned.
+constexpr int kDecLanes = 16;
+constexpr int kDecThreads = kDecodeTeams * kDecLanes;
+// Rows loaded before any is used: 64 bytes in flight per thread for fp16/bf16, 8- and 4-bit rows.
+template <int kBits>
+constexpr int Unroll() {
+  return kBits == 0 ? 4 : kBits == 8 ? 8 : 16;
+}
+static_assert(kDecLanes * 8 == kDecodeMaxHeadDim, "a team covers head_dim channels");
+static_assert(kDecodeMaxChunk % kDecodeTeams == 0 && kDecodeMinChunk % kDecodeTeams == 0);
+
+template <typename T>
+struct Pair;
+template <>
+struct Pair<__half> {
+  using Type = __half2;
+  static __device__ __forceinline__ float2 Widen(Type v) { return __half22float2(v); }
+};
+template <>
+struct Pair<__nv_bfloat16> {
+  using Type = __nv_bfloat162;
+  static __device__ __forceinline__ float2 Widen(Type v) { return __bfloat1622float2(v); }
+};
+
+// Bytes of one lane's slot in a row: 8 elements of 2 bytes, or 8 codes of kBits bits.
+template <int kBits>
+constexpr int SlotBytes() {
+  return kBits == 0 ? 16 : kBits;
+}
+
+template <int kBits>
+__device__ __forceinline__ uint4 LoadSlot(const uint8_t* p) {
+  if constexpr (kBits == 0) {
+    return __ldg(reinterpret_cast<const uint4*>(p));
+  } else if constexpr (kBits == 8) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    return make_uint4(v.x, v.y, 0u, 0u);
+  } else if constexpr (kBits == 4) {
+    return make_uint4(__ldg(reinterpret_cast<const unsigned int*>(p)), 0u, 0u, 0u);
+  } else {
+    return make_uint4(__ldg(reinterpret_cast<const unsigned short*>(p)), 0u, 0u, 0u);
+  }
+}
+
+// The 8 values of a slot as floats: elements widened exactly (kBits == 0) or raw codes.
+template <typename T, int kBits>
+__device__ __forceinline__ void SlotValues(const uint4& w, float (&x)[8]) {
+  if constexpr (kBits == 0) {
+    using P = Pair<T>;
+    const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      typename P::Type v;
+      memcpy(&v, &u[i], sizeof(v));
+      const float2 f = P::Widen(v);
+      x[2 * i] = f.x;
+      x[2 * i + 1] = f.y;
+    }
+  } else if constexpr (kBits == 8) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      x[k] = static_cast<float>(((k < 4 ? w.x : w.y) >> (8 * (k & 3))) & 0xffu);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      x[k] = static_cast<float>((w.x >> (kBits * k)) & ((1u << kBits) - 1u));
+    }
+  }
+}
+
+// Everything a chunk needs about its rows: kBits is the head's bits for old chunks, 0 for recent.
+struct ChunkRows {
+  const uint8_t* keys;    // row 0 of the chunk's key block (old: key_old or key_codes)
+  const uint8_t* values;  // row 0 of the value block
+  int key_row_bytes, value_row_bytes;
+  int key_channels, value_channels;  // slots in use: channels / 8
+  const int32_t* key_idx;            // old only: compact -> head channel (else null)
+  const int32_t* value_idx;
+  const float* key_scale;  // old quantized: [ceil(m/G), Tk]; scale, zero of group (t0 + t) / G
+  const float* key_zero;
+  const float* value_scale;  // old quantized: [m, ceil(Tv/G)]
+  const float* value_zero;
+  int t0;  // first row of the chunk within its block (for the quantization group)
+};
+
+// Scores of the team's rows [tb, te) for all kR query rows into s_p[rr][row] (scaled logits).
+template <typename T, int kBits, int kR>
+__device__ __forceinline__ void ChunkScores(const ChunkRows& cr, int group, int lane, int tb,
+                                            int te, unsigned team_mask, float scale, int nr,
+                                            const float (*s_q)[kDecodeMaxHeadDim],
+                                            float (*s_p)[kDecodeMaxChunk]) {
+  const bool active = 8 * lane < cr.key_channels;
+  int ch[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    ch[k] = !active ? 0 : (cr.key_idx != nullptr ? cr.key_idx[8 * lane + k] : 8 * lane + k);
+  }
+  // kBits == 0: qk = q[ch]. Quantized: qk = q[ch] * scale[group][c] and qz = sum q[ch] * zero,
+  // so that q . (code * scale + zero) = qk . code + qz; refreshed when the row's group changes.
+  float qk[8][kR], qz[kR];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+#pragma unroll
+    for (int r = 0; r < kR; ++r) qk[k][r] = active && kBits == 0 ? s_q[r][ch[k]] : 0.f;
+  }
+#pragma unroll
+  for (int r = 0; r < kR; ++r) qz[r] = 0.f;
+  int cur_group = -1;
+  constexpr int kUnroll = Unroll<kBits>();
+  const uint8_t* lane_keys = cr.keys + lane * SlotBytes<kBits>();
+  for (int t = tb; t < te; t += kUnroll) {
+    uint4 w[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      w[u] = make_uint4(0u, 0u, 0u, 0u);
+      if (active && t + u < te) {
+        w[u] = LoadSlot<kBits>(lane_keys + static_cast<size_t>(t + u) * cr.key_row_bytes);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int row = t + u;
+      if (row >= te) break;  // uniform within the team
+      if constexpr (kBits > 0) {
+        const int grp = (cr.t0 + row) / group;
+        if (grp != cur_group) {
+          cur_group = grp;
+          if (active) {
+            const float* sc = cr.key_scale + static_cast<size_t>(grp) * cr.key_channels + 8 * lane;
+            const float* ze = cr.key_zero + static_cast<size_t>(grp) * cr.key_channels + 8 * lane;
+#pragma unroll
+            for (int r = 0; r < kR; ++r) qz[r] = 0.f;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+              const float s = __ldg(sc + k), z = __ldg(ze + k);
+#pragma unroll
+              for (int r = 0; r < kR; ++r) {
+                const float q = s_q[r][ch[k]];
+                qk[k][r] = q * s;
+                qz[r] = fmaf(q, z, qz[r]);
+              }
+            }
+          }
+        }
+      }
+      float x[8];
+      SlotValues<T, kBits>(w[u], x);
+      float dot[kR];
+#pragma unroll
+      for (int r = 0; r < kR; ++r) {
+        float acc = qz[r];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc = fmaf(qk[k][r], x[k], acc);
+        dot[r] = acc;
+      }
+#pragma unroll
+      for (int o = kDecLanes / 2; o > 0; o >>= 1) {
+#pragma unroll
+        for (int r = 0; r < kR; ++r) dot[r] += __shfl_xor_sync(team_mask, dot[r], o);
+      }
+#pragma unroll
+      for (int r = 0; r < kR; ++r) {
+        if (lane == r && r < nr) s_p[r][row] = dot[r] * scale;
+      }
+    }
+  }
+}
+
+// Adds sum over the team's rows of p[rr][row] * value[row] into s_o (head channels).
+template <typename T, int kBits, int kR>
+__device__ __forceinline__ void ChunkValues(const ChunkRows& cr, int group, int lane, int tb,
+                                            int te, int nr, const float (*s_p)[kDecodeMaxChunk],
+                                            float (*s_o)[kDecodeMaxHeadDim]) {
+  const bool active = 8 * lane < cr.value_channels;
+  if (!active) return;
+  float acc[8][kR], zacc[kR];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+#pragma unroll
+    for (int r = 0; r < kR; ++r) acc[k][r] = 0.f;
+  }
+#pragma unroll
+  for (int r = 0; r < kR; ++r) zacc[r] = 0.f;
+  // Quantized values: one (scale, zero) per row for this lane's 8 channels (group % 8 == 0).
+  const int v_groups = kBits > 0 ? 1 + (cr.value_channels - 1) / group : 0;
+  const int lane_group = kBits > 0 ? (8 * lane) / group : 0;
+  const uint8_t* lane_values = cr.values + lane * SlotBytes<kBits>();
+  constexpr int kUnroll = Unroll<kBits>();
+  for (int t = tb; t < te; t += kUnroll) {
+    uint4 w[kUnroll];
+    float vs[kUnroll], vz[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      w[u] = make_uint4(0u, 0u, 0u, 0u);
+      vs[u] = vz[u] = 0.f;
+      if (t + u < te) {
+        w[u] = LoadSlot<kBits>(lane_values + static_cast<size_t>(t + u) * cr.value_row_bytes);
+        if constexpr (kBits > 0) {
+          const size_t gi = static_cast<size_t>(cr.t0 + t + u) * v_groups + lane_group;
+          vs[u] = __ldg(cr.value_scale + gi);
+          vz[u] = __ldg(cr.value_zero + gi);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int row = t + u;
+      if (row >= te) break;
+      float x[8];
+      SlotValues<T, kBits>(w[u], x);
+#pragma unroll
+      for (int r = 0; r < kR; ++r) {
+        const float p = r < nr ? s_p[r][row] : 0.f;
+        float pk = p;
+        if constexpr (kBits > 0) {
+          pk = p * vs[u];
+          zacc[r] = fmaf(p, vz[u], zacc[r]);
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k][r] = fmaf(pk, x[k], acc[k][r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int ch = cr.value_idx != nullptr ? cr.value_idx[8 * lane + k] : 8 * lane + k;
+#pragma unroll
+    for (int r = 0; r < kR; ++r) {
+      if (r < nr) atomicAdd(&s_o[r][ch], acc[k][r] + zacc[r]);
+    }
+  }
+}
+
+template <typename E, int kBits, int kR>
+__global__ void __launch_bounds__(kDecThreads) DecodeChunkKernel(DecodeArgs a) {
+  using T = typename E::T;
+  static_assert(sizeof(T) == 2, "fp16/bf16 only");
+  __shared__ float s_q[kR][kDecodeMaxHeadDim];
+  __shared__ float s_o[kR][kDecodeMaxHeadDim];
+  __shared__ float s_p[kR][kDecodeMaxChunk];
+  __shared__ float s_ml[kR][2];
+  const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const DecodeSeq seq = a.seqs[b];
+  const AttnHead hd = seq.heads[h];
+  const int m = hd.n_kept - hd.n_recent, chunk = a.chunk;
+  const int co = (m + chunk - 1) / chunk, cr = (hd.n_recent + chunk - 1) / chunk;
+  if (c >= co + cr) return;  // this head keeps fewer tokens than the longest one
+  const bool old = c < co;
+  const int t0 = old ? c * chunk : (c - co) * chunk;  // first row of the chunk in its block
+  const int nt = min(chunk, (old ? m : hd.n_recent) - t0);
+  const int d = a.head_dim, g = a.num_q_heads / a.num_kv_heads, nr = g * a.n_q;
+  const int tid = threadIdx.x, lane = tid % kDecLanes, team = tid / kDecLanes;
+  const uint8_t* blob = seq.blob;
+
+  for (int e = tid; e < kR * d; e += kDecThreads) {
+    const int rr = e / d, ch = e % d;
+    float v = 0.f;
+    if (rr < nr) {
+      const int hq = h * g + rr / a.n_q, i = rr % a.n_q;
+      v = seq.q[(static_cast<size_t>(hq) * a.n_q + i) * d + ch];
+    }
+    s_q[rr][ch] = v;
+    s_o[rr][ch] = 0.f;
+  }
+  __syncthreads();
+
+  // The team's run of rows [tb, te) of the chunk (te - tb is uniform within a team; it may be <= 0
+  // for the last teams of a short chunk).
+  const int run = chunk / kDecodeTeams;
+  const int tb = team * run, te = min(tb + run, nt);
+  const unsigned team_mask = 0xffffu << (16 * (team & 1));
+  const float scale = 1.0f / sqrtf(static_cast<float>(d));
+  ChunkRows rows;
+  rows.t0 = t0;
+  if (old) {
+    rows.key_channels = hd.key_channels;
+    rows.value_channels = hd.value_channels;
+    rows.key_idx = reinterpret_cast<const int32_t*>(blob + hd.key_idx);
+    rows.value_idx = reinterpret_cast<const int32_t*>(blob + hd.value_idx);
+    rows.key_row_bytes = kBits == 0 ? 2 * hd.key_channels : hd.key_channels * kBits / 8;
+    rows.value_row_bytes = kBits == 0 ? 2 * hd.value_channels : hd.value_channels * kBits / 8;
+    rows.keys = blob + (kBits == 0 ? hd.key_old : hd.key_codes) +
+                static_cast<size_t>(t0) * rows.key_row_bytes;
+    rows.values = blob + (kBits == 0 ? hd.value_old : hd.value_codes) +
+                  static_cast<size_t>(t0) * rows.value_row_bytes;
+    rows.key_scale = reinterpret_cast<const float*>(blob + hd.key_scale);
+    rows.key_zero = reinterpret_cast<const float*>(blob + hd.key_zero);
+    rows.value_scale = reinterpret_cast<const float*>(blob + hd.value_scale);
+    rows.value_zero = reinterpret_cast<const float*>(blob + hd.value_zero);
+    ChunkScores<T, kBits, kR>(rows, a.group, lane, tb, te, team_mask, scale, nr, s_q, s_p);
+  } else {
+    rows.key_channels = rows.value_channels = d;
+    rows.key_idx = rows.value_idx = nullptr;
+    rows.key_row_bytes = rows.value_row_bytes = 2 * d;
+    rows.keys = blob + hd.key_recent + static_cast<size_t>(t0) * rows.key_row_bytes;
+    rows.values = blob + hd.value_recent + static_cast<size_t>(t0) * rows.value_row_bytes;
+    rows.key_scale = rows.key_zero = rows.value_scale = rows.value_zero = nullptr;
+    ChunkScores<T, 0, kR>(rows, 1, lane, tb, te, team_mask, scale, nr, s_q, s_p);
+  }
+  __syncthreads();
+
+  // Partial softmax of each query row over the chunk: max, exp, sum (warp w: rows w, w + 4, ..).
+  const int warp = tid / 32, wl = tid % 32;
+  for (int r = warp; r < nr; r += kDecThreads / 32) {
+    float mx = -INFINITY;
+    for (int j = wl; j < nt; j += 32) mx = fmaxf(mx, s_p[r][j]);
+    mx = WarpMax(mx);
+    float sum = 0.f;
+    for (int j = wl; j < nt; j += 32) {
+      const float e = expf(s_p[r][j] - mx);
+      s_p[r][j] = e;
+      sum += e;
+    }
+    sum = WarpSum(sum);
+    if (wl == 0) {
+      s_ml[r][0] = mx;
+      s_ml[r][1] = sum;
+    }
+  }
+  __syncthreads();
+
+  if (old) {
+    ChunkValues<T, kBits, kR>(rows, a.group, lane, tb, te, nr, s_p, s_o);
+  } else {
+    ChunkValues<T, 0, kR>(rows, 1, lane, tb, te, nr, s_p, s_o);
+  }
+  __syncthreads();
+
+  // Partial row: D unnormalized outputs, then max and sum.
+  const int stride = d + 2;
+  float* dst =
+      a.partial + ((static_cast<size_t>(b) * a.num_kv_heads + h) * a.max_chunks + c) * nr * stride;
+  for (int e = tid; e < nr * stride; e += kDecThreads) {
+    const int r = e / stride, x = e % stride;
+    dst[e] = x < d ? s_o[r][x] : s_ml[r][x - d];
+  }
+}
+
+// One block per (query row, sequence): merges the chunk partials of the row's KV head with the
+// uncompressed new tokens it sees (causal). blockDim.x == kDecThreads >= head_dim.
+__global__ void __launch_bounds__(kDecThreads) DecodeCombineKernel(DecodeArgs a) {
+  __shared__ float s_new[kDecodeMaxNew];
+  __shared__ float s_w[kDecThreads];
+  __shared__ float red[32];
+  const int b = blockIdx.y, hq = blockIdx.x / a.n_q, i = blockIdx.x % a.n_q;
+  const int g = a.num_q_heads / a.num_kv_heads, h = hq / g, r = (hq % g) * a.n_q + i;
+  const int d = a.head_dim, nr = g * a.n_q, stride = d + 2, tid = threadIdx.x;
+  const DecodeSeq seq = a.seqs[b];
+  const AttnHead hd = seq.heads[h];
+  const int m = hd.n_kept - hd.n_recent;
+  const int n_chunks = (m + a.chunk - 1) / a.chunk + (hd.n_recent + a.chunk - 1) / a.chunk;
+  const float* part = a.partial +
+                      (static_cast<size_t>(b) * a.num_kv_heads + h) * a.max_chunks * nr * stride +
+                      static_cast<size_t>(r) * stride;
+  const size_t chunk_stride = static_cast<size_t>(nr) * stride;
+  const float* q = seq.q + (static_cast<size_t>(hq) * a.n_q + i) * d;
+  const int n_vis = a.n_new - a.n_q + i + 1;
+  const float scale = 1.0f / sqrtf(static_cast<float>(d));
+
+  // Scores of the visible new tokens: one warp per token.
+  const int warp = tid / 32, wl = tid % 32;
+  for (int t = warp; t < n_vis; t += kDecThreads / 32) {
+    const float* k = seq.k_new + (static_cast<size_t>(h) * a.n_new + t) * d;
+    float s = 0.f;
+    for (int ch = wl; ch < d; ch += 32) s = fmaf(q[ch], k[ch], s);
+    s = WarpSum(s);
+    if (wl == 0) s_new[t] = s * scale;
+  }
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int x = tid; x < n_chunks; x += kDecThreads) mx = fmaxf(mx, part[x * chunk_stride + d]);
+  for (int t = tid; t < n_vis; t += kDecThreads) mx = fmaxf(mx, s_new[t]);
+  mx = BlockReduce<true>(mx, red);
+  float sum = 0.f;
+  for (int x = tid; x < n_chunks; x += kDecThreads) {
+    const float cm = part[x * chunk_stride + d];
+    if (cm != -INFINITY) sum += part[x * chunk_stride + d + 1] * expf(cm - mx);
+  }
+  for (int t = tid; t < n_vis; t += kDecThreads) sum += expf(s_new[t] - mx);
+  sum = BlockReduce<false>(sum, red);
+
+  float acc = 0.f;
+  for (int x0 = 0; x0 < n_chunks; x0 += kDecThreads) {
+    __syncthreads();  // s_w of the previous round is consumed
+    if (x0 + tid < n_chunks) {
+      const float cm = part[(x0 + tid) * chunk_stride + d];
+      s_w[tid] = cm == -INFINITY ? 0.f : expf(cm - mx);
+    }
+    __syncthreads();
+    if (tid < d) {
+      const int n = min(kDecThreads, n_chunks - x0);
+      for (int x = 0; x < n; ++x) acc = fmaf(s_w[x], part[(x0 + x) * chunk_stride + tid], acc);
+    }
+  }
+  if (tid < d) {
+    for (int t = 0; t < n_vis; ++t) {
+      acc = fmaf(expf(s_new[t] - mx), seq.v_new[(static_cast<size_t>(h) * a.n_new + t) * d + tid],
+                 acc);
+    }
+    seq.out[(static_cast<size_t>(hq) * a.n_q + i) * d + tid] = acc / sum;
+  }
+}
+
+template <typename E, int kBits, int kR>
+cudaError_t LaunchDecodeT(const DecodeArgs& a, cudaStream_t stream) {
+  if (a.max_chunks > 0) {
+    DecodeChunkKernel<E, kBits, kR>
+        <<<dim3(a.max_chunks, a.num_kv_heads, a.batch), kDecThreads, 0, stream>>>(a);
+    KVC_CUDA_CALL(LastLaunchError());
+  }
+  DecodeCombineKernel<<<dim3(a.num_q_heads * a.n_q, a.batch), kDecThreads, 0, stream>>>(a);
+  return LastLaunchError();
+}
+
+template <typename E, int kR>
+cudaError_t LaunchDecodeBits(const DecodeArgs& a, cudaStream_t stream) {
+  switch (a.bits) {
+    case 0:
+      return LaunchDecodeT<E, 0, kR>(a, stream);
+    case 2:
+      return LaunchDecodeT<E, 2, kR>(a, stream);
+    case 4:
+      return LaunchDecodeT<E, 4, kR>(a, stream);
+    case 8:
+      return LaunchDecodeT<E, 8, kR>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <typename E>
+cudaError_t LaunchDecodeRows(const DecodeArgs& a, cudaStream_t stream) {
+  return a.row_tile == 4 ? LaunchDecodeBits<E, 4>(a, stream) : LaunchDecodeBits<E, 8>(a, stream);
+}
+
 }  // namespace
 
 size_t AttnScratchFloats(int num_q_heads, int n_q, int max_kept, int n_new) {
@@ -127,6 +575,21 @@ cudaError_t LaunchPackedAttention(const AttnArgs& a, cudaStream_t stream) {
     PackedAttentionKernel<E><<<a.num_q_heads * a.n_q, 128, 0, stream>>>(a);
     return LastLaunchError();
   });
+}
+
+cudaError_t LaunchDecodeAttention(const DecodeArgs& a, cudaStream_t stream) {
+  const int g = a.num_kv_heads > 0 ? a.num_q_heads / a.num_kv_heads : 0;
+  if ((a.dtype != ElemType::kF16 && a.dtype != ElemType::kBF16) || a.num_kv_heads < 1 || g < 1 ||
+      a.num_q_heads % a.num_kv_heads != 0 || a.head_dim < 8 || a.head_dim % 8 != 0 ||
+      a.head_dim > kDecodeMaxHeadDim || a.n_q < 1 || a.n_new < a.n_q || a.n_new > kDecodeMaxNew ||
+      a.batch < 1 || (a.row_tile != 4 && a.row_tile != 8) || g * a.n_q > a.row_tile ||
+      a.chunk < kDecodeMinChunk || a.chunk > kDecodeMaxChunk || a.chunk % kDecodeTeams != 0 ||
+      a.max_chunks < 0 || (a.bits > 0 && (a.group < 8 || a.group % 8 != 0)) || a.seqs == nullptr ||
+      (a.max_chunks > 0 && a.partial == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  return a.dtype == ElemType::kF16 ? LaunchDecodeRows<F16>(a, stream)
+                                   : LaunchDecodeRows<BF16>(a, stream);
 }
 
 }  // namespace kvc::cuda

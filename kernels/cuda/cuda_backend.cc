@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "cuda/compress_plan.h"
+#include "cuda/decode_plan.h"
 #include "cuda/kernels.h"
 #include "cuda/resources.h"
 #include "kvc/status_macros.h"
@@ -98,11 +99,17 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
 
   Arena arena;
   const size_t o_in = arena.Add(in_bytes);
-  // Observation rows per scoring pass: all of W unless the logits would exceed the cap.
-  const int block_rows = static_cast<int>(std::clamp<size_t>(
-      kMaxLogitFloats / (static_cast<size_t>(hq) * s), 1, static_cast<size_t>(std::max(w, 1))));
-  const size_t o_logits = arena.Add(
-      plan.needs_attention_scores ? sizeof(float) * static_cast<size_t>(hq) * block_rows * s : 0);
+  // fp16/bf16 score on tensor cores without a logits buffer (LaunchTensorCoreColumnScores); its
+  // per-row scratch is about S / 32 floats instead of S.
+  const bool tensor_cores = in.dtype != DType::kF32;
+  const size_t row_floats =
+      tensor_cores ? ColumnScoreScratchFloats(hq, 1, s) : static_cast<size_t>(hq) * s;
+  // Observation rows per scoring pass: all of W unless the scratch would exceed the cap.
+  const int block_rows = static_cast<int>(
+      std::clamp<size_t>(kMaxLogitFloats / row_floats, 1, static_cast<size_t>(std::max(w, 1))));
+  const size_t logit_floats = tensor_cores ? ColumnScoreScratchFloats(hq, block_rows, s)
+                                           : static_cast<size_t>(hq) * block_rows * s;
+  const size_t o_logits = arena.Add(plan.needs_attention_scores ? sizeof(float) * logit_floats : 0);
   const size_t o_scores = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
   const size_t o_pooled = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
   const size_t o_pos = arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * b);
@@ -160,6 +167,15 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
       const float scale = 1.0f / std::sqrt(static_cast<float>(d));
       for (int row0 = 0; row0 < w; row0 += block_rows) {
         const QueryRows qr{row0, std::min(block_rows, w - row0)};
+        if (tensor_cores) {
+          KVC_CUDA_RETURN_IF_ERROR(
+              LaunchTensorCoreColumnScores(et, dq, qs, dk, kvs, hq, hkv, w, qr, s, d, scale, gumbel,
+                                           e.seed, static_cast<uint32_t>(in.layer_index),
+                                           static_cast<float>(1.0 / e.tau), row0 > 0, logits,
+                                           scores, st),
+              "attention scores (tensor cores)");
+          continue;
+        }
         KVC_CUDA_RETURN_IF_ERROR(
             LaunchQKLogits(et, dq, qs, dk, kvs, hq, hkv, w, qr, s, d, scale, logits, st),
             "QK^T scores");
@@ -342,8 +358,17 @@ absl::Status CudaBackend::AttendOnSlot(const CompactLayerView& cache, const Deco
   const size_t o_kn = arena.Add(new_bytes);
   const size_t o_vn = arena.Add(new_bytes);
   const size_t o_heads = arena.Add(sizeof(AttnHead) * hkv);
-  const size_t o_scratch =
-      arena.Add(sizeof(float) * AttnScratchFloats(hq, query.n_q, max_kept, query.n_new));
+  // The split kernel where the shape allows it (cuda/decode_plan.h), else the generic one.
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, pool_->device());
+  const DecodePlan plan = PlanDecode(
+      DecodeShape{static_cast<ElemType>(cache.dtype()), hkv, hq, d, cache.header().quant_bits,
+                  cache.header().quant_group, query.n_q, query.n_new, 1},
+      heads, sms);
+  const size_t o_seq = arena.Add(plan.split ? sizeof(DecodeSeq) : 0);
+  const size_t o_scratch = arena.Add(
+      sizeof(float) *
+      (plan.split ? plan.partial_floats : AttnScratchFloats(hq, query.n_q, max_kept, query.n_new)));
   const size_t o_out = arena.Add(q_bytes);
   // Inputs are staged contiguously in the pinned buffer with the arena's offsets.
   const size_t staged = o_scratch;
@@ -362,6 +387,16 @@ absl::Status CudaBackend::AttendOnSlot(const CompactLayerView& cache, const Deco
     arena.Free(st);
     cudaStreamSynchronize(st);
   };
+  if (plan.split) {
+    DecodeSeq seq;
+    seq.blob = arena.At<uint8_t>(o_blob);
+    seq.heads = arena.At<AttnHead>(o_heads);
+    seq.q = arena.At<float>(o_q);
+    seq.k_new = arena.At<float>(o_kn);
+    seq.v_new = arena.At<float>(o_vn);
+    seq.out = arena.At<float>(o_out);
+    std::memcpy(pinned + o_seq, &seq, sizeof(seq));
+  }
   KVC_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(arena.At<uint8_t>(0), pinned, staged, cudaMemcpyHostToDevice, st),
       "copy attention inputs to device");
@@ -382,7 +417,26 @@ absl::Status CudaBackend::AttendOnSlot(const CompactLayerView& cache, const Deco
   a.v_new = arena.At<float>(o_vn);
   a.scratch = arena.At<float>(o_scratch);
   a.out = arena.At<float>(o_out);
-  KVC_CUDA_RETURN_IF_ERROR(LaunchPackedAttention(a, st), "packed attention");
+  if (plan.split) {
+    DecodeArgs da;
+    da.dtype = a.dtype;
+    da.num_kv_heads = hkv;
+    da.num_q_heads = hq;
+    da.head_dim = d;
+    da.bits = a.bits;
+    da.group = a.group;
+    da.n_q = query.n_q;
+    da.n_new = query.n_new;
+    da.batch = 1;
+    da.seqs = arena.At<DecodeSeq>(o_seq);
+    da.row_tile = plan.row_tile;
+    da.chunk = plan.chunk;
+    da.max_chunks = plan.max_chunks;
+    da.partial = a.scratch;
+    KVC_CUDA_RETURN_IF_ERROR(LaunchDecodeAttention(da, st), "packed attention (split)");
+  } else {
+    KVC_CUDA_RETURN_IF_ERROR(LaunchPackedAttention(a, st), "packed attention");
+  }
   KVC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pinned, a.out, q_bytes, cudaMemcpyDeviceToHost, st),
                            "copy attention output to host");
   KVC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st), "attention");

@@ -57,6 +57,21 @@ cudaError_t LaunchSoftmaxRows(float* logits, int num_q_heads, int obs_window, Qu
 cudaError_t LaunchGroupColumnSum(const float* probs, int num_q_heads, int num_kv_heads, int rows,
                                  int seq_len, bool accumulate, float* scores, cudaStream_t stream);
 
+// LaunchQKLogits + LaunchSoftmaxRows + LaunchGroupColumnSum in one, for fp16/bf16 inputs, on
+// tensor cores (fp32 accumulation) and without a logits buffer: scores[hkv, j] (+)= (1/g) * sum
+// over the g query heads of hkv and the window rows [row0, row0 + rows) of the (optionally
+// Gumbel-perturbed, as LaunchSoftmaxRows) causal softmax probability of key j. `scratch` holds
+// ColumnScoreScratchFloats(num_q_heads, qr.rows, seq_len) floats. cudaErrorInvalidValue for fp32
+// (use the three launchers) or bad shapes. Sets the kernels' dynamic shared memory limit
+// (cudaFuncSetAttribute) on every call.
+size_t ColumnScoreScratchFloats(int num_q_heads, int rows, int seq_len);
+cudaError_t LaunchTensorCoreColumnScores(ElemType dtype, const void* q, Strides qs, const void* k,
+                                         Strides ks, int num_q_heads, int num_kv_heads,
+                                         int obs_window, QueryRows qr, int seq_len, int head_dim,
+                                         float scale, bool gumbel, uint64_t seed, uint32_t layer,
+                                         float inv_tau, bool accumulate, float* scratch,
+                                         float* scores, cudaStream_t stream);
+
 // Rows of `seq_len` floats; the first `len` entries of each are pooled: out[h, j] = max or mean
 // of in[h, j - k/2 .. j + k/2] clipped to [0, len) (the mean divides by the number of in-range
 // entries); entries j >= len are copied unchanged.
@@ -165,6 +180,28 @@ struct AttnArgs {
 };
 size_t AttnScratchFloats(int num_q_heads, int n_q, int max_kept, int n_new);
 cudaError_t LaunchPackedAttention(const AttnArgs& a, cudaStream_t stream);
+
+// Split decode attention (see cuda/decode_plan.h) over a batch of sequences whose packed layers
+// share dtype, shape and quantization; each sequence has its own blob, heads and new tokens. Only
+// for shapes PlanDecode accepts (plan.split); same semantics as LaunchPackedAttention.
+struct DecodeSeq {
+  const uint8_t* blob = nullptr;
+  const AttnHead* heads = nullptr;  // [Hkv], offsets into blob
+  const float* q = nullptr;         // [Hq, n_q, D]
+  const float* k_new = nullptr;     // [Hkv, n_new, D]
+  const float* v_new = nullptr;
+  float* out = nullptr;  // [Hq, n_q, D]
+};
+
+struct DecodeArgs {
+  ElemType dtype = ElemType::kF16;
+  int num_kv_heads = 0, num_q_heads = 0, head_dim = 0, bits = 0, group = 0;
+  int n_q = 0, n_new = 0, batch = 0;
+  const DecodeSeq* seqs = nullptr;              // [batch], device memory
+  int row_tile = 0, chunk = 0, max_chunks = 0;  // from the plan
+  float* partial = nullptr;                     // plan.partial_floats floats
+};
+cudaError_t LaunchDecodeAttention(const DecodeArgs& a, cudaStream_t stream);
 
 }  // namespace kvc::cuda
 

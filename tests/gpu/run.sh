@@ -46,7 +46,7 @@ else
 fi
 echo "visible GPUs: ${gpus}"
 
-for b in kvc_gpu_backend_test kvc_gpu_bench kvc_gpu_nccl_test; do
+for b in kvc_gpu_backend_test kvc_gpu_decode_test kvc_gpu_bench kvc_gpu_nccl_test; do
   if [[ ! -x "${bin}/${b}" ]]; then
     echo "missing ${bin}/${b}: build it first (tests/gpu/README.md)"
     exit 1
@@ -59,13 +59,19 @@ for b in kvc_gpu_backend_test kvc_gpu_bench kvc_gpu_nccl_test; do
   fi
 done
 
-run_step "CUDA backend vs CPU oracle" 300 "${bin}/kvc_gpu_backend_test" --gtest_color=no
+# Step limits add up to 470 s, so the whole run stays under 8 minutes.
+run_step "CUDA backend vs CPU oracle" 240 "${bin}/kvc_gpu_backend_test" --gtest_color=no
+run_step "split decode and tensor-core scores vs references" 40 \
+  "${bin}/kvc_gpu_decode_test" --gtest_color=no
 if (( gpus >= 2 )); then
   run_step "NCCL data path (2 GPUs)" 120 "${bin}/kvc_gpu_nccl_test" --gtest_color=no
 else
   note "SKIP    NCCL data path: needs two GPUs, ${gpus} visible"
 fi
-run_step "benchmark (Llama-3-8B layer, 32K tokens)" 150 "${bin}/kvc_gpu_bench" --iters=10
+# Compress stages at 32K, then decode rows at 4K/32K x batch 1/8; every figure next to its same-run
+# baseline (memcpy D2D, the dense kernel, cuBLAS when libcublas.so.13 is on the library path).
+run_step "benchmark (Llama-3-8B layer: compress 32K, decode 4K/32K x batch 1/8)" 170 \
+  "${bin}/kvc_gpu_bench" --iters=10
 
 echo
 echo "=== summary"
