@@ -96,7 +96,8 @@ SweepResult MakeResult(const SweepEntry& entry, Scenario scenario,
 }
 
 std::string FormatTableHeader(int layers) {
-  std::string out = absl::StrFormat("%-30s %-6s %3s %6s %9s  %-30s %-34s %8s %8s ", "config",
+  // "±" is two bytes and one column: the widths below count columns.
+  std::string out = absl::StrFormat("%-30s %-6s %3s %6s %9s  %-32s %-36s %8s %8s ", "config",
                                     "scen", "W", "size", "bytes/seq", "top1 ±sd [95% CI]",
                                     "mean_KL ±sd [95% CI]", "max_KL", "attn_err");
   for (int l = 0; l < layers; ++l) {
@@ -115,8 +116,8 @@ std::string FormatTableRow(const SweepResult& r) {
   std::string out = absl::StrFormat(
       "%-30s %-6s %3d %6.3f %9.0f  %s%*s %s%*s %8.2e %8.4f ", r.entry.label,
       ScenarioName(r.scenario), m.obs_window, m.size_ratio,
-      BytesPerSequence(m, m.compact_bytes), top1, std::max(0, 31 - static_cast<int>(top1.size())),
-      "", kl, std::max(0, 35 - static_cast<int>(kl.size())), "", m.max_kl, m.mean_attn_rel_err);
+      BytesPerSequence(m, m.compact_bytes), top1, std::max(0, 32 - static_cast<int>(top1.size())),
+      "", kl, std::max(0, 36 - static_cast<int>(kl.size())), "", m.max_kl, m.mean_attn_rel_err);
   for (double e : m.attn_rel_err) absl::StrAppend(&out, absl::StrFormat(" %6.4f", e));
   return out;
 }
