@@ -1,6 +1,7 @@
 #include "kvc/fidelity/sweep.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -67,34 +68,24 @@ SweepEntry EntryForSpec(const CompressionSpec& spec) {
 }
 
 std::vector<SweepEntry> DefaultSweep(int quant_group) {
-  std::vector<CompressionSpec> specs;
-  const EvictionPolicy policies[] = {EvictionPolicy::kStreaming, EvictionPolicy::kH2O,
-                                     EvictionPolicy::kSnapKV,    EvictionPolicy::kKeyformer,
-                                     EvictionPolicy::kKNorm,     EvictionPolicy::kRandom};
-  for (EvictionPolicy policy : policies) {
-    for (double ratio : {1.0, 0.75, 0.5, 0.25}) {
-      CompressionSpec s;
-      s.eviction.policy = policy;
-      s.eviction.keep_ratio = ratio;
-      specs.push_back(s);
-    }
-  }
-  for (double lambda : {0.25, 0.5}) {
-    CompressionSpec s;
-    s.eviction.policy = EvictionPolicy::kSnapKV;
-    s.eviction.keep_ratio = 0.5;
-    s.channels.key_policy = ChannelPolicy::kThink;
-    s.channels.key_lambda = lambda;
-    specs.push_back(s);
-  }
-  for (int bits : {4, 2}) {
-    CompressionSpec s;
-    s.quant.bits = bits;
-    s.quant.group_size = quant_group;
-    specs.push_back(s);
-  }
+  // One spec string per row; "qB" without a group gets the run's group. Append new rows here.
+  static constexpr const char* kRows[] = {
+      "streaming:1", "streaming:0.75", "streaming:0.5", "streaming:0.25",  //
+      "h2o:1",       "h2o:0.75",       "h2o:0.5",       "h2o:0.25",        //
+      "snapkv:1",    "snapkv:0.75",    "snapkv:0.5",    "snapkv:0.25",     //
+      "keyformer:1", "keyformer:0.75", "keyformer:0.5", "keyformer:0.25",  //
+      "knorm:1",     "knorm:0.75",     "knorm:0.5",     "knorm:0.25",      //
+      "random:1",    "random:0.75",    "random:0.5",    "random:0.25",     //
+      "snapkv:0.5+think:0.25", "snapkv:0.5+think:0.5",                     //
+      "q4", "q2",
+  };
   std::vector<SweepEntry> out;
-  for (const CompressionSpec& s : specs) out.push_back(EntryForSpec(s));
+  for (const char* row : kRows) {
+    absl::StatusOr<std::vector<SweepEntry>> entry = ParseSpecList(row, quant_group);
+    // The list is fixed and tested (tests/fidelity/report_test.cc): a bad row is a bug here.
+    if (!entry.ok()) std::abort();
+    out.push_back(std::move((*entry)[0]));
+  }
   return out;
 }
 
