@@ -4,11 +4,11 @@
 #include <cmath>
 #include <cstring>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "absl/strings/ascii.h"
 #include "kvc/status_macros.h"
 
 namespace kvc::fidelity {
@@ -77,22 +77,20 @@ absl::Status ValidateRunOptions(const RunOptions& o, const model::LlamaConfig& c
   if (!o.given_sequences.empty()) {
     if (static_cast<int>(o.given_sequences.size()) != o.num_sequences) {
       return absl::InvalidArgumentError(absl::StrCat("sequences: ", o.given_sequences.size(),
-                                                     " given, num_sequences is ",
-                                                     o.num_sequences));
+                                                     " given, num_sequences is ", o.num_sequences));
     }
     for (size_t i = 0; i < o.given_sequences.size(); ++i) {
       const std::vector<int32_t>& seq = o.given_sequences[i];
       if (static_cast<int64_t>(seq.size()) < int64_t{o.prefix_len} + o.continuation) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("sequences: sequence ", i, " has ", seq.size(),
-                         " tokens, prefix_len + continuation needs ",
-                         o.prefix_len + o.continuation));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sequences: sequence ", i, " has ", seq.size(),
+            " tokens, prefix_len + continuation needs ", o.prefix_len + o.continuation));
       }
       for (int32_t t : seq) {
         if (t < 0 || t >= config.vocab_size) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "sequences: sequence ", i, " has token ", t, " outside [0, vocab ",
-              config.vocab_size, ")"));
+          return absl::InvalidArgumentError(absl::StrCat("sequences: sequence ", i, " has token ",
+                                                         t, " outside [0, vocab ",
+                                                         config.vocab_size, ")"));
         }
       }
     }
@@ -100,9 +98,7 @@ absl::Status ValidateRunOptions(const RunOptions& o, const model::LlamaConfig& c
   return absl::OkStatus();
 }
 
-absl::string_view ScenarioName(Scenario s) {
-  return s == Scenario::kInside ? "inside" : "after";
-}
+absl::string_view ScenarioName(Scenario s) { return s == Scenario::kInside ? "inside" : "after"; }
 
 absl::StatusOr<std::vector<Scenario>> ParseScenarios(absl::string_view text) {
   std::vector<Scenario> out;
@@ -214,8 +210,8 @@ absl::Status FidelityEval::PrepareSequence(std::vector<int32_t> seq) {
   std::vector<double> logp(static_cast<size_t>(n_cont) * vocab);
   std::vector<int32_t> top1(n_cont);
   std::vector<float> attn(static_cast<size_t>(n_cont) * c.n_layers * c.dim), logits(vocab);
-  std::vector<float> q(static_cast<size_t>(c.n_heads) * hd), k(static_cast<size_t>(c.n_kv_heads) * hd),
-      v(k.size());
+  std::vector<float> q(static_cast<size_t>(c.n_heads) * hd),
+      k(static_cast<size_t>(c.n_kv_heads) * hd), v(k.size());
   for (int t = 0; t < n_cont; ++t) {
     RETURN_IF_ERROR(model_->DecodeStep(seq[p + t], cache.get(), absl::MakeSpan(logits)));
     LogSoftmax(logits.data(), vocab, &logp[static_cast<size_t>(t) * vocab]);
@@ -225,9 +221,9 @@ absl::Status FidelityEval::PrepareSequence(std::vector<int32_t> seq) {
       Gather(lp.q, c.n_heads, total, hd, p + t, q.data());
       Gather(lp.k, c.n_kv_heads, total, hd, p + t, k.data());
       Gather(lp.v, c.n_kv_heads, total, hd, p + t, v.data());
-      RETURN_IF_ERROR(fed->AppendAndAttend(
-          l, q.data(), k.data(), v.data(),
-          &attn[(static_cast<size_t>(t) * c.n_layers + l) * c.dim]));
+      RETURN_IF_ERROR(
+          fed->AppendAndAttend(l, q.data(), k.data(), v.data(),
+                               &attn[(static_cast<size_t>(t) * c.n_layers + l) * c.dim]));
     }
     fed->Advance();
   }
@@ -317,9 +313,9 @@ absl::StatusOr<Metrics> FidelityEval::Evaluate(const CompressionSpec& spec,
   const int p = options_.prefix_len, n_cont = options_.continuation, w = options_.obs_window;
   const int vocab = c.vocab_size, hd = c.head_dim();
   if (scenario == Scenario::kAfter && p <= w) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "scenario after: the prefix before the question is empty (prefix_len ", p,
-        " <= obs_window ", w, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("scenario after: the prefix before the question is empty (prefix_len ", p,
+                     " <= obs_window ", w, ")"));
   }
   Metrics m;
   m.attn_rel_err.assign(c.n_layers, 0.0);
@@ -337,20 +333,19 @@ absl::StatusOr<Metrics> FidelityEval::Evaluate(const CompressionSpec& spec,
     const int start = prefix.prefix_len, lead = p - start;  // question tokens decoded first
     ASSIGN_OR_RETURN(std::unique_ptr<model::CompactKvCache> fed,
                      model::CompactKvCache::Create(c, layers, attention_, lead + n_cont));
-    ASSIGN_OR_RETURN(std::unique_ptr<model::CompactKvCache> cache,
-                     model::CompactKvCache::Create(c, std::move(layers), attention_, lead + n_cont));
+    ASSIGN_OR_RETURN(
+        std::unique_ptr<model::CompactKvCache> cache,
+        model::CompactKvCache::Create(c, std::move(layers), attention_, lead + n_cont));
     // New tokens' RoPE positions continue at the blobs' seq_len: it must be the prefix length.
     if (cache->position() != start) {
-      return absl::InvalidArgumentError(absl::StrCat("compressor: blobs have seq_len ",
-                                                     cache->position(), ", the prefix has ",
-                                                     start));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "compressor: blobs have seq_len ", cache->position(), ", the prefix has ", start));
     }
     const int tail_first = p - w, tail_len = w + n_cont;
     int seq_agree = 0;
     double seq_kl = 0;
     for (int pos = start; pos < p + n_cont; ++pos) {
-      RETURN_IF_ERROR(
-          model_->DecodeStep(sequences_[i][pos], cache.get(), absl::MakeSpan(logits)));
+      RETURN_IF_ERROR(model_->DecodeStep(sequences_[i][pos], cache.get(), absl::MakeSpan(logits)));
       const int t = pos - p;  // scored step when >= 0
       for (int l = 0; l < c.n_layers; ++l) {
         const model::LayerProjections& lp = tail_[i][l];

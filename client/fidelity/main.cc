@@ -19,13 +19,13 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "absl/strings/ascii.h"
 #include "kvc/backend.h"
 #include "kvc/fidelity/fidelity.h"
 #include "kvc/fidelity/report.h"
@@ -91,12 +91,14 @@ bool SameMetrics(const Metrics& a, const Metrics& b) {
 
 absl::StatusOr<std::vector<std::vector<int32_t>>> ReadSequences(const std::string& path) {
   std::ifstream in(path);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat("--sequences_file: cannot read '", path, "'"));
+  if (!in)
+    return absl::InvalidArgumentError(absl::StrCat("--sequences_file: cannot read '", path, "'"));
   std::vector<std::vector<int32_t>> out;
   std::string line;
   while (std::getline(in, line)) {
     std::vector<int32_t> seq;
-    for (absl::string_view tok : absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty())) {
+    for (absl::string_view tok :
+         absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty())) {
       int32_t id;
       if (!absl::SimpleAtoi(tok, &id)) {
         return absl::InvalidArgumentError(absl::StrCat("--sequences_file: line ", out.size() + 1,
@@ -154,11 +156,11 @@ absl::Status Run() {
   options.seed = absl::GetFlag(FLAGS_seed);
   RETURN_IF_ERROR(ValidateRunOptions(options, c));
   const int seeds = absl::GetFlag(FLAGS_seeds);
-  if (seeds < 1) return absl::InvalidArgumentError(absl::StrCat("--seeds: ", seeds, " must be >= 1"));
+  if (seeds < 1)
+    return absl::InvalidArgumentError(absl::StrCat("--seeds: ", seeds, " must be >= 1"));
   ASSIGN_OR_RETURN(const int group,
                    ResolveQuantGroup(absl::GetFlag(FLAGS_quant_group), c.head_dim()));
-  ASSIGN_OR_RETURN(std::vector<Scenario> scenarios,
-                   ParseScenarios(absl::GetFlag(FLAGS_scenarios)));
+  ASSIGN_OR_RETURN(std::vector<Scenario> scenarios, ParseScenarios(absl::GetFlag(FLAGS_scenarios)));
   const int w = options.obs_window, p = options.prefix_len;
   std::vector<std::string> notes;
   if (w == 0 && scenarios.size() == 2) {
@@ -167,8 +169,8 @@ absl::Status Run() {
   }
   for (Scenario s : scenarios) {
     if (s == Scenario::kAfter && p <= w) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--scenarios after: needs --prefix > --window (", p, " <= ", w, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--scenarios after: needs --prefix > --window (", p, " <= ", w, ")"));
     }
   }
   ASSIGN_OR_RETURN(std::vector<SweepEntry> rows, Rows(group));
@@ -211,9 +213,10 @@ absl::Status Run() {
       "%d seeds x %d sequences (%s), P=%d, C=%d, W=%d, quant group %d, %s\n", seeds,
       options.num_sequences,
       file_sequences.empty()
-          ? absl::StrFormat("sampled at T=%.2f, sampling seeds %llu..%llu", options.temperature,
-                            static_cast<unsigned long long>(options.seed),
-                            static_cast<unsigned long long>(options.seed + seeds * options.num_sequences - 1))
+          ? absl::StrFormat(
+                "sampled at T=%.2f, sampling seeds %llu..%llu", options.temperature,
+                static_cast<unsigned long long>(options.seed),
+                static_cast<unsigned long long>(options.seed + seeds * options.num_sequences - 1))
                 .c_str()
           : absl::StrCat("from ", absl::GetFlag(FLAGS_sequences_file)).c_str(),
       p, options.continuation, w, group, backend->description().c_str());
@@ -333,9 +336,8 @@ absl::Status Run() {
     csv.close();
     if (!csv) return absl::InternalError(absl::StrCat("--csv: cannot write '", csv_path, "'"));
   }
-  const std::string title =
-      absl::StrFormat("P=%d C=%d W=%d, %dx%d seqs", p, options.continuation, w, seeds,
-                      options.num_sequences);
+  const std::string title = absl::StrFormat("P=%d C=%d W=%d, %dx%d seqs", p, options.continuation,
+                                            w, seeds, options.num_sequences);
   if (!png.empty()) RETURN_IF_ERROR(WritePng(RenderPlots(AgreementPlots(results, title)), png));
   if (!svg.empty()) RETURN_IF_ERROR(WriteSvg(AgreementPlots(results, title), svg));
   if (mismatches > 0) {

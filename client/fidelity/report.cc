@@ -108,16 +108,16 @@ std::string FormatTableHeader(int layers) {
 
 std::string FormatTableRow(const SweepResult& r) {
   const Metrics& m = r.metrics;
-  const std::string top1 = absl::StrFormat("%.4f ±%.4f [%.3f, %.3f]", m.top1_agreement,
-                                           r.top1_sd, r.top1_ci.lo, r.top1_ci.hi);
-  const std::string kl = absl::StrFormat("%.3e ±%.1e [%.2e, %.2e]", m.mean_kl, r.kl_sd,
-                                         r.kl_ci.lo, r.kl_ci.hi);
+  const std::string top1 = absl::StrFormat("%.4f ±%.4f [%.3f, %.3f]", m.top1_agreement, r.top1_sd,
+                                           r.top1_ci.lo, r.top1_ci.hi);
+  const std::string kl =
+      absl::StrFormat("%.3e ±%.1e [%.2e, %.2e]", m.mean_kl, r.kl_sd, r.kl_ci.lo, r.kl_ci.hi);
   // "±" is two bytes and one column: pad by hand.
   std::string out = absl::StrFormat(
       "%-30s %-6s %3d %6.3f %9.0f  %s%*s %s%*s %8.2e %8.4f ", r.entry.label,
-      ScenarioName(r.scenario), m.obs_window, m.size_ratio,
-      BytesPerSequence(m, m.compact_bytes), top1, std::max(0, 32 - static_cast<int>(top1.size())),
-      "", kl, std::max(0, 36 - static_cast<int>(kl.size())), "", m.max_kl, m.mean_attn_rel_err);
+      ScenarioName(r.scenario), m.obs_window, m.size_ratio, BytesPerSequence(m, m.compact_bytes),
+      top1, std::max(0, 32 - static_cast<int>(top1.size())), "", kl,
+      std::max(0, 36 - static_cast<int>(kl.size())), "", m.max_kl, m.mean_attn_rel_err);
   for (double e : m.attn_rel_err) absl::StrAppend(&out, absl::StrFormat(" %6.4f", e));
   return out;
 }
@@ -142,12 +142,12 @@ std::string FormatCsvRow(const SweepResult& r, int layers) {
   std::string out = absl::StrFormat(
       "%s,%s,%s,%s,%.4f,%.4f,%d,%d,%d,%d,%d,%.1f,%.1f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6e,%.6e,%.6e,"
       "%.6e,%.6e,%.6e",
-      CsvField(r.entry.label), ScenarioName(r.scenario), r.entry.family,
-      CsvField(r.entry.policy), r.entry.keep_ratio, r.entry.spec.channels.key_lambda,
-      r.entry.spec.quant.bits, r.seeds, static_cast<int>(m.seq_top1.size()), m.steps,
-      m.obs_window, BytesPerSequence(m, m.compact_bytes), BytesPerSequence(m, m.full_bytes),
-      m.size_ratio, m.top1_agreement, r.top1_sd, r.top1_ci.lo, r.top1_ci.hi, m.mean_kl, r.kl_sd,
-      r.kl_ci.lo, r.kl_ci.hi, m.max_kl, m.mean_attn_rel_err);
+      CsvField(r.entry.label), ScenarioName(r.scenario), r.entry.family, CsvField(r.entry.policy),
+      r.entry.keep_ratio, r.entry.spec.channels.key_lambda, r.entry.spec.quant.bits, r.seeds,
+      static_cast<int>(m.seq_top1.size()), m.steps, m.obs_window,
+      BytesPerSequence(m, m.compact_bytes), BytesPerSequence(m, m.full_bytes), m.size_ratio,
+      m.top1_agreement, r.top1_sd, r.top1_ci.lo, r.top1_ci.hi, m.mean_kl, r.kl_sd, r.kl_ci.lo,
+      r.kl_ci.hi, m.max_kl, m.mean_attn_rel_err);
   for (int l = 0; l < layers; ++l) {
     const double e = l < static_cast<int>(m.attn_rel_err.size()) ? m.attn_rel_err[l] : NAN;
     absl::StrAppend(&out, absl::StrFormat(",%.6e", e));
@@ -283,8 +283,8 @@ std::string RenderSvg(const std::vector<PlotSpec>& panels) {
     for (const Series& s : spec.series) legend_chars = std::max(legend_chars, s.name.size());
     const double left = 70, top = y0 + 40, bottom = y0 + h - 55;
     const double right = spec.width - (static_cast<double>(legend_chars) * 7.5 + 60);
-    absl::StrAppend(&out, absl::StrFormat(
-                              "<text x=\"%d\" y=\"%d\" text-anchor=\"middle\" font-size=\"15\">"
+    absl::StrAppend(
+        &out, absl::StrFormat("<text x=\"%d\" y=\"%d\" text-anchor=\"middle\" font-size=\"15\">"
                               "%s</text>\n",
                               spec.width / 2, y0 + 22, XmlEscape(spec.title)));
     if (!(right > left + 10) || !(spec.x_max > spec.x_min) || !(spec.y_max > spec.y_min)) {
@@ -301,19 +301,19 @@ std::string RenderSvg(const std::vector<PlotSpec>& panels) {
     };
     for (double t : spec.y_ticks) {
       if (t < spec.y_min - 1e-9 || t > spec.y_max + 1e-9) continue;
-      absl::StrAppend(&out, absl::StrFormat(
-                                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" "
+      absl::StrAppend(
+          &out, absl::StrFormat("<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" "
                                 "stroke=\"#e1e1e1\"/><text x=\"%.1f\" y=\"%.1f\" "
                                 "text-anchor=\"end\">%s</text>\n",
                                 left, py(t), right, py(t), left - 8, py(t) + 4, TickLabel(t)));
     }
     for (double t : spec.x_ticks) {
       if (t < spec.x_min - 1e-9 || t > spec.x_max + 1e-9) continue;
-      absl::StrAppend(&out, absl::StrFormat(
-                                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" "
-                                "stroke=\"#e1e1e1\"/><text x=\"%.1f\" y=\"%.1f\" "
-                                "text-anchor=\"middle\">%s</text>\n",
-                                px(t), top, px(t), bottom, px(t), bottom + 18, TickLabel(t)));
+      absl::StrAppend(&out,
+                      absl::StrFormat("<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" "
+                                      "stroke=\"#e1e1e1\"/><text x=\"%.1f\" y=\"%.1f\" "
+                                      "text-anchor=\"middle\">%s</text>\n",
+                                      px(t), top, px(t), bottom, px(t), bottom + 18, TickLabel(t)));
     }
     absl::StrAppend(
         &out,
@@ -331,18 +331,21 @@ std::string RenderSvg(const std::vector<PlotSpec>& panels) {
       const int marker = static_cast<int>(i / kColors) % 3;
       auto mark = [&](double x, double y) {
         if (marker == 0) {
-          return absl::StrFormat("<rect x=\"%.1f\" y=\"%.1f\" width=\"7\" height=\"7\" "
-                                 "fill=\"%s\"/>",
-                                 x - 3.5, y - 3.5, color);
+          return absl::StrFormat(
+              "<rect x=\"%.1f\" y=\"%.1f\" width=\"7\" height=\"7\" "
+              "fill=\"%s\"/>",
+              x - 3.5, y - 3.5, color);
         }
         if (marker == 1) {
-          return absl::StrFormat("<circle cx=\"%.1f\" cy=\"%.1f\" r=\"4\" fill=\"white\" "
-                                 "stroke=\"%s\" stroke-width=\"2\"/>",
-                                 x, y, color);
+          return absl::StrFormat(
+              "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"4\" fill=\"white\" "
+              "stroke=\"%s\" stroke-width=\"2\"/>",
+              x, y, color);
         }
-        return absl::StrFormat("<path d=\"M%.1f %.1fl8 8m0 -8l-8 8\" stroke=\"%s\" "
-                               "stroke-width=\"2\"/>",
-                               x - 4, y - 4, color);
+        return absl::StrFormat(
+            "<path d=\"M%.1f %.1fl8 8m0 -8l-8 8\" stroke=\"%s\" "
+            "stroke-width=\"2\"/>",
+            x - 4, y - 4, color);
       };
       absl::StrAppend(&out, "<g>");
       std::string line;
@@ -357,10 +360,10 @@ std::string RenderSvg(const std::vector<PlotSpec>& panels) {
       for (size_t j = 0; j < s.points.size(); ++j) {
         const double x = px(s.points[j].first), y = py(s.points[j].second);
         if (j < s.errors.size()) {
-          absl::StrAppend(&out, absl::StrFormat("<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" "
-                                                "y2=\"%.1f\" stroke=\"%s\"/>",
-                                                x, py(s.errors[j].first), x,
-                                                py(s.errors[j].second), color));
+          absl::StrAppend(
+              &out, absl::StrFormat("<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" "
+                                    "y2=\"%.1f\" stroke=\"%s\"/>",
+                                    x, py(s.errors[j].first), x, py(s.errors[j].second), color));
         }
         absl::StrAppend(&out, mark(x, y));
       }

@@ -32,8 +32,8 @@ std::string SeriesOf(const std::string& label, const CompressionSpec& spec) {
 
 std::string FamilyOf(const CompressionSpec& spec) {
   const bool evicts = spec.eviction.policy != EvictionPolicy::kNone;
-  const bool channels = spec.channels.key_policy != ChannelPolicy::kNone ||
-                        spec.channels.prune_values;
+  const bool channels =
+      spec.channels.key_policy != ChannelPolicy::kNone || spec.channels.prune_values;
   const bool bits = spec.quant.bits > 0;
   if (!channels && !bits) return "eviction";
   if (channels && !bits) return "think";
@@ -70,14 +70,34 @@ SweepEntry EntryForSpec(const CompressionSpec& spec) {
 std::vector<SweepEntry> DefaultSweep(int quant_group) {
   // One spec string per row; "qB" without a group gets the run's group. Append new rows here.
   static constexpr const char* kRows[] = {
-      "streaming:1", "streaming:0.75", "streaming:0.5", "streaming:0.25",  //
-      "h2o:1",       "h2o:0.75",       "h2o:0.5",       "h2o:0.25",        //
-      "snapkv:1",    "snapkv:0.75",    "snapkv:0.5",    "snapkv:0.25",     //
-      "keyformer:1", "keyformer:0.75", "keyformer:0.5", "keyformer:0.25",  //
-      "knorm:1",     "knorm:0.75",     "knorm:0.5",     "knorm:0.25",      //
-      "random:1",    "random:0.75",    "random:0.5",    "random:0.25",     //
-      "snapkv:0.5+think:0.25", "snapkv:0.5+think:0.5",                     //
-      "q4", "q2",
+      "streaming:1",
+      "streaming:0.75",
+      "streaming:0.5",
+      "streaming:0.25",
+      "h2o:1",
+      "h2o:0.75",
+      "h2o:0.5",
+      "h2o:0.25",
+      "snapkv:1",
+      "snapkv:0.75",
+      "snapkv:0.5",
+      "snapkv:0.25",
+      "keyformer:1",
+      "keyformer:0.75",
+      "keyformer:0.5",
+      "keyformer:0.25",
+      "knorm:1",
+      "knorm:0.75",
+      "knorm:0.5",
+      "knorm:0.25",
+      "random:1",
+      "random:0.75",
+      "random:0.5",
+      "random:0.25",
+      "snapkv:0.5+think:0.25",
+      "snapkv:0.5+think:0.5",
+      "q4",
+      "q2",
   };
   std::vector<SweepEntry> out;
   for (const char* row : kRows) {
@@ -94,7 +114,8 @@ absl::StatusOr<std::vector<SweepEntry>> ParseSpecList(absl::string_view list, in
   for (absl::string_view item : absl::StrSplit(list, ';')) {
     item = absl::StripAsciiWhitespace(item);
     if (item.empty()) continue;
-    absl::StatusOr<CompressionSpec> spec = ParseSpecString(std::string_view(item.data(), item.size()));
+    absl::StatusOr<CompressionSpec> spec =
+        ParseSpecString(std::string_view(item.data(), item.size()));
     if (!spec.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("--spec '", item, "': ", spec.status().message()));
@@ -129,8 +150,8 @@ absl::StatusOr<std::vector<SweepEntry>> FilterOnly(std::vector<SweepEntry> sweep
     }
   }
   if (kept.empty()) {
-    return absl::NotFoundError(absl::StrCat("--only '", only, "' matches no row; rows: ",
-                                            absl::StrJoin(labels, " ")));
+    return absl::NotFoundError(
+        absl::StrCat("--only '", only, "' matches no row; rows: ", absl::StrJoin(labels, " ")));
   }
   return kept;
 }

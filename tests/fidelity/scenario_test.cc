@@ -119,8 +119,8 @@ TEST_F(ScenarioTest, AfterNeedsAPrefixBeforeTheQuestion) {
   o.obs_window = o.prefix_len;
   auto eval = FidelityEval::Create(model_.get(), o, backend_.get());
   ASSERT_TRUE(eval.ok()) << eval.status();
-  auto m = (*eval)->Evaluate(CompressionSpec{}, InProcessCompressor(backend_.get()),
-                             Scenario::kAfter);
+  auto m =
+      (*eval)->Evaluate(CompressionSpec{}, InProcessCompressor(backend_.get()), Scenario::kAfter);
   ASSERT_FALSE(m.ok());
   EXPECT_THAT(m.status().message(), HasSubstr("prefix_len 96 <= obs_window 96"));
 }

@@ -179,7 +179,8 @@ TEST(StatsTest, SummarizePoolsSeeds) {
   EXPECT_DOUBLE_EQ(s.pooled.top1_agreement, 0.75);
   EXPECT_DOUBLE_EQ(s.pooled.mean_kl, 1.5);
   EXPECT_EQ(s.pooled.max_kl, 5);
-  EXPECT_THAT(s.pooled.attn_rel_err, ElementsAre(::testing::DoubleEq(0.3), ::testing::DoubleEq(0.5)));
+  EXPECT_THAT(s.pooled.attn_rel_err,
+              ElementsAre(::testing::DoubleEq(0.3), ::testing::DoubleEq(0.5)));
   EXPECT_DOUBLE_EQ(s.pooled.mean_attn_rel_err, 0.4);
   EXPECT_EQ(s.pooled.compact_bytes, 200u);
   EXPECT_DOUBLE_EQ(s.pooled.size_ratio, 0.25);

@@ -71,8 +71,8 @@ TEST(ToolTest, OnlyWithoutAMatchIsAnError) {
 TEST(ToolTest, UnwritableOutputPathsFailBeforeTheRun) {
   KVC_REQUIRE_MODEL(model);
   for (const char* flag : {"--csv", "--png", "--svg", "--dump_sequences"}) {
-    const RunResult r = RunTool(model, absl::StrCat("--only snapkv:0.5 ", flag,
-                                                    " /nonexistent-dir/out"));
+    const RunResult r =
+        RunTool(model, absl::StrCat("--only snapkv:0.5 ", flag, " /nonexistent-dir/out"));
     EXPECT_EQ(r.exit_code, 1) << flag << ": " << r.output;
     EXPECT_THAT(r.output, HasSubstr(absl::StrCat(flag, ": cannot write '/nonexistent-dir/out'")));
     EXPECT_THAT(r.output, Not(HasSubstr(kTableHeader))) << flag;
@@ -119,8 +119,8 @@ TEST(ToolTest, CombinedSpecsSeedsAndDumpedSequencesReproduce) {
   const std::string csv_a = Temp("a.csv"), csv_b = Temp("b.csv"), seqs = Temp("seqs.txt"),
                     svg = Temp("plot.svg");
   const std::string specs = "--spec 'keyformer:0.5+think:0.5+q4;random:0.5' --seeds 2 ";
-  const RunResult a = RunTool(model, absl::StrCat(specs, "--csv ", csv_a, " --dump_sequences ",
-                                                  seqs, " --svg ", svg));
+  const RunResult a = RunTool(
+      model, absl::StrCat(specs, "--csv ", csv_a, " --dump_sequences ", seqs, " --svg ", svg));
   ASSERT_EQ(a.exit_code, 0) << a.output;
   const auto rows = ParseCsv(ReadAll(csv_a));
   ASSERT_EQ(rows.size(), 4u);  // 2 specs x 2 scenarios
@@ -146,8 +146,8 @@ TEST(ToolTest, CombinedSpecsSeedsAndDumpedSequencesReproduce) {
 
   // The dumped sequences read back (with another sampling seed, which they override) give the
   // same rows.
-  const RunResult b = RunTool(
-      model, absl::StrCat(specs, "--seed 77 --sequences_file ", seqs, " --csv ", csv_b));
+  const RunResult b =
+      RunTool(model, absl::StrCat(specs, "--seed 77 --sequences_file ", seqs, " --csv ", csv_b));
   ASSERT_EQ(b.exit_code, 0) << b.output;
   EXPECT_EQ(ReadAll(csv_b), ReadAll(csv_a));
   const RunResult short_file =

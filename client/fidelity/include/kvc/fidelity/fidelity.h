@@ -8,10 +8,10 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kvc/backend.h"
 #include "kvc/compact.h"
 #include "kvc/fidelity/sweep.h"

@@ -4,11 +4,11 @@
 #define KVC_FIDELITY_REPORT_H_
 
 #include <string>
-#include "absl/strings/string_view.h"
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "kvc/fidelity/fidelity.h"
 #include "kvc/fidelity/png.h"
 #include "kvc/fidelity/stats.h"
@@ -56,7 +56,7 @@ struct PlotSpec {
   std::string title, x_label, y_label;
   double x_min = 0, x_max = 1, y_min = 0, y_max = 1;  // x_max > x_min, y_max > y_min
   std::vector<double> x_ticks, y_ticks;
-  std::vector<Series> series;  // 8 colors, then the same colors with other markers
+  std::vector<Series> series;     // 8 colors, then the same colors with other markers
   int width = 820, height = 520;  // the height grows when the legend needs more
 };
 
