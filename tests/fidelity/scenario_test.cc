@@ -62,6 +62,19 @@ TEST_F(ScenarioTest, AfterCompressesOnlyThePrefixBeforeTheQuestion) {
   EXPECT_NE(af0.q, in0.q);
 }
 
+TEST_F(ScenarioTest, PrefixesAreWhatAForwardPassOverThePromptAloneGives) {
+  // What a prefill node pushes: the cache of the prompt alone. The tool runs one forward pass over
+  // prompt + continuation; causality makes the prompt's part bit-identical.
+  const std::vector<int32_t>& seq = eval_->sequences()[1];
+  auto fwd = model_->Forward(absl::MakeConstSpan(seq).subspan(0, kPrefix));
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  const PrefixCache& inside = eval_->prefix(1);
+  for (int l = 0; l < inside.num_layers(); ++l) {
+    EXPECT_EQ((*inside.layers)[l].k, fwd->layers[l].k) << "layer " << l;
+    EXPECT_EQ((*inside.layers)[l].v, fwd->layers[l].v) << "layer " << l;
+  }
+}
+
 TEST_F(ScenarioTest, KeepingEverythingReproducesFullDecodingInBothScenarios) {
   for (Scenario s : {Scenario::kInside, Scenario::kAfter}) {
     for (const char* spec : {"full", "snapkv:1", "knorm:1"}) {
