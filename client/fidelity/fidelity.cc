@@ -4,8 +4,11 @@
 #include <cmath>
 #include <cstring>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "kvc/status_macros.h"
 
 namespace kvc::fidelity {
@@ -22,6 +25,26 @@ void LogSoftmax(const float* logits, int n, double* out) {
 
 int32_t ArgMax(const float* x, int n) {
   return static_cast<int32_t>(std::max_element(x, x + n) - x);  // first maximum on ties
+}
+
+// Positions [first, first + count) of an HND tensor [heads, S, D], as [heads, count, D].
+std::vector<float> Rows(const std::vector<float>& x, int heads, int S, int D, int first,
+                        int count) {
+  std::vector<float> out(static_cast<size_t>(heads) * count * D);
+  for (int h = 0; h < heads; ++h) {
+    std::memcpy(&out[static_cast<size_t>(h) * count * D],
+                &x[(static_cast<size_t>(h) * S + first) * D],
+                static_cast<size_t>(count) * D * sizeof(float));
+  }
+  return out;
+}
+
+// Position `pos` of an HND tensor [heads, S, D], as [heads, D].
+void Gather(const std::vector<float>& x, int heads, int S, int D, int pos, float* out) {
+  for (int h = 0; h < heads; ++h) {
+    std::memcpy(out + static_cast<size_t>(h) * D, &x[(static_cast<size_t>(h) * S + pos) * D],
+                static_cast<size_t>(D) * sizeof(float));
+  }
 }
 
 }  // namespace
@@ -51,10 +74,61 @@ absl::Status ValidateRunOptions(const RunOptions& o, const model::LlamaConfig& c
     return absl::InvalidArgumentError(
         absl::StrCat("temperature: ", o.temperature, " must be >= 0"));
   }
+  if (!o.given_sequences.empty()) {
+    if (static_cast<int>(o.given_sequences.size()) != o.num_sequences) {
+      return absl::InvalidArgumentError(absl::StrCat("sequences: ", o.given_sequences.size(),
+                                                     " given, num_sequences is ", o.num_sequences));
+    }
+    for (size_t i = 0; i < o.given_sequences.size(); ++i) {
+      const std::vector<int32_t>& seq = o.given_sequences[i];
+      if (static_cast<int64_t>(seq.size()) < int64_t{o.prefix_len} + o.continuation) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sequences: sequence ", i, " has ", seq.size(),
+            " tokens, prefix_len + continuation needs ", o.prefix_len + o.continuation));
+      }
+      for (int32_t t : seq) {
+        if (t < 0 || t >= config.vocab_size) {
+          return absl::InvalidArgumentError(absl::StrCat("sequences: sequence ", i, " has token ",
+                                                         t, " outside [0, vocab ",
+                                                         config.vocab_size, ")"));
+        }
+      }
+    }
+  }
   return absl::OkStatus();
 }
 
+absl::string_view ScenarioName(Scenario s) { return s == Scenario::kInside ? "inside" : "after"; }
+
+absl::StatusOr<std::vector<Scenario>> ParseScenarios(absl::string_view text) {
+  std::vector<Scenario> out;
+  auto add = [&out, text](Scenario s) -> absl::Status {
+    if (std::find(out.begin(), out.end(), s) != out.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("scenarios: '", text, "' names ", ScenarioName(s), " twice"));
+    }
+    out.push_back(s);
+    return absl::OkStatus();
+  };
+  for (absl::string_view item : absl::StrSplit(text, ',')) {
+    item = absl::StripAsciiWhitespace(item);
+    if (item == "inside") {
+      RETURN_IF_ERROR(add(Scenario::kInside));
+    } else if (item == "after") {
+      RETURN_IF_ERROR(add(Scenario::kAfter));
+    } else if (item == "both") {
+      RETURN_IF_ERROR(add(Scenario::kInside));
+      RETURN_IF_ERROR(add(Scenario::kAfter));
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "scenarios: '", item, "' is not one of inside, after, both (comma-separated)"));
+    }
+  }
+  return out;
+}
+
 LayerInput PrefixCache::Input(int layer) const {
+  const model::LayerProjections& l = (*layers)[layer];
   LayerInput in;
   in.shape.num_kv_heads = num_kv_heads;
   in.shape.num_q_heads = num_q_heads;
@@ -64,26 +138,33 @@ LayerInput PrefixCache::Input(int layer) const {
   in.dtype = DType::kF32;
   in.layout = Layout::kHND;
   in.layer_index = layer;
-  in.k = layers[layer].k.data();
-  in.v = layers[layer].v.data();
-  in.q_obs = obs_window > 0 ? layers[layer].q.data() : nullptr;
+  in.k = l.k.data();
+  in.v = l.v.data();
+  in.q_obs = obs_window > 0 ? l.q.data() : nullptr;
   return in;
 }
 
 uint64_t PrefixCache::full_bytes() const {
-  return 2ull * layers.size() * num_kv_heads * prefix_len * head_dim * sizeof(float);
+  return 2ull * num_layers() * num_kv_heads * prefix_len * head_dim * sizeof(float);
 }
 
 Compressor InProcessCompressor(Backend* backend) {
   return [backend](const PrefixCache& prefix, const CompressionSpec& spec,
                    int) -> absl::StatusOr<std::vector<CompactLayer>> {
     std::vector<CompactLayer> out;
-    for (int l = 0; l < static_cast<int>(prefix.layers.size()); ++l) {
+    for (int l = 0; l < prefix.num_layers(); ++l) {
       ASSIGN_OR_RETURN(CompactLayer layer, backend->Compress(prefix.Input(l), spec, nullptr));
       out.push_back(std::move(layer));
     }
     return out;
   };
+}
+
+bool NeedsQueries(const CompressionSpec& spec, LayerShape shape) {
+  shape.obs_window = std::max(1, shape.obs_window);
+  if (!ValidateSpec(spec, shape, 0).ok()) return false;
+  shape.obs_window = 0;
+  return !ValidateSpec(spec, shape, 0).ok();
 }
 
 absl::StatusOr<std::unique_ptr<FidelityEval>> FidelityEval::Create(const model::Transformer* model,
@@ -97,52 +178,111 @@ absl::StatusOr<std::unique_ptr<FidelityEval>> FidelityEval::Create(const model::
 }
 
 absl::Status FidelityEval::Prepare() {
+  const int total = options_.prefix_len + options_.continuation;
+  for (int i = 0; i < options_.num_sequences; ++i) {
+    std::vector<int32_t> seq;
+    if (!options_.given_sequences.empty()) {
+      const std::vector<int32_t>& given = options_.given_sequences[i];
+      seq.assign(given.begin(), given.begin() + total);
+    } else {
+      model::Sampler sampler(options_.temperature, options_.seed + static_cast<uint64_t>(i));
+      ASSIGN_OR_RETURN(seq, model_->Generate({model::kBosToken}, total - 1, &sampler));
+    }
+    RETURN_IF_ERROR(PrepareSequence(std::move(seq)));
+  }
+  options_.given_sequences.clear();  // kept in sequences_
+  return absl::OkStatus();
+}
+
+absl::Status FidelityEval::PrepareSequence(std::vector<int32_t> seq) {
   const model::LlamaConfig& c = model_->config();
   const int p = options_.prefix_len, n_cont = options_.continuation, w = options_.obs_window;
-  const int hd = c.head_dim(), vocab = c.vocab_size;
-  for (int i = 0; i < options_.num_sequences; ++i) {
-    model::Sampler sampler(options_.temperature, options_.seed + static_cast<uint64_t>(i));
-    ASSIGN_OR_RETURN(std::vector<int32_t> seq,
-                     model_->Generate({model::kBosToken}, p + n_cont - 1, &sampler));
-    ASSIGN_OR_RETURN(model::ForwardOutput fwd,
-                     model_->Forward(absl::MakeConstSpan(seq).subspan(0, p)));
-    ASSIGN_OR_RETURN(std::unique_ptr<model::FullKvCache> cache,
-                     model::FullKvCache::FromPrefix(c, fwd.layers, p, p, p + n_cont));
-    std::vector<double> logp(static_cast<size_t>(n_cont) * vocab);
-    std::vector<int32_t> top1(n_cont);
-    std::vector<float> attn(static_cast<size_t>(n_cont) * c.n_layers * c.dim), logits(vocab),
-        step_attn;
-    for (int t = 0; t < n_cont; ++t) {
+  const int total = p + n_cont, hd = c.head_dim(), vocab = c.vocab_size;
+  ASSIGN_OR_RETURN(model::ForwardOutput fwd, model_->Forward(seq));
+
+  // Reference: full-cache decoding of the continuation, and each layer's attention output for
+  // the full model's own continuation queries (fed from the forward pass, so the compact side
+  // below sees exactly the same q, k, v).
+  ASSIGN_OR_RETURN(std::unique_ptr<model::FullKvCache> cache,
+                   model::FullKvCache::FromPrefix(c, fwd.layers, total, p, total));
+  ASSIGN_OR_RETURN(std::unique_ptr<model::FullKvCache> fed,
+                   model::FullKvCache::FromPrefix(c, fwd.layers, total, p, total));
+  std::vector<double> logp(static_cast<size_t>(n_cont) * vocab);
+  std::vector<int32_t> top1(n_cont);
+  std::vector<float> attn(static_cast<size_t>(n_cont) * c.n_layers * c.dim), logits(vocab);
+  std::vector<float> q(static_cast<size_t>(c.n_heads) * hd),
+      k(static_cast<size_t>(c.n_kv_heads) * hd), v(k.size());
+  for (int t = 0; t < n_cont; ++t) {
+    RETURN_IF_ERROR(model_->DecodeStep(seq[p + t], cache.get(), absl::MakeSpan(logits)));
+    LogSoftmax(logits.data(), vocab, &logp[static_cast<size_t>(t) * vocab]);
+    top1[t] = ArgMax(logits.data(), vocab);
+    for (int l = 0; l < c.n_layers; ++l) {
+      const model::LayerProjections& lp = fwd.layers[l];
+      Gather(lp.q, c.n_heads, total, hd, p + t, q.data());
+      Gather(lp.k, c.n_kv_heads, total, hd, p + t, k.data());
+      Gather(lp.v, c.n_kv_heads, total, hd, p + t, v.data());
       RETURN_IF_ERROR(
-          model_->DecodeStep(seq[p + t], cache.get(), absl::MakeSpan(logits), &step_attn));
-      LogSoftmax(logits.data(), vocab, &logp[static_cast<size_t>(t) * vocab]);
-      top1[t] = ArgMax(logits.data(), vocab);
-      std::copy(step_attn.begin(), step_attn.end(), attn.begin() + t * step_attn.size());
+          fed->AppendAndAttend(l, q.data(), k.data(), v.data(),
+                               &attn[(static_cast<size_t>(t) * c.n_layers + l) * c.dim]));
     }
-    // Keep only the observation queries: the engine never sees the others.
-    PrefixCache prefix;
-    prefix.prefix_len = p;
-    prefix.obs_window = w;
-    prefix.num_kv_heads = c.n_kv_heads;
-    prefix.num_q_heads = c.n_heads;
-    prefix.head_dim = hd;
-    prefix.layers = std::move(fwd.layers);
-    for (model::LayerProjections& layer : prefix.layers) {
-      std::vector<float> q_obs(static_cast<size_t>(c.n_heads) * w * hd);
-      for (int h = 0; h < c.n_heads; ++h) {
-        std::memcpy(&q_obs[static_cast<size_t>(h) * w * hd],
-                    &layer.q[(static_cast<size_t>(h) * p + (p - w)) * hd],
-                    static_cast<size_t>(w) * hd * sizeof(float));
-      }
-      layer.q = std::move(q_obs);
-    }
-    sequences_.push_back(std::move(seq));
-    prefixes_.push_back(std::move(prefix));
-    ref_logp_.push_back(std::move(logp));
-    ref_top1_.push_back(std::move(top1));
-    ref_attn_.push_back(std::move(attn));
+    fed->Advance();
   }
+
+  // The prefixes each scenario compresses (HND copies), and the tail fed to the compact caches.
+  auto slice = [&](int first, int count, int q_first, int q_count) {
+    auto layers = std::make_shared<std::vector<model::LayerProjections>>();
+    for (const model::LayerProjections& lp : fwd.layers) {
+      layers->push_back({Rows(lp.q, c.n_heads, total, hd, q_first, q_count),
+                         Rows(lp.k, c.n_kv_heads, total, hd, first, count),
+                         Rows(lp.v, c.n_kv_heads, total, hd, first, count)});
+    }
+    return layers;
+  };
+  PrefixCache inside;
+  inside.prefix_len = p;
+  inside.obs_window = w;
+  inside.num_kv_heads = c.n_kv_heads;
+  inside.num_q_heads = c.n_heads;
+  inside.head_dim = hd;
+  inside.layers = slice(0, p, p - w, w);
+  PrefixCache after = inside, after_no_queries = inside;
+  if (p > w) {  // else kAfter is refused by Evaluate
+    const int len = p - w, window = std::min(w, len);
+    after.prefix_len = len;
+    after.obs_window = window;
+    after.layers = slice(0, len, len - window, window);
+    after_no_queries = after;
+    after_no_queries.obs_window = 0;
+  }
+  std::vector<model::LayerProjections> tail;
+  for (const model::LayerProjections& lp : fwd.layers) {
+    tail.push_back({Rows(lp.q, c.n_heads, total, hd, p - w, w + n_cont),
+                    Rows(lp.k, c.n_kv_heads, total, hd, p - w, w + n_cont),
+                    Rows(lp.v, c.n_kv_heads, total, hd, p - w, w + n_cont)});
+  }
+
+  sequences_.push_back(std::move(seq));
+  inside_.push_back(std::move(inside));
+  after_.push_back(std::move(after));
+  after_no_queries_.push_back(std::move(after_no_queries));
+  tail_.push_back(std::move(tail));
+  ref_logp_.push_back(std::move(logp));
+  ref_top1_.push_back(std::move(top1));
+  ref_attn_.push_back(std::move(attn));
   return absl::OkStatus();
+}
+
+const PrefixCache& FidelityEval::prefix(int i, Scenario scenario,
+                                        const CompressionSpec& spec) const {
+  if (scenario == Scenario::kInside) return inside_[i];
+  const PrefixCache& after = after_[i];
+  LayerShape shape;
+  shape.num_kv_heads = after.num_kv_heads;
+  shape.num_q_heads = after.num_q_heads;
+  shape.seq_len = after.prefix_len;
+  shape.head_dim = after.head_dim;
+  shape.obs_window = after.obs_window;
+  return NeedsQueries(spec, shape) ? after : after_no_queries_[i];
 }
 
 absl::StatusOr<std::vector<float>> FidelityEval::DecodeOnCompact(int i,
@@ -168,49 +308,76 @@ absl::StatusOr<std::vector<float>> FidelityEval::DecodeOnCompact(int i,
 }
 
 absl::StatusOr<Metrics> FidelityEval::Evaluate(const CompressionSpec& spec,
-                                               const Compressor& compressor) {
+                                               const Compressor& compressor, Scenario scenario) {
   const model::LlamaConfig& c = model_->config();
-  const int p = options_.prefix_len, n_cont = options_.continuation, vocab = c.vocab_size;
+  const int p = options_.prefix_len, n_cont = options_.continuation, w = options_.obs_window;
+  const int vocab = c.vocab_size, hd = c.head_dim();
+  if (scenario == Scenario::kAfter && p <= w) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("scenario after: the prefix before the question is empty (prefix_len ", p,
+                     " <= obs_window ", w, ")"));
+  }
   Metrics m;
   m.attn_rel_err.assign(c.n_layers, 0.0);
-  uint64_t packed = 0, full = 0;
-  std::vector<float> logits(vocab), attn;
+  std::vector<float> logits(vocab), attn(static_cast<size_t>(c.n_heads) * hd);
+  std::vector<float> q(attn.size()), k(static_cast<size_t>(c.n_kv_heads) * hd), v(k.size());
   std::vector<double> logp(vocab);
   int agree = 0;
   double kl_sum = 0;
   for (int i = 0; i < options_.num_sequences; ++i) {
-    ASSIGN_OR_RETURN(std::vector<CompactLayer> layers, compressor(prefixes_[i], spec, i));
-    for (const CompactLayer& layer : layers) packed += layer.bytes.size();
-    full += prefixes_[i].full_bytes();
-    ASSIGN_OR_RETURN(std::unique_ptr<model::CompactKvCache> cache,
-                     model::CompactKvCache::Create(c, std::move(layers), attention_, n_cont));
+    const PrefixCache& prefix = this->prefix(i, scenario, spec);
+    m.obs_window = prefix.obs_window;
+    ASSIGN_OR_RETURN(std::vector<CompactLayer> layers, compressor(prefix, spec, i));
+    for (const CompactLayer& layer : layers) m.compact_bytes += layer.bytes.size();
+    m.full_bytes += prefix.full_bytes();
+    const int start = prefix.prefix_len, lead = p - start;  // question tokens decoded first
+    ASSIGN_OR_RETURN(std::unique_ptr<model::CompactKvCache> fed,
+                     model::CompactKvCache::Create(c, layers, attention_, lead + n_cont));
+    ASSIGN_OR_RETURN(
+        std::unique_ptr<model::CompactKvCache> cache,
+        model::CompactKvCache::Create(c, std::move(layers), attention_, lead + n_cont));
     // New tokens' RoPE positions continue at the blobs' seq_len: it must be the prefix length.
-    if (cache->position() != p) {
-      return absl::InvalidArgumentError(absl::StrCat("compressor: blobs have seq_len ",
-                                                     cache->position(), ", the prefix has ", p));
+    if (cache->position() != start) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "compressor: blobs have seq_len ", cache->position(), ", the prefix has ", start));
     }
-    for (int t = 0; t < n_cont; ++t) {
-      RETURN_IF_ERROR(
-          model_->DecodeStep(sequences_[i][p + t], cache.get(), absl::MakeSpan(logits), &attn));
-      LogSoftmax(logits.data(), vocab, logp.data());
-      const double* ref = &ref_logp_[i][static_cast<size_t>(t) * vocab];
-      double kl = 0;
-      for (int v = 0; v < vocab; ++v) kl += std::exp(ref[v]) * (ref[v] - logp[v]);
-      kl = std::max(kl, 0.0);  // rounding can make identical distributions -1e-17
-      kl_sum += kl;
-      m.max_kl = std::max(m.max_kl, kl);
-      if (ArgMax(logits.data(), vocab) == ref_top1_[i][t]) ++agree;
-      const float* ref_attn = &ref_attn_[i][static_cast<size_t>(t) * attn.size()];
+    const int tail_first = p - w, tail_len = w + n_cont;
+    int seq_agree = 0;
+    double seq_kl = 0;
+    for (int pos = start; pos < p + n_cont; ++pos) {
+      RETURN_IF_ERROR(model_->DecodeStep(sequences_[i][pos], cache.get(), absl::MakeSpan(logits)));
+      const int t = pos - p;  // scored step when >= 0
       for (int l = 0; l < c.n_layers; ++l) {
+        const model::LayerProjections& lp = tail_[i][l];
+        Gather(lp.q, c.n_heads, tail_len, hd, pos - tail_first, q.data());
+        Gather(lp.k, c.n_kv_heads, tail_len, hd, pos - tail_first, k.data());
+        Gather(lp.v, c.n_kv_heads, tail_len, hd, pos - tail_first, v.data());
+        RETURN_IF_ERROR(fed->AppendAndAttend(l, q.data(), k.data(), v.data(), attn.data()));
+        if (t < 0) continue;
+        const float* ref = &ref_attn_[i][(static_cast<size_t>(t) * c.n_layers + l) * c.dim];
         double diff = 0, norm = 0;
         for (int d = 0; d < c.dim; ++d) {
-          const double o_f = ref_attn[l * c.dim + d], o_c = attn[l * c.dim + d];
+          const double o_f = ref[d], o_c = attn[d];
           diff += (o_c - o_f) * (o_c - o_f);
           norm += o_f * o_f;
         }
         m.attn_rel_err[l] += norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
       }
+      fed->Advance();
+      if (t < 0) continue;
+      LogSoftmax(logits.data(), vocab, logp.data());
+      const double* ref = &ref_logp_[i][static_cast<size_t>(t) * vocab];
+      double kl = 0;
+      for (int x = 0; x < vocab; ++x) kl += std::exp(ref[x]) * (ref[x] - logp[x]);
+      kl = std::max(kl, 0.0);  // rounding can make identical distributions -1e-17
+      seq_kl += kl;
+      m.max_kl = std::max(m.max_kl, kl);
+      if (ArgMax(logits.data(), vocab) == ref_top1_[i][t]) ++seq_agree;
     }
+    agree += seq_agree;
+    kl_sum += seq_kl;
+    m.seq_top1.push_back(static_cast<double>(seq_agree) / n_cont);
+    m.seq_kl.push_back(seq_kl / n_cont);
   }
   m.steps = options_.num_sequences * n_cont;
   m.top1_agreement = static_cast<double>(agree) / m.steps;
@@ -219,62 +386,8 @@ absl::StatusOr<Metrics> FidelityEval::Evaluate(const CompressionSpec& spec,
     e /= m.steps;
     m.mean_attn_rel_err += e / c.n_layers;
   }
-  m.size_ratio = full > 0 ? static_cast<double>(packed) / full : 0;
+  m.size_ratio = m.full_bytes > 0 ? static_cast<double>(m.compact_bytes) / m.full_bytes : 0;
   return m;
-}
-
-absl::StatusOr<int> ResolveQuantGroup(int requested, int head_dim) {
-  if (requested < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("quant_group: ", requested, " must be >= 0 (0 = the default)"));
-  }
-  const int group = requested > 0 ? requested : std::min(32, head_dim);
-  if (group <= 0 || head_dim % group != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("quant_group: ", group, " must divide head_dim ", head_dim));
-  }
-  return group;
-}
-
-std::vector<SweepEntry> DefaultSweep(int quant_group) {
-  std::vector<SweepEntry> out;
-  const EvictionPolicy policies[] = {EvictionPolicy::kStreaming, EvictionPolicy::kH2O,
-                                     EvictionPolicy::kSnapKV,    EvictionPolicy::kKeyformer,
-                                     EvictionPolicy::kKNorm,     EvictionPolicy::kRandom};
-  for (EvictionPolicy policy : policies) {
-    for (double ratio : {1.0, 0.75, 0.5, 0.25}) {
-      SweepEntry e;
-      e.family = "eviction";
-      e.policy = std::string(PolicyName(policy));
-      e.keep_ratio = ratio;
-      e.label = absl::StrFormat("%s@%.2f", e.policy, ratio);
-      e.spec.eviction.policy = policy;
-      e.spec.eviction.keep_ratio = ratio;
-      out.push_back(e);
-    }
-  }
-  for (double lambda : {0.25, 0.5}) {
-    SweepEntry e;
-    e.family = "think";
-    e.policy = "snapkv";
-    e.keep_ratio = 0.5;
-    e.label = absl::StrFormat("snapkv@0.50+think%.2f", lambda);
-    e.spec.eviction.policy = EvictionPolicy::kSnapKV;
-    e.spec.eviction.keep_ratio = 0.5;
-    e.spec.channels.key_policy = ChannelPolicy::kThink;
-    e.spec.channels.key_lambda = lambda;
-    out.push_back(e);
-  }
-  for (int bits : {4, 2}) {
-    SweepEntry e;
-    e.family = "quant";
-    e.policy = "none";
-    e.label = absl::StrFormat("quant%d/g%d", bits, quant_group);
-    e.spec.quant.bits = bits;
-    e.spec.quant.group_size = quant_group;
-    out.push_back(e);
-  }
-  return out;
 }
 
 }  // namespace kvc::fidelity

@@ -45,7 +45,7 @@ Compressor KvcdCompressor(Client* client, const std::string& id_prefix) {
     PutHeader header;
     header.set_cache_id(id);
     auto* shape = header.mutable_shape();
-    shape->set_num_layers(static_cast<uint32_t>(prefix.layers.size()));
+    shape->set_num_layers(static_cast<uint32_t>(prefix.num_layers()));
     shape->set_num_kv_heads(static_cast<uint32_t>(prefix.num_kv_heads));
     shape->set_num_q_heads(static_cast<uint32_t>(prefix.num_q_heads));
     shape->set_head_dim(static_cast<uint32_t>(prefix.head_dim));
@@ -56,7 +56,7 @@ Compressor KvcdCompressor(Client* client, const std::string& id_prefix) {
     *header.mutable_compression() = SpecToProto(spec);
     header.set_overwrite(true);
     std::vector<LayerTensors> tensors;
-    for (int l = 0; l < static_cast<int>(prefix.layers.size()); ++l) {
+    for (int l = 0; l < prefix.num_layers(); ++l) {
       const LayerInput in = prefix.Input(l);
       tensors.push_back({in.k, in.v, in.q_obs});
     }
@@ -70,9 +70,9 @@ Compressor KvcdCompressor(Client* client, const std::string& id_prefix) {
     RETURN_IF_ERROR(deleted);
     std::vector<CompactLayer> out;
     for (LayerData& layer : data->layers) out.push_back(CompactLayer{ToByteVector(layer.packed)});
-    if (out.size() != prefix.layers.size()) {
+    if (static_cast<int>(out.size()) != prefix.num_layers()) {
       return absl::InternalError(absl::StrCat("GetCache(", id, ") returned ", out.size(),
-                                              " layers, expected ", prefix.layers.size()));
+                                              " layers, expected ", prefix.num_layers()));
     }
     return out;
   };

@@ -70,11 +70,16 @@ TEST(SweepTest, QuantGroupDefaultsAndMustDivideHeadDim) {
 TEST(SweepTest, DefaultSweepCoversPoliciesThinkAndQuant) {
   const std::vector<SweepEntry> sweep = DefaultSweep(8);
   ASSERT_EQ(sweep.size(), 6u * 4 + 2 + 2);
-  EXPECT_EQ(sweep[0].label, "streaming@1.00");
-  EXPECT_EQ(sweep[23].label, "random@0.25");
-  EXPECT_EQ(sweep[24].label, "snapkv@0.50+think0.25");
+  EXPECT_EQ(sweep[0].label, "streaming:1");
+  EXPECT_EQ(sweep[0].series, "streaming");
+  EXPECT_EQ(sweep[23].label, "random:0.25");
+  EXPECT_EQ(sweep[24].label, "snapkv:0.5+think:0.25");
+  EXPECT_EQ(sweep[24].family, "think");
+  EXPECT_EQ(sweep[24].series, "snapkv:*+think:0.25");
   EXPECT_EQ(sweep[24].spec.channels.key_policy, ChannelPolicy::kThink);
-  EXPECT_EQ(sweep[27].label, "quant2/g8");
+  EXPECT_EQ(sweep[27].label, "q2g8");
+  EXPECT_EQ(sweep[27].family, "quant");
+  EXPECT_EQ(sweep[27].series, "q2g8");
   EXPECT_EQ(sweep[27].spec.quant.group_size, 8);
   EXPECT_EQ(sweep[27].spec.eviction.policy, EvictionPolicy::kNone);
 }
@@ -89,7 +94,7 @@ std::vector<SweepResult> SampleResults() {
     m.mean_kl = 0.125 * i;
     m.attn_rel_err = {0.1, 0.2};
     m.mean_attn_rel_err = 0.15;
-    m.size_ratio = 0.5;
+    m.size_ratio = 0.9 * sweep[i].keep_ratio + 0.01 * static_cast<double>(i % 3);
     r.push_back({sweep[i], m});
   }
   return r;
@@ -100,14 +105,26 @@ TEST(ReportTest, CsvHasOneRowPerResultAndEveryColumn) {
   std::vector<std::string> lines = absl::StrSplit(csv, '\n', absl::SkipEmpty());
   ASSERT_EQ(lines.size(), 1u + 28);
   const size_t columns = std::vector<std::string>(absl::StrSplit(lines[0], ',')).size();
-  EXPECT_EQ(columns, 12u + 2);
+  EXPECT_EQ(columns, 24u + 2);
+  EXPECT_THAT(lines[0], HasSubstr(",scenario,"));
+  EXPECT_THAT(lines[0], HasSubstr(",seeds,sequences,steps,obs_window,bytes,full_bytes,"));
+  EXPECT_THAT(lines[0], HasSubstr(",top1_sd,top1_ci_lo,top1_ci_hi,"));
   for (const std::string& line : lines) {
     EXPECT_EQ(std::vector<std::string>(absl::StrSplit(line, ',')).size(), columns) << line;
   }
-  EXPECT_THAT(lines[3], HasSubstr("streaming@0.50,eviction,streaming,0.5000,"));
+  EXPECT_THAT(lines[3], HasSubstr("streaming:0.5,inside,eviction,streaming,0.5000,"));
   const std::string table = FormatTable(SampleResults());
-  EXPECT_THAT(table, HasSubstr("h2o@0.75"));
-  EXPECT_THAT(table, HasSubstr("quant4/g8"));
+  EXPECT_THAT(table, HasSubstr("h2o:0.75"));
+  EXPECT_THAT(table, HasSubstr("q4g8"));
+}
+
+TEST(ReportTest, CsvQuotesLabelsWithCommas) {
+  SweepResult r;
+  r.entry = EntryForSpec(*ParseSpecString("snapkv:0.25,kernel=5,pool=avg"));
+  r.metrics.attn_rel_err = {0.1};
+  const std::string row = FormatCsvRow(r, 1);
+  EXPECT_EQ(row.rfind("\"snapkv:0.25,kernel=5,pool=avg\",inside,", 0), 0u) << row;
+  EXPECT_EQ(FormatTableRow(r).rfind("snapkv:0.25,kernel=5,pool=avg", 0), 0u);
 }
 
 // Decodes our own PNG: signature, chunk CRCs, IHDR, inflated scanlines.
@@ -195,11 +212,17 @@ TEST(FontTest, GlyphsAreDistinctAndTextIsDrawn) {
 
 TEST(PlotTest, DrawsEverySeriesAndLegend) {
   const std::vector<SweepResult> results = SampleResults();
-  const PlotSpec spec = AgreementPlot(results, "title");
-  ASSERT_EQ(spec.series.size(), 6u);
+  const std::vector<PlotSpec> panels = AgreementPlots(results, "title");
+  ASSERT_EQ(panels.size(), 1u);
+  const PlotSpec& spec = panels[0];
+  // Every row is drawn: 6 eviction series, 2 ThinK series, 2 quantization points.
+  ASSERT_EQ(spec.series.size(), 6u + 2 + 2);
   EXPECT_EQ(spec.series[0].name, "streaming");
+  EXPECT_EQ(spec.series[6].name, "snapkv:*+think:0.25");
+  EXPECT_EQ(spec.series[9].name, "q2g8");
   ASSERT_EQ(spec.series[0].points.size(), 4u);
-  EXPECT_EQ(spec.series[0].points.front(), std::make_pair(0.25, 0.25));  // sorted by x
+  EXPECT_NEAR(spec.series[0].points.front().first, 0.9 * 0.25, 0.03);  // sorted by x (size)
+  EXPECT_EQ(spec.series[0].points.front().second, 0.25);
   const Image img = RenderLinePlot(spec);
   // Each series has its own palette color: markers + line + legend swatch.
   const Rgb first{31, 119, 180}, sixth{140, 86, 75};
@@ -209,6 +232,8 @@ TEST(PlotTest, DrawsEverySeriesAndLegend) {
   EXPECT_GT(CountColor(img, {0, 0, 0}, 0, 0, img.width() - 1, 40), 20);
   EXPECT_GT(CountColor(img, {0, 0, 0}), 500);
   // A degenerate range does not crash; it says so.
+  // Legend rows for all 10 series fit in the image.
+  EXPECT_GE(img.height(), 50 + 10 * 24);
   PlotSpec bad = spec;
   bad.x_max = bad.x_min;
   const Image msg = RenderLinePlot(bad);

@@ -51,7 +51,9 @@ class ViaKvcdTest : public EvalFixture {
 };
 
 std::vector<CompressionSpec> Specs() {
-  std::vector<CompressionSpec> specs(4);
+  std::vector<CompressionSpec> specs(6);
+  specs[4] = *ParseSpecString("knorm:0.5");  // query-agnostic: after sends W = 0
+  specs[5] = *ParseSpecString("keyformer:0.5,seed=3+think:0.5+q4g4");
   specs[0].eviction.policy = EvictionPolicy::kSnapKV;
   specs[0].eviction.keep_ratio = 0.5;
   specs[1].eviction.policy = EvictionPolicy::kKeyformer;  // seeded noise must match too
@@ -85,16 +87,24 @@ TEST_F(ViaKvcdTest, ServedBlobsGiveExactlyTheInProcessNumbers) {
         EXPECT_EQ((*a)[l].bytes, (*b)[l].bytes) << name << " sequence " << i << " layer " << l;
       }
     }
-    // And therefore identical metrics, compared exactly.
-    auto m_local = eval_->Evaluate(spec, local);
-    auto m_remote = eval_->Evaluate(spec, remote);
-    ASSERT_TRUE(m_local.ok() && m_remote.ok()) << name;
-    EXPECT_LT(m_local->top1_agreement, 1.0) << name << ": compression should change something";
-    EXPECT_EQ(m_local->top1_agreement, m_remote->top1_agreement) << name;
-    EXPECT_EQ(m_local->mean_kl, m_remote->mean_kl) << name;
-    EXPECT_EQ(m_local->max_kl, m_remote->max_kl) << name;
-    EXPECT_EQ(m_local->attn_rel_err, m_remote->attn_rel_err) << name;
-    EXPECT_EQ(m_local->size_ratio, m_remote->size_ratio) << name;
+    // And therefore identical metrics, compared exactly, in both scenarios (the after scenario
+    // sends a shorter prefix, and no queries at all for query-agnostic specs).
+    for (Scenario scenario : {Scenario::kInside, Scenario::kAfter}) {
+      const std::string where = absl::StrCat(name, " ", ScenarioName(scenario));
+      auto m_local = eval_->Evaluate(spec, local, scenario);
+      auto m_remote = eval_->Evaluate(spec, remote, scenario);
+      ASSERT_TRUE(m_local.ok()) << where << ": " << m_local.status();
+      ASSERT_TRUE(m_remote.ok()) << where << ": " << m_remote.status();
+      EXPECT_LT(m_local->top1_agreement, 1.0) << where << ": compression should change something";
+      EXPECT_EQ(m_local->top1_agreement, m_remote->top1_agreement) << where;
+      EXPECT_EQ(m_local->mean_kl, m_remote->mean_kl) << where;
+      EXPECT_EQ(m_local->max_kl, m_remote->max_kl) << where;
+      EXPECT_EQ(m_local->attn_rel_err, m_remote->attn_rel_err) << where;
+      EXPECT_EQ(m_local->size_ratio, m_remote->size_ratio) << where;
+      EXPECT_EQ(m_local->compact_bytes, m_remote->compact_bytes) << where;
+      EXPECT_EQ(m_local->seq_kl, m_remote->seq_kl) << where;
+      EXPECT_EQ(m_local->obs_window, m_remote->obs_window) << where;
+    }
   }
   // Every cache was deleted after it was fetched.
   auto left = client_->ListCaches("fidelity-test");

@@ -56,10 +56,11 @@ def test_flow_matches_kvcfidelity(kvcd, tmp_path):
         pytest.skip("KVC_FIDELITY is not set (run through ctest)")
     tokens, table = tmp_path / "tokens.txt", tmp_path / "fidelity.csv"
     subprocess.run([tool, "--model=" + path, f"--sequences={SEQS}", f"--prefix={PREFIX}",
-                    f"--continuation={CONT}", f"--window={WINDOW}", "--only=snapkv@0.50",
-                    "--csv=" + str(table), "--tokens_out=" + str(tokens)],
+                    f"--continuation={CONT}", f"--window={WINDOW}", "--spec=snapkv:0.5",
+                    "--scenarios=inside", "--csv=" + str(table),
+                    "--dump_sequences=" + str(tokens)],
                    check=True, capture_output=True)
-    want = next(r for r in csv.DictReader(open(table)) if r["config"] == "snapkv@0.50")
+    want = next(r for r in csv.DictReader(open(table)) if r["config"] == "snapkv:0.5")
     sequences = [[int(x) for x in line.split()] for line in open(tokens)]
     assert len(sequences) == SEQS and all(len(s) == PREFIX + CONT for s in sequences)
     model = Llama2c(path)

@@ -91,7 +91,7 @@ def main():
     ap.add_argument("--continuation", type=int, default=16)
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--layout", choices=["NHD", "HND"], default="NHD")
-    ap.add_argument("--tokens", help="file of token sequences (kvcfidelity --tokens_out); "
+    ap.add_argument("--tokens", help="file of token sequences (kvcfidelity --dump_sequences); "
                     "default: greedy continuations of BOS")
     args = ap.parse_args()
     model = Llama2c(args.model)

@@ -11,8 +11,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kvc/backend.h"
 #include "kvc/compact.h"
+#include "kvc/fidelity/sweep.h"
 #include "kvc/layer.h"
 #include "kvc/model/kv_cache.h"
 #include "kvc/model/transformer.h"
@@ -20,30 +22,52 @@
 
 namespace kvc::fidelity {
 
+// The two ways a stored cache is used; both compress a prefix of the same sampled sequence and
+// score the same C next-token distributions (the continuation s[P, P+C), teacher-forced), against
+// full-cache decoding of s[0, P+C). The last W prompt tokens s[P-W, P) are "the question".
+//   kInside: question inside the compressed prompt. The compressed prefix is s[0, P); the
+//            observation window is the question (the queries of s[P-W, P)), as SnapKV assumes.
+//            Then s[P, P+C) is decoded on the compact cache.
+//   kAfter:  question after compression, as a prefix cache or an earlier chat turn is used. Only
+//            s[0, P-W) is compressed, knowing nothing of what follows: with W = 0 (no queries) when
+//            the spec can run without queries, else with the queries of its own last W positions
+//            s[P-2W, P-W) (clamped to P-W). Then the question s[P-W, P) is decoded uncompressed
+//            onto the compact cache (not scored) and s[P, P+C) is decoded and scored.
+// With W = 0 there is no question and the two coincide.
+enum class Scenario { kInside, kAfter };
+absl::string_view ScenarioName(Scenario s);  // "inside", "after"
+// "inside", "after", a comma-separated list of them, or "both" (= inside,after); no duplicates.
+absl::StatusOr<std::vector<Scenario>> ParseScenarios(absl::string_view text);
+
 struct RunOptions {
   int num_sequences = 16;    // sampled from BOS, sequence i with seed `seed + i`
-  int prefix_len = 256;      // P: tokens whose cache is compressed
-  int continuation = 64;     // C: tokens decoded teacher-forced on the compressed cache
-  int obs_window = 32;       // W: observation queries (the last W prefix positions); <= P
+  int prefix_len = 256;      // P: the prompt (tokens before the scored continuation)
+  int continuation = 64;     // C: tokens decoded teacher-forced on the compressed cache, scored
+  int obs_window = 32;       // W: observation queries and question length; <= P (< P for kAfter)
   float temperature = 1.0f;  // sampling temperature of the sequences
   uint64_t seed = 1;
+  // When not empty: these sequences instead of sampled ones (exactly num_sequences of them, each
+  // of at least P + C valid token ids; only the first P + C are used).
+  std::vector<std::vector<int32_t>> given_sequences;
 };
 
 // INVALID_ARGUMENT naming the field: counts < 1, W outside [0, P], P + C above the model's
-// seq_len.
+// seq_len, given_sequences of the wrong count, length or token range.
 absl::Status ValidateRunOptions(const RunOptions& options, const model::LlamaConfig& config);
 
 // The uncompressed cache of one prefix, per layer in HND: k, v [Hkv, P, D] and q (the observation
-// queries only) [Hq, W, D]. This is what a prefill node would push.
+// queries only) [Hq, W, D]. This is what a prefill node would push. Copies share the tensors.
 struct PrefixCache {
   int prefix_len = 0;
   int obs_window = 0;
   int num_kv_heads = 0;
   int num_q_heads = 0;
   int head_dim = 0;
-  std::vector<model::LayerProjections> layers;
+  std::shared_ptr<const std::vector<model::LayerProjections>> layers;
 
-  // Views for Backend::Compress (fp32, HND); valid while this object lives.
+  int num_layers() const { return layers ? static_cast<int>(layers->size()) : 0; }
+  // Views for Backend::Compress (fp32, HND); valid while this object lives. q_obs is null when
+  // obs_window is 0.
   LayerInput Input(int layer) const;
   uint64_t full_bytes() const;  // K + V bytes, fp32
 };
@@ -56,71 +80,77 @@ using Compressor = std::function<absl::StatusOr<std::vector<CompactLayer>>(
 // Compresses in this process with `backend` (not owned; must outlive the returned function).
 Compressor InProcessCompressor(Backend* backend);
 
+// Whether the spec needs observation queries on layers of `shape`: it passes ValidateSpec with
+// obs_window max(1, shape.obs_window) and fails with 0 (h2o, snapkv, keyformer, think, value
+// pruning, and any later policy ValidateSpec marks so). False when it is invalid anyway.
+bool NeedsQueries(const CompressionSpec& spec, LayerShape shape);
+
 struct Metrics {
   int steps = 0;              // compared next-token distributions (sequences x C)
   double top1_agreement = 0;  // fraction of steps where argmax(compressed) == argmax(full)
   double mean_kl = 0;         // mean KL(full || compressed) in nats
   double max_kl = 0;
-  std::vector<double> attn_rel_err;  // per layer: mean ||o_c - o_f|| / ||o_f||
-  double mean_attn_rel_err = 0;      // over layers
-  double size_ratio = 0;             // compact bytes / full fp32 K+V bytes
+  // Per layer: mean over scored steps of ||o_c - o_f|| / ||o_f||, the layer's attention output
+  // (all heads) when the FULL model's continuation queries, keys and values at that layer attend
+  // over the compressed prefix (o_c) or the full one (o_f): the layer's own compression error,
+  // seen by the queries that use the cache, with no error carried over from earlier layers.
+  std::vector<double> attn_rel_err;
+  double mean_attn_rel_err = 0;  // over layers
+  double size_ratio = 0;         // compact bytes / full fp32 K+V bytes of the compressed prefix
+  uint64_t compact_bytes = 0;    // summed over sequences and layers
+  uint64_t full_bytes = 0;       // fp32 K+V of the compressed prefixes, summed
+  int obs_window = 0;            // W sent with the compressed prefix
+  // Per sequence (for intervals): top-1 agreement and mean KL over its C steps.
+  std::vector<double> seq_top1, seq_kl;
 };
 
 // Holds the sampled sequences, their prefix caches and the full-cache reference. Not thread-safe.
 class FidelityEval {
  public:
-  // Samples the sequences and runs the reference. `model` and `attention` (may be null: then
-  // kvc::PackedAttentionCpu) must outlive the object.
+  // Samples the sequences (or takes options.given_sequences) and runs the reference. `model` and
+  // `attention` (may be null: then kvc::PackedAttentionCpu) must outlive the object.
   static absl::StatusOr<std::unique_ptr<FidelityEval>> Create(const model::Transformer* model,
                                                               const RunOptions& options,
                                                               Backend* attention);
 
-  // Compresses every prefix with `compressor` and scores decoding on the compact caches. Errors
-  // of the compressor (e.g. an invalid spec) are returned as they are.
-  absl::StatusOr<Metrics> Evaluate(const CompressionSpec& spec, const Compressor& compressor);
+  // Compresses every prefix with `compressor` as `scenario` defines and scores decoding on the
+  // compact caches. Errors of the compressor (e.g. an invalid spec) are returned as they are.
+  absl::StatusOr<Metrics> Evaluate(const CompressionSpec& spec, const Compressor& compressor,
+                                   Scenario scenario = Scenario::kInside);
 
-  // Decodes the continuation of sequence `i` on the given compact layers and returns the logits
-  // [C, vocab] (for tests comparing blob sources).
+  // Decodes the continuation of sequence `i` on the given compact layers of the kInside prefix
+  // and returns the logits [C, vocab] (for tests comparing blob sources).
   absl::StatusOr<std::vector<float>> DecodeOnCompact(int i, std::vector<CompactLayer> layers);
 
   const RunOptions& options() const { return options_; }
   const std::vector<std::vector<int32_t>>& sequences() const { return sequences_; }
-  const PrefixCache& prefix(int i) const { return prefixes_[i]; }
+  // The kInside prefix of sequence i (what Evaluate compresses for kInside).
+  const PrefixCache& prefix(int i) const { return inside_[i]; }
+  // What Evaluate compresses for sequence i, `scenario` and `spec`.
+  const PrefixCache& prefix(int i, Scenario scenario, const CompressionSpec& spec) const;
 
  private:
   FidelityEval(const model::Transformer* model, const RunOptions& options, Backend* attention)
       : model_(model), options_(options), attention_(attention) {}
   absl::Status Prepare();
+  absl::Status PrepareSequence(std::vector<int32_t> seq);
 
   const model::Transformer* model_;
   RunOptions options_;
   Backend* attention_;
   std::vector<std::vector<int32_t>> sequences_;
-  std::vector<PrefixCache> prefixes_;
-  // Full-cache reference per sequence: log-probabilities [C, vocab], argmax [C], attention
-  // outputs [C, n_layers * dim].
+  // Per sequence: the prefixes Evaluate compresses: s[0, P) with the question's queries;
+  // s[0, P-W) with its own last queries, and the same without queries.
+  std::vector<PrefixCache> inside_, after_, after_no_queries_;
+  // Per sequence, per layer: the full model's q, k, v of positions [P-W, P+C) (HND, that many
+  // positions), fed to a compact cache for the per-layer attention error.
+  std::vector<std::vector<model::LayerProjections>> tail_;
+  // Full-cache reference per sequence: log-probabilities [C, vocab], argmax [C], and each layer's
+  // attention output for the full model's own continuation queries [C, n_layers * dim].
   std::vector<std::vector<double>> ref_logp_;
   std::vector<std::vector<int32_t>> ref_top1_;
   std::vector<std::vector<float>> ref_attn_;
 };
-
-// Quantization group size for a model: `requested` when > 0, else min(32, head_dim). Must divide
-// head_dim (INVALID_ARGUMENT naming quant_group otherwise).
-absl::StatusOr<int> ResolveQuantGroup(int requested, int head_dim);
-
-// One row of a sweep.
-struct SweepEntry {
-  std::string family;  // "eviction", "think", "quant"
-  std::string label;   // e.g. "snapkv@0.50", "snapkv@0.50+think0.25", "quant4"
-  std::string policy;  // eviction policy name
-  double keep_ratio = 1.0;
-  CompressionSpec spec;
-};
-
-// The default sweep: keep ratios {1.0, 0.75, 0.5, 0.25} for every eviction policy but none;
-// ThinK key-channel pruning at lambda 0.25 and 0.5 on top of snapkv keeping 0.5; 4- and 2-bit
-// quantization of all tokens (no eviction) with group size `quant_group`.
-std::vector<SweepEntry> DefaultSweep(int quant_group);
 
 }  // namespace kvc::fidelity
 
