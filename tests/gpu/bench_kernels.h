@@ -1,4 +1,4 @@
-// Device helpers of kvc_gpu_bench that the engine does not need: the softmax step of the cuBLAS
+// Device code of kvc_gpu_bench that the engine does not need: the softmax step of the cuBLAS
 // decode formulation.
 #ifndef KVC_TESTS_GPU_BENCH_KERNELS_H_
 #define KVC_TESTS_GPU_BENCH_KERNELS_H_
