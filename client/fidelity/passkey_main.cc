@@ -69,7 +69,8 @@ absl::StatusOr<std::vector<Row>> ParseSpecs(const std::string& text) {
   std::vector<Row> rows;
   for (absl::string_view term :
        absl::StrSplit(text, absl::ByAnyChar("; \t\n"), absl::SkipEmpty())) {
-    absl::StatusOr<CompressionSpec> spec = ParseSpecString(std::string_view(term.data(), term.size()));
+    absl::StatusOr<CompressionSpec> spec =
+        ParseSpecString(std::string_view(term.data(), term.size()));
     if (!spec.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("--spec: '", term, "': ", spec.status().message()));
@@ -91,8 +92,8 @@ absl::StatusOr<std::vector<PasskeyScenario>> ParseScenarios(const std::string& t
     } else if (s == "after" && (out.empty() || out.back() == PasskeyScenario::kInside)) {
       out.push_back(PasskeyScenario::kAfter);
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--scenarios: '", text, "' must be inside, after, inside,after or both"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--scenarios: '", text, "' must be inside, after, inside,after or both"));
     }
   }
   if (out.empty()) return absl::InvalidArgumentError("--scenarios: empty");
@@ -156,7 +157,8 @@ absl::Status Run() {
   ASSIGN_OR_RETURN(std::vector<PasskeyDocument> docs,
                    GeneratePasskeyDocuments(filler, seed, n_docs, doc_options));
   if (docs_out.is_open()) {
-    for (const PasskeyDocument& d : docs) docs_out << Escape(d.prompt) << "\t" << d.answer() << "\n";
+    for (const PasskeyDocument& d : docs)
+      docs_out << Escape(d.prompt) << "\t" << d.answer() << "\n";
     if (!docs_out.flush()) return absl::InternalError("--documents_out: write failed");
   }
 
@@ -171,6 +173,9 @@ absl::Status Run() {
     // Name the flag for the option the user controls.
     if (absl::StartsWith(s.message(), "window")) {
       return absl::InvalidArgumentError(absl::StrCat("--", s.message()));
+    }
+    if (absl::StrContains(s.message(), "seq_len")) {
+      return absl::InvalidArgumentError(absl::StrCat("--max_bytes: ", s.message()));
     }
     return s;
   }
@@ -227,8 +232,9 @@ absl::Status Run() {
       if (remote) {
         absl::StatusOr<PasskeyResult> v = eval->Evaluate(row.spec, s, remote);
         if (!v.ok()) {
-          return absl::Status(v.status().code(), absl::StrCat(row.label, " (", ScenarioName(s),
-                                                              ") via kvcd: ", v.status().message()));
+          return absl::Status(
+              v.status().code(),
+              absl::StrCat(row.label, " (", ScenarioName(s), ") via kvcd: ", v.status().message()));
         }
         if (v->answers != r->answers || v->size_ratio != r->size_ratio) {
           ++mismatches;
@@ -258,9 +264,9 @@ absl::Status Run() {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf(
-      "\naccuracy: fraction of documents whose 5 greedy answer bytes are the pass key, [Wilson 95%% "
-      "interval]; size: compact bytes / full fp32 K+V bytes; W: observation queries the "
-      "compressor got (0 = none, query-agnostic)\n");
+      "\naccuracy: fraction of documents whose 5 greedy answer bytes are the pass key "
+      "[Wilson 95%% interval]; size: compact bytes / full fp32 K+V bytes; W: observation queries "
+      "the compressor got (0 = none, query-agnostic)\n");
   if (!via.empty()) {
     std::printf("via kvcd %s: %zu specs, %d scenario runs differ from in-process\n", via.c_str(),
                 rows.size(), mismatches);
