@@ -165,9 +165,25 @@ absl::Status Run() {
   BackendOptions backend_options;
   backend_options.num_threads = threads;
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateCpuBackend(backend_options));
+  int bytes_min = c.seq_len, bytes_max = 0, needles = 0;
+  for (const PasskeyDocument& d : docs) {
+    bytes_min = std::min(bytes_min, static_cast<int>(d.prompt.size()));
+    bytes_max = std::max(bytes_max, static_cast<int>(d.prompt.size()));
+    needles += static_cast<int>(d.needles.size());
+  }
+  const int window = absl::GetFlag(FLAGS_window);
+  std::printf("model %s: dim %d, layers %d, heads %d/%d (head_dim %d), vocab %d, context %d\n",
+              model_path.c_str(), c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(),
+              c.vocab_size, c.seq_len);
+  std::printf(
+      "%d documents (seed %llu, %zu filler lines): %d-%d bytes, %.2f needles each; W=%d; %s\n",
+      n_docs, static_cast<unsigned long long>(seed), filler.size(), bytes_min, bytes_max,
+      static_cast<double>(needles) / n_docs, window, backend->description().c_str());
+  std::fflush(stdout);  // the documents' forward passes take a while
+
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<std::unique_ptr<PasskeyEval>> created =
-      PasskeyEval::Create(&model, std::move(docs), absl::GetFlag(FLAGS_window), backend.get());
+      PasskeyEval::Create(&model, std::move(docs), window, backend.get());
   if (!created.ok()) {
     const absl::Status& s = created.status();
     // Name the flag for the option the user controls.
@@ -180,20 +196,6 @@ absl::Status Run() {
     return s;
   }
   std::unique_ptr<PasskeyEval> eval = *std::move(created);
-
-  int bytes_min = c.seq_len, bytes_max = 0, needles = 0;
-  for (const PasskeyDocument& d : eval->documents()) {
-    bytes_min = std::min(bytes_min, static_cast<int>(d.prompt.size()));
-    bytes_max = std::max(bytes_max, static_cast<int>(d.prompt.size()));
-    needles += static_cast<int>(d.needles.size());
-  }
-  std::printf("model %s: dim %d, layers %d, heads %d/%d (head_dim %d), vocab %d, context %d\n",
-              model_path.c_str(), c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(),
-              c.vocab_size, c.seq_len);
-  std::printf(
-      "%d documents (seed %llu, %zu filler lines): %d-%d bytes, %.2f needles each; W=%d; %s\n",
-      n_docs, static_cast<unsigned long long>(seed), filler.size(), bytes_min, bytes_max,
-      static_cast<double>(needles) / n_docs, eval->obs_window(), backend->description().c_str());
   const PasskeyResult& full = eval->full_cache();
   std::printf("full cache: %d/%d exact, accuracy %s (Wilson 95%%)\n\n", full.correct,
               full.documents, FormatAccuracy(full).c_str());
