@@ -114,7 +114,8 @@ absl::StatusOr<std::vector<std::string>> LoadFillerLines(const std::string& path
   std::vector<std::string> files;
   if (S_ISDIR(st.st_mode)) {
     DIR* dir = ::opendir(path.c_str());
-    if (dir == nullptr) return absl::NotFoundError(absl::StrCat("filler: cannot list '", path, "'"));
+    if (dir == nullptr)
+      return absl::NotFoundError(absl::StrCat("filler: cannot list '", path, "'"));
     while (const dirent* e = ::readdir(dir)) {
       const std::string file = absl::StrCat(path, "/", e->d_name);
       struct stat fst;
@@ -143,15 +144,14 @@ absl::StatusOr<std::vector<std::string>> LoadFillerLines(const std::string& path
 
 absl::Status ValidatePasskeyDocOptions(const PasskeyDocOptions& o) {
   if (o.min_needles < 1 || o.min_needles > o.max_needles || o.max_needles > 8) {
-    return absl::InvalidArgumentError(absl::StrCat("needles: [", o.min_needles, ", ",
-                                                   o.max_needles,
+    return absl::InvalidArgumentError(absl::StrCat("needles: [", o.min_needles, ", ", o.max_needles,
                                                    "] must satisfy 1 <= min <= max <= 8"));
   }
   const int least = std::max(128, kMaxQuestionBytes + o.max_needles * kMaxNeedleBytes);
   if (o.max_bytes < least) {
-    return absl::InvalidArgumentError(absl::StrCat("max_bytes: ", o.max_bytes, " must be >= ",
-                                                   least, " for up to ", o.max_needles,
-                                                   " needles"));
+    return absl::InvalidArgumentError(absl::StrCat("max_bytes: ", o.max_bytes,
+                                                   " must be >= ", least, " for up to ",
+                                                   o.max_needles, " needles"));
   }
   return absl::OkStatus();
 }
@@ -169,7 +169,8 @@ absl::StatusOr<PasskeyDocument> GeneratePasskeyDocument(absl::Span<const std::st
     PasskeyNeedle n;
     const int letters = kMinNameLetters + rng.Below(kMaxNameLetters - kMinNameLetters + 1);
     for (int i = 0; i < letters; ++i) n.name.push_back(static_cast<char>('a' + rng.Below(26)));
-    for (int i = 0; i < kPasskeyDigits; ++i) n.key.push_back(static_cast<char>('0' + rng.Below(10)));
+    for (int i = 0; i < kPasskeyDigits; ++i)
+      n.key.push_back(static_cast<char>('0' + rng.Below(10)));
     // Distinct names, and distinct keys so that answering another needle never scores.
     const bool clash = std::any_of(needles.begin(), needles.end(), [&](const PasskeyNeedle& o) {
       return o.name == n.name || o.key == n.key;
@@ -266,15 +267,14 @@ absl::StatusOr<std::unique_ptr<PasskeyEval>> PasskeyEval::Create(const model::Tr
       return absl::InvalidArgumentError(absl::StrCat("documents: document ", i, " has ", s,
                                                      " bytes, the model's seq_len is ", c.seq_len));
     }
-    if (docs[i].needles.empty() || docs[i].question_offset < 1 ||
-        docs[i].question_offset >= s) {
+    if (docs[i].needles.empty() || docs[i].question_offset < 1 || docs[i].question_offset >= s) {
       return absl::InvalidArgumentError(absl::StrCat("documents: document ", i, " is malformed"));
     }
     shortest = std::min(shortest, docs[i].question_offset);
   }
   if (obs_window < 1 || obs_window > shortest) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "window: ", obs_window, " is outside [1, ", shortest, "] (the shortest haystack)"));
+    return absl::InvalidArgumentError(absl::StrCat("window: ", obs_window, " is outside [1, ",
+                                                   shortest, "] (the shortest haystack)"));
   }
   std::unique_ptr<PasskeyEval> eval(new PasskeyEval(model, std::move(docs), obs_window, attention));
   RETURN_IF_ERROR(eval->Prepare());
@@ -304,9 +304,9 @@ absl::Status PasskeyEval::Prepare() {
       cache.q_hay.push_back(Rows(layer.q, c.n_heads, s, hd, p_hay - w, w));
     }
     // Full-cache reference, decoded the same way as on a compact cache.
-    ASSIGN_OR_RETURN(std::unique_ptr<model::FullKvCache> full,
-                     model::FullKvCache::FromPrefix(c, fwd.layers, s, p_in,
-                                                    p_in + 1 + kPasskeyDigits - 1));
+    ASSIGN_OR_RETURN(
+        std::unique_ptr<model::FullKvCache> full,
+        model::FullKvCache::FromPrefix(c, fwd.layers, s, p_in, p_in + 1 + kPasskeyDigits - 1));
     ASSIGN_OR_RETURN(std::string answer, Generate(i, PasskeyScenario::kInside, full.get()));
     if (IsExactAnswer(answer, docs_[i].answer())) ++full_.correct;
     full_.answers.push_back(std::move(answer));
@@ -329,8 +329,8 @@ absl::StatusOr<std::string> PasskeyEval::Generate(int i, PasskeyScenario scenari
   const int vocab = model_->config().vocab_size;
   std::vector<float> logits(vocab);
   for (size_t t = CompressedLength(i, scenario); t < prompt.size(); ++t) {
-    RETURN_IF_ERROR(model_->DecodeStep(static_cast<unsigned char>(prompt[t]), cache,
-                                       absl::MakeSpan(logits)));
+    RETURN_IF_ERROR(
+        model_->DecodeStep(static_cast<unsigned char>(prompt[t]), cache, absl::MakeSpan(logits)));
   }
   std::string answer;
   for (;;) {
@@ -396,9 +396,8 @@ absl::StatusOr<std::string> PasskeyEval::AnswerOnCompact(int i, PasskeyScenario 
                                                  fed + kPasskeyDigits - 1));
   // New tokens' RoPE positions continue at the blobs' seq_len: it must be the compressed length.
   if (cache->position() != p) {
-    return absl::InvalidArgumentError(absl::StrCat("layers: blobs have seq_len ",
-                                                   cache->position(), ", the compressed part has ",
-                                                   p));
+    return absl::InvalidArgumentError(absl::StrCat("layers: blobs have seq_len ", cache->position(),
+                                                   ", the compressed part has ", p));
   }
   return Generate(i, scenario, cache.get());
 }

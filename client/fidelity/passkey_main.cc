@@ -69,7 +69,8 @@ absl::StatusOr<std::vector<Row>> ParseSpecs(const std::string& text) {
   std::vector<Row> rows;
   for (absl::string_view term :
        absl::StrSplit(text, absl::ByAnyChar("; \t\n"), absl::SkipEmpty())) {
-    absl::StatusOr<CompressionSpec> spec = ParseSpecString(std::string_view(term.data(), term.size()));
+    absl::StatusOr<CompressionSpec> spec =
+        ParseSpecString(std::string_view(term.data(), term.size()));
     if (!spec.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("--spec: '", term, "': ", spec.status().message()));
@@ -91,8 +92,8 @@ absl::StatusOr<std::vector<PasskeyScenario>> ParseScenarios(const std::string& t
     } else if (s == "after" && (out.empty() || out.back() == PasskeyScenario::kInside)) {
       out.push_back(PasskeyScenario::kAfter);
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--scenarios: '", text, "' must be inside, after, inside,after or both"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--scenarios: '", text, "' must be inside, after, inside,after or both"));
     }
   }
   if (out.empty()) return absl::InvalidArgumentError("--scenarios: empty");
@@ -156,39 +157,45 @@ absl::Status Run() {
   ASSIGN_OR_RETURN(std::vector<PasskeyDocument> docs,
                    GeneratePasskeyDocuments(filler, seed, n_docs, doc_options));
   if (docs_out.is_open()) {
-    for (const PasskeyDocument& d : docs) docs_out << Escape(d.prompt) << "\t" << d.answer() << "\n";
+    for (const PasskeyDocument& d : docs)
+      docs_out << Escape(d.prompt) << "\t" << d.answer() << "\n";
     if (!docs_out.flush()) return absl::InternalError("--documents_out: write failed");
   }
 
   BackendOptions backend_options;
   backend_options.num_threads = threads;
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateCpuBackend(backend_options));
-  const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<std::unique_ptr<PasskeyEval>> created =
-      PasskeyEval::Create(&model, std::move(docs), absl::GetFlag(FLAGS_window), backend.get());
-  if (!created.ok()) {
-    const absl::Status& s = created.status();
-    // Name the flag for the option the user controls.
-    if (absl::StartsWith(s.message(), "window")) {
-      return absl::InvalidArgumentError(absl::StrCat("--", s.message()));
-    }
-    return s;
-  }
-  std::unique_ptr<PasskeyEval> eval = *std::move(created);
-
   int bytes_min = c.seq_len, bytes_max = 0, needles = 0;
-  for (const PasskeyDocument& d : eval->documents()) {
+  for (const PasskeyDocument& d : docs) {
     bytes_min = std::min(bytes_min, static_cast<int>(d.prompt.size()));
     bytes_max = std::max(bytes_max, static_cast<int>(d.prompt.size()));
     needles += static_cast<int>(d.needles.size());
   }
+  const int window = absl::GetFlag(FLAGS_window);
   std::printf("model %s: dim %d, layers %d, heads %d/%d (head_dim %d), vocab %d, context %d\n",
               model_path.c_str(), c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(),
               c.vocab_size, c.seq_len);
   std::printf(
       "%d documents (seed %llu, %zu filler lines): %d-%d bytes, %.2f needles each; W=%d; %s\n",
       n_docs, static_cast<unsigned long long>(seed), filler.size(), bytes_min, bytes_max,
-      static_cast<double>(needles) / n_docs, eval->obs_window(), backend->description().c_str());
+      static_cast<double>(needles) / n_docs, window, backend->description().c_str());
+  std::fflush(stdout);  // the documents' forward passes take a while
+
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<std::unique_ptr<PasskeyEval>> created =
+      PasskeyEval::Create(&model, std::move(docs), window, backend.get());
+  if (!created.ok()) {
+    const absl::Status& s = created.status();
+    // Name the flag for the option the user controls.
+    if (absl::StartsWith(s.message(), "window")) {
+      return absl::InvalidArgumentError(absl::StrCat("--", s.message()));
+    }
+    if (absl::StrContains(s.message(), "seq_len")) {
+      return absl::InvalidArgumentError(absl::StrCat("--max_bytes: ", s.message()));
+    }
+    return s;
+  }
+  std::unique_ptr<PasskeyEval> eval = *std::move(created);
   const PasskeyResult& full = eval->full_cache();
   std::printf("full cache: %d/%d exact, accuracy %s (Wilson 95%%)\n\n", full.correct,
               full.documents, FormatAccuracy(full).c_str());
@@ -227,8 +234,9 @@ absl::Status Run() {
       if (remote) {
         absl::StatusOr<PasskeyResult> v = eval->Evaluate(row.spec, s, remote);
         if (!v.ok()) {
-          return absl::Status(v.status().code(), absl::StrCat(row.label, " (", ScenarioName(s),
-                                                              ") via kvcd: ", v.status().message()));
+          return absl::Status(
+              v.status().code(),
+              absl::StrCat(row.label, " (", ScenarioName(s), ") via kvcd: ", v.status().message()));
         }
         if (v->answers != r->answers || v->size_ratio != r->size_ratio) {
           ++mismatches;
@@ -258,9 +266,9 @@ absl::Status Run() {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf(
-      "\naccuracy: fraction of documents whose 5 greedy answer bytes are the pass key, [Wilson 95%% "
-      "interval]; size: compact bytes / full fp32 K+V bytes; W: observation queries the "
-      "compressor got (0 = none, query-agnostic)\n");
+      "\naccuracy: fraction of documents whose 5 greedy answer bytes are the pass key "
+      "[Wilson 95%% interval]; size: compact bytes / full fp32 K+V bytes; W: observation queries "
+      "the compressor got (0 = none, query-agnostic)\n");
   if (!via.empty()) {
     std::printf("via kvcd %s: %zu specs, %d scenario runs differ from in-process\n", via.c_str(),
                 rows.size(), mismatches);

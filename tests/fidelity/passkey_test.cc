@@ -66,9 +66,9 @@ std::string TempPath(const std::string& name) {
 
 TEST(PasskeyFillerTest, KeepsProseLinesOnly) {
   EXPECT_TRUE(IsFillerLine("the notice above stays with every copy and nobody claims"));
-  EXPECT_FALSE(IsFillerLine("short line"));                               // < 20 bytes
-  EXPECT_FALSE(IsFillerLine(std::string(91, 'a')));                       // > 90 bytes
-  EXPECT_FALSE(IsFillerLine("12345 67890 000 11111 2222 333"));            // not mostly letters
+  EXPECT_FALSE(IsFillerLine("short line"));                                  // < 20 bytes
+  EXPECT_FALSE(IsFillerLine(std::string(91, 'a')));                          // > 90 bytes
+  EXPECT_FALSE(IsFillerLine("12345 67890 000 11111 2222 333"));              // not mostly letters
   EXPECT_FALSE(IsFillerLine("tab\tinside a line of otherwise fine prose"));  // not printable
   EXPECT_FALSE(IsFillerLine(" leading space before the words here"));
   const std::vector<std::string> lines = Prose();
@@ -222,8 +222,7 @@ TEST(PasskeyGeneratorTest, RejectsBadOptions) {
   o.max_needles = 2;
   EXPECT_THAT(ValidatePasskeyDocOptions(o).message(), HasSubstr("needles"));
   EXPECT_THAT(GeneratePasskeyDocument({}, 1, {}).status().message(), HasSubstr("filler"));
-  EXPECT_THAT(GeneratePasskeyDocuments(prose, 1, 0, {}).status().message(),
-              HasSubstr("documents"));
+  EXPECT_THAT(GeneratePasskeyDocuments(prose, 1, 0, {}).status().message(), HasSubstr("documents"));
 }
 
 TEST(PasskeyScoringTest, ExactMatchOfTheFiveDigits) {
@@ -275,8 +274,9 @@ ModelState& State() {
     auto* s = new ModelState;
     const std::string path = ::kvc::testing::ModelPath();
     if (path.empty()) {
-      s->skip = "model not found: set KVC_MODEL to passkey4L.bin (ctest sets it to "
-                "shared/models/passkey4L.bin beside the source tree)";
+      s->skip =
+          "model not found: set KVC_MODEL to passkey4L.bin (ctest sets it to "
+          "shared/models/passkey4L.bin beside the source tree)";
       return s;
     }
     auto model = model::Transformer::Load(path);
@@ -286,8 +286,8 @@ ModelState& State() {
     }
     auto filler = LoadFillerLines(kLicenses);
     if (!filler.ok()) {
-      s->skip = absl::StrCat("the model needs the prose it was trained on: ",
-                             filler.status().message());
+      s->skip =
+          absl::StrCat("the model needs the prose it was trained on: ", filler.status().message());
       return s;
     }
     s->filler = *std::move(filler);
@@ -354,12 +354,12 @@ TEST_F(PasskeyModelTest, EvictionCostsAnswersAndShrinksTheCache) {
   const Compressor compress = InProcessCompressor(State().backend.get());
   // knorm at keep 0.25 keeps low-norm keys, not the needle: it loses answers in both scenarios;
   // snapkv (inside) reads the question and keeps more than knorm does.
-  auto knorm_in = eval_->Evaluate(Eviction(EvictionPolicy::kKNorm, 0.25),
-                                  PasskeyScenario::kInside, compress);
-  auto knorm_after = eval_->Evaluate(Eviction(EvictionPolicy::kKNorm, 0.25),
-                                     PasskeyScenario::kAfter, compress);
-  auto snap_in = eval_->Evaluate(Eviction(EvictionPolicy::kSnapKV, 0.25),
-                                 PasskeyScenario::kInside, compress);
+  auto knorm_in =
+      eval_->Evaluate(Eviction(EvictionPolicy::kKNorm, 0.25), PasskeyScenario::kInside, compress);
+  auto knorm_after =
+      eval_->Evaluate(Eviction(EvictionPolicy::kKNorm, 0.25), PasskeyScenario::kAfter, compress);
+  auto snap_in =
+      eval_->Evaluate(Eviction(EvictionPolicy::kSnapKV, 0.25), PasskeyScenario::kInside, compress);
   ASSERT_TRUE(knorm_in.ok() && knorm_after.ok() && snap_in.ok());
   EXPECT_LT(knorm_in->correct, eval_->full_cache().correct);
   EXPECT_LT(knorm_after->correct, eval_->full_cache().correct);
@@ -383,10 +383,10 @@ TEST_F(PasskeyModelTest, ScenariosCompressTheRightPositions) {
   auto after = eval_->Prefix(0, PasskeyScenario::kAfter, 0);
   ASSERT_TRUE(inside.ok() && after.ok());
   EXPECT_EQ(inside->prefix_len, static_cast<int>(d.prompt.size()) - 1);  // all but the last byte
-  EXPECT_EQ(after->prefix_len, d.question_offset);                        // the haystack
+  EXPECT_EQ(after->prefix_len, d.question_offset);                       // the haystack
   const int hd = inside->head_dim;
-  EXPECT_EQ(inside->layers[0].k.size(), static_cast<size_t>(inside->num_kv_heads) *
-                                            inside->prefix_len * hd);
+  EXPECT_EQ(inside->layers[0].k.size(),
+            static_cast<size_t>(inside->num_kv_heads) * inside->prefix_len * hd);
   EXPECT_EQ(inside->layers[0].q.size(), static_cast<size_t>(inside->num_q_heads) * kWindow * hd);
   EXPECT_TRUE(after->layers[0].q.empty());
   // The haystack's keys are the first rows of the whole prompt's keys (one forward pass).
@@ -482,11 +482,14 @@ ToolRun RunTool(const std::string& args) {
 }
 
 TEST(PasskeyToolTest, RejectsBadFlagsBeforeWork) {
-  const std::string model = "--model=" + ::kvc::testing::ModelPath();
+  // Flags are checked before the model is read, so these need no model; only the filler check
+  // comes after loading it.
+  const std::string path = ::kvc::testing::ModelPath();
+  const std::string model = "--model=" + (path.empty() ? "/nonexistent-dir/m.bin" : path);
   struct Case {
     std::string args, message;
   };
-  const std::vector<Case> cases = {
+  std::vector<Case> cases = {
       {"", "--model: required"},
       {model + " --documents=0", "--documents: 0 < 1"},
       {model + " --spec=';'", "--spec: no spec given"},
@@ -495,10 +498,13 @@ TEST(PasskeyToolTest, RejectsBadFlagsBeforeWork) {
       {model + " --max_bytes=64", "--max_bytes"},
       {model + " --threads=-1", "--threads"},
       {model + " --csv=/nonexistent-dir/x.csv", "--csv: cannot write"},
-      {model + " --filler=/nonexistent-dir", "filler: '/nonexistent-dir' does not exist"},
       {model + " stray", "unexpected argument 'stray'"},
       {"--model=/nonexistent-dir/m.bin", "m.bin"},
   };
+  if (!path.empty()) {
+    cases.push_back(
+        {model + " --filler=/nonexistent-dir", "filler: '/nonexistent-dir' does not exist"});
+  }
   for (const Case& c : cases) {
     const ToolRun run = RunTool(c.args);
     EXPECT_EQ(run.exit_code, 1) << c.args << "\n" << run.output;
@@ -512,6 +518,10 @@ TEST_F(PasskeyModelTest, ToolRunsAndWritesCsv) {
   const ToolRun bad_window = RunTool(model + " --documents=2 --window=1000");
   EXPECT_EQ(bad_window.exit_code, 1);
   EXPECT_THAT(bad_window.output, HasSubstr("--window: 1000 is outside"));
+  const ToolRun too_long = RunTool(model + " --documents=2 --max_bytes=512");
+  EXPECT_EQ(too_long.exit_code, 1);
+  EXPECT_THAT(too_long.output, HasSubstr("--max_bytes: documents: document 0 has"));
+  EXPECT_THAT(too_long.output, HasSubstr("seq_len is 384"));
 
   const ToolRun run = RunTool(model + " --documents=3 --seed=3 --window=16 " +
                               "--spec='full;streaming:0.25' --csv=" + csv);
