@@ -149,6 +149,8 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   }
   if (e.has_tau()) spec.eviction.tau = e.tau();
   spec.eviction.seed = e.seed();
+  spec.eviction.adaptive = e.adaptive();
+  if (e.has_adaptive_floor()) spec.eviction.adaptive_floor = e.adaptive_floor();
 
   const auto& ch = c.channels();
   auto key_policy = ParseChannelPolicy(ch.key_policy().empty() ? "none" : ch.key_policy());
@@ -225,10 +227,17 @@ absl::StatusOr<uint64_t> EstimateStoredBytes(const LayerShape& s, DType dtype,
         CheckedProduct("header.shape", {{"kept_tokens", kept},
                                         {"kept_channels", static_cast<uint64_t>(tk + tv)},
                                         {"element_bits", elem_bits}}));
-    // Per head: its descriptor, the kept data and one int32 position per kept token.
-    uint64_t per_head = sizeof(HeadDesc) + data_bits / 8;
+    // Per head: its descriptor, the kept data and one int32 position per kept token. With
+    // head-adaptive budgets the heads keep different counts summing to heads * kept, so the data
+    // is rounded down once for the layer (rounding each head's share down could exceed what the
+    // ragged heads really store, and this must stay a lower bound).
+    const bool ragged = spec.eviction.adaptive;
+    uint64_t per_head = sizeof(HeadDesc) + (ragged ? 0 : data_bits / 8);
     uint64_t layer = sizeof(LayerHeader);
-    if (!CheckedMulAdd(kept, 4, &per_head) || !CheckedMulAdd(heads, per_head, &layer) ||
+    const std::optional<uint64_t> layer_bits = CheckedMul(heads, data_bits);
+    if (!layer_bits || !CheckedMulAdd(kept, 4, &per_head) ||
+        !CheckedMulAdd(heads, per_head, &layer) ||
+        (ragged && !CheckedMulAdd(1, *layer_bits / 8, &layer)) ||
         !CheckedMulAdd(1, layer, &total)) {
       return ProductOverflowError("header.shape",
                                   {{"num_kv_heads", heads},
