@@ -265,6 +265,21 @@ std::vector<SweepEntry> DefaultSweep(int quant_group) {
     e.spec.channels.key_lambda = lambda;
     out.push_back(e);
   }
+  // Head-adaptive budgets (AdaKV, floor 0.2) on the attention-scored policies.
+  for (EvictionPolicy policy :
+       {EvictionPolicy::kH2O, EvictionPolicy::kSnapKV, EvictionPolicy::kKeyformer}) {
+    for (double ratio : {0.5, 0.25}) {
+      SweepEntry e;
+      e.family = "adakv";
+      e.policy = std::string(PolicyName(policy));
+      e.keep_ratio = ratio;
+      e.label = absl::StrFormat("%s@%.2f+ada0.2", e.policy, ratio);
+      e.spec.eviction.policy = policy;
+      e.spec.eviction.keep_ratio = ratio;
+      e.spec.eviction.adaptive = true;
+      out.push_back(e);
+    }
+  }
   for (int bits : {4, 2}) {
     SweepEntry e;
     e.family = "quant";

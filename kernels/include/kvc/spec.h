@@ -105,7 +105,8 @@ std::vector<std::string> ChannelPolicyNames();
 //   POLICY@BUDGET[,key=value...] eviction keeping BUDGET >= 1 tokens per KV head
 //       keys: sink=N (sink_tokens), recent=F (recent_fraction), kernel=N (pool_kernel),
 //             pool=max|avg, tau=F, seed=N, layer=0|1 (per-layer granularity),
-//             lb=B0/B1/... (layer_budgets)
+//             lb=B0/B1/... (layer_budgets), ada=ALPHA (head-adaptive budgets with
+//             adaptive_floor ALPHA in [0, 1])
 //   think:L | l1:L | l2:L        key channel pruning, L = fraction pruned in [0, 1)
 //   vthink:L                     value channel pruning (prune_values, value_lambda = L)
 //   qB[gG]                       quantization to B in {2, 4, 8} bits, group size G
