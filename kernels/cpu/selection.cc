@@ -92,9 +92,11 @@ struct Better {
   }
 };
 
-// Each head's scores as a distribution over its S positions, so that heads compare by share:
-// score / sum for the non-negative scores of attention policies and random, softmax for knorm
-// (negative key norms). A head whose sum is 0 gets all zeros.
+// Scores made comparable across heads. Attention policies: as they are, because every head's
+// unpooled scores are attention mass summing to W (one softmax row per observation query,
+// averaged over the group), so a score already is the token's share of its head's attention;
+// snapkv's pooled scores are compared as pooled, as AdaKV does. random: as they are (uniform in
+// [0, 1) for every head). knorm (negative key norms, no common scale): softmax over the head.
 void NormalizeScores(const float* scores, int H, int S, EvictionPolicy policy, float* out) {
   for (int h = 0; h < H; ++h) {
     const float* x = scores + static_cast<size_t>(h) * S;
@@ -108,10 +110,7 @@ void NormalizeScores(const float* scores, int H, int S, EvictionPolicy policy, f
         y[j] = static_cast<float>(std::exp(static_cast<double>(x[j]) - mx) / sum);
       }
     } else {
-      double sum = 0;
-      for (int j = 0; j < S; ++j) sum += x[j];
-      const double inv = sum > 0 ? 1.0 / sum : 0.0;
-      for (int j = 0; j < S; ++j) y[j] = static_cast<float>(x[j] * inv);
+      std::copy_n(x, S, y);
     }
   }
 }

@@ -228,16 +228,11 @@ absl::StatusOr<uint64_t> EstimateStoredBytes(const LayerShape& s, DType dtype,
                                         {"kept_channels", static_cast<uint64_t>(tk + tv)},
                                         {"element_bits", elem_bits}}));
     // Per head: its descriptor, the kept data and one int32 position per kept token. With
-    // head-adaptive budgets the heads keep different counts summing to heads * kept, so the data
-    // is rounded down once for the layer (rounding each head's share down could exceed what the
-    // ragged heads really store, and this must stay a lower bound).
-    const bool ragged = spec.eviction.adaptive;
-    uint64_t per_head = sizeof(HeadDesc) + (ragged ? 0 : data_bits / 8);
+    // head-adaptive budgets the heads keep different counts, but H * kept in all, each head at
+    // least its count times these per-token bytes: H times a per-head floor stays below that.
+    uint64_t per_head = sizeof(HeadDesc) + data_bits / 8;
     uint64_t layer = sizeof(LayerHeader);
-    const std::optional<uint64_t> layer_bits = CheckedMul(heads, data_bits);
-    if (!layer_bits || !CheckedMulAdd(kept, 4, &per_head) ||
-        !CheckedMulAdd(heads, per_head, &layer) ||
-        (ragged && !CheckedMulAdd(1, *layer_bits / 8, &layer)) ||
+    if (!CheckedMulAdd(kept, 4, &per_head) || !CheckedMulAdd(heads, per_head, &layer) ||
         !CheckedMulAdd(1, layer, &total)) {
       return ProductOverflowError("header.shape",
                                   {{"num_kv_heads", heads},

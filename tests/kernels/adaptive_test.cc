@@ -47,7 +47,7 @@ bool Before(float sa, float sb) {  // higher first, NaN last; false when equal
   return !na && sa > sb;
 }
 
-// Straightforward AdaKV: normalise each head (share of its sum; softmax for knorm), keep per
+// Straightforward AdaKV: compare heads by raw score (softmax per head for knorm), keep per
 // head the protected tokens and its top `own` candidates, then the best normalised candidates of
 // all heads until the layer holds H * B.
 std::vector<std::vector<int32_t>> RefAdaptive(const std::vector<float>& scores, int H, int S,
@@ -67,9 +67,7 @@ std::vector<std::vector<int32_t>> RefAdaptive(const std::vector<float>& scores, 
         y[j] = static_cast<float>(std::exp(static_cast<double>(x[j]) - mx) / sum);
       }
     } else {
-      double sum = 0;
-      for (int j = 0; j < S; ++j) sum += x[j];
-      for (int j = 0; j < S; ++j) y[j] = static_cast<float>(x[j] * (sum > 0 ? 1.0 / sum : 0.0));
+      for (int j = 0; j < S; ++j) y[j] = x[j];
     }
   }
   int own = static_cast<int>(std::floor(e.adaptive_floor * B));
@@ -256,6 +254,21 @@ TEST(AdaptiveSpecTest, RejectsBadOptions) {
   CompressionSpec off = Adaptive(EvictionPolicy::kH2O, 5, 7.0);
   off.eviction.adaptive = false;
   EXPECT_TRUE(ValidateSpec(off, shape, 0).ok());
+}
+
+TEST(AdaptiveSpecTest, SpecStringKey) {
+  absl::StatusOr<CompressionSpec> s = ParseSpecString("h2o:0.5,ada=0.25+q4");
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_TRUE(s->eviction.adaptive);
+  EXPECT_EQ(s->eviction.adaptive_floor, 0.25);
+  EXPECT_EQ(SpecString(*s), "h2o:0.5,ada=0.25+q4");
+  absl::StatusOr<CompressionSpec> zero = ParseSpecString("snapkv:0.25,ada=0");
+  ASSERT_TRUE(zero.ok());
+  EXPECT_EQ(SpecString(*zero), "snapkv:0.25,ada=0");
+  EXPECT_FALSE(ParseSpecString("h2o:0.5").value().eviction.adaptive);
+  EXPECT_THAT(std::string(ParseSpecString("h2o:0.5,ada=1.5").status().message()),
+              HasSubstr("ada 1.5 is outside [0, 1]"));
+  EXPECT_FALSE(ParseSpecString("h2o:0.5,ada=x").ok());
 }
 
 // Channel selection on a ragged set prunes each head on its own kept tokens: head h's channels

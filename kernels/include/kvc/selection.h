@@ -76,14 +76,14 @@ absl::StatusOr<std::vector<float>> ScoreTokens(const LayerInput& in, const Evict
 // over heads where the scores are high. Each head keeps its protected tokens (as above, for B)
 // plus its own top max(floor(alpha * B), 1 - protected) candidates by score (alpha =
 // adaptive_floor; at least one token per head). The rest of the layer's budget, H * B minus
-// those, goes to the highest remaining candidates over all heads, compared by normalised score:
-// each head's scores are first turned into a distribution over its S positions, so that a
-// score's share of its head's total is what heads compete with (attention-based policies and
-// random: score / sum of the head's scores, i.e. the head's share of attention mass, as AdaKV
-// compares softmax weights across heads; knorm, whose scores are negative norms: softmax over
-// the head's scores). Ties go to the lower head, then the lower position; NaN scores last. The
-// result is ragged (counts per head, sum H * B, each in [1, S]); alpha = 1 gives exactly the
-// uniform selection. See ValidateSpec for the policies it applies to.
+// those, goes to the highest remaining candidates over all heads, compared by a score that means
+// the same in every head: attention-based policies use their scores as they are, since each
+// head's (unpooled) scores are attention mass summing to W, so a score is already the token's
+// share of its head's attention (snapkv's pooled scores are compared as pooled, as AdaKV does);
+// random's are uniform in [0, 1) in every head; knorm's (negative key norms, no common scale) go
+// through a softmax over each head first. Ties go to the lower head, then the lower position;
+// NaN scores last. The result is ragged (counts per head, sum H * B, each in [1, S]); alpha = 1
+// gives exactly the uniform selection. See ValidateSpec for the policies it applies to.
 absl::StatusOr<TokenSelection> SelectTokens(const LayerInput& in, const CompressionSpec& spec);
 
 // Channel selection per KV head on the kept tokens that will be pruned: all but the most recent
