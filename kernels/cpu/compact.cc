@@ -99,8 +99,8 @@ absl::Status CheckPackInputs(const LayerInput& in, const TokenSelection& tokens,
   }
   if (tokens.ragged()) {
     if (tokens.counts.size() != static_cast<size_t>(s.num_kv_heads)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tokens.counts: size ", tokens.counts.size(), " != num_kv_heads ", s.num_kv_heads));
+      return absl::InvalidArgumentError(absl::StrCat("tokens.counts: size ", tokens.counts.size(),
+                                                     " != num_kv_heads ", s.num_kv_heads));
     }
     size_t sum = 0;
     for (int h = 0; h < s.num_kv_heads; ++h) {
@@ -121,8 +121,9 @@ absl::Status CheckPackInputs(const LayerInput& in, const TokenSelection& tokens,
     }
     const size_t want = static_cast<size_t>(s.num_kv_heads) * tokens.budget;
     if (tokens.positions.size() != want) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tokens.positions: size ", tokens.positions.size(), " != num_kv_heads * budget = ", want));
+      return absl::InvalidArgumentError(absl::StrCat("tokens.positions: size ",
+                                                     tokens.positions.size(),
+                                                     " != num_kv_heads * budget = ", want));
     }
   }
   for (int h = 0; h < s.num_kv_heads; ++h) {
@@ -326,7 +327,7 @@ double SecondsSince(std::chrono::steady_clock::time_point t) {
 struct HeadPlan {
   HeadLayout layout;
   int n_kept = 0, r = 0, m = 0;
-  size_t section = 0;        // offset of the section from the blob start
+  size_t section = 0;         // offset of the section from the blob start
   size_t first_position = 0;  // index of the head's first entry in tokens->positions
 };
 

@@ -247,15 +247,14 @@ absl::Status ValidateTokenSelection(const LayerInput& in, const TokenSelection& 
   }
   if (tokens.ragged()) {
     if (tokens.counts.size() != static_cast<size_t>(H)) {
-      return absl::InvalidArgumentError(absl::StrCat("tokens.counts: size ", tokens.counts.size(),
-                                                     " is not num_kv_heads ", H));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens.counts: size ", tokens.counts.size(), " is not num_kv_heads ", H));
     }
     size_t sum = 0;
     for (int h = 0; h < H; ++h) {
       if (tokens.counts[h] < 1 || tokens.counts[h] > S) {
-        return absl::InvalidArgumentError(absl::StrCat("tokens.counts[", h, "]: ",
-                                                       tokens.counts[h], " is outside [1, seq_len ",
-                                                       S, "]"));
+        return absl::InvalidArgumentError(absl::StrCat("tokens.counts[", h, "]: ", tokens.counts[h],
+                                                       " is outside [1, seq_len ", S, "]"));
       }
       sum += static_cast<size_t>(tokens.counts[h]);
     }

@@ -138,9 +138,9 @@ absl::Status SetAdaptive(absl::string_view v, EvictionSpec& e) {
 }
 
 constexpr EvictionKey kEvictionKeys[] = {
-    {"sink", SetSink}, {"recent", SetRecent}, {"kernel", SetKernel}, {"pool", SetPool},
-    {"tau", SetTau},   {"seed", SetSeed},     {"layer", SetLayer},   {"lb", SetLayerBudgets},
-    {"ada", SetAdaptive},
+    {"sink", SetSink},   {"recent", SetRecent},   {"kernel", SetKernel},
+    {"pool", SetPool},   {"tau", SetTau},         {"seed", SetSeed},
+    {"layer", SetLayer}, {"lb", SetLayerBudgets}, {"ada", SetAdaptive},
 };
 
 void AppendEvictionOptions(const EvictionSpec& e, std::string& out) {

@@ -27,9 +27,7 @@ namespace pb = kvcache::v1;
 
 class AdaptiveKvcdTest : public testing::SharedKvcdTest<AdaptiveKvcdTest> {
  public:
-  static std::vector<std::string> KvcdFlags() {
-    return {"--store_bytes=128MiB", "--backend=cpu"};
-  }
+  static std::vector<std::string> KvcdFlags() { return {"--store_bytes=128MiB", "--backend=cpu"}; }
 
  protected:
   void SetUp() override {
@@ -128,9 +126,8 @@ TEST_F(AdaptiveKvcdTest, RaggedCacheRoundTrips) {
   std::mt19937 rng(5);
   for (int l = 0; l < 2; ++l) {
     SCOPED_TRACE(l);
-    const LayerInput in{cache.layer_shape(), DType::kF16,     Layout::kHND,
-                        l,                   cache.k[l].data(), cache.v[l].data(),
-                        cache.q[l].data()};
+    const LayerInput in{cache.layer_shape(), DType::kF16,       Layout::kHND,     l,
+                        cache.k[l].data(),   cache.v[l].data(), cache.q[l].data()};
     auto want = (*cpu)->Compress(in, spec, nullptr);
     ASSERT_TRUE(want.ok()) << want.status();
     const ByteVector& blob = packed->layers[l].packed;

@@ -27,9 +27,8 @@ using testing::TestLayer;
 
 // The protected tokens of kvc/selection.h, written out again: {sinks, recent}.
 std::pair<int, int> RefProtected(const EvictionSpec& e, int w, int b) {
-  const double rf =
-      e.recent_fraction >= 0 ? e.recent_fraction
-                             : (e.policy == EvictionPolicy::kKeyformer ? 0.3 : 0.5);
+  const double rf = e.recent_fraction >= 0 ? e.recent_fraction
+                                           : (e.policy == EvictionPolicy::kKeyformer ? 0.3 : 0.5);
   switch (e.policy) {
     case EvictionPolicy::kH2O:
     case EvictionPolicy::kKeyformer:
@@ -50,8 +49,8 @@ bool Before(float sa, float sb) {  // higher first, NaN last; false when equal
 // Straightforward AdaKV: compare heads by raw score (softmax per head for knorm), keep per
 // head the protected tokens and its top `own` candidates, then the best normalised candidates of
 // all heads until the layer holds H * B.
-std::vector<std::vector<int32_t>> RefAdaptive(const std::vector<float>& scores, int H, int S,
-                                              int B, int W, const EvictionSpec& e) {
+std::vector<std::vector<int32_t>> RefAdaptive(const std::vector<float>& scores, int H, int S, int B,
+                                              int W, const EvictionSpec& e) {
   const auto [sinks, recent] = RefProtected(e, W, B);
   const int prot = sinks + recent;
   std::vector<float> norm(scores.size());
@@ -152,8 +151,7 @@ TEST(AdaptiveSelectTest, MatchesReferenceOnRandomLayers) {
         for (int B : {1, 2, 3, S / 4, S / 2, S - 1, S}) {
           if (B < 1) continue;
           SCOPED_TRACE(::testing::Message() << "H " << H << " S " << S << " policy "
-                                            << PolicyName(pol) << " alpha " << alpha << " B "
-                                            << B);
+                                            << PolicyName(pol) << " alpha " << alpha << " B " << B);
           const CompressionSpec spec = Adaptive(pol, B, alpha);
           absl::StatusOr<std::vector<float>> scores = ScoreTokens(layer.input(), spec.eviction);
           ASSERT_TRUE(scores.ok()) << scores.status();
@@ -353,8 +351,7 @@ TEST(AdaptivePackTest, RaggedRoundTrip) {
         ASSERT_EQ(view->desc(h).n_kept, n);
         ASSERT_EQ(view->desc(h).n_recent, r);
         const CompactHead hd = view->head(h);
-        EXPECT_EQ(std::vector<int32_t>(hd.positions, hd.positions + n),
-                  HeadPositions(tokens, h));
+        EXPECT_EQ(std::vector<int32_t>(hd.positions, hd.positions + n), HeadPositions(tokens, h));
         std::vector<float> k(static_cast<size_t>(n) * D), v(k.size()), ek, ev;
         UnpackHeadToFloat(*view, h, k.data(), v.data());
         testing_pack::ExpectedHeadRows(layer, tokens, channels, h, r, &ek, &ev);
