@@ -189,6 +189,25 @@ TEST(AdaptiveSelectTest, FloorOneIsTheUniformSelection) {
   }
 }
 
+// With one KV head there is nothing to trade: adaptive keeps exactly the uniform set (why it
+// cannot help on a model like passkey4L, one KV head per layer).
+TEST(AdaptiveSelectTest, OneKvHeadIsUniform) {
+  const LayerShape shape{1, 4, 120, 16, 8};
+  const TestLayer layer = RandomLayer(shape, 12, DType::kF32);
+  for (EvictionPolicy pol :
+       {EvictionPolicy::kH2O, EvictionPolicy::kSnapKV, EvictionPolicy::kKeyformer}) {
+    for (double alpha : {0.0, 0.2}) {
+      CompressionSpec ada = Adaptive(pol, 30, alpha);
+      CompressionSpec uni = ada;
+      uni.eviction.adaptive = false;
+      absl::StatusOr<TokenSelection> a = SelectTokens(layer.input(), ada);
+      absl::StatusOr<TokenSelection> u = SelectTokens(layer.input(), uni);
+      ASSERT_TRUE(a.ok() && u.ok());
+      EXPECT_EQ(HeadPositions(*a, 0), HeadPositions(*u, 0)) << PolicyName(pol) << " " << alpha;
+    }
+  }
+}
+
 // Head 0 attends to one key, head 1 spreads its attention evenly: at alpha 0 the shared budget
 // goes to head 1, whose tokens carry more of its attention mass.
 TEST(AdaptiveSelectTest, BudgetMovesToTheDiffuseHead) {
