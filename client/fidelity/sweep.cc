@@ -96,6 +96,13 @@ std::vector<SweepEntry> DefaultSweep(int quant_group) {
       "random:0.25",
       "snapkv:0.5+think:0.25",
       "snapkv:0.5+think:0.5",
+      // Head-adaptive budgets (AdaKV, floor 0.2).
+      "h2o:0.5,ada=0.2",
+      "h2o:0.25,ada=0.2",
+      "snapkv:0.5,ada=0.2",
+      "snapkv:0.25,ada=0.2",
+      "keyformer:0.5,ada=0.2",
+      "keyformer:0.25,ada=0.2",
       "q4",
       "q2",
   };

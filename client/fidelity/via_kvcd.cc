@@ -26,6 +26,8 @@ kvcache::v1::CompressionConfig SpecToProto(const CompressionSpec& spec) {
   e->set_pool(spec.eviction.pool == PoolKind::kAvg ? "avg" : "max");
   e->set_tau(spec.eviction.tau);
   e->set_seed(spec.eviction.seed);
+  e->set_adaptive(spec.eviction.adaptive);
+  e->set_adaptive_floor(spec.eviction.adaptive_floor);
   auto* ch = c.mutable_channels();
   ch->set_key_policy(std::string(PolicyName(spec.channels.key_policy)));
   ch->set_key_lambda(spec.channels.key_lambda);

@@ -53,6 +53,7 @@ void AddCompressionFlags(FlagSet* flags) {
   flags->Use("bits");
   flags->Use("recent");
   flags->Use("seed");
+  flags->Use("ada");
 }
 
 absl::StatusOr<pb::CompressionConfig> CompressionFromFlags(const FlagSet& flags) {
@@ -69,6 +70,14 @@ absl::StatusOr<pb::CompressionConfig> CompressionFromFlags(const FlagSet& flags)
   }
   c.mutable_eviction()->set_budget(static_cast<uint32_t>(budget));
   c.mutable_eviction()->set_seed(static_cast<uint64_t>(flags.GetInt("seed")));
+  if (const double ada = flags.GetDouble("ada"); ada != -1) {
+    if (!(ada >= 0 && ada <= 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--ada: ", ada, " is outside [0, 1] (-1 = off)"));
+    }
+    c.mutable_eviction()->set_adaptive(true);
+    c.mutable_eviction()->set_adaptive_floor(ada);
+  }
   const double lambda = flags.GetDouble("lambda");
   if (lambda < 0 || lambda >= 1) {
     return absl::InvalidArgumentError(absl::StrCat("--lambda: ", lambda, " is outside [0, 1)"));

@@ -123,9 +123,9 @@ absl::Status VerifyLayer(const Version& ver, const LayerData& got, CacheFormat f
   auto view = CompactLayerView::Parse(blob);
   if (!view.ok()) return view.status();  // the engine's own blob: a soak bug, not kvcd's
   const std::string where = absl::StrCat("layer ", l, " ");
-  if (got.kept_tokens != static_cast<uint32_t>(view->desc(0).n_kept)) {
+  if (got.kept_tokens != static_cast<uint32_t>(view->max_kept())) {
     return absl::DataLossError(
-        absl::StrCat(where, "kept_tokens ", got.kept_tokens, ", expected ", view->desc(0).n_kept));
+        absl::StrCat(where, "kept_tokens ", got.kept_tokens, ", expected ", view->max_kept()));
   }
   if (format == CacheFormat::kPacked) {
     RETURN_IF_ERROR(CompareBytes(where + "packed", got.packed.data(), got.packed.size(),

@@ -124,6 +124,24 @@ absl::Status LayerAssembler::Add(const pb::LayerChunk& chunk, const RawData& dat
   if (holes) {
     return absl::InternalError(absl::StrCat("GetCache stream: layer ", l, " chunks overlap"));
   }
+  if (format_ == CacheFormat::kDense) {
+    // Head-adaptive layers pad each head to kept_tokens with position -1: a head's real rows are
+    // its leading non-negative positions.
+    const size_t heads = info_.shape().num_kv_heads();
+    d.counts.assign(heads, 0);
+    for (size_t h = 0; h < heads; ++h) {
+      const int32_t* pos = d.positions.data() + h * d.kept_tokens;
+      uint32_t n = 0;
+      while (n < d.kept_tokens && pos[n] >= 0) ++n;
+      for (uint32_t i = n; i < d.kept_tokens; ++i) {
+        if (pos[i] != -1) {
+          return absl::InternalError(absl::StrCat("GetCache stream: layer ", l, " head ", h,
+                                                  " has position ", pos[i], " after padding"));
+        }
+      }
+      d.counts[h] = n;
+    }
+  }
   LayerData complete = std::move(d);
   pending_.erase(l);
   done_[l] = true;

@@ -115,9 +115,8 @@ void ValueChannelScores(const LayerInput& in, int h, const int32_t* pos, int bud
 
 ChannelSelection SelectChannelsImpl(const LayerInput& in, const TokenSelection& tokens,
                                     const CompressionSpec& spec, ThreadPool* pool) {
-  const int H = in.shape.num_kv_heads, D = in.shape.head_dim, B = tokens.budget;
+  const int H = in.shape.num_kv_heads, D = in.shape.head_dim;
   const ChannelSpec& cs = spec.channels;
-  const int m = B - RecentCount(spec, B);
   ChannelSelection sel;
   sel.key_channels = cs.key_policy == ChannelPolicy::kNone ? D : KeptChannels(cs.key_lambda, D);
   sel.value_channels = cs.prune_values ? KeptChannels(cs.value_lambda, D) : D;
@@ -125,7 +124,10 @@ ChannelSelection SelectChannelsImpl(const LayerInput& in, const TokenSelection& 
   sel.value_idx.resize(static_cast<size_t>(H) * sel.value_channels);
   if (cs.prune_values) PrepareBlas(pool);
   pool->ParallelFor(H, [&](int h) {
-    const int32_t* pos = tokens.positions.data() + static_cast<size_t>(h) * B;
+    // Ragged selections: each head prunes on its own kept count.
+    const int32_t* pos = tokens.head(h);
+    const int B = tokens.count(h);
+    const int m = B - RecentCount(spec, B);
     int32_t* kidx = sel.key_idx.data() + static_cast<size_t>(h) * sel.key_channels;
     int32_t* vidx = sel.value_idx.data() + static_cast<size_t>(h) * sel.value_channels;
     float score[kMaxHeadDim];

@@ -97,18 +97,38 @@ absl::Status CheckPackInputs(const LayerInput& in, const TokenSelection& tokens,
                                                    " does not match in.shape.num_kv_heads ",
                                                    s.num_kv_heads));
   }
-  if (tokens.budget < 1 || tokens.budget > s.seq_len) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tokens.budget: ", tokens.budget, " is outside [1, seq_len ", s.seq_len, "]"));
-  }
-  const size_t want = static_cast<size_t>(s.num_kv_heads) * tokens.budget;
-  if (tokens.positions.size() != want) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tokens.positions: size ", tokens.positions.size(), " != num_kv_heads * budget = ", want));
+  if (tokens.ragged()) {
+    if (tokens.counts.size() != static_cast<size_t>(s.num_kv_heads)) {
+      return absl::InvalidArgumentError(absl::StrCat("tokens.counts: size ", tokens.counts.size(),
+                                                     " != num_kv_heads ", s.num_kv_heads));
+    }
+    size_t sum = 0;
+    for (int h = 0; h < s.num_kv_heads; ++h) {
+      if (tokens.counts[h] < 1 || tokens.counts[h] > s.seq_len) {
+        return absl::InvalidArgumentError(absl::StrCat("tokens.counts[", h, "]: ", tokens.counts[h],
+                                                       " is outside [1, seq_len ", s.seq_len, "]"));
+      }
+      sum += static_cast<size_t>(tokens.counts[h]);
+    }
+    if (tokens.positions.size() != sum) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tokens.positions: size ", tokens.positions.size(), " != sum of counts = ", sum));
+    }
+  } else {
+    if (tokens.budget < 1 || tokens.budget > s.seq_len) {
+      return absl::InvalidArgumentError(absl::StrCat("tokens.budget: ", tokens.budget,
+                                                     " is outside [1, seq_len ", s.seq_len, "]"));
+    }
+    const size_t want = static_cast<size_t>(s.num_kv_heads) * tokens.budget;
+    if (tokens.positions.size() != want) {
+      return absl::InvalidArgumentError(absl::StrCat("tokens.positions: size ",
+                                                     tokens.positions.size(),
+                                                     " != num_kv_heads * budget = ", want));
+    }
   }
   for (int h = 0; h < s.num_kv_heads; ++h) {
-    RETURN_IF_ERROR(CheckAscending(tokens.positions.data() + static_cast<size_t>(h) * tokens.budget,
-                                   tokens.budget, s.seq_len, "tokens.positions", "seq_len", h));
+    RETURN_IF_ERROR(CheckAscending(tokens.head(h), tokens.count(h), s.seq_len, "tokens.positions",
+                                   "seq_len", h));
   }
   RETURN_IF_ERROR(
       CheckChannelList(channels.key_idx, channels.key_channels, s.num_kv_heads, s.head_dim, "key"));
@@ -138,10 +158,12 @@ int RecentCount(int n_kept, int key_channels, int value_channels, int head_dim,
   return std::clamp(spec.recent_tokens, 0, n_kept);
 }
 
-// Writes the header and the descriptor table; every head has the same counts and a section of
-// `section_size` bytes, back to back after the table.
+// Writes the header and the descriptor table; head h keeps n_kept(h) tokens, r(h) of them recent,
+// in a section of size(h) bytes, back to back after the table.
+template <typename NKept, typename NRecent, typename Size>
 void WriteLayerMeta(const LayerShape& s, DType dtype, int layer_index, const CompressionSpec& spec,
-                    int n_kept, int n_recent, int tk, int tv, size_t section_size, uint8_t* blob) {
+                    NKept n_kept, NRecent n_recent, int tk, int tv, Size section_size,
+                    uint8_t* blob) {
   LayerHeader header;
   header.dtype = static_cast<uint8_t>(dtype);
   header.quant_bits = static_cast<uint8_t>(spec.quant.bits);
@@ -153,15 +175,16 @@ void WriteLayerMeta(const LayerShape& s, DType dtype, int layer_index, const Com
   header.eviction_policy = static_cast<uint8_t>(spec.eviction.policy);
   header.channel_policy = static_cast<uint8_t>(spec.channels.key_policy);
   std::memcpy(blob, &header, sizeof(header));
-  const size_t begin = internal::SectionsBegin(s.num_kv_heads);
+  size_t offset = internal::SectionsBegin(s.num_kv_heads);
   for (int h = 0; h < s.num_kv_heads; ++h) {
     HeadDesc desc;
-    desc.n_kept = n_kept;
-    desc.n_recent = n_recent;
+    desc.n_kept = n_kept(h);
+    desc.n_recent = n_recent(h);
     desc.key_channels = tk;
     desc.value_channels = tv;
-    desc.offset = begin + static_cast<size_t>(h) * section_size;
-    desc.size = section_size;
+    desc.offset = offset;
+    desc.size = section_size(h);
+    offset += desc.size;
     std::memcpy(blob + sizeof(header) + sizeof(HeadDesc) * static_cast<size_t>(h), &desc,
                 sizeof(desc));
   }
@@ -300,16 +323,24 @@ double SecondsSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
+// One head's counts and section layout (heads differ when the token selection is ragged).
+struct HeadPlan {
+  HeadLayout layout;
+  int n_kept = 0, r = 0, m = 0;
+  size_t section = 0;         // offset of the section from the blob start
+  size_t first_position = 0;  // index of the head's first entry in tokens->positions
+};
+
 // Everything a pack task needs; read-only while the tasks run.
 struct PackPlan {
   const LayerInput* in;
   const TokenSelection* tokens;
   const ChannelSelection* channels;
   const int32_t* identity;  // 0..D-1, for channel lists that are empty (all channels kept)
-  HeadLayout layout;
-  int n_kept, r, m, tk, tv, bits, g;
+  std::vector<HeadPlan> heads;
+  int tk, tv, bits, g;
   size_t elem;
-  uint8_t* sections;  // blob + SectionsBegin(heads)
+  uint8_t* blob;
 
   const int32_t* ChannelList(bool values, int h) const {
     const std::vector<int32_t>& idx = values ? channels->value_idx : channels->key_idx;
@@ -320,9 +351,11 @@ struct PackPlan {
 
 // Writes the quantized old block (scale, zero, codes; each padded) of keys or values straight into
 // the section. Returns the seconds spent quantizing (the fp32 gather before it is not counted).
-double WriteQuantized(const PackPlan& p, const RowSource& src, const int32_t* pos,
-                      const int32_t* idx, int t, bool values, uint8_t* section) {
-  const HeadLayout& l = p.layout;
+double WriteQuantized(const PackPlan& p, const HeadPlan& hp, const RowSource& src,
+                      const int32_t* pos, const int32_t* idx, int t, bool values,
+                      uint8_t* section) {
+  const HeadLayout& l = hp.layout;
+  const int m = hp.m;
   const size_t scale_at = values ? l.value_scale : l.key_scale;
   const size_t zero_at = values ? l.value_zero : l.key_zero;
   const size_t codes_at = values ? l.value_codes : l.key_codes;
@@ -341,12 +374,12 @@ double WriteQuantized(const PackPlan& p, const RowSource& src, const int32_t* po
   int64_t chunk = std::max<int64_t>(1, static_cast<int64_t>(kChunkFloats / static_cast<size_t>(t)));
   if (!values) chunk = p.g * std::max<int64_t>(1, chunk / p.g);
   QuantScratch& s = QuantScratch::ForThisThread();
-  s.x.resize(static_cast<size_t>(std::min<int64_t>(chunk, p.m)) * t);
+  s.x.resize(static_cast<size_t>(std::min<int64_t>(chunk, m)) * t);
   double seconds = 0;
-  for (int64_t first = 0; first < p.m; first += chunk) {
+  for (int64_t first = 0; first < m; first += chunk) {
     const int r0 = static_cast<int>(first);
-    const int rows = static_cast<int>(std::min<int64_t>(chunk, p.m - first));
-    GatherFloat(src, p.in->dtype, pos + r0, rows, p.m - r0, idx, t, &s.row, s.x.data());
+    const int rows = static_cast<int>(std::min<int64_t>(chunk, m - first));
+    GatherFloat(src, p.in->dtype, pos + r0, rows, m - r0, idx, t, &s.row, s.x.data());
     const auto start = std::chrono::steady_clock::now();
     if (values) {
       const size_t at = static_cast<size_t>(r0) * value_groups;
@@ -359,11 +392,11 @@ double WriteQuantized(const PackPlan& p, const RowSource& src, const int32_t* po
     }
     seconds += SecondsSince(start);
   }
-  const size_t params = values ? static_cast<size_t>(p.m) * value_groups
-                               : static_cast<size_t>(quant::NumGroups(p.m, p.g)) * t;
+  const size_t params = values ? static_cast<size_t>(m) * value_groups
+                               : static_cast<size_t>(quant::NumGroups(m, p.g)) * t;
   PadBlock(section, scale_at, params * sizeof(float));
   PadBlock(section, zero_at, params * sizeof(float));
-  PadBlock(section, codes_at, static_cast<size_t>(p.m) * code_row);
+  PadBlock(section, codes_at, static_cast<size_t>(m) * code_row);
   return seconds;
 }
 
@@ -372,10 +405,11 @@ double WriteQuantized(const PackPlan& p, const RowSource& src, const int32_t* po
 // write the same byte. Returns the seconds spent quantizing.
 double WriteHalf(const PackPlan& p, int h, bool values) {
   const LayerInput& in = *p.in;
-  const HeadLayout& l = p.layout;
+  const HeadPlan& hp = p.heads[h];
+  const HeadLayout& l = hp.layout;
   const int d = in.shape.head_dim;
-  uint8_t* section = p.sections + static_cast<size_t>(h) * l.size;
-  const int32_t* pos = p.tokens->positions.data() + static_cast<size_t>(h) * p.n_kept;
+  uint8_t* section = p.blob + hp.section;
+  const int32_t* pos = p.tokens->positions.data() + hp.first_position;
   const int32_t* idx = p.ChannelList(values, h);
   const int t = values ? p.tv : p.tk;
   const RowSource src{static_cast<const uint8_t*>(values ? in.v : in.k),
@@ -388,20 +422,20 @@ double WriteHalf(const PackPlan& p, int h, bool values) {
   if (values) {
     PutBlock(section, l.value_idx, idx, sizeof(int32_t) * t);
   } else {
-    PutBlock(section, l.positions, pos, sizeof(int32_t) * p.n_kept);
+    PutBlock(section, l.positions, pos, sizeof(int32_t) * hp.n_kept);
     PutBlock(section, l.key_idx, idx, sizeof(int32_t) * t);
   }
   double quantize_seconds = 0;
   if (p.bits == 0) {
     const size_t old_at = values ? l.value_old : l.key_old;
-    GatherRows(src, pos, p.m, idx, t, section + old_at);
-    PadBlock(section, old_at, static_cast<size_t>(p.m) * t * p.elem);
+    GatherRows(src, pos, hp.m, idx, t, section + old_at);
+    PadBlock(section, old_at, static_cast<size_t>(hp.m) * t * p.elem);
   } else {
-    quantize_seconds = WriteQuantized(p, src, pos, idx, t, values, section);
+    quantize_seconds = WriteQuantized(p, hp, src, pos, idx, t, values, section);
   }
   const size_t recent_at = values ? l.value_recent : l.key_recent;
-  CopyFullRows(src, pos + p.m, p.r, section + recent_at);
-  PadBlock(section, recent_at, static_cast<size_t>(p.r) * d * p.elem);
+  CopyFullRows(src, pos + hp.m, hp.r, section + recent_at);
+  PadBlock(section, recent_at, static_cast<size_t>(hp.r) * d * p.elem);
   return quantize_seconds;
 }
 
@@ -409,14 +443,20 @@ double WriteHalf(const PackPlan& p, int h, bool values) {
 
 size_t PackedSize(const LayerShape& shape, DType dtype, const TokenSelection& tokens,
                   const ChannelSelection& channels, const CompressionSpec& spec) {
-  const int n_kept = tokens.budget;
-  const int r =
-      RecentCount(n_kept, channels.key_channels, channels.value_channels, shape.head_dim, spec);
   const int g = spec.quant.bits > 0 ? spec.quant.group_size : 0;
-  const HeadLayout l = ComputeHeadLayout(n_kept, r, channels.key_channels, channels.value_channels,
-                                         shape.head_dim, DTypeSize(dtype), spec.quant.bits, g);
-  return internal::SectionsBegin(shape.num_kv_heads) +
-         static_cast<size_t>(shape.num_kv_heads) * l.size;
+  auto section = [&](int n_kept) {
+    const int r =
+        RecentCount(n_kept, channels.key_channels, channels.value_channels, shape.head_dim, spec);
+    return ComputeHeadLayout(n_kept, r, channels.key_channels, channels.value_channels,
+                             shape.head_dim, DTypeSize(dtype), spec.quant.bits, g)
+        .size;
+  };
+  size_t total = internal::SectionsBegin(shape.num_kv_heads);
+  if (!tokens.ragged()) {
+    return total + static_cast<size_t>(shape.num_kv_heads) * section(tokens.budget);
+  }
+  for (int n : tokens.counts) total += section(n);
+  return total;
 }
 
 absl::StatusOr<CompactLayer> PackLayer(const LayerInput& in, const TokenSelection& tokens,
@@ -469,7 +509,9 @@ absl::StatusOr<InPlaceLayer> InPlaceLayer::Create(const LayerShape& shape, DType
                      " bytes for layer ", layer_index));
   }
   uint8_t* blob = l.layer_.bytes.data();
-  WriteLayerMeta(shape, dtype, layer_index, spec, s, 0, d, d, hl.size, blob);
+  WriteLayerMeta(
+      shape, dtype, layer_index, spec, [s](int) { return s; }, [](int) { return 0; }, d, d,
+      [&hl](int) { return hl.size; }, blob);
   std::vector<int32_t> positions(std::max(s, d));
   for (size_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<int32_t>(i);
   for (int h = 0; h < l.heads_; ++h) {
@@ -524,24 +566,37 @@ absl::StatusOr<CompactLayer> PackLayerImpl(const LayerInput& in, const TokenSele
   p.in = &in;
   p.tokens = &tokens;
   p.channels = &channels;
-  p.n_kept = tokens.budget;
   p.tk = channels.key_channels;
   p.tv = channels.value_channels;
   p.bits = spec.quant.bits;
   p.g = p.bits > 0 ? spec.quant.group_size : 0;
-  p.r = RecentCount(p.n_kept, p.tk, p.tv, d, spec);
-  p.m = p.n_kept - p.r;
   p.elem = DTypeSize(in.dtype);
-  p.layout = ComputeHeadLayout(p.n_kept, p.r, p.tk, p.tv, d, p.elem, p.bits, p.g);
-  const size_t begin = internal::SectionsBegin(heads);
-  const size_t total = begin + static_cast<size_t>(heads) * p.layout.size;
+  // Sections back to back in head order; with a ragged selection each head has its own counts.
+  p.heads.resize(heads);
+  size_t total = internal::SectionsBegin(heads), first_position = 0;
+  for (int h = 0; h < heads; ++h) {
+    HeadPlan& hp = p.heads[h];
+    hp.n_kept = tokens.count(h);
+    if (h > 0 && hp.n_kept == p.heads[h - 1].n_kept) {
+      hp.r = p.heads[h - 1].r;
+      hp.layout = p.heads[h - 1].layout;
+    } else {
+      hp.r = RecentCount(hp.n_kept, p.tk, p.tv, d, spec);
+      hp.layout = ComputeHeadLayout(hp.n_kept, hp.r, p.tk, p.tv, d, p.elem, p.bits, p.g);
+    }
+    hp.m = hp.n_kept - hp.r;
+    hp.section = total;
+    hp.first_position = first_position;
+    total += hp.layout.size;
+    first_position += static_cast<size_t>(hp.n_kept);
+  }
 
   // Identity channel lists are materialized once (the blob always stores the indices).
   std::vector<int32_t> identity(d);
   for (int c = 0; c < d; ++c) identity[c] = c;
   p.identity = identity.data();
 
-  // Every section offset is known up front (all heads have the same layout), so the buffer is
+  // Every section offset is known up front (from the counts), so the buffer is
   // sized once and each task writes its own byte range in place. ByteVector's resize does not
   // zero-fill (the header, the descriptors and every block with its padding are written below),
   // and a large blob is a huge-page block from the buffer pool (kvc/bytes.h), reused memory when
@@ -554,9 +609,12 @@ absl::StatusOr<CompactLayer> PackLayerImpl(const LayerInput& in, const TokenSele
         absl::StrCat("cannot allocate ", total, " bytes for layer ", in.layer_index));
   }
   uint8_t* blob = out.bytes.data();
-  p.sections = blob + begin;
+  p.blob = blob;
 
-  WriteLayerMeta(s, in.dtype, in.layer_index, spec, p.n_kept, p.r, p.tk, p.tv, p.layout.size, blob);
+  WriteLayerMeta(
+      s, in.dtype, in.layer_index, spec, [&p](int h) { return p.heads[h].n_kept; },
+      [&p](int h) { return p.heads[h].r; }, p.tk, p.tv,
+      [&p](int h) { return p.heads[h].layout.size; }, blob);
 
   // Task i writes half i % 2 (keys, values) of head i / 2. Each task records its own times in its
   // own slot, so no synchronization is needed beyond ParallelFor's join.

@@ -216,26 +216,25 @@ absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view) {
   out.head_dim = view.head_dim();
   out.seq_len = view.seq_len();
   out.dtype = view.dtype();
-  out.n_kept = view.desc(0).n_kept;
-  for (int h = 1; h < out.num_kv_heads; ++h) {
-    if (view.desc(h).n_kept != out.n_kept) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ExportDense: head ", h, " keeps ", view.desc(h).n_kept, " tokens but head 0 keeps ",
-          out.n_kept, "; DENSE needs the same count for every head"));
-    }
+  out.counts.resize(out.num_kv_heads);
+  for (int h = 0; h < out.num_kv_heads; ++h) {
+    out.counts[h] = view.desc(h).n_kept;
+    out.n_kept = std::max(out.n_kept, out.counts[h]);
   }
   const size_t elem = DTypeSize(out.dtype);
   const size_t row_bytes = static_cast<size_t>(out.head_dim) * elem;
   const size_t head_bytes = static_cast<size_t>(out.n_kept) * row_bytes;
-  // Not zero-filled up front: a head's rows are only zeroed where channels were pruned.
+  // Not zero-filled up front: a head's rows are only zeroed where channels were pruned and where
+  // a ragged head's padding rows are.
   out.k.resize(head_bytes * out.num_kv_heads);
   out.v.resize(head_bytes * out.num_kv_heads);
   out.positions.resize(static_cast<size_t>(out.n_kept) * out.num_kv_heads);
   for (int h = 0; h < out.num_kv_heads; ++h) {
     const CompactHead hd = view.head(h);
     const int m = hd.n_kept - hd.n_recent;
-    std::memcpy(out.positions.data() + static_cast<size_t>(h) * out.n_kept, hd.positions,
-                sizeof(int32_t) * out.n_kept);
+    int32_t* pos = out.positions.data() + static_cast<size_t>(h) * out.n_kept;
+    std::memcpy(pos, hd.positions, sizeof(int32_t) * hd.n_kept);
+    std::fill(pos + hd.n_kept, pos + out.n_kept, -1);
     uint8_t* k = out.k.data() + h * head_bytes;
     uint8_t* v = out.v.data() + h * head_bytes;
     if (hd.key_channels < out.head_dim) std::memset(k, 0, m * row_bytes);
@@ -244,6 +243,9 @@ absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view) {
     ScatterOld(view, hd, /*keys=*/false, v);
     std::memcpy(k + m * row_bytes, hd.key_recent, hd.n_recent * row_bytes);
     std::memcpy(v + m * row_bytes, hd.value_recent, hd.n_recent * row_bytes);
+    const size_t pad = static_cast<size_t>(out.n_kept - hd.n_kept) * row_bytes;
+    std::memset(k + hd.n_kept * row_bytes, 0, pad);
+    std::memset(v + hd.n_kept * row_bytes, 0, pad);
   }
   return out;
 }

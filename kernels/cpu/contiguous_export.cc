@@ -62,6 +62,15 @@ absl::Status RotateKeys(const RopeParams& rope, int shift, DenseLayer* layer) {
 absl::StatusOr<DenseLayer> ExportDenseContiguous(const CompactLayerView& view,
                                                  const RopeParams& rope) {
   if (absl::Status s = ValidateRope(rope, view.head_dim()); !s.ok()) return s;
+  for (int h = 1; h < view.num_kv_heads(); ++h) {
+    if (view.desc(h).n_kept != view.desc(0).n_kept) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "layer ", view.header().layer_index, ": head ", h, " keeps ", view.desc(h).n_kept,
+          " tokens but head 0 keeps ", view.desc(0).n_kept,
+          " (head-adaptive budgets); a contiguous export needs the same count for every head, "
+          "fetch FORMAT_DENSE (padded) or FORMAT_PACKED"));
+    }
+  }
   absl::StatusOr<DenseLayer> dense = ExportDense(view);
   if (!dense.ok()) {
     if (dense.status().code() == absl::StatusCode::kInvalidArgument) {

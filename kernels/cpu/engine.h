@@ -23,6 +23,11 @@ void ScoreTokensImpl(const LayerInput& in, const EvictionSpec& spec, ThreadPool*
                      std::vector<float>* scores);
 TokenSelection SelectTokensImpl(const LayerInput& in, const CompressionSpec& spec, ThreadPool* pool,
                                 double* score_seconds);
+// SelectTokensImpl's selection from given scores ([num_kv_heads, S], as ScoreTokensImpl writes
+// them; may be modified): the CUDA backend scores on the device and selects here for head-adaptive
+// budgets. `scores` may be null when the protected tokens fill the budget (no scores needed).
+TokenSelection SelectFromScoresImpl(const LayerInput& in, const CompressionSpec& spec,
+                                    ThreadPool* pool, std::vector<float>* scores);
 ChannelSelection SelectChannelsImpl(const LayerInput& in, const TokenSelection& tokens,
                                     const CompressionSpec& spec, ThreadPool* pool);
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -79,6 +80,100 @@ void SelectHead(const float* score, int S, int budget, const Protected& p,
   for (int i = last; i < S; ++i) out[n++] = i;
 }
 
+// Strict total order on candidates of one head: higher score first, NaN last, then lower position.
+struct Better {
+  const float* score;
+  bool operator()(int32_t a, int32_t b) const {
+    const float sa = score[a], sb = score[b];
+    const bool na = std::isnan(sa), nb = std::isnan(sb);
+    if (na != nb) return nb;
+    if (!na && sa != sb) return sa > sb;
+    return a < b;
+  }
+};
+
+// Scores made comparable across heads. Attention policies: as they are, because every head's
+// unpooled scores are attention mass summing to W (one softmax row per observation query,
+// averaged over the group), so a score already is the token's share of its head's attention;
+// snapkv's pooled scores are compared as pooled, as AdaKV does. random: as they are (uniform in
+// [0, 1) for every head). knorm (negative key norms, no common scale): softmax over the head.
+void NormalizeScores(const float* scores, int H, int S, EvictionPolicy policy, float* out) {
+  for (int h = 0; h < H; ++h) {
+    const float* x = scores + static_cast<size_t>(h) * S;
+    float* y = out + static_cast<size_t>(h) * S;
+    if (policy == EvictionPolicy::kKNorm) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int j = 0; j < S; ++j) mx = std::max(mx, x[j]);
+      double sum = 0;
+      for (int j = 0; j < S; ++j) sum += std::exp(static_cast<double>(x[j]) - mx);
+      for (int j = 0; j < S; ++j) {
+        y[j] = static_cast<float>(std::exp(static_cast<double>(x[j]) - mx) / sum);
+      }
+    } else {
+      std::copy_n(x, S, y);
+    }
+  }
+}
+
+// Head-adaptive selection (see SelectTokens in kvc/selection.h): per head the protected tokens
+// and its own top `floor` candidates, then the rest of H * B to the best normalised candidates of
+// all heads. Fills sel->positions (ragged) and sel->counts.
+void SelectAdaptive(const float* scores, int H, int S, int budget, const Protected& p,
+                    const EvictionSpec& e, TokenSelection* sel) {
+  const int first = p.sinks, last = S - p.recent;  // candidates: [first, last) of every head
+  const int n_cand = last - first;
+  const int protected_count = p.sinks + p.recent;
+  int own = static_cast<int>(std::floor(e.adaptive_floor * budget));
+  if (protected_count == 0) own = std::max(own, 1);  // every head keeps at least one token
+  own = std::clamp(own, 0, budget - protected_count);
+
+  std::vector<float> norm(static_cast<size_t>(H) * S);
+  NormalizeScores(scores, H, S, e.policy, norm.data());
+  // Per head: candidates in the head's order; the first `own` are kept, the rest compete.
+  std::vector<std::vector<int32_t>> chosen(H);
+  struct Cand {
+    float s;
+    int32_t h, j;
+  };
+  std::vector<Cand> pool;
+  pool.reserve(static_cast<size_t>(H) * std::max(0, n_cand - own));
+  std::vector<int32_t> cand(static_cast<size_t>(n_cand));
+  for (int h = 0; h < H; ++h) {
+    const Better better{scores + static_cast<size_t>(h) * S};
+    std::iota(cand.begin(), cand.end(), first);
+    if (own < n_cand) std::nth_element(cand.begin(), cand.begin() + own, cand.end(), better);
+    chosen[h].assign(cand.begin(), cand.begin() + own);
+    const float* nh = norm.data() + static_cast<size_t>(h) * S;
+    for (int i = own; i < n_cand; ++i) pool.push_back({nh[cand[i]], h, cand[i]});
+  }
+  const size_t extra = static_cast<size_t>(H) * (budget - protected_count - own);
+  auto better = [](const Cand& a, const Cand& b) {
+    const bool na = std::isnan(a.s), nb = std::isnan(b.s);
+    if (na != nb) return nb;
+    if (!na && a.s != b.s) return a.s > b.s;
+    if (a.h != b.h) return a.h < b.h;
+    return a.j < b.j;
+  };
+  if (extra < pool.size()) {
+    std::nth_element(pool.begin(), pool.begin() + static_cast<std::ptrdiff_t>(extra), pool.end(),
+                     better);
+    pool.resize(extra);
+  }
+  for (const Cand& c : pool) chosen[c.h].push_back(c.j);
+  sel->counts.resize(H);
+  sel->positions.clear();
+  sel->positions.reserve(static_cast<size_t>(H) * budget);
+  sel->budget = 0;
+  for (int h = 0; h < H; ++h) {
+    std::sort(chosen[h].begin(), chosen[h].end());
+    for (int i = 0; i < p.sinks; ++i) sel->positions.push_back(i);
+    sel->positions.insert(sel->positions.end(), chosen[h].begin(), chosen[h].end());
+    for (int i = last; i < S; ++i) sel->positions.push_back(i);
+    sel->counts[h] = protected_count + static_cast<int>(chosen[h].size());
+    sel->budget = std::max(sel->budget, sel->counts[h]);
+  }
+}
+
 }  // namespace
 
 int RecentCount(const CompressionSpec& spec, int budget) {
@@ -90,14 +185,8 @@ int RecentCount(const CompressionSpec& spec, int budget) {
 TokenSelection SelectTokensImpl(const LayerInput& in, const CompressionSpec& spec, ThreadPool* pool,
                                 double* score_seconds) {
   const EvictionSpec& e = spec.eviction;
-  const int S = in.shape.seq_len, H = in.shape.num_kv_heads;
-  const int budget = EffectiveBudget(e, in.layer_index, S);
-  TokenSelection sel;
-  sel.num_kv_heads = H;
-  sel.budget = budget;
-  sel.positions.resize(static_cast<size_t>(H) * budget);
+  const int budget = EffectiveBudget(e, in.layer_index, in.shape.seq_len);
   const Protected prot = ProtectedFor(e, in.shape, budget);
-
   std::vector<float> scores;
   const auto t0 = std::chrono::steady_clock::now();
   const bool need_scores = prot.sinks + prot.recent < budget;
@@ -105,7 +194,27 @@ TokenSelection SelectTokensImpl(const LayerInput& in, const CompressionSpec& spe
   if (score_seconds != nullptr) {
     *score_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
+  return SelectFromScoresImpl(in, spec, pool, need_scores ? &scores : nullptr);
+}
 
+TokenSelection SelectFromScoresImpl(const LayerInput& in, const CompressionSpec& spec,
+                                    ThreadPool* pool, std::vector<float>* score_buffer) {
+  const EvictionSpec& e = spec.eviction;
+  const int S = in.shape.seq_len, H = in.shape.num_kv_heads;
+  const int budget = EffectiveBudget(e, in.layer_index, S);
+  TokenSelection sel;
+  sel.num_kv_heads = H;
+  sel.budget = budget;
+  sel.positions.resize(static_cast<size_t>(H) * budget);
+  const Protected prot = ProtectedFor(e, in.shape, budget);
+  const bool need_scores = prot.sinks + prot.recent < budget;
+  std::vector<float> none;
+  std::vector<float>& scores = score_buffer != nullptr ? *score_buffer : none;
+
+  if (e.adaptive && need_scores) {
+    SelectAdaptive(scores.data(), H, S, budget, prot, e, &sel);
+    return sel;
+  }
   if (e.granularity == Granularity::kPerLayer) {
     // One set for the layer from the scores summed over heads (row 0 reused as the sum).
     if (need_scores) {
@@ -136,18 +245,40 @@ absl::Status ValidateTokenSelection(const LayerInput& in, const TokenSelection& 
     return absl::InvalidArgumentError(absl::StrCat("tokens.num_kv_heads: ", tokens.num_kv_heads,
                                                    " does not match shape.num_kv_heads ", H));
   }
-  if (tokens.budget < 1 || tokens.budget > S) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tokens.budget: ", tokens.budget, " is outside [1, seq_len ", S, "]"));
+  if (tokens.ragged()) {
+    if (tokens.counts.size() != static_cast<size_t>(H)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens.counts: size ", tokens.counts.size(), " is not num_kv_heads ", H));
+    }
+    size_t sum = 0;
+    for (int h = 0; h < H; ++h) {
+      if (tokens.counts[h] < 1 || tokens.counts[h] > S) {
+        return absl::InvalidArgumentError(absl::StrCat("tokens.counts[", h, "]: ", tokens.counts[h],
+                                                       " is outside [1, seq_len ", S, "]"));
+      }
+      sum += static_cast<size_t>(tokens.counts[h]);
+    }
+    if (tokens.positions.size() != sum) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tokens.positions: size ", tokens.positions.size(), " is not the sum of counts ", sum));
+    }
+  } else {
+    if (tokens.budget < 1 || tokens.budget > S) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens.budget: ", tokens.budget, " is outside [1, seq_len ", S, "]"));
+    }
+    if (tokens.positions.size() != static_cast<size_t>(H) * tokens.budget) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens.positions: size ", tokens.positions.size(),
+                       " is not num_kv_heads * budget ", static_cast<size_t>(H) * tokens.budget));
+    }
   }
-  if (tokens.positions.size() != static_cast<size_t>(H) * tokens.budget) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tokens.positions: size ", tokens.positions.size(),
-                     " is not num_kv_heads * budget ", static_cast<size_t>(H) * tokens.budget));
-  }
+  size_t at = 0;
   for (int h = 0; h < H; ++h) {
-    const int32_t* p = tokens.positions.data() + static_cast<size_t>(h) * tokens.budget;
-    for (int i = 0; i < tokens.budget; ++i) {
+    const int n = tokens.count(h);
+    const int32_t* p = tokens.positions.data() + at;
+    at += static_cast<size_t>(n);
+    for (int i = 0; i < n; ++i) {
       if (p[i] < 0 || p[i] >= S || (i > 0 && p[i] <= p[i - 1])) {
         return absl::InvalidArgumentError(
             absl::StrCat("tokens.positions: head ", h, " entry ", i, " (", p[i],

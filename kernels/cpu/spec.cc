@@ -68,6 +68,23 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
   if (!(e.tau > 0.0) || std::isinf(e.tau)) {
     return Invalid("eviction.tau", absl::StrCat(e.tau, " must be finite and > 0"));
   }
+  if (e.adaptive) {
+    if (e.policy == EvictionPolicy::kNone || e.policy == EvictionPolicy::kStreaming) {
+      return Invalid("eviction.adaptive",
+                     absl::StrCat("needs a scoring policy (h2o, snapkv, keyformer, knorm, random), "
+                                  "not ",
+                                  std::string(PolicyName(e.policy))));
+    }
+    if (e.granularity == Granularity::kPerLayer) {
+      return Invalid("eviction.adaptive",
+                     "per-head budgets need per-head granularity (per-layer keeps one set for "
+                     "every head)");
+    }
+    if (!(e.adaptive_floor >= 0.0 && e.adaptive_floor <= 1.0)) {
+      return Invalid("eviction.adaptive_floor",
+                     absl::StrCat(e.adaptive_floor, " is outside [0, 1]"));
+    }
+  }
   if (NeedsObservation(e.policy) && shape.obs_window == 0) {
     return Invalid("eviction.policy",
                    absl::StrCat(std::string(PolicyName(e.policy)),

@@ -126,10 +126,21 @@ absl::Status SetLayerBudgets(absl::string_view v, EvictionSpec& e) {
   }
   return absl::OkStatus();
 }
+absl::Status SetAdaptive(absl::string_view v, EvictionSpec& e) {
+  absl::StatusOr<double> f = ParseDouble("ada", v);
+  if (!f.ok()) return f.status();
+  if (!(*f >= 0.0 && *f <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat("ada ", v, " is outside [0, 1]"));
+  }
+  e.adaptive = true;
+  e.adaptive_floor = *f;
+  return absl::OkStatus();
+}
 
 constexpr EvictionKey kEvictionKeys[] = {
-    {"sink", SetSink}, {"recent", SetRecent}, {"kernel", SetKernel}, {"pool", SetPool},
-    {"tau", SetTau},   {"seed", SetSeed},     {"layer", SetLayer},   {"lb", SetLayerBudgets},
+    {"sink", SetSink},   {"recent", SetRecent},   {"kernel", SetKernel},
+    {"pool", SetPool},   {"tau", SetTau},         {"seed", SetSeed},
+    {"layer", SetLayer}, {"lb", SetLayerBudgets}, {"ada", SetAdaptive},
 };
 
 void AppendEvictionOptions(const EvictionSpec& e, std::string& out) {
@@ -146,6 +157,7 @@ void AppendEvictionOptions(const EvictionSpec& e, std::string& out) {
   if (!e.layer_budgets.empty()) {
     absl::StrAppend(&out, ",lb=", absl::StrJoin(e.layer_budgets, "/"));
   }
+  if (e.adaptive) absl::StrAppend(&out, ",ada=", ShortestDouble(e.adaptive_floor));
 }
 
 absl::Status ParseEvictionTerm(absl::string_view term, EvictionSpec& e) {

@@ -11,6 +11,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "cuda/adaptive_select.h"
 #include "cuda/compress_plan.h"
 #include "cuda/decode_plan.h"
 #include "cuda/kernels.h"
@@ -208,6 +209,7 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
       break;
   }
   KVC_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[1], st), "cudaEventRecord");
+  if (e.adaptive) return AdaptiveFromDeviceScores(in, spec, final_scores, st, timings);
 
   // Stage 2: token and channel selection.
   if (per_layer) {

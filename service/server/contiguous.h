@@ -13,7 +13,8 @@ namespace kvc::server {
 // RoPE whose keys cannot be shifted exactly (DYNAMIC_NTK), saying why.
 absl::StatusOr<RopeParams> RopeFromProto(const kvcache::v1::RopeSpec& rope, int head_dim);
 
-// FAILED_PRECONDITION naming the first layer whose kept-token count differs from layer 0's.
+// FAILED_PRECONDITION for a cache stored with head-adaptive budgets (its heads keep different
+// counts), else naming the first layer whose kept-token count differs from layer 0's.
 absl::Status CheckUniformKept(const kvcache::v1::CacheInfo& info);
 
 }  // namespace kvc::server

@@ -149,6 +149,8 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   }
   if (e.has_tau()) spec.eviction.tau = e.tau();
   spec.eviction.seed = e.seed();
+  spec.eviction.adaptive = e.adaptive();
+  if (e.has_adaptive_floor()) spec.eviction.adaptive_floor = e.adaptive_floor();
 
   const auto& ch = c.channels();
   auto key_policy = ParseChannelPolicy(ch.key_policy().empty() ? "none" : ch.key_policy());
@@ -225,7 +227,9 @@ absl::StatusOr<uint64_t> EstimateStoredBytes(const LayerShape& s, DType dtype,
         CheckedProduct("header.shape", {{"kept_tokens", kept},
                                         {"kept_channels", static_cast<uint64_t>(tk + tv)},
                                         {"element_bits", elem_bits}}));
-    // Per head: its descriptor, the kept data and one int32 position per kept token.
+    // Per head: its descriptor, the kept data and one int32 position per kept token. With
+    // head-adaptive budgets the heads keep different counts, but H * kept in all, each head at
+    // least its count times these per-token bytes: H times a per-head floor stays below that.
     uint64_t per_head = sizeof(HeadDesc) + data_bits / 8;
     uint64_t layer = sizeof(LayerHeader);
     if (!CheckedMulAdd(kept, 4, &per_head) || !CheckedMulAdd(heads, per_head, &layer) ||

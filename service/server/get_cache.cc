@@ -250,7 +250,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
             grpc::StatusCode::DATA_LOSS,
             absl::StrCat("layer ", layer_, ": ", std::string(view.status().message())));
       }
-      kept_tokens_ = view->num_kv_heads() > 0 ? view->desc(0).n_kept : 0;
+      kept_tokens_ = view->max_kept();
       parts_.push_back({kvcache::v1::PART_PACKED, blob.data(), blob.size(), keep_});
     } else {
       std::shared_ptr<const DenseLayer> owned;

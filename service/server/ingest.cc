@@ -439,7 +439,7 @@ absl::StatusOr<kvcache::v1::PutCacheResponse> Upload::Finalize() {
       return absl::InternalError(absl::StrCat("engine produced an unreadable layer: ",
                                               std::string(view.status().message())));
     }
-    info.add_kept_tokens(view->num_kv_heads() > 0 ? view->desc(0).n_kept : 0);
+    info.add_kept_tokens(view->max_kept());
     stored += layer.bytes.size();
     entry->layers.push_back(std::move(layer.bytes));
   }

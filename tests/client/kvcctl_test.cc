@@ -153,6 +153,36 @@ TEST_F(KvcctlTest, PackedWithCompressionParses) {
   }
 }
 
+// --ada asks for head-adaptive budgets: the layer keeps H * B tokens, heads differently many, and
+// the dense file pads the shorter heads with position -1.
+TEST_F(KvcctlTest, AdaptiveBudgetsPadDensePositions) {
+  testing::TestCache cache;
+  const std::string in = WriteInput("ctl3", &cache);
+  CtlRun r = Kvcctl("put " + in + " --id=ctl3 --policy=h2o --ratio=0.5 --ada=0");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string dense = *dir_ + "/ada.safetensors";
+  r = Kvcctl("get ctl3 " + dense + " --format=dense");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto f = ReadSafetensors(dense);
+  ASSERT_TRUE(f.ok()) << f.status();
+  const int heads = static_cast<int>(cache.header.shape().num_kv_heads());
+  const int budget = static_cast<int>(cache.header.shape().seq_len()) / 2;
+  for (int l = 0; l < 2; ++l) {
+    const StTensor* t = f->Find(absl::StrCat("layer.", l, ".positions"));
+    ASSERT_NE(t, nullptr);
+    ASSERT_EQ(t->shape.size(), 2u);
+    const int kept = static_cast<int>(t->shape[1]);
+    int real = 0;
+    for (int i = 0; i < heads * kept; ++i) {
+      int32_t p;
+      std::memcpy(&p, t->data.data() + 4 * i, 4);
+      real += p >= 0;
+    }
+    EXPECT_EQ(real, heads * budget);
+  }
+  EXPECT_EQ(Kvcctl("put " + in + " --id=ctl4 --policy=h2o --ada=1.5").code, 2);
+}
+
 TEST_F(KvcctlTest, ExitCodes) {
   EXPECT_EQ(Kvcctl("", false).code, 2);
   EXPECT_EQ(Kvcctl("frobnicate", false).code, 2);

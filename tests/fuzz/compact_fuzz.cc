@@ -81,7 +81,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       small = small && std::fabs(keys[h][i]) <= 16 && std::fabs(values[h][i]) <= 16;
     }
   }
-  (void)kvc::ExportDense(*view);  // may refuse heads of different lengths; must stay in bounds
+  (void)kvc::ExportDense(*view);  // pads heads of different lengths; must stay in bounds
 
   // One or two query heads per KV head, one or two queries, as many new tokens plus one.
   const int group = 1 + static_cast<int>(size % 2);

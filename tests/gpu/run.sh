@@ -59,10 +59,11 @@ for b in kvc_gpu_backend_test kvc_gpu_decode_test kvc_gpu_bench kvc_gpu_nccl_tes
   fi
 done
 
-# Step limits add up to 470 s, so the whole run stays under 8 minutes.
-run_step "CUDA backend vs CPU oracle" 240 "${bin}/kvc_gpu_backend_test" --gtest_color=no
+# Step limits add up to 470 s on one GPU, so the whole run stays under 8 minutes.
+run_step "CUDA backend vs CPU oracle" 200 "${bin}/kvc_gpu_backend_test" --gtest_color=no
 run_step "split decode and tensor-core scores vs references" 40 \
   "${bin}/kvc_gpu_decode_test" --gtest_color=no
+run_step "head-adaptive budgets vs CPU" 30 "${bin}/kvc_gpu_adaptive_test" --gtest_color=no
 if (( gpus >= 2 )); then
   run_step "NCCL data path (2 GPUs)" 120 "${bin}/kvc_gpu_nccl_test" --gtest_color=no
 else

@@ -101,11 +101,11 @@ ChannelSelection RandomChannels(int hkv, int head_dim, int tk, int tv, std::mt19
 void ExpectedHeadRows(const PackLayerData& layer, const TokenSelection& tokens,
                       const ChannelSelection& channels, int h, int n_recent,
                       std::vector<float>* keys, std::vector<float>* values) {
-  const int d = layer.shape.head_dim, n = tokens.budget, m = n - n_recent;
+  const int d = layer.shape.head_dim, n = tokens.count(h), m = n - n_recent;
   keys->assign(static_cast<size_t>(n) * d, 0.0f);
   values->assign(static_cast<size_t>(n) * d, 0.0f);
   for (int j = 0; j < n; ++j) {
-    const int t = tokens.positions[static_cast<size_t>(h) * n + j];
+    const int t = tokens.head(h)[j];
     float* kr = keys->data() + static_cast<size_t>(j) * d;
     float* vr = values->data() + static_cast<size_t>(j) * d;
     if (j >= m) {

@@ -76,8 +76,8 @@ TestLayer RandomLayer(const LayerShape& shape, uint64_t seed, DType dtype, Layou
 }
 
 std::vector<int32_t> HeadPositions(const TokenSelection& sel, int h) {
-  auto first = sel.positions.begin() + static_cast<ptrdiff_t>(h) * sel.budget;
-  return std::vector<int32_t>(first, first + sel.budget);
+  const int32_t* first = sel.head(h);
+  return std::vector<int32_t>(first, first + sel.count(h));
 }
 
 std::vector<int32_t> HeadKeyChannels(const ChannelSelection& sel, int h) {

@@ -103,6 +103,23 @@ def test_compressed_put_streaming_layers_and_packed_get(client):
     assert packed.layers[0].packed.dtype == np.uint8 and len(packed.layers[0].packed) > 0
 
 
+def test_head_adaptive_dense_pads_heads(client):
+    layers = make_layers(9)
+    client.put("py/ada", layers, compression={"eviction": {
+        "policy": "h2o", "keep_ratio": 0.25, "adaptive": True, "adaptive_floor": 0.0}})
+    cache = client.get("py/ada", format="dense")
+    ragged = False
+    for got in cache.layers:
+        assert got.counts.sum() == HKV * round(0.25 * S)  # the layer keeps H * B in all
+        assert got.kept_tokens == got.counts.max()
+        ragged |= got.counts.min() != got.counts.max()
+        for h in range(HKV):
+            n = got.counts[h]
+            assert (got.positions[h, n:] == -1).all() and (np.diff(got.positions[h, :n]) > 0).all()
+            assert not got.k[h, n:].any() and not got.v[h, n:].any()
+    assert ragged
+
+
 def test_stat_list_delete(client):
     client.put("py/list/a", make_layers(6), overwrite=True)
     assert client.stat("py/list/a").shape.num_layers == L

@@ -8,9 +8,11 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvc/backend.h"
 #include "kvc/compact.h"
 #include "kvc/spec.h"
 #include "server/convert.h"
@@ -186,6 +188,49 @@ TEST(ServerConvertTest, UnvalidatedShapesNeverWrap) {
     }
   }
   EXPECT_GT(overflowed, 100);
+}
+
+// Head-adaptive budgets leave heads with different counts (H * B in all): the admission estimate
+// stays below what the engine really stores, quantized, pruned or not.
+TEST(ServerConvertTest, EstimateStaysALowerBoundForHeadAdaptiveCaches) {
+  std::mt19937_64 rng(77);
+  auto cpu = CreateCpuBackend({});
+  ASSERT_TRUE(cpu.ok());
+  int ragged = 0;
+  for (int i = 0; i < 60; ++i) {
+    const LayerShape s{1 + static_cast<int>(rng() % 4), 0, 16 + static_cast<int>(rng() % 100), 8,
+                       4};
+    LayerShape shape = s;
+    shape.num_q_heads = shape.num_kv_heads * 2;
+    CompressionSpec spec;
+    spec.eviction.policy = rng() % 2 ? EvictionPolicy::kH2O : EvictionPolicy::kKNorm;
+    spec.eviction.keep_ratio = 0.05 + 0.9 * static_cast<double>(rng() % 100) / 100;
+    spec.eviction.adaptive = true;
+    spec.eviction.adaptive_floor = static_cast<double>(rng() % 3) / 4;
+    spec.quant.bits = std::vector<int>{0, 2, 4, 8}[rng() % 4];
+    spec.quant.group_size = 8;
+    if (rng() % 2) {
+      spec.channels.key_policy = ChannelPolicy::kL2;
+      spec.channels.key_lambda = 0.375;
+    }
+    spec.recent_tokens = static_cast<int>(rng() % 8);
+    const size_t n = static_cast<size_t>(shape.num_kv_heads) * shape.seq_len * 8;
+    std::vector<float> k(n), v(n), q(static_cast<size_t>(shape.num_q_heads) * 4 * 8);
+    std::normal_distribution<float> nd;
+    for (auto* t : {&k, &v, &q}) {
+      for (float& x : *t) x = nd(rng);
+    }
+    const LayerInput in{shape, DType::kF32, Layout::kHND, 0, k.data(), v.data(), q.data()};
+    auto blob = (*cpu)->Compress(in, spec, nullptr);
+    ASSERT_TRUE(blob.ok()) << blob.status();
+    auto view = CompactLayerView::Parse(blob->bytes);
+    ASSERT_TRUE(view.ok());
+    ragged += view->max_kept() != view->desc(0).n_kept;
+    absl::StatusOr<uint64_t> estimate = EstimateStoredBytes(shape, DType::kF32, spec, 1);
+    ASSERT_TRUE(estimate.ok());
+    EXPECT_LE(*estimate, blob->bytes.size()) << i;
+  }
+  EXPECT_GT(ragged, 10);
 }
 
 }  // namespace

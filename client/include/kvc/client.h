@@ -116,6 +116,8 @@ struct GetOptions {
 // One layer of a fetched cache. PACKED: `packed` is the layer's compact blob (parse it with
 // kvc::CompactLayerView::Parse). DENSE: `k`, `v` are [Hkv, kept_tokens, D] in the cache's dtype
 // with pruned channels zero-filled, `positions` is [Hkv, kept_tokens] original token positions.
+// With head-adaptive budgets heads keep different counts: head h's real rows are its first
+// counts[h], the rest (up to kept_tokens, the largest count) are zero rows with position -1.
 // Byte parts are ByteVectors (kvc/bytes.h): large ones are huge-page mappings, recycled when the
 // process gives the buffer pool a cap (kvc::LargeBuffers().set_cap, kvc/buffer_pool.h).
 struct LayerData {
@@ -125,6 +127,7 @@ struct LayerData {
   ByteVector k;
   ByteVector v;
   std::vector<int32_t> positions;
+  std::vector<uint32_t> counts;  // DENSE: [Hkv] real rows per head (all kept_tokens if uniform)
 };
 
 struct CacheData {

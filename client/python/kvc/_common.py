@@ -281,13 +281,16 @@ def parse_get_response(buf):
 class Layer:
     """One fetched layer. packed: the compact blob (uint8 array); dense / contiguous: k, v
     [num_kv_heads, kept_tokens, head_dim] in the cache's dtype and positions [num_kv_heads,
-    kept_tokens] int32 original token positions."""
+    kept_tokens] int32 original token positions. With head-adaptive budgets heads keep
+    different counts: head h's real rows are its first counts[h]; the rest, up to kept_tokens
+    (the largest count), are zero rows with position -1."""
     layer: int
     kept_tokens: int
     packed: object = None
     k: object = None
     v: object = None
     positions: object = None
+    counts: object = None  # dense: int array [num_kv_heads], real rows per head
 
 
 @dataclasses.dataclass
@@ -357,10 +360,16 @@ class Assembler:
         if len(parts[pb.PART_K]) != size or len(parts[pb.PART_V]) != size or \
                 len(parts[pb.PART_POSITIONS]) != s.num_kv_heads * kept * 4:
             raise self._fail(f"layer {layer}: part sizes do not match {shape}")
+        positions = parts[pb.PART_POSITIONS].view(np.int32).reshape(shape[:2])
+        valid = positions >= 0
+        counts = valid.sum(axis=1)
+        # Padding (-1) only after a head's real rows.
+        if kept and not np.array_equal(valid, np.arange(kept)[None, :] < counts[:, None]):
+            raise self._fail(f"layer {layer}: position -1 (padding) before a real row")
         return Layer(layer, kept,
                      k=tensors.from_bytes(parts[pb.PART_K], self.info.dtype, shape, self.kind),
                      v=tensors.from_bytes(parts[pb.PART_V], self.info.dtype, shape, self.kind),
-                     positions=parts[pb.PART_POSITIONS].view(np.int32).reshape(shape[:2]))
+                     positions=positions, counts=counts)
 
     def finish(self):
         if self.info is None:

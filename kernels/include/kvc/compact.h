@@ -112,6 +112,12 @@ class CompactLayerView {
   int head_dim() const { return header_.head_dim; }
   int seq_len() const { return header_.seq_len; }
   const HeadDesc& desc(int h) const { return descs_[h]; }
+  // The largest n_kept over heads (heads differ with head-adaptive budgets).
+  int max_kept() const {
+    int n = 0;
+    for (int h = 0; h < num_kv_heads(); ++h) n = n > descs_[h].n_kept ? n : descs_[h].n_kept;
+    return n;
+  }
   CompactHead head(int h) const;
   absl::Span<const uint8_t> blob() const { return blob_; }
 
@@ -186,13 +192,16 @@ class InPlaceLayer {
 };
 
 // DENSE export: kept tokens with pruned channels zero-filled and quantized blocks dequantized, in
-// the blob's dtype, HND [Hkv, n_kept, D]; positions [Hkv, n_kept]. Requires every head to keep the
-// same number of tokens (always true for blobs built by PackLayer).
+// the blob's dtype, HND [Hkv, n_kept, D]; positions [Hkv, n_kept]. n_kept is the largest count
+// over heads: a head that keeps fewer (head-adaptive budgets) has its rows first, then padding
+// rows of zeros whose positions are -1. counts[h] is head h's real count (all equal to n_kept for
+// a uniform layer).
 struct DenseLayer {
   int num_kv_heads = 0, n_kept = 0, head_dim = 0, seq_len = 0;
   DType dtype = DType::kF16;
   ByteVector k, v;  // dtype elements (large ones come from the process's buffer pool)
   std::vector<int32_t> positions;
+  std::vector<int> counts;  // [num_kv_heads]
 };
 absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view);
 

@@ -40,7 +40,8 @@ absl::Status RotateKeys(const RopeParams& rope, int shift, DenseLayer* layer);
 
 // ExportDense(view), then RotateKeys by -(seq_len - n_kept): the layer for slots 0..n_kept-1.
 // `positions` keeps the original positions. INVALID_ARGUMENT from ValidateRope; the errors of
-// ExportDense (heads keeping different counts) come back as FAILED_PRECONDITION.
+// ExportDense come back as FAILED_PRECONDITION, and so does a layer whose heads keep different
+// counts (head-adaptive budgets), naming the layer and head.
 absl::StatusOr<DenseLayer> ExportDenseContiguous(const CompactLayerView& view,
                                                  const RopeParams& rope);
 

@@ -17,12 +17,29 @@
 
 namespace kvc {
 
+// Kept token positions per KV head. Uniform (counts empty): every head keeps `budget` tokens and
+// positions is [num_kv_heads, budget]. Ragged (counts non-empty, head-adaptive budgets): head h
+// keeps counts[h] tokens (1 <= counts[h] <= S), positions holds the heads' lists back to back in
+// head order (sum of counts entries) and `budget` is the largest count, so a buffer of `budget`
+// entries holds any head's list. Positions are original prompt positions, strictly ascending per
+// head. With Granularity::kPerLayer every head holds the same set.
 struct TokenSelection {
   int num_kv_heads = 0;
-  int budget = 0;  // kept tokens per head (the same for every head)
-  // [num_kv_heads, budget] original prompt positions, strictly ascending per head. With
-  // Granularity::kPerLayer every head holds the same set.
+  int budget = 0;  // uniform: kept tokens per head; ragged: max over counts
   std::vector<int32_t> positions;
+  std::vector<int> counts;  // [num_kv_heads] when ragged, else empty
+
+  bool ragged() const { return !counts.empty(); }
+  int count(int h) const { return counts.empty() ? budget : counts[h]; }
+  // Index in `positions` of head h's first entry.
+  size_t offset(int h) const {
+    if (counts.empty()) return static_cast<size_t>(h) * budget;
+    size_t o = 0;
+    for (int i = 0; i < h; ++i) o += static_cast<size_t>(counts[i]);
+    return o;
+  }
+  const int32_t* head(int h) const { return positions.data() + offset(h); }
+  size_t total() const { return offset(num_kv_heads); }
 };
 
 struct ChannelSelection {
@@ -55,6 +72,18 @@ absl::StatusOr<std::vector<float>> ScoreTokens(const LayerInput& in, const Evict
 //   knorm, random: none.
 // Granularity::kPerLayer selects once from the scores summed over heads and gives every head
 // that set.
+// Head-adaptive budgets (eviction.adaptive, AdaKV): the layer keeps H * B tokens in all, spread
+// over heads where the scores are high. Each head keeps its protected tokens (as above, for B)
+// plus its own top max(floor(alpha * B), 1 - protected) candidates by score (alpha =
+// adaptive_floor; at least one token per head). The rest of the layer's budget, H * B minus
+// those, goes to the highest remaining candidates over all heads, compared by a score that means
+// the same in every head: attention-based policies use their scores as they are, since each
+// head's (unpooled) scores are attention mass summing to W, so a score is already the token's
+// share of its head's attention (snapkv's pooled scores are compared as pooled, as AdaKV does);
+// random's are uniform in [0, 1) in every head; knorm's (negative key norms, no common scale) go
+// through a softmax over each head first. Ties go to the lower head, then the lower position;
+// NaN scores last. The result is ragged (counts per head, sum H * B, each in [1, S]); alpha = 1
+// gives exactly the uniform selection. See ValidateSpec for the policies it applies to.
 absl::StatusOr<TokenSelection> SelectTokens(const LayerInput& in, const CompressionSpec& spec);
 
 // Channel selection per KV head on the kept tokens that will be pruned: all but the most recent
@@ -67,7 +96,8 @@ absl::StatusOr<TokenSelection> SelectTokens(const LayerInput& in, const Compress
 //   score_v[c] = sum over the group's query rows of (P[:, pruned] V[pruned, c])^2,
 //   P = causal softmax of Q_obs K_kept^T / sqrt(D) over all kept tokens.
 // Ties go to the lower channel; indices ascending. `tokens` must match the input (heads, budget,
-// ascending positions < S), else INVALID_ARGUMENT naming "tokens.*".
+// ascending positions < S; ragged: counts of size H, each in [1, S], summing to positions.size()),
+// else INVALID_ARGUMENT naming "tokens.*". A ragged selection prunes each head on its own count.
 absl::StatusOr<ChannelSelection> SelectChannels(const LayerInput& in, const TokenSelection& tokens,
                                                 const CompressionSpec& spec);
 

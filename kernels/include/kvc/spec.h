@@ -44,6 +44,13 @@ struct EvictionSpec {
   PoolKind pool = PoolKind::kMax;  // snapkv
   double tau = 1.0;                // keyformer temperature, > 0
   uint64_t seed = 0;               // keyformer Gumbel noise, random
+
+  // Head-adaptive budgets (AdaKV): the layer's H * B tokens go where the scores are high, each
+  // head keeping at least its protected tokens plus its top floor(adaptive_floor * B); see
+  // SelectTokens (kvc/selection.h). Only for scoring policies (h2o, snapkv, keyformer, knorm,
+  // random) at per-head granularity. adaptive_floor = 1 gives the uniform selection.
+  bool adaptive = false;
+  double adaptive_floor = 0.2;  // alpha, [0, 1]
 };
 
 struct ChannelSpec {
@@ -72,7 +79,9 @@ struct CompressionSpec {
 // "eviction.budget: 5000 exceeds seq_len 4096" or "channels.key_lambda: 1.5 is outside [0, 1)".
 // Rejects: unknown enum values; budget or layer_budgets entries < 0 or > seq_len; keep_ratio
 // outside (0, 1]; sink_tokens < 0; recent_fraction NaN or > 1; pool_kernel even or < 1; tau not
-// finite and > 0; h2o/snapkv/keyformer, think and prune_values with obs_window 0; lambdas outside
+// finite and > 0; adaptive with a policy that has no scores (none, streaming) or with per-layer
+// granularity; adaptive_floor NaN or outside [0, 1] (checked only when adaptive);
+// h2o/snapkv/keyformer, think and prune_values with obs_window 0; lambdas outside
 // [0, 1); quant.bits not in {0, 2, 4, 8}; recent_tokens < 0; layer_index < 0.
 absl::Status ValidateSpec(const CompressionSpec& spec, const LayerShape& shape, int layer_index);
 
@@ -96,7 +105,8 @@ std::vector<std::string> ChannelPolicyNames();
 //   POLICY@BUDGET[,key=value...] eviction keeping BUDGET >= 1 tokens per KV head
 //       keys: sink=N (sink_tokens), recent=F (recent_fraction), kernel=N (pool_kernel),
 //             pool=max|avg, tau=F, seed=N, layer=0|1 (per-layer granularity),
-//             lb=B0/B1/... (layer_budgets)
+//             lb=B0/B1/... (layer_budgets), ada=ALPHA (head-adaptive budgets with
+//             adaptive_floor ALPHA in [0, 1])
 //   think:L | l1:L | l2:L        key channel pruning, L = fraction pruned in [0, 1)
 //   vthink:L                     value channel pruning (prune_values, value_lambda = L)
 //   qB[gG]                       quantization to B in {2, 4, 8} bits, group size G
