@@ -46,7 +46,7 @@ else
 fi
 echo "visible GPUs: ${gpus}"
 
-for b in kvc_gpu_backend_test kvc_gpu_decode_test kvc_gpu_bench kvc_gpu_nccl_test; do
+for b in kvc_gpu_backend_test kvc_gpu_decode_test kvc_gpu_adaptive_test kvc_gpu_bench kvc_gpu_nccl_test; do
   if [[ ! -x "${bin}/${b}" ]]; then
     echo "missing ${bin}/${b}: build it first (tests/gpu/README.md)"
     exit 1
