@@ -431,5 +431,25 @@ TEST(ScoreExtraTest, PolicyNamesAndParsing) {
   EXPECT_EQ(EffectiveValueWeight(e), ValueWeight::kOff);
 }
 
+TEST(ScoreExtraTest, SpecStringKeys) {
+  for (const char* text : {"keydiff:0.25", "expected:0.5", "expected:0.25,horizon=32,stats=1",
+                           "h2o:0.5,value=mul", "snapkv:0.25,value=add,veps=0.1",
+                           "expected:0.5,value=off", "keyformer:0.5,value=mul+q4"}) {
+    absl::StatusOr<CompressionSpec> s = ParseSpecString(text);
+    ASSERT_TRUE(s.ok()) << text << ": " << s.status();
+    EXPECT_EQ(SpecString(*s), text);
+  }
+  absl::StatusOr<CompressionSpec> s = ParseSpecString("expected:0.5,value=add,veps=0,horizon=7");
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->eviction.policy, EvictionPolicy::kExpectedAttention);
+  EXPECT_EQ(s->eviction.value_weight, ValueWeight::kAdd);
+  EXPECT_EQ(s->eviction.value_eps, 0.0);
+  EXPECT_EQ(s->eviction.horizon, 7);
+  for (const char* bad : {"h2o:0.5,value=", "h2o:0.5,value=times", "h2o:0.5,veps=-1",
+                          "h2o:0.5,veps=inf", "expected:0.5,horizon=0", "expected:0.5,stats=2"}) {
+    EXPECT_FALSE(ParseSpecString(bad).ok()) << bad;
+  }
+}
+
 }  // namespace
 }  // namespace kvc
