@@ -60,6 +60,7 @@ for b in kvc_gpu_backend_test kvc_gpu_bench kvc_gpu_nccl_test; do
 done
 
 run_step "CUDA backend vs CPU oracle" 300 "${bin}/kvc_gpu_backend_test" --gtest_color=no
+run_step "CUDA extra scores vs CPU" 300 "${bin}/kvc_gpu_score_extra_test" --gtest_color=no
 if (( gpus >= 2 )); then
   run_step "NCCL data path (2 GPUs)" 120 "${bin}/kvc_gpu_nccl_test" --gtest_color=no
 else
