@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
 #include "kvc/status_macros.h"
 
 namespace kvc::fidelity {
@@ -67,6 +68,8 @@ LayerInput PrefixCache::Input(int layer) const {
   in.k = layers[layer].k.data();
   in.v = layers[layer].v.data();
   in.q_obs = obs_window > 0 ? layers[layer].q.data() : nullptr;
+  in.rope = &rope;
+  in.q_stats = q_stats.empty() ? nullptr : q_stats[layer].data();
   return in;
 }
 
@@ -100,6 +103,12 @@ absl::Status FidelityEval::Prepare() {
   const model::LlamaConfig& c = model_->config();
   const int p = options_.prefix_len, n_cont = options_.continuation, w = options_.obs_window;
   const int hd = c.head_dim(), vocab = c.vocab_size;
+  RopeParams rope;
+  rope.half_split = model_->rope_pairs() == model::RopePairs::kHalfSplit;
+  // Per sequence, layer and query head: sum of the un-rotated queries and of their outer
+  // products over the whole prefix, for leave-one-out calibration statistics.
+  const size_t per_head = hd + static_cast<size_t>(hd) * hd;
+  std::vector<std::vector<double>> sums;
   for (int i = 0; i < options_.num_sequences; ++i) {
     model::Sampler sampler(options_.temperature, options_.seed + static_cast<uint64_t>(i));
     ASSIGN_OR_RETURN(std::vector<int32_t> seq,
@@ -127,6 +136,23 @@ absl::Status FidelityEval::Prepare() {
     prefix.num_q_heads = c.n_heads;
     prefix.head_dim = hd;
     prefix.layers = std::move(fwd.layers);
+    prefix.rope = rope;
+    std::vector<double>& sum = sums.emplace_back(c.n_layers * c.n_heads * per_head, 0.0);
+    std::vector<float> q(hd);
+    for (int l = 0; l < c.n_layers; ++l) {
+      for (int h = 0; h < c.n_heads; ++h) {
+        double* acc = &sum[(static_cast<size_t>(l) * c.n_heads + h) * per_head];
+        for (int t = 0; t < p; ++t) {
+          const float* src = &prefix.layers[l].q[(static_cast<size_t>(h) * p + t) * hd];
+          std::copy(src, src + hd, q.begin());
+          RotateVector(rope, hd, -t, q.data());
+          for (int a = 0; a < hd; ++a) {
+            acc[a] += q[a];
+            for (int b = 0; b < hd; ++b) acc[hd + a * hd + b] += static_cast<double>(q[a]) * q[b];
+          }
+        }
+      }
+    }
     for (model::LayerProjections& layer : prefix.layers) {
       std::vector<float> q_obs(static_cast<size_t>(c.n_heads) * w * hd);
       for (int h = 0; h < c.n_heads; ++h) {
@@ -141,6 +167,32 @@ absl::Status FidelityEval::Prepare() {
     ref_logp_.push_back(std::move(logp));
     ref_top1_.push_back(std::move(top1));
     ref_attn_.push_back(std::move(attn));
+  }
+  // Leave-one-out: sequence i gets the mean and covariance over the other sequences' prefixes
+  // (its own when it is the only one).
+  const int n = options_.num_sequences;
+  for (int i = 0; i < n; ++i) {
+    const double count = static_cast<double>(n > 1 ? n - 1 : 1) * p;
+    PrefixCache& prefix = prefixes_[i];
+    prefix.q_stats.assign(c.n_layers, std::vector<float>(c.n_heads * per_head));
+    for (int l = 0; l < c.n_layers; ++l) {
+      for (int h = 0; h < c.n_heads; ++h) {
+        const size_t at = (static_cast<size_t>(l) * c.n_heads + h) * per_head;
+        std::vector<double> s(per_head, 0.0);
+        for (int j = 0; j < n; ++j) {
+          if (j == i && n > 1) continue;
+          for (size_t e = 0; e < per_head; ++e) s[e] += sums[j][at + e];
+        }
+        float* out = &prefix.q_stats[l][static_cast<size_t>(h) * per_head];
+        for (int a = 0; a < hd; ++a) out[a] = static_cast<float>(s[a] / count);
+        for (int a = 0; a < hd; ++a) {
+          for (int b = 0; b < hd; ++b) {
+            out[hd + a * hd + b] =
+                static_cast<float>(s[hd + a * hd + b] / count - s[a] / count * (s[b] / count));
+          }
+        }
+      }
+    }
   }
   return absl::OkStatus();
 }
@@ -264,6 +316,35 @@ std::vector<SweepEntry> DefaultSweep(int quant_group) {
     e.spec.channels.key_policy = ChannelPolicy::kThink;
     e.spec.channels.key_lambda = lambda;
     out.push_back(e);
+  }
+  // Value-aware, expected-attention and query-agnostic scores (issue 11). Labels are spec
+  // strings; "stats=1" rows read calibration statistics instead of the observation queries.
+  for (double ratio : {0.5, 0.25}) {
+    for (const char* base : {"h2o", "snapkv", "keyformer"}) {
+      for (const char* weight : {"mul", "add"}) {
+        SweepEntry e;
+        e.family = "scores";
+        e.policy = base;
+        e.keep_ratio = ratio;
+        e.spec.eviction.policy = *ParseEvictionPolicy(base);
+        e.spec.eviction.keep_ratio = ratio;
+        e.spec.eviction.value_weight = *ParseValueWeight(weight);
+        e.label = SpecString(e.spec);
+        out.push_back(e);
+      }
+    }
+    for (const char* extra : {"expected:%s", "expected:%s,stats=1", "keydiff:%s"}) {
+      absl::StatusOr<CompressionSpec> spec =
+          ParseSpecString(absl::StrReplaceAll(extra, {{"%s", absl::StrCat(ratio)}}));
+      if (!spec.ok()) continue;
+      SweepEntry e;
+      e.family = "scores";
+      e.policy = std::string(PolicyName(spec->eviction.policy));
+      e.keep_ratio = ratio;
+      e.spec = *spec;
+      e.label = SpecString(e.spec);
+      out.push_back(e);
+    }
   }
   for (int bits : {4, 2}) {
     SweepEntry e;

@@ -42,6 +42,11 @@ struct PrefixCache {
   int num_q_heads = 0;
   int head_dim = 0;
   std::vector<model::LayerProjections> layers;
+  RopeParams rope;  // the model's RoPE (expected attention)
+  // Per layer, calibration statistics of the un-rotated queries of the *other* sequences' whole
+  // prefixes (leave-one-out), float32 [Hq, D + D*D] (TENSOR_Q_STATS): what an engine could send
+  // without this request's queries.
+  std::vector<std::vector<float>> q_stats;
 
   // Views for Backend::Compress (fp32, HND); valid while this object lives.
   LayerInput Input(int layer) const;
