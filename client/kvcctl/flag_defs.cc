@@ -22,7 +22,7 @@ ABSL_FLAG(std::string, value_weight, "",
           "mul, add");
 ABSL_FLAG(double, value_eps, -1, "value weighting floor, >= 0; -1 = server default (0.02)");
 ABSL_FLAG(int64_t, horizon, 0,
-          "expected: query statistics rotated to the next N positions; 0 = server default (128)");
+          "expected: query statistics rotated to the next N positions; 0 = server default (1)");
 ABSL_FLAG(double, ratio, 0, "fraction of tokens kept per KV head, (0, 1]; 0 = unset");
 ABSL_FLAG(int64_t, budget, 0, "tokens kept per KV head (wins over --ratio); 0 = unset");
 ABSL_FLAG(std::string, key_policy, "",
