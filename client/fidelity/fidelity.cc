@@ -317,7 +317,16 @@ std::vector<SweepEntry> DefaultSweep(int quant_group) {
     e.spec.channels.key_lambda = lambda;
     out.push_back(e);
   }
-  // Value-aware, expected-attention and query-agnostic scores (issue 11). Labels are spec
+  for (int bits : {4, 2}) {
+    SweepEntry e;
+    e.family = "quant";
+    e.policy = "none";
+    e.label = absl::StrFormat("quant%d/g%d", bits, quant_group);
+    e.spec.quant.bits = bits;
+    e.spec.quant.group_size = quant_group;
+    out.push_back(e);
+  }
+  // Value-aware, expected-attention and query-agnostic scores. Labels are spec
   // strings; "stats=1" rows read calibration statistics instead of the observation queries.
   for (double ratio : {0.5, 0.25}) {
     for (const char* base : {"h2o", "snapkv", "keyformer"}) {
@@ -345,15 +354,6 @@ std::vector<SweepEntry> DefaultSweep(int quant_group) {
       e.label = SpecString(e.spec);
       out.push_back(e);
     }
-  }
-  for (int bits : {4, 2}) {
-    SweepEntry e;
-    e.family = "quant";
-    e.policy = "none";
-    e.label = absl::StrFormat("quant%d/g%d", bits, quant_group);
-    e.spec.quant.bits = bits;
-    e.spec.quant.group_size = quant_group;
-    out.push_back(e);
   }
   return out;
 }

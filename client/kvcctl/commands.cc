@@ -132,9 +132,9 @@ absl::Status BuildUpload(const StFile& file, pb::PutCacheHeader* header,
   }
   for (const StTensor& t : file.tensors) {
     if (used.count(t.name) == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "file: unexpected tensor '", t.name,
-          "' (expected layer.{l}.k/.v/.q_obs/.q_stats, l = 0..)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("file: unexpected tensor '", t.name,
+                       "' (expected layer.{l}.k/.v/.q_obs/.q_stats, l = 0..)"));
     }
   }
   absl::StatusOr<DType> dtype = ToDType(k0->dtype);
@@ -154,9 +154,7 @@ absl::Status BuildUpload(const StFile& file, pb::PutCacheHeader* header,
   s->set_seq_len(static_cast<uint32_t>(k0->shape[1]));
   s->set_head_dim(static_cast<uint32_t>(k0->shape[2]));
   const StTensor* st0 = file.Find("layer.0.q_stats");
-  s->set_num_q_heads(static_cast<uint32_t>(q0    ? q0->shape[0]
-                                           : st0 ? st0->shape[0]
-                                                 : k0->shape[0]));
+  s->set_num_q_heads(static_cast<uint32_t>(q0 ? q0->shape[0] : st0 ? st0->shape[0] : k0->shape[0]));
   header->mutable_compression()->mutable_eviction()->set_query_stats(st0 != nullptr);
   s->set_obs_window(static_cast<uint32_t>(q0 ? q0->shape[1] : 0));
   return absl::OkStatus();

@@ -173,8 +173,8 @@ absl::StatusOr<TensorSizes> SizesFromHeader(const PutHeader& h) {
                                                             {"head_dim+head_dim^2", d + d * d},
                                                             {"float_bytes", 4}}));
     if (stats > kLimit) {
-      return absl::InvalidArgumentError(absl::StrCat("header.shape: Q_stats of ", stats,
-                                                     " bytes is over the limit of ", kLimit));
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.shape: Q_stats of ", stats, " bytes is over the limit of ", kLimit));
     }
   }
   return TensorSizes{kv, q, stats};

@@ -57,7 +57,8 @@ ExpectedStats ComputeExpectedStats(const LayerInput& in, const EvictionSpec& spe
     for (int qh = 0; qh < Hq; ++qh) {
       const float* src = in.q_stats + qh * per;
       std::copy_n(src, D, st.mean.data() + static_cast<size_t>(qh) * D);
-      std::copy_n(src + D, static_cast<size_t>(D) * D, st.cov.data() + static_cast<size_t>(qh) * D * D);
+      std::copy_n(src + D, static_cast<size_t>(D) * D,
+                  st.cov.data() + static_cast<size_t>(qh) * D * D);
     }
   } else {
     std::vector<float> q(static_cast<size_t>(g) * W * D);
@@ -160,8 +161,8 @@ void ExpectedScoreHead(const LayerInput& in, const ExpectedStats& stats, int h, 
       const float* mu = stats.mean.data() + static_cast<size_t>(qh) * D;
       const float* cov = stats.cov.data() + static_cast<size_t>(qh) * D * D;
       // kc = K cov (cov is symmetric up to rounding; K cov^T is what k^T cov k needs either way).
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, D, D, 1.0f, k, D, cov, D, 0.0f,
-                  kc, D);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, D, D, 1.0f, k, D, cov, D, 0.0f, kc,
+                  D);
       float* zi = z + static_cast<size_t>(i) * S + c0;
       for (int j = 0; j < n; ++j) {
         const float* kj = k + static_cast<size_t>(j) * D;

@@ -77,10 +77,8 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
     return Invalid("eviction.value_weight",
                    absl::StrCat("unknown value ", static_cast<int>(e.value_weight)));
   }
-  const bool weighted =
-      e.value_weight == ValueWeight::kMul || e.value_weight == ValueWeight::kAdd;
-  if (weighted && !NeedsObservation(e.policy) &&
-      e.policy != EvictionPolicy::kExpectedAttention) {
+  const bool weighted = e.value_weight == ValueWeight::kMul || e.value_weight == ValueWeight::kAdd;
+  if (weighted && !NeedsObservation(e.policy) && e.policy != EvictionPolicy::kExpectedAttention) {
     return Invalid("eviction.value_weight",
                    absl::StrCat(std::string(ValueWeightName(e.value_weight)), " applies to ",
                                 "h2o, snapkv, keyformer and expected, not ",
@@ -95,8 +93,7 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
                    absl::StrCat("query statistics are read only by expected, not ",
                                 std::string(PolicyName(e.policy))));
   }
-  if (e.policy == EvictionPolicy::kExpectedAttention && shape.obs_window == 0 &&
-      !e.query_stats) {
+  if (e.policy == EvictionPolicy::kExpectedAttention && shape.obs_window == 0 && !e.query_stats) {
     return Invalid("eviction.query_stats",
                    "expected needs query statistics from the client when shape.obs_window is 0");
   }
@@ -226,12 +223,12 @@ std::string_view ValueWeightName(ValueWeight w) {
 absl::StatusOr<ValueWeight> ParseValueWeight(std::string_view name) {
   const std::string n = absl::AsciiStrToLower(std::string(name));
   if (n.empty()) return ValueWeight::kAuto;
-  for (ValueWeight w : {ValueWeight::kAuto, ValueWeight::kOff, ValueWeight::kMul,
-                        ValueWeight::kAdd}) {
+  for (ValueWeight w :
+       {ValueWeight::kAuto, ValueWeight::kOff, ValueWeight::kMul, ValueWeight::kAdd}) {
     if (n == ValueWeightName(w)) return w;
   }
-  return Invalid("eviction.value_weight",
-                 absl::StrCat("unknown '", std::string(name), "' (expected auto, off, mul or add)"));
+  return Invalid("eviction.value_weight", absl::StrCat("unknown '", std::string(name),
+                                                       "' (expected auto, off, mul or add)"));
 }
 
 ValueWeight EffectiveValueWeight(const EvictionSpec& e) {

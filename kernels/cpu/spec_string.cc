@@ -160,8 +160,8 @@ absl::Status SetStats(absl::string_view v, EvictionSpec& e) {
 }
 
 constexpr EvictionKey kEvictionKeys[] = {
-    {"sink", SetSink}, {"recent", SetRecent}, {"kernel", SetKernel}, {"pool", SetPool},
-    {"tau", SetTau},   {"seed", SetSeed},     {"layer", SetLayer},   {"lb", SetLayerBudgets},
+    {"sink", SetSink},   {"recent", SetRecent}, {"kernel", SetKernel},   {"pool", SetPool},
+    {"tau", SetTau},     {"seed", SetSeed},     {"layer", SetLayer},     {"lb", SetLayerBudgets},
     {"value", SetValue}, {"veps", SetValueEps}, {"horizon", SetHorizon}, {"stats", SetStats},
 };
 

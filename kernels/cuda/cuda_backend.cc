@@ -11,11 +11,11 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "cpu/score_extra.h"
 #include "cuda/compress_plan.h"
 #include "cuda/kernels.h"
 #include "cuda/resources.h"
 #include "cuda/score_extra_kernels.h"
-#include "cpu/score_extra.h"
 #include "kvc/status_macros.h"
 
 namespace kvc::cuda {
@@ -120,8 +120,14 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
       plan.needs_attention_scores ? sizeof(float) * static_cast<size_t>(hq) * block_rows * s : 0);
   const size_t o_scores = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
   // Expected logits [Hq, S], value norms [Hkv, S], KeyDiff's mean keys [Hkv, D].
-  const size_t o_extra = arena.Add(sizeof(float) * std::max(static_cast<size_t>(hq) * s,
-                                                            KeyDiffScratchFloats(hkv, d)));
+  const ValueWeight value_weight = EffectiveValueWeight(spec.eviction);
+  const bool weighted = value_weight == ValueWeight::kMul || value_weight == ValueWeight::kAdd;
+  size_t extra_floats = weighted ? static_cast<size_t>(hkv) * s : 0;
+  if (expected) extra_floats = std::max(extra_floats, static_cast<size_t>(hq) * s);
+  if (spec.eviction.policy == EvictionPolicy::kKeyDiff) {
+    extra_floats = std::max(extra_floats, KeyDiffScratchFloats(hkv, d));
+  }
+  const size_t o_extra = arena.Add(sizeof(float) * extra_floats);
   const size_t o_pooled = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
   const size_t o_pos = arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * b);
   const size_t o_kidx = arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * plan.key_channels);
@@ -220,19 +226,18 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
       KVC_CUDA_RETURN_IF_ERROR(
           LaunchExpectedLogits(et, dk, kvs, hq, hkv, s, d, mean, cov, logits, st),
           "expected logits");
-      KVC_CUDA_RETURN_IF_ERROR(LaunchSoftmaxRows(logits, hq, 1, QueryRows{0, 1}, s, false, 0, 0,
-                                                 1.0f, st),
-                               "expected softmax");
+      KVC_CUDA_RETURN_IF_ERROR(
+          LaunchSoftmaxRows(logits, hq, 1, QueryRows{0, 1}, s, false, 0, 0, 1.0f, st),
+          "expected softmax");
       KVC_CUDA_RETURN_IF_ERROR(
           LaunchGroupColumnSum(logits, hq, hkv, 1, s, /*accumulate=*/false, scores, st),
           "expected group average");
       break;
     }
   }
-  if (const ValueWeight vw = EffectiveValueWeight(e);
-      vw == ValueWeight::kMul || vw == ValueWeight::kAdd) {
+  if (weighted) {
     KVC_CUDA_RETURN_IF_ERROR(
-        LaunchValueWeight(et, dv, kvs, hkv, s, d, static_cast<int>(vw),
+        LaunchValueWeight(et, dv, kvs, hkv, s, d, static_cast<int>(value_weight),
                           static_cast<float>(e.value_eps), arena.At<float>(o_extra), final_scores,
                           st),
         "value weighting");

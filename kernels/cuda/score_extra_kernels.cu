@@ -67,8 +67,8 @@ __global__ void KeyDiffScoreKernel(const typename E::T* __restrict__ k, Strides 
   const int h = static_cast<int>(w / seq_len), j = static_cast<int>(w % seq_len);
   float dot = 0.f;
   for (int c = lane; c < head_dim; c += 32) {
-    dot = fmaf(E::Load(k, h * ks.head + j * ks.token + c), unit[static_cast<size_t>(h) * head_dim + c],
-               dot);
+    dot = fmaf(E::Load(k, h * ks.head + j * ks.token + c),
+               unit[static_cast<size_t>(h) * head_dim + c], dot);
   }
   dot = WarpSum(dot);
   if (lane == 0) {
@@ -102,14 +102,15 @@ __global__ void ExpectedLogitsKernel(const typename E::T* __restrict__ k, Stride
   for (int a = lane; a < head_dim; a += 32) {
     lin = fmaf(kv[a], mu[a], lin);
     float t = 0.f;
-    for (int b = 0; b < head_dim; ++b) t = fmaf(sg[static_cast<size_t>(b) * head_dim + a], kv[b], t);
+    for (int b = 0; b < head_dim; ++b)
+      t = fmaf(sg[static_cast<size_t>(b) * head_dim + a], kv[b], t);
     quad = fmaf(kv[a], t, quad);
   }
   lin = WarpSum(lin);
   quad = WarpSum(quad);
   if (lane == 0) {
-    logits[w] = lin * rsqrtf(static_cast<float>(head_dim)) +
-                quad / (2.0f * static_cast<float>(head_dim));
+    logits[w] =
+        lin * rsqrtf(static_cast<float>(head_dim)) + quad / (2.0f * static_cast<float>(head_dim));
   }
 }
 
@@ -144,8 +145,8 @@ cudaError_t LaunchKeyDiffScores(ElemType dtype, const void* k, Strides ks, int n
     RowNormKernel<E><<<BlocksFor(threads, kThreads), kThreads, 0, stream>>>(
         kp, ks, num_kv_heads, seq_len, head_dim, scores);
     KVC_CUDA_CALL(LastLaunchError());
-    KeyDiffMeanKernel<E><<<num_kv_heads, 256, 0, stream>>>(kp, ks, seq_len, head_dim, scores,
-                                                           scratch);
+    KeyDiffMeanKernel<E>
+        <<<num_kv_heads, 256, 0, stream>>>(kp, ks, seq_len, head_dim, scores, scratch);
     KVC_CUDA_CALL(LastLaunchError());
     KeyDiffScoreKernel<E><<<BlocksFor(threads, kThreads), kThreads, 0, stream>>>(
         kp, ks, num_kv_heads, seq_len, head_dim, scratch, scores);

@@ -157,7 +157,8 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   spec.eviction.value_weight = *value_weight;
   if (e.has_value_eps()) spec.eviction.value_eps = e.value_eps();
   if (e.has_horizon()) {
-    if (e.horizon() > (1u << 30)) return Invalid("header.compression.eviction.horizon", "too large");
+    if (e.horizon() > (1u << 30))
+      return Invalid("header.compression.eviction.horizon", "too large");
     spec.eviction.horizon = static_cast<int>(e.horizon());
   }
   spec.eviction.query_stats = e.query_stats();
@@ -205,11 +206,11 @@ absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& s, DType dtype, bo
                                             {"dtype_bytes", es}}));
   if (query_stats) {
     const uint64_t d = static_cast<uint64_t>(s.head_dim);
-    ASSIGN_OR_RETURN(b.q_stats,
-                     CheckedProduct("header.shape", {{"num_q_heads", static_cast<uint64_t>(
-                                                                         s.num_q_heads)},
-                                                     {"head_dim+head_dim^2", d + d * d},
-                                                     {"float_bytes", 4}}));
+    ASSIGN_OR_RETURN(
+        b.q_stats,
+        CheckedProduct("header.shape", {{"num_q_heads", static_cast<uint64_t>(s.num_q_heads)},
+                                        {"head_dim+head_dim^2", d + d * d},
+                                        {"float_bytes", 4}}));
   }
   return b;
 }

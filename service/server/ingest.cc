@@ -102,8 +102,8 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
   if (h.has_rope()) {
     auto r = RopeFromProto(h.rope(), shape->head_dim);
     if (!r.ok()) {
-      return invalid(absl::InvalidArgumentError(
-          absl::StrCat("header.", std::string(r.status().message()))));
+      return invalid(
+          absl::InvalidArgumentError(absl::StrCat("header.", std::string(r.status().message()))));
     }
     rope = *r;
   } else if (spec->eviction.policy == EvictionPolicy::kExpectedAttention) {
@@ -118,10 +118,10 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
   const uint64_t total = *upload_bytes;
   if (total > limits_.max_cache_bytes) {
     return Reject(RejectReason::kTooLarge,
-                  absl::ResourceExhaustedError(absl::StrCat(
-                      "header.shape: the upload is ", total, " bytes (K + V + Q_obs",
-                      query_stats ? " + Q_stats" : "", "), over the ",
-                      "limit of ", limits_.max_cache_bytes, " bytes per cache")));
+                  absl::ResourceExhaustedError(
+                      absl::StrCat("header.shape: the upload is ", total, " bytes (K + V + Q_obs",
+                                   query_stats ? " + Q_stats" : "", "), over the ", "limit of ",
+                                   limits_.max_cache_bytes, " bytes per cache")));
   }
   if (!h.overwrite() && store_->Peek(store_id).ok()) {
     return Reject(RejectReason::kExists,
@@ -206,8 +206,9 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
       break;
     case kvcache::v1::TENSOR_Q_STATS:
       if (!spec_.eviction.query_stats) {
-        return invalid("chunk.tensor: TENSOR_Q_STATS sent but header.compression.eviction."
-                       "query_stats is not set");
+        return invalid(
+            "chunk.tensor: TENSOR_Q_STATS sent but header.compression.eviction."
+            "query_stats is not set");
       }
       t = 3;
       break;
@@ -354,9 +355,9 @@ void Upload::CompressLayer(int index) {
     std::memcpy(q_stats.data(), layer.tensor[3].get(), tensor_bytes_[3]);
     for (size_t i = 0; i < q_stats.size(); ++i) {
       if (!std::isfinite(q_stats[i])) {
-        stats_error = absl::InvalidArgumentError(absl::StrCat(
-            "chunk: layer ", index, " tensor Q_stats: entry ", i, " (", q_stats[i],
-            ") is not finite"));
+        stats_error = absl::InvalidArgumentError(absl::StrCat("chunk: layer ", index,
+                                                              " tensor Q_stats: entry ", i, " (",
+                                                              q_stats[i], ") is not finite"));
         break;
       }
     }

@@ -76,8 +76,8 @@ class Upload : public std::enable_shared_from_this<Upload> {
   // Drops everything; pending jobs discard their results. Safe to call more than once.
   void Abort();
 
-  // K + V + Q_obs (+ Q_stats) bytes the accepted header declares (0 before OnHeader succeeded): what the
-  // upload may stage.
+  // K + V + Q_obs (+ Q_stats) bytes the accepted header declares (0 before OnHeader succeeded):
+  // what the upload may stage.
   uint64_t declared_bytes() const { return declared_bytes_; }
   // Holds `r` (the staging reserved for this upload) until the cache is in the store or the
   // upload is destroyed, so its bytes are given back once the staging is freed.
@@ -97,7 +97,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
     bool Add(uint64_t begin, uint64_t end);
   };
   struct LayerState {
-    BufferPool::Buffer tensor[4];  // K, V, Q_obs, Q_stats staging (acquired on first chunk)
+    BufferPool::Buffer tensor[4];          // K, V, Q_obs, Q_stats staging (acquired on first chunk)
     std::optional<InPlaceLayer> in_place;  // instead of staging when in_place_ (first K/V chunk)
     double place_seconds = 0;              // copying chunks into in_place and hashing them
     // Checksum progress of an in-place layer: written by the reactor thread as chunks land,

@@ -69,7 +69,7 @@ TEST(SweepTest, QuantGroupDefaultsAndMustDivideHeadDim) {
 
 TEST(SweepTest, DefaultSweepCoversPoliciesThinkAndQuant) {
   const std::vector<SweepEntry> sweep = DefaultSweep(8);
-  ASSERT_EQ(sweep.size(), 6u * 4 + 2 + 2);
+  ASSERT_EQ(sweep.size(), 6u * 4 + 2 + 2 + 2 * (3 * 2 + 3));
   EXPECT_EQ(sweep[0].label, "streaming@1.00");
   EXPECT_EQ(sweep[23].label, "random@0.25");
   EXPECT_EQ(sweep[24].label, "snapkv@0.50+think0.25");
@@ -77,6 +77,8 @@ TEST(SweepTest, DefaultSweepCoversPoliciesThinkAndQuant) {
   EXPECT_EQ(sweep[27].label, "quant2/g8");
   EXPECT_EQ(sweep[27].spec.quant.group_size, 8);
   EXPECT_EQ(sweep[27].spec.eviction.policy, EvictionPolicy::kNone);
+  EXPECT_EQ(sweep[28].label, "h2o:0.5,value=mul");
+  EXPECT_EQ(sweep.back().label, "keydiff:0.25");
 }
 
 std::vector<SweepResult> SampleResults() {

@@ -115,19 +115,23 @@ TEST_P(GpuScoreExtra, KeptSetsMatchTheCpuUpToTies) {
 
 std::vector<Case> Cases() {
   std::vector<Case> out;
-  const std::vector<std::string> specs = {
-      "keydiff:0.25",          "keydiff:0.5,recent=0.2",       "expected:0.25",
-      "expected:0.5,value=off", "expected:0.25,horizon=16,value=add",
-      "h2o:0.25,value=mul",    "snapkv:0.25,value=add,veps=0.1", "keyformer:0.5,value=mul,seed=3",
-      "expected:0.25,stats=1"};
-  const std::vector<LayerShape> shapes = {{2, 8, 300, 64, 16}, {4, 8, 1500, 128, 32},
-                                          {1, 4, 97, 40, 0},   {8, 32, 2100, 128, 0}};
+  const std::vector<std::string> specs = {"keydiff:0.25",
+                                          "keydiff:0.5,recent=0.2",
+                                          "expected:0.25",
+                                          "expected:0.5,value=off",
+                                          "expected:0.25,horizon=16,value=add",
+                                          "h2o:0.25,value=mul",
+                                          "snapkv:0.25,value=add,veps=0.1",
+                                          "keyformer:0.5,value=mul,seed=3",
+                                          "expected:0.25,stats=1"};
+  const std::vector<LayerShape> shapes = {
+      {2, 8, 300, 64, 16}, {4, 8, 1500, 128, 32}, {1, 4, 97, 40, 0}, {8, 32, 2100, 128, 0}};
   int n = 0;
   for (const LayerShape& sh : shapes) {
     for (const std::string& sp : specs) {
-      const bool needs_q = sp.rfind("h2o", 0) == 0 || sp.rfind("snapkv", 0) == 0 ||
-                           sp.rfind("keyformer", 0) == 0 ||
-                           (sp.rfind("expected", 0) == 0 && sp.find("stats=1") == std::string::npos);
+      const bool needs_q =
+          sp.rfind("h2o", 0) == 0 || sp.rfind("snapkv", 0) == 0 || sp.rfind("keyformer", 0) == 0 ||
+          (sp.rfind("expected", 0) == 0 && sp.find("stats=1") == std::string::npos);
       if (sh.obs_window == 0 && needs_q) continue;
       const DType dt = n % 3 == 0 ? DType::kF16 : n % 3 == 1 ? DType::kBF16 : DType::kF32;
       const Layout lay = n % 2 == 0 ? Layout::kHND : Layout::kNHD;
@@ -148,13 +152,11 @@ TEST(GpuScoreExtraErrors, MissingRopeOrStatisticsAreInvalidArgument) {
   const Layer layer = RandomLayer({2, 4, 64, 64, 8}, DType::kF16, Layout::kHND, 5);
   LayerInput in = layer.input();
   CompressionSpec spec = *ParseSpecString("expected:0.5");
-  EXPECT_EQ(Gpu()->Compress(in, spec, nullptr).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Gpu()->Compress(in, spec, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
   const RopeParams rope;
   in.rope = &rope;
   spec = *ParseSpecString("expected:0.5,stats=1");
-  EXPECT_EQ(Gpu()->Compress(in, spec, nullptr).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Gpu()->Compress(in, spec, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -16,11 +16,11 @@
 namespace kvc {
 namespace {
 
+using ::testing::HasSubstr;
 using testing::RandomLayer;
 using testing::RandomValues;
 using testing::ReferenceAttentionScores;
 using testing::TestLayer;
-using ::testing::HasSubstr;
 
 // Element (h, s, c) of a layer tensor, as the engine sees it (dtype-rounded).
 double At(const TestLayer& l, const std::vector<uint8_t>& buf, int heads, int tokens, int h, int s,
@@ -322,9 +322,9 @@ TEST(ScoreExtraTest, QueryAgnosticPoliciesWorkWithoutObservationQueries) {
   std::vector<float> q_stats(QueryStatsFloats(shape), 0.0f);
   for (size_t i = 0; i < q_stats.size(); i += 16 + 256) q_stats[i] = 1.0f;
   const RopeParams rope = Llama(true);
-  for (EvictionPolicy p : {EvictionPolicy::kKNorm, EvictionPolicy::kStreaming,
-                           EvictionPolicy::kRandom, EvictionPolicy::kKeyDiff,
-                           EvictionPolicy::kExpectedAttention}) {
+  for (EvictionPolicy p :
+       {EvictionPolicy::kKNorm, EvictionPolicy::kStreaming, EvictionPolicy::kRandom,
+        EvictionPolicy::kKeyDiff, EvictionPolicy::kExpectedAttention}) {
     CompressionSpec spec;
     spec.eviction.policy = p;
     spec.eviction.keep_ratio = 0.25;
@@ -432,9 +432,9 @@ TEST(ScoreExtraTest, PolicyNamesAndParsing) {
 }
 
 TEST(ScoreExtraTest, SpecStringKeys) {
-  for (const char* text : {"keydiff:0.25", "expected:0.5", "expected:0.25,horizon=32,stats=1",
-                           "h2o:0.5,value=mul", "snapkv:0.25,value=add,veps=0.1",
-                           "expected:0.5,value=off", "keyformer:0.5,value=mul+q4"}) {
+  for (const char* text :
+       {"keydiff:0.25", "expected:0.5", "expected:0.25,horizon=32,stats=1", "h2o:0.5,value=mul",
+        "snapkv:0.25,value=add,veps=0.1", "expected:0.5,value=off", "keyformer:0.5,value=mul+q4"}) {
     absl::StatusOr<CompressionSpec> s = ParseSpecString(text);
     ASSERT_TRUE(s.ok()) << text << ": " << s.status();
     EXPECT_EQ(SpecString(*s), text);

@@ -130,10 +130,9 @@ TEST_F(KvcdScoresTest, RoundTripsMatchTheEngineIncludingObsWindowZero) {
   const std::vector<std::vector<float>> stats = Stats(kHq, kD);
   for (Case& c : cases) {
     SCOPED_TRACE(c.name);
-    TestCache cache =
-        testing::MakeTestCache("scores/" + c.name, testing::Shape(kLayers, kHkv, kHq, kD, kS,
-                                                                  c.window),
-                               pb::DTYPE_F16, pb::LAYOUT_HND, 17);
+    TestCache cache = testing::MakeTestCache("scores/" + c.name,
+                                             testing::Shape(kLayers, kHkv, kHq, kD, kS, c.window),
+                                             pb::DTYPE_F16, pb::LAYOUT_HND, 17);
     auto* e = cache.header.mutable_compression()->mutable_eviction();
     e->set_policy(c.policy);
     e->set_keep_ratio(0.25);
@@ -169,10 +168,10 @@ TEST_F(KvcdScoresTest, BadFieldsAreInvalidArgumentNamingThem) {
     grpc::StatusCode code = grpc::StatusCode::INVALID_ARGUMENT;
   };
   const std::vector<Bad> bad = {
-      {"h2o-w0", "obs_window", 0, [](auto& h) { h.mutable_compression()->mutable_eviction()
-                                                    ->set_policy("h2o"); }},
-      {"snapkv-w0", "obs_window", 0, [](auto& h) { h.mutable_compression()->mutable_eviction()
-                                                       ->set_policy("snapkv"); }},
+      {"h2o-w0", "obs_window", 0,
+       [](auto& h) { h.mutable_compression()->mutable_eviction()->set_policy("h2o"); }},
+      {"snapkv-w0", "obs_window", 0,
+       [](auto& h) { h.mutable_compression()->mutable_eviction()->set_policy("snapkv"); }},
       {"expected-no-rope", "header.rope", 8,
        [](auto& h) { h.mutable_compression()->mutable_eviction()->set_policy("expected"); }},
       {"expected-w0-no-stats", "eviction.query_stats", 0,
@@ -243,9 +242,9 @@ TEST_F(KvcdScoresTest, BadFieldsAreInvalidArgumentNamingThem) {
   auto stub = testing::NewStub(kvcd_->address());
   for (const Bad& b : bad) {
     SCOPED_TRACE(b.name);
-    TestCache cache = testing::MakeTestCache(
-        "bad/" + b.name, testing::Shape(1, kHkv, kHq, kD, kS, b.window), pb::DTYPE_F16,
-        pb::LAYOUT_HND, 3);
+    TestCache cache =
+        testing::MakeTestCache("bad/" + b.name, testing::Shape(1, kHkv, kHq, kD, kS, b.window),
+                               pb::DTYPE_F16, pb::LAYOUT_HND, 3);
     b.edit(cache.header);
     std::vector<pb::PutCacheRequest> reqs(1);
     *reqs[0].mutable_header() = cache.header;

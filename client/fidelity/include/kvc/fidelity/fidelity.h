@@ -124,7 +124,9 @@ struct SweepEntry {
 
 // The default sweep: keep ratios {1.0, 0.75, 0.5, 0.25} for every eviction policy but none;
 // ThinK key-channel pruning at lambda 0.25 and 0.5 on top of snapkv keeping 0.5; 4- and 2-bit
-// quantization of all tokens (no eviction) with group size `quant_group`.
+// quantization of all tokens (no eviction) with group size `quant_group`; then, at keep 0.5 and
+// 0.25, value-aware h2o/snapkv/keyformer (mul, add), expected attention from the observation
+// queries and from calibration statistics (stats=1), and keydiff, labelled by spec string.
 std::vector<SweepEntry> DefaultSweep(int quant_group);
 
 }  // namespace kvc::fidelity
