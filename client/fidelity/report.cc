@@ -47,6 +47,19 @@ std::string FormatTable(const std::vector<SweepResult>& results) {
   return out;
 }
 
+namespace {
+
+// RFC 4180: a field with a comma or quote (spec-string labels such as "h2o:0.5,value=mul") is
+// quoted, quotes doubled.
+std::string CsvField(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+}  // namespace
+
 std::string FormatCsv(const std::vector<SweepResult>& results) {
   int layers = 0;
   for (const SweepResult& r : results) {
@@ -61,7 +74,7 @@ std::string FormatCsv(const std::vector<SweepResult>& results) {
     const Metrics& m = r.metrics;
     absl::StrAppend(
         &out,
-        absl::StrFormat("%s,%s,%s,%.4f,%.4f,%d,%d,%.6f,%.6f,%.6e,%.6e,%.6e", r.entry.label,
+        absl::StrFormat("%s,%s,%s,%.4f,%.4f,%d,%d,%.6f,%.6f,%.6e,%.6e,%.6e", CsvField(r.entry.label),
                         r.entry.family, r.entry.policy, r.entry.keep_ratio,
                         r.entry.spec.channels.key_lambda, r.entry.spec.quant.bits, m.steps,
                         m.size_ratio, m.top1_agreement, m.mean_kl, m.max_kl, m.mean_attn_rel_err));
