@@ -141,6 +141,8 @@ LayerInput PrefixCache::Input(int layer) const {
   in.k = l.k.data();
   in.v = l.v.data();
   in.q_obs = obs_window > 0 ? l.q.data() : nullptr;
+  in.rope = &rope;
+  in.q_stats = q_stats ? (*q_stats)[layer].data() : nullptr;
   return in;
 }
 
@@ -191,7 +193,44 @@ absl::Status FidelityEval::Prepare() {
     RETURN_IF_ERROR(PrepareSequence(std::move(seq)));
   }
   options_.given_sequences.clear();  // kept in sequences_
+  SetCalibrationStatistics();
   return absl::OkStatus();
+}
+
+// Leave-one-out: sequence i gets the mean and covariance of the un-rotated queries over the other
+// sequences' prefixes (its own when it is the only one), in every scenario.
+void FidelityEval::SetCalibrationStatistics() {
+  const model::LlamaConfig& c = model_->config();
+  const int n = static_cast<int>(query_sums_.size()), p = options_.prefix_len, hd = c.head_dim();
+  const size_t per_head = hd + static_cast<size_t>(hd) * hd;
+  const double count = static_cast<double>(n > 1 ? n - 1 : 1) * p;
+  for (int i = 0; i < n; ++i) {
+    auto stats = std::make_shared<std::vector<std::vector<float>>>(
+        c.n_layers, std::vector<float>(static_cast<size_t>(c.n_heads) * per_head));
+    std::vector<double> s(per_head);
+    for (int l = 0; l < c.n_layers; ++l) {
+      for (int h = 0; h < c.n_heads; ++h) {
+        const size_t at = (static_cast<size_t>(l) * c.n_heads + h) * per_head;
+        std::fill(s.begin(), s.end(), 0.0);
+        for (int j = 0; j < n; ++j) {
+          if (j == i && n > 1) continue;
+          for (size_t e = 0; e < per_head; ++e) s[e] += query_sums_[j][at + e];
+        }
+        float* out = &(*stats)[l][static_cast<size_t>(h) * per_head];
+        for (int a = 0; a < hd; ++a) out[a] = static_cast<float>(s[a] / count);
+        for (int a = 0; a < hd; ++a) {
+          for (int b = 0; b < hd; ++b) {
+            out[hd + a * hd + b] =
+                static_cast<float>(s[hd + a * hd + b] / count - s[a] / count * (s[b] / count));
+          }
+        }
+      }
+    }
+    inside_[i].q_stats = stats;
+    after_[i].q_stats = stats;
+    after_no_queries_[i].q_stats = stats;
+  }
+  query_sums_.clear();
 }
 
 absl::Status FidelityEval::PrepareSequence(std::vector<int32_t> seq) {
@@ -245,6 +284,7 @@ absl::Status FidelityEval::PrepareSequence(std::vector<int32_t> seq) {
   inside.num_q_heads = c.n_heads;
   inside.head_dim = hd;
   inside.layers = slice(0, p, p - w, w);
+  inside.rope.half_split = model_->rope_pairs() == model::RopePairs::kHalfSplit;
   PrefixCache after = inside, after_no_queries = inside;
   if (p > w) {  // else kAfter is refused by Evaluate
     const int len = p - w, window = std::min(w, len);
@@ -259,6 +299,27 @@ absl::Status FidelityEval::PrepareSequence(std::vector<int32_t> seq) {
     tail.push_back({Rows(lp.q, c.n_heads, total, hd, p - w, w + n_cont),
                     Rows(lp.k, c.n_kv_heads, total, hd, p - w, w + n_cont),
                     Rows(lp.v, c.n_kv_heads, total, hd, p - w, w + n_cont)});
+  }
+
+  // Sums of the un-rotated prefix queries and of their outer products, per layer and query head,
+  // for the leave-one-out calibration statistics (Prepare).
+  const size_t per_head = hd + static_cast<size_t>(hd) * hd;
+  std::vector<double>& sum =
+      query_sums_.emplace_back(static_cast<size_t>(c.n_layers) * c.n_heads * per_head, 0.0);
+  std::vector<float> qu(hd);
+  for (int l = 0; l < c.n_layers; ++l) {
+    for (int h = 0; h < c.n_heads; ++h) {
+      double* acc = &sum[(static_cast<size_t>(l) * c.n_heads + h) * per_head];
+      for (int t = 0; t < p; ++t) {
+        const float* src = &fwd.layers[l].q[(static_cast<size_t>(h) * total + t) * hd];
+        std::copy(src, src + hd, qu.begin());
+        RotateVector(inside.rope, hd, -t, qu.data());
+        for (int a = 0; a < hd; ++a) {
+          acc[a] += qu[a];
+          for (int b = 0; b < hd; ++b) acc[hd + a * hd + b] += static_cast<double>(qu[a]) * qu[b];
+        }
+      }
+    }
   }
 
   sequences_.push_back(std::move(seq));

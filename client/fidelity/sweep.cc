@@ -96,6 +96,8 @@ std::vector<SweepEntry> DefaultSweep(int quant_group) {
       "random:0.25",
       "snapkv:0.5+think:0.25",
       "snapkv:0.5+think:0.5",
+      "q4",
+      "q2",
       // Head-adaptive budgets (AdaKV, floor 0.2).
       "h2o:0.5,ada=0.2",
       "h2o:0.25,ada=0.2",
@@ -103,8 +105,26 @@ std::vector<SweepEntry> DefaultSweep(int quant_group) {
       "snapkv:0.25,ada=0.2",
       "keyformer:0.5,ada=0.2",
       "keyformer:0.25,ada=0.2",
-      "q4",
-      "q2",
+      // Value-aware scores, expected attention (from the observation queries, and from
+      // calibration statistics: stats=1) and KeyDiff.
+      "h2o:0.5,value=mul",
+      "h2o:0.25,value=mul",
+      "h2o:0.5,value=add",
+      "h2o:0.25,value=add",
+      "snapkv:0.5,value=mul",
+      "snapkv:0.25,value=mul",
+      "snapkv:0.5,value=add",
+      "snapkv:0.25,value=add",
+      "keyformer:0.5,value=mul",
+      "keyformer:0.25,value=mul",
+      "keyformer:0.5,value=add",
+      "keyformer:0.25,value=add",
+      "expected:0.5",
+      "expected:0.25",
+      "expected:0.5,stats=1",
+      "expected:0.25,stats=1",
+      "keydiff:0.5",
+      "keydiff:0.25",
   };
   std::vector<SweepEntry> out;
   for (const char* row : kRows) {

@@ -28,6 +28,10 @@ kvcache::v1::CompressionConfig SpecToProto(const CompressionSpec& spec) {
   e->set_seed(spec.eviction.seed);
   e->set_adaptive(spec.eviction.adaptive);
   e->set_adaptive_floor(spec.eviction.adaptive_floor);
+  e->set_value_weight(std::string(ValueWeightName(spec.eviction.value_weight)));
+  e->set_value_eps(spec.eviction.value_eps);
+  e->set_horizon(static_cast<uint32_t>(spec.eviction.horizon));
+  e->set_query_stats(spec.eviction.query_stats);
   auto* ch = c.mutable_channels();
   ch->set_key_policy(std::string(PolicyName(spec.channels.key_policy)));
   ch->set_key_lambda(spec.channels.key_lambda);
@@ -57,10 +61,15 @@ Compressor KvcdCompressor(Client* client, const std::string& id_prefix) {
     header.set_layout(kvcache::v1::LAYOUT_HND);
     *header.mutable_compression() = SpecToProto(spec);
     header.set_overwrite(true);
+    auto* rope = header.mutable_rope();
+    rope->set_theta(prefix.rope.theta);
+    rope->set_rotary_dims(static_cast<uint32_t>(prefix.rope.rotary_dims));
+    rope->set_style(prefix.rope.half_split ? kvcache::v1::ROPE_HALF_SPLIT
+                                           : kvcache::v1::ROPE_INTERLEAVED);
     std::vector<LayerTensors> tensors;
     for (int l = 0; l < prefix.num_layers(); ++l) {
       const LayerInput in = prefix.Input(l);
-      tensors.push_back({in.k, in.v, in.q_obs});
+      tensors.push_back({in.k, in.v, in.q_obs, spec.eviction.query_stats ? in.q_stats : nullptr});
     }
     RETURN_IF_ERROR(client->PutCache(header, tensors).status());
     GetOptions get;

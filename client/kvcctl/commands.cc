@@ -59,6 +59,27 @@ std::string FormatTime(int64_t unix_ms) {
   return buf;
 }
 
+// --rope_pairs, --rope_theta, --rope_dims, --rope_linear as a RopeSpec.
+absl::Status RopeFromFlags(const FlagSet& flags, pb::RopeSpec* rope) {
+  const std::string pairs = flags.GetString("rope_pairs");
+  if (pairs == "interleaved") {
+    rope->set_style(pb::ROPE_INTERLEAVED);
+  } else if (pairs == "half_split") {
+    rope->set_style(pb::ROPE_HALF_SPLIT);
+  } else {
+    return absl::InvalidArgumentError("--rope_pairs: must be interleaved or half_split");
+  }
+  const int64_t dims = flags.GetInt("rope_dims");
+  if (dims < 0 || dims > UINT32_MAX) return absl::InvalidArgumentError("--rope_dims: out of range");
+  rope->set_theta(flags.GetDouble("rope_theta"));
+  rope->set_rotary_dims(static_cast<uint32_t>(dims));
+  if (const double linear = flags.GetDouble("rope_linear"); linear != 0) {
+    rope->set_scaling(pb::ROPE_SCALING_LINEAR);
+    rope->set_scaling_factor(linear);
+  }
+  return absl::OkStatus();
+}
+
 // Maps the safetensors file onto a PutCache header and per-layer views of its tensors.
 absl::Status BuildUpload(const StFile& file, pb::PutCacheHeader* header,
                          std::vector<LayerTensors>* layers) {
@@ -90,13 +111,30 @@ absl::Status BuildUpload(const StFile& file, pb::PutCacheHeader* header,
       return absl::InvalidArgumentError(absl::StrCat(
           "file: ", p, "q_obs must be [Hq, W, D] with layer.0.k's D and dtype, same every layer"));
     }
-    layers->push_back({k->data.data(), v->data.data(), q ? q->data.data() : nullptr});
-    used.insert({p + "k", p + "v", p + "q_obs"});
+    // Optional query statistics for --policy=expected: F32 [Hq, D + D*D] (TENSOR_Q_STATS).
+    const StTensor* st = file.Find(p + "q_stats");
+    const StTensor* st0 = file.Find("layer.0.q_stats");
+    if ((st == nullptr) != (st0 == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("file: ", p, "q_stats must be present in every layer or in none"));
+    }
+    if (st != nullptr) {
+      const int64_t d = k0->shape[2];
+      if (st->dtype != StDType::kF32 || st->shape.size() != 2 || st->shape != st0->shape ||
+          st->shape[1] != d + d * d || (q0 != nullptr && st->shape[0] != q0->shape[0])) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "file: ", p, "q_stats must be F32 [Hq, D + D*D] (mean, covariance), same every layer"));
+      }
+    }
+    layers->push_back({k->data.data(), v->data.data(), q ? q->data.data() : nullptr,
+                       st ? reinterpret_cast<const float*>(st->data.data()) : nullptr});
+    used.insert({p + "k", p + "v", p + "q_obs", p + "q_stats"});
   }
   for (const StTensor& t : file.tensors) {
     if (used.count(t.name) == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "file: unexpected tensor '", t.name, "' (expected layer.{l}.k/.v/.q_obs, l = 0..)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("file: unexpected tensor '", t.name,
+                       "' (expected layer.{l}.k/.v/.q_obs/.q_stats, l = 0..)"));
     }
   }
   absl::StatusOr<DType> dtype = ToDType(k0->dtype);
@@ -115,7 +153,9 @@ absl::Status BuildUpload(const StFile& file, pb::PutCacheHeader* header,
   s->set_num_kv_heads(static_cast<uint32_t>(k0->shape[0]));
   s->set_seq_len(static_cast<uint32_t>(k0->shape[1]));
   s->set_head_dim(static_cast<uint32_t>(k0->shape[2]));
-  s->set_num_q_heads(static_cast<uint32_t>(q0 ? q0->shape[0] : k0->shape[0]));
+  const StTensor* st0 = file.Find("layer.0.q_stats");
+  s->set_num_q_heads(static_cast<uint32_t>(q0 ? q0->shape[0] : st0 ? st0->shape[0] : k0->shape[0]));
+  header->mutable_compression()->mutable_eviction()->set_query_stats(st0 != nullptr);
   s->set_obs_window(static_cast<uint32_t>(q0 ? q0->shape[1] : 0));
   return absl::OkStatus();
 }
@@ -130,6 +170,10 @@ int RunPut(const std::vector<std::string>& args) {
   flags.Use("id");
   flags.Use("ttl");
   flags.Use("overwrite");
+  flags.Use("rope_theta");
+  flags.Use("rope_pairs");
+  flags.Use("rope_dims");
+  flags.Use("rope_linear");
   std::vector<std::string> pos;
   int code;
   if (!ParseArgs(flags, args, usage, &pos, &code)) return code;
@@ -149,7 +193,14 @@ int RunPut(const std::vector<std::string>& args) {
   std::vector<LayerTensors> layers;
   if (absl::Status s = BuildUpload(*file, &header, &layers); !s.ok()) return Fail("put", s);
   header.set_cache_id(id);
+  const bool query_stats = header.compression().eviction().query_stats();
   *header.mutable_compression() = *compression;
+  header.mutable_compression()->mutable_eviction()->set_query_stats(query_stats);
+  if (!flags.GetString("rope_pairs").empty()) {
+    if (absl::Status s = RopeFromFlags(flags, header.mutable_rope()); !s.ok()) {
+      return Usage(std::string(s.message()), usage, flags);
+    }
+  }
   header.set_ttl_seconds(static_cast<uint32_t>(ttl));
   header.set_overwrite(flags.GetBool("overwrite"));
   absl::StatusOr<std::unique_ptr<Client>> client = MakeClient(flags);
@@ -186,22 +237,8 @@ int RunGet(const std::vector<std::string>& args) {
     return Usage("--format: must be packed, dense or contiguous", usage, flags);
   }
   if (format == "contiguous") {
-    pb::RopeSpec& rope = opt.contiguous_rope.emplace();
-    const std::string pairs = flags.GetString("rope_pairs");
-    if (pairs == "interleaved") {
-      rope.set_style(pb::ROPE_INTERLEAVED);
-    } else if (pairs == "half_split") {
-      rope.set_style(pb::ROPE_HALF_SPLIT);
-    } else {
-      return Usage("--rope_pairs: must be interleaved or half_split", usage, flags);
-    }
-    const int64_t dims = flags.GetInt("rope_dims");
-    if (dims < 0 || dims > UINT32_MAX) return Usage("--rope_dims: out of range", usage, flags);
-    rope.set_theta(flags.GetDouble("rope_theta"));
-    rope.set_rotary_dims(static_cast<uint32_t>(dims));
-    if (const double linear = flags.GetDouble("rope_linear"); linear != 0) {
-      rope.set_scaling(pb::ROPE_SCALING_LINEAR);
-      rope.set_scaling_factor(linear);
+    if (absl::Status s = RopeFromFlags(flags, &opt.contiguous_rope.emplace()); !s.ok()) {
+      return Usage(std::string(s.message()), usage, flags);
     }
   }
   const int64_t begin = flags.GetInt("layer_begin"), end = flags.GetInt("layer_end");

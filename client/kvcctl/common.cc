@@ -54,6 +54,9 @@ void AddCompressionFlags(FlagSet* flags) {
   flags->Use("recent");
   flags->Use("seed");
   flags->Use("ada");
+  flags->Use("value_weight");
+  flags->Use("value_eps");
+  flags->Use("horizon");
 }
 
 absl::StatusOr<pb::CompressionConfig> CompressionFromFlags(const FlagSet& flags) {
@@ -78,6 +81,20 @@ absl::StatusOr<pb::CompressionConfig> CompressionFromFlags(const FlagSet& flags)
     c.mutable_eviction()->set_adaptive(true);
     c.mutable_eviction()->set_adaptive_floor(ada);
   }
+  c.mutable_eviction()->set_value_weight(flags.GetString("value_weight"));
+  const double value_eps = flags.GetDouble("value_eps");
+  if (value_eps != -1) {
+    if (!(value_eps >= 0) || std::isinf(value_eps)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--value_eps: ", value_eps, " must be finite and >= 0 (-1 = default)"));
+    }
+    c.mutable_eviction()->set_value_eps(value_eps);
+  }
+  const int64_t horizon = flags.GetInt("horizon");
+  if (horizon < 0 || horizon > UINT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("--horizon: ", horizon, " is out of range"));
+  }
+  if (horizon > 0) c.mutable_eviction()->set_horizon(static_cast<uint32_t>(horizon));
   const double lambda = flags.GetDouble("lambda");
   if (lambda < 0 || lambda >= 1) {
     return absl::InvalidArgumentError(absl::StrCat("--lambda: ", lambda, " is outside [0, 1)"));

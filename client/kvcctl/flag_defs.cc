@@ -15,7 +15,14 @@ ABSL_FLAG(std::string, tls_ca, "", "PEM roots that verify kvcd; empty = the syst
 ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate for mutual TLS (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, policy, "none",
-          "token eviction: none, streaming, h2o, snapkv, keyformer, knorm, random");
+          "token eviction: none, streaming, h2o, snapkv, keyformer, knorm, random, keydiff, "
+          "expected (put: expected needs --rope_pairs)");
+ABSL_FLAG(std::string, value_weight, "",
+          "value-aware scores for h2o, snapkv, keyformer, expected: auto (mul for expected), off, "
+          "mul, add");
+ABSL_FLAG(double, value_eps, -1, "value weighting floor, >= 0; -1 = server default (0.02)");
+ABSL_FLAG(int64_t, horizon, 0,
+          "expected: query statistics rotated to the next N positions; 0 = server default (1)");
 ABSL_FLAG(double, ratio, 0, "fraction of tokens kept per KV head, (0, 1]; 0 = unset");
 ABSL_FLAG(int64_t, budget, 0, "tokens kept per KV head (wins over --ratio); 0 = unset");
 ABSL_FLAG(std::string, key_policy, "",
@@ -50,10 +57,11 @@ ABSL_FLAG(int64_t, window, 32, "observation queries per layer");
 ABSL_FLAG(std::string, dtype, "f16", "f16, bf16 or f32");
 ABSL_FLAG(std::string, id_prefix, "bench", "cache ids are <prefix>-<pid>-<worker>-<n>");
 ABSL_FLAG(double, rope_theta, 10000,
-          "--format=contiguous: the RoPE base the keys were stored with");
+          "--format=contiguous, put: the RoPE base the keys were stored with");
 ABSL_FLAG(std::string, rope_pairs, "",
-          "--format=contiguous: interleaved (pairs 2i, 2i+1: llama2.c, Meta) or half_split "
-          "(pairs i, i+d/2: Hugging Face Llama); required");
+          "--format=contiguous (required), put (sends the RoPE; needed by --policy=expected): "
+          "interleaved (pairs 2i, 2i+1: llama2.c, Meta) or half_split (pairs i, i+d/2: Hugging "
+          "Face Llama)");
 ABSL_FLAG(int64_t, rope_dims, 0, "--format=contiguous: rotated channels; 0 = head_dim");
 ABSL_FLAG(double, rope_linear, 0, "--format=contiguous: linear RoPE scaling factor; 0 = none");
 

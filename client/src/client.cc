@@ -118,6 +118,7 @@ struct Replica {
 struct TensorSizes {
   uint64_t kv = 0;
   uint64_t q = 0;
+  uint64_t stats = 0;  // TENSOR_Q_STATS, with eviction.query_stats
 };
 
 absl::StatusOr<TensorSizes> SizesFromHeader(const PutHeader& h) {
@@ -165,7 +166,18 @@ absl::StatusOr<TensorSizes> SizesFromHeader(const PutHeader& h) {
     return absl::InvalidArgumentError(absl::StrCat("header.shape: a tensor of ", std::max(kv, q),
                                                    " bytes is over the limit of ", kLimit));
   }
-  return TensorSizes{kv, q};
+  uint64_t stats = 0;
+  if (h.compression().eviction().query_stats()) {
+    const uint64_t d = s.head_dim();
+    ASSIGN_OR_RETURN(stats, CheckedProduct("header.shape", {{"num_q_heads", s.num_q_heads()},
+                                                            {"head_dim+head_dim^2", d + d * d},
+                                                            {"float_bytes", 4}}));
+    if (stats > kLimit) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.shape: Q_stats of ", stats, " bytes is over the limit of ", kLimit));
+    }
+  }
+  return TensorSizes{kv, q, stats};
 }
 
 class ClientImpl final : public Client {
@@ -259,6 +271,14 @@ absl::StatusOr<PutResult> ClientImpl::PutCache(const PutHeader& header,
       return absl::InvalidArgumentError(
           absl::StrCat("layers[", l, "].q_obs: null with shape.obs_window > 0"));
     }
+    if (sizes.stats > 0 && layers[l].q_stats == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layers[", l, "].q_stats: null with eviction.query_stats set"));
+    }
+    if (sizes.stats == 0 && layers[l].q_stats != nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layers[", l, "].q_stats: set without eviction.query_stats"));
+    }
   }
   const Replica& r = replicas_[ReplicaFor(header.cache_id())];
   grpc::ClientContext ctx;
@@ -273,15 +293,21 @@ absl::StatusOr<PutResult> ClientImpl::PutCache(const PutHeader& header,
   bool ok = writer->Write(FrameMessage(first));
   const std::vector<ChunkSpan> kv_chunks = SplitChunks(sizes.kv, options_.max_chunk_bytes);
   const std::vector<ChunkSpan> q_chunks = SplitChunks(sizes.q, options_.max_chunk_bytes);
+  const std::vector<ChunkSpan> stat_chunks = SplitChunks(sizes.stats, options_.max_chunk_bytes);
   pb::ChunkHeader chunk;
   for (size_t l = 0; ok && l < layers.size(); ++l) {
     chunk.set_layer(static_cast<uint32_t>(l));
-    const std::pair<pb::TensorKind, const void*> tensors[3] = {{pb::TENSOR_K, layers[l].k},
-                                                               {pb::TENSOR_V, layers[l].v},
-                                                               {pb::TENSOR_Q_OBS, layers[l].q_obs}};
+    const std::pair<pb::TensorKind, const void*> tensors[4] = {
+        {pb::TENSOR_K, layers[l].k},
+        {pb::TENSOR_V, layers[l].v},
+        {pb::TENSOR_Q_OBS, layers[l].q_obs},
+        {pb::TENSOR_Q_STATS, layers[l].q_stats}};
     for (const auto& [kind, base] : tensors) {
       chunk.set_tensor(kind);
-      for (const ChunkSpan& c : kind == pb::TENSOR_Q_OBS ? q_chunks : kv_chunks) {
+      const std::vector<ChunkSpan>& spans = kind == pb::TENSOR_Q_OBS     ? q_chunks
+                                            : kind == pb::TENSOR_Q_STATS ? stat_chunks
+                                                                         : kv_chunks;
+      for (const ChunkSpan& c : spans) {
         chunk.set_offset(c.offset);
         const uint8_t* data = static_cast<const uint8_t*>(base) + c.offset;
         if (!(ok = writer->Write(FramePutChunk(chunk, data, c.size)))) break;

@@ -58,6 +58,7 @@ class CpuBackend final : public Backend {
     const auto start = std::chrono::steady_clock::now();
     RETURN_IF_ERROR(ValidateInput(in));
     RETURN_IF_ERROR(ValidateSpec(spec, in.shape, in.layer_index));
+    RETURN_IF_ERROR(ValidateSpecInput(spec, in));
     CompressTimings t;
     const auto select_start = std::chrono::steady_clock::now();
     TokenSelection tokens = cpu::SelectTokensImpl(in, spec, &pool_, &t.score);

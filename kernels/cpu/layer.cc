@@ -80,6 +80,9 @@ absl::Status ValidateInput(const LayerInput& in) {
   if (in.shape.obs_window > 0 && in.q_obs == nullptr) {
     return Invalid("q_obs", absl::StrCat("null pointer with obs_window ", in.shape.obs_window));
   }
+  if (in.rope != nullptr) {
+    if (absl::Status s = ValidateRope(*in.rope, in.shape.head_dim); !s.ok()) return s;
+  }
   return absl::OkStatus();
 }
 

@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "cpu/engine.h"
+#include "cpu/score_extra.h"
 #include "cpu/simd.h"
 #include "kvc/convert.h"
 #include "kvc/noise.h"
@@ -228,9 +229,24 @@ void ScoreTokensImpl(const LayerInput& in, const EvictionSpec& spec, ThreadPool*
     case EvictionPolicy::kSnapKV:
     case EvictionPolicy::kKeyformer:
       PrepareBlas(pool);
-      pool->ParallelFor(
-          H, [&](int h) { AttentionScoreHead(in, spec, h, out + static_cast<size_t>(h) * S); });
+      pool->ParallelFor(H, [&](int h) {
+        AttentionScoreHead(in, spec, h, out + static_cast<size_t>(h) * S);
+        ValueWeightHead(in, spec, h, out + static_cast<size_t>(h) * S);
+      });
       return;
+    case EvictionPolicy::kKeyDiff:
+      pool->ParallelFor(H,
+                        [&](int h) { KeyDiffScoreHead(in, h, out + static_cast<size_t>(h) * S); });
+      return;
+    case EvictionPolicy::kExpectedAttention: {
+      PrepareBlas(pool);
+      const ExpectedStats stats = ComputeExpectedStats(in, spec);
+      pool->ParallelFor(H, [&](int h) {
+        ExpectedScoreHead(in, stats, h, out + static_cast<size_t>(h) * S);
+        ValueWeightHead(in, spec, h, out + static_cast<size_t>(h) * S);
+      });
+      return;
+    }
   }
 }
 
@@ -243,6 +259,7 @@ absl::StatusOr<std::vector<float>> ScoreTokens(const LayerInput& in, const Evict
   CompressionSpec full;
   full.eviction = spec;
   RETURN_IF_ERROR(ValidateSpec(full, in.shape, in.layer_index));
+  RETURN_IF_ERROR(ValidateSpecInput(full, in));
   std::vector<float> scores;
   cpu::ScoreTokensImpl(in, spec, ThreadPool::Default(), &scores);
   return scores;

@@ -22,6 +22,7 @@ struct Protected {
 };
 
 double DefaultRecentFraction(EvictionPolicy p) {
+  if (p == EvictionPolicy::kKeyDiff || p == EvictionPolicy::kExpectedAttention) return 0.0;
   return p == EvictionPolicy::kKeyformer ? 0.3 : 0.5;
 }
 
@@ -38,6 +39,8 @@ Protected ProtectedFor(const EvictionSpec& e, const LayerShape& sh, int budget) 
       break;
     case EvictionPolicy::kH2O:
     case EvictionPolicy::kKeyformer:
+    case EvictionPolicy::kKeyDiff:
+    case EvictionPolicy::kExpectedAttention:
       // int(rf * B) as in the reference implementations (floor for non-negative values).
       p.recent = static_cast<int>(rf * budget);
       break;
@@ -296,6 +299,7 @@ namespace kvc {
 absl::StatusOr<TokenSelection> SelectTokens(const LayerInput& in, const CompressionSpec& spec) {
   RETURN_IF_ERROR(ValidateInput(in));
   RETURN_IF_ERROR(ValidateSpec(spec, in.shape, in.layer_index));
+  RETURN_IF_ERROR(ValidateSpecInput(spec, in));
   return cpu::SelectTokensImpl(in, spec, ThreadPool::Default(), nullptr);
 }
 

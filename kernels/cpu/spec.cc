@@ -14,7 +14,7 @@ namespace {
 constexpr EvictionPolicy kEvictionPolicies[] = {
     EvictionPolicy::kNone,   EvictionPolicy::kStreaming, EvictionPolicy::kH2O,
     EvictionPolicy::kSnapKV, EvictionPolicy::kKeyformer, EvictionPolicy::kKNorm,
-    EvictionPolicy::kRandom};
+    EvictionPolicy::kRandom, EvictionPolicy::kKeyDiff,   EvictionPolicy::kExpectedAttention};
 constexpr ChannelPolicy kChannelPolicies[] = {ChannelPolicy::kNone, ChannelPolicy::kThink,
                                               ChannelPolicy::kL1, ChannelPolicy::kL2};
 
@@ -28,7 +28,7 @@ bool NeedsObservation(EvictionPolicy p) {
 }
 
 absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
-  if (static_cast<uint8_t>(e.policy) > static_cast<uint8_t>(EvictionPolicy::kRandom)) {
+  if (static_cast<uint8_t>(e.policy) > static_cast<uint8_t>(EvictionPolicy::kExpectedAttention)) {
     return Invalid("eviction.policy", absl::StrCat("unknown value ", static_cast<int>(e.policy)));
   }
   if (e.budget < 0) return Invalid("eviction.budget", absl::StrCat(e.budget, " must be >= 0"));
@@ -90,6 +90,30 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
                    absl::StrCat(std::string(PolicyName(e.policy)),
                                 " needs observation queries but shape.obs_window is 0"));
   }
+  if (static_cast<uint8_t>(e.value_weight) > static_cast<uint8_t>(ValueWeight::kAdd)) {
+    return Invalid("eviction.value_weight",
+                   absl::StrCat("unknown value ", static_cast<int>(e.value_weight)));
+  }
+  const bool weighted = e.value_weight == ValueWeight::kMul || e.value_weight == ValueWeight::kAdd;
+  if (weighted && !NeedsObservation(e.policy) && e.policy != EvictionPolicy::kExpectedAttention) {
+    return Invalid("eviction.value_weight",
+                   absl::StrCat(std::string(ValueWeightName(e.value_weight)), " applies to ",
+                                "h2o, snapkv, keyformer and expected, not ",
+                                std::string(PolicyName(e.policy))));
+  }
+  if (!(e.value_eps >= 0.0) || std::isinf(e.value_eps)) {
+    return Invalid("eviction.value_eps", absl::StrCat(e.value_eps, " must be finite and >= 0"));
+  }
+  if (e.horizon < 1) return Invalid("eviction.horizon", absl::StrCat(e.horizon, " must be >= 1"));
+  if (e.query_stats && e.policy != EvictionPolicy::kExpectedAttention) {
+    return Invalid("eviction.query_stats",
+                   absl::StrCat("query statistics are read only by expected, not ",
+                                std::string(PolicyName(e.policy))));
+  }
+  if (e.policy == EvictionPolicy::kExpectedAttention && shape.obs_window == 0 && !e.query_stats) {
+    return Invalid("eviction.query_stats",
+                   "expected needs query statistics from the client when shape.obs_window is 0");
+  }
   return absl::OkStatus();
 }
 
@@ -147,6 +171,17 @@ absl::Status ValidateSpec(const CompressionSpec& spec, const LayerShape& shape, 
   return absl::OkStatus();
 }
 
+absl::Status ValidateSpecInput(const CompressionSpec& spec, const LayerInput& in) {
+  const EvictionSpec& e = spec.eviction;
+  if (e.policy == EvictionPolicy::kExpectedAttention && in.rope == nullptr) {
+    return Invalid("rope", "expected attention needs the model's RoPE (theta, rotary dims, style)");
+  }
+  if (e.query_stats && in.q_stats == nullptr) {
+    return Invalid("q_stats", "null pointer with eviction.query_stats set");
+  }
+  return absl::OkStatus();
+}
+
 int EffectiveBudget(const EvictionSpec& spec, int layer_index, int seq_len) {
   if (spec.policy == EvictionPolicy::kNone) return seq_len;
   int b = 0;
@@ -180,8 +215,42 @@ std::string_view PolicyName(EvictionPolicy p) {
       return "knorm";
     case EvictionPolicy::kRandom:
       return "random";
+    case EvictionPolicy::kKeyDiff:
+      return "keydiff";
+    case EvictionPolicy::kExpectedAttention:
+      return "expected";
   }
   return "unknown";
+}
+
+std::string_view ValueWeightName(ValueWeight w) {
+  switch (w) {
+    case ValueWeight::kAuto:
+      return "auto";
+    case ValueWeight::kOff:
+      return "off";
+    case ValueWeight::kMul:
+      return "mul";
+    case ValueWeight::kAdd:
+      return "add";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<ValueWeight> ParseValueWeight(std::string_view name) {
+  const std::string n = absl::AsciiStrToLower(std::string(name));
+  if (n.empty()) return ValueWeight::kAuto;
+  for (ValueWeight w :
+       {ValueWeight::kAuto, ValueWeight::kOff, ValueWeight::kMul, ValueWeight::kAdd}) {
+    if (n == ValueWeightName(w)) return w;
+  }
+  return Invalid("eviction.value_weight", absl::StrCat("unknown '", std::string(name),
+                                                       "' (expected auto, off, mul or add)"));
+}
+
+ValueWeight EffectiveValueWeight(const EvictionSpec& e) {
+  if (e.value_weight != ValueWeight::kAuto) return e.value_weight;
+  return e.policy == EvictionPolicy::kExpectedAttention ? ValueWeight::kMul : ValueWeight::kOff;
 }
 
 std::string_view PolicyName(ChannelPolicy p) {

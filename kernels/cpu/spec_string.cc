@@ -137,10 +137,43 @@ absl::Status SetAdaptive(absl::string_view v, EvictionSpec& e) {
   return absl::OkStatus();
 }
 
+// Value-aware and expected-attention options: value=auto|off|mul|add, veps=EPS, horizon=N,
+// stats=0|1 (expected: query statistics from the client).
+absl::Status SetValue(absl::string_view v, EvictionSpec& e) {
+  absl::StatusOr<ValueWeight> w = ParseValueWeight(std::string(v));
+  if (!w.ok() || v.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("value '", v, "' is not auto, off, mul or add"));
+  }
+  e.value_weight = *w;
+  return absl::OkStatus();
+}
+absl::Status SetValueEps(absl::string_view v, EvictionSpec& e) {
+  absl::StatusOr<double> f = ParseDouble("veps", v);
+  if (!f.ok()) return f.status();
+  if (!(*f >= 0.0) || std::isinf(*f)) {
+    return absl::InvalidArgumentError(absl::StrCat("veps ", v, " must be finite and >= 0"));
+  }
+  e.value_eps = *f;
+  return absl::OkStatus();
+}
+absl::Status SetHorizon(absl::string_view v, EvictionSpec& e) {
+  absl::StatusOr<int> n = ParseInt("horizon", v, 1);
+  if (n.ok()) e.horizon = *n;
+  return n.status();
+}
+absl::Status SetStats(absl::string_view v, EvictionSpec& e) {
+  if (v != "0" && v != "1") {
+    return absl::InvalidArgumentError(absl::StrCat("stats '", v, "' is not 0 or 1"));
+  }
+  e.query_stats = v == "1";
+  return absl::OkStatus();
+}
+
 constexpr EvictionKey kEvictionKeys[] = {
-    {"sink", SetSink},   {"recent", SetRecent},   {"kernel", SetKernel},
-    {"pool", SetPool},   {"tau", SetTau},         {"seed", SetSeed},
-    {"layer", SetLayer}, {"lb", SetLayerBudgets}, {"ada", SetAdaptive},
+    {"sink", SetSink},   {"recent", SetRecent}, {"kernel", SetKernel},   {"pool", SetPool},
+    {"tau", SetTau},     {"seed", SetSeed},     {"layer", SetLayer},     {"lb", SetLayerBudgets},
+    {"ada", SetAdaptive}, {"value", SetValue},  {"veps", SetValueEps},   {"horizon", SetHorizon},
+    {"stats", SetStats},
 };
 
 void AppendEvictionOptions(const EvictionSpec& e, std::string& out) {
@@ -158,6 +191,12 @@ void AppendEvictionOptions(const EvictionSpec& e, std::string& out) {
     absl::StrAppend(&out, ",lb=", absl::StrJoin(e.layer_budgets, "/"));
   }
   if (e.adaptive) absl::StrAppend(&out, ",ada=", ShortestDouble(e.adaptive_floor));
+  if (e.value_weight != d.value_weight) {
+    absl::StrAppend(&out, ",value=", std::string(ValueWeightName(e.value_weight)));
+  }
+  if (e.value_eps != d.value_eps) absl::StrAppend(&out, ",veps=", ShortestDouble(e.value_eps));
+  if (e.horizon != d.horizon) absl::StrAppend(&out, ",horizon=", e.horizon);
+  if (e.query_stats) absl::StrAppend(&out, ",stats=1");
 }
 
 absl::Status ParseEvictionTerm(absl::string_view term, EvictionSpec& e) {

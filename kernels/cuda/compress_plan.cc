@@ -43,6 +43,10 @@ CompressPlan MakeCompressPlan(const LayerInput& in, const CompressionSpec& spec)
       recent = RecentTokens(e, p.budget, 0.3);
       p.needs_attention_scores = true;
       break;
+    case EvictionPolicy::kKeyDiff:
+    case EvictionPolicy::kExpectedAttention:
+      recent = RecentTokens(e, p.budget, 0.0);
+      break;
     case EvictionPolicy::kKNorm:
     case EvictionPolicy::kRandom:
       break;

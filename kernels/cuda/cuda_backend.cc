@@ -12,10 +12,12 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "cuda/adaptive_select.h"
+#include "cpu/score_extra.h"
 #include "cuda/compress_plan.h"
 #include "cuda/decode_plan.h"
 #include "cuda/kernels.h"
 #include "cuda/resources.h"
+#include "cuda/score_extra_kernels.h"
 #include "kvc/status_macros.h"
 
 namespace kvc::cuda {
@@ -70,6 +72,7 @@ absl::StatusOr<CompactLayer> CudaBackend::Compress(const LayerInput& in,
                                                    CompressTimings* timings) {
   RETURN_IF_ERROR(ValidateInput(in));
   RETURN_IF_ERROR(ValidateSpec(spec, in.shape, in.layer_index));
+  RETURN_IF_ERROR(ValidateSpecInput(spec, in));
   return WithSlot([&](StreamSlot* slot) { return CompressOnSlot(in, spec, slot, timings); });
 }
 
@@ -91,12 +94,24 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
   // Host staging: K, V, Q in; the blob comes back through the same buffer.
   const size_t kv_bytes = static_cast<size_t>(hkv) * s * d * es;
   const size_t q_bytes = need_q ? static_cast<size_t>(hq) * w * d * es : 0;
-  const size_t in_bytes = Align256(kv_bytes) * 2 + Align256(q_bytes);
+  // Expected attention's statistics are computed on the host and travel with the inputs.
+  const bool expected = spec.eviction.policy == EvictionPolicy::kExpectedAttention;
+  const cpu::ExpectedStats stats =
+      expected ? cpu::ComputeExpectedStats(in, spec.eviction) : cpu::ExpectedStats{};
+  const size_t mean_bytes = sizeof(float) * stats.mean.size();
+  const size_t stat_bytes = Align256(mean_bytes) + sizeof(float) * stats.cov.size();
+  const size_t in_bytes = Align256(kv_bytes) * 2 + Align256(q_bytes) + Align256(stat_bytes);
   RETURN_IF_ERROR(slot->ReservePinned(std::max(in_bytes, plan.blob_bytes)));
   uint8_t* pinned = static_cast<uint8_t*>(slot->pinned);
   std::memcpy(pinned, in.k, kv_bytes);
   std::memcpy(pinned + Align256(kv_bytes), in.v, kv_bytes);
   if (need_q) std::memcpy(pinned + 2 * Align256(kv_bytes), in.q_obs, q_bytes);
+  const size_t stat_at = 2 * Align256(kv_bytes) + Align256(q_bytes);
+  if (expected) {
+    std::memcpy(pinned + stat_at, stats.mean.data(), mean_bytes);
+    std::memcpy(pinned + stat_at + Align256(mean_bytes), stats.cov.data(),
+                sizeof(float) * stats.cov.size());
+  }
 
   Arena arena;
   const size_t o_in = arena.Add(in_bytes);
@@ -112,6 +127,15 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
                                            : static_cast<size_t>(hq) * block_rows * s;
   const size_t o_logits = arena.Add(plan.needs_attention_scores ? sizeof(float) * logit_floats : 0);
   const size_t o_scores = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
+  // Expected logits [Hq, S], value norms [Hkv, S], KeyDiff's mean keys [Hkv, D].
+  const ValueWeight value_weight = EffectiveValueWeight(spec.eviction);
+  const bool weighted = value_weight == ValueWeight::kMul || value_weight == ValueWeight::kAdd;
+  size_t extra_floats = weighted ? static_cast<size_t>(hkv) * s : 0;
+  if (expected) extra_floats = std::max(extra_floats, static_cast<size_t>(hq) * s);
+  if (spec.eviction.policy == EvictionPolicy::kKeyDiff) {
+    extra_floats = std::max(extra_floats, KeyDiffScratchFloats(hkv, d));
+  }
+  const size_t o_extra = arena.Add(sizeof(float) * extra_floats);
   const size_t o_pooled = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
   const size_t o_pos = arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * b);
   const size_t o_kidx = arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * plan.key_channels);
@@ -153,7 +177,7 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
 
   // Stage 1: token scores.
   const EvictionSpec& e = spec.eviction;
-  const float* final_scores = scores;
+  float* final_scores = scores;
   switch (e.policy) {
     case EvictionPolicy::kNone:
     case EvictionPolicy::kStreaming:
@@ -207,6 +231,33 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
           LaunchRandomScores(hkv, s, e.seed, static_cast<uint32_t>(in.layer_index), scores, st),
           "random scores");
       break;
+    case EvictionPolicy::kKeyDiff:
+      KVC_CUDA_RETURN_IF_ERROR(
+          LaunchKeyDiffScores(et, dk, kvs, hkv, s, d, arena.At<float>(o_extra), scores, st),
+          "keydiff scores");
+      break;
+    case EvictionPolicy::kExpectedAttention: {
+      float* logits = arena.At<float>(o_extra);
+      const auto* mean = reinterpret_cast<const float*>(dev_in + stat_at);
+      const auto* cov = reinterpret_cast<const float*>(dev_in + stat_at + Align256(mean_bytes));
+      KVC_CUDA_RETURN_IF_ERROR(
+          LaunchExpectedLogits(et, dk, kvs, hq, hkv, s, d, mean, cov, logits, st),
+          "expected logits");
+      KVC_CUDA_RETURN_IF_ERROR(
+          LaunchSoftmaxRows(logits, hq, 1, QueryRows{0, 1}, s, false, 0, 0, 1.0f, st),
+          "expected softmax");
+      KVC_CUDA_RETURN_IF_ERROR(
+          LaunchGroupColumnSum(logits, hq, hkv, 1, s, /*accumulate=*/false, scores, st),
+          "expected group average");
+      break;
+    }
+  }
+  if (weighted) {
+    KVC_CUDA_RETURN_IF_ERROR(
+        LaunchValueWeight(et, dv, kvs, hkv, s, d, static_cast<int>(value_weight),
+                          static_cast<float>(e.value_eps), arena.At<float>(o_extra), final_scores,
+                          st),
+        "value weighting");
   }
   KVC_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[1], st), "cudaEventRecord");
   if (e.adaptive) return AdaptiveFromDeviceScores(in, spec, final_scores, st, timings);

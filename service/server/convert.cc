@@ -151,6 +151,19 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   spec.eviction.seed = e.seed();
   spec.eviction.adaptive = e.adaptive();
   if (e.has_adaptive_floor()) spec.eviction.adaptive_floor = e.adaptive_floor();
+  auto value_weight = ParseValueWeight(e.value_weight());
+  if (!value_weight.ok()) {
+    return Invalid("header.compression.eviction.value_weight",
+                   absl::StrCat("'", e.value_weight(), "' is not auto, off, mul or add"));
+  }
+  spec.eviction.value_weight = *value_weight;
+  if (e.has_value_eps()) spec.eviction.value_eps = e.value_eps();
+  if (e.has_horizon()) {
+    if (e.horizon() > (1u << 30))
+      return Invalid("header.compression.eviction.horizon", "too large");
+    spec.eviction.horizon = static_cast<int>(e.horizon());
+  }
+  spec.eviction.query_stats = e.query_stats();
 
   const auto& ch = c.channels();
   auto key_policy = ParseChannelPolicy(ch.key_policy().empty() ? "none" : ch.key_policy());
@@ -179,7 +192,7 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   return spec;
 }
 
-absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& s, DType dtype) {
+absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& s, DType dtype, bool query_stats) {
   const uint64_t es = DTypeSize(dtype);
   LayerBytes b;
   ASSIGN_OR_RETURN(
@@ -193,16 +206,27 @@ absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& s, DType dtype) {
                                             {"obs_window", static_cast<uint64_t>(s.obs_window)},
                                             {"head_dim", static_cast<uint64_t>(s.head_dim)},
                                             {"dtype_bytes", es}}));
+  if (query_stats) {
+    const uint64_t d = static_cast<uint64_t>(s.head_dim);
+    ASSIGN_OR_RETURN(
+        b.q_stats,
+        CheckedProduct("header.shape", {{"num_q_heads", static_cast<uint64_t>(s.num_q_heads)},
+                                        {"head_dim+head_dim^2", d + d * d},
+                                        {"float_bytes", 4}}));
+  }
   return b;
 }
 
-absl::StatusOr<uint64_t> UploadBytes(const LayerShape& s, DType dtype, int num_layers) {
-  ASSIGN_OR_RETURN(const LayerBytes lb, LayerTensorBytes(s, dtype));
+absl::StatusOr<uint64_t> UploadBytes(const LayerShape& s, DType dtype, int num_layers,
+                                     bool query_stats) {
+  ASSIGN_OR_RETURN(const LayerBytes lb, LayerTensorBytes(s, dtype, query_stats));
   const std::optional<uint64_t> kv = CheckedAdd(lb.k, lb.v);
-  const std::optional<uint64_t> layer = kv ? CheckedAdd(*kv, lb.q_obs) : std::nullopt;
+  const std::optional<uint64_t> kvq = kv ? CheckedAdd(*kv, lb.q_obs) : std::nullopt;
+  const std::optional<uint64_t> layer = kvq ? CheckedAdd(*kvq, lb.q_stats) : std::nullopt;
   if (!layer) {
-    return Invalid("header.shape", absl::StrCat("K + V + Q_obs = ", lb.k, " + ", lb.v, " + ",
-                                                lb.q_obs, " bytes overflows 64 bits"));
+    return Invalid("header.shape",
+                   absl::StrCat("K + V + Q_obs + Q_stats = ", lb.k, " + ", lb.v, " + ", lb.q_obs,
+                                " + ", lb.q_stats, " bytes overflows 64 bits"));
   }
   return CheckedProduct(
       "header.shape", {{"layer_bytes", *layer}, {"num_layers", static_cast<uint64_t>(num_layers)}});

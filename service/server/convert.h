@@ -35,13 +35,17 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
 // Byte sizes of one layer's tensors. Overflow-checked (kvc/checked_math.h): INVALID_ARGUMENT
 // naming the product when a size does not fit in 64 bits (never for a shape ShapeFromProto
 // accepted).
+// q_stats: the TENSOR_Q_STATS bytes (float32 [Hq, D + D * D]) when `query_stats`, else 0.
 struct LayerBytes {
-  uint64_t k = 0, v = 0, q_obs = 0;
+  uint64_t k = 0, v = 0, q_obs = 0, q_stats = 0;
 };
-absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& shape, DType dtype);
+absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& shape, DType dtype,
+                                            bool query_stats = false);
 
-// K + V + Q_obs bytes of all `num_layers` layers, overflow-checked like LayerTensorBytes.
-absl::StatusOr<uint64_t> UploadBytes(const LayerShape& shape, DType dtype, int num_layers);
+// K + V + Q_obs (+ Q_stats) bytes of all `num_layers` layers, overflow-checked like
+// LayerTensorBytes.
+absl::StatusOr<uint64_t> UploadBytes(const LayerShape& shape, DType dtype, int num_layers,
+                                     bool query_stats = false);
 
 // Lower bound on the compact size of the whole cache (blob headers, kept tokens, kept channels,
 // quantized sizes; scales ignored): used only to reject uploads that can never fit. Computed in

@@ -1,17 +1,20 @@
 #include "server/ingest.h"
 
+#include <cmath>
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "kvc/compact.h"
 #include "kvc/status_macros.h"
+#include "server/contiguous.h"
 #include "server/convert.h"
 
 namespace kvc::server {
 namespace {
 
-constexpr const char* kTensorNames[3] = {"K", "V", "Q_obs"};
+constexpr const char* kTensorNames[4] = {"K", "V", "Q_obs", "Q_stats"};
+constexpr int kNumTensors = 4;
 
 }  // namespace
 
@@ -95,16 +98,30 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
 
   // Checked sizes: ShapeFromProto bounds the element counts, and these products are checked too,
   // so a wrapped (small) size can never pass the limits below.
-  auto lb = LayerTensorBytes(*shape, *dtype);
+  std::optional<RopeParams> rope;
+  if (h.has_rope()) {
+    auto r = RopeFromProto(h.rope(), shape->head_dim);
+    if (!r.ok()) {
+      return invalid(
+          absl::InvalidArgumentError(absl::StrCat("header.", std::string(r.status().message()))));
+    }
+    rope = *r;
+  } else if (spec->eviction.policy == EvictionPolicy::kExpectedAttention) {
+    return invalid(absl::InvalidArgumentError(
+        "header.rope: the expected policy needs the model's RoPE (theta, rotary_dims, style)"));
+  }
+  const bool query_stats = spec->eviction.query_stats;
+  auto lb = LayerTensorBytes(*shape, *dtype, query_stats);
   if (!lb.ok()) return invalid(lb.status());
-  auto upload_bytes = UploadBytes(*shape, *dtype, num_layers);
+  auto upload_bytes = UploadBytes(*shape, *dtype, num_layers, query_stats);
   if (!upload_bytes.ok()) return invalid(upload_bytes.status());
   const uint64_t total = *upload_bytes;
   if (total > limits_.max_cache_bytes) {
     return Reject(RejectReason::kTooLarge,
-                  absl::ResourceExhaustedError(absl::StrCat(
-                      "header.shape: the upload is ", total, " bytes (K + V + Q_obs), over the ",
-                      "limit of ", limits_.max_cache_bytes, " bytes per cache")));
+                  absl::ResourceExhaustedError(
+                      absl::StrCat("header.shape: the upload is ", total, " bytes (K + V + Q_obs",
+                                   query_stats ? " + Q_stats" : "", "), over the ", "limit of ",
+                                   limits_.max_cache_bytes, " bytes per cache")));
   }
   if (!h.overwrite() && store_->Peek(store_id).ok()) {
     return Reject(RejectReason::kExists,
@@ -129,6 +146,8 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
   tensor_bytes_[0] = lb->k;
   tensor_bytes_[1] = lb->v;
   tensor_bytes_[2] = lb->q_obs;
+  tensor_bytes_[3] = lb->q_stats;
+  rope_ = rope;
   in_place_ = InPlaceLayer::KeepsEverything(*spec);
   layers_.resize(num_layers);
   {
@@ -149,7 +168,7 @@ void Upload::HoldStaging(StagingBudget::Reservation r) {
 }
 
 bool Upload::LayerComplete(const LayerState& layer) const {
-  for (int t = 0; t < 3; ++t) {
+  for (int t = 0; t < kNumTensors; ++t) {
     if (layer.coverage[t].received != tensor_bytes_[t]) return false;
   }
   return true;
@@ -185,9 +204,17 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
     case kvcache::v1::TENSOR_Q_OBS:
       t = 2;
       break;
+    case kvcache::v1::TENSOR_Q_STATS:
+      if (!spec_.eviction.query_stats) {
+        return invalid(
+            "chunk.tensor: TENSOR_Q_STATS sent but header.compression.eviction."
+            "query_stats is not set");
+      }
+      t = 3;
+      break;
     default:
-      return invalid(
-          absl::StrCat("chunk.tensor: ", static_cast<int>(c.tensor()), " is not K, V or Q_OBS"));
+      return invalid(absl::StrCat("chunk.tensor: ", static_cast<int>(c.tensor()),
+                                  " is not K, V, Q_OBS or Q_STATS"));
   }
   const uint64_t size = tensor_bytes_[t];
   if (c.offset() > size || req.data_size > size - c.offset()) {
@@ -319,11 +346,29 @@ void Upload::CompressLayer(int index) {
   in.k = layer.tensor[0].get();
   in.v = layer.tensor[1].get();
   in.q_obs = shape_.obs_window > 0 ? layer.tensor[2].get() : nullptr;
+  in.rope = rope_ ? &*rope_ : nullptr;
+  // Q_stats: float32 little-endian on the wire, copied out of the (byte) staging buffer.
+  std::vector<float> q_stats;
+  absl::Status stats_error;
+  if (spec_.eviction.query_stats) {
+    q_stats.resize(tensor_bytes_[3] / sizeof(float));
+    std::memcpy(q_stats.data(), layer.tensor[3].get(), tensor_bytes_[3]);
+    for (size_t i = 0; i < q_stats.size(); ++i) {
+      if (!std::isfinite(q_stats[i])) {
+        stats_error = absl::InvalidArgumentError(absl::StrCat("chunk: layer ", index,
+                                                              " tensor Q_stats: entry ", i, " (",
+                                                              q_stats[i], ") is not finite"));
+        break;
+      }
+    }
+    in.q_stats = q_stats.data();
+  }
   CompressTimings t;
   std::vector<uint64_t> blocks;
   // Nothing may escape a pool thread: a failed allocation in the engine (std::bad_alloc) fails
   // this upload with RESOURCE_EXHAUSTED, any other exception with INTERNAL, and kvcd carries on.
   absl::StatusOr<CompactLayer> out = CallNoThrow([&]() -> absl::StatusOr<CompactLayer> {
+    RETURN_IF_ERROR(stats_error);
     ASSIGN_OR_RETURN(CompactLayer compact, backend_->Compress(in, spec_, &t));
     // Hashed here, right after the engine wrote it, on this job's thread.
     blocks = ChecksumLayerBlocks(static_cast<uint32_t>(index), compact.bytes);
@@ -391,7 +436,7 @@ void Upload::MaybeFinalize() {
 
 std::string Upload::IncompleteMessage() const {
   for (size_t l = 0; l < layers_.size(); ++l) {
-    for (int t = 0; t < 3; ++t) {
+    for (int t = 0; t < kNumTensors; ++t) {
       if (layers_[l].coverage[t].received != tensor_bytes_[t]) {
         return absl::StrCat("layer ", l, " tensor ", kTensorNames[t], ": ",
                             layers_[l].coverage[t].received, " of ", tensor_bytes_[t],

@@ -76,8 +76,8 @@ class Upload : public std::enable_shared_from_this<Upload> {
   // Drops everything; pending jobs discard their results. Safe to call more than once.
   void Abort();
 
-  // K + V + Q_obs bytes the accepted header declares (0 before OnHeader succeeded): what the
-  // upload may stage.
+  // K + V + Q_obs (+ Q_stats) bytes the accepted header declares (0 before OnHeader succeeded):
+  // what the upload may stage.
   uint64_t declared_bytes() const { return declared_bytes_; }
   // Holds `r` (the staging reserved for this upload) until the cache is in the store or the
   // upload is destroyed, so its bytes are given back once the staging is freed.
@@ -97,7 +97,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
     bool Add(uint64_t begin, uint64_t end);
   };
   struct LayerState {
-    BufferPool::Buffer tensor[3];          // K, V, Q_obs staging (acquired on first chunk)
+    BufferPool::Buffer tensor[4];          // K, V, Q_obs, Q_stats staging (acquired on first chunk)
     std::optional<InPlaceLayer> in_place;  // instead of staging when in_place_ (first K/V chunk)
     double place_seconds = 0;              // copying chunks into in_place and hashing them
     // Checksum progress of an in-place layer: written by the reactor thread as chunks land,
@@ -108,7 +108,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
       std::vector<uint8_t> done;     // 1 once blocks[i] is set
     };
     std::unique_ptr<Hashing> hashing;
-    Coverage coverage[3];
+    Coverage coverage[4];
     bool scheduled = false;
   };
 
@@ -141,7 +141,8 @@ class Upload : public std::enable_shared_from_this<Upload> {
   DType dtype_ = DType::kF16;
   Layout layout_ = Layout::kHND;
   CompressionSpec spec_;
-  uint64_t tensor_bytes_[3] = {0, 0, 0};
+  uint64_t tensor_bytes_[4] = {0, 0, 0, 0};  // 0 for Q_obs / Q_stats when not sent
+  std::optional<RopeParams> rope_;           // header.rope, when set
   bool in_place_ = false;  // no compression asked: chunks go straight into the blobs
   std::vector<LayerState> layers_;
   uint64_t payload_bytes_ = 0;

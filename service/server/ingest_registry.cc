@@ -17,12 +17,14 @@ int TensorIndex(kvcache::v1::TensorKind t) {
       return 1;
     case kvcache::v1::TENSOR_Q_OBS:
       return 2;
+    case kvcache::v1::TENSOR_Q_STATS:
+      return 3;
     default:
       return -1;
   }
 }
 
-constexpr const char* kTensorNames[3] = {"K", "V", "Q_obs"};
+constexpr const char* kTensorNames[4] = {"K", "V", "Q_obs", "Q_stats"};
 
 }  // namespace
 
@@ -34,10 +36,12 @@ IngestRegistry::Entry::Entry(std::shared_ptr<Upload> upload,
   auto shape = ShapeFromProto(header.shape());
   auto dtype = FromProto(header.dtype());
   if (shape.ok() && dtype.ok()) {
-    if (auto lb = LayerTensorBytes(*shape, *dtype); lb.ok()) {
+    const bool query_stats = header.compression().eviction().query_stats();
+    if (auto lb = LayerTensorBytes(*shape, *dtype, query_stats); lb.ok()) {
       tensor_bytes_[0] = lb->k;
       tensor_bytes_[1] = lb->v;
       tensor_bytes_[2] = lb->q_obs;
+      tensor_bytes_[3] = lb->q_stats;
     }
   }
   num_layers_ = header.shape().num_layers();

@@ -46,7 +46,7 @@ class IngestRegistry {
 
     const std::shared_ptr<Upload> upload_;
     std::function<void()> on_delivery_;
-    uint64_t tensor_bytes_[3] = {0, 0, 0};  // K, V, Q_obs bytes of one layer
+    uint64_t tensor_bytes_[4] = {0, 0, 0, 0};  // K, V, Q_obs, Q_stats bytes of one layer
     uint32_t num_layers_ = 0;
     const uint64_t max_chunk_bytes_;
     mutable absl::Mutex mu_;

@@ -375,9 +375,10 @@ absl::StatusOr<uint64_t> TransferSessions::Handle(const TransferAnnouncement& a,
     return q;
   }
   if (a.tensor() != kvcache::v1::TENSOR_K && a.tensor() != kvcache::v1::TENSOR_V &&
-      a.tensor() != kvcache::v1::TENSOR_Q_OBS) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor: ", static_cast<int>(a.tensor()),
-                                                   " is not TENSOR_K, TENSOR_V or TENSOR_Q_OBS"));
+      a.tensor() != kvcache::v1::TENSOR_Q_OBS && a.tensor() != kvcache::v1::TENSOR_Q_STATS) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor: ", static_cast<int>(a.tensor()),
+                     " is not TENSOR_K, TENSOR_V, TENSOR_Q_OBS or TENSOR_Q_STATS"));
   }
   if (a.num_bytes() == 0 || a.num_bytes() > limits_.max_tensor_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("num_bytes: ", a.num_bytes(), " is outside [1, ",

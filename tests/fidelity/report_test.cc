@@ -69,7 +69,7 @@ TEST(SweepTest, QuantGroupDefaultsAndMustDivideHeadDim) {
 
 TEST(SweepTest, DefaultSweepCoversPoliciesThinkAndQuant) {
   const std::vector<SweepEntry> sweep = DefaultSweep(8);
-  ASSERT_EQ(sweep.size(), 6u * 4 + 2 + 2);
+  ASSERT_EQ(sweep.size(), 6u * 4 + 2 + 2 + 6 + 18);
   EXPECT_EQ(sweep[0].label, "streaming:1");
   EXPECT_EQ(sweep[0].series, "streaming");
   EXPECT_EQ(sweep[23].label, "random:0.25");
@@ -82,6 +82,10 @@ TEST(SweepTest, DefaultSweepCoversPoliciesThinkAndQuant) {
   EXPECT_EQ(sweep[27].series, "q2g8");
   EXPECT_EQ(sweep[27].spec.quant.group_size, 8);
   EXPECT_EQ(sweep[27].spec.eviction.policy, EvictionPolicy::kNone);
+  EXPECT_EQ(sweep[28].label, "h2o:0.5,ada=0.2");
+  EXPECT_TRUE(sweep[28].spec.eviction.adaptive);
+  EXPECT_EQ(sweep[34].label, "h2o:0.5,value=mul");
+  EXPECT_EQ(sweep.back().label, "keydiff:0.25");
 }
 
 std::vector<SweepResult> SampleResults() {
@@ -103,13 +107,18 @@ std::vector<SweepResult> SampleResults() {
 TEST(ReportTest, CsvHasOneRowPerResultAndEveryColumn) {
   const std::string csv = FormatCsv(SampleResults());
   std::vector<std::string> lines = absl::StrSplit(csv, '\n', absl::SkipEmpty());
-  ASSERT_EQ(lines.size(), 1u + 28);
+  ASSERT_EQ(lines.size(), 1u + DefaultSweep(8).size());
   const size_t columns = std::vector<std::string>(absl::StrSplit(lines[0], ',')).size();
   EXPECT_EQ(columns, 24u + 2);
   EXPECT_THAT(lines[0], HasSubstr(",scenario,"));
   EXPECT_THAT(lines[0], HasSubstr(",seeds,sequences,steps,obs_window,bytes,full_bytes,"));
   EXPECT_THAT(lines[0], HasSubstr(",top1_sd,top1_ci_lo,top1_ci_hi,"));
-  for (const std::string& line : lines) {
+  for (std::string line : lines) {
+    // Spec-string labels with commas are quoted: drop the quoted part before counting.
+    if (line[0] == '"') {
+      ASSERT_NE(line.find("\","), std::string::npos) << line;
+      line = "label" + line.substr(line.find("\","));
+    }
     EXPECT_EQ(std::vector<std::string>(absl::StrSplit(line, ',')).size(), columns) << line;
   }
   EXPECT_THAT(lines[3], HasSubstr("streaming:0.5,inside,eviction,streaming,0.5000,"));

@@ -46,7 +46,8 @@ else
 fi
 echo "visible GPUs: ${gpus}"
 
-for b in kvc_gpu_backend_test kvc_gpu_decode_test kvc_gpu_adaptive_test kvc_gpu_bench kvc_gpu_nccl_test; do
+for b in kvc_gpu_backend_test kvc_gpu_decode_test kvc_gpu_adaptive_test kvc_gpu_score_extra_test \
+  kvc_gpu_bench kvc_gpu_nccl_test; do
   if [[ ! -x "${bin}/${b}" ]]; then
     echo "missing ${bin}/${b}: build it first (tests/gpu/README.md)"
     exit 1
@@ -64,6 +65,7 @@ run_step "CUDA backend vs CPU oracle" 200 "${bin}/kvc_gpu_backend_test" --gtest_
 run_step "split decode and tensor-core scores vs references" 40 \
   "${bin}/kvc_gpu_decode_test" --gtest_color=no
 run_step "head-adaptive budgets vs CPU" 30 "${bin}/kvc_gpu_adaptive_test" --gtest_color=no
+run_step "CUDA extra scores vs CPU" 30 "${bin}/kvc_gpu_score_extra_test" --gtest_color=no
 if (( gpus >= 2 )); then
   run_step "NCCL data path (2 GPUs)" 120 "${bin}/kvc_gpu_nccl_test" --gtest_color=no
 else

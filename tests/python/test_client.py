@@ -302,3 +302,31 @@ def test_asyncio_put_reports_the_bad_layer(kvcd):
                 await c.stat("py/aio-bad")
             assert e.value.code == grpc.StatusCode.NOT_FOUND
     asyncio.run(main())
+
+
+def test_no_queries_keydiff_and_expected_with_statistics(client):
+    # obs_window 0: only K and V (and, for expected, per-layer query statistics) are sent.
+    layers = [(k, v) for k, v, _ in make_layers(9)]
+    r = client.put("py/keydiff-w0", layers, compression={"eviction": {"policy": "keydiff",
+                                                                       "keep_ratio": 0.25}})
+    assert r.compression_ratio > 1
+    assert list(client.stat("py/keydiff-w0").kept_tokens) == [S // 4] * L
+    rng = np.random.default_rng(3)
+    stats = []
+    for _ in range(L):
+        st = np.zeros((HQ, D + D * D), np.float32)
+        st[:, :D] = rng.standard_normal((HQ, D))
+        st[:, D::D + 1] = 1.0  # identity covariance: the diagonal of each [D, D] block
+        stats.append(st)
+    with_stats = [{"k": k, "v": v, "q_stats": st} for (k, v), st in zip(layers, stats)]
+    header = {"eviction": {"policy": "expected", "keep_ratio": 0.5}}
+    with pytest.raises(kvc.KvcError) as e:  # expected needs the RoPE
+        client.put("py/expected-w0", with_stats, compression=header)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "rope" in str(e.value)
+    client.put("py/expected-w0", with_stats, compression=header,
+               rope={"theta": 10000, "style": "ROPE_HALF_SPLIT"})
+    assert list(client.stat("py/expected-w0").kept_tokens) == [S // 2] * L
+    with pytest.raises(kvc.KvcError) as e:  # every layer or none
+        client.put("py/expected-bad", with_stats[:1] + [{"k": layers[1][0], "v": layers[1][1]}],
+                   compression=header, rope={"theta": 10000, "style": "ROPE_HALF_SPLIT"})
+    assert "q_stats" in str(e.value)

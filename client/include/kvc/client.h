@@ -94,11 +94,15 @@ struct ClientOptions {
 // One layer's tensors for PutCache, in host memory, laid out as PutHeader.layout says (HND:
 // K, V [Hkv, S, D], Q_obs [Hq, W, D]) in PutHeader.dtype. The memory must stay valid and
 // unchanged until PutCache returns (it is sent without being copied). q_obs may be null only
-// when shape.obs_window == 0.
+// when shape.obs_window == 0. q_stats: with header.compression.eviction.query_stats (the
+// "expected" policy), the layer's query statistics, float32 [Hq, D + D * D] whatever the dtype:
+// per query head the mean of its un-rotated (pre-RoPE) queries, then their covariance row-major
+// (see TENSOR_Q_STATS in kvcache.proto); the header then also needs `rope`. Null otherwise.
 struct LayerTensors {
   const void* k = nullptr;
   const void* v = nullptr;
   const void* q_obs = nullptr;
+  const float* q_stats = nullptr;
 };
 
 enum class CacheFormat { kPacked, kDense };

@@ -131,27 +131,31 @@ def serialize_put(item):
 
 
 def _layer_tuple(layer, i):
+    """(k, v, q_obs, q_stats); q_obs and q_stats may be None."""
     if isinstance(layer, dict):
-        return layer.get("k"), layer.get("v"), layer.get("q_obs")
+        return layer.get("k"), layer.get("v"), layer.get("q_obs"), layer.get("q_stats")
     try:
         k, v, *rest = layer
     except (TypeError, ValueError):
-        raise invalid(f"layers[{i}]: expected (k, v, q_obs) or a dict with k, v, q_obs")
-    return k, v, (rest[0] if rest else None)
+        raise invalid(f"layers[{i}]: expected (k, v, q_obs[, q_stats]) or a dict with k, v, q_obs")
+    if len(rest) > 2:
+        raise invalid(f"layers[{i}]: at most (k, v, q_obs, q_stats)")
+    rest = rest + [None] * (2 - len(rest))
+    return k, v, rest[0], rest[1]
 
 
 class PutPlan:
     """Builds the header from the first layer and checks every layer against it."""
 
     def __init__(self, cache_id, first, num_layers, layout, dtype, compression, ttl_seconds,
-                 overwrite):
+                 overwrite, rope=None):
         if not isinstance(cache_id, str) or not cache_id:
             raise invalid("cache_id: empty")
         if layout not in LAYOUTS:
             raise invalid(f"layout: {layout!r} is not 'HND' or 'NHD'")
         if not isinstance(num_layers, int) or num_layers < 1:
             raise invalid(f"num_layers: {num_layers!r} must be an int >= 1")
-        k, v, q = _layer_tuple(first, 0)
+        k, v, q, st = _layer_tuple(first, 0)
         if k is None or v is None:
             raise invalid("layers[0]: k and v are required")
         self.dtype = tensors.wire_dtype(k, dtype)
@@ -160,8 +164,12 @@ class PutPlan:
         if len(ks) != 3:
             raise invalid(f"layers[0].k: shape {ks} is not 3-d ({layout})")
         hkv, s, d = (ks[0], ks[1], ks[2]) if layout == "HND" else (ks[1], ks[0], ks[2])
+        # q_stats: float32 [Hq, D + D*D] per layer (TENSOR_Q_STATS, for the "expected" policy).
+        self.stats_shape = None if st is None else tensors.shape_of(st)
+        if st is not None and (len(self.stats_shape) != 2 or self.stats_shape[1] != d + d * d):
+            raise invalid(f"layers[0].q_stats: shape {self.stats_shape} is not [Hq, {d + d * d}]")
         if q is None:
-            hq, w = hkv, 0
+            hq, w = (hkv if st is None else self.stats_shape[0]), 0
         else:
             qs = tensors.shape_of(q)
             if len(qs) != 3:
@@ -174,12 +182,16 @@ class PutPlan:
         h.shape.CopyFrom(pb.ModelShape(num_layers=num_layers, num_kv_heads=hkv, num_q_heads=hq,
                                        head_dim=d, seq_len=s, obs_window=w))
         h.compression.CopyFrom(message(pb.CompressionConfig, compression, "compression"))
+        if st is not None:
+            h.compression.eviction.query_stats = True
+        if rope is not None:
+            h.rope.CopyFrom(message(pb.RopeSpec, rope, "rope"))
         self.header = h
         self.num_layers = num_layers
 
     def tensors_of(self, layer, i):
         """The (kind, bytes) of layer i, checked against the header."""
-        k, v, q = _layer_tuple(layer, i)
+        k, v, q, st = _layer_tuple(layer, i)
         out = []
         for name, kind, x, want in (("k", pb.TENSOR_K, k, self.kv_shape),
                                     ("v", pb.TENSOR_V, v, self.kv_shape),
@@ -195,6 +207,13 @@ class PutPlan:
             if tensors.wire_dtype(x, self.dtype if self._forced(x) else None) != self.dtype:
                 raise invalid(f"layers[{i}].{name}: dtype differs from layers[0].k")
             out.append((kind, tensors.as_bytes(x, self.dtype)))
+        if (st is None) != (self.stats_shape is None):
+            raise invalid(f"layers[{i}].q_stats: must be given for every layer or for none")
+        if st is not None:
+            if tensors.shape_of(st) != self.stats_shape:
+                raise invalid(f"layers[{i}].q_stats: shape {tensors.shape_of(st)} != "
+                              f"{self.stats_shape}")
+            out.append((pb.TENSOR_Q_STATS, tensors.as_bytes(st, pb.DTYPE_F32)))
         return out
 
     def _forced(self, x):

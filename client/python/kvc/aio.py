@@ -82,10 +82,11 @@ class Client:
         return 0 if len(self._replicas) == 1 else rendezvous_owner(cache_id, self._replicas)
 
     async def put(self, cache_id, layers, *, num_layers=None, layout="HND", dtype=None,
-                  compression=None, ttl_seconds=0, overwrite=False):
+                  compression=None, ttl_seconds=0, overwrite=False, rope=None):
         """See kvc.Client.put; `layers` may also be an async iterator (give num_layers)."""
         first, it, n = await _aiter_layers(layers, num_layers)
-        plan = PutPlan(cache_id, first, n, layout, dtype, compression, ttl_seconds, overwrite)
+        plan = PutPlan(cache_id, first, n, layout, dtype, compression, ttl_seconds, overwrite,
+                       rope)
         max_chunk = self.options.max_chunk_bytes
         failed = []
 

@@ -65,7 +65,7 @@ class Client:
     # ---- PutCache -------------------------------------------------------------------------------
 
     def put(self, cache_id, layers, *, num_layers=None, layout="HND", dtype=None,
-            compression=None, ttl_seconds=0, overwrite=False):
+            compression=None, ttl_seconds=0, overwrite=False, rope=None):
         """Uploads one cache and returns the PutCacheResponse.
 
         layers: per layer (k, v, q_obs) (or a dict with those keys), numpy arrays or torch
@@ -74,10 +74,14 @@ class Client:
         give num_layers): each layer is sent as soon as the iterator yields it, so a prefill loop
         can upload layer l while computing l + 1. The shape and dtype come from the first layer;
         dtype="bf16" marks uint16 numpy arrays as bf16 bits. compression: CompressionConfig or
-        its dict form, e.g. {"eviction": {"policy": "snapkv", "budget": 64}}.
+        its dict form, e.g. {"eviction": {"policy": "snapkv", "budget": 64}}. A layer may add
+        q_stats (4th item or dict key): float32 [Hq, D + D*D], the mean and covariance of the
+        un-rotated queries, for {"eviction": {"policy": "expected"}} without q_obs (query_stats
+        is then set). rope: the model's RopeSpec or its dict form (needed by "expected").
         """
         first, it, n = _common.split_layers(layers, num_layers)
-        plan = PutPlan(cache_id, first, n, layout, dtype, compression, ttl_seconds, overwrite)
+        plan = PutPlan(cache_id, first, n, layout, dtype, compression, ttl_seconds, overwrite,
+                       rope)
         max_chunk = self.options.max_chunk_bytes
 
         failed = []  # what the request iterator raised: gRPC only sees a cancelled call

@@ -16,23 +16,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kvc/compact.h"
+#include "kvc/rope.h"  // RopeParams, ValidateRope
 
 namespace kvc {
-
-// The rotary embedding the keys were stored with: channel pair p (p < rotary_dims / 2) turns by
-// angle (position / linear_factor) * theta^(-2p / rotary_dims). Pairs are (2p, 2p + 1) when
-// interleaved (llama2.c, GPT-J), (p, p + rotary_dims / 2) when half-split (Hugging Face Llama,
-// GPT-NeoX). Channels past rotary_dims are not rotated.
-struct RopeParams {
-  double theta = 10000.0;
-  int rotary_dims = 0;  // 0 = head_dim
-  bool half_split = false;
-  double linear_factor = 1.0;
-};
-
-// INVALID_ARGUMENT naming the field: theta <= 0 or not finite, rotary_dims odd, negative or above
-// head_dim, linear_factor < 1 or not finite.
-absl::Status ValidateRope(const RopeParams& rope, int head_dim);
 
 // Rotates every key of `layer` (HND, [num_kv_heads, n_kept, head_dim] in layer->dtype) by
 // -shift positions under `rope`, in place. Computed in double, rounded once to the dtype.

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "kvc/dtype.h"
+#include "kvc/rope.h"
 
 namespace kvc {
 
@@ -30,6 +31,11 @@ struct LayerShape {
 // device itself). Element type `dtype`, layout `layout` for all three tensors:
 //   HND: K, V [Hkv, S, D], Q_obs [Hq, W, D]      NHD: K, V [S, Hkv, D], Q_obs [W, Hq, D]
 // Q_obs row t is the query of prompt position S - W + t. q_obs may be null only when W == 0.
+// Expected attention also reads `rope` (the model's RoPE, to un-rotate Q_obs and to rotate the
+// statistics to future positions) and, with EvictionSpec::query_stats, `q_stats`: float32
+// [Hq, D + D * D] per layer, for each query head the mean of its un-rotated (pre-RoPE) queries
+// followed by their covariance, row-major (an engine sends a diagonal covariance when that is
+// all it tracks).
 struct LayerInput {
   LayerShape shape;
   DType dtype = DType::kF16;
@@ -38,7 +44,15 @@ struct LayerInput {
   const void* k = nullptr;
   const void* v = nullptr;
   const void* q_obs = nullptr;
+  const RopeParams* rope = nullptr;  // null: not known
+  const float* q_stats = nullptr;    // null: none sent
 };
+
+// Floats of q_stats per layer: Hq * (D + D * D).
+inline size_t QueryStatsFloats(const LayerShape& s) {
+  return static_cast<size_t>(s.num_q_heads) * (s.head_dim + static_cast<size_t>(s.head_dim) *
+                                                                  s.head_dim);
+}
 
 // Checks shape limits and pointers; the message names the offending field, e.g.
 // "shape.head_dim: 300 is outside [8, 256]". ValidateShape: Hkv >= 1, Hq a multiple of Hkv, S >= 1,
@@ -47,7 +61,8 @@ struct LayerInput {
 // "shape: num_kv_heads*seq_len*head_dim = 901467965*213156309*96 overflows 64 bits". A shape that
 // passes keeps every byte size and offset derived from it far below 2^64.
 // ValidateInput also checks dtype/layout values, layer_index >= 0 and that k, v (and q_obs when
-// W > 0) are non-null; it cannot check that the buffers are large enough.
+// W > 0) are non-null, and rope (when set) with ValidateRope; it cannot check that the buffers
+// are large enough.
 absl::Status ValidateShape(const LayerShape& shape);
 absl::Status ValidateInput(const LayerInput& in);
 

@@ -58,7 +58,18 @@ struct ChannelSelection {
 //   snapkv:      then 1-D pooling (max or avg, odd kernel, same size, window clipped at the
 //                edges) over the prefix [0, S - W); the window's own scores are left unpooled
 //   knorm: -||k_j||_2;  random: CounterUniform(seed, layer_index, kv head, 0, j);
+//   keydiff: -cos(k_j, m), m = (1/S) sum_i k_i / ||k_i|| (KeyDiff; query-agnostic, 0 when m = 0)
+//   expected: per query head, mean mu and covariance Sigma of its un-rotated queries (the W
+//            Q_obs rows turned back by their positions with in.rope, population covariance; or
+//            in.q_stats when spec.query_stats), rotated to the average of the next `horizon`
+//            positions (R = mean over p in [S, S + horizon) of RoPE(p); mu' = R mu,
+//            Sigma' = R Sigma R^T), then z_j = k_j . mu' / sqrt(D) + k_j^T Sigma' k_j / (2D),
+//            softmax over all S keys, averaged over the g query heads (Expected Attention)
 //   streaming, none: 0.
+// Value-aware weighting (EffectiveValueWeight: mul by default for expected, off for the others;
+// only for h2o, snapkv, keyformer, expected), after pooling, with n = mean_j ||v_j|| and
+// s = mean_j score_j of the head:  mul: score_j * (||v_j|| + value_eps * n);
+// add: (score_j + value_eps * s) * ||v_j||.
 // Sinks, recent windows and the snapkv window are applied by SelectTokens. INVALID_ARGUMENT
 // (naming the field) for an invalid input or eviction spec.
 absl::StatusOr<std::vector<float>> ScoreTokens(const LayerInput& in, const EvictionSpec& spec);
@@ -69,6 +80,7 @@ absl::StatusOr<std::vector<float>> ScoreTokens(const LayerInput& in, const Evict
 //   none: all;  streaming: the first min(sink_tokens, B) + the most recent rest;
 //   h2o / keyformer: the most recent int(recent_fraction * B) (defaults 0.5 / 0.3);
 //   snapkv: the observation window, or only its most recent B tokens when B < W;
+//   keydiff, expected: the most recent int(recent_fraction * B) (default 0);
 //   knorm, random: none.
 // Granularity::kPerLayer selects once from the scores summed over heads and gives every head
 // that set.

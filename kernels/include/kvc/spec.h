@@ -23,10 +23,17 @@ enum class EvictionPolicy : uint8_t {
   kKeyformer = 4,
   kKNorm = 5,
   kRandom = 6,
+  kKeyDiff = 7,            // query-agnostic: -cos(k_j, mean normalised key of the head)
+  kExpectedAttention = 8,  // from query statistics: see ScoreTokens in kvc/selection.h
 };
 enum class ChannelPolicy : uint8_t { kNone = 0, kThink = 1, kL1 = 2, kL2 = 3 };
 enum class PoolKind : uint8_t { kMax = 0, kAvg = 1 };
 enum class Granularity : uint8_t { kPerHead = 0, kPerLayer = 1 };
+// Value-aware scores (CriticalKV, Expected Attention): the attention score s_j of token j is
+// weighted by its value norm, kMul: s_j * (||v_j|| + eps * n̄), kAdd: (s_j + eps * s̄) * ||v_j||,
+// with n̄ and s̄ the head's mean value norm and mean score (so eps is scale-free). kAuto is kMul
+// for expected attention and kOff for every other policy.
+enum class ValueWeight : uint8_t { kAuto = 0, kOff = 1, kMul = 2, kAdd = 3 };
 
 struct EvictionSpec {
   EvictionPolicy policy = EvictionPolicy::kNone;
@@ -47,10 +54,21 @@ struct EvictionSpec {
 
   // Head-adaptive budgets (AdaKV): the layer's H * B tokens go where the scores are high, each
   // head keeping at least its protected tokens plus its top floor(adaptive_floor * B); see
-  // SelectTokens (kvc/selection.h). Only for scoring policies (h2o, snapkv, keyformer, knorm,
-  // random) at per-head granularity. adaptive_floor = 1 gives the uniform selection.
+  // SelectTokens (kvc/selection.h). Only for scoring policies (all but none and streaming) at
+  // per-head granularity. adaptive_floor = 1 gives the uniform selection.
   bool adaptive = false;
   double adaptive_floor = 0.2;  // alpha, [0, 1]
+  // h2o, snapkv, keyformer, expected: weight scores by value norms (see ValueWeight).
+  ValueWeight value_weight = ValueWeight::kAuto;
+  double value_eps = 0.02;  // >= 0, finite
+  // expected: the query statistics are rotated to the average of the next `horizon` positions
+  // (S .. S + horizon - 1), >= 1. Default 1 (the next position): on stories260K (head_dim 8,
+  // 64 decoded tokens, seeds 1/101/201) top-1 agreement fell with the horizon, 1 > 8 > 128 at
+  // keep 0.5 and 0.25, because averaging the rotation cancels the fast-turning channel pairs.
+  int horizon = 1;
+  // expected: query statistics come from the client (LayerInput::q_stats) instead of Q_obs; the
+  // only source when obs_window is 0.
+  bool query_stats = false;
 };
 
 struct ChannelSpec {
@@ -81,9 +99,14 @@ struct CompressionSpec {
 // outside (0, 1]; sink_tokens < 0; recent_fraction NaN or > 1; pool_kernel even or < 1; tau not
 // finite and > 0; adaptive with a policy that has no scores (none, streaming) or with per-layer
 // granularity; adaptive_floor NaN or outside [0, 1] (checked only when adaptive);
-// h2o/snapkv/keyformer, think and prune_values with obs_window 0; lambdas outside
-// [0, 1); quant.bits not in {0, 2, 4, 8}; recent_tokens < 0; layer_index < 0.
+// h2o/snapkv/keyformer, think and prune_values with obs_window 0; lambdas outside [0, 1);
+// quant.bits not in {0, 2, 4, 8}; recent_tokens < 0; layer_index < 0; value_weight unknown, or on
+// (mul/add) for a policy without attention scores; value_eps negative or not finite; horizon < 1;
+// query_stats with a policy other than expected; expected with obs_window 0 and no query_stats.
 absl::Status ValidateSpec(const CompressionSpec& spec, const LayerShape& shape, int layer_index);
+// The inputs a valid spec reads beyond K, V and Q_obs: expected attention needs in.rope
+// ("rope: ..."), query_stats needs in.q_stats ("q_stats: ...").
+absl::Status ValidateSpecInput(const CompressionSpec& spec, const LayerInput& in);
 
 // Tokens kept per KV head for this layer (spec must be valid): seq_len for policy none; else a
 // positive layer_budgets[layer_index], else budget when > 0, else max(1, round(keep_ratio * S)).
@@ -93,6 +116,10 @@ int KeptChannels(double lambda, int head_dim);
 
 std::string_view PolicyName(EvictionPolicy p);  // "none", "streaming", "h2o", "snapkv", ...
 std::string_view PolicyName(ChannelPolicy p);   // "none", "think", "l1", "l2"
+std::string_view ValueWeightName(ValueWeight w);  // "auto", "off", "mul", "add"
+absl::StatusOr<ValueWeight> ParseValueWeight(std::string_view name);  // "" = auto
+// kAuto resolved: kMul for expected attention, kOff otherwise.
+ValueWeight EffectiveValueWeight(const EvictionSpec& e);
 absl::StatusOr<EvictionPolicy> ParseEvictionPolicy(std::string_view name);
 absl::StatusOr<ChannelPolicy> ParseChannelPolicy(std::string_view name);
 // Every policy name, for GetServerInfo and --help.

@@ -18,6 +18,7 @@
 #include "kvc/layer.h"
 #include "kvc/model/kv_cache.h"
 #include "kvc/model/transformer.h"
+#include "kvc/rope.h"
 #include "kvc/spec.h"
 
 namespace kvc::fidelity {
@@ -64,6 +65,11 @@ struct PrefixCache {
   int num_q_heads = 0;
   int head_dim = 0;
   std::shared_ptr<const std::vector<model::LayerProjections>> layers;
+  RopeParams rope;  // the model's RoPE (expected attention)
+  // Per layer, calibration statistics of the un-rotated queries of the *other* sequences' whole
+  // prefixes (leave-one-out), float32 [Hq, D + D*D] (TENSOR_Q_STATS): what an engine could send
+  // without this request's queries. Shared by the scenarios of one sequence.
+  std::shared_ptr<const std::vector<std::vector<float>>> q_stats;
 
   int num_layers() const { return layers ? static_cast<int>(layers->size()) : 0; }
   // Views for Backend::Compress (fp32, HND); valid while this object lives. q_obs is null when
@@ -134,6 +140,7 @@ class FidelityEval {
       : model_(model), options_(options), attention_(attention) {}
   absl::Status Prepare();
   absl::Status PrepareSequence(std::vector<int32_t> seq);
+  void SetCalibrationStatistics();
 
   const model::Transformer* model_;
   RunOptions options_;
@@ -142,6 +149,9 @@ class FidelityEval {
   // Per sequence: the prefixes Evaluate compresses: s[0, P) with the question's queries;
   // s[0, P-W) with its own last queries, and the same without queries.
   std::vector<PrefixCache> inside_, after_, after_no_queries_;
+  // Per sequence, while preparing: sums of the un-rotated prefix queries and their outer
+  // products [layers, Hq, D + D*D].
+  std::vector<std::vector<double>> query_sums_;
   // Per sequence, per layer: the full model's q, k, v of positions [P-W, P+C) (HND, that many
   // positions), fed to a compact cache for the per-layer attention error.
   std::vector<std::vector<model::LayerProjections>> tail_;
