@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <memory>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -372,6 +373,8 @@ absl::StatusOr<PrefixCache> PasskeyEval::Prefix(int i, PasskeyScenario scenario,
   prefix.num_kv_heads = c.n_kv_heads;
   prefix.num_q_heads = c.n_heads;
   prefix.head_dim = c.head_dim();
+  prefix.rope.half_split = model_->rope_pairs() == model::RopePairs::kHalfSplit;
+  auto layers = std::make_shared<std::vector<model::LayerProjections>>();
   for (int l = 0; l < c.n_layers; ++l) {
     model::LayerProjections layer;
     layer.k = Rows(cache.k[l], c.n_kv_heads, s, c.head_dim(), 0, p);
@@ -379,8 +382,9 @@ absl::StatusOr<PrefixCache> PasskeyEval::Prefix(int i, PasskeyScenario scenario,
     if (obs_window > 0) {
       layer.q = scenario == PasskeyScenario::kInside ? cache.q_in[l] : cache.q_hay[l];
     }
-    prefix.layers.push_back(std::move(layer));
+    layers->push_back(std::move(layer));
   }
+  prefix.layers = std::move(layers);
   return prefix;
 }
 
