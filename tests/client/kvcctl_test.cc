@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kvc/compact.h"
@@ -181,6 +182,49 @@ TEST_F(KvcctlTest, AdaptiveBudgetsPadDensePositions) {
     EXPECT_EQ(real, heads * budget);
   }
   EXPECT_EQ(Kvcctl("put " + in + " --id=ctl4 --policy=h2o --ada=1.5").code, 2);
+}
+
+// No observation queries: keydiff from K alone, expected attention from layer.{l}.q_stats with
+// the RoPE given by flags, and the value-aware flags; bad values are usage errors (exit 2).
+TEST_F(KvcctlTest, PutWithoutQueriesKeyDiffAndExpectedFromStatistics) {
+  testing::TestCache cache = testing::MakeTestCache("ctl-w0", testing::Shape(2, 2, 4, 64, 256, 0),
+                                                    pb::DTYPE_F16, pb::LAYOUT_HND, 7);
+  StFile kv, stats;
+  std::vector<uint8_t> st(4 * (64 + 64 * 64) * sizeof(float), 0);
+  for (int h = 0; h < 4; ++h) {  // mean e_h, identity covariance
+    float* p = reinterpret_cast<float*>(st.data()) + h * (64 + 64 * 64);
+    p[h] = 1.0f;
+    for (int c = 0; c < 64; ++c) p[64 + c * 64 + c] = 1.0f;
+  }
+  for (int l = 0; l < 2; ++l) {
+    const std::string p = absl::StrCat("layer.", l, ".");
+    for (StFile* f : {&kv, &stats}) {
+      f->tensors.push_back({p + "k", StDType::kF16, {2, 256, 64}, cache.k[l]});
+      f->tensors.push_back({p + "v", StDType::kF16, {2, 256, 64}, cache.v[l]});
+    }
+    stats.tensors.push_back({p + "q_stats", StDType::kF32, {4, 64 + 64 * 64}, st});
+  }
+  const std::string kv_path = *dir_ + "/w0.safetensors", st_path = *dir_ + "/w0s.safetensors";
+  ASSERT_TRUE(WriteSafetensors(kv_path, kv).ok());
+  ASSERT_TRUE(WriteSafetensors(st_path, stats).ok());
+  CtlRun r = Kvcctl("put " + kv_path + " --id=w0-keydiff --policy=keydiff --ratio=0.25");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = Kvcctl("stat w0-keydiff");
+  EXPECT_NE(r.out.find("kept_tokens:  64,64\n"), std::string::npos) << r.out;
+  r = Kvcctl("put " + st_path +
+             " --id=w0-exp --policy=expected --ratio=0.5 --rope_pairs=interleaved"
+             " --value_weight=add --value_eps=0.1 --horizon=4");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = Kvcctl("stat w0-exp");
+  EXPECT_NE(r.out.find("kept_tokens:  128,128\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("query_stats: true"), std::string::npos) << r.out;
+  // Without the RoPE the server refuses expected attention, naming header.rope.
+  r = Kvcctl("put " + st_path + " --id=w0-norope --policy=expected --ratio=0.5");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("header.rope"), std::string::npos) << r.out;
+  EXPECT_EQ(Kvcctl("put " + kv_path + " --id=x --policy=h2o --value_eps=-2").code, 2);
+  EXPECT_EQ(Kvcctl("put " + kv_path + " --id=x --policy=h2o --horizon=-1").code, 2);
+  EXPECT_EQ(Kvcctl("put " + kv_path + " --id=x --policy=expected --rope_pairs=diagonal").code, 2);
 }
 
 TEST_F(KvcctlTest, ExitCodes) {

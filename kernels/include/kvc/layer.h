@@ -50,8 +50,8 @@ struct LayerInput {
 
 // Floats of q_stats per layer: Hq * (D + D * D).
 inline size_t QueryStatsFloats(const LayerShape& s) {
-  return static_cast<size_t>(s.num_q_heads) * (s.head_dim + static_cast<size_t>(s.head_dim) *
-                                                                  s.head_dim);
+  return static_cast<size_t>(s.num_q_heads) *
+         (s.head_dim + static_cast<size_t>(s.head_dim) * s.head_dim);
 }
 
 // Checks shape limits and pointers; the message names the offending field, e.g.

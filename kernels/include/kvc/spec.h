@@ -116,7 +116,7 @@ int KeptChannels(double lambda, int head_dim);
 
 std::string_view PolicyName(EvictionPolicy p);  // "none", "streaming", "h2o", "snapkv", ...
 std::string_view PolicyName(ChannelPolicy p);   // "none", "think", "l1", "l2"
-std::string_view ValueWeightName(ValueWeight w);  // "auto", "off", "mul", "add"
+std::string_view ValueWeightName(ValueWeight w);                      // "auto", "off", "mul", "add"
 absl::StatusOr<ValueWeight> ParseValueWeight(std::string_view name);  // "" = auto
 // kAuto resolved: kMul for expected attention, kOff otherwise.
 ValueWeight EffectiveValueWeight(const EvictionSpec& e);
