@@ -480,7 +480,7 @@ void BM_ModelDecode(benchmark::State& state, const std::string& spec_text) {
     if (!a.ok() || !b.ok()) return state.SkipWithError("compact cache creation failed");
     std::vector<std::unique_ptr<model::KvCache>> full;
     for (int i = 0; i < o.num_sequences; ++i) {
-      auto fc = model::FullKvCache::FromPrefix(c, g_model->eval->prefix(i).layers, o.prefix_len,
+      auto fc = model::FullKvCache::FromPrefix(c, *g_model->eval->prefix(i).layers, o.prefix_len,
                                                o.prefix_len, o.prefix_len + o.continuation);
       if (!fc.ok()) return state.SkipWithError(std::string(fc.status().message()).c_str());
       full.push_back(*std::move(fc));

@@ -110,7 +110,9 @@ TEST_P(GpuScoreExtra, KeptSetsMatchTheCpuUpToTies) {
       }
     }
   }
-  if (identical) EXPECT_EQ(cpu->bytes, gpu->bytes) << "same selections, different blobs";
+  if (identical) {
+    EXPECT_EQ(cpu->bytes, gpu->bytes) << "same selections, different blobs";
+  }
 }
 
 std::vector<Case> Cases() {

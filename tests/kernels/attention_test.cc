@@ -291,7 +291,9 @@ TEST(PackedAttentionTest, HeadsWithDifferentCounts) {
     for (int j = 0; j < 12; ++j) {
       const int32_t p = dense->positions[h * 12 + j];
       EXPECT_EQ(p < 0, j >= budgets[h]) << h << " " << j;
-      if (p < 0) EXPECT_EQ(p, -1);
+      if (p < 0) {
+        EXPECT_EQ(p, -1);
+      }
       for (int c = 0; c < d && j >= budgets[h]; ++c) {
         EXPECT_EQ(LoadAsFloat(dense->k.data(), dense->dtype, (h * 12 + j) * d + c), 0.0f);
       }
