@@ -385,13 +385,13 @@ TEST_F(PasskeyModelTest, ScenariosCompressTheRightPositions) {
   EXPECT_EQ(inside->prefix_len, static_cast<int>(d.prompt.size()) - 1);  // all but the last byte
   EXPECT_EQ(after->prefix_len, d.question_offset);                       // the haystack
   const int hd = inside->head_dim;
-  EXPECT_EQ(inside->layers[0].k.size(),
+  EXPECT_EQ(inside->layers->at(0).k.size(),
             static_cast<size_t>(inside->num_kv_heads) * inside->prefix_len * hd);
-  EXPECT_EQ(inside->layers[0].q.size(), static_cast<size_t>(inside->num_q_heads) * kWindow * hd);
-  EXPECT_TRUE(after->layers[0].q.empty());
+  EXPECT_EQ(inside->layers->at(0).q.size(), static_cast<size_t>(inside->num_q_heads) * kWindow * hd);
+  EXPECT_TRUE(after->layers->at(0).q.empty());
   // The haystack's keys are the first rows of the whole prompt's keys (one forward pass).
-  EXPECT_TRUE(std::equal(after->layers[1].k.begin(), after->layers[1].k.begin() + 5 * hd,
-                         inside->layers[1].k.begin()));
+  EXPECT_TRUE(std::equal(after->layers->at(1).k.begin(), after->layers->at(1).k.begin() + 5 * hd,
+                         inside->layers->at(1).k.begin()));
 
   EXPECT_THAT(eval_->Prefix(0, PasskeyScenario::kInside, 5).status().message(),
               HasSubstr("obs_window"));
