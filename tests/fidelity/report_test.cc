@@ -224,8 +224,9 @@ TEST(PlotTest, DrawsEverySeriesAndLegend) {
   const std::vector<PlotSpec> panels = AgreementPlots(results, "title");
   ASSERT_EQ(panels.size(), 1u);
   const PlotSpec& spec = panels[0];
-  // Every row is drawn: 6 eviction series, 2 ThinK series, 2 quantization points.
-  ASSERT_EQ(spec.series.size(), 6u + 2 + 2);
+  // Every row is drawn: 6 eviction series, 2 ThinK series, 2 quantization points, then 3
+  // head-adaptive, 6 value-aware, 2 expected-attention series and KeyDiff.
+  ASSERT_EQ(spec.series.size(), 6u + 2 + 2 + 3 + 6 + 2 + 1);
   EXPECT_EQ(spec.series[0].name, "streaming");
   EXPECT_EQ(spec.series[6].name, "snapkv:*+think:0.25");
   EXPECT_EQ(spec.series[9].name, "q2g8");

@@ -59,7 +59,8 @@ TEST(OnlyTest, MatchesLabelPrefixesAndFamiliesAndRefusesNoMatch) {
   std::vector<std::string> labels;
   for (const SweepEntry& e : *rows) labels.push_back(e.label);
   EXPECT_THAT(labels, ElementsAre("snapkv:0.5", "snapkv:0.5+think:0.25", "snapkv:0.5+think:0.5",
-                                  "q4g8", "q2g8"));
+                                  "q4g8", "q2g8", "snapkv:0.5,ada=0.2", "snapkv:0.5,value=mul",
+                                  "snapkv:0.5,value=add"));
   EXPECT_EQ(FilterOnly(DefaultSweep(8), "")->size(), DefaultSweep(8).size());
   auto none = FilterOnly(DefaultSweep(8), "snapk:0.5");
   ASSERT_FALSE(none.ok());
