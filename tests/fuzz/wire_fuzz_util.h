@@ -12,7 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "google/protobuf/message.h"
 #include "google/protobuf/stubs/logging.h"
+#include "google/protobuf/util/field_comparator.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/slice.h"
 
@@ -26,6 +29,16 @@ inline void Check(bool ok, const char* harness, const char* what) {
     std::fprintf(stderr, "%s: %s\n", harness, what);
     std::abort();
   }
+}
+
+// Field-by-field equality where a NaN equals a NaN: a double field holding NaN bits (e.g.
+// CacheInfo.compression_ratio) is the same value to both parsers, though NaN != NaN.
+inline bool SameFields(const google::protobuf::Message& a, const google::protobuf::Message& b) {
+  google::protobuf::util::DefaultFieldComparator comparator;
+  comparator.set_treat_nan_as_equal(true);
+  google::protobuf::util::MessageDifferencer differencer;
+  differencer.set_field_comparator(&comparator);
+  return differencer.Compare(a, b);
 }
 
 // The first input byte picks how the rest is cut: (b & 3) + 1 slices, cut points moved by
