@@ -10,6 +10,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "kvc/status_macros.h"
+#include "tensor_rows.h"
 
 namespace kvc::fidelity {
 namespace {
@@ -21,22 +22,6 @@ void LogSoftmax(const float* logits, int n, double* out) {
   for (int i = 0; i < n; ++i) sum += std::exp(static_cast<double>(logits[i]) - max_logit);
   const double log_sum = std::log(sum);
   for (int i = 0; i < n; ++i) out[i] = static_cast<double>(logits[i]) - max_logit - log_sum;
-}
-
-int32_t ArgMax(const float* x, int n) {
-  return static_cast<int32_t>(std::max_element(x, x + n) - x);  // first maximum on ties
-}
-
-// Positions [first, first + count) of an HND tensor [heads, S, D], as [heads, count, D].
-std::vector<float> Rows(const std::vector<float>& x, int heads, int S, int D, int first,
-                        int count) {
-  std::vector<float> out(static_cast<size_t>(heads) * count * D);
-  for (int h = 0; h < heads; ++h) {
-    std::memcpy(&out[static_cast<size_t>(h) * count * D],
-                &x[(static_cast<size_t>(h) * S + first) * D],
-                static_cast<size_t>(count) * D * sizeof(float));
-  }
-  return out;
 }
 
 // Position `pos` of an HND tensor [heads, S, D], as [heads, D].

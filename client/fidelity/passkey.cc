@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "kvc/model/kv_cache.h"
 #include "kvc/status_macros.h"
+#include "tensor_rows.h"
 
 namespace kvc::fidelity {
 namespace {
@@ -62,26 +63,12 @@ std::string Question(const std::string& name) {
 constexpr int kMaxNeedleBytes = 16 + kMaxNameLetters + 4 + kPasskeyDigits + 2;
 constexpr int kMaxQuestionBytes = 15 + kMaxNameLetters + 5;
 
-int32_t ArgMax(const float* x, int n) {
-  return static_cast<int32_t>(std::max_element(x, x + n) - x);  // first maximum on ties
-}
-
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
   std::ostringstream text;
   text << in.rdbuf();
   return text.str();
-}
-
-// Copies rows [t0, t0 + n) of every head of an HND tensor [heads, s, d].
-std::vector<float> Rows(const std::vector<float>& x, int heads, int s, int d, int t0, int n) {
-  std::vector<float> out(static_cast<size_t>(heads) * n * d);
-  for (int h = 0; h < heads; ++h) {
-    std::memcpy(&out[static_cast<size_t>(h) * n * d], &x[(static_cast<size_t>(h) * s + t0) * d],
-                static_cast<size_t>(n) * d * sizeof(float));
-  }
-  return out;
 }
 
 }  // namespace
