@@ -68,5 +68,20 @@ fi
 # /usr/local/cuda/bin/nvcc, and skips it otherwise.
 if ! command -v nvcc >/dev/null 2>&1 && [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
   echo "setup: no nvcc found; the CUDA backend will not be built"
+elif ! ls /usr/include/nccl.h /usr/local/include/nccl.h /usr/local/cuda/include/nccl.h \
+    >/dev/null 2>&1; then
+  # The NCCL transfer path compiles against nccl.h and loads libnccl.so.2 at run time, so only
+  # the headers are needed to build. Debian's main archive has no NCCL; NVIDIA's PyPI wheel
+  # carries the headers. They go to /usr/local/include (the library is not installed: kvcd finds
+  # the one the GPU node provides at run time).
+  nccl_wheel_version=2.28.9
+  echo "setup: installing NCCL ${nccl_wheel_version} headers from the nvidia-nccl-cu13 wheel"
+  tmp=$(mktemp -d)
+  python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" \
+      "nvidia-nccl-cu13==${nccl_wheel_version}" &&
+    python3 -m zipfile -e "$tmp"/nvidia_nccl_cu13-*.whl "$tmp/x" &&
+    $SUDO cp -r "$tmp"/x/nvidia/nccl/include/. /usr/local/include/ ||
+    { echo "setup: could not fetch the NCCL headers; configure with -DKVC_CUDA=OFF" >&2; exit 1; }
+  rm -rf "$tmp"
 fi
 echo "setup: ok"
