@@ -68,20 +68,26 @@ fi
 # /usr/local/cuda/bin/nvcc, and skips it otherwise.
 if ! command -v nvcc >/dev/null 2>&1 && [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
   echo "setup: no nvcc found; the CUDA backend will not be built"
-elif ! ls /usr/include/nccl.h /usr/local/include/nccl.h /usr/local/cuda/include/nccl.h \
-    >/dev/null 2>&1; then
-  # The NCCL transfer path compiles against nccl.h and loads libnccl.so.2 at run time, so only
-  # the headers are needed to build. Debian's main archive has no NCCL; NVIDIA's PyPI wheel
-  # carries the headers. They go to /usr/local/include (the library is not installed: kvcd finds
-  # the one the GPU node provides at run time).
-  nccl_wheel_version=2.28.9
-  echo "setup: installing NCCL ${nccl_wheel_version} headers from the nvidia-nccl-cu13 wheel"
-  tmp=$(mktemp -d)
-  python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" \
-      "nvidia-nccl-cu13==${nccl_wheel_version}" &&
-    python3 -m zipfile -e "$tmp"/nvidia_nccl_cu13-*.whl "$tmp/x" &&
-    $SUDO cp -r "$tmp"/x/nvidia/nccl/include/. /usr/local/include/ ||
-    { echo "setup: could not fetch the NCCL headers; configure with -DKVC_CUDA=OFF" >&2; exit 1; }
-  rm -rf "$tmp"
+else
+  # The CUDA code compiles against NCCL's and cuBLAS's headers and loads both libraries at run
+  # time (dlopen), so building needs only the headers. A toolkit without them (Debian's main
+  # archive has neither) gets them from NVIDIA's PyPI wheels into /usr/local/include; the
+  # libraries are not installed (kvcd and the GPU benchmark use the GPU node's own).
+  wheel_headers() {  # HEADER WHEEL VERSION SUBDIR
+    local header=$1 wheel=$2 version=$3 subdir=$4 tmp
+    ls /usr/include/"$header" /usr/local/include/"$header" /usr/local/cuda/include/"$header" \
+      >/dev/null 2>&1 && return 0
+    echo "setup: installing $header from the $wheel $version wheel"
+    tmp=$(mktemp -d)
+    python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" "$wheel==$version" &&
+      python3 -c 'import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+z.extractall(sys.argv[2], [n for n in z.namelist() if "/include/" in n])' "$tmp"/*.whl "$tmp/x" &&
+      $SUDO cp -r "$tmp/x/$subdir/include/." /usr/local/include/ ||
+      { echo "setup: could not fetch $header; configure with -DKVC_CUDA=OFF" >&2; return 1; }
+    rm -rf "$tmp"
+  }
+  wheel_headers nccl.h nvidia-nccl-cu13 2.28.9 nvidia/nccl || exit 1
+  wheel_headers cublas_api.h nvidia-cublas 13.0.2.14 nvidia/cu13 || exit 1
 fi
 echo "setup: ok"
