@@ -75,8 +75,10 @@ else
   # libraries are not installed (kvcd and the GPU benchmark use the GPU node's own).
   wheel_headers() {  # HEADER WHEEL VERSION SUBDIR
     local header=$1 wheel=$2 version=$3 subdir=$4 tmp
-    ls /usr/include/"$header" /usr/local/include/"$header" /usr/local/cuda/include/"$header" \
-      >/dev/null 2>&1 && return 0
+    local dir
+    for dir in /usr/include /usr/local/include /usr/local/cuda/include; do
+      [[ -f $dir/$header ]] && return 0
+    done
     echo "setup: installing $header from the $wheel $version wheel"
     tmp=$(mktemp -d)
     python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" "$wheel==$version" &&
