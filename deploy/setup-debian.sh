@@ -90,6 +90,6 @@ z.extractall(sys.argv[2], [n for n in z.namelist() if "/include/" in n])' "$tmp"
     rm -rf "$tmp"
   }
   wheel_headers nccl.h nvidia-nccl-cu13 2.28.9 nvidia/nccl || exit 1
-  wheel_headers cublas_api.h nvidia-cublas 13.0.2.14 nvidia/cu13 || exit 1
+  wheel_headers cublas_v2.h nvidia-cublas 13.0.2.14 nvidia/cu13 || exit 1
 fi
 echo "setup: ok"

@@ -10,7 +10,7 @@
 // with the reason when libcublas.so.13 is not found). L2 is flushed before every timed run. Each
 // packed row is checked against the CPU backend's Attend over the same blob.
 // Usage: kvc_gpu_bench [--seq_len=N] [--iters=N] [--decode=0]. Exits 77 without a CUDA device.
-#include <cublas_api.h>
+#include <cublas_v2.h>  // declares the API (cublas_api.h alone needs CUBLASAPI defined)
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
