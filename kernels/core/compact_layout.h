@@ -6,7 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cpu/quantize.h"
+#include "core/quantize.h"
 #include "kvc/compact.h"
 
 namespace kvc::internal {

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "cpu/compact_layout.h"
+#include "core/compact_layout.h"
 
 namespace kvc::cuda {
 namespace {

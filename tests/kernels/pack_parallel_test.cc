@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "../../kernels/cpu/pack.h"
-#include "../../kernels/cpu/quantize.h"
+#include "../../kernels/core/quantize.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/pack_util.h"
