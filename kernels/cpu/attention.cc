@@ -20,7 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "cpu/attention_internal.h"
 #include "cpu/attention_rows.h"
-#include "cpu/quantize.h"
+#include "core/quantize.h"
 #include "cpu/simd.h"
 
 namespace kvc {

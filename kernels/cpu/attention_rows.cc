@@ -10,7 +10,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "cpu/quantize.h"
+#include "core/quantize.h"
 #include "cpu/simd_inl.h"
 #include "kvc/convert.h"
 

@@ -2,6 +2,8 @@
 // ThreadPool per backend parallelizes over KV heads (scoring, selection and packing); per-thread
 // scratch keeps hot loops free of allocation. NHD inputs are read in place through strided row
 // conversion (no transposed copy).
+#include "cpu/cpu_backend.h"
+
 #include <chrono>
 #include <memory>
 #include <string>
@@ -10,13 +12,13 @@
 #include "cpu/engine.h"
 #include "cpu/pack.h"
 #include "kvc/attention.h"
-#include "kvc/backend.h"
+#include "kvc/backend_interface.h"
 #include "kvc/compact.h"
 #include "kvc/convert.h"
 #include "kvc/status_macros.h"
 #include "kvc/thread_pool.h"
 
-namespace kvc {
+namespace kvc::cpu {
 namespace {
 
 double SecondsSince(std::chrono::steady_clock::time_point t) {
@@ -82,12 +84,8 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const BackendOptions& options) {
-  if (options.num_threads < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_threads: ", options.num_threads, " must be >= 0 (0 = all cores)"));
-  }
-  return std::unique_ptr<Backend>(new CpuBackend(options.num_threads));
+std::unique_ptr<Backend> NewCpuBackend(int num_threads) {
+  return std::unique_ptr<Backend>(new CpuBackend(num_threads));
 }
 
-}  // namespace kvc
+}  // namespace kvc::cpu

@@ -1,23 +1,17 @@
 // Scores beyond the observed attention rows: KeyDiff, expected attention and value-aware
-// weighting (formulas: ScoreTokens in kvc/selection.h). The host-side parts the CUDA backend
-// shares (query statistics, value weighting constants) live here so that both backends compute
-// them the same way.
+// weighting (formulas: ScoreTokens in kvc/selection.h). The CUDA backend reaches the query
+// statistics through the host fallback (core/host_fallback.h, cpu/host_fallback.cc), so that both
+// backends compute them the same way.
 #ifndef KVC_KERNELS_CPU_SCORE_EXTRA_H_
 #define KVC_KERNELS_CPU_SCORE_EXTRA_H_
 
 #include <vector>
 
+#include "core/host_fallback.h"  // ExpectedStats
 #include "kvc/layer.h"
 #include "kvc/spec.h"
 
 namespace kvc::cpu {
-
-// Expected-attention query statistics of a layer, rotated to the average of the next `horizon`
-// positions: mean [Hq, D] and covariance [Hq, D, D] (row-major), float.
-struct ExpectedStats {
-  std::vector<float> mean;
-  std::vector<float> cov;
-};
 
 // From in.q_stats when spec.query_stats, else from the un-rotated Q_obs rows (population
 // covariance over the W rows). Preconditions: input and spec valid, in.rope set.

@@ -2,7 +2,8 @@
 
 #include <algorithm>
 
-#include "cpu/compact_layout.h"
+#include "core/compact_layout.h"
+#include "core/compact_write.h"
 
 namespace kvc::cuda {
 namespace {
@@ -87,17 +88,7 @@ CompressPlan MakeCompressPlan(const LayerInput& in, const CompressionSpec& spec)
   return p;
 }
 LayerHeader MakeLayerHeader(const LayerInput& in, const CompressionSpec& spec) {
-  LayerHeader hdr;
-  hdr.dtype = static_cast<uint8_t>(in.dtype);
-  hdr.quant_bits = static_cast<uint8_t>(spec.quant.bits);
-  hdr.layer_index = in.layer_index;
-  hdr.num_kv_heads = in.shape.num_kv_heads;
-  hdr.head_dim = in.shape.head_dim;
-  hdr.seq_len = in.shape.seq_len;
-  hdr.quant_group = spec.quant.bits > 0 ? spec.quant.group_size : 0;
-  hdr.eviction_policy = static_cast<uint8_t>(spec.eviction.policy);
-  hdr.channel_policy = static_cast<uint8_t>(spec.channels.key_policy);
-  return hdr;
+  return internal::MakeLayerHeader(in.shape, in.dtype, in.layer_index, spec);
 }
 
 }  // namespace kvc::cuda

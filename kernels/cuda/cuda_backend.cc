@@ -12,7 +12,6 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "cuda/adaptive_select.h"
-#include "cpu/score_extra.h"
 #include "cuda/compress_plan.h"
 #include "cuda/decode_plan.h"
 #include "cuda/kernels.h"
@@ -37,8 +36,8 @@ size_t Align256(size_t x) { return (x + 255) & ~size_t{255}; }
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(std::unique_ptr<SlotPool> pool, std::string description)
-      : pool_(std::move(pool)), description_(std::move(description)) {}
+  CudaBackend(std::unique_ptr<SlotPool> pool, std::string description, const HostFallback* host)
+      : pool_(std::move(pool)), description_(std::move(description)), host_(host) {}
 
   std::string_view name() const override { return "cuda"; }
   std::string description() const override { return description_; }
@@ -65,6 +64,7 @@ class CudaBackend final : public Backend {
 
   std::unique_ptr<SlotPool> pool_;
   const std::string description_;
+  const HostFallback* const host_;  // not owned
 };
 
 absl::StatusOr<CompactLayer> CudaBackend::Compress(const LayerInput& in,
@@ -96,8 +96,8 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
   const size_t q_bytes = need_q ? static_cast<size_t>(hq) * w * d * es : 0;
   // Expected attention's statistics are computed on the host and travel with the inputs.
   const bool expected = spec.eviction.policy == EvictionPolicy::kExpectedAttention;
-  const cpu::ExpectedStats stats =
-      expected ? cpu::ComputeExpectedStats(in, spec.eviction) : cpu::ExpectedStats{};
+  const ExpectedStats stats =
+      expected ? host_->ExpectedStatistics(in, spec.eviction) : ExpectedStats{};
   const size_t mean_bytes = sizeof(float) * stats.mean.size();
   const size_t stat_bytes = Align256(mean_bytes) + sizeof(float) * stats.cov.size();
   const size_t in_bytes = Align256(kv_bytes) * 2 + Align256(q_bytes) + Align256(stat_bytes);
@@ -260,7 +260,7 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
         "value weighting");
   }
   KVC_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[1], st), "cudaEventRecord");
-  if (e.adaptive) return AdaptiveFromDeviceScores(in, spec, final_scores, st, timings);
+  if (e.adaptive) return AdaptiveFromDeviceScores(in, spec, *host_, final_scores, st, timings);
 
   // Stage 2: token and channel selection.
   if (per_layer) {
@@ -499,7 +499,8 @@ absl::Status CudaBackend::AttendOnSlot(const CompactLayerView& cache, const Deco
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackendImpl(const BackendOptions& options) {
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackendImpl(const BackendOptions& options,
+                                                               const HostFallback* host) {
   std::string why;
   if (!DeviceAvailable(&why)) {
     return absl::UnavailableError(absl::StrCat("cuda backend unavailable: ", why));
@@ -520,7 +521,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackendImpl(const BackendOpti
   }
   ASSIGN_OR_RETURN(std::unique_ptr<SlotPool> pool, SlotPool::Create(options.device, kNumStreams));
   return std::unique_ptr<Backend>(new CudaBackend(
-      std::move(pool), absl::StrCat("cuda: ", prop.name, " (sm_", prop.major, prop.minor, ")")));
+      std::move(pool), absl::StrCat("cuda: ", prop.name, " (sm_", prop.major, prop.minor, ")"),
+      host));
 }
 
 }  // namespace kvc::cuda

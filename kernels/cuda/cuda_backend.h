@@ -1,5 +1,5 @@
-// Internal entry points of the CUDA backend, called by kernels/cpu/backend.cc's factory and by
-// the GPU tests. The public way to read the device memory in use is kvc/gpu_memory.h.
+// Internal entry points of the CUDA backend, called by the backend registry (kernels/registry.cc)
+// and by the GPU tests. The public way to read the device memory in use is kvc/gpu_memory.h.
 #ifndef KVC_KERNELS_CUDA_CUDA_BACKEND_H_
 #define KVC_KERNELS_CUDA_CUDA_BACKEND_H_
 
@@ -8,7 +8,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "kvc/backend.h"
+#include "core/host_fallback.h"
+#include "kvc/backend_interface.h"
 
 namespace kvc::cuda {
 
@@ -18,8 +19,10 @@ bool DeviceAvailable(std::string* why_not);
 // UNAVAILABLE (with the reason) when no device is visible or options.device is not one of them.
 // The backend owns a small pool of streams with pinned host staging buffers and a device memory
 // pool; every Compress/Attend call takes one stream for its duration (blocking while all are in
-// use), so concurrent calls are safe.
-absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackendImpl(const BackendOptions& options);
+// use), so concurrent calls are safe. `host` runs the steps that have no device path (head-adaptive
+// budgets after scoring, expected attention's query statistics); it must outlive the backend.
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackendImpl(const BackendOptions& options,
+                                                               const HostFallback* host);
 
 // Bytes of device memory held by the memory pools of all live CUDA backends (including memory
 // cached by the pools for reuse). 0 when none exists. Thread-safe.

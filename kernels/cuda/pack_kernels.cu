@@ -1,5 +1,5 @@
 // Gather of kept tokens and channels into the compact blob (kvc/compact.h), and KIVI-style
-// quantization of the old blocks. Quantization mirrors kernels/cpu/quantize.cc operation by
+// quantization of the old blocks. Quantization mirrors kernels/core/quantize.cc operation by
 // operation with explicitly rounded intrinsics (no contraction into FMA), so that codes, scales
 // and zeros are bit-identical to the CPU backend's for the same input.
 #include "cuda/cuda_common.cuh"

@@ -13,6 +13,7 @@
 #include "kvc/client_wire.h"
 #include "kvc/compact.h"
 #include "kvc/safetensors.h"
+#include "kvc/selection.h"
 #include "kvcache/v1/kvcache.pb.h"
 #include "server/wire.h"
 

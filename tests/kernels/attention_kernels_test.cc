@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "kernels/pack_util.h"
 #include "kvc/attention.h"
+#include "kvc/selection.h"
 #include "kvc/thread_pool.h"
 
 namespace kvc {

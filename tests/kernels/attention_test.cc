@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "kernels/pack_util.h"
 #include "kvc/dtype.h"
+#include "kvc/selection.h"
 
 namespace kvc {
 namespace {

@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "kvc/backend.h"
 #include "kvc/compact.h"
+#include "kvc/selection.h"
 #include "pack_util.h"
 
 namespace kvc {

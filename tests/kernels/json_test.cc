@@ -1,6 +1,6 @@
-// The strict JSON reader is internal to kernels/ (kernels/cpu/json.h, on nlohmann-json); what it
+// The strict JSON reader is internal to kernels/ (kernels/core/json.h, on nlohmann-json); what it
 // adds to the library (duplicate keys, depth limit, document order, no exceptions) is tested here.
-#include "../kernels/cpu/json.h"
+#include "../kernels/core/json.h"
 
 #include <string>
 

@@ -6,12 +6,13 @@
 #include <string>
 #include <vector>
 
+#include "../../kernels/core/quantize.h"
 #include "../../kernels/cpu/pack.h"
-#include "../../kernels/cpu/quantize.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/pack_util.h"
 #include "kvc/compact.h"
+#include "kvc/selection.h"
 #include "kvc/thread_pool.h"
 
 namespace kvc {

@@ -1,5 +1,5 @@
-// The quantizer is internal to kernels/ (kernels/cpu/quantize.h); it is tested directly here.
-#include "../kernels/cpu/quantize.h"
+// The quantizer is internal to kernels/ (kernels/core/quantize.h); it is tested directly here.
+#include "../kernels/core/quantize.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "cpu/quantize.h"
+#include "core/quantize.h"
 
 #include <algorithm>
 #include <cstring>

@@ -2,8 +2,8 @@
 // Internal to kernels/. The library does the lexing, number and UTF-8 handling; Parse adds what a
 // file header from an untrusted source needs: duplicate object keys and nesting deeper than
 // kMaxDepth are errors, objects keep document order, and nothing throws. Thread-compatible.
-#ifndef KVC_CPU_JSON_H_
-#define KVC_CPU_JSON_H_
+#ifndef KVC_CORE_JSON_H_
+#define KVC_CORE_JSON_H_
 
 #include <string>
 
@@ -35,4 +35,4 @@ std::string Quote(absl::string_view s);
 
 }  // namespace kvc::json
 
-#endif  // KVC_CPU_JSON_H_
+#endif  // KVC_CORE_JSON_H_

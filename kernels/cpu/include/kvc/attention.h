@@ -6,19 +6,11 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "kvc/backend_interface.h"  // DecodeQuery
 #include "kvc/compact.h"
 #include "kvc/thread_pool.h"
 
 namespace kvc {
-
-struct DecodeQuery {
-  int num_q_heads = 0;          // Hq, a multiple of the cache's num_kv_heads
-  int n_q = 0;                  // queries per head
-  const float* q = nullptr;     // [Hq, n_q, D] post-RoPE
-  int n_new = 0;                // uncompressed tokens appended after the cache (n_new >= n_q)
-  const float* k_new = nullptr; // [Hkv, n_new, D] post-RoPE; may be null when n_new == 0
-  const float* v_new = nullptr; // [Hkv, n_new, D]
-};
 
 // out: [Hq, n_q, D], fully overwritten. Query head qh reads KV head qh / (Hq / Hkv). Query i
 // attends to every cached token and to new tokens [0, n_new - n_q + i] (causal within the new

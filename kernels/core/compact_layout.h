@@ -1,12 +1,12 @@
 // Byte layout of one head section of a compact layer (see kvc/compact.h), shared by the writer
 // (PackLayer) and the reader (CompactLayerView). Internal to kernels/.
-#ifndef KVC_CPU_COMPACT_LAYOUT_H_
-#define KVC_CPU_COMPACT_LAYOUT_H_
+#ifndef KVC_CORE_COMPACT_LAYOUT_H_
+#define KVC_CORE_COMPACT_LAYOUT_H_
 
 #include <cstddef>
 #include <cstdint>
 
-#include "cpu/quantize.h"
+#include "core/quantize.h"
 #include "kvc/compact.h"
 
 namespace kvc::internal {
@@ -68,4 +68,4 @@ inline HeadLayout ComputeHeadLayout(int n_kept, int n_recent, int tk, int tv, in
 
 }  // namespace kvc::internal
 
-#endif  // KVC_CPU_COMPACT_LAYOUT_H_
+#endif  // KVC_CORE_COMPACT_LAYOUT_H_

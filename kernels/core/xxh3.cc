@@ -2,7 +2,7 @@
 // checks, and the run-time choice among the builds.
 #include "kvc/xxh3.h"
 
-#include "cpu/xxh3_isa.h"
+#include "core/xxh3_isa.h"
 
 #define XXH_INLINE_ALL  // static copies in this file only, compiled for its target
 #include <xxhash.h>

@@ -1,8 +1,8 @@
 // The instruction-set builds of XXH3 (xxh3_avx2.cc, xxh3_avx512.cc). Each file alone is compiled
 // with its instruction set enabled, so nothing in it may run before the CPU was checked (the
 // checks live in xxh3.cc, compiled for the baseline).
-#ifndef KVC_KERNELS_CPU_XXH3_ISA_H_
-#define KVC_KERNELS_CPU_XXH3_ISA_H_
+#ifndef KVC_KERNELS_CORE_XXH3_ISA_H_
+#define KVC_KERNELS_CORE_XXH3_ISA_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -18,4 +18,4 @@ uint64_t Xxh3Avx512Unchecked(const void* data, size_t size, uint64_t seed);
 
 }  // namespace kvc::internal
 
-#endif  // KVC_KERNELS_CPU_XXH3_ISA_H_
+#endif  // KVC_KERNELS_CORE_XXH3_ISA_H_

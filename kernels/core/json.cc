@@ -1,4 +1,4 @@
-#include "cpu/json.h"
+#include "core/json.h"
 
 #include <cstddef>
 #include <cstdint>

@@ -1,5 +1,5 @@
 // XXH3 built for AVX2: only this file gets the instruction-set flag (kernels/CMakeLists.txt).
-#include "cpu/xxh3_isa.h"
+#include "core/xxh3_isa.h"
 
 #if defined(__AVX2__)
 #define XXH_INLINE_ALL  // static copies in this file only, compiled for its target

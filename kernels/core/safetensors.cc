@@ -10,7 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "cpu/json.h"
+#include "core/json.h"
 
 namespace kvc {
 namespace {

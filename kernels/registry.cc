@@ -1,24 +1,16 @@
-// Backend selection. The CUDA backend is linked in only when kvc was built with CUDA.
-#include "kvc/backend.h"
-
+// The backend registry: the one place that knows both engines. kernels/cpu and kernels/cuda
+// depend on kernels/core only; the CUDA backend gets the CPU engine's host stages from here
+// (core/host_fallback.h). The CUDA backend is linked in only when kvc was built with CUDA.
 #include "absl/status/status.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "cpu/cpu_backend.h"
+#include "kvc/backend.h"
 
 #ifdef KVC_HAVE_CUDA
 #include "cuda/cuda_backend.h"
 #endif
 
 namespace kvc {
-
-absl::StatusOr<BackendKind> ParseBackendKind(std::string_view name) {
-  const std::string n = absl::AsciiStrToLower(std::string(name));
-  if (n == "auto") return BackendKind::kAuto;
-  if (n == "cpu") return BackendKind::kCpu;
-  if (n == "cuda") return BackendKind::kCuda;
-  return absl::InvalidArgumentError(
-      absl::StrCat("backend: unknown '", std::string(name), "' (expected auto, cpu or cuda)"));
-}
 
 bool CudaDeviceAvailable(std::string* why_not) {
 #ifdef KVC_HAVE_CUDA
@@ -29,9 +21,17 @@ bool CudaDeviceAvailable(std::string* why_not) {
 #endif
 }
 
+absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const BackendOptions& options) {
+  if (options.num_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_threads: ", options.num_threads, " must be >= 0 (0 = all cores)"));
+  }
+  return cpu::NewCpuBackend(options.num_threads);
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const BackendOptions& options) {
 #ifdef KVC_HAVE_CUDA
-  return cuda::CreateCudaBackendImpl(options);
+  return cuda::CreateCudaBackendImpl(options, &cpu::HostEngine());
 #else
   std::string why;
   CudaDeviceAvailable(&why);

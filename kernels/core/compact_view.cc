@@ -8,8 +8,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "cpu/compact_layout.h"
-#include "cpu/quantize.h"
+#include "core/compact_layout.h"
+#include "core/quantize.h"
 #include "kvc/compact.h"
 #include "kvc/status_macros.h"
 

@@ -12,42 +12,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kvc/compact.h"
 #include "kvc/layer.h"
 #include "kvc/spec.h"
 
 namespace kvc {
-
-// Kept token positions per KV head. Uniform (counts empty): every head keeps `budget` tokens and
-// positions is [num_kv_heads, budget]. Ragged (counts non-empty, head-adaptive budgets): head h
-// keeps counts[h] tokens (1 <= counts[h] <= S), positions holds the heads' lists back to back in
-// head order (sum of counts entries) and `budget` is the largest count, so a buffer of `budget`
-// entries holds any head's list. Positions are original prompt positions, strictly ascending per
-// head. With Granularity::kPerLayer every head holds the same set.
-struct TokenSelection {
-  int num_kv_heads = 0;
-  int budget = 0;  // uniform: kept tokens per head; ragged: max over counts
-  std::vector<int32_t> positions;
-  std::vector<int> counts;  // [num_kv_heads] when ragged, else empty
-
-  bool ragged() const { return !counts.empty(); }
-  int count(int h) const { return counts.empty() ? budget : counts[h]; }
-  // Index in `positions` of head h's first entry.
-  size_t offset(int h) const {
-    if (counts.empty()) return static_cast<size_t>(h) * budget;
-    size_t o = 0;
-    for (int i = 0; i < h; ++i) o += static_cast<size_t>(counts[i]);
-    return o;
-  }
-  const int32_t* head(int h) const { return positions.data() + offset(h); }
-  size_t total() const { return offset(num_kv_heads); }
-};
-
-struct ChannelSelection {
-  int key_channels = 0;            // T_k (== D when keys are not pruned)
-  int value_channels = 0;          // T_v (== D when values are not pruned)
-  std::vector<int32_t> key_idx;    // [num_kv_heads, T_k], strictly ascending per head
-  std::vector<int32_t> value_idx;  // [num_kv_heads, T_v], strictly ascending per head
-};
 
 // Per-token importance used by the eviction policy: [num_kv_heads, S] (group-aggregated over the
 // query heads of each KV head), higher = more important. With a_tj = q_t . k_j / sqrt(D) and
@@ -112,6 +81,16 @@ absl::StatusOr<TokenSelection> SelectTokens(const LayerInput& in, const Compress
 // else INVALID_ARGUMENT naming "tokens.*". A ragged selection prunes each head on its own count.
 absl::StatusOr<ChannelSelection> SelectChannels(const LayerInput& in, const TokenSelection& tokens,
                                                 const CompressionSpec& spec);
+
+// Builds the blob from the input and the selections: gather kept tokens and channels, quantize the
+// old block when spec.quant.bits > 0. Validates what it reads (INVALID_ARGUMENT naming the field):
+// shape limits, dtype/layout, non-null k/v, tokens matching the heads with budget in [1, S] and
+// positions strictly ascending in [0, S), channel counts in [1, D] with [Hkv, T] strictly
+// ascending indices (an empty list with T == D means all channels), bits in {0, 2, 4, 8},
+// group_size >= 1 when quantizing, recent_tokens >= 0. q_obs is not read. Thread-compatible.
+absl::StatusOr<CompactLayer> PackLayer(const LayerInput& in, const TokenSelection& tokens,
+                                       const ChannelSelection& channels,
+                                       const CompressionSpec& spec);
 
 }  // namespace kvc
 

@@ -1,7 +1,9 @@
-// PackLayer, PackedSize and the parallel writer behind both (cpu/pack.h): the writer side of the
-// compact format (kvc/compact.h). The reader side (CompactLayerView, DENSE export) is in
-// compact_view.cc.
-#include "kvc/compact.h"
+// PackLayer and the parallel writer behind it (cpu/pack.h): the engine's writer of the compact
+// format (kvc/compact.h). The format's layout, PackedSize and InPlaceLayer are in kernels/core
+// (compact_layout.h, compact_write.cc); the reader side (CompactLayerView, DENSE export) is in
+// core/compact_view.cc.
+
+#include "cpu/pack.h"
 
 #include <algorithm>
 #include <chrono>
@@ -13,20 +15,25 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "cpu/compact_layout.h"
+#include "core/compact_layout.h"
+#include "core/compact_write.h"
+#include "core/quantize.h"
 #include "cpu/gather.h"
-#include "cpu/pack.h"
-#include "cpu/quantize.h"
+#include "kvc/compact.h"
 #include "kvc/convert.h"
+#include "kvc/selection.h"
 #include "kvc/status_macros.h"
 #include "kvc/thread_pool.h"
 
 namespace kvc {
 namespace {
 
-using internal::AlignUp;
 using internal::ComputeHeadLayout;
 using internal::HeadLayout;
+using internal::PadBlock;
+using internal::PutBlock;
+using internal::RecentCount;
+using internal::WriteLayerMeta;
 
 // Checks one head's index list: strictly ascending and inside [0, limit).
 absl::Status CheckAscending(const int32_t* v, int n, int limit, absl::string_view field,
@@ -150,46 +157,6 @@ absl::Status CheckPackInputs(const LayerInput& in, const TokenSelection& tokens,
   return absl::OkStatus();
 }
 
-// Recent rows r: only when something is reduced (pruning or quantization); see CompressionSpec.
-int RecentCount(int n_kept, int key_channels, int value_channels, int head_dim,
-                const CompressionSpec& spec) {
-  const bool reduced = key_channels < head_dim || value_channels < head_dim || spec.quant.bits > 0;
-  if (!reduced) return 0;
-  return std::clamp(spec.recent_tokens, 0, n_kept);
-}
-
-// Writes the header and the descriptor table; head h keeps n_kept(h) tokens, r(h) of them recent,
-// in a section of size(h) bytes, back to back after the table.
-template <typename NKept, typename NRecent, typename Size>
-void WriteLayerMeta(const LayerShape& s, DType dtype, int layer_index, const CompressionSpec& spec,
-                    NKept n_kept, NRecent n_recent, int tk, int tv, Size section_size,
-                    uint8_t* blob) {
-  LayerHeader header;
-  header.dtype = static_cast<uint8_t>(dtype);
-  header.quant_bits = static_cast<uint8_t>(spec.quant.bits);
-  header.layer_index = layer_index;
-  header.num_kv_heads = s.num_kv_heads;
-  header.head_dim = s.head_dim;
-  header.seq_len = s.seq_len;
-  header.quant_group = spec.quant.bits > 0 ? spec.quant.group_size : 0;
-  header.eviction_policy = static_cast<uint8_t>(spec.eviction.policy);
-  header.channel_policy = static_cast<uint8_t>(spec.channels.key_policy);
-  std::memcpy(blob, &header, sizeof(header));
-  size_t offset = internal::SectionsBegin(s.num_kv_heads);
-  for (int h = 0; h < s.num_kv_heads; ++h) {
-    HeadDesc desc;
-    desc.n_kept = n_kept(h);
-    desc.n_recent = n_recent(h);
-    desc.key_channels = tk;
-    desc.value_channels = tv;
-    desc.offset = offset;
-    desc.size = section_size(h);
-    offset += desc.size;
-    std::memcpy(blob + sizeof(header) + sizeof(HeadDesc) * static_cast<size_t>(h), &desc,
-                sizeof(desc));
-  }
-}
-
 // Source rows of one tensor (K or V) for head h: row(t) points at the D elements of token t.
 struct RowSource {
   const uint8_t* base;
@@ -207,19 +174,6 @@ struct RowSource {
 constexpr int kPrefetchRows = 12;
 inline void PrefetchRow(const uint8_t* p, size_t bytes) {
   for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
-}
-
-// Zeroes the padding after a block of `bytes` at offset `at` of a head section, up to the next
-// 16-byte boundary (where the next block starts). The blob buffer is not zero-filled when it is
-// sized (ByteVector), so this is what keeps the format's "padding is zero" promise.
-void PadBlock(uint8_t* section, size_t at, size_t bytes) {
-  const size_t end = at + bytes;
-  std::memset(section + end, 0, AlignUp(end) - end);
-}
-
-void PutBlock(uint8_t* section, size_t at, const void* p, size_t bytes) {
-  std::memcpy(section + at, p, bytes);
-  PadBlock(section, at, bytes);
 }
 
 // Copies full rows for positions pos[0..n) to dst ([n, D]). In HND, runs of consecutive
@@ -441,116 +395,10 @@ double WriteHalf(const PackPlan& p, int h, bool values) {
 
 }  // namespace
 
-size_t PackedSize(const LayerShape& shape, DType dtype, const TokenSelection& tokens,
-                  const ChannelSelection& channels, const CompressionSpec& spec) {
-  const int g = spec.quant.bits > 0 ? spec.quant.group_size : 0;
-  auto section = [&](int n_kept) {
-    const int r =
-        RecentCount(n_kept, channels.key_channels, channels.value_channels, shape.head_dim, spec);
-    return ComputeHeadLayout(n_kept, r, channels.key_channels, channels.value_channels,
-                             shape.head_dim, DTypeSize(dtype), spec.quant.bits, g)
-        .size;
-  };
-  size_t total = internal::SectionsBegin(shape.num_kv_heads);
-  if (!tokens.ragged()) {
-    return total + static_cast<size_t>(shape.num_kv_heads) * section(tokens.budget);
-  }
-  for (int n : tokens.counts) total += section(n);
-  return total;
-}
-
 absl::StatusOr<CompactLayer> PackLayer(const LayerInput& in, const TokenSelection& tokens,
                                        const ChannelSelection& channels,
                                        const CompressionSpec& spec) {
   return cpu::PackLayerImpl(in, tokens, channels, spec, /*pool=*/nullptr, /*work=*/nullptr);
-}
-
-bool InPlaceLayer::KeepsEverything(const CompressionSpec& spec) {
-  return spec.eviction.policy == EvictionPolicy::kNone &&
-         spec.channels.key_policy == ChannelPolicy::kNone && !spec.channels.prune_values &&
-         spec.quant.bits == 0;
-}
-
-absl::StatusOr<InPlaceLayer> InPlaceLayer::Create(const LayerShape& shape, DType dtype,
-                                                  Layout layout, int layer_index,
-                                                  const CompressionSpec& spec) {
-  RETURN_IF_ERROR(ValidateShape(shape));
-  if (static_cast<int>(dtype) > static_cast<int>(DType::kBF16)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("dtype: ", static_cast<int>(dtype), " is not a known dtype"));
-  }
-  if (layout != Layout::kHND && layout != Layout::kNHD) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layout: ", static_cast<int>(layout), " is not a known layout"));
-  }
-  RETURN_IF_ERROR(ValidateSpec(spec, shape, layer_index));
-  if (!KeepsEverything(spec)) {
-    return absl::InvalidArgumentError(
-        "spec: an in-place layer needs eviction, channel pruning and quantization all off");
-  }
-  InPlaceLayer l;
-  const int s = shape.seq_len, d = shape.head_dim;
-  const size_t elem = DTypeSize(dtype);
-  const internal::HeadLayout hl = internal::ComputeHeadLayout(s, 0, d, d, d, elem, 0, 0);
-  l.layout_ = layout;
-  l.heads_ = shape.num_kv_heads;
-  l.row_bytes_ = static_cast<size_t>(d) * elem;
-  l.head_bytes_ = static_cast<uint64_t>(s) * l.row_bytes_;
-  l.tensor_bytes_ = l.head_bytes_ * static_cast<uint64_t>(l.heads_);
-  l.sections_ = internal::SectionsBegin(l.heads_);
-  l.section_size_ = hl.size;
-  l.keys_at_ = hl.key_old;
-  l.values_at_ = hl.value_old;
-  try {
-    l.layer_.bytes.resize(l.sections_ + static_cast<size_t>(l.heads_) * hl.size);
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot allocate ", l.sections_ + static_cast<size_t>(l.heads_) * hl.size,
-                     " bytes for layer ", layer_index));
-  }
-  uint8_t* blob = l.layer_.bytes.data();
-  WriteLayerMeta(
-      shape, dtype, layer_index, spec, [s](int) { return s; }, [](int) { return 0; }, d, d,
-      [&hl](int) { return hl.size; }, blob);
-  std::vector<int32_t> positions(std::max(s, d));
-  for (size_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<int32_t>(i);
-  for (int h = 0; h < l.heads_; ++h) {
-    uint8_t* section = blob + l.sections_ + static_cast<size_t>(h) * hl.size;
-    PutBlock(section, hl.positions, positions.data(), sizeof(int32_t) * s);
-    PutBlock(section, hl.key_idx, positions.data(), sizeof(int32_t) * d);
-    PutBlock(section, hl.value_idx, positions.data(), sizeof(int32_t) * d);
-    PadBlock(section, hl.key_old, l.head_bytes_);
-    PadBlock(section, hl.value_old, l.head_bytes_);
-  }
-  return l;
-}
-
-void InPlaceLayer::Write(bool values, uint64_t offset, const uint8_t* data, size_t size,
-                         absl::FunctionRef<void(size_t, size_t)> placed) {
-  uint8_t* const base = layer_.bytes.data();
-  uint8_t* const blob = base + sections_ + (values ? values_at_ : keys_at_);
-  while (size > 0) {
-    size_t take;
-    uint8_t* dst;
-    if (layout_ == Layout::kHND) {  // [H, S, D]: a head's rows are contiguous, as in the blob
-      const uint64_t h = offset / head_bytes_, within = offset % head_bytes_;
-      take = static_cast<size_t>(std::min<uint64_t>(size, head_bytes_ - within));
-      dst = blob + h * section_size_ + within;
-    } else {  // [S, H, D]: row (t, h) goes to row t of head h's block
-      const uint64_t token_bytes = row_bytes_ * static_cast<uint64_t>(heads_);
-      const uint64_t t = offset / token_bytes, in_token = offset % token_bytes;
-      const uint64_t h = in_token / row_bytes_, c = in_token % row_bytes_;
-      take = static_cast<size_t>(std::min<uint64_t>(size, row_bytes_ - c));
-      dst = blob + h * section_size_ + t * row_bytes_ + c;
-    }
-    const size_t at = static_cast<size_t>(dst - base);
-    take = std::min(take, kPieceBytes - at % kPieceBytes);  // pieces end on kPieceBytes multiples
-    std::memcpy(dst, data, take);
-    placed(at, take);
-    data += take;
-    offset += take;
-    size -= take;
-  }
 }
 
 namespace cpu {

@@ -5,8 +5,8 @@
 // and the dequantized value is code * scale + zero (scale 0 gives code 0, i.e. the exact value).
 // Codes are packed little-endian within a byte (element 0 in the lowest bits); each row of codes
 // starts on a byte boundary. bits is 2, 4 or 8. All functions are thread-compatible.
-#ifndef KVC_CPU_QUANTIZE_H_
-#define KVC_CPU_QUANTIZE_H_
+#ifndef KVC_CORE_QUANTIZE_H_
+#define KVC_CORE_QUANTIZE_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -51,4 +51,4 @@ void DequantizeValueRow(const float* scale, const float* zero, const uint8_t* co
 
 }  // namespace kvc::quant
 
-#endif  // KVC_CPU_QUANTIZE_H_
+#endif  // KVC_CORE_QUANTIZE_H_

@@ -1,0 +1,131 @@
+// The compact format's writer side that needs no engine: PackedSize (the size PackLayer in
+// kernels/cpu produces) and InPlaceLayer (a layer stored whole, written as its bytes arrive).
+#include "core/compact_write.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "core/compact_layout.h"
+#include "kvc/compact.h"
+#include "kvc/status_macros.h"
+
+namespace kvc {
+
+using internal::ComputeHeadLayout;
+using internal::PadBlock;
+using internal::PutBlock;
+using internal::RecentCount;
+using internal::WriteLayerMeta;
+
+size_t PackedSize(const LayerShape& shape, DType dtype, const TokenSelection& tokens,
+                  const ChannelSelection& channels, const CompressionSpec& spec) {
+  const int g = spec.quant.bits > 0 ? spec.quant.group_size : 0;
+  auto section = [&](int n_kept) {
+    const int r =
+        RecentCount(n_kept, channels.key_channels, channels.value_channels, shape.head_dim, spec);
+    return ComputeHeadLayout(n_kept, r, channels.key_channels, channels.value_channels,
+                             shape.head_dim, DTypeSize(dtype), spec.quant.bits, g)
+        .size;
+  };
+  size_t total = internal::SectionsBegin(shape.num_kv_heads);
+  if (!tokens.ragged()) {
+    return total + static_cast<size_t>(shape.num_kv_heads) * section(tokens.budget);
+  }
+  for (int n : tokens.counts) total += section(n);
+  return total;
+}
+
+bool InPlaceLayer::KeepsEverything(const CompressionSpec& spec) {
+  return spec.eviction.policy == EvictionPolicy::kNone &&
+         spec.channels.key_policy == ChannelPolicy::kNone && !spec.channels.prune_values &&
+         spec.quant.bits == 0;
+}
+
+absl::StatusOr<InPlaceLayer> InPlaceLayer::Create(const LayerShape& shape, DType dtype,
+                                                  Layout layout, int layer_index,
+                                                  const CompressionSpec& spec) {
+  RETURN_IF_ERROR(ValidateShape(shape));
+  if (static_cast<int>(dtype) > static_cast<int>(DType::kBF16)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dtype: ", static_cast<int>(dtype), " is not a known dtype"));
+  }
+  if (layout != Layout::kHND && layout != Layout::kNHD) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layout: ", static_cast<int>(layout), " is not a known layout"));
+  }
+  RETURN_IF_ERROR(ValidateSpec(spec, shape, layer_index));
+  if (!KeepsEverything(spec)) {
+    return absl::InvalidArgumentError(
+        "spec: an in-place layer needs eviction, channel pruning and quantization all off");
+  }
+  InPlaceLayer l;
+  const int s = shape.seq_len, d = shape.head_dim;
+  const size_t elem = DTypeSize(dtype);
+  const internal::HeadLayout hl = internal::ComputeHeadLayout(s, 0, d, d, d, elem, 0, 0);
+  l.layout_ = layout;
+  l.heads_ = shape.num_kv_heads;
+  l.row_bytes_ = static_cast<size_t>(d) * elem;
+  l.head_bytes_ = static_cast<uint64_t>(s) * l.row_bytes_;
+  l.tensor_bytes_ = l.head_bytes_ * static_cast<uint64_t>(l.heads_);
+  l.sections_ = internal::SectionsBegin(l.heads_);
+  l.section_size_ = hl.size;
+  l.keys_at_ = hl.key_old;
+  l.values_at_ = hl.value_old;
+  try {
+    l.layer_.bytes.resize(l.sections_ + static_cast<size_t>(l.heads_) * hl.size);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", l.sections_ + static_cast<size_t>(l.heads_) * hl.size,
+                     " bytes for layer ", layer_index));
+  }
+  uint8_t* blob = l.layer_.bytes.data();
+  WriteLayerMeta(
+      shape, dtype, layer_index, spec, [s](int) { return s; }, [](int) { return 0; }, d, d,
+      [&hl](int) { return hl.size; }, blob);
+  std::vector<int32_t> positions(std::max(s, d));
+  for (size_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<int32_t>(i);
+  for (int h = 0; h < l.heads_; ++h) {
+    uint8_t* section = blob + l.sections_ + static_cast<size_t>(h) * hl.size;
+    PutBlock(section, hl.positions, positions.data(), sizeof(int32_t) * s);
+    PutBlock(section, hl.key_idx, positions.data(), sizeof(int32_t) * d);
+    PutBlock(section, hl.value_idx, positions.data(), sizeof(int32_t) * d);
+    PadBlock(section, hl.key_old, l.head_bytes_);
+    PadBlock(section, hl.value_old, l.head_bytes_);
+  }
+  return l;
+}
+
+void InPlaceLayer::Write(bool values, uint64_t offset, const uint8_t* data, size_t size,
+                         absl::FunctionRef<void(size_t, size_t)> placed) {
+  uint8_t* const base = layer_.bytes.data();
+  uint8_t* const blob = base + sections_ + (values ? values_at_ : keys_at_);
+  while (size > 0) {
+    size_t take;
+    uint8_t* dst;
+    if (layout_ == Layout::kHND) {  // [H, S, D]: a head's rows are contiguous, as in the blob
+      const uint64_t h = offset / head_bytes_, within = offset % head_bytes_;
+      take = static_cast<size_t>(std::min<uint64_t>(size, head_bytes_ - within));
+      dst = blob + h * section_size_ + within;
+    } else {  // [S, H, D]: row (t, h) goes to row t of head h's block
+      const uint64_t token_bytes = row_bytes_ * static_cast<uint64_t>(heads_);
+      const uint64_t t = offset / token_bytes, in_token = offset % token_bytes;
+      const uint64_t h = in_token / row_bytes_, c = in_token % row_bytes_;
+      take = static_cast<size_t>(std::min<uint64_t>(size, row_bytes_ - c));
+      dst = blob + h * section_size_ + t * row_bytes_ + c;
+    }
+    const size_t at = static_cast<size_t>(dst - base);
+    take = std::min(take, kPieceBytes - at % kPieceBytes);  // pieces end on kPieceBytes multiples
+    std::memcpy(dst, data, take);
+    placed(at, take);
+    data += take;
+    offset += take;
+    size -= take;
+  }
+}
+
+}  // namespace kvc

@@ -1,0 +1,72 @@
+// The engine's interface: one implementation per device (kernels/cpu, kernels/cuda), chosen by the
+// backend registry (kvc/backend.h). CPU is the reference and the oracle for CUDA tests. A Backend
+// is thread-safe: concurrent Compress/Attend calls are allowed (the CUDA backend runs each call on
+// its own stream).
+#ifndef KVC_BACKEND_INTERFACE_H_
+#define KVC_BACKEND_INTERFACE_H_
+
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvc/compact.h"
+#include "kvc/layer.h"
+#include "kvc/spec.h"
+
+namespace kvc {
+
+enum class BackendKind { kAuto, kCpu, kCuda };
+absl::StatusOr<BackendKind> ParseBackendKind(std::string_view name);  // "auto", "cpu", "cuda"
+
+// Wall time of each stage of one Compress call, in seconds.
+struct CompressTimings {
+  double score = 0;     // token scores (QK^T, softmax, pooling, noise)
+  double select = 0;    // top-k selection and channel selection
+  double pack = 0;      // gather of kept tokens/channels into the blob
+  double quantize = 0;  // quantization of the old blocks
+  double total = 0;
+};
+
+struct BackendOptions {
+  int num_threads = 0;  // CPU: worker threads (0 = hardware concurrency)
+  int device = 0;       // CUDA: device ordinal
+};
+
+// New queries for decode attention over a packed layer (Backend::Attend, PackedAttentionCpu in
+// kvc/attention.h).
+struct DecodeQuery {
+  int num_q_heads = 0;           // Hq, a multiple of the cache's num_kv_heads
+  int n_q = 0;                   // queries per head
+  const float* q = nullptr;      // [Hq, n_q, D] post-RoPE
+  int n_new = 0;                 // uncompressed tokens appended after the cache (n_new >= n_q)
+  const float* k_new = nullptr;  // [Hkv, n_new, D] post-RoPE; may be null when n_new == 0
+  const float* v_new = nullptr;  // [Hkv, n_new, D]
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+
+  virtual std::string_view name() const = 0;  // "cpu" or "cuda"
+  // Human-readable device description, e.g. "cpu: 16 threads" or "cuda: NVIDIA H200 (sm_90)".
+  virtual std::string description() const = 0;
+
+  // Compresses one layer held in host memory. Validates input and spec first (INVALID_ARGUMENT
+  // naming the field); never aborts. `timings` may be null.
+  virtual absl::StatusOr<CompactLayer> Compress(const LayerInput& in, const CompressionSpec& spec,
+                                                CompressTimings* timings) = 0;
+
+  // Decode attention over a packed layer (see kvc/attention.h); host pointers.
+  virtual absl::Status Attend(const CompactLayerView& cache, const DecodeQuery& query,
+                              float* out) = 0;
+
+ protected:
+  Backend() = default;
+};
+
+}  // namespace kvc
+
+#endif  // KVC_BACKEND_INTERFACE_H_
