@@ -176,9 +176,9 @@ __global__ void ValueWeightKernel(int seq_len, int mode, float eps, const float*
   }
   ns = BlockSumDouble(ns, red);
   ss = BlockSumDouble(ss, red);
-  const float floor = eps * static_cast<float>((mode == 2 ? ns : ss) / seq_len);
+  const float eps_mean = eps * static_cast<float>((mode == 2 ? ns : ss) / seq_len);
   for (int j = threadIdx.x; j < seq_len; j += blockDim.x) {
-    s[j] = mode == 2 ? s[j] * (n[j] + floor) : (s[j] + floor) * n[j];
+    s[j] = mode == 2 ? s[j] * (n[j] + eps_mean) : (s[j] + eps_mean) * n[j];
   }
 }
 

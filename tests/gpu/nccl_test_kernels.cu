@@ -23,6 +23,7 @@ cudaError_t LaunchSlowFill(uint8_t* dst, size_t n, int spin_ms, cudaStream_t str
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device);
   if (khz <= 0) khz = 1500000;
+  cudaGetLastError();  // drop a stale error: the check below is this launch's
   SpinKernel<<<1, 1, 0, stream>>>(static_cast<long long>(khz) * spin_ms);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;

@@ -22,12 +22,14 @@ __global__ void LogKernel(const float* x, int n, float* out) {
 
 cudaError_t DeviceNoise(uint64_t seed, uint32_t layer, uint32_t head, uint32_t row, uint32_t col0,
                         int n, float* uniform, float* gumbel) {
+  cudaGetLastError();  // drop a stale error: the check below is this launch's
   NoiseKernel<<<(n + 255) / 256, 256>>>(seed, layer, head, row, col0, n, uniform, gumbel);
   const cudaError_t e = cudaGetLastError();
   return e != cudaSuccess ? e : cudaDeviceSynchronize();
 }
 
 cudaError_t DeviceNoiseLog(const float* x, int n, float* out) {
+  cudaGetLastError();  // drop a stale error: the check below is this launch's
   LogKernel<<<(n + 255) / 256, 256>>>(x, n, out);
   const cudaError_t e = cudaGetLastError();
   return e != cudaSuccess ? e : cudaDeviceSynchronize();
