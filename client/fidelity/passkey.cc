@@ -297,7 +297,7 @@ absl::StatusOr<std::unique_ptr<PasskeyEval>> PasskeyEval::CreateChecked(
     }
     if (s > c.seq_len) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": has ", s, " ", unit, ", the model's seq_len is ", c.seq_len));
+          absl::StrCat(where, " has ", s, " ", unit, ", the model's seq_len is ", c.seq_len));
     }
     for (const std::vector<int32_t>* ids : {&d.prompt, &d.answer}) {
       for (size_t t = 0; t < ids->size(); ++t) {
