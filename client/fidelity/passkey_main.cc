@@ -316,9 +316,10 @@ absl::Status Run() {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf(
-      "\naccuracy: fraction of documents whose 5 greedy answer bytes are the pass key "
+      "\naccuracy: fraction of documents whose greedy answer is exactly %s "
       "[Wilson 95%% interval]; size: compact bytes / full fp32 K+V bytes; W: observation queries "
-      "the compressor got (0 = none, query-agnostic)\n");
+      "the compressor got (0 = none, query-agnostic)\n",
+      documents_file.empty() ? "the pass key (5 bytes)" : "the document's answer tokens");
   if (!via.empty()) {
     std::printf("via kvcd %s: %zu specs, %d scenario runs differ from in-process\n", via.c_str(),
                 rows.size(), mismatches);
