@@ -26,7 +26,7 @@ constexpr int kBlock = 128;
 // clamped to -87 (e^-87 ~ 1.6e-38). Written on GCC/clang vector types so that it compiles to
 // SIMD on every target (two SSE registers by default, one AVX/AVX-512 register in the clones).
 #pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"  // vectors passed between inlined helpers only
+#pragma GCC diagnostic ignored "-Wpsabi"  // vectors never cross a call boundary
 typedef float V8f __attribute__((vector_size(32)));
 typedef int32_t V8i __attribute__((vector_size(32)));
 

@@ -1,4 +1,4 @@
-// Test helper for hf_logits_test.py: runs kvc's reference transformer on a checkpoint (Hugging
+// Test tool for hf_logits_test.py: runs kvc's reference transformer on a checkpoint (Hugging
 // Face directory or llama2.c file) and writes its logits as raw little-endian float32.
 //
 //   hf_logits_dump MODEL TOKENS OUT [DECODE_TOKENS]

@@ -42,7 +42,7 @@ except ImportError as e:  # the project's .venv (deploy/setup-python.sh) has the
 
 
 def kvc_logits(dump, model_dir, tokens, decode):
-    """Forward logits [S, V] and DecodeStep logits [decode, V] from the C++ helper."""
+    """Forward logits [S, V] and DecodeStep logits [decode, V] from hf_logits_dump."""
     with tempfile.TemporaryDirectory() as tmp:
         tok_path = os.path.join(tmp, "tokens.txt")
         out_path = os.path.join(tmp, "logits.f32")

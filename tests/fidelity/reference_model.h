@@ -1,6 +1,6 @@
 // A plain Llama forward pass for tests and as the benchmark's baseline: scalar loops, one position
 // at a time, dot products accumulated in double, RoPE frequencies computed here from the config
-// (not through kvc::model's helpers). It shares nothing with Transformer::Forward but the weights,
+// (not through kvc::model's functions). It shares nothing with Transformer::Forward but the weights,
 // so agreement between the two checks the BLAS, blocked-attention and RoPE-table code.
 #ifndef KVC_TESTS_FIDELITY_REFERENCE_MODEL_H_
 #define KVC_TESTS_FIDELITY_REFERENCE_MODEL_H_
