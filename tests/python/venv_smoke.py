@@ -51,6 +51,7 @@ def main():
     assert not problems, f"{model_dir}: " + "; ".join(problems)
 
     import transformers
+    transformers.logging.disable_progress_bar()
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
