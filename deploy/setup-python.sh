@@ -40,6 +40,11 @@ pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 "$PY" -c 'import venv, ensurepip' 2>/dev/null ||
   die "$PY cannot create virtual environments (Debian: apt-get install python3-venv)"
 
+# One run at a time per wheelhouse (CI may start the demo and the tests together).
+mkdir -p "$WHEELHOUSE"
+exec 9>"$WHEELHOUSE/.setup-python.lock"
+flock 9
+
 # The hash of everything an environment is made from: a change to any of it rebuilds.
 stamp_of() {
   cat "$1" deploy/setup-python.sh client/python/pyproject.toml client/python/setup.py \
