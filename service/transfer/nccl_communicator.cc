@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -325,6 +326,15 @@ class NcclFactory final : public CommunicatorFactory {
       cudaStreamDestroy(stream);
       return CudaError(e, "create staging pool");
     }
+    // With both ranks in one process NCCL may read or write the peer's buffer directly over P2P
+    // ("P2P/direct pointer"); pool memory, unlike cudaMalloc's, is not made accessible to peer
+    // devices by cudaDeviceEnablePeerAccess, so grant it here to every device that can reach this
+    // one (a no-op across processes, where NCCL uses its own buffers).
+    if (absl::Status a = GrantPeerAccess(pool); !a.ok()) {
+      cudaMemPoolDestroy(pool);
+      cudaStreamDestroy(stream);
+      return a;
+    }
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t comm = nullptr;
@@ -342,6 +352,32 @@ class NcclFactory final : public CommunicatorFactory {
   }
 
  private:
+  absl::Status GrantPeerAccess(cudaMemPool_t pool) const {
+    int count = 0;
+    if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess) {
+      return CudaError(e, "count devices");
+    }
+    std::vector<cudaMemAccessDesc> access;
+    for (int d = 0; d < count; ++d) {
+      int can = 0;
+      if (d == device_ || cudaDeviceCanAccessPeer(&can, d, device_) != cudaSuccess || !can) {
+        continue;
+      }
+      cudaMemAccessDesc desc = {};
+      desc.location.type = cudaMemLocationTypeDevice;
+      desc.location.id = d;
+      desc.flags = cudaMemAccessFlagsProtReadWrite;
+      access.push_back(desc);
+    }
+    cudaGetLastError();
+    if (access.empty()) return absl::OkStatus();
+    if (cudaError_t e = cudaMemPoolSetAccess(pool, access.data(), access.size());
+        e != cudaSuccess) {
+      return CudaError(e, "grant peer devices access to the staging pool");
+    }
+    return absl::OkStatus();
+  }
+
   const int device_;
 };
 

@@ -76,7 +76,10 @@ class CommunicatorFactory {
 };
 
 // Communicators on CUDA device `device`. Send/Recv accept host pointers and device pointers of
-// that device (another device's memory is INVALID_ARGUMENT); host buffers are staged through a
+// that device (another device's memory is INVALID_ARGUMENT). With both ranks in one process NCCL
+// may access a device buffer from the peer GPU directly: cudaMalloc memory is fine once NCCL has
+// enabled peer access, memory from a cudaMemPool needs cudaMemPoolSetAccess for the peer device
+// (or NCCL_P2P_DIRECT_DISABLE=1 in the environment). Host buffers are staged through a
 // device buffer owned by the communicator, grown on demand with stream-ordered allocation
 // (cudaMallocFromPoolAsync / cudaFreeAsync on the communicator's stream, from its own pool), so
 // that growing it never waits for the whole device (cudaFree would, and with another session's
