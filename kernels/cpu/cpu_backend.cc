@@ -25,7 +25,7 @@ double SecondsSince(std::chrono::steady_clock::time_point t) {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int num_threads) : pool_(num_threads) {}
+  CpuBackend(int num_threads, int thread_nice) : pool_(num_threads, thread_nice) {}
 
   std::string_view name() const override { return "cpu"; }
 
@@ -61,8 +61,12 @@ class CpuBackend final : public Backend {
     RETURN_IF_ERROR(ValidateSpecInput(spec, in));
     CompressTimings t;
     const auto select_start = std::chrono::steady_clock::now();
+    // Cancelled work stops within a block of each stage; nothing after it runs.
+    RETURN_IF_ERROR(cpu::CancelStatus(in));
     TokenSelection tokens = cpu::SelectTokensImpl(in, spec, &pool_, &t.score);
+    RETURN_IF_ERROR(cpu::CancelStatus(in));
     ChannelSelection channels = cpu::SelectChannelsImpl(in, tokens, spec, &pool_);
+    RETURN_IF_ERROR(cpu::CancelStatus(in));
     t.select = SecondsSince(select_start) - t.score;
     const auto pack_start = std::chrono::steady_clock::now();
     cpu::PackWork work;
@@ -87,7 +91,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const BackendOptions& 
     return absl::InvalidArgumentError(
         absl::StrCat("num_threads: ", options.num_threads, " must be >= 0 (0 = all cores)"));
   }
-  return std::unique_ptr<Backend>(new CpuBackend(options.num_threads));
+  return std::unique_ptr<Backend>(new CpuBackend(options.num_threads, options.thread_nice));
 }
 
 }  // namespace kvc

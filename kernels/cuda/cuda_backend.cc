@@ -11,8 +11,8 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "cuda/adaptive_select.h"
 #include "cpu/score_extra.h"
+#include "cuda/adaptive_select.h"
 #include "cuda/compress_plan.h"
 #include "cuda/decode_plan.h"
 #include "cuda/kernels.h"
@@ -73,6 +73,7 @@ absl::StatusOr<CompactLayer> CudaBackend::Compress(const LayerInput& in,
   RETURN_IF_ERROR(ValidateInput(in));
   RETURN_IF_ERROR(ValidateSpec(spec, in.shape, in.layer_index));
   RETURN_IF_ERROR(ValidateSpecInput(spec, in));
+  if (Cancelled(in.cancel)) return in.cancel->status();
   return WithSlot([&](StreamSlot* slot) { return CompressOnSlot(in, spec, slot, timings); });
 }
 
@@ -98,6 +99,8 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
   const bool expected = spec.eviction.policy == EvictionPolicy::kExpectedAttention;
   const cpu::ExpectedStats stats =
       expected ? cpu::ComputeExpectedStats(in, spec.eviction) : cpu::ExpectedStats{};
+  // The statistics are the host's long step; the device stages run to the end once launched.
+  if (Cancelled(in.cancel)) return in.cancel->status();
   const size_t mean_bytes = sizeof(float) * stats.mean.size();
   const size_t stat_bytes = Align256(mean_bytes) + sizeof(float) * stats.cov.size();
   const size_t in_bytes = Align256(kv_bytes) * 2 + Align256(q_bytes) + Align256(stat_bytes);
