@@ -56,9 +56,30 @@ ABSL_FLAG(std::string, buffer_pool_bytes, "512MiB",
           "by later uploads (bytes or K/M/G[i][B]); 0 disables reuse");
 ABSL_FLAG(std::string, backend, "auto", "compression backend: auto, cpu or cuda");
 ABSL_FLAG(int32_t, threads, 0, "engine and compression threads; 0 = hardware concurrency");
-ABSL_FLAG(double, drain_seconds, 5, "on SIGTERM, how long to wait for in-flight streams");
+ABSL_FLAG(double, drain_seconds, 5,
+          "on SIGTERM, how long to wait for in-flight streams; uploads still compressing then "
+          "are stopped (UNAVAILABLE) and their compression abandoned");
 ABSL_FLAG(double, shutdown_deadline_seconds, 10, "then, the deadline given to remaining calls");
 ABSL_FLAG(double, ttl_sweep_seconds, 1, "period of the TTL sweep and store gauge refresh");
+ABSL_FLAG(double, work_flops_per_byte, 8192,
+          "work budget of one upload: its compression spec may cost at most this many flops per "
+          "uploaded byte (plus --work_base_flops); more is RESOURCE_EXHAUSTED at the header");
+ABSL_FLAG(double, work_base_flops, 1e9, "flops every upload may use beyond the per-byte budget");
+ABSL_FLAG(double, work_scratch_per_byte, 4,
+          "engine scratch memory one upload's spec may need per uploaded byte (plus "
+          "--work_base_scratch_bytes); it is reserved from --staging_bytes with the upload");
+ABSL_FLAG(std::string, work_base_scratch_bytes, "64MiB",
+          "engine scratch every upload may use beyond the per-byte budget");
+ABSL_FLAG(double, compress_timeout_seconds, 300,
+          "an upload whose compression has run this long is stopped with DEADLINE_EXCEEDED");
+ABSL_FLAG(int32_t, compress_nice, 10,
+          "nice value added to the compression threads (0..19), so that RPCs keep their speed "
+          "while a heavy spec compresses");
+ABSL_FLAG(double, keepalive_time_seconds, 60,
+          "gRPC keepalive: a connection silent this long is pinged");
+ABSL_FLAG(double, keepalive_timeout_seconds, 20,
+          "gRPC keepalive: a connection whose ping is not answered within this long is dropped "
+          "(its streams cancelled)");
 ABSL_FLAG(bool, enable_reflection, false, "serve gRPC server reflection");
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "file of 'TOKEN TENANT' lines; when set every RPC but health needs "
@@ -186,6 +207,17 @@ absl::StatusOr<kvc::server::ServerConfig> ConfigFromFlags() {
   c.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   c.shutdown_deadline_seconds = absl::GetFlag(FLAGS_shutdown_deadline_seconds);
   c.ttl_sweep_seconds = absl::GetFlag(FLAGS_ttl_sweep_seconds);
+  c.work_flops_per_byte = absl::GetFlag(FLAGS_work_flops_per_byte);
+  c.work_base_flops = absl::GetFlag(FLAGS_work_base_flops);
+  c.work_scratch_per_byte = absl::GetFlag(FLAGS_work_scratch_per_byte);
+  auto base_scratch =
+      bytes("work_base_scratch_bytes", absl::GetFlag(FLAGS_work_base_scratch_bytes));
+  if (!base_scratch.ok()) return base_scratch.status();
+  c.work_base_scratch_bytes = *base_scratch;
+  c.compress_timeout_seconds = absl::GetFlag(FLAGS_compress_timeout_seconds);
+  c.compress_nice = absl::GetFlag(FLAGS_compress_nice);
+  c.keepalive_time_seconds = absl::GetFlag(FLAGS_keepalive_time_seconds);
+  c.keepalive_timeout_seconds = absl::GetFlag(FLAGS_keepalive_timeout_seconds);
   c.enable_reflection = absl::GetFlag(FLAGS_enable_reflection);
   c.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
   c.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
@@ -243,30 +275,30 @@ int main(int argc, char** argv) {
   if (transfer == "auto" && !config->auth_tokens_file.empty()) {
     std::printf("kvcd: transfer service off (not available with --auth_tokens_file)\n");
   } else if (transfer == "auto") {
-    options.extra_services.push_back(
-        [&transfer_ingest, &transfer_sink, &transfer_source](const kvc::server::ServerResources& r)
-            -> absl::StatusOr<std::unique_ptr<grpc::Service>> {
-          kvc::transfer::TransferServiceOptions topts;
-          topts.sink = &transfer_sink;
-          transfer_source = std::make_unique<kvc::server::StoreTransferSource>(r.store, r.metrics);
-          topts.source = transfer_source.get();
-          topts.metrics = r.metrics;
-          // GRPC_BYTES fetches send pieces of GetCache's chunk size, which fits the message limit.
-          topts.limits.fetch_chunk_bytes = r.config->max_chunk_bytes;
-          topts.limits.session_idle_timeout =
-              absl::Seconds(absl::GetFlag(FLAGS_transfer_session_idle_seconds));
-          topts.limits.max_sessions = static_cast<int>(
-              std::min<uint32_t>(absl::GetFlag(FLAGS_transfer_max_sessions), 1 << 20));
-          kvc::server::ShareStreamSlots(r.state, &topts);  // Transfer/Fetch count as streams
-          std::string why;
-          topts.enable_nccl = kvc::transfer::NcclTransportAvailable(topts.device, &why);
-          r.state->nccl_available = topts.enable_nccl;
-          r.state->ingest = &transfer_ingest;
-          std::printf("kvcd: transfer service on (%s)\n",
-                      topts.enable_nccl ? "NCCL and gRPC bytes"
-                                        : absl::StrCat("gRPC bytes only: ", why).c_str());
-          return kvc::transfer::CreateTransferService(topts);
-        });
+    options.extra_services.push_back([&transfer_ingest, &transfer_sink,
+                                      &transfer_source](const kvc::server::ServerResources& r)
+                                         -> absl::StatusOr<std::unique_ptr<grpc::Service>> {
+      kvc::transfer::TransferServiceOptions topts;
+      topts.sink = &transfer_sink;
+      transfer_source = std::make_unique<kvc::server::StoreTransferSource>(r.store, r.metrics);
+      topts.source = transfer_source.get();
+      topts.metrics = r.metrics;
+      // GRPC_BYTES fetches send pieces of GetCache's chunk size, which fits the message limit.
+      topts.limits.fetch_chunk_bytes = r.config->max_chunk_bytes;
+      topts.limits.session_idle_timeout =
+          absl::Seconds(absl::GetFlag(FLAGS_transfer_session_idle_seconds));
+      topts.limits.max_sessions =
+          static_cast<int>(std::min<uint32_t>(absl::GetFlag(FLAGS_transfer_max_sessions), 1 << 20));
+      kvc::server::ShareStreamSlots(r.state, &topts);  // Transfer/Fetch count as streams
+      std::string why;
+      topts.enable_nccl = kvc::transfer::NcclTransportAvailable(topts.device, &why);
+      r.state->nccl_available = topts.enable_nccl;
+      r.state->ingest = &transfer_ingest;
+      std::printf("kvcd: transfer service on (%s)\n",
+                  topts.enable_nccl ? "NCCL and gRPC bytes"
+                                    : absl::StrCat("gRPC bytes only: ", why).c_str());
+      return kvc::transfer::CreateTransferService(topts);
+    });
   }
   auto server = kvc::server::KvcServer::Create(std::move(options));
   if (!server.ok()) {
@@ -306,5 +338,10 @@ int main(int argc, char** argv) {
   (*server)->Shutdown();
   std::printf("kvcd: stopped after %.3f s\n", absl::ToDoubleSeconds(absl::Now() - drain_start));
   std::fflush(stdout);
+  if ((*server)->abandoned()) {
+    // Jobs still run on the leaked pools: no destructor may run under them.
+    std::fflush(stderr);
+    std::_Exit(0);
+  }
   return 0;
 }

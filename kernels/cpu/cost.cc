@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvc/buffer_pool.h"
 #include "kvc/checked_math.h"
 
 namespace kvc {
@@ -42,6 +43,7 @@ struct Input {
   uint64_t rows;    // g * W: observation rows of one KV head
   uint64_t row_block;
   uint64_t chunk;  // min(S, kScoreTokenChunk)
+  bool whole_layer_statistics;
   const CompressionSpec* spec;
 };
 
@@ -64,6 +66,10 @@ class Sheet {
     call_terms_.clear();
   }
   void Task(const std::string& term, uint64_t bytes) {
+    // Large arrays come from LargeBuffers(), whose buffers are rounded up to its granule.
+    if (bytes >= BufferPool::kMinPooledBytes && bytes < kSaturated - BufferPool::kGranule) {
+      bytes = BufferPool::Rounded(bytes);
+    }
     task_ = Add(task_, bytes);
     task_terms_.emplace_back(term, bytes);
   }
@@ -134,11 +140,18 @@ void NoScores(const Input&, Sheet*) {}
 // (scoring.cc, AttentionScoreHead).
 void AttentionScores(const Input& in, Sheet* s) {
   const EvictionSpec& e = in.spec->eviction;
-  const uint64_t logits = Mul({in.hq, in.w, in.s});
-  s->Flops("attention scores (num_q_heads*obs_window*seq_len*head_dim*2)", Mul({logits, in.d, 2}));
-  s->Flops("attention softmax (num_q_heads*obs_window*seq_len exp)", Mul({logits, kT}));
+  // Causal: observation row t sees S - W + t + 1 keys, W * S - W * (W - 1) / 2 for the W rows
+  // of a query head. A block's GEMM runs to its last row's limit: beyond the causal count by at
+  // most min(W, row_block) keys per row (a block spans at most two query heads' rows).
+  const uint64_t causal =
+      Mul({in.w, in.s}) - (in.w > 0 ? Mul({in.w, in.w - 1}) / 2 : 0);  // keys seen per head
+  const uint64_t logits = Mul({in.hq, causal});
+  const uint64_t trimmed =
+      Add(logits, Mul({in.hkv, in.rows, std::min<uint64_t>(in.w, in.row_block)}));
+  s->Flops("attention scores (num_q_heads*causal_keys*head_dim*2)", Mul({trimmed, in.d, 2}));
+  s->Flops("attention softmax (num_q_heads*causal_keys exp)", Mul({logits, kT}));
   if (e.policy == EvictionPolicy::kKeyformer) {
-    s->Flops("keyformer noise (num_q_heads*obs_window*seq_len*2 log)", Mul({logits, 2, kT}));
+    s->Flops("keyformer noise (num_q_heads*causal_keys*2 log)", Mul({logits, 2, kT}));
   }
   const uint64_t blocks = CeilDiv(std::max<uint64_t>(in.rows, 1), in.row_block);
   s->Flops("key conversion (num_kv_heads*row_blocks*seq_len*head_dim)",
@@ -183,8 +196,10 @@ void ExpectedScores(const Input& in, Sheet* s) {
   s->Task("one head's statistics (float and double)", Mul({Add(in.d, dd), kFloat + 8}));
   // The CUDA backend computes the statistics of every query head on the host and copies them to
   // the device in one piece.
-  s->Call("statistics of all query heads (num_q_heads*(head_dim+head_dim^2) floats)",
-          Mul({in.hq, Add(in.d, dd), kFloat}));
+  if (in.whole_layer_statistics) {
+    s->Call("statistics of all query heads (num_q_heads*(head_dim+head_dim^2) floats)",
+            Mul({in.hq, Add(in.d, dd), kFloat}));
+  }
 }
 
 void KeyDiffScores(const Input& in, Sheet* s) {
@@ -331,8 +346,10 @@ void PackCost(const Input& in, Sheet* s) {
   }
 }
 
-Input MakeInput(const LayerShape& sh, const CompressionSpec& spec, int layer_index) {
+Input MakeInput(const LayerShape& sh, const CompressionSpec& spec, int layer_index,
+                bool whole_layer_statistics) {
   Input in;
+  in.whole_layer_statistics = whole_layer_statistics;
   in.hkv = static_cast<uint64_t>(sh.num_kv_heads);
   in.hq = static_cast<uint64_t>(sh.num_q_heads);
   in.g = static_cast<uint64_t>(std::max(1, sh.group_size()));
@@ -354,9 +371,9 @@ Input MakeInput(const LayerShape& sh, const CompressionSpec& spec, int layer_ind
 }
 
 void AddLayer(const LayerShape& shape, DType dtype, const CompressionSpec& spec, int layer_index,
-              Sheet* s) {
+              const CostConcurrency& c, Sheet* s) {
   (void)dtype;  // the engine scores on fp32 copies: element size only moves bytes, not work
-  const Input in = MakeInput(shape, spec, layer_index);
+  const Input in = MakeInput(shape, spec, layer_index, c.whole_layer_statistics);
   s->Stage();  // scoring
   if (ScoreCostFn f = ScoreCostOf(spec.eviction.policy); f != nullptr) f(in, s);
   if (PolicyHasScores(spec.eviction.policy)) ValueWeightCost(in, s);
@@ -381,7 +398,7 @@ int ScoreRowBlock(int seq_len, int rows, int head_dim) {
 WorkCost LayerCost(const LayerShape& shape, DType dtype, const CompressionSpec& spec,
                    int layer_index, const CostConcurrency& concurrency) {
   Sheet sheet;
-  AddLayer(shape, dtype, spec, layer_index, &sheet);
+  AddLayer(shape, dtype, spec, layer_index, concurrency, &sheet);
   return sheet.Finish(concurrency, static_cast<uint64_t>(shape.num_kv_heads));
 }
 
@@ -394,7 +411,7 @@ WorkCost CompressCost(const LayerShape& shape, DType dtype, const CompressionSpe
       std::max(1, std::min(num_layers, static_cast<int>(spec.eviction.layer_budgets.size()) + 1));
   for (int l = 0; l < distinct; ++l) {
     sheet.SetRepeat(l + 1 == distinct ? static_cast<uint64_t>(std::max(1, num_layers - l)) : 1);
-    AddLayer(shape, dtype, spec, l, &sheet);
+    AddLayer(shape, dtype, spec, l, concurrency, &sheet);
   }
   return sheet.Finish(concurrency, static_cast<uint64_t>(shape.num_kv_heads));
 }

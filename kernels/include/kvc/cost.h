@@ -10,9 +10,8 @@
 // and a transcendental (exp, log, sqrt, sin, cos) as kTranscendentalFlops. They are upper
 // bounds of the engine's own work up to these weights, not timings. Scratch is host memory the
 // engine allocates beyond the layer's inputs and its output blob: per task (one KV head on one
-// thread) times the tasks that may run at once, plus per call (one layer); where the CUDA backend
-// stages more on the host than the CPU engine allocates (expected attention's statistics of
-// every query head), the larger is counted.
+// thread) times the tasks that may run at once, plus per call (one layer), for the backend that
+// runs it (CostConcurrency).
 //
 // Arithmetic is overflow-checked and saturates at UINT64_MAX (any budget refuses that).
 // Thread-safety: pure functions.
@@ -48,7 +47,8 @@ struct WorkCost {
   uint64_t flops = 0;          // saturated at UINT64_MAX
   uint64_t scratch_bytes = 0;  // peak; saturated at UINT64_MAX
   // The largest contributions, for messages: e.g. "expected scores
-  // (num_q_heads*seq_len*head_dim^2*2)" and its value (for all layers).
+  // (num_q_heads*seq_len*head_dim^2*2)" and its value (for all layers). "causal_keys" in a term
+  // is W * S - W * (W - 1) / 2, the keys the W observation rows of one query head see.
   std::string flops_term;
   uint64_t flops_term_value = 0;
   std::string scratch_term;
@@ -56,10 +56,14 @@ struct WorkCost {
 };
 
 // How the engine runs one upload: `parallel_tasks` tasks (KV heads) of it may run at once (>= 1),
-// over `concurrent_layers` layers (>= 1) compressed at the same time.
+// over `concurrent_layers` layers (>= 1) compressed at the same time. `whole_layer_statistics`:
+// the backend computes expected attention's statistics of every query head of a layer at once
+// on the host (the CUDA backend, which copies them to the device in one piece); the CPU engine
+// computes one query head's at a time.
 struct CostConcurrency {
   int parallel_tasks = 1;
   int concurrent_layers = 1;
+  bool whole_layer_statistics = false;
 };
 
 // The cost of compressing layer `layer_index` (its budget may differ per layer). Preconditions:
