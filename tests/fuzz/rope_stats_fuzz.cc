@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -119,11 +120,11 @@ void EngineLevel(FuzzedDataProvider& in) {
   std::vector<float> stats(kvc::QueryStatsFloats(shape));
   for (auto* buf : {&k, &v, &q}) {
     const std::vector<uint8_t> bytes = in.ConsumeBytes<uint8_t>(buf->size());
-    std::memcpy(buf->data(), bytes.data(), bytes.size());
+    if (!bytes.empty()) std::memcpy(buf->data(), bytes.data(), bytes.size());
   }
   const std::vector<uint8_t> stat_bytes = in.ConsumeRemainingBytes<uint8_t>();
-  std::memcpy(stats.data(), stat_bytes.data(),
-              std::min(stat_bytes.size(), stats.size() * sizeof(float)));
+  const size_t stat_copy = std::min(stat_bytes.size(), stats.size() * sizeof(float));
+  if (stat_copy > 0) std::memcpy(stats.data(), stat_bytes.data(), stat_copy);
   // kvcd refuses non-finite statistics before compressing (ingest.cc): do the same.
   if (spec.eviction.query_stats) {
     for (float x : stats) {
