@@ -12,6 +12,7 @@
 #include "kvc/status_macros.h"
 #include "server/contiguous.h"
 #include "server/convert.h"
+#include "server/work_budget.h"
 
 namespace kvc::server {
 namespace {
@@ -85,31 +86,6 @@ absl::Status Upload::Reject(RejectReason reason, absl::Status status) {
   return status;
 }
 
-absl::Status Upload::CheckWork(uint64_t bytes) const {
-  const double flops_budget =
-      limits_.work_flops_per_byte * static_cast<double>(bytes) + limits_.work_base_flops;
-  if (static_cast<double>(cost_.flops) > flops_budget) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "header.compression: the spec needs %.3g flops to compress, over this upload's budget of "
-        "%.3g (--work_flops_per_byte=%g x %d bytes + --work_base_flops=%g); the largest term is "
-        "%s = %.3g",
-        static_cast<double>(cost_.flops), flops_budget, limits_.work_flops_per_byte, bytes,
-        limits_.work_base_flops, cost_.flops_term, static_cast<double>(cost_.flops_term_value)));
-  }
-  const double scratch_budget = limits_.work_scratch_per_byte * static_cast<double>(bytes) +
-                                static_cast<double>(limits_.work_base_scratch_bytes);
-  if (static_cast<double>(cost_.scratch_bytes) > scratch_budget) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "header.compression: the spec needs %.3g bytes of scratch memory to compress, over this "
-        "upload's budget of %.3g (--work_scratch_per_byte=%g x %d bytes + "
-        "--work_base_scratch_bytes=%d); the largest term is %s = %.3g",
-        static_cast<double>(cost_.scratch_bytes), scratch_budget, limits_.work_scratch_per_byte,
-        bytes, limits_.work_base_scratch_bytes, cost_.scratch_term,
-        static_cast<double>(cost_.scratch_term_value)));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::string& store_id) {
   auto invalid = [this](absl::Status s) { return Reject(RejectReason::kInvalid, std::move(s)); };
   if (auto s = ValidateCacheId("header.cache_id", h.cache_id()); !s.ok()) return invalid(s);
@@ -160,16 +136,15 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
   const bool in_place = InPlaceLayer::KeepsEverything(*spec);
   int concurrent_layers = 1;
   if (!in_place) {
-    const int threads = std::max(1, limits_.engine_threads);
-    concurrent_layers =
-        std::clamp((threads + shape->num_kv_heads - 1) / shape->num_kv_heads, 1, num_layers);
-    CostConcurrency cc;
-    cc.concurrent_layers = concurrent_layers;
-    // Each running layer job works on its own KV heads, and the backend's other threads help.
-    cc.parallel_tasks = threads - 1 + concurrent_layers;
-    cc.whole_layer_statistics = limits_.whole_layer_statistics;
+    const CostConcurrency cc = UploadConcurrency(limits_.engine_threads, shape->num_kv_heads,
+                                                 num_layers, limits_.whole_layer_statistics);
+    concurrent_layers = cc.concurrent_layers;
     cost_ = CompressCost(*shape, *dtype, *spec, num_layers, cc);
-    if (auto s = CheckWork(total); !s.ok()) return Reject(RejectReason::kWork, s);
+    const WorkBudget budget{limits_.work_flops_per_byte, limits_.work_base_flops,
+                            limits_.work_scratch_per_byte, limits_.work_base_scratch_bytes};
+    if (auto s = CheckWorkBudget(cost_, total, budget); !s.ok()) {
+      return Reject(RejectReason::kWork, s);
+    }
   }
   if (!h.overwrite() && store_->Peek(store_id).ok()) {
     return Reject(RejectReason::kExists,

@@ -161,8 +161,6 @@ class Upload : public std::enable_shared_from_this<Upload> {
   };
 
   absl::Status Reject(RejectReason reason, absl::Status status);
-  // RESOURCE_EXHAUSTED when cost_ is over the budget for `bytes` uploaded bytes.
-  absl::Status CheckWork(uint64_t bytes) const;
   bool LayerComplete(const LayerState& layer) const;
   // Schedules ready layers while fewer than max_running_ of this upload are compressing.
   void StartReady() ABSL_LOCKS_EXCLUDED(mu_);
