@@ -289,30 +289,30 @@ int main(int argc, char** argv) {
   if (transfer == "auto" && !config->auth_tokens_file.empty()) {
     std::printf("kvcd: transfer service off (not available with --auth_tokens_file)\n");
   } else if (transfer == "auto") {
-    options.extra_services.push_back([&transfer_ingest, &transfer_sink,
-                                      &transfer_source](const kvc::server::ServerResources& r)
-                                         -> absl::StatusOr<std::unique_ptr<grpc::Service>> {
-      kvc::transfer::TransferServiceOptions topts;
-      topts.sink = &transfer_sink;
-      transfer_source = std::make_unique<kvc::server::StoreTransferSource>(r.store, r.metrics);
-      topts.source = transfer_source.get();
-      topts.metrics = r.metrics;
-      // GRPC_BYTES fetches send pieces of GetCache's chunk size, which fits the message limit.
-      topts.limits.fetch_chunk_bytes = r.config->max_chunk_bytes;
-      topts.limits.session_idle_timeout =
-          absl::Seconds(absl::GetFlag(FLAGS_transfer_session_idle_seconds));
-      topts.limits.max_sessions =
-          static_cast<int>(std::min<uint32_t>(absl::GetFlag(FLAGS_transfer_max_sessions), 1 << 20));
-      kvc::server::ShareStreamSlots(r.state, &topts);  // Transfer/Fetch count as streams
-      std::string why;
-      topts.enable_nccl = kvc::transfer::NcclTransportAvailable(topts.device, &why);
-      r.state->nccl_available = topts.enable_nccl;
-      r.state->ingest = &transfer_ingest;
-      std::printf("kvcd: transfer service on (%s)\n",
-                  topts.enable_nccl ? "NCCL and gRPC bytes"
-                                    : absl::StrCat("gRPC bytes only: ", why).c_str());
-      return kvc::transfer::CreateTransferService(topts);
-    });
+    options.extra_services.push_back(
+        [&transfer_ingest, &transfer_sink, &transfer_source](const kvc::server::ServerResources& r)
+            -> absl::StatusOr<std::unique_ptr<grpc::Service>> {
+          kvc::transfer::TransferServiceOptions topts;
+          topts.sink = &transfer_sink;
+          transfer_source = std::make_unique<kvc::server::StoreTransferSource>(r.store, r.metrics);
+          topts.source = transfer_source.get();
+          topts.metrics = r.metrics;
+          // GRPC_BYTES fetches send pieces of GetCache's chunk size, which fits the message limit.
+          topts.limits.fetch_chunk_bytes = r.config->max_chunk_bytes;
+          topts.limits.session_idle_timeout =
+              absl::Seconds(absl::GetFlag(FLAGS_transfer_session_idle_seconds));
+          topts.limits.max_sessions = static_cast<int>(
+              std::min<uint32_t>(absl::GetFlag(FLAGS_transfer_max_sessions), 1 << 20));
+          kvc::server::ShareStreamSlots(r.state, &topts);  // Transfer/Fetch count as streams
+          std::string why;
+          topts.enable_nccl = kvc::transfer::NcclTransportAvailable(topts.device, &why);
+          r.state->nccl_available = topts.enable_nccl;
+          r.state->ingest = &transfer_ingest;
+          std::printf("kvcd: transfer service on (%s)\n",
+                      topts.enable_nccl ? "NCCL and gRPC bytes"
+                                        : absl::StrCat("gRPC bytes only: ", why).c_str());
+          return kvc::transfer::CreateTransferService(topts);
+        });
   }
   auto server = kvc::server::KvcServer::Create(std::move(options));
   if (!server.ok()) {
