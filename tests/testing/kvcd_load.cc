@@ -72,6 +72,17 @@ std::vector<kvcache::v1::PutCacheRequest> HeavyRequests(int layers, int seq_len)
   return MakeRequests(cache, 1 << 20);
 }
 
+std::vector<kvcache::v1::PutCacheRequest> HeavyExpectedRequests(int seq_len) {
+  TestCache cache = MakeTestCache("heavy", Shape(1, 2, 64, 256, static_cast<uint32_t>(seq_len), 64),
+                                  kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 19);
+  auto* e = cache.header.mutable_compression()->mutable_eviction();
+  e->set_policy("expected");
+  e->set_keep_ratio(0.5);
+  cache.header.mutable_rope()->set_theta(10000);
+  cache.header.mutable_rope()->set_style(kvcache::v1::ROPE_HALF_SPLIT);
+  return MakeRequests(cache, 1 << 20);
+}
+
 HeavyUpload::HeavyUpload(kvcache::v1::KvCache::Stub* stub,
                          const std::vector<kvcache::v1::PutCacheRequest>& requests,
                          const std::string& id, absl::Duration timeout) {

@@ -40,6 +40,13 @@ bool WaitForCpu(pid_t pid, double cores, absl::Duration timeout);
 // and reused for every Start (the header's id and overwrite are set per upload).
 std::vector<kvcache::v1::PutCacheRequest> HeavyRequests(int layers, int seq_len);
 
+// A compute-bound heavy upload: expected attention over `seq_len` tokens of 2 KV heads with 64
+// query heads of D = 256 (W = 64), one layer, fp16: about 1.2 MB per 1K tokens and 8.6 Mflop
+// per token (the covariance products run from L2), within kvcd's default work budget. Unlike
+// keyformer with W = S, whose logits stream through memory, it leaves the memory bandwidth to
+// others, so a test of CPU fairness measures the CPU.
+std::vector<kvcache::v1::PutCacheRequest> HeavyExpectedRequests(int seq_len);
+
 // One PutCache stream sending `requests` (with the header's id replaced and overwrite set).
 class HeavyUpload {
  public:
