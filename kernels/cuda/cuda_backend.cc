@@ -90,6 +90,7 @@ absl::StatusOr<CompactLayer> CudaBackend::Compress(const LayerInput& in,
   RETURN_IF_ERROR(ValidateSpec(spec, in.shape, in.layer_index));
   RETURN_IF_ERROR(ValidateSpecInput(spec, in));
   if (in.memory == MemorySpace::kDevice) RETURN_IF_ERROR(CheckDeviceInput(in, pool_->device()));
+  if (Cancelled(in.cancel)) return in.cancel->status();
   return WithSlot([&](StreamSlot* slot, Arena* arena) {
     return CompressOnSlot(in, spec, slot, arena, timings);
   });
@@ -127,6 +128,8 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
       stats = host_->ExpectedStatistics(in, spec.eviction);
     }
   }
+  // The statistics are the host's long step; the device stages run to the end once launched.
+  if (Cancelled(in.cancel)) return in.cancel->status();
   const size_t mean_bytes = sizeof(float) * stats.mean.size();
   const size_t stat_bytes = Align256(mean_bytes) + sizeof(float) * stats.cov.size();
   const size_t in_bytes = Align256(kv_bytes) * 2 + Align256(q_bytes) + Align256(stat_bytes);

@@ -16,6 +16,13 @@ absl::Status Invalid(const std::string& field, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
 }
 
+// Counts past this would wrap in the engine's int fields (and exceed any shape).
+constexpr uint32_t kMaxCount = 1u << 30;
+
+absl::Status TooLarge(const std::string& field, uint32_t value) {
+  return Invalid(field, absl::StrCat(value, " is too large (at most ", kMaxCount, ")"));
+}
+
 // Prefixes an engine error with the proto message path.
 absl::Status Qualify(const absl::Status& s, const std::string& prefix) {
   if (s.ok()) return s;
@@ -85,10 +92,7 @@ absl::StatusOr<LayerShape> ShapeFromProto(const kvcache::v1::ModelShape& p) {
                              p.obs_window()};
   const char* names[] = {"num_kv_heads", "num_q_heads", "head_dim", "seq_len", "obs_window"};
   for (int i = 0; i < 5; ++i) {
-    if (fields[i] > (1u << 30)) {
-      return Invalid(absl::StrCat("header.shape.", names[i]),
-                     absl::StrCat(fields[i], " is too large"));
-    }
+    if (fields[i] > kMaxCount) return TooLarge(absl::StrCat("header.shape.", names[i]), fields[i]);
   }
   LayerShape s;
   s.num_kv_heads = static_cast<int>(p.num_kv_heads());
@@ -110,7 +114,7 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
                    absl::StrCat("unknown '", e.policy(), "'"));
   }
   spec.eviction.policy = *policy;
-  if (e.budget() > (1u << 30)) return Invalid("header.compression.eviction.budget", "too large");
+  if (e.budget() > kMaxCount) return TooLarge("header.compression.eviction.budget", e.budget());
   spec.eviction.budget = static_cast<int>(e.budget());
   if (e.has_keep_ratio()) spec.eviction.keep_ratio = e.keep_ratio();
   if (e.layer_budgets_size() > num_layers) {
@@ -118,7 +122,7 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
                    absl::StrCat(e.layer_budgets_size(), " entries for ", num_layers, " layers"));
   }
   for (uint32_t b : e.layer_budgets()) {
-    if (b > (1u << 30)) return Invalid("header.compression.eviction.layer_budgets", "too large");
+    if (b > kMaxCount) return TooLarge("header.compression.eviction.layer_budgets", b);
     spec.eviction.layer_budgets.push_back(static_cast<int>(b));
   }
   switch (e.granularity()) {
@@ -137,7 +141,13 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   }
   if (e.has_recent_fraction()) spec.eviction.recent_fraction = e.recent_fraction();
   if (e.has_pool_kernel()) {
-    spec.eviction.pool_kernel = static_cast<int>(std::min(e.pool_kernel(), 1u << 30));
+    // Checked before narrowing, so the message quotes the value sent.
+    if (e.pool_kernel() > static_cast<uint32_t>(kMaxPoolKernel)) {
+      return Invalid("header.compression.eviction.pool_kernel",
+                     absl::StrCat(e.pool_kernel(), " exceeds ", kMaxPoolKernel,
+                                  " (pooling costs seq_len * pool_kernel per head)"));
+    }
+    spec.eviction.pool_kernel = static_cast<int>(e.pool_kernel());
   }
   if (e.pool().empty() || e.pool() == "max") {
     spec.eviction.pool = PoolKind::kMax;
@@ -159,8 +169,11 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   spec.eviction.value_weight = *value_weight;
   if (e.has_value_eps()) spec.eviction.value_eps = e.value_eps();
   if (e.has_horizon()) {
-    if (e.horizon() > (1u << 30))
-      return Invalid("header.compression.eviction.horizon", "too large");
+    if (e.horizon() > static_cast<uint32_t>(kMaxHorizon)) {
+      return Invalid("header.compression.eviction.horizon",
+                     absl::StrCat(e.horizon(), " exceeds ", kMaxHorizon,
+                                  " (future positions the statistics are averaged over)"));
+    }
     spec.eviction.horizon = static_cast<int>(e.horizon());
   }
   spec.eviction.query_stats = e.query_stats();
@@ -176,10 +189,19 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   spec.channels.prune_values = ch.prune_values();
   spec.channels.value_lambda = ch.value_lambda();
 
-  if (c.quant().bits() > 64) return Invalid("header.compression.quant.bits", "too large");
+  if (c.quant().bits() > 64) {
+    return Invalid("header.compression.quant.bits",
+                   absl::StrCat(c.quant().bits(), " is not one of 0, 2, 4, 8"));
+  }
   spec.quant.bits = static_cast<int>(c.quant().bits());
   if (c.quant().has_group_size()) {
-    spec.quant.group_size = static_cast<int>(std::min(c.quant().group_size(), 1u << 30));
+    // A group larger than head_dim never divides it; said with the value sent.
+    if (spec.quant.bits > 0 && c.quant().group_size() > static_cast<uint32_t>(shape.head_dim)) {
+      return Invalid(
+          "header.compression.quant.group_size",
+          absl::StrCat(c.quant().group_size(), " does not divide head_dim ", shape.head_dim));
+    }
+    spec.quant.group_size = static_cast<int>(std::min(c.quant().group_size(), kMaxCount));
   }
   if (c.has_recent_tokens()) {
     spec.recent_tokens = static_cast<int>(std::min(c.recent_tokens(), 1u << 30));

@@ -13,7 +13,7 @@ import time
 import grpc
 import grpc.aio
 
-from . import _common
+from . import _common, _validate
 from ._common import Assembler, CacheData, Options, PutPlan
 from ._pb import pb
 from .errors import KvcError, from_rpc_error, invalid
@@ -65,16 +65,21 @@ class Client:
         return list(self._replicas)
 
     def replica_for(self, cache_id):
+        cache_id = _validate.cache_id(cache_id)
         return 0 if len(self._replicas) == 1 else rendezvous_owner(cache_id, self._replicas)
 
     async def put(self, cache_id, layers, *, num_layers=None, layout="HND", dtype=None,
                   compression=None, ttl_seconds=0, overwrite=False, rope=None):
         """See kvc.Client.put; `layers` may also be an async iterator (give num_layers)."""
+        cache_id = _validate.cache_id(cache_id)
         first, it, n = await _aiter_layers(layers, num_layers)
         plan = PutPlan(cache_id, first, n, layout, dtype, compression, ttl_seconds, overwrite,
                        rope)
         max_chunk = self.options.max_chunk_bytes
+        # What the layers raised (any BaseException): the call is cancelled at once and the
+        # exception re-raised here.
         failed = []
+        holder = {}
 
         async def requests():
             try:
@@ -88,21 +93,24 @@ class Client:
                     i += 1
                 if i != n:
                     raise invalid(f"layers: {i} given, num_layers={n}")
-            except Exception as e:
+            except BaseException as e:  # noqa: B036 - handed to the awaiting caller below
+                if isinstance(e, GeneratorExit):
+                    raise  # the call closed the generator (it ended): nothing of the caller's
                 failed.append(e)
-                raise
+                holder["call"].cancel()
 
         _, put, _ = self._stubs[self.replica_for(cache_id)]
+        call = put(requests(), timeout=self.options.stream_timeout,
+                   metadata=self.options.metadata())
+        holder["call"] = call
         try:
-            return await put(requests(), timeout=self.options.stream_timeout,
-                             metadata=self.options.metadata())
+            return await call
         except grpc.RpcError as e:
             if failed:
                 raise failed[0] from None
             raise from_rpc_error(e) from None
         except (Exception, asyncio.CancelledError):
-            # grpc.aio ends the call with CancelledError when the request iterator raised: report
-            # the caller's mistake instead.
+            # grpc.aio ends a cancelled call with CancelledError: report the caller's exception.
             if failed:
                 raise failed[0] from None
             raise
@@ -111,7 +119,8 @@ class Client:
                          rope=None, tensors="auto"):
         """An AsyncGetStream with `info` read; `async for layer in stream`. See kvc.Client."""
         req = _common.get_request(cache_id, format, layer_begin, layer_end, rope)
-        _, _, get = self._stubs[self.replica_for(cache_id)]
+        _validate.tensor_kind(tensors)
+        _, _, get = self._stubs[self.replica_for(req.cache_id)]
         deadline = time.monotonic() + self.options.stream_timeout
         for attempt in range(self.options.max_attempts):
             stream = AsyncGetStream(get, req, format, tensors, deadline, self.options.metadata())
@@ -149,15 +158,18 @@ class Client:
             await self._sleep(attempt, deadline)
 
     async def stat(self, cache_id):
+        cache_id = _validate.cache_id(cache_id)
         return await self._unary(self.replica_for(cache_id), "StatCache",
                                  pb.StatCacheRequest(cache_id=cache_id))
 
     async def delete(self, cache_id):
+        cache_id = _validate.cache_id(cache_id)
         resp = await self._unary(self.replica_for(cache_id), "DeleteCache",
                                  pb.DeleteCacheRequest(cache_id=cache_id))
         return resp.freed_bytes
 
     async def list(self, prefix=""):
+        prefix = _validate.prefix(prefix)
         out = []
         for r in range(len(self._replicas)):
             token = ""

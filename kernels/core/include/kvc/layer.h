@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kvc/cancel.h"
 #include "kvc/dtype.h"
 #include "kvc/rope.h"
 
@@ -53,6 +54,10 @@ struct LayerInput {
   const RopeParams* rope = nullptr;         // null: not known
   const float* q_stats = nullptr;           // null: none sent
   MemorySpace memory = MemorySpace::kHost;  // where k, v and q_obs are
+  // Checked by the engine between row blocks and chunks: once it reads as cancelled, Compress
+  // (and the scoring and selection stages) stop within one block and return its status. null:
+  // never cancelled.
+  const CancelToken* cancel = nullptr;
 };
 
 // Floats of q_stats per layer: Hq * (D + D * D).

@@ -13,6 +13,7 @@
 #define KVC_THREAD_POOL_H_
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -32,7 +33,9 @@ class ThreadPool {
   // Parallelism `num_threads` counts the caller of ParallelFor: num_threads - 1 workers are
   // started. num_threads <= 0 means std::thread::hardware_concurrency(). A pool used only for
   // Schedule therefore needs num_threads = workers + 1.
-  explicit ThreadPool(int num_threads);
+  // `worker_nice` (Linux; 0 = inherit): the workers' nice value relative to the creating thread,
+  // e.g. 10 for background work that should yield the CPU to the process's other threads.
+  explicit ThreadPool(int num_threads, int worker_nice = 0);
   // Runs every closure already scheduled, then joins the workers.
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -49,6 +52,10 @@ class ThreadPool {
   // Queues fn to run once on a worker, in FIFO order with other closures and ParallelFor jobs.
   // A pool without workers (num_threads == 1) runs fn on the calling thread before returning.
   void Schedule(std::function<void()> fn);
+
+  // Waits until no scheduled closure is queued or running on a worker (ParallelFor callers wait
+  // for their own jobs); false when that has not happened by `deadline`.
+  bool WaitIdle(std::chrono::steady_clock::time_point deadline);
 
   // A process-wide pool with hardware_concurrency threads, created on first use.
   static ThreadPool* Default();
@@ -70,8 +77,11 @@ class ThreadPool {
   int num_threads_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Task> queue_;  // guarded by mu_
-  bool stop_ = false;       // guarded by mu_
+  std::condition_variable idle_cv_;
+  std::deque<Task> queue_;   // guarded by mu_
+  bool stop_ = false;        // guarded by mu_
+  int queued_closures_ = 0;  // guarded by mu_
+  int busy_workers_ = 0;     // guarded by mu_
   std::vector<std::thread> workers_;
 };
 
