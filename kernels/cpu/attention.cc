@@ -362,10 +362,6 @@ absl::Status DenseAttentionBatch(absl::Span<const DenseKv> caches,
   });
 }
 
-void SetAttentionSimdForTesting(bool enabled) { attn::SetSimd(enabled); }
-
-bool AttentionUsesSimd() { return attn::UseSimd(); }
-
 }  // namespace cpu
 
 absl::Status PackedAttentionBatchCpu(absl::Span<const PackedAttentionItem> items,

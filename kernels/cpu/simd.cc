@@ -7,37 +7,14 @@
 #include <limits>
 
 #include "cpu/simd_inl.h"
+#include "kvc/cpu_isa.h"
 
 namespace kvc::simd {
 namespace detail {
-namespace {
 
-#ifdef KVC_X86
-bool Detect() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
+bool HaveAvx2() { return CpuIsaAtLeast(CpuIsa::kAvx2); }
 
-bool DetectAvx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-}
-#else
-bool Detect() { return false; }
-bool DetectAvx512() { return false; }
-#endif
-
-}  // namespace
-
-bool HaveAvx2() {
-  static const bool have = Detect();
-  return have;
-}
-
-bool HaveAvx512() {
-  static const bool have = DetectAvx512();
-  return have;
-}
+bool HaveAvx512() { return CpuIsaAtLeast(CpuIsa::kAvx512); }
 
 }  // namespace detail
 
