@@ -1,4 +1,4 @@
-// The CPU decode-attention kernels path by path: every instruction-set level
+// The CPU decode-attention kernels path by path, exact (fp32) mode: every instruction-set level
 // this CPU has (kvc/cpu_isa.h: portable, AVX2/F16C, AVX-512),
 // every storage format (f32, f16, bf16 rows; 2-, 4- and 8-bit codes, value groups that the
 // vector path takes and ones it leaves to the portable path), query groups of 1 to 9, heads long
@@ -83,6 +83,9 @@ void ExpectNear(const std::vector<float>& got, const std::vector<float>& want) {
 
 class AttentionKernelsTest : public ::testing::Test {};
 
+// Quantized caches in fp32 (the integer path has its own test, attention_int_test.cc).
+constexpr PackedAttentionOptions kExact{.math = PackedAttentionOptions::Math::kExact};
+
 struct FormatCase {
   DType dtype;
   int bits, group, tk, tv;
@@ -128,7 +131,7 @@ TEST_F(AttentionKernelsTest, EveryFormatOnBothPathsMatchesReference) {
                        << " pool " << (p != nullptr));
           const ScopedIsaCap cap(isa);
           std::vector<float> out(q.q.size(), -9.0f);
-          ASSERT_TRUE(PackedAttentionCpu(*view, q.query(), out.data(), p).ok());
+          ASSERT_TRUE(PackedAttentionCpu(*view, q.query(), out.data(), p, kExact).ok());
           ExpectNear(out, ref);
           ++checked;
         }
@@ -174,7 +177,7 @@ TEST_F(AttentionKernelsTest, RaggedHeadsQuantizedAndNot) {
       SCOPED_TRACE(::testing::Message() << "bits " << bits << " isa " << CpuIsaName(isa));
       const ScopedIsaCap cap(isa);
       std::vector<float> out(q.q.size());
-      ASSERT_TRUE(PackedAttentionCpu(*view, q.query(), out.data(), &pool).ok());
+      ASSERT_TRUE(PackedAttentionCpu(*view, q.query(), out.data(), &pool, kExact).ok());
       ExpectNear(out, ref);
     }
   }
