@@ -44,6 +44,7 @@ void PrepareBlas(const ThreadPool* pool);
 // allocate (and page-fault) on every call.
 struct Scratch {
   std::vector<float> q, k, v, logits, tile, acc, row_max;
+  std::vector<const float*> rows;
   static Scratch& ForThisThread();
 };
 

@@ -104,13 +104,16 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
     for (int c0 = 0, c = 0; c0 < max_len; c0 += kTokenChunk, ++c) {
       const int n = std::min(kTokenChunk, max_len - c0);
       LoadHeadRows(in, /*values=*/false, h, c0, n, k);
+      // All but the last chunk: the GEMM writes straight into the chunk's parked slot (it stays
+      // in L2 for the passes below); the last one into the tile the final pass reads.
+      float* dst = c + 1 < chunks ? parked + c * slot : tile;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, D, scale,
-                  q + static_cast<size_t>(r0) * D, D, k, D, 0.0f, tile, n);
+                  q + static_cast<size_t>(r0) * D, D, k, D, 0.0f, dst, n);
       for (int r = r0; r < r0 + nr; ++r) {
         const int i = r - r0, t = r % W;
         const int valid = std::min(n, S - W + t + 1 - c0);
         if (valid <= 0) continue;
-        float* part = tile + static_cast<size_t>(i) * n;
+        float* part = dst + static_cast<size_t>(i) * n;
         const auto q_head = static_cast<uint32_t>(h * g + r / W);
         const auto col0 = static_cast<uint32_t>(c0);
         // keyformer at tau != 1 needs the noisy values' max; otherwise the logits' max (at
@@ -128,22 +131,37 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
                           : simd::ExpShiftSum(part, valid, m);
         shift[static_cast<size_t>(i) * chunks + c] = m;
       }
-      // The last chunk's tile is read in place by the final pass.
-      if (c + 1 < chunks) simd::StreamCopy(tile, parked + c * slot, static_cast<size_t>(nr) * n);
     }
-    // Chunk by chunk, so that the parked logits are read as one sequential stream and the
-    // chunk's scores stay in L1.
+    // Chunk by chunk, so that the chunk's scores stay in L1: the rows' common prefix as one
+    // matrix-vector product (the scores read once per eight rows), then each row's remainder
+    // (the causal staircase of the last W keys).
+    float* coef = Grow(s.acc, static_cast<size_t>(nr));
+    std::vector<const float*>& rows_of = s.rows;
     for (int c0 = 0, c = 0; c0 < max_len; c0 += kTokenChunk, ++c) {
       const bool last = c + 1 == chunks;
+      rows_of.clear();
+      int common = kTokenChunk;
       for (int r = r0; r < r0 + nr; ++r) {
         const int i = r - r0;
         const int valid = std::min(kTokenChunk, S - W + (r % W) + 1 - c0);
         if (valid <= 0) continue;
         const float m_c = shift[static_cast<size_t>(i) * chunks + c];
-        const float a = inv_g * std::exp(m_c - row_max[i]) / row_sum[i];
-        const float* part = last ? tile + static_cast<size_t>(i) * (max_len - c0)
-                                 : parked + c * slot + static_cast<size_t>(i) * kTokenChunk;
-        simd::Axpy(a, part, out + c0, valid);
+        coef[rows_of.size()] = inv_g * std::exp(m_c - row_max[i]) / row_sum[i];
+        rows_of.push_back(last ? tile + static_cast<size_t>(i) * (max_len - c0)
+                               : parked + c * slot + static_cast<size_t>(i) * kTokenChunk);
+        common = std::min(common, valid);
+      }
+      if (rows_of.empty()) continue;
+      simd::AxpyRows(rows_of.data(), coef, static_cast<int>(rows_of.size()), out + c0,
+                     static_cast<size_t>(common));
+      for (int r = r0, k = 0; r < r0 + nr; ++r) {
+        const int valid = std::min(kTokenChunk, S - W + (r % W) + 1 - c0);
+        if (valid <= 0) continue;
+        if (valid > common) {
+          simd::Axpy(coef[k], rows_of[k] + common, out + c0 + common,
+                     static_cast<size_t>(valid - common));
+        }
+        ++k;
       }
     }
   }
