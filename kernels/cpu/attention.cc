@@ -39,6 +39,9 @@ using attn::ScoreRows;
 using attn::ValueCodesIntSupported;
 
 constexpr int kChunk = 1024;  // old rows per task: scores [nq, kChunk] stay in L1/L2
+// kAuto's integer path needs this many kept channels in a row: below, the per-group query
+// preparation costs more than the integer sums save (head_dim 8 models decode ~25% slower).
+constexpr int kAutoMinChannels = 32;
 // Below this many cached bytes in a call the pool's hand-off costs more than it saves.
 constexpr size_t kMinParallelBytes = size_t{256} << 10;
 
@@ -46,12 +49,12 @@ constexpr size_t kMinParallelBytes = size_t{256} << 10;
 struct HeadWork {
   int m = 0, r = 0;
   Rows k_old, v_old, k_recent, v_recent;
+  bool int_keys = false, int_values = false;  // PackedAttentionOptions::math
 };
 
 // One attention problem (a sequence): heads, the query and where the output goes.
 struct Problem {
-  int d = 0, nq = 0;                          // nq = queries per KV head (group * n_q)
-  bool int_keys = false, int_values = false;  // PackedAttentionOptions::math, per cache
+  int d = 0, nq = 0;  // nq = queries per KV head (group * n_q)
   const DecodeQuery* query = nullptr;
   float* out = nullptr;
   std::vector<HeadWork> heads;
@@ -105,7 +108,7 @@ void RunOldChunk(const Problem& P, const Task& t, Scratch* sc, float* part) {
   }
   sc->s.resize(static_cast<size_t>(nq) * len);
   float* s = sc->s.data();
-  if (K.kind == Rows::kKeyCodes && P.int_keys) {
+  if (K.kind == Rows::kKeyCodes && hw.int_keys) {
     ScoreKeyCodesInt(K, t.j0, t.j1, sc->qm.data(), nq, s, len);
   } else if (K.kind == Rows::kKeyCodes) {
     // Per-channel groups of G tokens: q . (code * scale + zero) = (q * scale) . code + q . zero.
@@ -133,7 +136,7 @@ void RunOldChunk(const Problem& P, const Task& t, Scratch* sc, float* part) {
   // Values accumulate over the kept value channels and are scattered to D once.
   const Rows& V = hw.v_old;
   sc->acc.assign(static_cast<size_t>(nq) * V.n, 0.0f);
-  if (P.int_values && ValueCodesIntSupported(V)) {
+  if (hw.int_values && ValueCodesIntSupported(V)) {
     AccumulateValueCodesInt(V, t.j0, t.j1, s, len, nq, sc->acc.data());
   } else {
     AccumulateRows(V, t.j0, t.j1, s, len, nq, sc->acc.data(), &sc->row);
@@ -393,11 +396,13 @@ absl::Status PackedAttentionBatchCpu(absl::Span<const PackedAttentionItem> items
     if (it.query.n_q == 0) continue;
     problems.push_back(cpu::FromCompact(*it.cache, it.query, it.out));
     const int bits = it.cache->header().quant_bits;
-    const bool integer =
-        bits > 0 && (options.math == PackedAttentionOptions::Math::kInteger ||
-                     (options.math == PackedAttentionOptions::Math::kAuto && bits <= 4));
-    problems.back().int_keys = integer;
-    problems.back().int_values = integer;
+    for (cpu::HeadWork& w : problems.back().heads) {
+      using Math = PackedAttentionOptions::Math;
+      const bool automatic = options.math == Math::kAuto && bits > 0 && bits <= 4;
+      const bool forced = options.math == Math::kInteger && bits > 0;
+      w.int_keys = forced || (automatic && w.k_old.n >= cpu::kAutoMinChannels);
+      w.int_values = forced || (automatic && w.v_old.n >= cpu::kAutoMinChannels);
+    }
   }
   return CallNoThrow([&] {
     cpu::Run(problems, pool);

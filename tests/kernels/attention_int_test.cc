@@ -18,6 +18,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "../../kernels/core/quantize.h"
@@ -402,6 +403,38 @@ TEST(AttentionIntTest, OutputErrorIsSmallAgainstFloatAndAgainstTheCacheOwn) {
     // On average the integer arithmetic adds at most a sixth of the cache's own error at 2 and
     // 4 bits (as much again at 8: why the default keeps 8-bit blocks exact).
     EXPECT_LE(mi, (bits == 8 ? 2.0 : 1.0 / 6) * mc) << bits << "-bit";
+  }
+}
+
+// kAuto takes the integer path for 2- and 4-bit heads with at least 32 kept channels, and stays
+// exact for 8-bit caches and smaller heads (where the integer path's set-up costs more than it
+// saves); kInteger forces it everywhere.
+TEST(AttentionIntTest, AutoChoosesByWidthAndChannels) {
+  std::mt19937 rng(4);
+  for (const auto& [bits, d, want_integer] : std::vector<std::tuple<int, int, bool>>{
+           {4, 64, true}, {2, 64, true}, {8, 64, false}, {4, 16, false}, {2, 8, false}}) {
+    SCOPED_TRACE(::testing::Message() << bits << "-bit D " << d);
+    const PackLayerData layer = RealisticLayer(1, 300, d, &rng);
+    CompressionSpec spec;
+    spec.quant.bits = bits;
+    spec.quant.group_size = 8;
+    spec.recent_tokens = 4;
+    absl::StatusOr<CompactLayer> packed = PackLayer(layer.input(), RandomTokens(1, 300, 200, &rng),
+                                                    RandomChannels(1, d, d, d, &rng), spec);
+    ASSERT_TRUE(packed.ok()) << packed.status();
+    const CompactLayerView view = *CompactLayerView::Parse(packed->bytes);
+    std::vector<float> q(4 * d), kn(d, 0.1f), vn(d, 0.2f);
+    std::normal_distribution<float> normal(0.0f, 0.5f);
+    for (float& x : q) x = normal(rng);
+    const DecodeQuery dq{4, 1, q.data(), 1, kn.data(), vn.data()};
+    std::vector<float> out_auto(q.size()), out_int(q.size()), out_exact(q.size());
+    ASSERT_TRUE(PackedAttentionCpu(view, dq, out_auto.data()).ok());
+    ASSERT_TRUE(
+        PackedAttentionCpu(view, dq, out_int.data(), nullptr, {.math = Math::kInteger}).ok());
+    ASSERT_TRUE(
+        PackedAttentionCpu(view, dq, out_exact.data(), nullptr, {.math = Math::kExact}).ok());
+    EXPECT_NE(out_int, out_exact);  // the integer path does change the arithmetic
+    EXPECT_EQ(out_auto, want_integer ? out_int : out_exact);
   }
 }
 

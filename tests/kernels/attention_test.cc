@@ -339,7 +339,8 @@ TEST(PackedAttentionTest, HugeQuantGroup) {
   for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], ref[i], 1e-4f) << i;
   // The integer path groups the same way (one group of tokens) and stays close.
   std::vector<float> out_int(q.q.size());
-  ASSERT_TRUE(PackedAttentionCpu(*view, q.query(), out_int.data()).ok());
+  ASSERT_TRUE(
+      PackedAttentionCpu(*view, q.query(), out_int.data(), nullptr, {.math = kInteger}).ok());
   for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out_int[i], ref[i], 0.05f) << i;
 }
 

@@ -23,12 +23,13 @@ struct PackedAttentionOptions {
   //     centring term are applied after the integer sums, in fp32. Every instruction set gives
   //     the same result up to fp32 rounding.
   //   kExact: fp32 arithmetic on the dequantized codes (the float reference up to fp32 rounding).
-  //   kAuto (the default): kInteger for 2- and 4-bit blocks, kExact for 8-bit ones. At 2 and 4
-  //     bits the integer path's error is a small fraction of the error the codes themselves carry
-  //     (3-40% of it, measured in docs/performance.md and held by
-  //     tests/kernels/attention_int_test.cc) and decoding runs up to ~2x faster; at 8 bits the
-  //     int8 query has the codes' own resolution, so it would double their error: those caches
-  //     are chosen for accuracy and stay exact.
+  //   kAuto (the default): kInteger for the 2- and 4-bit blocks of heads that keep at least 32
+  //     key (for the scores) or value (for the sums) channels, kExact otherwise. At 2 and 4 bits
+  //     the integer path's error is a small fraction of the error the codes themselves carry
+  //     (measured in docs/performance.md, held by tests/kernels/attention_int_test.cc) and
+  //     decoding runs ~2x faster on Llama-shaped heads; at 8 bits the int8 query has the codes'
+  //     own resolution, so it would double their error (those caches are chosen for accuracy);
+  //     and on heads with fewer channels the per-group preparation costs more than it saves.
   enum class Math { kAuto, kExact, kInteger };
   Math math = Math::kAuto;
 };
