@@ -15,7 +15,7 @@ PKGS=(
 if ((!BUILD_ONLY)); then
   PKGS+=(git ca-certificates libgtest-dev libgmock-dev libbenchmark-dev
          clang libclang-rt-dev ccache
-         prometheus redis-server python3 openssl
+         prometheus redis-server python3 python3-venv openssl
          python3-grpcio python3-protobuf python3-numpy python3-pytest python3-xxhash)
 fi
 # The container image tests (tests/deploy/image_test.sh) build and run images with these; they

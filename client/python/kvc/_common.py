@@ -8,8 +8,9 @@ import numpy as np
 from google.protobuf import json_format
 
 from . import tensors
-from ._pb import pb
+from ._pb import pb, pb_grpc
 from .errors import KvcError, invalid
+from .replicas import resolve_target
 
 PUT_METHOD = "/kvcache.v1.KvCache/PutCache"
 GET_METHOD = "/kvcache.v1.KvCache/GetCache"
@@ -88,6 +89,37 @@ class Options:
         key = read("key_file", self.key_file) if self.key_file else None
         return grpc.ssl_channel_credentials(root_certificates=root, private_key=key,
                                             certificate_chain=chain)
+
+
+def open_channels(options, aio=False):
+    """The one channel set-up of kvc.Client (aio=False: grpc) and kvc.aio.Client (grpc.aio).
+
+    Validates `options`, resolves its target into replica addresses and opens one channel per
+    replica with the options' message limits, TLS credentials and server name. Returns
+    (addresses, channels, stubs); stubs[i] is (KvCacheStub, PutCache call, GetCache call) on
+    channels[i], the two streaming calls with kvc's own (de)serializers (see serialize_put and
+    parse_get_response).
+    """
+    options.validate()
+    addresses = resolve_target(options.target)
+    if aio:
+        from grpc import aio as module
+    else:
+        module = grpc
+    creds = options.credentials() if options.tls else None
+    channels, stubs = [], []
+    for address in addresses:
+        opts = options.channel_options()
+        ch = (module.secure_channel(address, creds, options=opts) if creds
+              else module.insecure_channel(address, options=opts))
+        channels.append(ch)
+        stubs.append((
+            pb_grpc.KvCacheStub(ch),
+            ch.stream_unary(PUT_METHOD, request_serializer=serialize_put,
+                            response_deserializer=pb.PutCacheResponse.FromString),
+            ch.unary_stream(GET_METHOD, request_serializer=pb.GetCacheRequest.SerializeToString,
+                            response_deserializer=identity)))
+    return addresses, channels, stubs
 
 
 def message(cls, value, field):

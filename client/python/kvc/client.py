@@ -19,30 +19,16 @@ import grpc
 
 from . import _common
 from ._common import Assembler, CacheData, Options, PutPlan
-from ._pb import pb, pb_grpc
+from ._pb import pb
 from .errors import KvcError, from_rpc_error, invalid
-from .replicas import rendezvous_owner, resolve_target
+from .replicas import rendezvous_owner
 
 
 class Client:
     def __init__(self, target="127.0.0.1:50051", **options):
         self.options = Options(target=target, **options)
-        self.options.validate()
-        self._replicas = resolve_target(target)
-        creds = self.options.credentials() if self.options.tls else None
-        self._channels, self._stubs = [], []
-        for address in self._replicas:
-            opts = self.options.channel_options()
-            ch = (grpc.secure_channel(address, creds, options=opts) if creds
-                  else grpc.insecure_channel(address, options=opts))
-            self._channels.append(ch)
-            self._stubs.append((
-                pb_grpc.KvCacheStub(ch),
-                ch.stream_unary(_common.PUT_METHOD, request_serializer=_common.serialize_put,
-                                response_deserializer=pb.PutCacheResponse.FromString),
-                ch.unary_stream(_common.GET_METHOD,
-                                request_serializer=pb.GetCacheRequest.SerializeToString,
-                                response_deserializer=_common.identity)))
+        self._replicas, self._channels, self._stubs = _common.open_channels(
+            self.options)
 
     def close(self):
         for ch in self._channels:
