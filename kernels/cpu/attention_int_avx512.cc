@@ -13,8 +13,10 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
 // GCC 12's own avx512fintrin.h trips -Wmaybe-uninitialized (_mm512_undefined_*): bug 105593.
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 namespace kvc::cpu::attn::isa {
 namespace {
