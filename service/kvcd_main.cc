@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kvc/buffer_pool.h"
+#include "kvc/cpu_isa.h"
 #include "kvc/transfer.h"
 #include "server/config.h"
 #include "server/ingest_registry.h"
@@ -268,6 +269,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvcd: %s\n", std::string(config.status().message()).c_str());
     return kExitBadFlags;
   }
+
+  // The CPU kernels' instruction-set cap comes from the environment (kvc/cpu_isa.h).
+  if (absl::Status isa = kvc::CpuIsaEnvStatus(); !isa.ok()) {
+    std::fprintf(stderr, "kvcd: %s\n", std::string(isa.message()).c_str());
+    return kExitBadFlags;
+  }
+  std::printf("kvcd: cpu kernels: %s\n", kvc::CpuIsaDescription().c_str());
 
   signal(SIGPIPE, SIG_IGN);
 

@@ -5,8 +5,12 @@
 #   main      Release build of everything (CUDA code included when nvcc is present), whole ctest
 #   notests   the container's configure line (-DKVC_BUILD_TESTS=OFF -DKVC_BUILD_BENCHMARKS=OFF)
 #   sanitize  clang ASan + UBSan build (no CUDA) of the engine, kvcd, kvcctl and the fuzzers; the
-#             service and client integration tests (real kvcd or in-process server) run in it
-#   fuzz      each libFuzzer harness (tests/fuzz) for KVC_FUZZ_SECONDS (15) seconds
+#             service and client integration tests (real kvcd or in-process server) run in it,
+#             with the CPU kernels capped at AVX2 (KVC_CPU_ISA; KVC_SANITIZE_CPU_ISA overrides)
+#   fuzz      each libFuzzer harness (tests/fuzz) for KVC_FUZZ_SECONDS (15) seconds, uncapped, so
+#             that the widest kernels run under the sanitizers too
+# The main stage's kernel tests run every kernel under each instruction-set level the machine has
+# (tests/kernels/isa_util.h).
 # Every stage runs even when an earlier one failed (unless the main build cannot be configured);
 # the script ends with one line per stage and "N passed, N failed" counting stages, and exits
 # non-zero if any failed. ccache (when installed) lets the later builds reuse objects.
@@ -88,7 +92,7 @@ sanitize() {
     sed -En "s/^\.\.\. (kvcd|kvcctl|${tests}|[a-z0-9_]*_fuzz)$/\1/p")
   # shellcheck disable=SC2086
   cmake --build "$SAN" -j "$JOBS" --target $targets || return
-  ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1} \
+  KVC_CPU_ISA=${KVC_SANITIZE_CPU_ISA:-avx2} ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1} \
     UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} \
     run_ctest "$SAN" "$SAN/summary.txt" -R "^(${tests})$"
 }

@@ -1,12 +1,13 @@
 // Vector paths use function-level target attributes so the library stays portable to any x86-64;
-// the choice is made once, from CPUID, on first use.
+// kvc/cpu_isa.h chooses at run time (and caps).
 #include "kvc/convert.h"
 
 #include <cstdint>
 #include <cstring>
 
+#include "kvc/cpu_isa.h"
+
 #if defined(__x86_64__)
-#include <cpuid.h>
 #include <immintrin.h>
 #define KVC_X86 1
 #endif
@@ -107,22 +108,9 @@ __attribute__((target("avx2"))) void FloatToBFloat16Avx2(const float* s, size_t 
   for (; i < n; ++i) d[i] = FloatToBFloat16(s[i]);
 }
 
-bool DetectSimd() {
-  __builtin_cpu_init();
-  // F16C from CPUID leaf 1 (ECX bit 29): clang before 15 has no "f16c" for
-  // __builtin_cpu_supports.
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
-  return __builtin_cpu_supports("avx2") && f16c;
-}
-#else
-bool DetectSimd() { return false; }
 #endif
 
-bool HaveSimd() {
-  static const bool have = DetectSimd();
-  return have;
-}
+bool HaveSimd() { return CpuIsaAtLeast(CpuIsa::kAvx2); }
 
 }  // namespace
 

@@ -4,21 +4,37 @@
 #include <cstring>
 #include <vector>
 
+#include "kvc/cpu_isa.h"
+
 // The inner loops are written so that the compiler vectorizes them (no branches on data, clamps
-// as selects). On x86-64 with GCC or Clang each hot loop is also compiled for AVX2+FMA and the
-// best clone is chosen at load time (ifunc); other targets use the portable build.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
-    !defined(__SANITIZE_ADDRESS__)
-#define KVC_MULTIVERSION __attribute__((target_clones("avx2", "default")))
+// as selects). On x86-64 with GCC or Clang each hot loop is also compiled for AVX2+FMA and
+// kvc/cpu_isa.h picks the build at run time (both give identical codes: no contraction applies).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KVC_QUANT_AVX2 1
+#define KVC_INLINE_BODY inline __attribute__((always_inline))
 #else
-#define KVC_MULTIVERSION
+#define KVC_INLINE_BODY inline
+#endif
+
+// Defines Name (the dispatcher), with the body compiled once for the baseline and once for AVX2.
+#ifdef KVC_QUANT_AVX2
+#define KVC_DISPATCH(Name, Params, Args)                                          \
+  void Name##Portable Params { Name##Body Args; }                                 \
+  __attribute__((target("avx2,fma"))) void Name##Avx2 Params { Name##Body Args; } \
+  void Name Params {                                                              \
+    if (CpuIsaAtLeast(CpuIsa::kAvx2)) return Name##Avx2 Args;                     \
+    Name##Portable Args;                                                          \
+  }
+#else
+#define KVC_DISPATCH(Name, Params, Args) \
+  void Name Params { Name##Body Args; }
 #endif
 
 namespace kvc::quant {
 namespace {
 
 // lo[c] = min, hi[c] = max over rows [0, rows) of x (row stride t).
-KVC_MULTIVERSION void ColumnMinMax(const float* x, int rows, int t, float* lo, float* hi) {
+KVC_INLINE_BODY void ColumnMinMaxBody(const float* x, int rows, int t, float* lo, float* hi) {
   std::memcpy(lo, x, sizeof(float) * t);
   std::memcpy(hi, x, sizeof(float) * t);
   for (int r = 1; r < rows; ++r) {
@@ -32,8 +48,8 @@ KVC_MULTIVERSION void ColumnMinMax(const float* x, int rows, int t, float* lo, f
 
 // codes[c] = clamp(round((x[c] - zero[c]) * inv[c]), 0, qmax). NaN maps to 0 (the selects below
 // are false for NaN), so hostile input never produces an out-of-range code.
-KVC_MULTIVERSION void EncodeRow(const float* x, const float* zero, const float* inv, int n,
-                                float qmax, uint8_t* codes) {
+KVC_INLINE_BODY void EncodeRowBody(const float* x, const float* zero, const float* inv, int n,
+                                   float qmax, uint8_t* codes) {
   for (int c = 0; c < n; ++c) {
     float v = (x[c] - zero[c]) * inv[c];
     v = v > 0.0f ? v : 0.0f;
@@ -43,8 +59,8 @@ KVC_MULTIVERSION void EncodeRow(const float* x, const float* zero, const float* 
 }
 
 // Same with one zero/inv for the whole span.
-KVC_MULTIVERSION void EncodeSpan(const float* x, float zero, float inv, int n, float qmax,
-                                 uint8_t* codes) {
+KVC_INLINE_BODY void EncodeSpanBody(const float* x, float zero, float inv, int n, float qmax,
+                                    uint8_t* codes) {
   for (int c = 0; c < n; ++c) {
     float v = (x[c] - zero) * inv;
     v = v > 0.0f ? v : 0.0f;
@@ -52,6 +68,15 @@ KVC_MULTIVERSION void EncodeSpan(const float* x, float zero, float inv, int n, f
     codes[c] = static_cast<uint8_t>(static_cast<int>(v + 0.5f));
   }
 }
+
+KVC_DISPATCH(ColumnMinMax, (const float* x, int rows, int t, float* lo, float* hi),
+             (x, rows, t, lo, hi))
+KVC_DISPATCH(EncodeRow,
+             (const float* x, const float* zero, const float* inv, int n, float qmax,
+              uint8_t* codes),
+             (x, zero, inv, n, qmax, codes))
+KVC_DISPATCH(EncodeSpan, (const float* x, float zero, float inv, int n, float qmax, uint8_t* codes),
+             (x, zero, inv, n, qmax, codes))
 
 // Packs n byte codes into a row of CodeRowBytes(n, bits) bytes, element 0 in the lowest bits.
 void PackRow(const uint8_t* codes, int n, int bits, uint8_t* out) {

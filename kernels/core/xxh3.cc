@@ -3,6 +3,7 @@
 #include "kvc/xxh3.h"
 
 #include "core/xxh3_isa.h"
+#include "kvc/cpu_isa.h"
 
 #define XXH_INLINE_ALL  // static copies in this file only, compiled for its target
 #include <xxhash.h>
@@ -11,33 +12,10 @@ namespace kvc {
 namespace internal {
 namespace {
 
-bool CpuHasAvx2() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2");
-#else
-  return false;
-#endif
-}
+// The cap (kvc/cpu_isa.h) applies to the hash too, although every build gives the same hash.
+bool Avx2Usable() { return Xxh3Avx2Built() && CpuIsaAtLeast(CpuIsa::kAvx2); }
 
-bool CpuHasAvx512() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
-#else
-  return false;
-#endif
-}
-
-bool Avx2Usable() {
-  static const bool usable = Xxh3Avx2Built() && CpuHasAvx2();
-  return usable;
-}
-
-bool Avx512Usable() {
-  static const bool usable = Xxh3Avx512Built() && CpuHasAvx512();
-  return usable;
-}
+bool Avx512Usable() { return Xxh3Avx512Built() && CpuIsaAtLeast(CpuIsa::kAvx512); }
 
 }  // namespace
 
@@ -60,11 +38,9 @@ bool Xxh3Avx512(const void* data, size_t size, uint64_t seed, uint64_t* hash) {
 }  // namespace internal
 
 uint64_t Xxh3(const void* data, size_t size, uint64_t seed) {
-  using Fn = uint64_t (*)(const void*, size_t, uint64_t);
-  static const Fn fn = internal::Avx512Usable() ? internal::Xxh3Avx512Unchecked
-                       : internal::Avx2Usable() ? internal::Xxh3Avx2Unchecked
-                                                : internal::Xxh3Baseline;
-  return fn(data, size, seed);
+  if (internal::Avx512Usable()) return internal::Xxh3Avx512Unchecked(data, size, seed);
+  if (internal::Avx2Usable()) return internal::Xxh3Avx2Unchecked(data, size, seed);
+  return internal::Xxh3Baseline(data, size, seed);
 }
 
 }  // namespace kvc

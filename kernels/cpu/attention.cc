@@ -6,8 +6,10 @@
 // a partial softmax (its own max and sum), then streams its value rows once in L1-sized blocks,
 // keeping the accumulators of a 16-channel slice in registers. Partial results are merged exactly
 // per head at the end (flash-decoding), which keeps ragged heads balanced across threads.
-// Quantized keys fold the per-channel scale into the query ((q * s) . code + q . zero); quantized
-// values are dequantized in registers (code * s + z, one FMA shared by every query).
+// Quantized keys fold the per-channel scale into the query ((q * s) . code + q . zero); by default
+// that query is then quantized to int8 and the dot products are integer (attention_int.h), as are
+// 2/4-bit values (options.math); otherwise they are fp32 and values are dequantized in registers
+// (code * s + z, one FMA shared by every query).
 #include "kvc/attention.h"
 
 #include <algorithm>
@@ -18,9 +20,10 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/quantize.h"
+#include "cpu/attention_int_rows.h"
 #include "cpu/attention_internal.h"
 #include "cpu/attention_rows.h"
-#include "core/quantize.h"
 #include "cpu/simd.h"
 
 namespace kvc {
@@ -28,11 +31,17 @@ namespace cpu {
 namespace {
 
 using attn::AccumulateRows;
+using attn::AccumulateValueCodesInt;
 using attn::Dot;
 using attn::Rows;
+using attn::ScoreKeyCodesInt;
 using attn::ScoreRows;
+using attn::ValueCodesIntSupported;
 
 constexpr int kChunk = 1024;  // old rows per task: scores [nq, kChunk] stay in L1/L2
+// kAuto's integer path needs this many kept channels in a row: below, the per-group query
+// preparation costs more than the integer sums save (head_dim 8 models decode ~25% slower).
+constexpr int kAutoMinChannels = 32;
 // Below this many cached bytes in a call the pool's hand-off costs more than it saves.
 constexpr size_t kMinParallelBytes = size_t{256} << 10;
 
@@ -40,6 +49,7 @@ constexpr size_t kMinParallelBytes = size_t{256} << 10;
 struct HeadWork {
   int m = 0, r = 0;
   Rows k_old, v_old, k_recent, v_recent;
+  bool int_keys = false, int_values = false;  // PackedAttentionOptions::math
 };
 
 // One attention problem (a sequence): heads, the query and where the output goes.
@@ -98,7 +108,9 @@ void RunOldChunk(const Problem& P, const Task& t, Scratch* sc, float* part) {
   }
   sc->s.resize(static_cast<size_t>(nq) * len);
   float* s = sc->s.data();
-  if (K.kind == Rows::kKeyCodes) {
+  if (K.kind == Rows::kKeyCodes && hw.int_keys) {
+    ScoreKeyCodesInt(K, t.j0, t.j1, sc->qm.data(), nq, s, len);
+  } else if (K.kind == Rows::kKeyCodes) {
     // Per-channel groups of G tokens: q . (code * scale + zero) = (q * scale) . code + q . zero.
     const int64_t g = K.group;  // 64-bit: g may be near INT_MAX
     sc->qs.resize(static_cast<size_t>(nq) * tk);
@@ -124,7 +136,11 @@ void RunOldChunk(const Problem& P, const Task& t, Scratch* sc, float* part) {
   // Values accumulate over the kept value channels and are scattered to D once.
   const Rows& V = hw.v_old;
   sc->acc.assign(static_cast<size_t>(nq) * V.n, 0.0f);
-  AccumulateRows(V, t.j0, t.j1, s, len, nq, sc->acc.data(), &sc->row);
+  if (hw.int_values && ValueCodesIntSupported(V)) {
+    AccumulateValueCodesInt(V, t.j0, t.j1, s, len, nq, sc->acc.data());
+  } else {
+    AccumulateRows(V, t.j0, t.j1, s, len, nq, sc->acc.data(), &sc->row);
+  }
   std::fill(out, out + static_cast<size_t>(nq) * d, 0.0f);
   for (int a = 0; a < nq; ++a) {
     const float* acc = &sc->acc[static_cast<size_t>(a) * V.n];
@@ -362,14 +378,10 @@ absl::Status DenseAttentionBatch(absl::Span<const DenseKv> caches,
   });
 }
 
-void SetAttentionSimdForTesting(bool enabled) { attn::SetSimd(enabled); }
-
-bool AttentionUsesSimd() { return attn::UseSimd(); }
-
 }  // namespace cpu
 
-absl::Status PackedAttentionBatchCpu(absl::Span<const PackedAttentionItem> items,
-                                     ThreadPool* pool) {
+absl::Status PackedAttentionBatchCpu(absl::Span<const PackedAttentionItem> items, ThreadPool* pool,
+                                     const PackedAttentionOptions& options) {
   std::vector<cpu::Problem> problems;
   problems.reserve(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
@@ -383,6 +395,14 @@ absl::Status PackedAttentionBatchCpu(absl::Span<const PackedAttentionItem> items
     if (!st.ok()) return absl::Status(st.code(), absl::StrCat(where, st.message()));
     if (it.query.n_q == 0) continue;
     problems.push_back(cpu::FromCompact(*it.cache, it.query, it.out));
+    const int bits = it.cache->header().quant_bits;
+    for (cpu::HeadWork& w : problems.back().heads) {
+      using Math = PackedAttentionOptions::Math;
+      const bool automatic = options.math == Math::kAuto && bits > 0 && bits <= 4;
+      const bool forced = options.math == Math::kInteger && bits > 0;
+      w.int_keys = forced || (automatic && w.k_old.n >= cpu::kAutoMinChannels);
+      w.int_values = forced || (automatic && w.v_old.n >= cpu::kAutoMinChannels);
+    }
   }
   return CallNoThrow([&] {
     cpu::Run(problems, pool);
@@ -391,9 +411,9 @@ absl::Status PackedAttentionBatchCpu(absl::Span<const PackedAttentionItem> items
 }
 
 absl::Status PackedAttentionCpu(const CompactLayerView& cache, const DecodeQuery& query, float* out,
-                                ThreadPool* pool) {
+                                ThreadPool* pool, const PackedAttentionOptions& options) {
   const PackedAttentionItem item{&cache, query, out};
-  return PackedAttentionBatchCpu(absl::MakeConstSpan(&item, 1), pool);
+  return PackedAttentionBatchCpu(absl::MakeConstSpan(&item, 1), pool, options);
 }
 
 }  // namespace kvc

@@ -1,5 +1,5 @@
 // Internals of the CPU decode attention, for the engine bench and tests: the dense-cache kernel
-// the packed kernel is measured against, and a switch to the portable path.
+// the packed kernel is measured against. (The instruction set is capped through kvc/cpu_isa.h.)
 #ifndef KVC_KERNELS_CPU_ATTENTION_INTERNAL_H_
 #define KVC_KERNELS_CPU_ATTENTION_INTERNAL_H_
 
@@ -25,12 +25,6 @@ struct DenseKv {
 absl::Status DenseAttentionBatch(absl::Span<const DenseKv> caches,
                                  absl::Span<const DecodeQuery> queries,
                                  absl::Span<float* const> outs, ThreadPool* pool);
-
-// false forces the portable (scalar) row kernels everywhere, true restores run-time dispatch.
-// Not thread-safe with concurrent attention calls: for tests only.
-void SetAttentionSimdForTesting(bool enabled);
-// Whether the AVX2/F16C row kernels are in use.
-bool AttentionUsesSimd();
 
 }  // namespace kvc::cpu
 

@@ -6,28 +6,18 @@
 #include "cpu/attention_rows.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <type_traits>
 
 #include "core/quantize.h"
 #include "cpu/simd_inl.h"
 #include "kvc/convert.h"
+#include "kvc/cpu_isa.h"
 
 namespace kvc::cpu::attn {
 namespace {
 
 constexpr int kVBlock = 64;  // value rows per register pass (fp16 D = 128: 16 KiB, in L1)
-
-std::atomic<bool> g_simd_allowed{true};
-
-bool SimdAvailable() {
-#ifdef KVC_X86
-  return simd::detail::HaveAvx2() && ConvertUsesSimd();
-#else
-  return false;
-#endif
-}
 
 // ---- Row kernels --------------------------------------------------------------------------------
 // Scores: s[a * ss + (j - j0)] = sum_c qm[a * n + c] * row_j[c] (+ qz[a]).
@@ -323,9 +313,13 @@ KVC_AVX2 float DotAvx2(const float* a, const float* b, int n) {
 
 }  // namespace
 
-bool UseSimd() { return g_simd_allowed.load(std::memory_order_relaxed) && SimdAvailable(); }
-
-void SetSimd(bool enabled) { g_simd_allowed.store(enabled); }
+bool UseSimd() {
+#ifdef KVC_X86
+  return CpuIsaAtLeast(CpuIsa::kAvx2);
+#else
+  return false;
+#endif
+}
 
 void ScoreRows(const Rows& R, int j0, int j1, const float* qm, const float* qz, int nq, float* s,
                int ss, std::vector<float>* row) {

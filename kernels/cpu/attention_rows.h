@@ -1,6 +1,7 @@
 // Row kernels of the CPU decode attention (internal to kernels/cpu/attention.cc): scores and
 // value accumulation over a block of cached rows in any storage format, for up to any number of
-// queries, with AVX2/FMA/F16C paths chosen at run time and a portable fallback (same math).
+// queries, with AVX2/FMA/F16C paths chosen at run time (kvc/cpu_isa.h) and a portable fallback
+// (same math). Quantized rows in integer arithmetic: cpu/attention_int_rows.h.
 #ifndef KVC_KERNELS_CPU_ATTENTION_ROWS_H_
 #define KVC_KERNELS_CPU_ATTENTION_ROWS_H_
 
@@ -39,9 +40,8 @@ void AccumulateRows(const Rows& R, int j0, int j1, const float* p, int ps, int n
 // sum_i a[i] * b[i].
 float Dot(const float* a, const float* b, int n);
 
-// Whether the vector paths are in use; SetSimd(false) forces the portable ones (tests only).
+// Whether the vector (AVX2) paths are in use: kvc/cpu_isa.h's level is avx2 or above.
 bool UseSimd();
-void SetSimd(bool enabled);
 
 }  // namespace kvc::cpu::attn
 

@@ -14,7 +14,7 @@
 #include "kvc/attention.h"
 #include "kvc/backend_interface.h"
 #include "kvc/compact.h"
-#include "kvc/convert.h"
+#include "kvc/cpu_isa.h"
 #include "kvc/status_macros.h"
 #include "kvc/thread_pool.h"
 
@@ -32,8 +32,8 @@ class CpuBackend final : public Backend {
   std::string_view name() const override { return "cpu"; }
 
   std::string description() const override {
-    return absl::StrCat("cpu: ", pool_.num_threads(), " threads",
-                        ConvertUsesSimd() ? ", AVX2/F16C" : ", scalar", ", OpenBLAS sgemm");
+    return absl::StrCat("cpu: ", pool_.num_threads(), " threads, ", CpuIsaDescription(),
+                        ", OpenBLAS sgemm");
   }
 
   // Packing runs on the pool, one task per (KV head, K or V), and quantization happens inside

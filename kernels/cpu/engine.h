@@ -72,6 +72,7 @@ class ScratchArray {
 // The arrays one task of the engine uses (every stage names its own use of them).
 struct Scratch {
   ScratchArray q, k, v, logits, tile, acc, row_max, cand, stats;
+  std::vector<const float*> rows;  // row pointers of one chunk (AttentionScoreHead): small
   static Scratch& ForThisThread();
   void ReleaseLarge();
 };

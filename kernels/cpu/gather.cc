@@ -3,6 +3,7 @@
 #include <array>
 #include <cstring>
 
+#include "kvc/cpu_isa.h"
 #include "kvc/layer.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -97,10 +98,11 @@ void GatherRow16Scalar(const uint16_t* row, const Plan16& plan, uint16_t* out) {
   for (int c = 0; c < plan.kept; ++c) out[c] = row[plan.idx[c]];
 }
 
+// SSSE3 is below AVX2 (every AVX2 CPU has it); the cap's portable level turns it off too.
 bool Gather16UsesSimd() {
 #ifdef KVC_GATHER_HAVE_SSSE3
   static const bool has = DetectSsse3();
-  return has;
+  return has && CpuIsaAtLeast(CpuIsa::kAvx2);
 #else
   return false;
 #endif

@@ -79,11 +79,10 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
     // Keys past the last row's causal limit are never read: trim the GEMM to them.
     int max_len = 0;
     for (int r = r0; r < r0 + nr; ++r) max_len = std::max(max_len, S - W + (r % W) + 1);
-    // Online softmax over key chunks. Each chunk's GEMM writes a [nr, n] tile that stays in L2
-    // (the same buffer every time); each row's part is exponentiated there against the row's
-    // running max m_c, and summed. Tiles of all but the last chunk are then streamed to the
-    // block's buffer (chunk-major [chunks - 1][nr][kTokenChunk]) with non-temporal stores, so
-    // memory sees one write and one read per logit, and the final pass scales each part by
+    // Online softmax over key chunks. Each chunk's GEMM writes its [nr, n] logits straight into
+    // the chunk's slot of the block's buffer (chunk-major [chunks - 1][nr][kTokenChunk]; the last
+    // chunk into `tile`), where each row's part is exponentiated against the row's running max
+    // m_c and summed while it is still in L2; the final pass scales each part by
     // exp(m_c - m) / sum into the scores. Keys are converted one chunk at a time (an L2-sized
     // GEMM operand), re-converted per row block, which costs little next to the GEMM.
     const int chunks = (max_len + kTokenChunk - 1) / kTokenChunk;
@@ -100,13 +99,16 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
       if (Cancelled(in)) return;
       const int n = std::min(kTokenChunk, max_len - c0);
       LoadHeadRows(in, /*values=*/false, h, c0, n, k);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, D, scale, q, D, k, D, 0.0f, tile,
+      // All but the last chunk: the GEMM writes straight into the chunk's parked slot (it stays
+      // in L2 for the passes below); the last one into the tile the final pass reads.
+      float* dst = c + 1 < chunks ? parked + c * slot : tile;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, D, scale, q, D, k, D, 0.0f, dst,
                   n);
       for (int r = r0; r < r0 + nr; ++r) {
         const int i = r - r0, t = r % W;
         const int valid = std::min(n, S - W + t + 1 - c0);
         if (valid <= 0) continue;
-        float* part = tile + static_cast<size_t>(i) * n;
+        float* part = dst + static_cast<size_t>(i) * n;
         const auto q_head = static_cast<uint32_t>(h * g + r / W);
         const auto col0 = static_cast<uint32_t>(c0);
         // keyformer at tau != 1 needs the noisy values' max; otherwise the logits' max (at
@@ -124,22 +126,37 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
                           : simd::ExpShiftSum(part, valid, m);
         shift[static_cast<size_t>(i) * chunks + c] = m;
       }
-      // The last chunk's tile is read in place by the final pass.
-      if (c + 1 < chunks) simd::StreamCopy(tile, parked + c * slot, static_cast<size_t>(nr) * n);
     }
-    // Chunk by chunk, so that the parked logits are read as one sequential stream and the
-    // chunk's scores stay in L1.
+    // Chunk by chunk, so that the chunk's scores stay in L1: the rows' common prefix as one
+    // matrix-vector product (the scores read once per eight rows), then each row's remainder
+    // (the causal staircase of the last W keys).
+    float* coef = s.acc.Get<float>(static_cast<size_t>(nr));
+    std::vector<const float*>& rows_of = s.rows;
     for (int c0 = 0, c = 0; c0 < max_len; c0 += kTokenChunk, ++c) {
       const bool last = c + 1 == chunks;
+      rows_of.clear();
+      int common = kTokenChunk;
       for (int r = r0; r < r0 + nr; ++r) {
         const int i = r - r0;
         const int valid = std::min(kTokenChunk, S - W + (r % W) + 1 - c0);
         if (valid <= 0) continue;
         const float m_c = shift[static_cast<size_t>(i) * chunks + c];
-        const float a = inv_g * std::exp(m_c - row_max[i]) / row_sum[i];
-        const float* part = last ? tile + static_cast<size_t>(i) * (max_len - c0)
-                                 : parked + c * slot + static_cast<size_t>(i) * kTokenChunk;
-        simd::Axpy(a, part, out + c0, valid);
+        coef[rows_of.size()] = inv_g * std::exp(m_c - row_max[i]) / row_sum[i];
+        rows_of.push_back(last ? tile + static_cast<size_t>(i) * (max_len - c0)
+                               : parked + c * slot + static_cast<size_t>(i) * kTokenChunk);
+        common = std::min(common, valid);
+      }
+      if (rows_of.empty()) continue;
+      simd::AxpyRows(rows_of.data(), coef, static_cast<int>(rows_of.size()), out + c0,
+                     static_cast<size_t>(common));
+      for (int r = r0, k = 0; r < r0 + nr; ++r) {
+        const int valid = std::min(kTokenChunk, S - W + (r % W) + 1 - c0);
+        if (valid <= 0) continue;
+        if (valid > common) {
+          simd::Axpy(coef[k], rows_of[k] + common, out + c0 + common,
+                     static_cast<size_t>(valid - common));
+        }
+        ++k;
       }
     }
   }

@@ -1,4 +1,4 @@
-// Generic vector kernels: max, exp-and-sum, axpy, squares, streaming copy.
+// Generic vector kernels: max, exp-and-sum, axpy (one row or many), squares, streaming copy.
 #include "cpu/simd.h"
 
 #include <cmath>
@@ -7,37 +7,14 @@
 #include <limits>
 
 #include "cpu/simd_inl.h"
+#include "kvc/cpu_isa.h"
 
 namespace kvc::simd {
 namespace detail {
-namespace {
 
-#ifdef KVC_X86
-bool Detect() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
+bool HaveAvx2() { return CpuIsaAtLeast(CpuIsa::kAvx2); }
 
-bool DetectAvx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-}
-#else
-bool Detect() { return false; }
-bool DetectAvx512() { return false; }
-#endif
-
-}  // namespace
-
-bool HaveAvx2() {
-  static const bool have = Detect();
-  return have;
-}
-
-bool HaveAvx512() {
-  static const bool have = DetectAvx512();
-  return have;
-}
+bool HaveAvx512() { return CpuIsaAtLeast(CpuIsa::kAvx512); }
 
 }  // namespace detail
 
@@ -96,6 +73,30 @@ __attribute__((target("avx2,fma"))) void AxpyAvx2(float a, const float* x, float
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
+__attribute__((target("avx2,fma"))) void AxpyRowsAvx2(const float* const* rows, const float* a,
+                                                      int m, float* y, size_t n) {
+  for (int i0 = 0; i0 < m; i0 += 8) {
+    const int i1 = i0 + 8 < m ? i0 + 8 : m;
+    size_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+      __m256 acc[4];
+      for (int q = 0; q < 4; ++q) acc[q] = _mm256_loadu_ps(y + j + 8 * q);
+      for (int i = i0; i < i1; ++i) {
+        const __m256 ai = _mm256_set1_ps(a[i]);
+        for (int q = 0; q < 4; ++q) {
+          acc[q] = _mm256_fmadd_ps(ai, _mm256_loadu_ps(rows[i] + j + 8 * q), acc[q]);
+        }
+      }
+      for (int q = 0; q < 4; ++q) _mm256_storeu_ps(y + j + 8 * q, acc[q]);
+    }
+    for (; j < n; ++j) {
+      float acc = y[j];
+      for (int i = i0; i < i1; ++i) acc += a[i] * rows[i][j];
+      y[j] = acc;
+    }
+  }
+}
+
 __attribute__((target("avx2,fma"))) void AccumulateSquaresAvx2(const float* x, float* y, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -142,6 +143,50 @@ __attribute__((target("avx512f,avx512dq"))) float ExpShiftSumAvx512(float* x, si
   return _mm512_reduce_add_ps(acc);
 }
 
+__attribute__((target("avx512f,avx512dq"))) float MaxAvx512(const float* x, size_t n) {
+  __m512 m0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0;
+  size_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    m0 = _mm512_max_ps(m0, _mm512_loadu_ps(x + j));
+    m1 = _mm512_max_ps(m1, _mm512_loadu_ps(x + j + 16));
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 k = n - j >= 16 ? __mmask16{0xffff} : TailMask(n - j);
+    m0 = _mm512_mask_max_ps(m0, k, m0, _mm512_maskz_loadu_ps(k, x + j));
+  }
+  return _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+}
+
+// Eight rows at a time, 64 columns of y held in registers: y is loaded and stored once per eight
+// rows, and the rows stream by (eight sequential streams).
+__attribute__((target("avx512f,avx512dq"))) void AxpyRowsAvx512(const float* const* rows,
+                                                                const float* a, int m, float* y,
+                                                                size_t n) {
+  for (int i0 = 0; i0 < m; i0 += 8) {
+    const int i1 = i0 + 8 < m ? i0 + 8 : m;
+    size_t j = 0;
+    for (; j + 64 <= n; j += 64) {
+      __m512 acc[4];
+      for (int q = 0; q < 4; ++q) acc[q] = _mm512_loadu_ps(y + j + 16 * q);
+      for (int i = i0; i < i1; ++i) {
+        const __m512 ai = _mm512_set1_ps(a[i]);
+        for (int q = 0; q < 4; ++q) {
+          acc[q] = _mm512_fmadd_ps(ai, _mm512_loadu_ps(rows[i] + j + 16 * q), acc[q]);
+        }
+      }
+      for (int q = 0; q < 4; ++q) _mm512_storeu_ps(y + j + 16 * q, acc[q]);
+    }
+    for (; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16{0xffff} : TailMask(n - j);
+      __m512 acc = _mm512_maskz_loadu_ps(k, y + j);
+      for (int i = i0; i < i1; ++i) {
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), _mm512_maskz_loadu_ps(k, rows[i] + j), acc);
+      }
+      _mm512_mask_storeu_ps(y + j, k, acc);
+    }
+  }
+}
+
 __attribute__((target("avx512f"))) void StreamCopyAvx512(const float* x, float* dst, size_t n) {
   size_t i = 0;
   for (; i + 16 <= n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(x + i));
@@ -156,6 +201,7 @@ __attribute__((target("avx512f"))) void StreamCopyAvx512(const float* x, float* 
 
 float Max(const float* x, size_t n) {
 #ifdef KVC_X86
+  if (HaveAvx512()) return MaxAvx512(x, n);
   if (HaveAvx2()) return MaxAvx2(x, n);
 #endif
   float r = -std::numeric_limits<float>::infinity();
@@ -190,6 +236,21 @@ void Axpy(float a, const float* x, float* y, size_t n) {
   if (HaveAvx2()) return AxpyAvx2(a, x, y, n);
 #endif
   for (size_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+void AxpyRows(const float* const* rows, const float* a, int m, float* y, size_t n) {
+#ifdef KVC_X86
+  if (HaveAvx512()) return AxpyRowsAvx512(rows, a, m, y, n);
+  if (HaveAvx2()) return AxpyRowsAvx2(rows, a, m, y, n);
+#endif
+  for (int i0 = 0; i0 < m; i0 += 8) {
+    const int i1 = i0 + 8 < m ? i0 + 8 : m;
+    for (size_t j = 0; j < n; ++j) {
+      float acc = y[j];
+      for (int i = i0; i < i1; ++i) acc += a[i] * rows[i][j];
+      y[j] = acc;
+    }
+  }
 }
 
 void AccumulateSquares(const float* x, float* y, size_t n) {

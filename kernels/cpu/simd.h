@@ -1,5 +1,6 @@
 // Small vector kernels for the scoring and channel stages (internal to the CPU backend). Each has
-// an AVX2/FMA path chosen at run time and a scalar fallback; results agree to float rounding.
+// an AVX2/FMA path (some an AVX-512 one too) chosen at run time (kvc/cpu_isa.h) and a scalar
+// fallback; results agree to float rounding.
 #ifndef KVC_KERNELS_CPU_SIMD_H_
 #define KVC_KERNELS_CPU_SIMD_H_
 
@@ -17,6 +18,9 @@ float ExpShiftSum(float* x, size_t n, float m);
 void StreamCopy(const float* x, float* dst, size_t n);
 // y[i] += a * x[i].
 void Axpy(float a, const float* x, float* y, size_t n);
+// y[j] += sum_i a[i] * rows[i][j] for i < m, j < n (rows of n floats each): a matrix-vector
+// product that reads y once per eight rows instead of once per row.
+void AxpyRows(const float* const* rows, const float* a, int m, float* y, size_t n);
 // y[i] += x[i] * x[i] (squares accumulate per element).
 void AccumulateSquares(const float* x, float* y, size_t n);
 // y[i] += |x[i]|.

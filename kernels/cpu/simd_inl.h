@@ -14,7 +14,7 @@
 
 namespace kvc::simd::detail {
 
-// Whether this CPU runs the AVX2 + FMA paths, and the AVX-512F + DQ ones (cached).
+// Whether the AVX2 + FMA paths run, and the AVX-512F + DQ ones (the level of kvc/cpu_isa.h).
 bool HaveAvx2();
 bool HaveAvx512();
 

@@ -4,7 +4,9 @@
 // (8 KV heads, 32 query heads, head_dim 128, fp16 K/V) at 4K and 32K cached tokens, for batches
 // of 1 and 8 sequences (each sequence its own cache in its own memory).
 //   BM_DecodePacked/S/B/spec  packed attention (kvc::PackedAttentionBatchCpu) over compact layers
-//                             built by the real pipeline (CPU backend Compress) from the spec
+//                             built by the real pipeline (CPU backend Compress) from the spec;
+//                             quantized specs also as .../exact (PackedAttentionOptions kExact:
+//                             fp32 instead of the default integer dot products)
 //   BM_DecodeDense/S/B        the same kernels over the full fp16 cache (the dense baseline)
 //   BM_DecodeBlas/S/B         OpenBLAS: scores = Q K^T (sgemm), softmax, out = P V (sgemm) per
 //                             KV head, over an fp32 copy of the cache (BLAS has no fp16 path, so
@@ -46,6 +48,7 @@
 #include "kvc/backend.h"
 #include "kvc/compact.h"
 #include "kvc/convert.h"
+#include "kvc/cpu_isa.h"
 #include "kvc/dtype.h"
 #include "kvc/fidelity/fidelity.h"
 #include "kvc/model/kv_cache.h"
@@ -212,7 +215,9 @@ void Report(benchmark::State& state, const std::string& name, double bytes_per_s
 
 // ---- Attention rows -----------------------------------------------------------------------------
 
-void BM_DecodePacked(benchmark::State& state, int seq_len, int batch, int spec_index) {
+// exact: PackedAttentionOptions::Math::kExact (fp32 on quantized blocks instead of the default,
+// integer dot products at 2 and 4 bits).
+void BM_DecodePacked(benchmark::State& state, int seq_len, int batch, int spec_index, bool exact) {
   const std::string spec_text = kSpecs[spec_index];
   const DenseSet& d = GetDense(seq_len);
   absl::StatusOr<CompressionSpec> spec = ParseSpecString(spec_text);
@@ -231,12 +236,15 @@ void BM_DecodePacked(benchmark::State& state, int seq_len, int batch, int spec_i
   auto outs = Outputs(batch), dense_outs = Outputs(batch);
   std::vector<PackedAttentionItem> items;
   for (int s = 0; s < batch; ++s) items.push_back({&views[s], d.query(s), outs[s].data()});
-  state.SetLabel(spec_text);
+  const std::string row = exact ? spec_text + " exact" : spec_text;
+  state.SetLabel(absl::StrCat(row, ", ", CpuIsaDescription()));
+  const PackedAttentionOptions options{.math = exact ? PackedAttentionOptions::Math::kExact
+                                                     : PackedAttentionOptions::Math::kAuto};
   double packed_s = 0, dense_s = 0;
   std::vector<double> ratios;
   for (auto _ : state) {
     const auto t0 = Clock::now();
-    const absl::Status st = PackedAttentionBatchCpu(items, &Pool());
+    const absl::Status st = PackedAttentionBatchCpu(items, &Pool(), options);
     const auto t1 = Clock::now();
     if (!st.ok()) return state.SkipWithError(std::string(st.message()).c_str());
     RunDense(d, batch, &dense_outs);
@@ -246,7 +254,7 @@ void BM_DecodePacked(benchmark::State& state, int seq_len, int batch, int spec_i
     dense_s += Seconds(t1, t2);
     ratios.push_back(Seconds(t1, t2) / Seconds(t0, t1));
   }
-  Report(state, absl::StrCat("BM_DecodePacked/", seq_len, "/", batch, "/", spec_text),
+  Report(state, absl::StrCat("BM_DecodePacked/", seq_len, "/", batch, "/", row),
          static_cast<double>(blobs[0].size()) * batch, packed_s, dense_s, d.bytes_per_seq() * batch,
          batch, ratios);
 }
@@ -378,7 +386,13 @@ void RegisterAttentionRows() {
       for (int i = 0; i < static_cast<int>(std::size(kSpecs)); ++i) {
         tune(benchmark::RegisterBenchmark(
             absl::StrCat("BM_DecodePacked", suffix, "/", kSpecs[i]).c_str(), BM_DecodePacked,
-            seq_len, batch, i));
+            seq_len, batch, i, false));
+        // Quantized specs also in fp32 (kExact): the integer path's gain in this run.
+        if (std::string(kSpecs[i]).find("+q") != std::string::npos) {
+          tune(benchmark::RegisterBenchmark(
+              absl::StrCat("BM_DecodePacked", suffix, "/", kSpecs[i], "/exact").c_str(),
+              BM_DecodePacked, seq_len, batch, i, true));
+        }
       }
     }
   }
@@ -386,7 +400,8 @@ void RegisterAttentionRows() {
 
 // ---- Model rows ---------------------------------------------------------------------------------
 
-// The fidelity table's configurations (docs/fidelity.md, kvcfidelity), so speed and quality line up.
+// The fidelity table's configurations (docs/fidelity.md, kvcfidelity), so speed and quality line
+// up.
 const char* const kModelSpecs[] = {
     "full",
     "keyformer:0.5",
@@ -508,7 +523,8 @@ void BM_ModelDecode(benchmark::State& state, const std::string& spec_text) {
 }
 
 void PrintSummary() {
-  std::printf("\nSummary (ratios within this run):\n");
+  std::printf("\nSummary (ratios within this run; instruction set %s):\n",
+              CpuIsaDescription().c_str());
   std::printf("%-58s %8s %8s %10s %12s %10s\n", "row", "GB/s", "speedup", "byte_ratio",
               "speedup/bytes", "of_memcpy");
   for (const auto& [name, r] : Results()) {
@@ -558,6 +574,8 @@ int main(int argc, char** argv) {
   }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  std::printf("decode_bench: instruction set %s (CPU features: %s; cap with KVC_CPU_ISA)\n",
+              kvc::CpuIsaDescription().c_str(), kvc::CpuFeatureList().c_str());
   benchmark::RunSpecifiedBenchmarks();
   kvc::PrintSummary();
   benchmark::Shutdown();

@@ -2,6 +2,10 @@
 // fp16, W = 32) at 4K and 32K tokens, next to the machine's memcpy bandwidth and sgemm rate
 // measured in the same run.
 //
+// BM_ScoreVsSgemm times scoring and sgemm 2048^2 back to back in one loop (vs_sgemm: their
+// median FLOP/s ratio); the instruction set in use (kvc/cpu_isa.h, capped by KVC_CPU_ISA) is in
+// its label.
+//
 // Counters: bytes_per_second is the layer's input (K + V, plus Q_obs for stages that read it);
 // FLOPS counts 2*M*N*K of the GEMMs; pack reports out_bytes_per_second too (bytes of the packed
 // blob), which is what a gather actually copies; compare it with BM_Memcpy's bytes_per_second.
@@ -10,19 +14,24 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <map>
 #include <memory>
 #include <thread>
 #include <vector>
 
+#include "../../kernels/cpu/engine.h"
 #include "../../kernels/cpu/pack.h"
 #include "absl/strings/str_cat.h"
 #include "benchmark/benchmark.h"
 #include "kvc/backend.h"
 #include "kvc/buffer_pool.h"
 #include "kvc/compact.h"
+#include "kvc/cpu_isa.h"
 #include "kvc/dtype.h"
 #include "kvc/selection.h"
 #include "kvc/thread_pool.h"
@@ -169,6 +178,84 @@ void BM_Score(benchmark::State& state) {
   }
 }
 
+// Scoring against sgemm measured back to back in the same loop: each iteration times one sgemm
+// 2048^2 (OpenBLAS, hardware threads, as BM_SgemmSquare) and one ScoreTokens call, and
+// `vs_sgemm` is the median over iterations of (score FLOP/s) / (sgemm FLOP/s): a same-moment
+// ratio that a burst of load on a shared machine moves less than two separate rows do.
+void BM_ScoreVsSgemm(benchmark::State& state) {
+  const Layer& layer = GetLayer(static_cast<int>(state.range(0)));
+  EvictionSpec spec;
+  spec.policy = static_cast<EvictionPolicy>(state.range(1));
+  const int n = 2048;
+  std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size());
+  std::vector<double> ratios;
+  double score_s = 0;
+  for (auto _ : state) {
+    openblas_set_num_threads(HardwareThreads());
+    const auto t0 = std::chrono::steady_clock::now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
+                0.0f, c.data(), n);
+    const auto t1 = std::chrono::steady_clock::now();
+    absl::StatusOr<std::vector<float>> s = ScoreTokens(layer.input(), spec);
+    const auto t2 = std::chrono::steady_clock::now();
+    if (!s.ok()) state.SkipWithError(std::string(s.status().message()).c_str());
+    benchmark::DoNotOptimize(c.data());
+    const double ts = std::chrono::duration<double>(t2 - t1).count();
+    const double tg = std::chrono::duration<double>(t1 - t0).count();
+    score_s += ts;
+    ratios.push_back((ScoreFlops(layer.shape) / ts) / (2.0 * n * n * n / tg));
+  }
+  std::sort(ratios.begin(), ratios.end());
+  const size_t k = ratios.size();
+  state.counters["vs_sgemm"] =
+      k == 0 ? 0 : (k % 2 == 1 ? ratios[k / 2] : 0.5 * (ratios[k / 2 - 1] + ratios[k / 2]));
+  state.counters["FLOPS"] =
+      ScoreFlops(layer.shape) * static_cast<double>(state.iterations()) / score_s;
+  state.SetLabel(absl::StrCat(std::string(PolicyName(spec.policy)), ", ", CpuIsaDescription()));
+}
+
+double ThreadCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// The same ratio on one thread (OpenBLAS and the engine's pool), timed in this thread's CPU time:
+// time the scheduler gives other processes on a shared machine counts for neither side, so this
+// is the kernels' efficiency ratio, not a wall-clock one.
+void BM_ScoreVsSgemmCpu(benchmark::State& state) {
+  const Layer& layer = GetLayer(static_cast<int>(state.range(0)));
+  EvictionSpec spec;
+  spec.policy = static_cast<EvictionPolicy>(state.range(1));
+  const int n = 2048;
+  std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size());
+  ThreadPool one(1);
+  std::vector<float> scores;
+  std::vector<double> ratios;
+  double score_s = 0;
+  for (auto _ : state) {
+    openblas_set_num_threads(1);
+    const double t0 = ThreadCpuSeconds();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
+                0.0f, c.data(), n);
+    const double t1 = ThreadCpuSeconds();
+    cpu::ScoreTokensImpl(layer.input(), spec, &one, &scores);
+    const double t2 = ThreadCpuSeconds();
+    benchmark::DoNotOptimize(c.data());
+    benchmark::DoNotOptimize(scores.data());
+    score_s += t2 - t1;
+    ratios.push_back((ScoreFlops(layer.shape) / (t2 - t1)) / (2.0 * n * n * n / (t1 - t0)));
+  }
+  std::sort(ratios.begin(), ratios.end());
+  const size_t k = ratios.size();
+  state.counters["vs_sgemm"] =
+      k == 0 ? 0 : (k % 2 == 1 ? ratios[k / 2] : 0.5 * (ratios[k / 2 - 1] + ratios[k / 2]));
+  state.counters["FLOPS_cpu"] =
+      ScoreFlops(layer.shape) * static_cast<double>(state.iterations()) / score_s;
+  state.SetLabel(absl::StrCat(std::string(PolicyName(spec.policy)), ", 1 thread, CPU time, ",
+                              CpuIsaDescription()));
+}
+
 struct Selections {
   TokenSelection tokens;
   ChannelSelection channels;
@@ -289,6 +376,18 @@ BENCHMARK(BM_Score)
     ->Args({32768, static_cast<int>(EvictionPolicy::kKNorm)})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
+BENCHMARK(BM_ScoreVsSgemm)
+    ->Args({4096, static_cast<int>(EvictionPolicy::kKeyformer)})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kH2O)})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kKeyformer)})
+    ->Iterations(9)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_ScoreVsSgemmCpu)
+    ->Args({32768, static_cast<int>(EvictionPolicy::kH2O)})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kKeyformer)})
+    ->Iterations(5)
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SelectChannels)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Pack)
     ->Args({4096, 0, 0})
@@ -329,6 +428,8 @@ int main(int argc, char** argv) {
   kvc::LargeBuffers().set_cap(pool_mib << 20);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  std::printf("engine_bench: instruction set %s (CPU features: %s; cap with KVC_CPU_ISA)\n",
+              kvc::CpuIsaDescription().c_str(), kvc::CpuFeatureList().c_str());
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

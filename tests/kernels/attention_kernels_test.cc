@@ -1,4 +1,5 @@
-// The CPU decode-attention kernels path by path: the AVX2/F16C row kernels and the portable ones,
+// The CPU decode-attention kernels path by path, exact (fp32) mode: every instruction-set level
+// this CPU has (kvc/cpu_isa.h: portable, AVX2/F16C, AVX-512),
 // every storage format (f32, f16, bf16 rows; 2-, 4- and 8-bit codes, value groups that the
 // vector path takes and ones it leaves to the portable path), query groups of 1 to 9, heads long
 // enough to be split into several chunks (whose partial softmax results are merged), ragged
@@ -12,6 +13,7 @@
 #include "../../kernels/cpu/attention_internal.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/isa_util.h"
 #include "kernels/pack_util.h"
 #include "kvc/attention.h"
 #include "kvc/selection.h"
@@ -21,6 +23,8 @@ namespace kvc {
 namespace {
 
 using ::testing::HasSubstr;
+using testing_isa::ScopedIsaCap;
+using testing_isa::SupportedIsas;
 using testing_pack::ConcatHeads;
 using testing_pack::MakePackLayer;
 using testing_pack::PackLayerData;
@@ -77,18 +81,17 @@ void ExpectNear(const std::vector<float>& got, const std::vector<float>& want) {
   }
 }
 
-// Restores run-time dispatch when a test ends, whatever it set.
-class AttentionKernelsTest : public ::testing::Test {
- protected:
-  void TearDown() override { cpu::SetAttentionSimdForTesting(true); }
-};
+class AttentionKernelsTest : public ::testing::Test {};
+
+// Quantized caches in fp32 (the integer path has its own test, attention_int_test.cc).
+constexpr PackedAttentionOptions kExact{.math = PackedAttentionOptions::Math::kExact};
 
 struct FormatCase {
   DType dtype;
   int bits, group, tk, tv;
 };
 
-// Every format on both paths, single-threaded and on a pool, with heads of 2500 kept tokens
+// Every format on every path, single-threaded and on a pool, with heads of 2500 kept tokens
 // (three chunks) and query groups that exercise the 4-query blocks and their remainders.
 TEST_F(AttentionKernelsTest, EveryFormatOnBothPathsMatchesReference) {
   const FormatCase formats[] = {
@@ -120,21 +123,22 @@ TEST_F(AttentionKernelsTest, EveryFormatOnBothPathsMatchesReference) {
       const Queries q = MakeQueries(hkv, hkv * g, d, n_q, n_q + 1, &rng);
       const std::vector<float> ref =
           ReferenceAttention(keys, values, d, hkv * g, n_q, q.q, q.n_new, q.k_new, q.v_new);
-      for (bool simd : {true, false}) {
+      for (CpuIsa isa : SupportedIsas()) {
         for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &pool}) {
-          SCOPED_TRACE(::testing::Message() << DTypeName(f.dtype) << " bits " << f.bits << " G "
-                                            << f.group << " Tk " << f.tk << " Tv " << f.tv << " g "
-                                            << g << " simd " << simd << " pool " << (p != nullptr));
-          cpu::SetAttentionSimdForTesting(simd);
+          SCOPED_TRACE(::testing::Message()
+                       << DTypeName(f.dtype) << " bits " << f.bits << " G " << f.group << " Tk "
+                       << f.tk << " Tv " << f.tv << " g " << g << " isa " << CpuIsaName(isa)
+                       << " pool " << (p != nullptr));
+          const ScopedIsaCap cap(isa);
           std::vector<float> out(q.q.size(), -9.0f);
-          ASSERT_TRUE(PackedAttentionCpu(*view, q.query(), out.data(), p).ok());
+          ASSERT_TRUE(PackedAttentionCpu(*view, q.query(), out.data(), p, kExact).ok());
           ExpectNear(out, ref);
           ++checked;
         }
       }
     }
   }
-  EXPECT_EQ(checked, 9 * 4 * 2 * 2);
+  EXPECT_EQ(checked, 9 * 4 * static_cast<int>(SupportedIsas().size()) * 2);
 }
 
 // Heads with different kept counts, channel counts and (through the recent block) different
@@ -169,11 +173,11 @@ TEST_F(AttentionKernelsTest, RaggedHeadsQuantizedAndNot) {
     const Queries q = MakeQueries(4, 16, d, 1, 1, &rng);
     const std::vector<float> ref =
         ReferenceAttention(keys, values, d, 16, 1, q.q, 1, q.k_new, q.v_new);
-    for (bool simd : {true, false}) {
-      SCOPED_TRACE(::testing::Message() << "bits " << bits << " simd " << simd);
-      cpu::SetAttentionSimdForTesting(simd);
+    for (CpuIsa isa : SupportedIsas()) {
+      SCOPED_TRACE(::testing::Message() << "bits " << bits << " isa " << CpuIsaName(isa));
+      const ScopedIsaCap cap(isa);
       std::vector<float> out(q.q.size());
-      ASSERT_TRUE(PackedAttentionCpu(*view, q.query(), out.data(), &pool).ok());
+      ASSERT_TRUE(PackedAttentionCpu(*view, q.query(), out.data(), &pool, kExact).ok());
       ExpectNear(out, ref);
     }
   }

@@ -15,6 +15,9 @@
 namespace kvc {
 namespace {
 
+constexpr PackedAttentionOptions::Math kExact = PackedAttentionOptions::Math::kExact;
+constexpr PackedAttentionOptions::Math kInteger = PackedAttentionOptions::Math::kInteger;
+
 using ::testing::HasSubstr;
 using testing_pack::ConcatHeads;
 using testing_pack::ExpectedHeadRows;
@@ -121,12 +124,12 @@ TEST(PackedAttentionTest, MatchesDenseReferenceUnquantized) {
   EXPECT_EQ(cases, 36);
 }
 
-// With quantization the packed result equals the reference over the dequantized rows (same math
-// again), and differs from the unquantized reference by at most the bound derived from the
-// stored scales: a key error |dk_c| <= s_c / 2 moves score j by at most
-// delta = sum_c |q_c| s_c / 2 / sqrt(D); then every softmax weight changes by a factor within
-// [e^-2delta, e^2delta], so ||dp||_1 <= e^(2 delta) - 1, and the output moves by at most
-// (e^(2 delta) - 1) * max|v| + max value step / 2.
+// With quantization the exact (fp32) packed result equals the reference over the dequantized
+// rows (same math again), and both it and the integer path (at every width) differ from the
+// unquantized reference by at most the bound derived from the stored scales: a key error |dk_c| <=
+// s_c / 2 moves score j by at most delta = sum_c |q_c| s_c / 2 / sqrt(D); then every softmax weight
+// changes by a factor within [e^-2delta, e^2delta], so ||dp||_1 <= e^(2 delta) - 1, and the output
+// moves by at most (e^(2 delta) - 1) * max|v| + max value step / 2.
 TEST(PackedAttentionTest, QuantizedWithinDerivedBound) {
   std::mt19937 rng(77);
   for (int bits : {2, 4, 8}) {
@@ -139,8 +142,10 @@ TEST(PackedAttentionTest, QuantizedWithinDerivedBound) {
       ASSERT_TRUE(view.ok()) << view.status();
       const int n_q = 2, n_new = 3;
       const Queries q = MakeQueries(hkv, hkv * g, d, n_q, n_new, &rng);
-      std::vector<float> out(q.q.size());
-      ASSERT_TRUE(PackedAttentionCpu(*view, q.query(), out.data()).ok());
+      std::vector<float> out(q.q.size()), out_int(q.q.size());
+      ASSERT_TRUE(PackedAttentionCpu(*view, q.query(), out.data(), nullptr, {.math = kExact}).ok());
+      ASSERT_TRUE(
+          PackedAttentionCpu(*view, q.query(), out_int.data(), nullptr, {.math = kInteger}).ok());
 
       std::vector<std::vector<float>> dk(hkv), dv(hkv), ek(hkv), ev(hkv);
       for (int h = 0; h < hkv; ++h) {
@@ -182,6 +187,8 @@ TEST(PackedAttentionTest, QuantizedWithinDerivedBound) {
             const double err = std::fabs(out[idx] - exact_ref[idx]);
             max_err_seen = std::max(max_err_seen, err);
             ASSERT_LE(err, bound) << "qh " << qh << " i " << i << " c " << c;
+            ASSERT_LE(std::fabs(out_int[idx] - exact_ref[idx]), bound)
+                << "integer path, qh " << qh << " i " << i << " c " << c;
           }
         }
       }
@@ -326,10 +333,15 @@ TEST(PackedAttentionTest, HugeQuantGroup) {
   }
   const Queries q = MakeQueries(2, 2, 16, 1, 1, &rng);
   std::vector<float> out(q.q.size());
-  ASSERT_TRUE(PackedAttentionCpu(*view, q.query(), out.data()).ok());
+  ASSERT_TRUE(PackedAttentionCpu(*view, q.query(), out.data(), nullptr, {.math = kExact}).ok());
   const std::vector<float> ref =
       ReferenceAttention(keys, values, 16, 2, 1, q.q, 1, q.k_new, q.v_new);
   for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], ref[i], 1e-4f) << i;
+  // The integer path groups the same way (one group of tokens) and stays close.
+  std::vector<float> out_int(q.q.size());
+  ASSERT_TRUE(
+      PackedAttentionCpu(*view, q.query(), out_int.data(), nullptr, {.math = kInteger}).ok());
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out_int[i], ref[i], 0.05f) << i;
 }
 
 TEST(PackedAttentionTest, RejectsBadQueries) {

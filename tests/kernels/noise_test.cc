@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/isa_util.h"
 // The engine's vectorized noise (internal header of the CPU backend).
 #include "../../kernels/cpu/simd.h"
 
@@ -240,6 +241,40 @@ TEST(SimdTest, ExpShiftSumMatchesLibm) {
   }
   EXPECT_NEAR(sum, want_sum, 1e-6 * want_sum);
   EXPECT_EQ(simd::Max(x.data(), x.size()), x.back());
+}
+
+// Max and the eight-row matrix-vector product, on every instruction set this CPU has: the max is
+// exact, the product within fp32 rounding of a double sum, at lengths that leave every tail.
+TEST(SimdTest, MaxAndAxpyRowsOnEveryInstructionSet) {
+  std::vector<std::vector<float>> rows(19, std::vector<float>(203));
+  for (size_t i = 0; i < rows.size(); ++i) {
+    for (size_t j = 0; j < rows[i].size(); ++j) {
+      rows[i][j] = std::sin(0.37f * static_cast<float>(i * 211 + j)) * (1.0f + 0.1f * i);
+    }
+  }
+  std::vector<const float*> ptr;
+  std::vector<float> a;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    ptr.push_back(rows[i].data());
+    a.push_back(0.5f - 0.07f * static_cast<float>(i));
+  }
+  for (CpuIsa isa : testing_isa::SupportedIsas()) {
+    SCOPED_TRACE(CpuIsaName(isa));
+    const testing_isa::ScopedIsaCap cap(isa);
+    for (size_t n : {0, 1, 15, 16, 17, 63, 64, 65, 100, 203}) {
+      const float* x = rows[3].data();
+      EXPECT_EQ(simd::Max(x, n), n == 0 ? -INFINITY : *std::max_element(x, x + n)) << n;
+      for (int m : {1, 7, 8, 9, 19}) {
+        std::vector<float> y(n, 0.25f);
+        simd::AxpyRows(ptr.data(), a.data(), m, y.data(), n);
+        for (size_t j = 0; j < n; ++j) {
+          double want = 0.25;
+          for (int i = 0; i < m; ++i) want += static_cast<double>(a[i]) * rows[i][j];
+          ASSERT_NEAR(y[j], want, 1e-5) << "n " << n << " m " << m << " j " << j;
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

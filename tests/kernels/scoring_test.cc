@@ -6,6 +6,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/isa_util.h"
 #include "kernels/select_util.h"
 #include "kvc/noise.h"
 #include "kvc/selection.h"
@@ -54,6 +55,23 @@ TEST(ScoreTokensTest, KeyformerMatchesReferenceIncludingNoiseAndTau) {
   ExpectNearReference(layer, spec);
   spec.tau = 1.7;
   ExpectNearReference(layer, spec);
+}
+
+// Every instruction set this CPU has scores alike: several chunks, a causal staircase, noise.
+TEST(ScoreTokensTest, EveryInstructionSetMatchesReference) {
+  const LayerShape shape{2, 8, 2200, 64, 16};
+  TestLayer layer = RandomLayer(shape, 9, DType::kF16);
+  layer.layer_index = 3;
+  for (CpuIsa isa : testing_isa::SupportedIsas()) {
+    SCOPED_TRACE(CpuIsaName(isa));
+    const testing_isa::ScopedIsaCap cap(isa);
+    for (EvictionPolicy policy : {EvictionPolicy::kH2O, EvictionPolicy::kKeyformer}) {
+      EvictionSpec spec;
+      spec.policy = policy;
+      spec.seed = 77;
+      ExpectNearReference(layer, spec);
+    }
+  }
 }
 
 // Keys are scored in chunks of 1024 with a running (online) softmax max per row: a logit ramp

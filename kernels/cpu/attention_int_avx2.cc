@@ -1,0 +1,694 @@
+// The AVX2 integer kernels of attention_int.h (vpmaddubsw + vpmaddwd). This file alone is
+// compiled with -mavx2 -mfma (kernels/CMakeLists.txt), so nothing here may run before the caller
+// checked the CPU, and nothing here may be shared with other files: it includes no header with
+// inline functions, and everything but the entry points is internal.
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cpu/attention_int.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+namespace kvc::cpu::attn::isa {
+namespace {
+
+inline int Min(int a, int b) { return a < b ? a : b; }
+
+template <int Bits>
+inline __m256i Plane(__m256i x, int s) {
+  const __m256i mask = _mm256_set1_epi8(static_cast<char>((1 << Bits) - 1));
+  return _mm256_and_si256(_mm256_srli_epi16(x, Bits * s), mask);
+}
+
+// `bytes` (16 or 32) bytes of a row as a vector, zero above.
+inline __m256i LoadPiece(const uint8_t* p, int bytes) {
+  if (bytes >= 32) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The queries of one token group and up to four queries: the preparation's inputs and outputs.
+struct KeyQueryArgs {
+  const float* qm = nullptr;     // [nq, n]
+  const float* scale = nullptr;  // [n]
+  const float* zero = nullptr;   // [n]
+  int nq = 0, n = 0, bits = 0;
+  size_t row_bytes = 0;
+  float* alpha = nullptr;  // [nq, 64]: per block of 32 / bits channels (4 code bytes)
+  float* qz = nullptr;     // [nq]
+  void* planes = nullptr;  // the kernels' query layout
+};
+
+// Rows of one token group against its prepared queries.
+struct KeyArgs {
+  const uint8_t* codes = nullptr;  // row j at codes + j * row_bytes
+  size_t row_bytes = 0;
+  int rows = 0, bits = 0, nq = 0;
+  const void* planes = nullptr;
+  int pieces = 1;
+  const float* alpha = nullptr;  // [nq, 64]
+  const float* qz = nullptr;
+  float* s = nullptr;  // s[a * ss + j]
+  int ss = 0;
+};
+
+// ---- Keys -------------------------------------------------------------------------------------
+
+inline __attribute__((always_inline)) float Tree16(const float* p) {
+  float t[8];
+  for (int i = 0; i < 8; ++i) t[i] = p[i] + p[i + 8];
+  for (int i = 0; i < 4; ++i) t[i] = t[i] + t[i + 4];
+  for (int i = 0; i < 2; ++i) t[i] = t[i] + t[i + 2];
+  return t[0] + t[1];
+}
+
+inline __m256i LaneMask(int n) {  // the first n of 8 int32 lanes set
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// 32 query bytes as [plane 0 | plane 1 | ...], 32 / P bytes each.
+template <int P>
+inline __m256i GroupPlanes(__m256i v) {
+  if constexpr (P == 1) {
+    return v;
+  } else if constexpr (P == 2) {
+    const __m256i ctl = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2,
+                                         4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    return _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, ctl), 0xD8);
+  } else {
+    const __m256i ctl = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4,
+                                         8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v, ctl),
+                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  }
+}
+
+// The max over all eight lanes, or (Within4) over each 128-bit lane, in every lane.
+template <bool Within4>
+inline __m256 LanesMax(__m256 a) {
+  if constexpr (!Within4) a = _mm256_max_ps(a, _mm256_permute2f128_ps(a, a, 0x01));
+  a = _mm256_max_ps(a, _mm256_permute_ps(a, 0x4E));
+  return _mm256_max_ps(a, _mm256_permute_ps(a, 0xB1));
+}
+
+// Layouts: 2/4-bit codes int8 [piece][plane][32] (pieces of pb = 32 bytes, or 16 when the row is
+// not a multiple of 32); 8-bit codes int16 [piece of 16][16]. alpha: one per block of kB = 4P
+// channels.
+template <int P>
+void PrepareKeys(const KeyQueryArgs& A) {
+  constexpr int kB = 4 * P;
+  const int n = A.n;
+  const int rb = static_cast<int>(A.row_bytes);
+  const int pb = P == 1 ? 16 : (rb % 32 == 0 ? 32 : 16);
+  const size_t per_query = static_cast<size_t>(rb / pb) * P * 32;
+  const float mid = static_cast<float>((1 << (8 / P)) - 1) / 2.0f;
+  alignas(32) float qs[256 + 32];
+  alignas(32) int8_t qi[256 + 32];
+  alignas(32) float part[16], al8[8];
+  alignas(32) int8_t grouped[32];
+  for (int a = 0; a < A.nq; ++a) {
+    const float* q = A.qm + static_cast<size_t>(a) * n;
+    __m256 zp[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int c0 = 0; c0 < n; c0 += 8) {
+      const __m256i m = LaneMask(n - c0);
+      const __m256 x = _mm256_maskload_ps(q + c0, m);
+      _mm256_store_ps(qs + c0, _mm256_mul_ps(x, _mm256_maskload_ps(A.scale + c0, m)));
+      __m256& z = zp[(c0 / 8) % 2];  // lanes c mod 16
+      z = _mm256_fmadd_ps(x, _mm256_maskload_ps(A.zero + c0, m), z);
+    }
+    _mm256_store_ps(part, zp[0]);
+    _mm256_store_ps(part + 8, zp[1]);
+    const float qz = Tree16(part);
+    float* alpha = A.alpha + static_cast<size_t>(a) * 64;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 cp[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const int padded = (n + 31) / 32 * 32;
+    for (int c0 = 0; c0 < padded; c0 += 16) {
+      __m256 y[2], amax[2];
+      for (int h = 0; h < 2; ++h) {
+        y[h] = _mm256_and_ps(_mm256_load_ps(qs + c0 + 8 * h),
+                             _mm256_castsi256_ps(LaneMask(n - c0 - 8 * h)));
+        amax[h] = LanesMax<P == 1>(_mm256_andnot_ps(sign, y[h]));
+      }
+      if constexpr (P == 4) amax[0] = amax[1] = _mm256_max_ps(amax[0], amax[1]);
+      __m256i i32[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256 live = _mm256_cmp_ps(amax[h], _mm256_set1_ps(0x1p-100f), _CMP_GE_OQ);
+        const __m256 inv = _mm256_and_ps(live, _mm256_div_ps(_mm256_set1_ps(127.0f), amax[h]));
+        const __m256 al = _mm256_and_ps(live, _mm256_div_ps(amax[h], _mm256_set1_ps(127.0f)));
+        const __m256 x =
+            _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(y[h], inv), _mm256_set1_ps(-127.0f)),
+                          _mm256_set1_ps(127.0f));
+        i32[h] = _mm256_cvtps_epi32(x);
+        // The rounding errors' sum (centring, attention_int.h): qs - alpha * qi, lane c mod 16.
+        cp[h] = _mm256_add_ps(cp[h], _mm256_fnmadd_ps(al, _mm256_cvtepi32_ps(i32[h]), y[h]));
+        _mm256_store_ps(al8, al);
+        const int c = c0 + 8 * h;
+        if (c < n) {
+          for (int l = 0; l < 8; l += kB < 8 ? kB : 8) {
+            if (kB <= 8 || h == 0) alpha[(c + l) / kB] = al8[l];
+          }
+        }
+      }
+      const __m256i i16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i32[0], i32[1]), 0xD8);
+      const __m256i i8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(i16, i16), 0x08);
+      _mm_store_si128(reinterpret_cast<__m128i*>(qi + c0), _mm256_castsi256_si128(i8));
+    }
+    _mm256_store_ps(part, cp[0]);
+    _mm256_store_ps(part + 8, cp[1]);
+    A.qz[a] = __builtin_fmaf(mid, Tree16(part), qz);
+    if constexpr (P == 1) {
+      auto* out = reinterpret_cast<int16_t*>(static_cast<uint8_t*>(A.planes) + per_query * a);
+      for (int c0 = 0; c0 < n; c0 += 16) {
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(out + c0),
+            _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(qi + c0))));
+      }
+    } else {
+      auto* out = static_cast<int8_t*>(A.planes) + per_query * a;
+      for (int c0 = 0; c0 < n; c0 += 32) {
+        _mm256_store_si256(
+            reinterpret_cast<__m256i*>(grouped),
+            GroupPlanes<P>(_mm256_load_si256(reinterpret_cast<const __m256i*>(qi + c0))));
+        const int b0 = c0 / P;
+        for (int s = 0; s < P; ++s) {
+          int8_t* dst = out + (static_cast<size_t>(b0 / pb) * P + s) * 32 + b0 % pb;
+          __builtin_memcpy(dst, grouped + s * (32 / P), 32 / P);
+        }
+      }
+    }
+  }
+}
+
+// Queries a0 .. a0 + NQ against every row. 2/4-bit codes: pieces of 16 or 32 bytes, the query as
+// int8 planes [piece][plane][32]; R = 2 (rows of 16 bytes): two rows per vector, the query's 16
+// bytes repeated. 8-bit codes: pieces of 16 bytes widened to int16, the query as int16
+// [piece][16]. Each 32-bit lane's integer sum is scaled by its block's alpha.
+template <int Bits, int R, int NQ>
+void KeyRows(const KeyArgs& A, int a0) {
+  constexpr int P = Bits == 8 ? 1 : 8 / Bits;
+  const int rb = static_cast<int>(A.row_bytes);
+  const int pieces = R == 2 ? 1 : A.pieces;
+  const int pb = Bits == 8 ? 16 : (rb % 32 == 0 ? 32 : 16);
+  const size_t per_query = static_cast<size_t>(A.pieces) * P * 32;  // bytes
+  const auto* planes = static_cast<const uint8_t*>(A.planes);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+  // The block scales of each (query, piece) in lane order, computed once.
+  alignas(32) float alpha[NQ][16][8];
+  for (int a = 0; a < NQ; ++a) {
+    const float* al = A.alpha + static_cast<size_t>(a0 + a) * 64;
+    for (int k = 0; k < pieces; ++k) {
+      __m256 v;
+      if constexpr (Bits == 8) {  // lane l: channels 16k + 2l, 2l + 1, block 4k + l / 2
+        v = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(al + 4 * k)), pairs);
+      } else if constexpr (R == 2) {  // lanes 0-3 and 4-7: blocks 0-3 of two rows
+        v = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(al));
+      } else {  // lane l: bytes 4l..4l+3 of the piece (past a 16-byte piece: zero codes)
+        v = _mm256_loadu_ps(al + pb / 4 * k);
+      }
+      _mm256_store_ps(alpha[a][k], v);
+    }
+  }
+  // R = 2: the query planes repeated for the second row of each vector.
+  alignas(32) uint8_t q2[R == 2 ? NQ : 1][P][32];
+  if constexpr (R == 2) {
+    for (int a = 0; a < NQ; ++a) {
+      for (int s = 0; s < P; ++s) {
+        const uint8_t* qa = planes + static_cast<size_t>(a0 + a) * per_query + s * 32;
+        __builtin_memcpy(q2[a][s], qa, 16);
+        __builtin_memcpy(q2[a][s] + 16, qa, 16);
+      }
+    }
+  }
+  alignas(32) float qz8[8], out[8];
+  for (int i = 0; i < 8; ++i) qz8[i] = i % 4 < NQ ? A.qz[a0 + i % 4] : 0.0f;
+  const __m256 qz = _mm256_load_ps(qz8);
+  constexpr int kStep = 2 * R;
+  for (int j = 0; j < A.rows; j += kStep) {
+    _mm_prefetch(reinterpret_cast<const char*>(A.codes + static_cast<size_t>(j + 16) * rb),
+                 _MM_HINT_T0);
+    __m256 acc[4][2];
+    for (int a = 0; a < 4; ++a) acc[a][0] = acc[a][1] = _mm256_setzero_ps();
+    for (int v = 0; v < 2; ++v) {
+      const int first = j + v * R;
+      if (first >= A.rows) break;
+      const uint8_t* row = A.codes + static_cast<size_t>(first) * rb;
+      for (int k = 0; k < pieces; ++k) {
+        if constexpr (Bits == 8) {
+          const __m256i x =
+              _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * k)));
+          for (int a = 0; a < NQ; ++a) {
+            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                planes + static_cast<size_t>(a0 + a) * per_query + 32 * k));
+            acc[a][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(x, q)),
+                                        _mm256_load_ps(alpha[a][k]), acc[a][v]);
+          }
+        } else {
+          __m256i x;
+          if constexpr (R == 2) {  // rows first and first + 1 (zero past the end)
+            x = first + 1 < A.rows ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row))
+                                   : _mm256_zextsi128_si256(
+                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+          } else {
+            x = LoadPiece(row + pb * k, pb);
+          }
+          __m256i xs[P];
+          for (int s = 0; s < P; ++s) xs[s] = Plane<Bits>(x, s);
+          for (int a = 0; a < NQ; ++a) {
+            const uint8_t* qa =
+                R == 2 ? q2[a][0] : planes + static_cast<size_t>(a0 + a) * per_query + k * P * 32;
+            // |sum| <= P * 2 * 15 * 127 < 2^15: no saturation before widening.
+            __m256i t = _mm256_maddubs_epi16(
+                xs[0], _mm256_load_si256(reinterpret_cast<const __m256i*>(qa)));
+            for (int s = 1; s < P; ++s) {
+              t = _mm256_add_epi16(
+                  t, _mm256_maddubs_epi16(
+                         xs[s], _mm256_load_si256(reinterpret_cast<const __m256i*>(qa + 32 * s))));
+            }
+            acc[a][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t, ones)),
+                                        _mm256_load_ps(alpha[a][k]), acc[a][v]);
+          }
+        }
+      }
+    }
+    const __m256 x =
+        _mm256_hadd_ps(_mm256_hadd_ps(acc[0][0], acc[1][0]), _mm256_hadd_ps(acc[2][0], acc[3][0]));
+    const __m256 y =
+        _mm256_hadd_ps(_mm256_hadd_ps(acc[0][1], acc[1][1]), _mm256_hadd_ps(acc[2][1], acc[3][1]));
+    const int n = Min(kStep, A.rows - j);
+    if constexpr (R == 2) {  // x: [row j | row j + 1], y: [row j + 2 | row j + 3], q0..q3 each
+      alignas(32) float out2[16];
+      _mm256_store_ps(out2, _mm256_add_ps(x, qz));
+      _mm256_store_ps(out2 + 8, _mm256_add_ps(y, qz));
+      for (int a = 0; a < NQ; ++a) {
+        float* s = A.s + static_cast<size_t>(a0 + a) * A.ss + j;
+        for (int r = 0; r < n; ++r) s[r] = out2[4 * r + a];
+      }
+    } else {  // [row j: q0..q3 | row j + 1: q0..q3]
+      const __m256 sum =
+          _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+      _mm256_store_ps(out, _mm256_add_ps(sum, qz));
+      for (int a = 0; a < NQ; ++a) {
+        float* s = A.s + static_cast<size_t>(a0 + a) * A.ss + j;
+        for (int r = 0; r < n; ++r) s[r] = out[4 * r + a];
+      }
+    }
+  }
+}
+
+template <int Bits, int R>
+void KeyQueriesR(const KeyArgs& A) {
+  int a = 0;
+  for (; a + 4 <= A.nq; a += 4) KeyRows<Bits, R, 4>(A, a);
+  switch (A.nq - a) {
+    case 3:
+      return KeyRows<Bits, R, 3>(A, a);
+    case 2:
+      return KeyRows<Bits, R, 2>(A, a);
+    case 1:
+      return KeyRows<Bits, R, 1>(A, a);
+    default:
+      return;
+  }
+}
+
+template <int Bits>
+void KeyQueries(const KeyArgs& A) {
+  if (Bits != 8 && A.row_bytes == 16) return KeyQueriesR<Bits, 2>(A);
+  KeyQueriesR<Bits, 1>(A);
+}
+
+// ---- Values -----------------------------------------------------------------------------------
+//
+// As the AVX-512 kernel (attention_int_avx512.cc): four rows interleaved per 32-bit lane, their
+// weights of the lane's group broadcast to it; vpmaddubsw sums pairs into 16 bits, which add up
+// over four steps before vpmaddwd widens them. The weights of the lanes (a, g) = a * groups + g
+// (up to 16) are held as two 8-lane halves; groups must be 1, 2, 4 or 8 so that each query's
+// lanes sit in one half.
+
+// Vector (piece k, plane s, u) lane 4L + t holds the four rows' codes of byte
+// 32k + 16L + 4u + t, i.e. channel (that byte) * P + s.
+struct ValueLanes {
+  int vectors = 0;  // pieces * P * 4
+  alignas(32) int32_t group[32][8];
+  alignas(32) int32_t channel[32][8];  // 0 where none
+  uint8_t valid[32];
+  bool uniform[8];
+};
+
+void MakeLanes(int bits, int rb, int n, int group, ValueLanes* L) {
+  const int P = 8 / bits;
+  const int pieces = (rb + 31) / 32;
+  L->vectors = pieces * P * 4;
+  for (int k = 0; k < pieces; ++k) {
+    for (int s = 0; s < P; ++s) {
+      for (int u = 0; u < 4; ++u) {
+        const int vi = (k * P + s) * 4 + u;
+        L->valid[vi] = 0;
+        for (int l = 0; l < 8; ++l) {
+          const int b = 32 * k + 16 * (l / 4) + 4 * u + l % 4;
+          const int c = b * P + s;
+          const bool ok = b < rb && c < n;
+          L->channel[vi][l] = ok ? c : 0;
+          L->group[vi][l] = ok ? c / group : 0;
+          if (ok) L->valid[vi] |= static_cast<uint8_t>(1u << l);
+        }
+      }
+      bool same = true;
+      for (int u = 1; u < 4; ++u) {
+        for (int l = 0; l < 8; ++l) {
+          same = same && L->group[(k * P + s) * 4 + u][l] == L->group[(k * P + s) * 4][l];
+        }
+      }
+      L->uniform[k * P + s] = same;
+    }
+  }
+}
+
+inline void Interleave4(__m256i x0, __m256i x1, __m256i x2, __m256i x3, __m256i* v) {
+  const __m256i u0 = _mm256_unpacklo_epi8(x0, x1), u1 = _mm256_unpackhi_epi8(x0, x1);
+  const __m256i u2 = _mm256_unpacklo_epi8(x2, x3), u3 = _mm256_unpackhi_epi8(x2, x3);
+  v[0] = _mm256_unpacklo_epi16(u0, u2);
+  v[1] = _mm256_unpackhi_epi16(u0, u2);
+  v[2] = _mm256_unpacklo_epi16(u1, u3);
+  v[3] = _mm256_unpackhi_epi16(u1, u3);
+}
+
+// A row's per-group floats (ng of 1, 2, 4, 8) in the lanes l of a half, group l % ng.
+inline __m256 GroupLanes(const float* row, int ng) {
+  switch (ng) {
+    case 1:
+      return _mm256_broadcast_ss(row);
+    case 2:
+      return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(row)));
+    case 4:
+      return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(row));
+    default:
+      return _mm256_loadu_ps(row);
+  }
+}
+
+template <int Bits>
+inline __m256i LoadRow(const ValueArgs& A, int row, int k, int bytes, int s) {
+  if (row >= A.rows) return _mm256_setzero_si256();
+  return Plane<Bits>(LoadPiece(A.codes + static_cast<size_t>(row) * A.row_bytes + 32 * k, bytes),
+                     s);
+}
+
+// The integer sums of piece k, plane s over the rows [b0, b0 + nb) of a block, for queries
+// a0 .. a0 + QB, scaled by beta into accf.
+template <int Bits, int QB, bool Uniform>
+void BlockSums(const ValueArgs& A, const ValueLanes& L, int b0, int nb, int k, int s,
+               const int32_t (*w4)[16], const float* beta16, float (*accf)[32][8]) {
+  constexpr int P = 8 / Bits;
+  constexpr int NU = Uniform ? 1 : 4;
+  // Steps of 16-bit sums before widening: 2 * 255 * (2^Bits - 1) per step stays below 2^15.
+  constexpr int kSteps16 = Bits == 4 ? 4 : 16;
+  const int ng = A.groups;
+  const int v0 = (k * P + s) * 4;
+  const int bytes = Min(32, static_cast<int>(A.row_bytes) - 32 * k);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i idx[QB][NU];
+  for (int a = 0; a < QB; ++a) {
+    for (int u = 0; u < NU; ++u) {
+      idx[a][u] =
+          _mm256_add_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(L.group[v0 + u])),
+                           _mm256_set1_epi32((a * ng) % 8));
+    }
+  }
+  __m256i acc[QB][4], t16[QB][4];
+  for (int a = 0; a < QB; ++a) {
+    for (int u = 0; u < 4; ++u) acc[a][u] = t16[a][u] = _mm256_setzero_si256();
+  }
+  const int steps = (nb + 3) / 4;
+  for (int q = 0; q < steps; ++q) {
+    const int row = b0 + 4 * q;
+    __m256i v[4];
+    Interleave4(LoadRow<Bits>(A, row, k, bytes, s), LoadRow<Bits>(A, row + 1, k, bytes, s),
+                LoadRow<Bits>(A, row + 2, k, bytes, s), LoadRow<Bits>(A, row + 3, k, bytes, s), v);
+    const __m256i wlo = _mm256_load_si256(reinterpret_cast<const __m256i*>(w4[q]));
+    const __m256i whi = _mm256_load_si256(reinterpret_cast<const __m256i*>(w4[q] + 8));
+    for (int a = 0; a < QB; ++a) {
+      const __m256i w = (a * ng) / 8 == 0 ? wlo : whi;
+      for (int u = 0; u < 4; ++u) {
+        const __m256i wv = _mm256_permutevar8x32_epi32(w, idx[a][Uniform ? 0 : u]);
+        t16[a][u] = _mm256_add_epi16(t16[a][u], _mm256_maddubs_epi16(wv, v[u]));
+      }
+    }
+    if ((q + 1) % kSteps16 == 0 || q + 1 == steps) {
+      for (int a = 0; a < QB; ++a) {
+        for (int u = 0; u < 4; ++u) {
+          acc[a][u] = _mm256_add_epi32(acc[a][u], _mm256_madd_epi16(t16[a][u], ones));
+          t16[a][u] = _mm256_setzero_si256();
+        }
+      }
+    }
+  }
+  for (int a = 0; a < QB; ++a) {
+    const __m256 beta = _mm256_load_ps(beta16 + ((a * ng) / 8) * 8);
+    for (int u = 0; u < 4; ++u) {
+      const __m256i gi =
+          _mm256_add_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(L.group[v0 + u])),
+                           _mm256_set1_epi32((a * ng) % 8));
+      float* f = accf[a][v0 + u];
+      _mm256_store_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[a][u]),
+                                         _mm256_permutevar8x32_ps(beta, gi), _mm256_load_ps(f)));
+    }
+  }
+}
+
+// Queries a0 .. a0 + QB, QB * groups <= 16 lanes (a, g).
+template <int Bits, int QB>
+void ValueQueries(const ValueArgs& A, const ValueLanes& L, int a0) {
+  constexpr int P = 8 / Bits;
+  constexpr float kMid = static_cast<float>((1 << Bits) - 1) / 2.0f;
+  const int rb = static_cast<int>(A.row_bytes);
+  const int ng = A.groups;
+  const int pieces = (rb + 31) / 32;
+  const int lanes = QB * ng;
+  // pv for row 4L + r of an 8-row transpose, half h: lanes l' <- u_r[4L + (8h + l') / ng].
+  alignas(32) int32_t qidx[2][2][8];
+  alignas(32) float live_lanes[16];
+  for (int l = 0; l < 16; ++l) {
+    live_lanes[l] = l < lanes ? 1.0f : 0.0f;
+    for (int L4 = 0; L4 < 2; ++L4) qidx[L4][l / 8][l % 8] = 4 * L4 + (l < lanes ? l / ng : 0);
+  }
+  alignas(32) float accf[4][32][8];
+  for (int a = 0; a < QB; ++a) {
+    for (int v = 0; v < L.vectors; ++v) _mm256_store_ps(accf[a][v], _mm256_setzero_ps());
+  }
+  __m256 zacc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  alignas(32) float w[kValueBlock][16];
+  alignas(32) int32_t w4[kValueBlock / 4][16];
+  alignas(32) float beta16[16];
+  for (int b0 = 0; b0 < A.rows; b0 += kValueBlock) {
+    const int nb = Min(kValueBlock, A.rows - b0);
+    __m256 wmax[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 wsum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int j0 = 0; j0 < nb; j0 += 8) {
+      __m256 pa[4];
+      for (int a = 0; a < 4; ++a) {
+        pa[a] = a < QB ? _mm256_maskload_ps(A.p + static_cast<size_t>(a0 + a) * A.ps + b0 + j0,
+                                            LaneMask(nb - j0))
+                       : _mm256_setzero_ps();
+      }
+      const __m256 t0 = _mm256_unpacklo_ps(pa[0], pa[1]), t1 = _mm256_unpackhi_ps(pa[0], pa[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(pa[2], pa[3]), t3 = _mm256_unpackhi_ps(pa[2], pa[3]);
+      __m256 ur[4];  // ur[r] lane 4L + a = p[a][row 4L + r]
+      ur[0] = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t2)));
+      ur[1] = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t2)));
+      ur[2] = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(t1), _mm256_castps_pd(t3)));
+      ur[3] = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(t1), _mm256_castps_pd(t3)));
+      const int n8 = Min(8, nb - j0);
+      for (int r = 0; r < n8; ++r) {
+        const int j = j0 + r;
+        const size_t g0 = static_cast<size_t>(b0 + j) * ng;
+        const uint8_t* codes = A.codes + static_cast<size_t>(b0 + j) * A.row_bytes;
+        for (int off = 0; off < rb; off += 64) {  // read right after this loop: fetch now
+          _mm_prefetch(reinterpret_cast<const char*>(codes + off), _MM_HINT_T0);
+        }
+        const __m256 sv = GroupLanes(A.scale + g0, ng), zv = GroupLanes(A.zero + g0, ng);
+        for (int h = 0; h < 2; ++h) {
+          const __m256 pv = _mm256_permutevar8x32_ps(
+              ur[r % 4], _mm256_load_si256(reinterpret_cast<const __m256i*>(qidx[r / 4][h])));
+          const __m256 wj = _mm256_mul_ps(pv, sv);
+          _mm256_store_ps(w[j] + 8 * h, wj);
+          wmax[h] = _mm256_max_ps(wmax[h], wj);
+          wsum[h] = _mm256_add_ps(wsum[h], wj);
+          zacc[h] = _mm256_fmadd_ps(pv, zv, zacc[h]);
+        }
+      }
+    }
+    __m256 beta[2], inv[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256 live = _mm256_and_ps(
+          _mm256_cmp_ps(_mm256_load_ps(live_lanes + 8 * h), _mm256_setzero_ps(), _CMP_GT_OQ),
+          _mm256_cmp_ps(wmax[h], _mm256_set1_ps(0x1p-100f), _CMP_GE_OQ));
+      beta[h] = _mm256_and_ps(live, _mm256_div_ps(wmax[h], _mm256_set1_ps(255.0f)));
+      inv[h] = _mm256_and_ps(live, _mm256_div_ps(_mm256_set1_ps(255.0f), wmax[h]));
+      _mm256_store_ps(beta16 + 8 * h, beta[h]);
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256i wisum = _mm256_setzero_si256();
+      for (int q = 0; q < (nb + 3) / 4; ++q) {
+        __m256i packed = _mm256_setzero_si256();
+        for (int r = 0; r < 4; ++r) {
+          const int j = 4 * q + r;
+          if (j >= nb) break;
+          // w * inv <= 255 (1 + 2^-22): no upper clamp needed; the lower one maps NaN to 0.
+          const __m256i wi = _mm256_cvtps_epi32(_mm256_max_ps(
+              _mm256_mul_ps(_mm256_load_ps(w[j] + 8 * h), inv[h]), _mm256_setzero_ps()));
+          wisum = _mm256_add_epi32(wisum, wi);
+          packed = _mm256_or_si256(packed, _mm256_slli_epi32(wi, 8 * r));
+        }
+        _mm256_store_si256(reinterpret_cast<__m256i*>(w4[q] + 8 * h), packed);
+      }
+      // Centring (attention_int.h): the weights' rounding errors times the mid code, exactly.
+      zacc[h] =
+          _mm256_fmadd_ps(_mm256_set1_ps(kMid),
+                          _mm256_fnmadd_ps(beta[h], _mm256_cvtepi32_ps(wisum), wsum[h]), zacc[h]);
+    }
+    for (int k = 0; k < pieces; ++k) {
+      for (int s = 0; s < P; ++s) {
+        if (L.uniform[k * P + s]) {
+          BlockSums<Bits, QB, true>(A, L, b0, nb, k, s, w4, beta16, accf);
+        } else {
+          BlockSums<Bits, QB, false>(A, L, b0, nb, k, s, w4, beta16, accf);
+        }
+      }
+    }
+  }
+  alignas(32) float z[16];
+  _mm256_store_ps(z, zacc[0]);
+  _mm256_store_ps(z + 8, zacc[1]);
+  for (int a = 0; a < QB; ++a) {
+    float* acc = A.acc + static_cast<size_t>(a0 + a) * A.n;
+    for (int v = 0; v < L.vectors; ++v) {
+      for (int l = 0; l < 8; ++l) {
+        if ((L.valid[v] >> l) & 1) acc[L.channel[v][l]] += accf[a][v][l];
+      }
+    }
+    for (int c = 0; c < A.n; ++c) acc[c] += z[a * ng + c / A.group];
+  }
+}
+
+template <int Bits>
+void ValueBits(const ValueArgs& A, const ValueLanes& lanes) {
+  const int qb = Min(4, 16 / A.groups);
+  for (int a0 = 0; a0 < A.nq; a0 += qb) {
+    switch (Min(qb, A.nq - a0)) {
+      case 4:
+        ValueQueries<Bits, 4>(A, lanes, a0);
+        break;
+      case 3:
+        ValueQueries<Bits, 3>(A, lanes, a0);
+        break;
+      case 2:
+        ValueQueries<Bits, 2>(A, lanes, a0);
+        break;
+      default:
+        ValueQueries<Bits, 1>(A, lanes, a0);
+        break;
+    }
+  }
+}
+
+// The next token group's scale, zero and code rows (from row r1 on), fetched while this group is
+// scored: the hardware prefetcher alone leaves the first loads of each group waiting on memory.
+void Prefetch(const KeyChunkArgs& C, int64_t next, int r1) {
+  if (next >= C.j1) return;
+  const size_t gi = static_cast<size_t>(next / C.group);
+  for (int c = 0; c < C.n; c += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(C.scale + gi * C.n + c), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(C.zero + gi * C.n + c), _MM_HINT_T0);
+  }
+  const int64_t end = next + C.group < C.j1 ? next + C.group : C.j1;
+  const uint8_t* first = C.codes + static_cast<size_t>(r1) * C.row_bytes;
+  const size_t bytes = static_cast<size_t>(end - r1) * C.row_bytes;
+  for (size_t off = 0; off < bytes && off < 8192; off += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(first + off), _MM_HINT_T0);
+  }
+}
+
+}  // namespace
+
+void ScoreKeysAvx2(const KeyChunkArgs& C) {
+  const int rb = static_cast<int>(C.row_bytes);
+  const int pb = C.bits == 8 ? 16 : (rb % 32 == 0 ? 32 : 16);
+  // Piece bytes past pb multiply zero codes, so the layout needs no clearing; it starts zeroed
+  // only so that nothing uninitialized is ever read.
+  alignas(32) int8_t planes[4 * 512] = {};
+  alignas(32) float alpha[4 * 64 + 8] = {};  // per query, <= 64 blocks (zero past the last)
+  float qz[4];
+  const int64_t G = C.group;
+  for (int64_t g0 = C.j0 / G * G; g0 < C.j1; g0 += G) {
+    const int r0 = static_cast<int>(g0 > C.j0 ? g0 : C.j0);
+    const int r1 = static_cast<int>(g0 + G < C.j1 ? g0 + G : C.j1);
+    const size_t gi = static_cast<size_t>(g0 / G);
+    Prefetch(C, g0 + G, r1);
+    for (int a0 = 0; a0 < C.nq; a0 += 4) {
+      KeyQueryArgs q;
+      q.qm = C.qm + static_cast<size_t>(a0) * C.n;
+      q.scale = C.scale + gi * C.n;
+      q.zero = C.zero + gi * C.n;
+      q.nq = Min(4, C.nq - a0);
+      q.n = C.n;
+      q.bits = C.bits;
+      q.row_bytes = C.row_bytes;
+      q.alpha = alpha;
+      q.qz = qz;
+      q.planes = planes;
+      KeyArgs k;
+      k.codes = C.codes + static_cast<size_t>(r0) * rb;
+      k.row_bytes = C.row_bytes;
+      k.rows = r1 - r0;
+      k.bits = C.bits;
+      k.nq = q.nq;
+      k.planes = planes;
+      k.pieces = rb / pb;
+      k.alpha = alpha;
+      k.qz = qz;
+      k.s = C.s + static_cast<size_t>(a0) * C.ss + (r0 - C.j0);
+      k.ss = C.ss;
+      if (C.bits == 4) {
+        PrepareKeys<2>(q);
+        KeyQueries<4>(k);
+      } else if (C.bits == 2) {
+        PrepareKeys<4>(q);
+        KeyQueries<2>(k);
+      } else {
+        PrepareKeys<1>(q);
+        KeyQueries<8>(k);
+      }
+    }
+  }
+}
+
+void AccumulateValuesAvx2(const ValueArgs& A) {
+  // The lane maps depend on the shape only: kept per thread for the next call.
+  static thread_local ValueLanes lanes;
+  static thread_local int shape[4] = {-1, -1, -1, -1};
+  const int now[4] = {A.bits, static_cast<int>(A.row_bytes), A.n, A.group};
+  if (__builtin_memcmp(shape, now, sizeof(now)) != 0) {
+    MakeLanes(A.bits, static_cast<int>(A.row_bytes), A.n, A.group, &lanes);
+    __builtin_memcpy(shape, now, sizeof(now));
+  }
+  if (A.bits == 4) {
+    ValueBits<4>(A, lanes);
+  } else {
+    ValueBits<2>(A, lanes);
+  }
+}
+
+}  // namespace kvc::cpu::attn::isa
+
+#else  // the compiler could not target AVX2: never called (attention_int.cc checks)
+
+namespace kvc::cpu::attn::isa {
+void ScoreKeysAvx2(const KeyChunkArgs&) {}
+void AccumulateValuesAvx2(const ValueArgs&) {}
+}  // namespace kvc::cpu::attn::isa
+
+#endif

@@ -1,0 +1,738 @@
+// The AVX-512 VNNI integer kernels of attention_int.h. This file alone is compiled with
+// -mavx512{f,bw,dq,vl,vnni} (kernels/CMakeLists.txt), so nothing here may run before the caller
+// checked the CPU, and nothing here may be shared with other files: it includes no header with
+// inline functions (a copy built for AVX-512 could be picked by the linker for everyone), and
+// everything but the entry points is internal.
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cpu/attention_int.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+// GCC 12's own avx512fintrin.h trips -Wmaybe-uninitialized (_mm512_undefined_*): bug 105593.
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace kvc::cpu::attn::isa {
+namespace {
+
+inline int Min(int a, int b) { return a < b ? a : b; }
+
+// Plane s of 64 packed code bytes: the codes of channels b * (8 / Bits) + s, one per byte.
+template <int Bits>
+inline __m512i Plane(__m512i x, int s) {
+  if constexpr (Bits == 8) {
+    return x;
+  } else {
+    const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << Bits) - 1));
+    return _mm512_and_si512(_mm512_srli_epi16(x, Bits * s), mask);
+  }
+}
+
+inline __mmask64 BytesMask(int n) { return n >= 64 ? ~__mmask64{0} : ((__mmask64{1} << n) - 1); }
+
+// The queries of one token group and up to four queries: the preparation's inputs and outputs.
+struct KeyQueryArgs {
+  const float* qm = nullptr;     // [nq, n]
+  const float* scale = nullptr;  // [n]
+  const float* zero = nullptr;   // [n]
+  int nq = 0, n = 0, bits = 0;
+  size_t row_bytes = 0;
+  int rows_per_vector = 1;
+  float* alpha = nullptr;  // [nq, 64]: per block of 32 / bits channels (4 code bytes)
+  float* qz = nullptr;     // [nq]
+  void* planes = nullptr;  // the kernels' query layout
+};
+
+// Rows of one token group against its prepared queries.
+struct KeyArgs {
+  const uint8_t* codes = nullptr;  // row j at codes + j * row_bytes
+  size_t row_bytes = 0;
+  int rows = 0, bits = 0, nq = 0;
+  const void* planes = nullptr;
+  int rows_per_vector = 1, pieces = 1;
+  const float* alpha = nullptr;  // [nq, 64]
+  const float* qz = nullptr;
+  float* s = nullptr;  // s[a * ss + j]
+  int ss = 0;
+};
+
+// ---- Keys -----------------------------------------------------------------------------------
+
+// The fixed pairwise sum of 16 partial sums (attention_int.h).
+inline __attribute__((always_inline)) float Tree16(const float* p) {
+  float t[8];
+  for (int i = 0; i < 8; ++i) t[i] = p[i] + p[i + 8];
+  for (int i = 0; i < 4; ++i) t[i] = t[i] + t[i + 4];
+  for (int i = 0; i < 2; ++i) t[i] = t[i] + t[i + 2];
+  return t[0] + t[1];
+}
+
+// Per 128-bit lane, the bytes of each plane together (pshufb), then the lanes' dwords of each
+// plane together: 64 query bytes become [plane 0 | plane 1 | ...], 64 / P bytes each.
+template <int P>
+inline __m512i GroupPlanes(__m512i v) {
+  if constexpr (P == 1) {
+    return v;
+  } else if constexpr (P == 2) {
+    const __m512i ctl =
+        _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    const __m512i perm = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    return _mm512_permutexvar_epi32(perm, _mm512_shuffle_epi8(v, ctl));
+  } else {
+    const __m512i ctl =
+        _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_epi32(perm, _mm512_shuffle_epi8(v, ctl));
+  }
+}
+
+// The max of each block of B = 4P lanes (channels), in every lane of the block.
+template <int P>
+inline __m512 BlockMax(__m512 a) {
+  if constexpr (P == 4) {
+    return _mm512_set1_ps(_mm512_reduce_max_ps(a));
+  } else {
+    if constexpr (P == 2) a = _mm512_max_ps(a, _mm512_shuffle_f32x4(a, a, 0xB1));
+    a = _mm512_max_ps(a, _mm512_permute_ps(a, 0x4E));
+    return _mm512_max_ps(a, _mm512_permute_ps(a, 0xB1));
+  }
+}
+
+template <int P>
+void PrepareKeys(const KeyQueryArgs& A) {
+  constexpr int kB = 4 * P;  // channels per block
+  const int n = A.n;
+  const int rb = static_cast<int>(A.row_bytes);
+  const int width = A.rows_per_vector > 1 ? rb : 64;  // bytes per plane vector in `planes`
+  const int pieces = A.rows_per_vector > 1 ? 1 : (rb + 63) / 64;
+  const size_t per_query = static_cast<size_t>(pieces) * P * width;
+  const float mid = static_cast<float>((1 << (8 / P)) - 1) / 2.0f;
+  alignas(64) float qs[256];
+  alignas(64) int8_t qi[256 + 64];
+  alignas(64) float part[16];
+  alignas(64) int8_t grouped[128];  // 64 bytes, read 64 at a time from any plane's start
+  const __mmask16 firsts = P == 4 ? 0x0001 : P == 2 ? 0x0101 : 0x1111;  // a lane per block
+  for (int a = 0; a < A.nq; ++a) {
+    const float* q = A.qm + static_cast<size_t>(a) * n;
+    __m512 zp = _mm512_setzero_ps(), cp = _mm512_setzero_ps();
+    for (int c0 = 0; c0 < n; c0 += 16) {
+      const __mmask16 m =
+          n - c0 >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (n - c0)) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(m, q + c0);
+      _mm512_store_ps(qs + c0, _mm512_mul_ps(x, _mm512_maskz_loadu_ps(m, A.scale + c0)));
+      zp = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, A.zero + c0), zp);
+    }
+    _mm512_store_ps(part, zp);
+    const float qz = Tree16(part);
+    float* alpha = A.alpha + static_cast<size_t>(a) * 64;
+    const int padded = (n + 63) / 64 * 64;
+    for (int c0 = 0; c0 < padded; c0 += 16) {
+      const __mmask16 m = c0 >= n        ? __mmask16{0}
+                          : n - c0 >= 16 ? __mmask16{0xffff}
+                                         : static_cast<__mmask16>((1u << (n - c0)) - 1);
+      const __m512 y = _mm512_maskz_load_ps(m, qs + c0);
+      const __m512 amax = BlockMax<P>(_mm512_abs_ps(y));
+      const __mmask16 live = _mm512_cmp_ps_mask(amax, _mm512_set1_ps(0x1p-100f), _CMP_GE_OQ);
+      const __m512 inv = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.0f), amax);
+      const __m512 al = _mm512_maskz_div_ps(live, amax, _mm512_set1_ps(127.0f));
+      const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(y, inv), _mm512_set1_ps(-127.0f)),
+                                     _mm512_set1_ps(127.0f));
+      const __m512i i32 = _mm512_maskz_cvtps_epi32(m, x);
+      _mm_store_si128(reinterpret_cast<__m128i*>(qi + c0), _mm512_cvtepi32_epi8(i32));
+      // The rounding errors' sum (centring, attention_int.h): qs - alpha * qi, lane c mod 16.
+      cp = _mm512_add_ps(cp, _mm512_fnmadd_ps(al, _mm512_cvtepi32_ps(i32), y));
+      if (c0 < n) _mm512_mask_compressstoreu_ps(alpha + c0 / kB, firsts, al);
+    }
+    _mm512_store_ps(part, cp);
+    A.qz[a] = __builtin_fmaf(mid, Tree16(part), qz);
+    auto* out = static_cast<int8_t*>(A.planes) + per_query * a;
+    if (A.rows_per_vector > 1) {  // [plane][rb], rb = 16 or 32
+      for (int c0 = 0; c0 < n; c0 += 64) {
+        _mm512_store_si512(grouped, GroupPlanes<P>(_mm512_load_si512(qi + c0)));
+        const int b0 = c0 / P;
+        const __mmask64 keep = BytesMask(Min(64 / P, rb - b0));
+        for (int s = 0; s < P; ++s) {
+          _mm512_mask_storeu_epi8(out + s * rb + b0, keep,
+                                  _mm512_maskz_loadu_epi8(keep, grouped + s * (64 / P)));
+        }
+      }
+    } else {  // [piece][plane][64]: 64 channels make 64 / P bytes of each plane
+      for (int c0 = 0; c0 < n; c0 += 64) {
+        _mm512_store_si512(grouped, GroupPlanes<P>(_mm512_load_si512(qi + c0)));
+        const int b0 = c0 / P;
+        for (int s = 0; s < P; ++s) {
+          int8_t* dst = out + (static_cast<size_t>(b0 >> 6) * P + s) * 64 + (b0 & 63);
+          __builtin_memcpy(dst, grouped + s * (64 / P), 64 / P);
+        }
+      }
+    }
+  }
+}
+
+// x[4L + v] = sum over 128-bit lane L of a[v], for four accumulators a[0..3].
+inline __m512 LaneSums(const __m512* a) {
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+  const __m512d d0 = _mm512_castps_pd(t0), d1 = _mm512_castps_pd(t1);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d1)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d1)));
+}
+
+// [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of 128-bit lanes.
+inline __m512 PairLanes(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+
+// Scores rows [j, j + kStep) for queries a0 .. a0 + NQ, kStep = 4 * R. Rows at or past `rows`
+// read as zero and are not stored. R > 1: R rows share a vector (row_bytes = 64 / R), the query
+// broadcast to each; R = 1: a row is `pieces` vectors of 64 bytes (the last one masked). Each
+// 32-bit lane's integer sum (one block of channels) is scaled by its block's alpha in fp32.
+template <int Bits, int R, int NQ>
+inline void KeyStep(const KeyArgs& A, const __m512i (*q)[8], const __m512 (*alpha)[4], int a0,
+                    int j) {
+  constexpr int P = 8 / Bits;
+  const int rb = static_cast<int>(A.row_bytes);
+  __m512 acc[NQ][4];
+  for (int a = 0; a < NQ; ++a) {
+    for (int v = 0; v < 4; ++v) acc[a][v] = _mm512_setzero_ps();
+  }
+  const int pieces = R == 1 ? A.pieces : 1;
+  for (int k = 0; k < pieces; ++k) {
+    for (int v = 0; v < 4; ++v) {
+      __m512i x;
+      if constexpr (R == 1) {
+        if (j + v >= A.rows) continue;
+        x = _mm512_maskz_loadu_epi8(BytesMask(rb - 64 * k),
+                                    A.codes + static_cast<size_t>(j + v) * rb + 64 * k);
+      } else {
+        const int first = j + v * R;
+        if (first >= A.rows) continue;
+        x = _mm512_maskz_loadu_epi8(BytesMask((A.rows - first) * rb),
+                                    A.codes + static_cast<size_t>(first) * rb);
+      }
+      __m512i sum[NQ];
+      for (int a = 0; a < NQ; ++a) sum[a] = _mm512_setzero_si512();
+      for (int s = 0; s < P; ++s) {
+        const __m512i xs = Plane<Bits>(x, s);
+        for (int a = 0; a < NQ; ++a) sum[a] = _mm512_dpbusd_epi32(sum[a], xs, q[a][k * P + s]);
+      }
+      for (int a = 0; a < NQ; ++a) {
+        acc[a][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[a]), alpha[a][k], acc[a][v]);
+      }
+    }
+  }
+  __m512 u[4];
+  for (int a = 0; a < 4; ++a) u[a] = a < NQ ? LaneSums(acc[a]) : _mm512_setzero_ps();
+  alignas(64) float out[4][16];
+  if constexpr (R == 1) {
+    // u[a][4L + v]: row j + v; sum the lanes: z[4a + v].
+    const __m512 z = PairLanes(PairLanes(u[0], u[1]), PairLanes(u[2], u[3]));
+    __m512 qz = _mm512_setzero_ps();
+    for (int a = 0; a < NQ; ++a) {
+      qz = _mm512_mask_mov_ps(qz, static_cast<__mmask16>(0xf << (4 * a)),
+                              _mm512_set1_ps(A.qz[a0 + a]));
+    }
+    _mm512_store_ps(out[0], _mm512_add_ps(z, qz));
+    const int n = Min(4, A.rows - j);
+    for (int a = 0; a < NQ; ++a) {
+      float* s = A.s + static_cast<size_t>(a0 + a) * A.ss + j;
+      for (int r = 0; r < n; ++r) s[r] = out[0][4 * a + r];
+    }
+  } else if constexpr (R == 2) {
+    // Rows 2v (lanes 0, 1 of u[a]) and 2v + 1 (lanes 2, 3): w[8b + 4h + v] for queries (a, a + 1).
+    const __m512i idx = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    const int n = Min(8, A.rows - j);
+    for (int a = 0; a < NQ; a += 2) {
+      const __m512 w = _mm512_permutexvar_ps(idx, PairLanes(u[a], u[a + 1]));
+      const __m512 qz = _mm512_mask_mov_ps(_mm512_set1_ps(A.qz[a0 + a]), 0xff00,
+                                           _mm512_set1_ps(a + 1 < NQ ? A.qz[a0 + a + 1] : 0));
+      _mm512_store_ps(out[a], _mm512_add_ps(w, qz));
+      for (int b = 0; b < 2 && a + b < NQ; ++b) {
+        float* s = A.s + static_cast<size_t>(a0 + a + b) * A.ss + j;
+        for (int r = 0; r < n; ++r) s[r] = out[a][8 * b + r];
+      }
+    }
+  } else {
+    // Row 4v + L of u[a] at lane 4L + v.
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const int n = Min(16, A.rows - j);
+    for (int a = 0; a < NQ; ++a) {
+      const __m512 f =
+          _mm512_add_ps(_mm512_permutexvar_ps(idx, u[a]), _mm512_set1_ps(A.qz[a0 + a]));
+      float* s = A.s + static_cast<size_t>(a0 + a) * A.ss + j;
+      if (n == 16) {
+        _mm512_storeu_ps(s, f);
+      } else {
+        _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << n) - 1), f);
+      }
+    }
+  }
+}
+
+template <int Bits, int R, int NQ>
+void KeyRows(const KeyArgs& A, int a0) {
+  constexpr int P = 8 / Bits;
+  const int pieces = R == 1 ? A.pieces : 1;
+  const int rb = static_cast<int>(A.row_bytes);
+  // The query's plane vectors and block scales, loaded once (R > 1: repeated for each row).
+  __m512i q[NQ][8];
+  __m512 alpha[NQ][4];
+  const auto* planes = static_cast<const int8_t*>(A.planes);
+  const size_t per_query =
+      R == 1 ? static_cast<size_t>(pieces) * P * 64 : static_cast<size_t>(P) * rb;
+  for (int a = 0; a < NQ; ++a) {
+    const int8_t* qa = planes + static_cast<size_t>(a0 + a) * per_query;
+    const float* al = A.alpha + static_cast<size_t>(a0 + a) * 64;
+    for (int v = 0; v < pieces * P; ++v) {
+      if constexpr (R == 1) {
+        q[a][v] = _mm512_loadu_si512(qa + 64 * v);
+      } else if constexpr (R == 2) {
+        q[a][v] = _mm512_broadcast_i64x4(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + 32 * v)));
+      } else {
+        q[a][v] =
+            _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qa + 16 * v)));
+      }
+    }
+    for (int k = 0; k < pieces; ++k) {  // lane l: the block of bytes 4l..4l+3 of its row
+      if constexpr (R == 1) {
+        alpha[a][k] = _mm512_loadu_ps(al + 16 * k);
+      } else if constexpr (R == 2) {
+        alpha[a][k] = _mm512_broadcast_f32x8(_mm256_loadu_ps(al));
+      } else {
+        alpha[a][k] = _mm512_broadcast_f32x4(_mm_loadu_ps(al));
+      }
+    }
+  }
+  constexpr int kStep = 4 * R;
+  for (int j = 0; j < A.rows; j += kStep) KeyStep<Bits, R, NQ>(A, q, alpha, a0, j);
+}
+
+template <int Bits, int R>
+void KeyQueries(const KeyArgs& A) {
+  int a = 0;
+  for (; a + 4 <= A.nq; a += 4) KeyRows<Bits, R, 4>(A, a);
+  switch (A.nq - a) {
+    case 3:
+      return KeyRows<Bits, R, 3>(A, a);
+    case 2:
+      return KeyRows<Bits, R, 2>(A, a);
+    case 1:
+      return KeyRows<Bits, R, 1>(A, a);
+    default:
+      return;
+  }
+}
+
+template <int Bits>
+void KeyBits(const KeyArgs& A) {
+  if (A.rows_per_vector == 4) return KeyQueries<Bits, 4>(A);
+  if (A.rows_per_vector == 2) return KeyQueries<Bits, 2>(A);
+  KeyQueries<Bits, 1>(A);
+}
+
+// ---- Values -----------------------------------------------------------------------------------
+//
+// Four rows at a time: the rows' bytes are interleaved (vpunpck) so that each 32-bit lane holds
+// the four rows' codes of one channel, and vpdpbusd multiplies them by the four rows' weights of
+// that channel's group. Rows of at most 32 bytes ("half" mode) put two steps of four rows in one
+// vector (rows j..j+3 in the low 256 bits, j+4..j+7 in the high ones).
+
+// The lanes of the vectors one step produces: vector (piece k, plane s, u) lane l = 4L + t holds
+// byte 64k + 16L + 4u + t of its rows (half mode: byte 16 (L % 2) + 4u + t, L >= 2 for the second
+// four rows), i.e. channel (that byte) * P + s.
+struct ValueLanes {
+  int vectors = 0;                      // pieces * P * 4
+  alignas(64) int32_t group[16][16];    // group of each lane (0 where no channel)
+  alignas(64) int32_t channel[16][16];  // channel of each lane (0 where none)
+  __mmask16 valid[16];                  // lanes that hold a channel
+  bool uniform[16];                     // the four vectors of (k, s) share one group pattern
+};
+
+void MakeLanes(int bits, int rb, int n, int group, bool half, ValueLanes* L) {
+  const int P = 8 / bits;
+  const int pieces = half ? 1 : (rb + 63) / 64;
+  L->vectors = pieces * P * 4;
+  for (int k = 0; k < pieces; ++k) {
+    for (int s = 0; s < P; ++s) {
+      for (int u = 0; u < 4; ++u) {
+        const int vi = (k * P + s) * 4 + u;
+        L->valid[vi] = 0;
+        for (int l = 0; l < 16; ++l) {
+          const int lane128 = l / 4;
+          const int b = (half ? 16 * (lane128 % 2) : 64 * k + 16 * lane128) + 4 * u + l % 4;
+          const int c = b * P + s;
+          const bool ok = b < rb && c < n;
+          L->channel[vi][l] = ok ? c : 0;
+          L->group[vi][l] = ok ? c / group : 0;
+          if (ok) L->valid[vi] |= static_cast<__mmask16>(1u << l);
+        }
+      }
+      bool same = true;
+      for (int u = 1; u < 4; ++u) {
+        for (int l = 0; l < 16; ++l) {
+          same = same && L->group[(k * P + s) * 4 + u][l] == L->group[(k * P + s) * 4][l];
+        }
+      }
+      L->uniform[k * P + s] = same;
+    }
+  }
+}
+
+// v[u] lane 4L + t = the bytes 16L + 4u + t of x0..x3 (one per row).
+inline void Interleave4(__m512i x0, __m512i x1, __m512i x2, __m512i x3, __m512i* v) {
+  const __m512i u0 = _mm512_unpacklo_epi8(x0, x1), u1 = _mm512_unpackhi_epi8(x0, x1);
+  const __m512i u2 = _mm512_unpacklo_epi8(x2, x3), u3 = _mm512_unpackhi_epi8(x2, x3);
+  v[0] = _mm512_unpacklo_epi16(u0, u2);
+  v[1] = _mm512_unpackhi_epi16(u0, u2);
+  v[2] = _mm512_unpacklo_epi16(u1, u3);
+  v[3] = _mm512_unpackhi_epi16(u1, u3);
+}
+
+// A row's per-group floats (scale or zero, `ng` of them) in the lanes (a, g) = a * ng + g.
+inline __m512 GroupLanes(const float* row, int ng, __m512i vg, __mmask16 group_mask) {
+  switch (ng) {
+    case 1:
+      return _mm512_set1_ps(row[0]);
+    case 2:
+      return _mm512_castpd_ps(_mm512_set1_pd(*reinterpret_cast<const double*>(row)));
+    case 4:
+      return _mm512_broadcast_f32x4(_mm_loadu_ps(row));
+    case 8:
+      return _mm512_broadcast_f32x8(_mm256_loadu_ps(row));
+    case 16:
+      return _mm512_loadu_ps(row);
+    default:
+      return _mm512_permutexvar_ps(vg, _mm512_maskz_loadu_ps(group_mask, row));
+  }
+}
+
+// Rows `row` (and, half mode, row + 4) of piece k, plane s; rows past the end read as zero.
+template <int Bits, bool Half>
+inline __m512i LoadRowPiece(const ValueArgs& A, int row, int k, int s) {
+  const int rb = static_cast<int>(A.row_bytes);
+  if constexpr (Half) {
+    const __mmask32 bytes = static_cast<__mmask32>(BytesMask(rb));
+    const __m256i lo = row < A.rows
+                           ? _mm256_maskz_loadu_epi8(bytes, A.codes + static_cast<size_t>(row) * rb)
+                           : _mm256_setzero_si256();
+    const __m256i hi = row + 4 < A.rows ? _mm256_maskz_loadu_epi8(
+                                              bytes, A.codes + static_cast<size_t>(row + 4) * rb)
+                                        : _mm256_setzero_si256();
+    return Plane<Bits>(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), s);
+  } else {
+    if (row >= A.rows) return _mm512_setzero_si512();
+    return Plane<Bits>(_mm512_maskz_loadu_epi8(BytesMask(rb - 64 * k),
+                                               A.codes + static_cast<size_t>(row) * rb + 64 * k),
+                       s);
+  }
+}
+
+// The integer sums of piece k, plane s over the rows [b0, b0 + nb) of a block, for queries
+// a0 .. a0 + QB, scaled by beta into accf. Uniform: the four vectors share one weight pattern.
+template <int Bits, bool Half, int QB, bool Uniform>
+inline void BlockSums(const ValueArgs& A, const ValueLanes& L, int b0, int nb, int k, int s,
+                      const int32_t (*w4)[16], __m512 beta, float (*accf)[16][16]) {
+  constexpr int P = 8 / Bits;
+  constexpr int kStep = Half ? 8 : 4;  // rows per step
+  constexpr int NU = Uniform ? 1 : 4;
+  const int ng = A.groups;
+  const int v0 = (k * P + s) * 4;
+  __m512i idx[QB][NU];  // weight lanes: (a, group) of each lane (+16: the second four rows)
+  for (int a = 0; a < QB; ++a) {
+    for (int u = 0; u < NU; ++u) {
+      __m512i g = _mm512_add_epi32(_mm512_load_si512(L.group[v0 + u]), _mm512_set1_epi32(a * ng));
+      if constexpr (Half) g = _mm512_mask_add_epi32(g, 0xff00, g, _mm512_set1_epi32(16));
+      idx[a][u] = g;
+    }
+  }
+  __m512i iacc[QB][4];
+  for (int a = 0; a < QB; ++a) {
+    for (int u = 0; u < 4; ++u) iacc[a][u] = _mm512_setzero_si512();
+  }
+  for (int q = 0; q * kStep < nb; ++q) {
+    const int row = b0 + kStep * q;
+    __m512i v[4];
+    Interleave4(LoadRowPiece<Bits, Half>(A, row, k, s), LoadRowPiece<Bits, Half>(A, row + 1, k, s),
+                LoadRowPiece<Bits, Half>(A, row + 2, k, s),
+                LoadRowPiece<Bits, Half>(A, row + 3, k, s), v);
+    const int q4 = Half ? 2 * q : q;  // the first four rows' weights in w4
+    const __m512i wq = _mm512_load_si512(w4[q4]);
+    const __m512i wq2 = Half ? _mm512_load_si512(w4[q4 + 1]) : wq;
+    for (int a = 0; a < QB; ++a) {
+      for (int u = 0; u < 4; ++u) {
+        if (Uniform && u > 0) {
+          iacc[a][u] = _mm512_dpbusd_epi32(iacc[a][u],
+                                           Half ? _mm512_permutex2var_epi32(wq, idx[a][0], wq2)
+                                                : _mm512_permutexvar_epi32(idx[a][0], wq),
+                                           v[u]);
+          continue;
+        }
+        const __m512i wv = Half ? _mm512_permutex2var_epi32(wq, idx[a][Uniform ? 0 : u], wq2)
+                                : _mm512_permutexvar_epi32(idx[a][Uniform ? 0 : u], wq);
+        iacc[a][u] = _mm512_dpbusd_epi32(iacc[a][u], wv, v[u]);
+      }
+    }
+  }
+  for (int a = 0; a < QB; ++a) {
+    for (int u = 0; u < 4; ++u) {
+      const __m512i gi =
+          _mm512_add_epi32(_mm512_load_si512(L.group[v0 + u]), _mm512_set1_epi32(a * ng));
+      const __m512 bv = _mm512_permutexvar_ps(gi, beta);
+      __m512i sum = iacc[a][u];
+      // Half mode: the two steps' sums of each channel add exactly before the scaling.
+      if constexpr (Half) sum = _mm512_add_epi32(sum, _mm512_shuffle_i32x4(sum, sum, 0x4E));
+      float* f = accf[a][v0 + u];
+      _mm512_store_ps(f, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), bv, _mm512_load_ps(f)));
+    }
+  }
+}
+
+// Queries a0 .. a0 + QB (QB * groups <= 16 lanes (a, g) in the weight vectors).
+template <int Bits, bool Half, int QB>
+void ValueQueries(const ValueArgs& A, const ValueLanes& L, int a0) {
+  constexpr int qb = QB;
+  constexpr float kMid = static_cast<float>((1 << Bits) - 1) / 2.0f;
+  constexpr int P = 8 / Bits;
+  const int rb = static_cast<int>(A.row_bytes);
+  const int ng = A.groups;
+  const int pieces = Half ? 1 : (rb + 63) / 64;
+  const int lanes = qb * ng;
+  const __mmask16 lane_mask = static_cast<__mmask16>((1u << lanes) - 1);
+  const __mmask16 group_mask = static_cast<__mmask16>((1u << ng) - 1);
+  // pv for row 4L + r of a 16-row transpose: lanes (a, g) <- u_r[4L + a].
+  alignas(64) int32_t gidx[16], qidx[4][16];
+  for (int l = 0; l < 16; ++l) {
+    gidx[l] = l < lanes ? l % ng : 0;
+    for (int L4 = 0; L4 < 4; ++L4) qidx[L4][l] = 4 * L4 + (l < lanes ? l / ng : 0);
+  }
+  const __m512i vg = _mm512_load_si512(gidx);
+  alignas(64) float accf[4][16][16];
+  for (int a = 0; a < qb; ++a) {
+    for (int v = 0; v < L.vectors; ++v) _mm512_store_ps(accf[a][v], _mm512_setzero_ps());
+  }
+  __m512 zacc = _mm512_setzero_ps();
+  alignas(64) float w[kValueBlock][16];
+  alignas(64) int32_t w4[kValueBlock / 4 + 1][16];  // +1: half mode reads one step past a tail
+  for (int b0 = 0; b0 < A.rows; b0 += kValueBlock) {
+    const int nb = Min(kValueBlock, A.rows - b0);
+    // Weights w[j][(a, g)] = p * scale, their max per lane, and the zero term; p transposed 16
+    // rows at a time.
+    __m512 wmax = _mm512_setzero_ps(), wsum = _mm512_setzero_ps();
+    for (int j0 = 0; j0 < nb; j0 += 16) {
+      const __mmask16 rows16 =
+          nb - j0 >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (nb - j0)) - 1);
+      __m512 pa[4];
+      for (int a = 0; a < 4; ++a) {
+        pa[a] = a < qb ? _mm512_maskz_loadu_ps(rows16,
+                                               A.p + static_cast<size_t>(a0 + a) * A.ps + b0 + j0)
+                       : _mm512_setzero_ps();
+      }
+      const __m512 t0 = _mm512_unpacklo_ps(pa[0], pa[1]), t1 = _mm512_unpackhi_ps(pa[0], pa[1]);
+      const __m512 t2 = _mm512_unpacklo_ps(pa[2], pa[3]), t3 = _mm512_unpackhi_ps(pa[2], pa[3]);
+      __m512 ur[4];  // ur[r] lane 4L + a = p[a][row 4L + r]
+      ur[0] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
+      ur[1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
+      ur[2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
+      ur[3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
+      const int n16 = Min(16, nb - j0);
+      for (int r = 0; r < n16; ++r) {
+        const int j = j0 + r;
+        const size_t g0 = static_cast<size_t>(b0 + j) * ng;
+        // The block's code rows are read right after this loop: fetch them now (the hardware
+        // prefetcher alone leaves the first plane's loads waiting on memory).
+        const uint8_t* row_codes = A.codes + static_cast<size_t>(b0 + j) * A.row_bytes;
+        for (size_t off = 0; off < A.row_bytes; off += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(row_codes + off), _MM_HINT_T0);
+        }
+        const __m512 pv = _mm512_permutexvar_ps(_mm512_load_si512(qidx[r / 4]), ur[r % 4]);
+        const __m512 wj = _mm512_mul_ps(pv, GroupLanes(A.scale + g0, ng, vg, group_mask));
+        _mm512_store_ps(w[j], wj);
+        wmax = _mm512_max_ps(wmax, wj);
+        wsum = _mm512_add_ps(wsum, wj);
+        zacc = _mm512_fmadd_ps(pv, GroupLanes(A.zero + g0, ng, vg, group_mask), zacc);
+      }
+    }
+    // beta = wmax / 255 and 255 / wmax where wmax >= 2^-100 (else the block's weights count 0).
+    const __mmask16 live =
+        _mm512_mask_cmp_ps_mask(lane_mask, wmax, _mm512_set1_ps(0x1p-100f), _CMP_GE_OQ);
+    const __m512 beta = _mm512_maskz_div_ps(live, wmax, _mm512_set1_ps(255.0f));
+    const __m512 inv = _mm512_maskz_div_ps(live, _mm512_set1_ps(255.0f), wmax);
+    const int steps4 = (nb + 3) / 4;
+    __m512i wisum = _mm512_setzero_si512();
+    for (int q = 0; q < steps4; ++q) {
+      __m512i packed = _mm512_setzero_si512();
+      for (int r = 0; r < 4; ++r) {
+        const int j = 4 * q + r;
+        if (j >= nb) break;
+        // w * inv <= 255 (1 + 2^-22): no upper clamp needed; the lower one maps NaN to 0.
+        const __m512i wi = _mm512_cvtps_epi32(
+            _mm512_max_ps(_mm512_mul_ps(_mm512_load_ps(w[j]), inv), _mm512_setzero_ps()));
+        wisum = _mm512_add_epi32(wisum, wi);
+        packed = _mm512_or_si512(packed, _mm512_slli_epi32(wi, 8 * r));
+      }
+      _mm512_store_si512(w4[q], packed);
+    }
+    _mm512_store_si512(w4[steps4], _mm512_setzero_si512());
+    // Centring (attention_int.h): the weights' rounding errors times the mid code, exactly.
+    zacc = _mm512_fmadd_ps(_mm512_set1_ps(kMid),
+                           _mm512_fnmadd_ps(beta, _mm512_cvtepi32_ps(wisum), wsum), zacc);
+    for (int k = 0; k < pieces; ++k) {
+      for (int s = 0; s < P; ++s) {
+        if (L.uniform[k * P + s]) {
+          BlockSums<Bits, Half, QB, true>(A, L, b0, nb, k, s, w4, beta, accf);
+        } else {
+          BlockSums<Bits, Half, QB, false>(A, L, b0, nb, k, s, w4, beta, accf);
+        }
+      }
+    }
+  }
+  // Back to channel order, then the zero terms.
+  alignas(64) float z[16];
+  _mm512_store_ps(z, zacc);
+  alignas(64) float sum[256 + 16];
+  for (int a = 0; a < qb; ++a) {
+    for (int c = 0; c < A.n; c += 16) _mm512_store_ps(sum + c, _mm512_setzero_ps());
+    for (int v = 0; v < L.vectors; ++v) {
+      // Half mode: both halves hold the same total; the low one is scattered.
+      const __mmask16 valid = Half ? L.valid[v] & 0x00ff : L.valid[v];
+      _mm512_mask_i32scatter_ps(sum, valid, _mm512_load_si512(L.channel[v]),
+                                _mm512_load_ps(accf[a][v]), 4);
+    }
+    float* acc = A.acc + static_cast<size_t>(a0 + a) * A.n;
+    for (int c = 0; c < A.n; ++c) {
+      acc[c] += sum[c];
+      acc[c] += z[a * ng + c / A.group];
+    }
+  }
+}
+
+template <int Bits, bool Half>
+void ValueBits(const ValueArgs& A, const ValueLanes& lanes) {
+  const int qb = Min(4, 16 / A.groups);
+  for (int a0 = 0; a0 < A.nq; a0 += qb) {
+    switch (Min(qb, A.nq - a0)) {
+      case 4:
+        ValueQueries<Bits, Half, 4>(A, lanes, a0);
+        break;
+      case 3:
+        ValueQueries<Bits, Half, 3>(A, lanes, a0);
+        break;
+      case 2:
+        ValueQueries<Bits, Half, 2>(A, lanes, a0);
+        break;
+      default:
+        ValueQueries<Bits, Half, 1>(A, lanes, a0);
+        break;
+    }
+  }
+}
+
+// The next token group's scale, zero and code rows (from row r1 on), fetched while this group is
+// scored: the hardware prefetcher alone leaves the first loads of each group waiting on memory.
+void Prefetch(const KeyChunkArgs& C, int64_t next, int r1) {
+  if (next >= C.j1) return;
+  const size_t gi = static_cast<size_t>(next / C.group);
+  for (int c = 0; c < C.n; c += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(C.scale + gi * C.n + c), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(C.zero + gi * C.n + c), _MM_HINT_T0);
+  }
+  const int64_t end = next + C.group < C.j1 ? next + C.group : C.j1;
+  const uint8_t* first = C.codes + static_cast<size_t>(r1) * C.row_bytes;
+  const size_t bytes = static_cast<size_t>(end - r1) * C.row_bytes;
+  for (size_t off = 0; off < bytes && off < 8192; off += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(first + off), _MM_HINT_T0);
+  }
+}
+
+}  // namespace
+
+void ScoreKeysVnni(const KeyChunkArgs& C) {
+  const int rb = static_cast<int>(C.row_bytes);
+  const int R = rb == 16 ? 4 : rb == 32 ? 2 : 1;
+  const int pieces = R > 1 ? 1 : (rb + 63) / 64;
+  // Bytes past a row's end multiply zero codes (masked loads), so the layout needs no clearing;
+  // it starts zeroed only so that nothing uninitialized is ever read.
+  alignas(64) int8_t planes[4 * 256] = {};  // <= 256 bytes per query
+  alignas(64) float alpha[4 * 64] = {};     // per query, <= 64 blocks (zero past the last)
+  float qz[4];
+  const int64_t G = C.group;
+  for (int64_t g0 = C.j0 / G * G; g0 < C.j1; g0 += G) {
+    const int r0 = static_cast<int>(g0 > C.j0 ? g0 : C.j0);
+    const int r1 = static_cast<int>(g0 + G < C.j1 ? g0 + G : C.j1);
+    const size_t gi = static_cast<size_t>(g0 / G);
+    Prefetch(C, g0 + G, r1);
+    for (int a0 = 0; a0 < C.nq; a0 += 4) {
+      KeyQueryArgs q;
+      q.qm = C.qm + static_cast<size_t>(a0) * C.n;
+      q.scale = C.scale + gi * C.n;
+      q.zero = C.zero + gi * C.n;
+      q.nq = Min(4, C.nq - a0);
+      q.n = C.n;
+      q.bits = C.bits;
+      q.row_bytes = C.row_bytes;
+      q.rows_per_vector = R;
+      q.alpha = alpha;
+      q.qz = qz;
+      q.planes = planes;
+      KeyArgs k;
+      k.codes = C.codes + static_cast<size_t>(r0) * rb;
+      k.row_bytes = C.row_bytes;
+      k.rows = r1 - r0;
+      k.bits = C.bits;
+      k.nq = q.nq;
+      k.planes = planes;
+      k.rows_per_vector = R;
+      k.pieces = pieces;
+      k.alpha = alpha;
+      k.qz = qz;
+      k.s = C.s + static_cast<size_t>(a0) * C.ss + (r0 - C.j0);
+      k.ss = C.ss;
+      if (C.bits == 4) {
+        PrepareKeys<2>(q);
+        KeyBits<4>(k);
+      } else if (C.bits == 2) {
+        PrepareKeys<4>(q);
+        KeyBits<2>(k);
+      } else {
+        PrepareKeys<1>(q);
+        KeyBits<8>(k);
+      }
+    }
+  }
+}
+
+void AccumulateValuesVnni(const ValueArgs& A) {
+  const bool half = A.row_bytes <= 32;
+  // The lane maps depend on the shape only: kept per thread for the next call (most calls of a
+  // decode step share one shape).
+  static thread_local ValueLanes lanes;
+  static thread_local int shape[5] = {-1, -1, -1, -1, -1};
+  const int now[5] = {A.bits, static_cast<int>(A.row_bytes), A.n, A.group, half ? 1 : 0};
+  if (__builtin_memcmp(shape, now, sizeof(now)) != 0) {
+    MakeLanes(A.bits, static_cast<int>(A.row_bytes), A.n, A.group, half, &lanes);
+    __builtin_memcpy(shape, now, sizeof(now));
+  }
+  if (A.bits == 4) {
+    half ? ValueBits<4, true>(A, lanes) : ValueBits<4, false>(A, lanes);
+  } else {
+    half ? ValueBits<2, true>(A, lanes) : ValueBits<2, false>(A, lanes);
+  }
+}
+
+}  // namespace kvc::cpu::attn::isa
+
+#else  // the compiler could not target AVX-512 VNNI: never called (attention_int.cc checks)
+
+namespace kvc::cpu::attn::isa {
+void ScoreKeysVnni(const KeyChunkArgs&) {}
+void AccumulateValuesVnni(const ValueArgs&) {}
+}  // namespace kvc::cpu::attn::isa
+
+#endif
