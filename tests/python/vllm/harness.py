@@ -118,13 +118,16 @@ class Kvcd:
         self.runs = 0
 
     def start(self):
-        ca, cert, key, tokens, _ = self.tls
         self.runs += 1
+        flags = []
+        if self.tls:
+            ca, cert, key, tokens, _ = self.tls
+            flags = [f"--tls_cert_file={cert}", f"--tls_key_file={key}",
+                     f"--auth_tokens_file={tokens}"]
         self.proc = Proc(f"kvcd{self.runs}", [
             self.binary, f"--listen={self.address}", "--health_listen=",
             f"--metrics_listen=127.0.0.1:{self.metrics_port}", f"--store_bytes={self.store}",
-            "--threads=2", f"--tls_cert_file={cert}", f"--tls_key_file={key}",
-            f"--auth_tokens_file={tokens}"], self.log_dir)
+            "--threads=2", *flags], self.log_dir)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if not self.proc.alive():
@@ -143,6 +146,8 @@ class Kvcd:
 
     def client(self, address=None):
         import kvc
+        if not self.tls:
+            return kvc.Client(address or self.address, max_attempts=1, timeout=10)
         ca, _, _, _, token_file = self.tls
         with open(token_file) as f:
             token = f.read().strip()
@@ -171,6 +176,7 @@ class Relay:
         self._cut = None
         self._rate = None
         self.cuts = 0
+        self.down_bytes = 0  # bytes relayed from the target, all connections
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -219,6 +225,7 @@ class Relay:
                     break
                 if downstream:
                     with self._lock:
+                        self.down_bytes += len(data)
                         rate, cut = self._rate, self._cut
                         if cut is not None:
                             if len(data) >= cut:

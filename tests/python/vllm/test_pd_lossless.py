@@ -7,7 +7,7 @@ import requests
 
 import pdutil
 
-MAX_NEW = 12
+MAX_NEW = 8
 
 
 def test_lossless_matches_single_instance(stack):

@@ -111,6 +111,7 @@ class SchedulerSide:
             try:
                 info = self.replicas.client(st.replica).stat(st.cache_id)
             except Exception as e:
+                self.replicas.reset(st.replica, e)
                 st.error = f"kvcd has no cache {st.cache_id}: {e}"
         if st.error is not None:
             log.warning("kvc: request %s: %s", request.request_id, st.error)
@@ -172,6 +173,7 @@ class SchedulerSide:
         try:
             info = st.future.result(timeout=0)
         except Exception as e:
+            self.replicas.reset(st.address, e)
             return f"kvcd ({st.address}): {e}"
         s, m = info.shape, self.model
         if (s.num_layers, s.num_kv_heads, s.head_dim) != (m.num_layers, m.num_kv_heads,
@@ -196,6 +198,7 @@ class SchedulerSide:
                 if time.monotonic() < st.deadline:
                     return None, False
                 st.future.cancel()
+                self.replicas.reset(st.address)
                 st.error = f"kvcd ({st.address}): no StatCache answer in {self.cfg.stat_timeout:g} s"
             else:
                 st.error = self._check_stat(st)

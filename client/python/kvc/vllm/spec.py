@@ -95,6 +95,8 @@ def _eviction_term(name, rest, term):
         elif key == "stats":
             if value not in ("0", "1"):
                 raise SpecError(f"term \"{term}\": stats '{value}' is not 0 or 1")
+            if value == "1":
+                ev["query_stats"] = True
         elif key == "lb":
             ev["layer_budgets"] = [_number("lb entry", b, int) for b in value.split("/")]
         elif key == "ada":

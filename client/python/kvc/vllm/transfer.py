@@ -71,6 +71,17 @@ class Replicas:
                 call = self._put_calls[address] = (stubs[0][1], opts, channels[0])
             return call
 
+    def reset(self, address, error=None):
+        """After a call to `address` failed with `error`: when kvcd was unreachable, open new
+        channels on next use, so a restarted kvcd is reached at once instead of after gRPC's
+        reconnect backoff (up to minutes). Calls in flight keep their old channel."""
+        if error is not None and getattr(error, "code", None) not in (
+                grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return
+        with self._lock:
+            self._clients.pop(address, None)
+            self._put_calls.pop(address, None)
+
     def close(self):
         with self._lock:
             for c in self._clients.values():

@@ -198,6 +198,7 @@ class WorkerSide:
                           resp.input_bytes, resp.stored_bytes, time.monotonic() - t0)
             except Exception as e:
                 self.stats["save_failures"] += 1
+                self.replicas.reset(job.replica, e)
                 log.error("kvc: request %s: cache %s not stored: %s", job.req_id, job.cache_id,
                           e)
 
@@ -262,6 +263,7 @@ class WorkerSide:
                 raise SpecError(f"cache {job.cache_id}: {count} of {len(self.names)} layers")
             run.tokens = job.end - job.start
         except Exception as e:
+            self.replicas.reset(job.replica, e)
             known = isinstance(e, (KvcError, SpecError))
             run.fail(str(e) if known else f"{type(e).__name__}: {e}")
         finally:
