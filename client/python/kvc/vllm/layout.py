@@ -56,6 +56,12 @@ class PagedLayout:
         self.isa = getattr(layer, "isa", None)
         self.key_offsets, self.value_offsets = self._learn(kv_cache)
         self.block_stride = kv_cache.stride(self.block_dim)
+        # Where the learned positions are an affine function of (slot, head, channel) (vLLM's
+        # vec and vec16 orders are), a strided view reads them at memory speed; amx's tiles
+        # are not, and go through the element-wise gather.
+        self.affine = [_affine(t) for t in (self.key_offsets, self.value_offsets)]
+        if None in self.affine:
+            self.affine = None
 
     # -- learning ------------------------------------------------------------------------------
 
@@ -131,6 +137,14 @@ class PagedLayout:
         slot = block_id * block_size + offset)."""
         blocks = slots // self.block_size
         off = slots % self.block_size
+        if self.affine is not None:
+            out = []
+            for o0, st, sh, sd in self.affine:
+                view = kv_cache.as_strided(
+                    (self.num_blocks, self.block_size, self.H, self.D),
+                    (self.block_stride, st, sh, sd), kv_cache.storage_offset() + o0)
+                out.append(view[blocks, off])
+            return out[0], out[1]
         base = (blocks * self.block_stride).view(-1, 1, 1)
         flat = self._flat(kv_cache)
         return flat[self.key_offsets[off] + base], flat[self.value_offsets[off] + base]
@@ -139,6 +153,20 @@ class PagedLayout:
         """Writes key, value [T, H, D] into `slots` through vLLM's own cache update."""
         self.impl.do_kv_cache_update(self.layer, key.to(self.dtype).contiguous(),
                                      value.to(self.dtype).contiguous(), kv_cache, slots)
+
+
+def _affine(table):
+    """(o0, st, sh, sd) when table[t, h, d] == o0 + st*t + sh*h + sd*d everywhere, else None."""
+    bs, H, D = table.shape
+    o0 = int(table[0, 0, 0])
+    st = int(table[1, 0, 0]) - o0 if bs > 1 else 0
+    sh = int(table[0, 1, 0]) - o0 if H > 1 else 0
+    sd = int(table[0, 0, 1]) - o0 if D > 1 else 0
+    if min(st, sh, sd) < 0:
+        return None
+    pred = (o0 + st * torch.arange(bs).view(bs, 1, 1) + sh * torch.arange(H).view(1, H, 1) +
+            sd * torch.arange(D).view(1, 1, D))
+    return (o0, st, sh, sd) if torch.equal(pred, table) else None
 
 
 def slots_for(block_ids, block_size, start, end):

@@ -276,9 +276,12 @@ class SchedulerSide:
     def update_connector_output(self, output):
         wm = getattr(output, "kv_connector_worker_meta", None)
         if wm is not None and getattr(wm, "loads", None):
-            self.worker_results.update(wm.loads)
-            for req_id, (_, _, _, error) in wm.loads.items():
+            for req_id, result in wm.loads.items():
                 st = self._loads.get(req_id)
+                if st is None:
+                    continue  # finished (aborted) before its load was reported
+                self.worker_results[req_id] = result
+                error = result[3]
                 if error and st is not None and st.error is None:
                     # vLLM recomputes a failed full-length load (policy recompute) and asks
                     # again: answer 0 then, never load it a second time.
