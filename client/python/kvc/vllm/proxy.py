@@ -40,6 +40,8 @@ import prometheus_client as prom
 from .spec import SpecError, parse_spec
 
 log = logging.getLogger("kvc.pd_proxy")
+# Client headers passed on to the instances (vLLM's --api-key checks Authorization).
+FORWARDED = ("authorization", "x-request-id")
 PROMPT_OPTIONS = ("repetition_penalty", "echo", "prompt_logprobs", "truncate_prompt_tokens",
                   "use_beam_search")
 
@@ -110,10 +112,12 @@ class Proxy:
 
     # ---- upstream calls ---------------------------------------------------------------------
 
-    async def _post_json(self, role, url, body, timeout):
+    async def _post_json(self, role, url, body, timeout, headers=None):
         try:
-            async with self.session.post(url, json=body, timeout=aiohttp.ClientTimeout(
-                    total=timeout, connect=self.args.connect_timeout)) as r:
+            async with self.session.post(url, json=body, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(
+                                             total=timeout,
+                                             connect=self.args.connect_timeout)) as r:
                 text = await r.text()
                 try:
                     data = json.loads(text)
@@ -181,8 +185,6 @@ class Proxy:
                                  f"evicting spec '{spec.text}' the decode instance sees "
                                  f"placeholder tokens instead; drop the option or use a "
                                  f"full-length spec", "invalid_request")
-            if body.get("n", 1) not in (None, 1) and body.get("stream"):
-                pass  # n > 1 works: every sample loads the same cache
             pre = dict(body)
             for key in ("stream", "stream_options", "logprobs", "top_logprobs", "n",
                         "min_tokens", "max_completion_tokens", "use_beam_search"):
@@ -191,7 +193,9 @@ class Proxy:
                        kv_transfer_params={"do_remote_decode": True, "kvc": {"spec": spec_value}})
             prefill_url = next(self.prefill) + endpoint
             t_pre = time.monotonic()
-            answer = await self._post_json("prefill", prefill_url, pre, self.args.prefill_timeout)
+            fwd = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
+            answer = await self._post_json("prefill", prefill_url, pre, self.args.prefill_timeout,
+                                           fwd)
             self.metrics.seconds.labels("prefill").observe(time.monotonic() - t_pre)
             params = answer.get("kv_transfer_params")
             if not isinstance(params, dict) or not isinstance(params.get("kvc"), dict):
@@ -239,10 +243,10 @@ class Proxy:
             decode_url = next(self.decode) + endpoint
             if body.get("stream"):
                 resp = await self._stream_decode(request, decode_url, dec, headers,
-                                                 prompt_tokens, t0)
+                                                 prompt_tokens, t0, fwd)
             else:
                 t_dec = time.monotonic()
-                out = await self._post_json("decode", decode_url, dec, self.args.timeout)
+                out = await self._post_json("decode", decode_url, dec, self.args.timeout, fwd)
                 self.metrics.seconds.labels("decode").observe(time.monotonic() - t_dec)
                 self.metrics.ttft.observe(time.monotonic() - t0)
                 dparams = out.pop("kv_transfer_params", None)
@@ -273,11 +277,11 @@ class Proxy:
         except Exception as e:
             return f" (kvcd {self.args.kvcd}: {e})"
 
-    async def _stream_decode(self, request, url, body, headers, prompt_tokens, t0):
+    async def _stream_decode(self, request, url, body, headers, prompt_tokens, t0, fwd):
         timeout = aiohttp.ClientTimeout(total=self.args.timeout,
                                         connect=self.args.connect_timeout)
         try:
-            async with self.session.post(url, json=body, timeout=timeout) as r:
+            async with self.session.post(url, json=body, timeout=timeout, headers=fwd) as r:
                 if r.status != 200:
                     text = await r.text()
                     self.metrics.upstream.labels("decode", f"http_{r.status}").inc()
