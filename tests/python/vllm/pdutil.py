@@ -1,5 +1,6 @@
 """Request helpers shared by the vLLM tests and the benchmark."""
 
+import json
 import math
 import os
 
@@ -83,3 +84,13 @@ def kl_coarse(ref, test):
     if rest_p > 0:
         kl += rest_p * math.log(max(rest_p, 1e-30) / rest_q)
     return max(0.0, kl)
+
+
+def record(kind, line):
+    """Prints a measured line and appends it to $KVC_VLLM_RESULTS (JSON lines) when set: ctest
+    sets it to vllm_pd_results.jsonl in its build folder, which run.py empties at the start."""
+    print(kind, json.dumps(line))
+    path = os.environ.get("KVC_VLLM_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": kind, **line}) + "\n")

@@ -3,9 +3,6 @@ instance's log-probabilities of its first token equal those of kvc's own Python 
 (transformers + the Python client + FORMAT_DENSE_CONTIGUOUS) on the same model, spec and prompt,
 its greedy answer is the flow's; and a small pass-key set's accuracy beside the full cache's."""
 
-import json
-import os
-
 import pytest
 import requests
 
@@ -30,13 +27,6 @@ def _proxy(stack, prompt, spec, max_tokens, **extra):
         timeout=300)
     assert r.status_code == 200, r.text
     return r
-
-
-def _record(kind, line):
-    print(kind, json.dumps(line))
-    if os.environ.get("KVC_VLLM_RESULTS"):
-        with open(os.environ["KVC_VLLM_RESULTS"], "a") as f:
-            f.write(json.dumps({"test": kind, **line}) + "\n")
 
 
 def test_evicted_matches_python_flow_and_passkey(stack, flow):
@@ -68,7 +58,7 @@ def test_evicted_matches_python_flow_and_passkey(stack, flow):
         acc[spec] = hits / len(cases)
         if spec != "none":
             same[spec], worst[spec] = agree / len(cases), diff
-    _record("evicted", {"prompts": len(cases), "prompt_tokens": [len(p) for p, _ in cases],
+    pdutil.record("evicted", {"prompts": len(cases), "prompt_tokens": [len(p) for p, _ in cases],
                         "passkey_accuracy": acc, "greedy_same_as_python_flow": same,
                         "max_abs_first_token_logprob_diff": worst})
     assert acc["none"] == 1.0, acc

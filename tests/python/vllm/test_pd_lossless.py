@@ -33,8 +33,14 @@ def test_lossless_matches_single_instance(stack):
         pd = list(pool.map(via_proxy, range(len(prompts))))
         ref = list(pool.map(single, range(len(prompts))))
     mismatches = [(i, len(prompts[i]), a, b) for i, (a, b) in enumerate(zip(pd, ref)) if a != b]
-    assert not mismatches, mismatches
     loaded = stack.decode.external_tokens() - before
+    lengths = [len(p) for p in prompts]
+    pdutil.record("lossless", {
+        "prompts": len(prompts), "prompt_tokens_min": min(lengths),
+        "prompt_tokens_max": max(lengths), "generated_per_prompt": MAX_NEW,
+        "prompts_same_tokens": len(prompts) - len(mismatches),
+        "external_tokens_loaded": loaded, "prompt_tokens_to_load": sum(lengths) - len(prompts)})
+    assert not mismatches, mismatches
     assert loaded == sum(len(p) - 1 for p in prompts), loaded
     assert stack.decode.wait_idle() == (0, 0, 0)
     assert stack.prefill.wait_idle() == (0, 0, 0)

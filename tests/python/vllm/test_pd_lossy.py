@@ -4,9 +4,6 @@ instance over 32 tokens: top-1 agreement (the decode instance's greedy token equ
 reference's) and KL(reference || decode) of the next-token distributions (pdutil.kl_coarse over
 the reference's top-20 tokens plus the rest)."""
 
-import json
-import os
-
 import pytest
 
 import pdutil
@@ -68,10 +65,7 @@ def test_full_length_lossy(stack, lossy_prompts, spec):
     loaded = stack.decode.external_tokens() - before
     line = {"spec": spec, "prompts": len(lossy_prompts), "positions": POSITIONS, "top1": top1,
             "mean_kl": kl, "max_kl": max_kl, "external_tokens": loaded}
-    print("lossy", json.dumps(line))
-    if os.environ.get("KVC_VLLM_RESULTS"):
-        with open(os.environ["KVC_VLLM_RESULTS"], "a") as f:
-            f.write(json.dumps({"test": "lossy", **line}) + "\n")
+    pdutil.record("lossy", line)
     assert loaded >= sum(len(p) - 1 for p in lossy_prompts)  # the cache was really loaded
     floor_top1, ceil_kl = FLOORS[spec]
     assert top1 >= floor_top1 and kl <= ceil_kl, line
