@@ -106,9 +106,10 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
           absl::InvalidArgumentError(absl::StrCat("header.", std::string(r.status().message()))));
     }
     rope = *r;
-  } else if (spec->eviction.policy == EvictionPolicy::kExpectedAttention) {
+  } else if (Policy(spec->eviction.policy).inputs == PolicyInputs::kQueryStatistics) {
     return invalid(absl::InvalidArgumentError(
-        "header.rope: the expected policy needs the model's RoPE (theta, rotary_dims, style)"));
+        absl::StrCat("header.rope: the ", std::string(Policy(spec->eviction.policy).name),
+                     " policy needs the model's RoPE (theta, rotary_dims, style)")));
   }
   const bool query_stats = spec->eviction.query_stats;
   auto lb = LayerTensorBytes(*shape, *dtype, query_stats);
