@@ -1,10 +1,10 @@
-#include "testing/kvcd_process.h"
+#include "kvc/kvcd_process.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
-#include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,122 +14,205 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "absl/synchronization/notification.h"
-#include "grpcpp/generic/generic_stub.h"
-#include "grpcpp/grpcpp.h"
+#include "absl/time/clock.h"
 
-namespace kvc::testing {
+namespace kvc {
 namespace {
 
 // A sync gRPC client channel with no call in flight is polled only by gRPC's backup poller
-// (every 5 s by default), so an idle test client would answer kvcd's graceful-shutdown ping late
-// and make every shutdown look 5 s slow. Poll idle channels often in test processes instead; an
-// explicit setting in the environment wins.
+// (every 5 s by default), so an idle client in the launching process would answer kvcd's
+// graceful-shutdown ping late and make every shutdown look 5 s slow. Poll idle channels often in
+// processes that run kvcd; an explicit setting in the environment wins.
 [[maybe_unused]] const bool kFastIdlePolling = [] {
   setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "50", /*overwrite=*/0);
   return true;
 }();
 
+constexpr size_t kMaxOutputBytes = size_t{8} << 20;
+
 absl::Status Errno(const std::string& what) {
   return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
+}
+
+std::string DescribeWait(int status) {
+  if (WIFSIGNALED(status)) return absl::StrCat("killed by signal ", WTERMSIG(status));
+  if (WIFEXITED(status)) return absl::StrCat("exited with code ", WEXITSTATUS(status));
+  return absl::StrCat("wait status ", status);
 }
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KvcdProcess>> KvcdProcess::Start(const Options& options) {
-  std::string binary = options.binary;
-  if (binary.empty()) {
+  Options o = options;
+  if (o.binary.empty()) {
     const char* env = std::getenv("KVCD_PATH");
     if (env == nullptr) return absl::InvalidArgumentError("binary: empty and KVCD_PATH unset");
-    binary = env;
+    o.binary = env;
   }
-  if (access(binary.c_str(), X_OK) != 0) return Errno(absl::StrCat("kvcd binary ", binary));
-  std::vector<std::string> args = {binary,
-                                   "--listen=127.0.0.1:0",
-                                   "--health_listen=127.0.0.1:0",
-                                   "--metrics_listen=127.0.0.1:0",
-                                   "--store_bytes=64MiB",
-                                   "--threads=2"};
-  args.insert(args.end(), options.flags.begin(), options.flags.end());
-  bool metrics = true, health = true;
-  for (const auto& f : args) {
-    if (f == "--metrics_listen=") metrics = false;
-    if (f == "--health_listen=") health = false;
-    if (f.rfind("--metrics_listen=", 0) == 0) metrics = f != "--metrics_listen=";
-    if (f.rfind("--health_listen=", 0) == 0) health = f != "--health_listen=";
-  }
-
-  int fds[2];
-  if (pipe2(fds, O_CLOEXEC) != 0) return Errno("pipe");
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  const pid_t pid = fork();
-  if (pid < 0) return Errno("fork");
-  if (pid == 0) {
-    // Child: only async-signal-safe calls until exec.
-    dup2(fds[1], STDOUT_FILENO);
-    dup2(fds[1], STDERR_FILENO);
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
-  close(fds[1]);
-  std::unique_ptr<KvcdProcess> p(new KvcdProcess());
-  p->pid_ = pid;
-  p->out_fd_ = fds[0];
-  p->reader_ = std::thread([raw = p.get()] { raw->ReadLoop(); });
-  if (!options.wait_for_ready) return p;
-
-  const absl::Time deadline = absl::Now() + options.start_timeout;
-  auto fail = [&](const absl::Status& s) -> absl::Status {
-    return absl::Status(s.code(),
-                        absl::StrCat(std::string(s.message()), "; kvcd output:\n", p->output()));
-  };
-  auto addr = p->WaitForLine("kvcd: listening on ", deadline);
-  if (!addr.ok()) return fail(addr.status());
-  p->address_ = *addr;
-  if (health) {
-    auto h = p->WaitForLine("kvcd: health on ", deadline);
-    if (!h.ok()) return fail(h.status());
-    p->health_address_ = *h;
-  }
-  if (metrics) {
-    auto m = p->WaitForLine("kvcd: metrics on http://", deadline);
-    if (!m.ok()) return fail(m.status());
-    std::string v = *m;
-    const size_t slash = v.find('/');
-    p->metrics_address_ = slash == std::string::npos ? v : v.substr(0, slash);
+  if (access(o.binary.c_str(), X_OK) != 0) return Errno(absl::StrCat("kvcd binary ", o.binary));
+  std::unique_ptr<KvcdProcess> p(new KvcdProcess(std::move(o)));
+  if (absl::Status s = p->Run("127.0.0.1:0", p->options_.wait_for_ready); !s.ok()) {
+    p.reset();  // kills the process and reads its output to the end
+    return s;
   }
   return p;
 }
 
-KvcdProcess::~KvcdProcess() {
-  if (!exited_ && pid_ > 0) {
-    kill(pid_, SIGKILL);
-    int status;
-    waitpid(pid_, &status, 0);
-    exited_ = true;
+absl::Status KvcdProcess::Run(const std::string& listen, bool wait) {
+  std::vector<std::string> args = {options_.binary, "--listen=" + listen,
+                                   "--health_listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0"};
+  args.insert(args.end(), options_.base_flags.begin(), options_.base_flags.end());
+  args.insert(args.end(), options_.flags.begin(), options_.flags.end());
+  bool metrics = true, health = true;
+  for (const auto& f : args) {
+    if (f.rfind("--metrics_listen=", 0) == 0) metrics = f != "--metrics_listen=";
+    if (f.rfind("--health_listen=", 0) == 0) health = f != "--health_listen=";
   }
-  if (reader_.joinable()) reader_.join();
-  if (out_fd_ >= 0) close(out_fd_);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return Errno("pipe");
+  const bool kill_with_parent = options_.kill_with_parent;
+  // vfork, not fork: fork runs the process's atfork handlers, and OpenBLAS's joins its worker
+  // threads there, which deadlocks while another thread is inside a BLAS call. The child makes
+  // only async-signal-safe calls before execv.
+  const pid_t pid = vfork();
+  if (pid < 0) {
+    close(fds[0]);
+    close(fds[1]);
+    return Errno("vfork");
+  }
+  if (pid == 0) {
+    dup2(fds[1], STDOUT_FILENO);
+    dup2(fds[1], STDERR_FILENO);
+    if (kill_with_parent) prctl(PR_SET_PDEATHSIG, SIGKILL);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  {
+    absl::MutexLock lock(&mu_);
+    pid_ = pid;
+    exited_ = false;
+    expected_exit_ = false;
+    eof_ = false;
+    run_output_begin_ = output_.size();
+    address_.clear();
+    health_address_.clear();
+    metrics_address_.clear();
+  }
+  reader_ = std::thread([this, fd = fds[0]] { ReadLoop(fd); });
+  if (!wait) return absl::OkStatus();
+
+  const absl::Time deadline = absl::Now() + options_.start_timeout;
+  auto fail = [&](const absl::Status& s) -> absl::Status {
+    return absl::Status(s.code(),
+                        absl::StrCat(std::string(s.message()), "; kvcd output:\n", output()));
+  };
+  absl::StatusOr<std::string> addr = WaitForLine("kvcd: listening on ", deadline);
+  if (!addr.ok()) return fail(addr.status());
+  std::string health_addr, metrics_addr;
+  if (health) {
+    absl::StatusOr<std::string> h = WaitForLine("kvcd: health on ", deadline);
+    if (!h.ok()) return fail(h.status());
+    health_addr = *h;
+  }
+  if (metrics) {
+    absl::StatusOr<std::string> m = WaitForLine("kvcd: metrics on http://", deadline);
+    if (!m.ok()) return fail(m.status());
+    const size_t slash = m->find('/');
+    metrics_addr = slash == std::string::npos ? *m : m->substr(0, slash);
+  }
+  absl::MutexLock lock(&mu_);
+  address_ = *addr;
+  health_address_ = health_addr;
+  metrics_address_ = metrics_addr;
+  return absl::OkStatus();
 }
 
-void KvcdProcess::ReadLoop() {
+KvcdProcess::~KvcdProcess() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!exited_ && pid_ > 0) {
+      kill(pid_, SIGKILL);
+      Reap(/*block=*/true);
+    }
+  }
+  JoinReader();
+}
+
+void KvcdProcess::JoinReader() {
+  if (reader_.joinable()) reader_.join();
+}
+
+void KvcdProcess::ReadLoop(int fd) {
+  const int log = options_.log_path.empty() ? -1
+                                            : open(options_.log_path.c_str(),
+                                                   O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   char buf[4096];
   for (;;) {
-    const ssize_t n = read(out_fd_, buf, sizeof(buf));
+    const ssize_t n = read(fd, buf, sizeof(buf));
     if (n < 0 && errno == EINTR) continue;
+    if (n > 0 && log >= 0) {
+      // The log is a convenience copy: a failed write loses only the copy.
+      [[maybe_unused]] const ssize_t w = write(log, buf, static_cast<size_t>(n));
+    }
     absl::MutexLock lock(&mu_);
     if (n <= 0) {
       eof_ = true;
-      return;
+      break;
     }
     output_.append(buf, static_cast<size_t>(n));
+    // A long soak keeps only the recent output in memory (log_path has all of it).
+    if (output_.size() > kMaxOutputBytes) {
+      const size_t drop = output_.size() - kMaxOutputBytes / 2;
+      output_.erase(0, drop);
+      run_output_begin_ = run_output_begin_ > drop ? run_output_begin_ - drop : 0;
+    }
   }
+  close(fd);
+  if (log >= 0) close(log);
+}
+
+bool KvcdProcess::Reap(bool block) {
+  if (pid_ <= 0) return exited_;
+  int status = 0;
+  const pid_t r = waitpid(pid_, &status, block ? 0 : WNOHANG);
+  if (r != pid_) return false;
+  exited_ = true;
+  exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  pid_ = -1;
+  return true;
+}
+
+std::string KvcdProcess::address() const {
+  absl::MutexLock lock(&mu_);
+  return address_;
+}
+
+std::string KvcdProcess::health_address() const {
+  absl::MutexLock lock(&mu_);
+  return health_address_;
+}
+
+std::string KvcdProcess::metrics_address() const {
+  absl::MutexLock lock(&mu_);
+  return metrics_address_;
+}
+
+pid_t KvcdProcess::pid() const {
+  absl::MutexLock lock(&mu_);
+  return pid_;
+}
+
+bool KvcdProcess::running() const {
+  absl::MutexLock lock(&mu_);
+  return !exited_;
 }
 
 std::string KvcdProcess::output() const {
@@ -137,109 +220,133 @@ std::string KvcdProcess::output() const {
   return output_;
 }
 
+std::string KvcdProcess::OutputTail(size_t bytes) const {
+  absl::MutexLock lock(&mu_);
+  return output_.size() > bytes ? output_.substr(output_.size() - bytes) : output_;
+}
+
 absl::StatusOr<std::string> KvcdProcess::WaitForLine(const std::string& prefix,
                                                      absl::Time deadline) {
-  for (;;) {
-    {
-      absl::MutexLock lock(&mu_);
-      for (absl::string_view line : absl::StrSplit(output_, '\n')) {
-        if (line.size() > prefix.size() && line.substr(0, prefix.size()) == prefix &&
-            output_.find(std::string(line) + "\n") != std::string::npos) {
-          return std::string(line.substr(prefix.size()));
-        }
-      }
-      if (eof_) {
-        return absl::UnavailableError(absl::StrCat("kvcd exited before printing '", prefix, "'"));
+  absl::MutexLock lock(&mu_);
+  std::string found;
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::string_view run = absl::string_view(output_).substr(run_output_begin_);
+    for (absl::string_view line : absl::StrSplit(run, '\n')) {
+      // Only whole lines: the address is complete once its newline has arrived.
+      if (line.size() > prefix.size() && line.substr(0, prefix.size()) == prefix &&
+          line.data() + line.size() < run.data() + run.size()) {
+        found = std::string(line.substr(prefix.size()));
+        return true;
       }
     }
-    if (absl::Now() > deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("kvcd did not print '", prefix, "'"));
-    }
-    absl::SleepFor(absl::Milliseconds(10));
+    return eof_;
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
+    return absl::DeadlineExceededError(absl::StrCat("kvcd did not print '", prefix, "'"));
   }
+  if (found.empty()) {
+    return absl::UnavailableError(absl::StrCat("kvcd exited before printing '", prefix, "'"));
+  }
+  return found;
 }
 
 absl::Status KvcdProcess::Signal(int sig) {
-  if (exited_) return absl::FailedPreconditionError("kvcd has exited");
+  absl::MutexLock lock(&mu_);
+  if (exited_ || pid_ <= 0) return absl::FailedPreconditionError("kvcd has exited");
   if (kill(pid_, sig) != 0) return Errno("kill");
   return absl::OkStatus();
 }
 
 absl::StatusOr<int> KvcdProcess::Wait(absl::Duration timeout) {
-  if (exited_) return exit_code_;
   const absl::Time deadline = absl::Now() + timeout;
   for (;;) {
-    int status = 0;
-    const pid_t r = waitpid(pid_, &status, WNOHANG);
-    if (r == pid_) {
-      exited_ = true;
-      exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      // The reader thread may not have drained the pipe yet: callers read output() next.
+    {
       absl::MutexLock lock(&mu_);
-      mu_.AwaitWithDeadline(absl::Condition(&eof_),
-                            std::max(deadline, absl::Now() + absl::Seconds(5)));
-      return exit_code_;
+      if (Reap(/*block=*/false)) break;
     }
-    if (r < 0 && errno != EINTR) return Errno("waitpid");
     if (absl::Now() > deadline) return absl::DeadlineExceededError("kvcd is still running");
     absl::SleepFor(absl::Milliseconds(10));
   }
+  // The reader thread may not have drained the pipe yet: callers read output() next.
+  absl::MutexLock lock(&mu_);
+  mu_.AwaitWithDeadline(absl::Condition(&eof_), std::max(deadline, absl::Now() + absl::Seconds(5)));
+  return exit_code_;
 }
 
-absl::StatusOr<bool> HealthServing(const std::string& address, const std::string& service,
-                                   absl::Duration timeout) {
-  // HealthCheckRequest{service} and HealthCheckResponse{status} encoded by hand: the health
-  // proto's generated code is not part of the installed gRPC headers.
-  std::string req;
-  if (!service.empty()) {
-    req.push_back(0x0a);
-    req.push_back(static_cast<char>(service.size()));
-    req += service;
-  }
-  grpc::Slice slice(req);
-  grpc::ByteBuffer request(&slice, 1);
-  grpc::ByteBuffer response;
-  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  absl::Notification done;
-  grpc::Status status;
-  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status s) {
-                   status = std::move(s);
-                   done.Notify();
-                 });
-  done.WaitForNotification();
-  if (!status.ok()) {
-    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                        absl::StrCat("health check: ", status.error_message()));
-  }
-  std::vector<grpc::Slice> slices;
-  if (!response.Dump(&slices).ok()) return absl::DataLossError("health check: unreadable");
-  std::string bytes;
-  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  // SERVING = 1, NOT_SERVING = 2; an absent field means UNKNOWN (0).
-  const int value = bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : 0;
-  if (value == 1) return true;
-  if (value == 2) return false;
-  return absl::UnknownError(absl::StrCat("health check: status ", value));
+absl::Status KvcdProcess::Kill() {
+  absl::MutexLock lock(&mu_);
+  if (exited_ || pid_ <= 0) return absl::FailedPreconditionError("kvcd is not running");
+  expected_exit_ = true;
+  kill(pid_, SIGKILL);
+  Reap(/*block=*/true);
+  return absl::OkStatus();
 }
 
-absl::StatusOr<int> PickFreeLoopbackPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return Errno("socket");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    close(fd);
-    return Errno("bind");
+absl::StatusOr<int> KvcdProcess::Stop(absl::Duration timeout) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (exited_ || pid_ <= 0) return absl::FailedPreconditionError("kvcd is not running");
+    expected_exit_ = true;
+    kill(pid_, SIGTERM);
   }
-  close(fd);
-  return ntohs(addr.sin_port);
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (Reap(/*block=*/false)) {
+        if (exit_code_ < 128) return exit_code_;
+        return absl::InternalError(
+            absl::StrCat("kvcd killed by signal ", exit_code_ - 128, " on SIGTERM"));
+      }
+    }
+    if (absl::Now() >= deadline) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  Kill().IgnoreError();
+  return absl::DeadlineExceededError(
+      absl::StrCat("kvcd still ran ", absl::FormatDuration(timeout), " after SIGTERM"));
+}
+
+absl::Status KvcdProcess::Restart() {
+  std::string listen;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!exited_) return absl::FailedPreconditionError("kvcd is still running");
+    listen = address_.empty() ? "127.0.0.1:0" : address_;
+  }
+  JoinReader();
+  absl::Status last;
+  // The restart binds the same port; right after a SIGKILL the kernel may still hold it briefly,
+  // and kvcd then exits before printing its address (UNAVAILABLE): try again.
+  const absl::Time deadline = absl::Now() + options_.start_timeout;
+  do {
+    last = Run(listen, /*wait=*/true);
+    if (last.ok()) return last;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!exited_ && pid_ > 0) {
+        expected_exit_ = true;
+        kill(pid_, SIGKILL);
+        Reap(/*block=*/true);
+      }
+    }
+    JoinReader();
+    if (last.code() != absl::StatusCode::kUnavailable) break;
+    absl::SleepFor(absl::Milliseconds(250));
+  } while (absl::Now() < deadline);
+  return last;
+}
+
+absl::Status KvcdProcess::CheckAlive() {
+  absl::MutexLock lock(&mu_);
+  if (exited_ || pid_ <= 0) return absl::OkStatus();
+  int status = 0;
+  const pid_t pid = pid_;
+  if (waitpid(pid, &status, WNOHANG) != pid) return absl::OkStatus();
+  exited_ = true;
+  exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  pid_ = -1;
+  return absl::InternalError(absl::StrCat("kvcd ", DescribeWait(status), " unexpectedly"));
 }
 
 absl::StatusOr<std::string> HttpGet(const std::string& host_port, const std::string& path,
@@ -333,4 +440,4 @@ absl::Status WaitForMetric(const std::string& metrics_address, const std::string
   }
 }
 
-}  // namespace kvc::testing
+}  // namespace kvc

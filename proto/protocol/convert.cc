@@ -1,15 +1,13 @@
-#include "server/convert.h"
+// The proto <-> engine mapping (kvc/protocol/convert.h).
+#include "kvc/protocol/convert.h"
 
 #include <algorithm>
-#include <optional>
+#include <string>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_replace.h"
-#include "kvc/checked_math.h"
-#include "kvc/compact.h"
 #include "kvc/status_macros.h"
 
-namespace kvc::server {
+namespace kvc {
 namespace {
 
 absl::Status Invalid(const std::string& field, const std::string& what) {
@@ -38,6 +36,33 @@ absl::Status ValidateCacheId(const std::string& field, const std::string& id) {
     }
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<UploadHeader> HeaderFromProto(const kvcache::v1::PutCacheHeader& h) {
+  RETURN_IF_ERROR(ValidateCacheId("header.cache_id", h.cache_id()));
+  if (h.shape().num_layers() < 1 || h.shape().num_layers() > kMaxLayers) {
+    return Invalid("header.shape.num_layers",
+                   absl::StrCat(h.shape().num_layers(), " is outside [1, ", kMaxLayers, "]"));
+  }
+  UploadHeader out;
+  out.num_layers = static_cast<int>(h.shape().num_layers());
+  ASSIGN_OR_RETURN(out.shape, ShapeFromProto(h.shape()));
+  ASSIGN_OR_RETURN(out.dtype, FromProto(h.dtype()));
+  ASSIGN_OR_RETURN(out.layout, FromProto(h.layout()));
+  ASSIGN_OR_RETURN(out.spec, SpecFromProto(h.compression(), out.shape, out.num_layers));
+  if (h.has_rope()) {
+    absl::StatusOr<RopeParams> rope = RopeFromProto(h.rope(), out.shape.head_dim);
+    if (!rope.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("header.", rope.status().message()));
+    }
+    out.rope = *rope;
+  } else if (Policy(out.spec.eviction.policy).inputs == PolicyInputs::kQueryStatistics) {
+    return Invalid("header.rope",
+                   absl::StrCat("the ", std::string(PolicyName(out.spec.eviction.policy)),
+                                " policy needs the model's RoPE (theta, rotary_dims, "
+                                "style)"));
+  }
+  return out;
 }
 
 absl::StatusOr<DType> FromProto(kvcache::v1::DType dtype) {
@@ -79,6 +104,10 @@ absl::StatusOr<Layout> FromProto(kvcache::v1::Layout layout) {
   }
 }
 
+kvcache::v1::Layout ToProto(Layout layout) {
+  return layout == Layout::kNHD ? kvcache::v1::LAYOUT_NHD : kvcache::v1::LAYOUT_HND;
+}
+
 absl::StatusOr<LayerShape> ShapeFromProto(const kvcache::v1::ModelShape& p) {
   // Values above INT32_MAX would wrap in the engine's int fields.
   const uint32_t fields[] = {p.num_kv_heads(), p.num_q_heads(), p.head_dim(), p.seq_len(),
@@ -100,25 +129,32 @@ absl::StatusOr<LayerShape> ShapeFromProto(const kvcache::v1::ModelShape& p) {
   return s;
 }
 
+kvcache::v1::ModelShape ShapeToProto(const LayerShape& s, int num_layers) {
+  kvcache::v1::ModelShape p;
+  p.set_num_layers(static_cast<uint32_t>(num_layers));
+  p.set_num_kv_heads(static_cast<uint32_t>(s.num_kv_heads));
+  p.set_num_q_heads(static_cast<uint32_t>(s.num_q_heads));
+  p.set_head_dim(static_cast<uint32_t>(s.head_dim));
+  p.set_seq_len(static_cast<uint32_t>(s.seq_len));
+  p.set_obs_window(static_cast<uint32_t>(s.obs_window));
+  return p;
+}
+
 absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConfig& c,
-                                              const LayerShape& shape, int num_layers) {
+                                              absl::string_view prefix) {
+  auto field = [prefix](absl::string_view name) { return absl::StrCat(prefix, name); };
   CompressionSpec spec;
   const auto& e = c.eviction();
   auto policy = ParseEvictionPolicy(e.policy().empty() ? "none" : e.policy());
   if (!policy.ok()) {
-    return Invalid("header.compression.eviction.policy",
-                   absl::StrCat("unknown '", e.policy(), "'"));
+    return Invalid(field("eviction.policy"), absl::StrCat("unknown '", e.policy(), "'"));
   }
   spec.eviction.policy = *policy;
-  if (e.budget() > (1u << 30)) return Invalid("header.compression.eviction.budget", "too large");
+  if (e.budget() > (1u << 30)) return Invalid(field("eviction.budget"), "too large");
   spec.eviction.budget = static_cast<int>(e.budget());
   if (e.has_keep_ratio()) spec.eviction.keep_ratio = e.keep_ratio();
-  if (e.layer_budgets_size() > num_layers) {
-    return Invalid("header.compression.eviction.layer_budgets",
-                   absl::StrCat(e.layer_budgets_size(), " entries for ", num_layers, " layers"));
-  }
   for (uint32_t b : e.layer_budgets()) {
-    if (b > (1u << 30)) return Invalid("header.compression.eviction.layer_budgets", "too large");
+    if (b > (1u << 30)) return Invalid(field("eviction.layer_budgets"), "too large");
     spec.eviction.layer_budgets.push_back(static_cast<int>(b));
   }
   switch (e.granularity()) {
@@ -130,7 +166,7 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
       spec.eviction.granularity = Granularity::kPerLayer;
       break;
     default:
-      return Invalid("header.compression.eviction.granularity", "unknown value");
+      return Invalid(field("eviction.granularity"), "unknown value");
   }
   if (e.has_sink_tokens()) {
     spec.eviction.sink_tokens = static_cast<int>(std::min(e.sink_tokens(), 1u << 30));
@@ -144,8 +180,7 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   } else if (e.pool() == "avg") {
     spec.eviction.pool = PoolKind::kAvg;
   } else {
-    return Invalid("header.compression.eviction.pool",
-                   absl::StrCat("'", e.pool(), "' is not max or avg"));
+    return Invalid(field("eviction.pool"), absl::StrCat("'", e.pool(), "' is not max or avg"));
   }
   if (e.has_tau()) spec.eviction.tau = e.tau();
   spec.eviction.seed = e.seed();
@@ -153,14 +188,13 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   if (e.has_adaptive_floor()) spec.eviction.adaptive_floor = e.adaptive_floor();
   auto value_weight = ParseValueWeight(e.value_weight());
   if (!value_weight.ok()) {
-    return Invalid("header.compression.eviction.value_weight",
+    return Invalid(field("eviction.value_weight"),
                    absl::StrCat("'", e.value_weight(), "' is not auto, off, mul or add"));
   }
   spec.eviction.value_weight = *value_weight;
   if (e.has_value_eps()) spec.eviction.value_eps = e.value_eps();
   if (e.has_horizon()) {
-    if (e.horizon() > (1u << 30))
-      return Invalid("header.compression.eviction.horizon", "too large");
+    if (e.horizon() > (1u << 30)) return Invalid(field("eviction.horizon"), "too large");
     spec.eviction.horizon = static_cast<int>(e.horizon());
   }
   spec.eviction.query_stats = e.query_stats();
@@ -168,15 +202,14 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   const auto& ch = c.channels();
   auto key_policy = ParseChannelPolicy(ch.key_policy().empty() ? "none" : ch.key_policy());
   if (!key_policy.ok()) {
-    return Invalid("header.compression.channels.key_policy",
-                   absl::StrCat("unknown '", ch.key_policy(), "'"));
+    return Invalid(field("channels.key_policy"), absl::StrCat("unknown '", ch.key_policy(), "'"));
   }
   spec.channels.key_policy = *key_policy;
   spec.channels.key_lambda = ch.key_lambda();
   spec.channels.prune_values = ch.prune_values();
   spec.channels.value_lambda = ch.value_lambda();
 
-  if (c.quant().bits() > 64) return Invalid("header.compression.quant.bits", "too large");
+  if (c.quant().bits() > 64) return Invalid(field("quant.bits"), "too large");
   spec.quant.bits = static_cast<int>(c.quant().bits());
   if (c.quant().has_group_size()) {
     spec.quant.group_size = static_cast<int>(std::min(c.quant().group_size(), 1u << 30));
@@ -184,6 +217,17 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   if (c.has_recent_tokens()) {
     spec.recent_tokens = static_cast<int>(std::min(c.recent_tokens(), 1u << 30));
   }
+  return spec;
+}
+
+absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConfig& c,
+                                              const LayerShape& shape, int num_layers) {
+  if (c.eviction().layer_budgets_size() > num_layers) {
+    return Invalid(
+        "header.compression.eviction.layer_budgets",
+        absl::StrCat(c.eviction().layer_budgets_size(), " entries for ", num_layers, " layers"));
+  }
+  ASSIGN_OR_RETURN(CompressionSpec spec, SpecFromProto(c, "header.compression."));
   for (int l = 0; l < num_layers; ++l) {
     RETURN_IF_ERROR(Qualify(ValidateSpec(spec, shape, l), "header.compression."));
     // Layers without a per-layer budget share one validation result.
@@ -192,90 +236,39 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   return spec;
 }
 
-absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& s, DType dtype, bool query_stats) {
-  const uint64_t es = DTypeSize(dtype);
-  LayerBytes b;
-  ASSIGN_OR_RETURN(
-      b.k, CheckedProduct("header.shape", {{"num_kv_heads", static_cast<uint64_t>(s.num_kv_heads)},
-                                           {"seq_len", static_cast<uint64_t>(s.seq_len)},
-                                           {"head_dim", static_cast<uint64_t>(s.head_dim)},
-                                           {"dtype_bytes", es}}));
-  b.v = b.k;
-  ASSIGN_OR_RETURN(b.q_obs, CheckedProduct("header.shape",
-                                           {{"num_q_heads", static_cast<uint64_t>(s.num_q_heads)},
-                                            {"obs_window", static_cast<uint64_t>(s.obs_window)},
-                                            {"head_dim", static_cast<uint64_t>(s.head_dim)},
-                                            {"dtype_bytes", es}}));
-  if (query_stats) {
-    const uint64_t d = static_cast<uint64_t>(s.head_dim);
-    ASSIGN_OR_RETURN(
-        b.q_stats,
-        CheckedProduct("header.shape", {{"num_q_heads", static_cast<uint64_t>(s.num_q_heads)},
-                                        {"head_dim+head_dim^2", d + d * d},
-                                        {"float_bytes", 4}}));
-  }
-  return b;
+kvcache::v1::CompressionConfig SpecToProto(const CompressionSpec& spec) {
+  kvcache::v1::CompressionConfig c;
+  auto* e = c.mutable_eviction();
+  e->set_policy(std::string(PolicyName(spec.eviction.policy)));
+  e->set_budget(static_cast<uint32_t>(std::max(spec.eviction.budget, 0)));
+  e->set_keep_ratio(spec.eviction.keep_ratio);
+  for (int b : spec.eviction.layer_budgets) e->add_layer_budgets(static_cast<uint32_t>(b));
+  e->set_granularity(spec.eviction.granularity == Granularity::kPerLayer
+                         ? kvcache::v1::GRANULARITY_PER_LAYER
+                         : kvcache::v1::GRANULARITY_PER_HEAD);
+  e->set_sink_tokens(static_cast<uint32_t>(spec.eviction.sink_tokens));
+  // Negative means "the policy's default" in both the struct and the server's conversion, which
+  // applies it only when the field is present: leave it absent then.
+  if (spec.eviction.recent_fraction >= 0) e->set_recent_fraction(spec.eviction.recent_fraction);
+  e->set_pool_kernel(static_cast<uint32_t>(spec.eviction.pool_kernel));
+  e->set_pool(spec.eviction.pool == PoolKind::kAvg ? "avg" : "max");
+  e->set_tau(spec.eviction.tau);
+  e->set_seed(spec.eviction.seed);
+  e->set_adaptive(spec.eviction.adaptive);
+  e->set_adaptive_floor(spec.eviction.adaptive_floor);
+  e->set_value_weight(std::string(ValueWeightName(spec.eviction.value_weight)));
+  e->set_value_eps(spec.eviction.value_eps);
+  e->set_horizon(static_cast<uint32_t>(spec.eviction.horizon));
+  e->set_query_stats(spec.eviction.query_stats);
+  auto* ch = c.mutable_channels();
+  ch->set_key_policy(std::string(PolicyName(spec.channels.key_policy)));
+  ch->set_key_lambda(spec.channels.key_lambda);
+  ch->set_prune_values(spec.channels.prune_values);
+  ch->set_value_lambda(spec.channels.value_lambda);
+  c.mutable_quant()->set_bits(static_cast<uint32_t>(spec.quant.bits));
+  c.mutable_quant()->set_group_size(static_cast<uint32_t>(spec.quant.group_size));
+  c.set_recent_tokens(static_cast<uint32_t>(spec.recent_tokens));
+  return c;
 }
 
-absl::StatusOr<uint64_t> UploadBytes(const LayerShape& s, DType dtype, int num_layers,
-                                     bool query_stats) {
-  ASSIGN_OR_RETURN(const LayerBytes lb, LayerTensorBytes(s, dtype, query_stats));
-  const std::optional<uint64_t> kv = CheckedAdd(lb.k, lb.v);
-  const std::optional<uint64_t> kvq = kv ? CheckedAdd(*kv, lb.q_obs) : std::nullopt;
-  const std::optional<uint64_t> layer = kvq ? CheckedAdd(*kvq, lb.q_stats) : std::nullopt;
-  if (!layer) {
-    return Invalid("header.shape",
-                   absl::StrCat("K + V + Q_obs + Q_stats = ", lb.k, " + ", lb.v, " + ", lb.q_obs,
-                                " + ", lb.q_stats, " bytes overflows 64 bits"));
-  }
-  return CheckedProduct(
-      "header.shape", {{"layer_bytes", *layer}, {"num_layers", static_cast<uint64_t>(num_layers)}});
-}
-
-absl::StatusOr<uint64_t> EstimateStoredBytes(const LayerShape& s, DType dtype,
-                                             const CompressionSpec& spec, int num_layers) {
-  const uint64_t es = DTypeSize(dtype);
-  const bool pruning = spec.channels.key_policy != ChannelPolicy::kNone;
-  const int tk = pruning ? KeptChannels(spec.channels.key_lambda, s.head_dim) : s.head_dim;
-  const int tv = spec.channels.prune_values ? KeptChannels(spec.channels.value_lambda, s.head_dim)
-                                            : s.head_dim;
-  // Quantized elements cost bits/8 bytes, otherwise the dtype size; counted in bits and rounded
-  // down per head, and scales are not counted, so this stays a lower bound.
-  const uint64_t elem_bits = spec.quant.bits > 0 ? static_cast<uint64_t>(spec.quant.bits) : 8 * es;
-  const uint64_t heads = static_cast<uint64_t>(s.num_kv_heads);
-  uint64_t total = 0;
-  for (int l = 0; l < num_layers; ++l) {
-    const uint64_t kept = static_cast<uint64_t>(EffectiveBudget(spec.eviction, l, s.seq_len));
-    ASSIGN_OR_RETURN(
-        const uint64_t data_bits,
-        CheckedProduct("header.shape", {{"kept_tokens", kept},
-                                        {"kept_channels", static_cast<uint64_t>(tk + tv)},
-                                        {"element_bits", elem_bits}}));
-    // Per head: its descriptor, the kept data and one int32 position per kept token. With
-    // head-adaptive budgets the heads keep different counts, but H * kept in all, each head at
-    // least its count times these per-token bytes: H times a per-head floor stays below that.
-    uint64_t per_head = sizeof(HeadDesc) + data_bits / 8;
-    uint64_t layer = sizeof(LayerHeader);
-    if (!CheckedMulAdd(kept, 4, &per_head) || !CheckedMulAdd(heads, per_head, &layer) ||
-        !CheckedMulAdd(1, layer, &total)) {
-      return ProductOverflowError("header.shape",
-                                  {{"num_kv_heads", heads},
-                                   {"stored_bytes_per_head", per_head},
-                                   {"num_layers", static_cast<uint64_t>(num_layers)}});
-    }
-  }
-  return total;
-}
-
-grpc::Status ToGrpc(const absl::Status& s) {
-  if (s.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
-
-grpc::Status ToGrpc(const absl::Status& s, absl::string_view ns) {
-  if (s.ok() || ns.empty()) return ToGrpc(s);
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()),
-                      absl::StrReplaceAll(s.message(), {{absl::StrCat("'", ns), "'"}}));
-}
-
-}  // namespace kvc::server
+}  // namespace kvc

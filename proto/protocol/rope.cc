@@ -1,20 +1,20 @@
-#include "server/contiguous.h"
-
+// The RoPE a request declares, mapped onto the engine's (kvc/protocol/convert.h). PutCache uses it
+// for the policies that move queries between positions (expected attention), GetCache for the
+// contiguous export.
 #include "absl/strings/str_cat.h"
+#include "kvc/protocol/convert.h"
 
-namespace kvc::server {
+namespace kvc {
 
-namespace pb = kvcache::v1;
-
-absl::StatusOr<RopeParams> RopeFromProto(const pb::RopeSpec& rope, int head_dim) {
+absl::StatusOr<RopeParams> RopeFromProto(const kvcache::v1::RopeSpec& rope, int head_dim) {
   RopeParams p;
   p.theta = rope.theta();
   p.rotary_dims = static_cast<int>(rope.rotary_dims());
   switch (rope.style()) {
-    case pb::ROPE_INTERLEAVED:
+    case kvcache::v1::ROPE_INTERLEAVED:
       p.half_split = false;
       break;
-    case pb::ROPE_HALF_SPLIT:
+    case kvcache::v1::ROPE_HALF_SPLIT:
       p.half_split = true;
       break;
     default:
@@ -24,13 +24,13 @@ absl::StatusOr<RopeParams> RopeFromProto(const pb::RopeSpec& rope, int head_dim)
                        "needs the RoPE the keys were stored with)"));
   }
   switch (rope.scaling()) {
-    case pb::ROPE_SCALING_UNSPECIFIED:
-    case pb::ROPE_SCALING_NONE:
+    case kvcache::v1::ROPE_SCALING_UNSPECIFIED:
+    case kvcache::v1::ROPE_SCALING_NONE:
       break;
-    case pb::ROPE_SCALING_LINEAR:
+    case kvcache::v1::ROPE_SCALING_LINEAR:
       p.linear_factor = rope.scaling_factor();
       break;
-    case pb::ROPE_SCALING_DYNAMIC_NTK:
+    case kvcache::v1::ROPE_SCALING_DYNAMIC_NTK:
       return absl::FailedPreconditionError(
           "rope.scaling: DYNAMIC_NTK rescales the frequencies by the sequence length, so keys "
           "stored at one length cannot be moved to another exactly; fetch FORMAT_DENSE");
@@ -44,22 +44,16 @@ absl::StatusOr<RopeParams> RopeFromProto(const pb::RopeSpec& rope, int head_dim)
   return p;
 }
 
-absl::Status CheckUniformKept(const pb::CacheInfo& info) {
-  if (info.compression().eviction().adaptive()) {
-    return absl::FailedPreconditionError(
-        "FORMAT_DENSE_CONTIGUOUS: the cache was stored with head-adaptive budgets, so its KV "
-        "heads keep different counts; a stock engine needs one count for every head (fetch "
-        "FORMAT_DENSE, padded with position -1, or FORMAT_PACKED)");
+kvcache::v1::RopeSpec RopeToProto(const RopeParams& rope) {
+  kvcache::v1::RopeSpec p;
+  p.set_theta(rope.theta);
+  p.set_rotary_dims(static_cast<uint32_t>(rope.rotary_dims));
+  p.set_style(rope.half_split ? kvcache::v1::ROPE_HALF_SPLIT : kvcache::v1::ROPE_INTERLEAVED);
+  if (rope.linear_factor != 1.0) {
+    p.set_scaling(kvcache::v1::ROPE_SCALING_LINEAR);
+    p.set_scaling_factor(rope.linear_factor);
   }
-  for (int l = 1; l < info.kept_tokens_size(); ++l) {
-    if (info.kept_tokens(l) != info.kept_tokens(0)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("FORMAT_DENSE_CONTIGUOUS: layer ", l, " keeps ", info.kept_tokens(l),
-                       " tokens per KV head but layer 0 keeps ", info.kept_tokens(0),
-                       "; a stock engine needs one count for every layer (no layer_budgets)"));
-    }
-  }
-  return absl::OkStatus();
+  return p;
 }
 
-}  // namespace kvc::server
+}  // namespace kvc

@@ -1,4 +1,5 @@
-#include "kvc/client_wire.h"
+// Raw framing of the bulk messages (kvc/protocol/wire.h).
+#include "kvc/protocol/wire.h"
 
 #include <algorithm>
 #include <cstring>
@@ -124,27 +125,25 @@ bool CopyValue(SliceCursor& cur, uint32_t tag, int depth, std::string* rest) {
   }
 }
 
+void FreeKeepalive(void* p) { delete static_cast<std::shared_ptr<const void>*>(p); }
+
 }  // namespace
 
-std::vector<ChunkSpan> SplitChunks(uint64_t total, uint64_t max_chunk) {
-  std::vector<ChunkSpan> chunks;
-  if (max_chunk == 0) return chunks;
-  chunks.reserve(static_cast<size_t>((total + max_chunk - 1) / max_chunk));
-  for (uint64_t off = 0; off < total; off += max_chunk) {
-    chunks.push_back({off, std::min(max_chunk, total - off)});
-  }
-  return chunks;
-}
-
-grpc::ByteBuffer FramePutChunk(const kvcache::v1::ChunkHeader& chunk, const void* data,
-                               size_t size) {
-  kvcache::v1::PutCacheRequest req;
-  *req.mutable_chunk() = chunk;
-  std::string prefix = req.SerializeAsString();
+grpc::ByteBuffer FrameWithData(const google::protobuf::MessageLite& fields, const void* data,
+                               size_t size, std::shared_ptr<const void> keepalive) {
+  std::string prefix = fields.SerializeAsString();
   AppendVarint((kDataFieldNumber << 3) | kWireBytes, &prefix);
   AppendVarint(size, &prefix);
-  grpc::Slice slices[2] = {grpc::Slice(prefix), grpc::Slice(data, size, grpc::Slice::STATIC_SLICE)};
-  return grpc::ByteBuffer(slices, size > 0 ? 2 : 1);
+  if (size == 0) {
+    grpc::Slice slice(prefix);
+    return grpc::ByteBuffer(&slice, 1);
+  }
+  grpc::Slice slices[2] = {
+      grpc::Slice(prefix),
+      keepalive == nullptr ? grpc::Slice(data, size, grpc::Slice::STATIC_SLICE)
+                           : grpc::Slice(const_cast<void*>(data), size, &FreeKeepalive,
+                                         new std::shared_ptr<const void>(std::move(keepalive)))};
+  return grpc::ByteBuffer(slices, 2);
 }
 
 grpc::ByteBuffer FrameMessage(const google::protobuf::MessageLite& message) {
@@ -164,6 +163,10 @@ void RawData::AppendTo(ByteVector* dst) const {
     const uint8_t* begin = slices_[p.slice].begin() + p.offset;
     dst->insert(dst->end(), begin, begin + p.size);
   }
+}
+
+void RawData::ForEachPiece(absl::FunctionRef<void(const uint8_t*, size_t)> fn) const {
+  for (const Piece& p : pieces_) fn(slices_[p.slice].begin() + p.offset, p.size);
 }
 
 absl::Status ParseRawMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* fields,
@@ -212,6 +215,22 @@ absl::Status ParseRawMessage(const grpc::ByteBuffer& buffer, google::protobuf::M
   }
   if (!fields->ParseFromString(rest)) {
     return absl::InvalidArgumentError("message: fields do not parse as the expected message");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message) {
+  std::vector<grpc::Slice> slices;
+  // An invalid (never filled) buffer holds no bytes: the empty message.
+  if (buffer.Valid() && !buffer.Dump(&slices).ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("unreadable ", message->GetTypeName()));
+  }
+  std::string bytes;
+  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  if (!message->ParseFromString(bytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed ", message->GetTypeName(),
+                     ": not a valid serialization (string fields must be UTF-8)"));
   }
   return absl::OkStatus();
 }

@@ -43,6 +43,7 @@
 #include "grpcpp/grpcpp.h"
 #include "kvc/communicator.h"
 #include "kvc/metrics.h"
+#include "kvc/protocol/status.h"
 #include "kvcache/v1/transfer.grpc.pb.h"
 
 namespace kvc::transfer {
@@ -141,8 +142,8 @@ absl::StatusOr<std::unique_ptr<grpc::Service>> CreateTransferService(
 // True when NCCL sessions can be served on `device`; otherwise false and *why says why.
 bool NcclTransportAvailable(int device, std::string* why);
 
-// The gRPC status for an absl::Status (same code numbers, same message).
-grpc::Status ToGrpcStatus(const absl::Status& s);
+// The gRPC <-> absl status conversions are kvc::ToGrpcStatus and kvc::FromGrpcStatus
+// (kvc/protocol/status.h).
 
 // ---- Client side ----
 

@@ -1,5 +1,6 @@
-// Test helper: runs the real kvcd binary as a child process on ephemeral loopback ports, reads
-// the addresses it prints, and stops it. Used by integration tests of the service and client.
+// The one way kvc's tools and tests run a kvcd: kvcctl soak, the integration tests and the
+// benchmarks start the real binary as a child process on ephemeral loopback ports, read the
+// addresses it prints, signal, stop, kill and restart it (on the same port), and read its metrics.
 //
 //   KvcdProcess::Options opts;
 //   opts.binary = KVCD_PATH;
@@ -9,9 +10,10 @@
 //   ...
 //   kvcd->Signal(SIGTERM); EXPECT_EQ(*kvcd->Wait(absl::Seconds(10)), 0);
 //
-// Thread-safety: one thread drives a KvcdProcess; output() may be called from any thread.
-#ifndef KVC_TESTS_TESTING_KVCD_PROCESS_H_
-#define KVC_TESTS_TESTING_KVCD_PROCESS_H_
+// Thread-safety: a KvcdProcess is thread-safe (one mutex): e.g. a sampler may read pid() while
+// another thread restarts the process.
+#ifndef KVC_KVCD_PROCESS_H_
+#define KVC_KVCD_PROCESS_H_
 
 #include <sys/types.h>
 
@@ -21,25 +23,33 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
-namespace kvc::testing {
+namespace kvc {
 
 class KvcdProcess {
  public:
   struct Options {
     // Path of the kvcd binary; empty means the KVCD_PATH environment variable.
     std::string binary;
-    // Appended after the defaults, so they override them: the defaults are
-    // --listen=127.0.0.1:0 --health_listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0
-    // --store_bytes=64MiB --threads=2.
+    // The command line is --listen=127.0.0.1:0 (on a restart: the address the first run got)
+    // --health_listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0, then base_flags, then flags, so
+    // later flags override earlier ones (an empty --health_listen= or --metrics_listen= turns
+    // that listener off). The base flags suit tests and benchmarks.
+    std::vector<std::string> base_flags = {"--store_bytes=64MiB", "--threads=2"};
     std::vector<std::string> flags;
+    // kvcd's output is kept in memory (output()) and, when set, appended to this file too.
+    std::string log_path;
     absl::Duration start_timeout = absl::Seconds(30);
     // When false, Start returns right after spawning (addresses stay empty): for tests of
     // start-up failures, which then call Wait and output().
     bool wait_for_ready = true;
+    // SIGKILL the child when the thread that started it exits (PR_SET_PDEATHSIG): a soak's kvcd
+    // must not outlive it.
+    bool kill_with_parent = false;
   };
 
   // Starts kvcd and waits until it prints its gRPC address (and its health and metrics addresses
@@ -51,10 +61,10 @@ class KvcdProcess {
   KvcdProcess(const KvcdProcess&) = delete;
   KvcdProcess& operator=(const KvcdProcess&) = delete;
 
-  const std::string& address() const { return address_; }                  // "127.0.0.1:PORT"
-  const std::string& health_address() const { return health_address_; }    // "" if disabled
-  const std::string& metrics_address() const { return metrics_address_; }  // "" if disabled
-  pid_t pid() const { return pid_; }
+  std::string address() const;          // "127.0.0.1:PORT"
+  std::string health_address() const;   // "" if disabled
+  std::string metrics_address() const;  // "" if disabled
+  pid_t pid() const;                    // -1 when not running
 
   // Sends a signal (e.g. SIGTERM). FAILED_PRECONDITION when the process has already exited.
   absl::Status Signal(int sig);
@@ -62,52 +72,68 @@ class KvcdProcess {
   // the exit code (128 + signal when killed by a signal).
   // DEADLINE_EXCEEDED when it is still running after `timeout`.
   absl::StatusOr<int> Wait(absl::Duration timeout);
-  bool running() const { return !exited_; }
+  bool running() const;
 
-  // Everything the process wrote to stdout and stderr so far.
+  // SIGKILL and reap; the exit counts as expected (CheckAlive stays OK).
+  // FAILED_PRECONDITION when it is not running.
+  absl::Status Kill();
+  // SIGTERM, then waits up to `timeout` for it to exit; returns the exit code. A process still
+  // running after `timeout` is killed: DEADLINE_EXCEEDED.
+  absl::StatusOr<int> Stop(absl::Duration timeout);
+  // Starts it again on the same gRPC address (retrying while the port is not free yet, as right
+  // after a SIGKILL), once the previous run has exited.
+  absl::Status Restart();
+  // Non-blocking: OK while running (or after Kill/Stop), INTERNAL naming the exit status when
+  // the process exited on its own.
+  absl::Status CheckAlive();
+
+  // Everything the process wrote to stdout and stderr so far (every run; beyond 8 MiB, the most
+  // recent 4 MiB or more).
   std::string output() const;
+  // The last `bytes` of output().
+  std::string OutputTail(size_t bytes) const;
 
  private:
-  KvcdProcess() = default;
-  void ReadLoop();
-  // Waits until `prefix` appears at the start of an output line; returns the rest of the line.
+  explicit KvcdProcess(Options options) : options_(std::move(options)) {}
+  // Spawns one run listening on `listen` and, unless !wait, waits for its addresses.
+  absl::Status Run(const std::string& listen, bool wait);
+  void ReadLoop(int fd);
+  // Waits until a line of this run's output starts with `prefix`; returns the rest of the line.
   absl::StatusOr<std::string> WaitForLine(const std::string& prefix, absl::Time deadline);
+  // Reaps the child if it exited (blocking with `block`); records its exit code.
+  bool Reap(bool block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void JoinReader();
 
-  pid_t pid_ = -1;
-  int out_fd_ = -1;
-  bool exited_ = false;
-  int exit_code_ = 0;
-  std::string address_, health_address_, metrics_address_;
-  std::thread reader_;
+  const Options options_;
   mutable absl::Mutex mu_;
+  pid_t pid_ ABSL_GUARDED_BY(mu_) = -1;
+  bool exited_ ABSL_GUARDED_BY(mu_) = true;
+  bool expected_exit_ ABSL_GUARDED_BY(mu_) = false;
+  int exit_code_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string address_ ABSL_GUARDED_BY(mu_);
+  std::string health_address_ ABSL_GUARDED_BY(mu_);
+  std::string metrics_address_ ABSL_GUARDED_BY(mu_);
   std::string output_ ABSL_GUARDED_BY(mu_);
-  bool eof_ ABSL_GUARDED_BY(mu_) = false;
+  size_t run_output_begin_ ABSL_GUARDED_BY(mu_) = 0;  // where this run's output starts
+  bool eof_ ABSL_GUARDED_BY(mu_) = true;              // this run's output has been read to the end
+  std::thread reader_;  // started and joined by the thread that (re)starts the process
 };
 
-// grpc.health.v1 Check of `service` ("" = the whole server) at `address`: true for SERVING,
-// false for NOT_SERVING; an error for anything else (including an RPC failure).
-absl::StatusOr<bool> HealthServing(const std::string& address, const std::string& service = "",
-                                   absl::Duration timeout = absl::Seconds(5));
-
-// Returns a TCP port on 127.0.0.1 that was free a moment ago (for servers that cannot take
-// port 0, like Prometheus).
-absl::StatusOr<int> PickFreeLoopbackPort();
-
-// A plain HTTP/1.0 GET to host:port; returns the body when the status is 200, else an error with
-// the status line. `path` includes the query string, already URL-encoded.
+// A plain HTTP GET of http://host_port/path; returns the body when the status is 200, else an
+// error with the status line. `path` includes the query string, already URL-encoded.
 absl::StatusOr<std::string> HttpGet(const std::string& host_port, const std::string& path,
                                     absl::Duration timeout = absl::Seconds(5));
 
-// The value of one series in a Prometheus text exposition, e.g.
+// The value of one series in a Prometheus text exposition, matching the whole series name, e.g.
 // MetricValue(text, "kvc_evictions_total{reason=\"ttl\"}"); NOT_FOUND when absent.
 absl::StatusOr<double> MetricValue(const std::string& exposition, const std::string& series);
 
 // Scrapes http://metrics_address/metrics until `series` equals `value` or `timeout` passes; the
-// error names the last value seen. Tests use it instead of sleeping, e.g. to wait until kvcd has
-// released every stream slot (kvc_active_streams == 0) or holds the ones a test opened.
+// error names the last value seen. Callers use it instead of sleeping, e.g. to wait until kvcd
+// has released every stream slot (kvc_active_streams == 0).
 absl::Status WaitForMetric(const std::string& metrics_address, const std::string& series,
                            double value, absl::Duration timeout = absl::Seconds(10));
 
-}  // namespace kvc::testing
+}  // namespace kvc
 
-#endif  // KVC_TESTS_TESTING_KVCD_PROCESS_H_
+#endif  // KVC_KVCD_PROCESS_H_

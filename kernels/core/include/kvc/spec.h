@@ -127,27 +127,7 @@ absl::StatusOr<ChannelPolicy> ParseChannelPolicy(std::string_view name);
 std::vector<std::string> EvictionPolicyNames();
 std::vector<std::string> ChannelPolicyNames();
 
-// Spec strings: a whole CompressionSpec on one line, for tools, labels and tests. Terms joined by
-// '+', in any order, each kind at most once:
-//   POLICY:KEEP[,key=value...]   eviction keeping a ratio KEEP in (0, 1] of the tokens
-//   POLICY@BUDGET[,key=value...] eviction keeping BUDGET >= 1 tokens per KV head
-//       keys: sink=N (sink_tokens), recent=F (recent_fraction), kernel=N (pool_kernel),
-//             pool=max|avg, tau=F, seed=N, layer=0|1 (per-layer granularity),
-//             lb=B0/B1/... (layer_budgets), ada=ALPHA (head-adaptive budgets with
-//             adaptive_floor ALPHA in [0, 1])
-//   think:L | l1:L | l2:L        key channel pruning, L = fraction pruned in [0, 1)
-//   vthink:L                     value channel pruning (prune_values, value_lambda = L)
-//   qB[gG]                       quantization to B in {2, 4, 8} bits, group size G
-//   r=N                          recent_tokens
-//   full | none                  keep everything (alone)
-// e.g. "keyformer:0.5+think:0.5+q4", "snapkv:0.25,kernel=7,pool=avg", "q2g16".
-// INVALID_ARGUMENT quoting the string and the bad term, e.g. `spec "h2o:2": term "h2o:2": keep
-// 2 is outside (0, 1]`. Only the string is checked here; ValidateSpec checks the result against a
-// layer shape.
-absl::StatusOr<CompressionSpec> ParseSpecString(std::string_view text);
-// The canonical spec string (options at their defaults omitted); ParseSpecString of it gives the
-// spec back for every spec ValidateSpec accepts.
-std::string SpecString(const CompressionSpec& spec);
+// Spec strings (one-line specs for tools and tests): kvc/protocol/spec_string.h.
 
 }  // namespace kvc
 

@@ -1,65 +1,76 @@
-// Conversions between the wire contract (kvcache.v1) and the engine's types, with validation.
-// Every error is INVALID_ARGUMENT and names the proto field, e.g. "header.shape.head_dim: ...".
-#ifndef KVC_SERVICE_SERVER_CONVERT_H_
-#define KVC_SERVICE_SERVER_CONVERT_H_
+// The one mapping between the wire contract (kvcache.v1) and the engine's types, used by kvcd, the
+// C++ client, kvcctl and kvcfidelity. Errors are INVALID_ARGUMENT and name the proto field as kvcd
+// reports it for a PutCache header, e.g. "header.shape.head_dim: ...".
+//
+// Thread-safety: pure functions.
+#ifndef KVC_PROTOCOL_CONVERT_H_
+#define KVC_PROTOCOL_CONVERT_H_
 
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "grpcpp/support/status.h"
 #include "kvc/dtype.h"
 #include "kvc/layer.h"
+#include "kvc/rope.h"
 #include "kvc/spec.h"
 #include "kvcache/v1/kvcache.pb.h"
 
-namespace kvc::server {
+namespace kvc {
 
 inline constexpr size_t kMaxCacheIdBytes = 256;
+inline constexpr int kMaxLayers = 4096;
 
-// 1..256 bytes of [A-Za-z0-9._:/-].
+// 1..256 bytes of [A-Za-z0-9._:/-] (PutCacheHeader.cache_id); the error names `field`.
 absl::Status ValidateCacheId(const std::string& field, const std::string& id);
+
+// A PutCacheHeader in the engine's types, every field checked by the engine: what kvcd works
+// from once the header is accepted.
+struct UploadHeader {
+  int num_layers = 0;
+  LayerShape shape;  // ValidateShape passed
+  DType dtype = DType::kF16;
+  Layout layout = Layout::kHND;
+  CompressionSpec spec;            // ValidateSpec passed for every layer
+  std::optional<RopeParams> rope;  // header.rope when set (ValidateRope passed)
+};
+// Checks and maps, in this order: cache_id, shape.num_layers in [1, kMaxLayers], the shape,
+// dtype, layout, compression (SpecFromProto against the shape) and rope (RopeFromProto; required
+// by a policy that reads query statistics). INVALID_ARGUMENT naming the field ("header.shape...",
+// "header.rope.style...").
+absl::StatusOr<UploadHeader> HeaderFromProto(const kvcache::v1::PutCacheHeader& header);
 
 absl::StatusOr<DType> FromProto(kvcache::v1::DType dtype);
 kvcache::v1::DType ToProto(DType dtype);
-absl::StatusOr<Layout> FromProto(kvcache::v1::Layout layout);
+absl::StatusOr<Layout> FromProto(kvcache::v1::Layout layout);  // unspecified = HND
+kvcache::v1::Layout ToProto(Layout layout);
 
 // The per-layer shape; num_layers is checked separately. Runs kvc::ValidateShape.
 absl::StatusOr<LayerShape> ShapeFromProto(const kvcache::v1::ModelShape& shape);
+kvcache::v1::ModelShape ShapeToProto(const LayerShape& shape, int num_layers);
 
 // Maps the proto config onto kvc::CompressionSpec, unset optional fields keeping the engine's
-// defaults, then runs kvc::ValidateSpec for every layer of `shape`.
+// defaults. Checks only what the engine's types cannot hold (an unknown name, an integer above
+// 2^30), naming the field after `field_prefix` (e.g. "header.compression."); ValidateSpec
+// checks the rest against a shape.
+absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConfig& config,
+                                              absl::string_view field_prefix);
+// The mapping, then kvc::ValidateSpec for every layer of `shape`, errors named
+// "header.compression.<field>".
 absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConfig& config,
                                               const LayerShape& shape, int num_layers);
+// Every field set explicitly, except recent_fraction when it is negative (the policy's default),
+// which is left absent. SpecFromProto(SpecToProto(s)) == s for every spec ValidateSpec accepts.
+kvcache::v1::CompressionConfig SpecToProto(const CompressionSpec& spec);
 
-// Byte sizes of one layer's tensors. Overflow-checked (kvc/checked_math.h): INVALID_ARGUMENT
-// naming the product when a size does not fit in 64 bits (never for a shape ShapeFromProto
-// accepted).
-// q_stats: the TENSOR_Q_STATS bytes (float32 [Hq, D + D * D]) when `query_stats`, else 0.
-struct LayerBytes {
-  uint64_t k = 0, v = 0, q_obs = 0, q_stats = 0;
-};
-absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& shape, DType dtype,
-                                            bool query_stats = false);
+// The RoPE a request declares (PutCache's header.rope, GetCache's rope for DENSE_CONTIGUOUS).
+// INVALID_ARGUMENT names a missing or bad field ("rope.style: ..."), or the ValidateRope error;
+// FAILED_PRECONDITION for DYNAMIC_NTK scaling, whose keys cannot be moved between positions
+// exactly, saying why.
+absl::StatusOr<RopeParams> RopeFromProto(const kvcache::v1::RopeSpec& rope, int head_dim);
+kvcache::v1::RopeSpec RopeToProto(const RopeParams& rope);
 
-// K + V + Q_obs (+ Q_stats) bytes of all `num_layers` layers, overflow-checked like
-// LayerTensorBytes.
-absl::StatusOr<uint64_t> UploadBytes(const LayerShape& shape, DType dtype, int num_layers,
-                                     bool query_stats = false);
+}  // namespace kvc
 
-// Lower bound on the compact size of the whole cache (blob headers, kept tokens, kept channels,
-// quantized sizes; scales ignored): used only to reject uploads that can never fit. Computed in
-// checked integer arithmetic: INVALID_ARGUMENT naming the product when it does not fit in 64 bits
-// (never for a shape ShapeFromProto accepted with num_layers <= 4096).
-absl::StatusOr<uint64_t> EstimateStoredBytes(const LayerShape& shape, DType dtype,
-                                             const CompressionSpec& spec, int num_layers);
-
-grpc::Status ToGrpc(const absl::Status& status);
-// ToGrpc for a caller whose store ids carry the tenant prefix `ns` (ServiceState::Namespace):
-// the store quotes ids as 'ID', and the caller is shown its own id, never the store's
-// tenant-qualified form ('ns' + ID becomes 'ID'). With an empty `ns` it is ToGrpc(status).
-grpc::Status ToGrpc(const absl::Status& status, absl::string_view ns);
-
-}  // namespace kvc::server
-
-#endif  // KVC_SERVICE_SERVER_CONVERT_H_
+#endif  // KVC_PROTOCOL_CONVERT_H_

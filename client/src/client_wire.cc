@@ -1,0 +1,24 @@
+#include "kvc/client_wire.h"
+
+#include <algorithm>
+
+namespace kvc {
+
+std::vector<ChunkSpan> SplitChunks(uint64_t total, uint64_t max_chunk) {
+  std::vector<ChunkSpan> chunks;
+  if (max_chunk == 0) return chunks;
+  chunks.reserve(static_cast<size_t>((total + max_chunk - 1) / max_chunk));
+  for (uint64_t off = 0; off < total; off += max_chunk) {
+    chunks.push_back({off, std::min(max_chunk, total - off)});
+  }
+  return chunks;
+}
+
+grpc::ByteBuffer FramePutChunk(const kvcache::v1::ChunkHeader& chunk, const void* data,
+                               size_t size) {
+  kvcache::v1::PutCacheRequest req;
+  *req.mutable_chunk() = chunk;
+  return FrameWithData(req, data, size);
+}
+
+}  // namespace kvc
