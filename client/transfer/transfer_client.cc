@@ -1,8 +1,9 @@
+#include "kvc/transfer_client.h"
+
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "kvc/transfer.h"
 
 namespace kvc::transfer {
 

@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "kvc/transfer.h"
+#include "kvc/transfer_client.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 
 namespace kvc::transfer {

@@ -1,6 +1,7 @@
-// The data plane of kvcd's transfer path (see kvc/transfer.h): a 2-rank point-to-point channel
-// between kvcd (rank 0) and one client (rank 1), behind an interface so that the control plane
-// can be tested with an in-process fake. No gRPC here: GPU test binaries use it alone.
+// The data plane of kvcd's transfer path (server side kvc/transfer.h, client side
+// kvc/transfer_client.h): a 2-rank point-to-point channel between kvcd (rank 0) and one client
+// (rank 1), behind an interface so that the control plane can be tested with an in-process fake.
+// No gRPC here: GPU test binaries use it alone.
 #ifndef KVC_COMMUNICATOR_H_
 #define KVC_COMMUNICATOR_H_
 
@@ -60,6 +61,10 @@ class CommunicatorFactory {
 // Communicators on CUDA device `device`. Send/Recv accept host or device pointers; host buffers
 // are staged through a device buffer owned by the communicator (grown on demand, reused).
 std::unique_ptr<CommunicatorFactory> CreateNcclCommunicatorFactory(int device);
+
+// Initial-metadata key kvcd sets (value "registered") on a PutCache stream with external_payload
+// once the upload accepts transferred tensors.
+inline constexpr char kExternalPayloadMetadataKey[] = "kvc-external-payload";
 
 }  // namespace kvc::transfer
 
