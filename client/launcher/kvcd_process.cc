@@ -1,11 +1,9 @@
 #include "kvc/kvcd_process.h"
 
-#include <arpa/inet.h>
+#include <curl/curl.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 
 namespace kvc {
@@ -351,60 +350,44 @@ absl::Status KvcdProcess::CheckAlive() {
 
 absl::StatusOr<std::string> HttpGet(const std::string& host_port, const std::string& path,
                                     absl::Duration timeout) {
-  const size_t colon = host_port.rfind(':');
-  int port = 0;
-  if (colon == std::string::npos || !absl::SimpleAtoi(host_port.substr(colon + 1), &port)) {
-    return absl::InvalidArgumentError(absl::StrCat("host_port: '", host_port, "'"));
+  // libcurl's global state is set up once, before any thread could race on it.
+  static const CURLcode global = curl_global_init(CURL_GLOBAL_DEFAULT);
+  if (global != CURLE_OK) {
+    return absl::InternalError(absl::StrCat("libcurl: ", curl_easy_strerror(global)));
   }
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (inet_pton(AF_INET, host_port.substr(0, colon).c_str(), &addr.sin_addr) != 1) {
-    return absl::InvalidArgumentError(absl::StrCat("host_port: '", host_port, "' is not IPv4"));
+  std::unique_ptr<CURL, void (*)(CURL*)> curl(curl_easy_init(), &curl_easy_cleanup);
+  if (curl == nullptr) return absl::InternalError("libcurl: curl_easy_init failed");
+  const std::string url = absl::StrCat("http://", host_port, path);
+  std::string body, status_line;
+  auto on_body = +[](char* data, size_t size, size_t n, void* out) -> size_t {
+    static_cast<std::string*>(out)->append(data, size * n);
+    return size * n;
+  };
+  // The first header line is the status line ("HTTP/1.1 404 Not Found").
+  auto on_header = +[](char* data, size_t size, size_t n, void* out) -> size_t {
+    auto* line = static_cast<std::string*>(out);
+    if (line->empty()) *line = std::string(absl::StripTrailingAsciiWhitespace({data, size * n}));
+    return size * n;
+  };
+  const long ms = static_cast<long>(std::max<int64_t>(1, absl::ToInt64Milliseconds(timeout)));
+  CURL* c = curl.get();
+  curl_easy_setopt(c, CURLOPT_URL, url.c_str());
+  curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);  // no SIGALRM for timeouts: threads use this
+  curl_easy_setopt(c, CURLOPT_NOPROXY, "*");  // loopback servers: never through a proxy
+  curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, ms);
+  curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
+  curl_easy_setopt(c, CURLOPT_WRITEDATA, &body);
+  curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
+  curl_easy_setopt(c, CURLOPT_HEADERDATA, &status_line);
+  const CURLcode rc = curl_easy_perform(c);
+  if (rc != CURLE_OK) {
+    return absl::UnavailableError(absl::StrCat("HTTP GET ", url, ": ", curl_easy_strerror(rc)));
   }
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return Errno("socket");
-  timeval tv{};
-  tv.tv_sec = static_cast<time_t>(absl::ToInt64Seconds(timeout));
-  tv.tv_usec = static_cast<suseconds_t>(absl::ToInt64Microseconds(timeout) % 1000000);
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    absl::Status s = Errno(absl::StrCat("connect ", host_port));
-    close(fd);
-    return s;
-  }
-  const std::string req =
-      absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: ", host_port, "\r\nConnection: close\r\n\r\n");
-  size_t sent = 0;
-  while (sent < req.size()) {
-    const ssize_t n = send(fd, req.data() + sent, req.size() - sent, MSG_NOSIGNAL);
-    if (n <= 0) {
-      close(fd);
-      return Errno("send");
-    }
-    sent += static_cast<size_t>(n);
-  }
-  std::string resp;
-  char buf[8192];
-  for (;;) {
-    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      close(fd);
-      return Errno("recv");
-    }
-    if (n == 0) break;
-    resp.append(buf, static_cast<size_t>(n));
-  }
-  close(fd);
-  const size_t header_end = resp.find("\r\n\r\n");
-  if (header_end == std::string::npos) return absl::DataLossError("truncated HTTP response");
-  const std::string status_line = resp.substr(0, resp.find("\r\n"));
-  if (status_line.find(" 200") == std::string::npos) {
+  long code = 0;
+  curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+  if (code != 200)
     return absl::UnavailableError(absl::StrCat("HTTP GET ", path, ": ", status_line));
-  }
-  return resp.substr(header_end + 4);
+  return body;
 }
 
 absl::StatusOr<double> MetricValue(const std::string& exposition, const std::string& series) {

@@ -119,8 +119,9 @@ class KvcdProcess {
   std::thread reader_;  // started and joined by the thread that (re)starts the process
 };
 
-// A plain HTTP GET of http://host_port/path; returns the body when the status is 200, else an
-// error with the status line. `path` includes the query string, already URL-encoded.
+// An HTTP GET of http://host_port/path with libcurl (never through a proxy); returns the body when
+// the status is 200, else UNAVAILABLE with the status line or libcurl's error. `path` includes the
+// query string, already URL-encoded. Thread-safe.
 absl::StatusOr<std::string> HttpGet(const std::string& host_port, const std::string& path,
                                     absl::Duration timeout = absl::Seconds(5));
 
