@@ -15,13 +15,7 @@ Compressor KvcdCompressor(Client* client, const std::string& id_prefix) {
     const std::string id = absl::StrCat(id_prefix, "-", (*counter)++, "-s", sequence);
     PutHeader header;
     header.set_cache_id(id);
-    LayerShape shape;
-    shape.num_kv_heads = prefix.num_kv_heads;
-    shape.num_q_heads = prefix.num_q_heads;
-    shape.head_dim = prefix.head_dim;
-    shape.seq_len = prefix.prefix_len;
-    shape.obs_window = prefix.obs_window;
-    *header.mutable_shape() = ShapeToProto(shape, prefix.num_layers());
+    *header.mutable_shape() = ShapeToProto(prefix.shape(), prefix.num_layers());
     header.set_dtype(ToProto(DType::kF32));
     header.set_layout(ToProto(Layout::kHND));
     *header.mutable_compression() = SpecToProto(spec);

@@ -13,30 +13,11 @@
 namespace kvc::cpu {
 namespace {
 
-double SecondsSince(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
-
 class CpuHostFallback final : public HostFallback {
  public:
   absl::StatusOr<CompactLayer> Compress(const LayerInput& in, const CompressionSpec& spec,
                                         CompressTimings* timings) const override {
-    // As the CPU backend (cpu_backend.cc), on the process-wide pool; no exception leaves.
-    return CallNoThrow([&]() -> absl::StatusOr<CompactLayer> {
-      const auto start = std::chrono::steady_clock::now();
-      ThreadPool* pool = ThreadPool::Default();
-      CompressTimings t;
-      const TokenSelection tokens = SelectTokensImpl(in, spec, pool, &t.score);
-      const ChannelSelection channels = SelectChannelsImpl(in, tokens, spec, pool);
-      t.select = SecondsSince(start) - t.score;
-      const auto pack_start = std::chrono::steady_clock::now();
-      ASSIGN_OR_RETURN(CompactLayer layer,
-                       PackLayerImpl(in, tokens, channels, spec, pool, /*work=*/nullptr));
-      t.pack = SecondsSince(pack_start);
-      t.total = SecondsSince(start);
-      if (timings != nullptr) *timings = t;
-      return layer;
-    });
+    return CompressOnPool(in, spec, ThreadPool::Default(), timings);
   }
 
   ExpectedStats ExpectedStatistics(const LayerInput& in, const EvictionSpec& spec) const override {
