@@ -16,7 +16,7 @@ PKGS=(
 if ((!BUILD_ONLY)); then
   PKGS+=(git ca-certificates libgtest-dev libgmock-dev libbenchmark-dev
          clang libclang-rt-dev ccache
-         prometheus redis-server python3 openssl librsvg2-bin
+         prometheus redis-server python3 python3-venv openssl librsvg2-bin
          python3-grpcio python3-protobuf python3-numpy python3-pytest python3-xxhash)
 fi
 # The container image tests (tests/deploy/image_test.sh) build and run images with these; they
@@ -69,5 +69,28 @@ fi
 # /usr/local/cuda/bin/nvcc, and skips it otherwise.
 if ! command -v nvcc >/dev/null 2>&1 && [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
   echo "setup: no nvcc found; the CUDA backend will not be built"
+else
+  # The CUDA code compiles against NCCL's and cuBLAS's headers and loads both libraries at run
+  # time (dlopen), so building needs only the headers. A toolkit without them (Debian's main
+  # archive has neither) gets them from NVIDIA's PyPI wheels into /usr/local/include; the
+  # libraries are not installed (kvcd and the GPU benchmark use the GPU node's own).
+  wheel_headers() {  # HEADER WHEEL VERSION SUBDIR
+    local header=$1 wheel=$2 version=$3 subdir=$4 tmp
+    local dir
+    for dir in /usr/include /usr/local/include /usr/local/cuda/include; do
+      [[ -f $dir/$header ]] && return 0
+    done
+    echo "setup: installing $header from the $wheel $version wheel"
+    tmp=$(mktemp -d)
+    python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" "$wheel==$version" &&
+      python3 -c 'import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+z.extractall(sys.argv[2], [n for n in z.namelist() if "/include/" in n])' "$tmp"/*.whl "$tmp/x" &&
+      $SUDO cp -r "$tmp/x/$subdir/include/." /usr/local/include/ ||
+      { echo "setup: could not fetch $header; configure with -DKVC_CUDA=OFF" >&2; return 1; }
+    rm -rf "$tmp"
+  }
+  wheel_headers nccl.h nvidia-nccl-cu13 2.28.9 nvidia/nccl || exit 1
+  wheel_headers cublas_v2.h nvidia-cublas 13.0.2.14 nvidia/cu13 || exit 1
 fi
 echo "setup: ok"

@@ -56,9 +56,30 @@ ABSL_FLAG(std::string, buffer_pool_bytes, "512MiB",
           "by later uploads (bytes or K/M/G[i][B]); 0 disables reuse");
 ABSL_FLAG(std::string, backend, "auto", "compression backend: auto, cpu or cuda");
 ABSL_FLAG(int32_t, threads, 0, "engine and compression threads; 0 = hardware concurrency");
-ABSL_FLAG(double, drain_seconds, 5, "on SIGTERM, how long to wait for in-flight streams");
+ABSL_FLAG(double, drain_seconds, 5,
+          "on SIGTERM, how long to wait for in-flight streams; uploads still compressing then "
+          "are stopped (UNAVAILABLE) and their compression abandoned");
 ABSL_FLAG(double, shutdown_deadline_seconds, 10, "then, the deadline given to remaining calls");
 ABSL_FLAG(double, ttl_sweep_seconds, 1, "period of the TTL sweep and store gauge refresh");
+ABSL_FLAG(double, work_flops_per_byte, 8192,
+          "work budget of one upload: its compression spec may cost at most this many flops per "
+          "uploaded byte (plus --work_base_flops); more is RESOURCE_EXHAUSTED at the header");
+ABSL_FLAG(double, work_base_flops, 1e9, "flops every upload may use beyond the per-byte budget");
+ABSL_FLAG(double, work_scratch_per_byte, 4,
+          "engine scratch memory one upload's spec may need per uploaded byte (plus "
+          "--work_base_scratch_bytes); it is reserved from --staging_bytes with the upload");
+ABSL_FLAG(std::string, work_base_scratch_bytes, "64MiB",
+          "engine scratch every upload may use beyond the per-byte budget");
+ABSL_FLAG(double, compress_timeout_seconds, 300,
+          "an upload whose compression has run this long is stopped with DEADLINE_EXCEEDED");
+ABSL_FLAG(int32_t, compress_nice, 10,
+          "nice value added to the compression threads (0..19), so that RPCs keep their speed "
+          "while a heavy spec compresses");
+ABSL_FLAG(double, keepalive_time_seconds, 60,
+          "gRPC keepalive: a connection silent this long is pinged");
+ABSL_FLAG(double, keepalive_timeout_seconds, 20,
+          "gRPC keepalive: a connection whose ping is not answered within this long is dropped "
+          "(its streams cancelled)");
 ABSL_FLAG(bool, enable_reflection, false, "serve gRPC server reflection");
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "file of 'TOKEN TENANT' lines; when set every RPC but health needs "
@@ -80,6 +101,20 @@ ABSL_FLAG(uint32_t, transfer_session_idle_seconds, 300,
           "a Transfer or Fetch stream whose client sends nothing this long is ended");
 ABSL_FLAG(uint32_t, transfer_max_sessions, 64,
           "open transfer sessions across all clients; more are RESOURCE_EXHAUSTED");
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#include <sanitizer/lsan_interface.h>
+#define KVC_LEAK_CHECK_AT_EXIT 1
+#endif
+#endif
+#if !defined(KVC_LEAK_CHECK_AT_EXIT) && defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/lsan_interface.h>
+#define KVC_LEAK_CHECK_AT_EXIT 1
+#endif
+#ifndef KVC_LEAK_CHECK_AT_EXIT
+#define KVC_LEAK_CHECK_AT_EXIT 0
+#endif
 
 namespace {
 
@@ -186,6 +221,17 @@ absl::StatusOr<kvc::server::ServerConfig> ConfigFromFlags() {
   c.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   c.shutdown_deadline_seconds = absl::GetFlag(FLAGS_shutdown_deadline_seconds);
   c.ttl_sweep_seconds = absl::GetFlag(FLAGS_ttl_sweep_seconds);
+  c.work_flops_per_byte = absl::GetFlag(FLAGS_work_flops_per_byte);
+  c.work_base_flops = absl::GetFlag(FLAGS_work_base_flops);
+  c.work_scratch_per_byte = absl::GetFlag(FLAGS_work_scratch_per_byte);
+  auto base_scratch =
+      bytes("work_base_scratch_bytes", absl::GetFlag(FLAGS_work_base_scratch_bytes));
+  if (!base_scratch.ok()) return base_scratch.status();
+  c.work_base_scratch_bytes = *base_scratch;
+  c.compress_timeout_seconds = absl::GetFlag(FLAGS_compress_timeout_seconds);
+  c.compress_nice = absl::GetFlag(FLAGS_compress_nice);
+  c.keepalive_time_seconds = absl::GetFlag(FLAGS_keepalive_time_seconds);
+  c.keepalive_timeout_seconds = absl::GetFlag(FLAGS_keepalive_timeout_seconds);
   c.enable_reflection = absl::GetFlag(FLAGS_enable_reflection);
   c.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
   c.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
@@ -306,5 +352,13 @@ int main(int argc, char** argv) {
   (*server)->Shutdown();
   std::printf("kvcd: stopped after %.3f s\n", absl::ToDoubleSeconds(absl::Now() - drain_start));
   std::fflush(stdout);
-  return 0;
+  // Everything is stopped: exit without destructors. Destroying the gRPC server runs the
+  // library's global shutdown, which in gRPC 1.51 can wait up to 10 s for its executor's next
+  // timer; and after an abandoned shutdown (server->abandoned()) jobs still run on the leaked
+  // pools, under which no destructor may run.
+  std::fflush(stderr);
+#if KVC_LEAK_CHECK_AT_EXIT
+  __lsan_do_leak_check();  // what exit() would have run under LeakSanitizer
+#endif
+  std::_Exit(0);
 }

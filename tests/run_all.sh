@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Runs every test from a fresh clone: installs missing Debian packages, then four stages:
+# Runs every test from a fresh clone: installs missing Debian packages, then five stages:
+#   python    the project's Python environments and the SmolLM2 model (deploy/setup-python.sh;
+#             reused when up to date); the tests that need them skip, saying why, without them
 #   main      Release build of everything (CUDA code included when nvcc is present), whole ctest
 #   notests   the container's configure line (-DKVC_BUILD_TESTS=OFF -DKVC_BUILD_BENCHMARKS=OFF)
 #   sanitize  clang ASan + UBSan build (no CUDA) of the engine, kvcd, kvcctl and the fuzzers; the
@@ -96,6 +98,7 @@ fuzz() {
   run_ctest "$SAN" "$SAN/fuzz-summary.txt" -L fuzz
 }
 
+stage python "" bash deploy/setup-python.sh
 stage main "$BUILD/summary.txt" main
 stage notests "" notests
 stage sanitize "$SAN/summary.txt" sanitize

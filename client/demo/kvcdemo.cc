@@ -1,8 +1,8 @@
 // kvcdemo: what a disaggregated prefill/decode pair does with kvcd, on a real (small) model.
 //
 //   prefill: run the model over a prompt, push every layer's post-RoPE K/V (and the last W queries
-//            as the observation window) to kvcd with PutCache, asking for Keyformer eviction + ThinK
-//            key-channel pruning;
+//            as the observation window) to kvcd with PutCache, asking for Keyformer eviction +
+//            ThinK key-channel pruning;
 //   decode:  fetch the compact cache with GetCache (PACKED), continue decoding on it with attention
 //            computed directly on the packed bytes, and compare with decoding on the full cache.
 //
@@ -10,12 +10,14 @@
 // every step compares the next-token distributions on equal footing.
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -25,7 +27,13 @@
 #include "kvc/model/transformer.h"
 #include "kvc/status_macros.h"
 
-ABSL_FLAG(std::string, model, "", "llama2.c checkpoint (e.g. stories260K.bin); required");
+ABSL_FLAG(std::string, model, "",
+          "llama2.c checkpoint file (e.g. stories260K.bin) or Hugging Face Llama directory "
+          "(config.json + safetensors, e.g. SmolLM2-135M-Instruct); required");
+ABSL_FLAG(std::string, tokens_file, "",
+          "token ids (whitespace-separated) of the text to use instead of sampling one from the "
+          "model's BOS token: the first prompt_len are the prompt, the next new_tokens the "
+          "continuation (tokenize in Python; nothing is prepended)");
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "kvcd address");
 ABSL_FLAG(int, prompt_len, 384, "prompt tokens pushed by the prefill client");
 ABSL_FLAG(int, new_tokens, 96, "tokens decoded on the compact cache");
@@ -74,8 +82,8 @@ absl::Status Run() {
   const int new_tokens = absl::GetFlag(FLAGS_new_tokens);
   const int window = absl::GetFlag(FLAGS_obs_window);
   if (prompt_len < 2 || prompt_len + new_tokens > cfg.seq_len) {
-    return absl::InvalidArgumentError(absl::StrCat("--prompt_len + --new_tokens: must fit the ",
-                                                   cfg.seq_len, "-token context"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--prompt_len + --new_tokens: must fit the ", cfg.seq_len, "-token context"));
   }
   if (window < 0 || window > prompt_len) {
     return absl::InvalidArgumentError("--obs_window: must be in [0, prompt_len]");
@@ -85,15 +93,42 @@ absl::Status Run() {
               model_path.c_str(), cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, hd, cfg.vocab_size);
 
   // ---- Prefill node ----------------------------------------------------------------------------
-  // One sampled text: the first prompt_len tokens are the prompt, the rest is the continuation the
-  // decode node is fed (teacher forcing), so both caches are scored on the same real tokens.
-  kvc::model::Sampler sampler(1.0f, absl::GetFlag(FLAGS_seed));
-  const int32_t bos = kvc::model::kBosToken;
-  ASSIGN_OR_RETURN(std::vector<int32_t> text, model.Generate(absl::MakeConstSpan(&bos, 1),
-                                                             prompt_len + new_tokens - 1, &sampler));
+  // One text (sampled, or from --tokens_file): the first prompt_len tokens are the prompt, the
+  // rest is the continuation the decode node is fed (teacher forcing), so both caches are scored
+  // on the same real tokens.
+  std::vector<int32_t> text;
+  if (const std::string path = absl::GetFlag(FLAGS_tokens_file); !path.empty()) {
+    std::ifstream in(path);
+    if (!in) return absl::InvalidArgumentError(absl::StrCat("--tokens_file: cannot read ", path));
+    std::string word;
+    while (in >> word && static_cast<int>(text.size()) < prompt_len + new_tokens) {
+      int32_t id;
+      if (!absl::SimpleAtoi(word, &id) || id < 0 || id >= cfg.vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--tokens_file: '", word, "' is not a token id in [0, ", cfg.vocab_size, ")"));
+      }
+      text.push_back(id);
+    }
+    if (static_cast<int>(text.size()) < prompt_len + new_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat("--tokens_file: ", text.size(),
+                                                     " tokens, --prompt_len + --new_tokens needs ",
+                                                     prompt_len + new_tokens));
+    }
+  } else {
+    const int32_t bos = cfg.bos_token;
+    if (bos < 0) {
+      return absl::InvalidArgumentError(
+          "the model declares no BOS token to sample a text from; give --tokens_file");
+    }
+    kvc::model::Sampler sampler(1.0f, absl::GetFlag(FLAGS_seed));
+    ASSIGN_OR_RETURN(
+        text, model.Generate(absl::MakeConstSpan(&bos, 1), prompt_len + new_tokens - 1, &sampler));
+  }
   const std::vector<int32_t> prompt(text.begin(), text.begin() + prompt_len);
+  kvc::model::ForwardOptions forward;
+  forward.last_logits = 1;  // decoding starts from the prompt's last position
   absl::Time t0 = absl::Now();
-  ASSIGN_OR_RETURN(ForwardOutput prefill, model.Forward(prompt));
+  ASSIGN_OR_RETURN(ForwardOutput prefill, model.Forward(prompt, forward));
   const absl::Duration prefill_time = absl::Now() - t0;
 
   // Observation queries: the last W rows of each query head, [n_heads, W, head_dim].
@@ -103,7 +138,8 @@ absl::Status Run() {
     const auto& p = prefill.layers[l];
     q_obs[l].resize(static_cast<size_t>(cfg.n_heads) * window * hd);
     for (int h = 0; h < cfg.n_heads; ++h) {
-      const float* src = p.q.data() + (static_cast<size_t>(h) * prompt_len + prompt_len - window) * hd;
+      const float* src =
+          p.q.data() + (static_cast<size_t>(h) * prompt_len + prompt_len - window) * hd;
       std::copy(src, src + static_cast<size_t>(window) * hd,
                 q_obs[l].begin() + static_cast<size_t>(h) * window * hd);
     }
@@ -155,9 +191,9 @@ absl::Status Run() {
   }
   ASSIGN_OR_RETURN(auto compact,
                    kvc::model::CompactKvCache::Create(cfg, std::move(blobs), nullptr, new_tokens));
-  ASSIGN_OR_RETURN(auto full, kvc::model::FullKvCache::FromPrefix(
-                                  cfg, prefill.layers, prompt_len, prompt_len,
-                                  prompt_len + new_tokens));
+  ASSIGN_OR_RETURN(auto full,
+                   kvc::model::FullKvCache::FromPrefix(cfg, prefill.layers, prompt_len, prompt_len,
+                                                       prompt_len + new_tokens));
 
   // Teacher-forced decoding of the continuation on both caches. Step t scores the prediction of
   // text[prompt_len + t]; step 0's logits come from the prefill pass for both caches.
@@ -191,10 +227,10 @@ absl::Status Run() {
   }
 
   const auto& ev = comp->eviction();
-  std::printf("policy   %s keep %.2f + %s lambda %.2f%s\n", ev.policy().c_str(), ev.keep_ratio(),
-              comp->channels().key_policy().c_str(), comp->channels().key_lambda(),
-              comp->quant().bits() ? absl::StrFormat(" + %d-bit", comp->quant().bits()).c_str()
-                                   : "");
+  std::printf(
+      "policy   %s keep %.2f + %s lambda %.2f%s\n", ev.policy().c_str(), ev.keep_ratio(),
+      comp->channels().key_policy().c_str(), comp->channels().key_lambda(),
+      comp->quant().bits() ? absl::StrFormat(" + %d-bit", comp->quant().bits()).c_str() : "");
   std::printf("prefill  %d tokens, forward %.1f ms\n", prompt_len, Ms(prefill_time));
   std::printf("bytes    in %llu (K+V)  stored %llu  fetched %llu  ratio %.2fx\n",
               static_cast<unsigned long long>(put.input_bytes()),
@@ -202,13 +238,15 @@ absl::Status Run() {
               static_cast<unsigned long long>(fetched_bytes), put.compression_ratio());
   std::printf("kept     %u of %d tokens per KV head in layer 0\n",
               fetched.info.kept_tokens_size() ? fetched.info.kept_tokens(0) : 0u, prompt_len);
-  std::printf("times    PutCache %.2f ms (compress %.2f ms)  GetCache %.2f ms  decode %.2f ms/token\n",
-              Ms(put_time), put.compress().total_seconds() * 1e3, Ms(get_time),
-              steps ? Ms(decode_time) / steps : 0.0);
+  std::printf(
+      "times    PutCache %.2f ms (compress %.2f ms)  GetCache %.2f ms  decode %.2f ms/token\n",
+      Ms(put_time), put.compress().total_seconds() * 1e3, Ms(get_time),
+      steps ? Ms(decode_time) / steps : 0.0);
   std::printf("fidelity teacher-forced over %d steps: top-1 agreement %.1f%%, mean KL %.4f nats\n",
               steps, steps ? 100.0 * agree / steps : 100.0, steps ? kl_sum / steps : 0.0);
-  std::printf("         continuation perplexity %.2f on the full cache, %.2f on the compact cache\n",
-              steps ? std::exp(nll_full / steps) : 0.0, steps ? std::exp(nll_compact / steps) : 0.0);
+  std::printf(
+      "         continuation perplexity %.2f on the full cache, %.2f on the compact cache\n",
+      steps ? std::exp(nll_full / steps) : 0.0, steps ? std::exp(nll_compact / steps) : 0.0);
   RETURN_IF_ERROR(client->DeleteCache(cache_id).status());
   return absl::OkStatus();
 }
@@ -217,7 +255,8 @@ absl::Status Run() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "kvcdemo --model FILE [--target ADDR]: prefill -> kvcd -> decode on the compact cache");
+      "kvcdemo --model FILE_OR_DIR [--target ADDR] [--tokens_file IDS]: prefill -> kvcd -> "
+      "decode on the compact cache");
   absl::ParseCommandLine(argc, argv);
   const absl::Status status = Run();
   if (!status.ok()) {

@@ -165,7 +165,13 @@ absl::StatusOr<std::unique_ptr<FidelityEval>> FidelityEval::Create(const model::
                                                                    Backend* attention) {
   if (model == nullptr) return absl::InvalidArgumentError("model: null");
   RETURN_IF_ERROR(ValidateRunOptions(options, model->config()));
+  ASSIGN_OR_RETURN(const RopeParams rope, model::EngineRope(model->config()));
+  if (options.given_sequences.empty() && model->config().bos_token < 0) {
+    return absl::InvalidArgumentError(
+        "sequences: the model declares no BOS token to sample from; give the sequences");
+  }
   std::unique_ptr<FidelityEval> eval(new FidelityEval(model, options, attention));
+  eval->rope_ = rope;
   RETURN_IF_ERROR(eval->Prepare());
   return eval;
 }
@@ -179,7 +185,8 @@ absl::Status FidelityEval::Prepare() {
       seq.assign(given.begin(), given.begin() + total);
     } else {
       model::Sampler sampler(options_.temperature, options_.seed + static_cast<uint64_t>(i));
-      ASSIGN_OR_RETURN(seq, model_->Generate({model::kBosToken}, total - 1, &sampler));
+      const int32_t bos = model_->config().bos_token;
+      ASSIGN_OR_RETURN(seq, model_->Generate({bos}, total - 1, &sampler));
     }
     RETURN_IF_ERROR(PrepareSequence(std::move(seq)));
   }
@@ -228,7 +235,9 @@ absl::Status FidelityEval::PrepareSequence(std::vector<int32_t> seq) {
   const model::LlamaConfig& c = model_->config();
   const int p = options_.prefix_len, n_cont = options_.continuation, w = options_.obs_window;
   const int total = p + n_cont, hd = c.head_dim(), vocab = c.vocab_size;
-  ASSIGN_OR_RETURN(model::ForwardOutput fwd, model_->Forward(seq));
+  model::ForwardOptions forward;
+  forward.last_logits = 0;  // the reference logits come from decoding, below
+  ASSIGN_OR_RETURN(model::ForwardOutput fwd, model_->Forward(seq, forward));
 
   // Reference: full-cache decoding of the continuation, and each layer's attention output for
   // the full model's own continuation queries (fed from the forward pass, so the compact side
@@ -239,7 +248,7 @@ absl::Status FidelityEval::PrepareSequence(std::vector<int32_t> seq) {
                    model::FullKvCache::FromPrefix(c, fwd.layers, total, p, total));
   std::vector<double> logp(static_cast<size_t>(n_cont) * vocab);
   std::vector<int32_t> top1(n_cont);
-  std::vector<float> attn(static_cast<size_t>(n_cont) * c.n_layers * c.dim), logits(vocab);
+  std::vector<float> attn(static_cast<size_t>(n_cont) * c.n_layers * c.q_dim()), logits(vocab);
   std::vector<float> q(static_cast<size_t>(c.n_heads) * hd),
       k(static_cast<size_t>(c.n_kv_heads) * hd), v(k.size());
   for (int t = 0; t < n_cont; ++t) {
@@ -253,7 +262,7 @@ absl::Status FidelityEval::PrepareSequence(std::vector<int32_t> seq) {
       Gather(lp.v, c.n_kv_heads, total, hd, p + t, v.data());
       RETURN_IF_ERROR(
           fed->AppendAndAttend(l, q.data(), k.data(), v.data(),
-                               &attn[(static_cast<size_t>(t) * c.n_layers + l) * c.dim]));
+                               &attn[(static_cast<size_t>(t) * c.n_layers + l) * c.q_dim()]));
     }
     fed->Advance();
   }
@@ -275,7 +284,7 @@ absl::Status FidelityEval::PrepareSequence(std::vector<int32_t> seq) {
   inside.num_q_heads = c.n_heads;
   inside.head_dim = hd;
   inside.layers = slice(0, p, p - w, w);
-  inside.rope.half_split = model_->rope_pairs() == model::RopePairs::kHalfSplit;
+  inside.rope = rope_;
   PrefixCache after = inside, after_no_queries = inside;
   if (p > w) {  // else kAfter is refused by Evaluate
     const int len = p - w, window = std::min(w, len);
@@ -400,9 +409,9 @@ absl::StatusOr<Metrics> FidelityEval::Evaluate(const CompressionSpec& spec,
         Gather(lp.v, c.n_kv_heads, tail_len, hd, pos - tail_first, v.data());
         RETURN_IF_ERROR(fed->AppendAndAttend(l, q.data(), k.data(), v.data(), attn.data()));
         if (t < 0) continue;
-        const float* ref = &ref_attn_[i][(static_cast<size_t>(t) * c.n_layers + l) * c.dim];
+        const float* ref = &ref_attn_[i][(static_cast<size_t>(t) * c.n_layers + l) * c.q_dim()];
         double diff = 0, norm = 0;
-        for (int d = 0; d < c.dim; ++d) {
+        for (int d = 0; d < c.q_dim(); ++d) {
           const double o_f = ref[d], o_c = attn[d];
           diff += (o_c - o_f) * (o_c - o_f);
           norm += o_f * o_f;

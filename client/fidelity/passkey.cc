@@ -4,15 +4,16 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <memory>
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "kvc/model/kv_cache.h"
 #include "kvc/status_macros.h"
@@ -237,6 +238,14 @@ std::string FormatAccuracy(const PasskeyResult& r) {
   return absl::StrFormat("%.3f [%.3f, %.3f]", r.accuracy, r.interval.lo, r.interval.hi);
 }
 
+TokenDocument ToTokenDocument(const PasskeyDocument& doc) {
+  TokenDocument t;
+  for (char ch : doc.prompt) t.prompt.push_back(static_cast<unsigned char>(ch));
+  t.question_start = doc.question_offset;
+  for (char ch : doc.answer()) t.answer.push_back(static_cast<unsigned char>(ch));
+  return t;
+}
+
 absl::StatusOr<std::unique_ptr<PasskeyEval>> PasskeyEval::Create(const model::Transformer* model,
                                                                  std::vector<PasskeyDocument> docs,
                                                                  int obs_window,
@@ -247,43 +256,101 @@ absl::StatusOr<std::unique_ptr<PasskeyEval>> PasskeyEval::Create(const model::Tr
     return absl::InvalidArgumentError(absl::StrCat(
         "model: vocab_size ", c.vocab_size, ", the pass-key task needs a byte-level model (256)"));
   }
-  if (docs.empty()) return absl::InvalidArgumentError("documents: none");
-  int shortest = c.seq_len;
+  std::vector<TokenDocument> tokens;
   for (size_t i = 0; i < docs.size(); ++i) {
     const int s = static_cast<int>(docs[i].prompt.size());
-    if (s > c.seq_len) {
-      return absl::InvalidArgumentError(absl::StrCat("documents: document ", i, " has ", s,
-                                                     " bytes, the model's seq_len is ", c.seq_len));
-    }
-    if (docs[i].needles.empty() || docs[i].question_offset < 1 || docs[i].question_offset >= s) {
+    if (docs[i].needles.empty() || docs[i].question_offset < 1 || docs[i].question_offset >= s ||
+        docs[i].asked < 0 || docs[i].asked >= static_cast<int>(docs[i].needles.size())) {
       return absl::InvalidArgumentError(absl::StrCat("documents: document ", i, " is malformed"));
     }
-    shortest = std::min(shortest, docs[i].question_offset);
+    tokens.push_back(ToTokenDocument(docs[i]));
+  }
+  return CreateChecked(model, std::move(docs), std::move(tokens), obs_window, attention, "bytes");
+}
+
+absl::StatusOr<std::unique_ptr<PasskeyEval>> PasskeyEval::CreateFromTokens(
+    const model::Transformer* model, std::vector<TokenDocument> docs, int obs_window,
+    Backend* attention) {
+  if (model == nullptr) return absl::InvalidArgumentError("model: null");
+  return CreateChecked(model, {}, std::move(docs), obs_window, attention, "tokens");
+}
+
+absl::StatusOr<std::unique_ptr<PasskeyEval>> PasskeyEval::CreateChecked(
+    const model::Transformer* model, std::vector<PasskeyDocument> docs,
+    std::vector<TokenDocument> tokens, int obs_window, Backend* attention, const char* unit) {
+  const model::LlamaConfig& c = model->config();
+  if (tokens.empty()) return absl::InvalidArgumentError("documents: none");
+  int shortest = c.seq_len;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const TokenDocument& d = tokens[i];
+    const std::string where =
+        absl::StrCat("documents: document ", i, d.id.empty() ? "" : absl::StrCat(" (", d.id, ")"));
+    const int64_t s = static_cast<int64_t>(d.prompt.size());
+    if (s < 2 || d.question_start < 1 || d.question_start >= s) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": question_start ", d.question_start,
+                                                     " is outside [1, prompt size - 1 = ", s - 1,
+                                                     "]"));
+    }
+    if (d.answer.empty() || d.answer.size() > static_cast<size_t>(kMaxAnswerTokens)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": answer of ", d.answer.size(),
+                                                     " tokens, must be 1..", kMaxAnswerTokens));
+    }
+    if (s > c.seq_len) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " has ", s, " ", unit, ", the model's seq_len is ", c.seq_len));
+    }
+    for (const std::vector<int32_t>* ids : {&d.prompt, &d.answer}) {
+      for (size_t t = 0; t < ids->size(); ++t) {
+        if ((*ids)[t] < 0 || (*ids)[t] >= c.vocab_size) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              where, ": ", ids == &d.prompt ? "prompt" : "answer", "[", t, "] = ", (*ids)[t],
+              " is outside the model's vocabulary [0, ", c.vocab_size, ")"));
+        }
+      }
+    }
+    shortest = std::min(shortest, d.question_start);
   }
   if (obs_window < 1 || obs_window > shortest) {
     return absl::InvalidArgumentError(absl::StrCat("window: ", obs_window, " is outside [1, ",
                                                    shortest, "] (the shortest haystack)"));
   }
-  std::unique_ptr<PasskeyEval> eval(new PasskeyEval(model, std::move(docs), obs_window, attention));
+  ASSIGN_OR_RETURN(const RopeParams rope, model::EngineRope(c));
+  std::unique_ptr<PasskeyEval> eval(
+      new PasskeyEval(model, std::move(docs), std::move(tokens), obs_window, attention));
+  eval->rope_ = rope;
   RETURN_IF_ERROR(eval->Prepare());
   return eval;
 }
 
 int PasskeyEval::CompressedLength(int i, PasskeyScenario scenario) const {
-  return scenario == PasskeyScenario::kInside ? static_cast<int>(docs_[i].prompt.size()) - 1
-                                              : docs_[i].question_offset;
+  return scenario == PasskeyScenario::kInside ? static_cast<int>(tokens_[i].prompt.size()) - 1
+                                              : tokens_[i].question_start;
+}
+
+bool PasskeyEval::IsCorrect(int i, const std::vector<int32_t>& generated) const {
+  return generated == tokens_[i].answer;
+}
+
+std::string PasskeyEval::AnswerText(const std::vector<int32_t>& generated) const {
+  if (!docs_.empty()) {
+    std::string bytes;
+    for (int32_t t : generated) bytes.push_back(static_cast<char>(t));
+    return bytes;
+  }
+  return absl::StrJoin(generated, " ");
 }
 
 absl::Status PasskeyEval::Prepare() {
   const model::LlamaConfig& c = model_->config();
   const int hd = c.head_dim(), w = obs_window_;
-  full_.documents = static_cast<int>(docs_.size());
+  full_.documents = static_cast<int>(tokens_.size());
+  model::ForwardOptions forward;
+  forward.last_logits = 0;  // answers come from decoding
   for (int i = 0; i < full_.documents; ++i) {
-    const std::string& prompt = docs_[i].prompt;
-    const int s = static_cast<int>(prompt.size());
-    std::vector<int32_t> tokens(prompt.begin(), prompt.end());
-    for (int32_t& t : tokens) t &= 0xff;  // bytes, not signed chars
-    ASSIGN_OR_RETURN(model::ForwardOutput fwd, model_->Forward(tokens));
+    const std::vector<int32_t>& tokens = tokens_[i].prompt;
+    const int s = static_cast<int>(tokens.size());
+    const int n_answer = static_cast<int>(tokens_[i].answer.size());
+    ASSIGN_OR_RETURN(model::ForwardOutput fwd, model_->Forward(tokens, forward));
     DocCache cache;
     const int p_in = CompressedLength(i, PasskeyScenario::kInside);
     const int p_hay = CompressedLength(i, PasskeyScenario::kAfter);
@@ -292,12 +359,12 @@ absl::Status PasskeyEval::Prepare() {
       cache.q_hay.push_back(Rows(layer.q, c.n_heads, s, hd, p_hay - w, w));
     }
     // Full-cache reference, decoded the same way as on a compact cache.
-    ASSIGN_OR_RETURN(
-        std::unique_ptr<model::FullKvCache> full,
-        model::FullKvCache::FromPrefix(c, fwd.layers, s, p_in, p_in + 1 + kPasskeyDigits - 1));
-    ASSIGN_OR_RETURN(std::string answer, Generate(i, PasskeyScenario::kInside, full.get()));
-    if (IsExactAnswer(answer, docs_[i].answer())) ++full_.correct;
-    full_.answers.push_back(std::move(answer));
+    ASSIGN_OR_RETURN(std::unique_ptr<model::FullKvCache> full,
+                     model::FullKvCache::FromPrefix(c, fwd.layers, s, p_in, p_in + n_answer));
+    ASSIGN_OR_RETURN(std::vector<int32_t> answer,
+                     Generate(i, PasskeyScenario::kInside, full.get()));
+    if (IsCorrect(i, answer)) ++full_.correct;
+    full_.answers.push_back(AnswerText(answer));
     for (model::LayerProjections& layer : fwd.layers) {
       cache.k.push_back(std::move(layer.k));
       cache.v.push_back(std::move(layer.v));
@@ -311,20 +378,19 @@ absl::Status PasskeyEval::Prepare() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> PasskeyEval::Generate(int i, PasskeyScenario scenario,
-                                                  model::KvCache* cache) const {
-  const std::string& prompt = docs_[i].prompt;
+absl::StatusOr<std::vector<int32_t>> PasskeyEval::Generate(int i, PasskeyScenario scenario,
+                                                           model::KvCache* cache) const {
+  const TokenDocument& d = tokens_[i];
   const int vocab = model_->config().vocab_size;
   std::vector<float> logits(vocab);
-  for (size_t t = CompressedLength(i, scenario); t < prompt.size(); ++t) {
-    RETURN_IF_ERROR(
-        model_->DecodeStep(static_cast<unsigned char>(prompt[t]), cache, absl::MakeSpan(logits)));
+  for (size_t t = CompressedLength(i, scenario); t < d.prompt.size(); ++t) {
+    RETURN_IF_ERROR(model_->DecodeStep(d.prompt[t], cache, absl::MakeSpan(logits)));
   }
-  std::string answer;
+  std::vector<int32_t> answer;
   for (;;) {
     const int32_t next = ArgMax(logits.data(), vocab);
-    answer.push_back(static_cast<char>(next));
-    if (static_cast<int>(answer.size()) == kPasskeyDigits) break;
+    answer.push_back(next);
+    if (answer.size() == d.answer.size()) break;
     RETURN_IF_ERROR(model_->DecodeStep(next, cache, absl::MakeSpan(logits)));
   }
   return answer;
@@ -344,7 +410,7 @@ int PasskeyEval::WindowFor(const CompressionSpec& spec, PasskeyScenario scenario
 
 absl::StatusOr<PrefixCache> PasskeyEval::Prefix(int i, PasskeyScenario scenario,
                                                 int obs_window) const {
-  if (i < 0 || i >= static_cast<int>(docs_.size())) {
+  if (i < 0 || i >= static_cast<int>(tokens_.size())) {
     return absl::InvalidArgumentError(absl::StrCat("document: ", i, " is out of range"));
   }
   if (obs_window != 0 && obs_window != obs_window_) {
@@ -352,7 +418,7 @@ absl::StatusOr<PrefixCache> PasskeyEval::Prefix(int i, PasskeyScenario scenario,
         absl::StrCat("obs_window: ", obs_window, " must be 0 or ", obs_window_));
   }
   const model::LlamaConfig& c = model_->config();
-  const int s = static_cast<int>(docs_[i].prompt.size()), p = CompressedLength(i, scenario);
+  const int s = static_cast<int>(tokens_[i].prompt.size()), p = CompressedLength(i, scenario);
   const DocCache& cache = caches_[i];
   PrefixCache prefix;
   prefix.prefix_len = p;
@@ -360,7 +426,7 @@ absl::StatusOr<PrefixCache> PasskeyEval::Prefix(int i, PasskeyScenario scenario,
   prefix.num_kv_heads = c.n_kv_heads;
   prefix.num_q_heads = c.n_heads;
   prefix.head_dim = c.head_dim();
-  prefix.rope.half_split = model_->rope_pairs() == model::RopePairs::kHalfSplit;
+  prefix.rope = rope_;
   auto layers = std::make_shared<std::vector<model::LayerProjections>>();
   for (int l = 0; l < c.n_layers; ++l) {
     model::LayerProjections layer;
@@ -375,16 +441,17 @@ absl::StatusOr<PrefixCache> PasskeyEval::Prefix(int i, PasskeyScenario scenario,
   return prefix;
 }
 
-absl::StatusOr<std::string> PasskeyEval::AnswerOnCompact(int i, PasskeyScenario scenario,
-                                                         std::vector<CompactLayer> layers) const {
-  if (i < 0 || i >= static_cast<int>(docs_.size())) {
+absl::StatusOr<std::vector<int32_t>> PasskeyEval::GenerateOnCompact(
+    int i, PasskeyScenario scenario, std::vector<CompactLayer> layers) const {
+  if (i < 0 || i >= static_cast<int>(tokens_.size())) {
     return absl::InvalidArgumentError(absl::StrCat("document: ", i, " is out of range"));
   }
   const int p = CompressedLength(i, scenario);
-  const int fed = static_cast<int>(docs_[i].prompt.size()) - p;
+  const int fed = static_cast<int>(tokens_[i].prompt.size()) - p;
+  const int n_answer = static_cast<int>(tokens_[i].answer.size());
   ASSIGN_OR_RETURN(std::unique_ptr<model::CompactKvCache> cache,
                    model::CompactKvCache::Create(model_->config(), std::move(layers), attention_,
-                                                 fed + kPasskeyDigits - 1));
+                                                 fed + n_answer - 1));
   // New tokens' RoPE positions continue at the blobs' seq_len: it must be the compressed length.
   if (cache->position() != p) {
     return absl::InvalidArgumentError(absl::StrCat("layers: blobs have seq_len ", cache->position(),
@@ -393,11 +460,17 @@ absl::StatusOr<std::string> PasskeyEval::AnswerOnCompact(int i, PasskeyScenario 
   return Generate(i, scenario, cache.get());
 }
 
+absl::StatusOr<std::string> PasskeyEval::AnswerOnCompact(int i, PasskeyScenario scenario,
+                                                         std::vector<CompactLayer> layers) const {
+  ASSIGN_OR_RETURN(std::vector<int32_t> answer, GenerateOnCompact(i, scenario, std::move(layers)));
+  return AnswerText(answer);
+}
+
 absl::StatusOr<PasskeyResult> PasskeyEval::Evaluate(const CompressionSpec& spec,
                                                     PasskeyScenario scenario,
                                                     const Compressor& compressor) {
   PasskeyResult r;
-  r.documents = static_cast<int>(docs_.size());
+  r.documents = static_cast<int>(tokens_.size());
   r.obs_window = WindowFor(spec, scenario);
   uint64_t packed = 0, full = 0;
   for (int i = 0; i < r.documents; ++i) {
@@ -405,9 +478,10 @@ absl::StatusOr<PasskeyResult> PasskeyEval::Evaluate(const CompressionSpec& spec,
     ASSIGN_OR_RETURN(std::vector<CompactLayer> layers, compressor(prefix, spec, i));
     for (const CompactLayer& layer : layers) packed += layer.bytes.size();
     full += prefix.full_bytes();
-    ASSIGN_OR_RETURN(std::string answer, AnswerOnCompact(i, scenario, std::move(layers)));
-    if (IsExactAnswer(answer, docs_[i].answer())) ++r.correct;
-    r.answers.push_back(std::move(answer));
+    ASSIGN_OR_RETURN(std::vector<int32_t> answer,
+                     GenerateOnCompact(i, scenario, std::move(layers)));
+    if (IsCorrect(i, answer)) ++r.correct;
+    r.answers.push_back(AnswerText(answer));
   }
   r.accuracy = static_cast<double>(r.correct) / r.documents;
   r.interval = WilsonInterval(r.correct, r.documents);

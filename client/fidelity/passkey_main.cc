@@ -1,11 +1,14 @@
 // kvcpasskey: pass-key retrieval on compressed KV caches. Generates documents (prose lines with
 // 1-4 "The pass key of <name> is <5 digits>." needles and a question about one of them at the
-// end), and for every spec reports the fraction answered exactly (greedy) with the question
-// inside the compressed prompt and with the question fed after compressing the haystack, next to
-// the full-cache accuracy. Scenario definitions: kvc/fidelity/passkey.h.
+// end) for a byte-level model, or reads pre-tokenized documents (--documents_file, any model:
+// kvc/fidelity/documents_file.h), and for every spec reports the fraction answered exactly
+// (greedy) with the question inside the compressed prompt and with the question fed after
+// compressing the haystack, next to the full-cache accuracy. Scenario definitions:
+// kvc/fidelity/passkey.h.
 //
 //   kvcpasskey --model passkey4L.bin --csv passkey.csv
 //   kvcpasskey --model passkey4L.bin --spec 'snapkv:0.25;h2o:0.25' --via 127.0.0.1:50051
+//   kvcpasskey --model SmolLM2-135M-Instruct/ --documents_file docs.jsonl --csv out.csv
 #include <unistd.h>
 
 #include <chrono>
@@ -24,6 +27,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "kvc/backend.h"
+#include "kvc/fidelity/documents_file.h"
 #include "kvc/fidelity/passkey.h"
 #include "kvc/fidelity/via_kvcd.h"
 #include "kvc/model/transformer.h"
@@ -34,7 +38,13 @@ constexpr char kDefaultSpecs[] =
     "full;streaming:0.5;h2o:0.5;snapkv:0.5;keyformer:0.5;knorm:0.5;"
     "streaming:0.25;h2o:0.25;snapkv:0.25;keyformer:0.25;knorm:0.25";
 
-ABSL_FLAG(std::string, model, "", "byte-level llama2.c checkpoint, e.g. passkey4L.bin (required)");
+ABSL_FLAG(std::string, model, "",
+          "llama2.c checkpoint file (byte-level for generated documents, e.g. passkey4L.bin) or "
+          "Hugging Face Llama directory (config.json + safetensors) (required)");
+ABSL_FLAG(std::string, documents_file, "",
+          "evaluate these pre-tokenized documents instead of generating byte documents: JSON "
+          "Lines, one {\"prompt\": [ids], \"question_start\": n, \"answer\": [ids], \"id\": "
+          "\"...\"} per line (docs/fidelity-real-model.md); all of them are used");
 ABSL_FLAG(int, documents, 200, "documents generated (the same ones for every spec)");
 ABSL_FLAG(uint64_t, seed, 1, "seed of the document generator");
 ABSL_FLAG(std::string, filler, "/usr/share/common-licenses",
@@ -124,6 +134,20 @@ std::string CsvField(const std::string& s) {
 absl::Status Run() {
   const std::string model_path = absl::GetFlag(FLAGS_model);
   if (model_path.empty()) return absl::InvalidArgumentError("--model: required");
+  const std::string documents_file = absl::GetFlag(FLAGS_documents_file);
+  if (!documents_file.empty()) {
+    // The generator's flags mean nothing for a file: refuse them rather than ignore them.
+    for (const absl::CommandLineFlag* flag :
+         {&absl::GetFlagReflectionHandle(FLAGS_documents),
+          &absl::GetFlagReflectionHandle(FLAGS_seed), &absl::GetFlagReflectionHandle(FLAGS_filler),
+          &absl::GetFlagReflectionHandle(FLAGS_max_bytes),
+          &absl::GetFlagReflectionHandle(FLAGS_documents_out)}) {
+      if (flag->CurrentValue() != flag->DefaultValue()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--", flag->Name(), ": generates documents; not used with --documents_file"));
+      }
+    }
+  }
   const int n_docs = absl::GetFlag(FLAGS_documents);
   if (n_docs < 1) return absl::InvalidArgumentError(absl::StrCat("--documents: ", n_docs, " < 1"));
   const int threads = absl::GetFlag(FLAGS_threads);
@@ -150,48 +174,74 @@ absl::Status Run() {
     }
   }
 
+  // Documents first: a malformed file fails in a second, before the model loads.
+  std::vector<TokenDocument> token_docs;
+  if (!documents_file.empty()) {
+    absl::StatusOr<std::vector<TokenDocument>> read = ReadTokenDocuments(documents_file);
+    if (!read.ok()) {
+      return absl::Status(read.status().code(),
+                          absl::StrCat("--documents_file: ", read.status().message()));
+    }
+    token_docs = *std::move(read);
+  }
   ASSIGN_OR_RETURN(model::Transformer model, model::Transformer::Load(model_path));
   const model::LlamaConfig& c = model.config();
-  ASSIGN_OR_RETURN(std::vector<std::string> filler, LoadFillerLines(absl::GetFlag(FLAGS_filler)));
-  const uint64_t seed = absl::GetFlag(FLAGS_seed);
-  ASSIGN_OR_RETURN(std::vector<PasskeyDocument> docs,
-                   GeneratePasskeyDocuments(filler, seed, n_docs, doc_options));
-  if (docs_out.is_open()) {
-    for (const PasskeyDocument& d : docs)
-      docs_out << Escape(d.prompt) << "\t" << d.answer() << "\n";
-    if (!docs_out.flush()) return absl::InternalError("--documents_out: write failed");
+  std::vector<PasskeyDocument> docs;
+  std::string source;
+  if (documents_file.empty()) {
+    ASSIGN_OR_RETURN(std::vector<std::string> filler, LoadFillerLines(absl::GetFlag(FLAGS_filler)));
+    const uint64_t seed = absl::GetFlag(FLAGS_seed);
+    ASSIGN_OR_RETURN(docs, GeneratePasskeyDocuments(filler, seed, n_docs, doc_options));
+    if (docs_out.is_open()) {
+      for (const PasskeyDocument& d : docs)
+        docs_out << Escape(d.prompt) << "\t" << d.answer() << "\n";
+      if (!docs_out.flush()) return absl::InternalError("--documents_out: write failed");
+    }
+    int needles = 0;
+    for (const PasskeyDocument& d : docs) needles += static_cast<int>(d.needles.size());
+    source = absl::StrFormat("generated, seed %llu, %zu filler lines, %.2f needles each",
+                             static_cast<unsigned long long>(seed), filler.size(),
+                             static_cast<double>(needles) / n_docs);
+  } else {
+    source = absl::StrCat("from ", documents_file);
   }
 
   BackendOptions backend_options;
   backend_options.num_threads = threads;
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateCpuBackend(backend_options));
-  int bytes_min = c.seq_len, bytes_max = 0, needles = 0;
+  int len_min = c.seq_len, len_max = 0, count = 0;
   for (const PasskeyDocument& d : docs) {
-    bytes_min = std::min(bytes_min, static_cast<int>(d.prompt.size()));
-    bytes_max = std::max(bytes_max, static_cast<int>(d.prompt.size()));
-    needles += static_cast<int>(d.needles.size());
+    len_min = std::min(len_min, static_cast<int>(d.prompt.size()));
+    len_max = std::max(len_max, static_cast<int>(d.prompt.size()));
+    ++count;
+  }
+  for (const TokenDocument& d : token_docs) {
+    len_min = std::min(len_min, static_cast<int>(d.prompt.size()));
+    len_max = std::max(len_max, static_cast<int>(d.prompt.size()));
+    ++count;
   }
   const int window = absl::GetFlag(FLAGS_window);
   std::printf("model %s: dim %d, layers %d, heads %d/%d (head_dim %d), vocab %d, context %d\n",
               model_path.c_str(), c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(),
               c.vocab_size, c.seq_len);
-  std::printf(
-      "%d documents (seed %llu, %zu filler lines): %d-%d bytes, %.2f needles each; W=%d; %s\n",
-      n_docs, static_cast<unsigned long long>(seed), filler.size(), bytes_min, bytes_max,
-      static_cast<double>(needles) / n_docs, window, backend->description().c_str());
+  std::printf("%d documents (%s): %d-%d %s; W=%d; %s\n", count, source.c_str(), len_min, len_max,
+              docs.empty() ? "tokens" : "bytes", window, backend->description().c_str());
   std::fflush(stdout);  // the documents' forward passes take a while
 
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<std::unique_ptr<PasskeyEval>> created =
-      PasskeyEval::Create(&model, std::move(docs), window, backend.get());
+      docs.empty()
+          ? PasskeyEval::CreateFromTokens(&model, std::move(token_docs), window, backend.get())
+          : PasskeyEval::Create(&model, std::move(docs), window, backend.get());
   if (!created.ok()) {
     const absl::Status& s = created.status();
     // Name the flag for the option the user controls.
     if (absl::StartsWith(s.message(), "window")) {
       return absl::InvalidArgumentError(absl::StrCat("--", s.message()));
     }
-    if (absl::StrContains(s.message(), "seq_len")) {
-      return absl::InvalidArgumentError(absl::StrCat("--max_bytes: ", s.message()));
+    const std::string flag = documents_file.empty() ? "--max_bytes" : "--documents_file";
+    if (absl::StrContains(s.message(), "seq_len") || absl::StartsWith(s.message(), "documents")) {
+      return absl::Status(s.code(), absl::StrCat(flag, ": ", s.message()));
     }
     return s;
   }
@@ -266,9 +316,10 @@ absl::Status Run() {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf(
-      "\naccuracy: fraction of documents whose 5 greedy answer bytes are the pass key "
+      "\naccuracy: fraction of documents whose greedy answer is exactly %s "
       "[Wilson 95%% interval]; size: compact bytes / full fp32 K+V bytes; W: observation queries "
-      "the compressor got (0 = none, query-agnostic)\n");
+      "the compressor got (0 = none, query-agnostic)\n",
+      documents_file.empty() ? "the pass key (5 bytes)" : "the document's answer tokens");
   if (!via.empty()) {
     std::printf("via kvcd %s: %zu specs, %d scenario runs differ from in-process\n", via.c_str(),
                 rows.size(), mismatches);
@@ -285,8 +336,10 @@ absl::Status Run() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "Pass-key retrieval accuracy of compressed KV caches on a byte-level llama2.c model. "
-      "Example:\n  kvcpasskey --model passkey4L.bin --csv passkey.csv");
+      "Pass-key retrieval accuracy of compressed KV caches, on generated byte documents (a "
+      "byte-level llama2.c model) or on pre-tokenized documents (any llama2.c or Hugging Face "
+      "Llama model). Examples:\n  kvcpasskey --model passkey4L.bin --csv passkey.csv\n"
+      "  kvcpasskey --model SmolLM2-135M-Instruct/ --documents_file docs.jsonl");
   const std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() > 1) {
     std::fprintf(stderr, "kvcpasskey: unexpected argument '%s' (flags only; see --help)\n",

@@ -162,7 +162,8 @@ void SoakWorker::Put(Client& client, const std::string& op) {
   absl::StatusOr<PutResult> r = client.PutCache(header, tensors);
   const Code c = r.status().code();
   const bool maybe_stored = !(c == Code::kInvalidArgument || c == Code::kResourceExhausted ||
-                              c == Code::kAlreadyExists || c == Code::kUnimplemented);
+                              c == Code::kAlreadyExists || c == Code::kUnimplemented ||
+                              c == Code::kAborted);
   const uint64_t end = state_->ledger.Tick();
   state_->ledger.EndPut(id, handle, r.ok(), maybe_stored, end);
   const bool collided = c == Code::kAlreadyExists;
@@ -171,6 +172,11 @@ void SoakWorker::Put(Client& client, const std::string& op) {
   std::vector<Code> legal;
   if (op != "put") legal.push_back(Code::kDeadlineExceeded);
   if (create_only) legal.push_back(Code::kAlreadyExists);
+  // A DeleteCache of the id while it uploads stops the upload (ABORTED): only other clients can
+  // delete a shared id meanwhile; this client's own ids see no concurrent delete.
+  if (absl::StartsWith(id, absl::StrCat(state_->config.id_prefix, "race/"))) {
+    legal.push_back(Code::kAborted);
+  }
   Judge(name, client, r.status(), epoch0, legal);
   if (collided && create_only && others == 0) {
     state_->Failure(absl::StrCat("client ", index_, " ", name, " '", id,

@@ -1,9 +1,13 @@
 #include "kvc/model/checkpoint.h"
 
+#include <sys/stat.h>
+
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <numbers>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -14,6 +18,7 @@ namespace kvc::model {
 namespace {
 
 constexpr int kHeaderInts = 7;
+constexpr int32_t kBosTokenLlama2c = 1;
 constexpr uint64_t kHeaderBytes = kHeaderInts * sizeof(int32_t);
 
 int32_t ReadLe32(const unsigned char* p) {
@@ -29,6 +34,31 @@ absl::Status Positive(const char* field, int value) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", value, " must be positive"));
 }
 
+absl::Status ValidateRopeConfig(const RopeConfig& r) {
+  if (!(r.theta > 0) || !std::isfinite(r.theta)) {
+    return absl::InvalidArgumentError(absl::StrCat("rope_theta: ", r.theta, " must be positive"));
+  }
+  if (r.scaling == RopeScaling::kNone) return absl::OkStatus();
+  if (!(r.factor >= 1) || !std::isfinite(r.factor)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rope_scaling.factor: ", r.factor, " must be a finite number >= 1"));
+  }
+  if (r.scaling == RopeScaling::kLlama3) {
+    if (!(r.low_freq_factor > 0) || !std::isfinite(r.low_freq_factor) ||
+        !(r.high_freq_factor > r.low_freq_factor) || !std::isfinite(r.high_freq_factor)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rope_scaling: low_freq_factor ", r.low_freq_factor, " and high_freq_factor ",
+          r.high_freq_factor, " must satisfy 0 < low < high"));
+    }
+    if (r.original_max_positions < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rope_scaling.original_max_position_embeddings: ", r.original_max_positions,
+                       " must be positive"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status ValidateConfig(const LlamaConfig& c) {
@@ -39,19 +69,81 @@ absl::Status ValidateConfig(const LlamaConfig& c) {
   RETURN_IF_ERROR(Positive("n_kv_heads", c.n_kv_heads));
   RETURN_IF_ERROR(Positive("vocab_size", c.vocab_size));
   RETURN_IF_ERROR(Positive("seq_len", c.seq_len));
-  if (c.dim % c.n_heads != 0) {
+  if (c.explicit_head_dim < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head_dim: ", c.explicit_head_dim, " must be positive"));
+  }
+  if (c.explicit_head_dim == 0 && c.dim % c.n_heads != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("dim: ", c.dim, " is not divisible by n_heads ", c.n_heads));
+  }
+  // q_dim and the projections' sizes are ints: keep them in range.
+  if (static_cast<int64_t>(c.head_dim()) * c.n_heads > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head_dim: ", c.head_dim(), " x n_heads ", c.n_heads, " is too large"));
   }
   if (c.n_heads % c.n_kv_heads != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("n_heads: ", c.n_heads, " is not a multiple of n_kv_heads ", c.n_kv_heads));
   }
   if (c.head_dim() % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("head_dim: dim / n_heads = ", c.head_dim(),
-                                                   " is odd; RoPE needs channel pairs"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        c.explicit_head_dim > 0 ? "head_dim: " : "head_dim: dim / n_heads = ", c.head_dim(),
+        " is odd; RoPE needs channel pairs"));
   }
-  return absl::OkStatus();
+  if (!(c.rms_norm_eps > 0) || !std::isfinite(c.rms_norm_eps)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rms_norm_eps: ", c.rms_norm_eps, " must be positive and finite"));
+  }
+  if (c.bos_token < -1 || c.bos_token >= c.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("bos_token: ", c.bos_token, " is outside [0, ",
+                                                   c.vocab_size, ") (or -1: none)"));
+  }
+  return ValidateRopeConfig(c.rope);
+}
+
+std::vector<double> RopeInverseFrequencies(const RopeConfig& r, int head_dim) {
+  const int half = head_dim / 2;
+  std::vector<double> inv(half);
+  for (int i = 0; i < half; ++i) {
+    inv[i] = std::pow(r.theta, -2.0 * i / head_dim);
+    if (r.scaling == RopeScaling::kLinear) {
+      inv[i] /= r.factor;
+    } else if (r.scaling == RopeScaling::kLlama3) {
+      // Wavelengths shorter than original / high_freq_factor stay; longer than original /
+      // low_freq_factor are divided by factor; in between, a linear blend in original/wavelength.
+      const double wavelen = 2 * std::numbers::pi / inv[i];
+      const double old_len = r.original_max_positions;
+      if (wavelen > old_len / r.low_freq_factor) {
+        inv[i] /= r.factor;
+      } else if (wavelen >= old_len / r.high_freq_factor) {
+        const double smooth =
+            (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+        inv[i] = (1 - smooth) * inv[i] / r.factor + smooth * inv[i];
+      }
+    }
+  }
+  return inv;
+}
+
+absl::StatusOr<RopeParams> EngineRope(const LlamaConfig& c) {
+  RopeParams p;
+  p.theta = c.rope.theta;
+  p.rotary_dims = 0;
+  p.half_split = c.rope.pairs == RopePairs::kHalfSplit;
+  switch (c.rope.scaling) {
+    case RopeScaling::kNone:
+      break;
+    case RopeScaling::kLinear:
+      p.linear_factor = c.rope.factor;
+      break;
+    case RopeScaling::kLlama3:
+      return absl::InvalidArgumentError(
+          "rope_scaling: llama3 cannot be expressed as the engine's RoPE (kvc/rope.h: theta, "
+          "pairs, linear factor)");
+  }
+  RETURN_IF_ERROR(ValidateRope(p, c.head_dim()));
+  return p;
 }
 
 absl::StatusOr<uint64_t> CheckpointFloatCount(const LlamaConfig& c) {
@@ -75,6 +167,36 @@ absl::StatusOr<uint64_t> CheckpointFloatCount(const LlamaConfig& c) {
 }
 
 absl::StatusOr<Checkpoint> Checkpoint::Load(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) return LoadHuggingFace(path);
+  return LoadLlama2c(path);
+}
+
+size_t Checkpoint::LayOut() {
+  const LlamaConfig& c = config_;
+  const size_t dim = c.dim, layers = c.n_layers, q = c.q_dim(), kv = c.kv_dim(),
+               hidden = c.hidden_dim, vocab = c.vocab_size;
+  size_t off = 0;
+  auto take = [&off](size_t n) {
+    const size_t at = off;
+    off += n;
+    return at;
+  };
+  embedding_ = take(vocab * dim);
+  attn_norm_ = take(layers * dim);
+  wq_ = take(layers * q * dim);
+  wk_ = take(layers * kv * dim);
+  wv_ = take(layers * kv * dim);
+  wo_ = take(layers * dim * q);
+  ffn_norm_ = take(layers * dim);
+  w1_ = take(layers * hidden * dim);
+  w2_ = take(layers * dim * hidden);
+  w3_ = take(layers * hidden * dim);
+  final_norm_ = take(dim);
+  return off;
+}
+
+absl::StatusOr<Checkpoint> Checkpoint::LoadLlama2c(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open checkpoint '", path, "'"));
   in.seekg(0, std::ios::end);
@@ -104,6 +226,7 @@ absl::StatusOr<Checkpoint> Checkpoint::Load(const std::string& path) {
   // positive counterpart and is rejected as non-positive).
   c.shared_classifier = raw_vocab > 0;
   c.vocab_size = raw_vocab < 0 && raw_vocab != INT32_MIN ? -raw_vocab : raw_vocab;
+  c.bos_token = c.vocab_size > kBosTokenLlama2c ? kBosTokenLlama2c : -1;
   absl::StatusOr<uint64_t> floats = CheckpointFloatCount(c);
   if (!floats.ok()) {
     return absl::InvalidArgumentError(
@@ -124,27 +247,11 @@ absl::StatusOr<Checkpoint> Checkpoint::Load(const std::string& path) {
   }
   static_assert(std::endian::native == std::endian::little, "checkpoints are little-endian");
 
-  const size_t dim = c.dim, layers = c.n_layers, kv = c.kv_dim(), hidden = c.hidden_dim,
-               vocab = c.vocab_size;
-  size_t off = 0;
-  auto take = [&off](size_t n) {
-    const size_t at = off;
-    off += n;
-    return at;
-  };
-  ck.embedding_ = take(vocab * dim);
-  ck.attn_norm_ = take(layers * dim);
-  ck.wq_ = take(layers * dim * dim);
-  ck.wk_ = take(layers * kv * dim);
-  ck.wv_ = take(layers * kv * dim);
-  ck.wo_ = take(layers * dim * dim);
-  ck.ffn_norm_ = take(layers * dim);
-  ck.w1_ = take(layers * hidden * dim);
-  ck.w2_ = take(layers * dim * hidden);
-  ck.w3_ = take(layers * hidden * dim);
-  ck.final_norm_ = take(dim);
-  take(static_cast<size_t>(c.seq_len) * c.head_dim());  // legacy RoPE tables, both halves
-  ck.classifier_ = c.shared_classifier ? ck.embedding_ : take(vocab * dim);
+  // Legacy RoPE tables (both halves, seq_len x head_dim floats) sit between the final norm and
+  // the unshared classifier.
+  const size_t rope_tables = static_cast<size_t>(c.seq_len) * c.head_dim();
+  const size_t weights_end = ck.LayOut();
+  ck.classifier_ = c.shared_classifier ? ck.embedding_ : weights_end + rope_tables;
   return ck;
 }
 

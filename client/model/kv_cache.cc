@@ -1,11 +1,14 @@
 #include "kvc/model/kv_cache.h"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "kvc/status_macros.h"
+#include "ops.h"
 
 namespace kvc::model {
 
@@ -14,7 +17,7 @@ FullKvCache::FullKvCache(const LlamaConfig& config, int capacity)
   const size_t per_layer = static_cast<size_t>(config.n_kv_heads) * capacity * config.head_dim();
   k_.assign(config.n_layers, std::vector<float>(per_layer));
   v_.assign(config.n_layers, std::vector<float>(per_layer));
-  scores_.resize(capacity);
+  scores_.resize(static_cast<size_t>(config.group_size()) * capacity);
 }
 
 absl::StatusOr<std::unique_ptr<FullKvCache>> FullKvCache::Create(const LlamaConfig& config,
@@ -78,27 +81,13 @@ absl::Status FullKvCache::AppendAndAttend(int layer, const float* q, const float
     float* vh = &v_[layer][static_cast<size_t>(h) * capacity_ * hd];
     std::memcpy(kh + static_cast<size_t>(len_) * hd, k + h * hd, hd * sizeof(float));
     std::memcpy(vh + static_cast<size_t>(len_) * hd, v + h * hd, hd * sizeof(float));
-    for (int qh = h * g; qh < (h + 1) * g; ++qh) {
-      const float* qv = q + qh * hd;
-      float max_score = -INFINITY;
-      for (int t = 0; t < n; ++t) {
-        float dot = 0;
-        for (int c = 0; c < hd; ++c) dot += qv[c] * kh[static_cast<size_t>(t) * hd + c];
-        scores_[t] = dot * scale;
-        max_score = std::max(max_score, scores_[t]);
-      }
-      float sum = 0;
-      for (int t = 0; t < n; ++t) {
-        scores_[t] = std::exp(scores_[t] - max_score);
-        sum += scores_[t];
-      }
-      float* o = out + qh * hd;
-      std::fill(o, o + hd, 0.0f);
-      for (int t = 0; t < n; ++t) {
-        const float w = scores_[t] / sum;
-        for (int c = 0; c < hd; ++c) o[c] += w * vh[static_cast<size_t>(t) * hd + c];
-      }
-    }
+    // The group's g query heads at once: scores [g, n] = scale * Q K^T, softmax, out = P V.
+    const float* qg = q + static_cast<size_t>(h) * g * hd;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g, n, hd, scale, qg, hd, kh, hd, 0.0f,
+                scores_.data(), n);
+    for (int r = 0; r < g; ++r) internal::SoftmaxInPlace(&scores_[static_cast<size_t>(r) * n], n);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g, hd, n, 1.0f, scores_.data(), n, vh,
+                hd, 0.0f, out + static_cast<size_t>(h) * g * hd, hd);
   }
   return absl::OkStatus();
 }

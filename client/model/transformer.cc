@@ -3,71 +3,28 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <new>
 
 #include "absl/strings/str_cat.h"
 #include "kvc/status_macros.h"
+#include "ops.h"
 
 namespace kvc::model {
 namespace {
 
-// y[o] = sum_i w[o, i] x[i] for w [out, in] row-major.
-void MatVec(const float* w, const float* x, int out, int in, float* y) {
-  for (int o = 0; o < out; ++o) {
-    const float* row = w + static_cast<size_t>(o) * in;
-    float acc = 0;
-    for (int i = 0; i < in; ++i) acc += row[i] * x[i];
-    y[o] = acc;
-  }
-}
-
-// Y [rows, out] = X [rows, in] W^T, W [out, in].
-void MatMul(const float* x, const float* w, int rows, int out, int in, float* y) {
-  for (int r = 0; r < rows; ++r) {
-    MatVec(w, x + static_cast<size_t>(r) * in, out, in, y + static_cast<size_t>(r) * out);
-  }
-}
-
-void RmsNorm(const float* x, const float* weight, int n, float* out) {
-  float ss = 0;
-  for (int i = 0; i < n; ++i) ss += x[i] * x[i];
-  const float inv = 1.0f / std::sqrt(ss / n + kRmsNormEps);
-  for (int i = 0; i < n; ++i) out[i] = x[i] * inv * weight[i];
-}
-
-float Silu(float x) { return x / (1.0f + std::exp(-x)); }
-
-// SwiGLU FFN with residual: x += w2 (silu(w1 xn) * (w3 xn)).
-void FeedForward(const Checkpoint& ck, int layer, float* x, std::vector<float>& xn,
-                 std::vector<float>& h1, std::vector<float>& h3, std::vector<float>& y) {
-  const LlamaConfig& c = ck.config();
-  RmsNorm(x, ck.ffn_norm(layer), c.dim, xn.data());
-  MatVec(ck.w1(layer), xn.data(), c.hidden_dim, c.dim, h1.data());
-  MatVec(ck.w3(layer), xn.data(), c.hidden_dim, c.dim, h3.data());
-  for (int i = 0; i < c.hidden_dim; ++i) h1[i] = Silu(h1[i]) * h3[i];
-  MatVec(ck.w2(layer), h1.data(), c.dim, c.hidden_dim, y.data());
-  for (int i = 0; i < c.dim; ++i) x[i] += y[i];
-}
+using internal::MatMulT;
+using internal::RmsNormRows;
 
 }  // namespace
 
 void ApplyRope(float* x, int heads, int head_dim, int pos, RopePairs pairs) {
-  const int half = head_dim / 2;
-  for (int i = 0; i < half; ++i) {
-    // Angles in double: positions up to a few thousand times frequencies near 1 lose several
-    // digits in float.
-    const double freq = std::pow(10000.0, -2.0 * i / head_dim);
-    const double angle = pos * freq;
-    const float cs = static_cast<float>(std::cos(angle));
-    const float sn = static_cast<float>(std::sin(angle));
-    for (int h = 0; h < heads; ++h) {
-      float* p = x + static_cast<size_t>(h) * head_dim;
-      float& a = p[pairs == RopePairs::kHalfSplit ? i : 2 * i];
-      float& b = p[pairs == RopePairs::kHalfSplit ? i + half : 2 * i + 1];
-      const float a0 = a, b0 = b;
-      a = a0 * cs - b0 * sn;
-      b = a0 * sn + b0 * cs;
-    }
-  }
+  RopeConfig rope;
+  rope.pairs = pairs;
+  ApplyRope(x, heads, head_dim, pos, rope);
+}
+
+void ApplyRope(float* x, int heads, int head_dim, int pos, const RopeConfig& rope) {
+  internal::RopeTable(rope, head_dim, pos, 1).Apply(x, heads, head_dim, pos);
 }
 
 Sampler::Sampler(float temperature, uint64_t seed)
@@ -125,91 +82,91 @@ absl::Status Transformer::CheckTokens(absl::Span<const int32_t> tokens) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<ForwardOutput> Transformer::Forward(absl::Span<const int32_t> tokens) const {
+absl::StatusOr<ForwardOutput> Transformer::Forward(absl::Span<const int32_t> tokens,
+                                                   const ForwardOptions& options) const {
   RETURN_IF_ERROR(CheckTokens(tokens));
+  if (options.last_logits < -1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("last_logits: ", options.last_logits, " must be >= -1"));
+  }
   const LlamaConfig& c = config();
   const int s_len = static_cast<int>(tokens.size());
-  const int dim = c.dim, hd = c.head_dim(), kv_dim = c.kv_dim(), g = c.group_size();
-  const size_t sd = static_cast<size_t>(s_len) * dim;
-  std::vector<float> x(sd), xn(sd), q(sd), k(static_cast<size_t>(s_len) * kv_dim),
-      v(static_cast<size_t>(s_len) * kv_dim), att(sd), proj(sd), h1(c.hidden_dim), h3(c.hidden_dim),
-      ffn_xn(dim), ffn_y(dim), scores(s_len);
-  for (int t = 0; t < s_len; ++t) {
-    std::memcpy(&x[static_cast<size_t>(t) * dim],
-                ck_.token_embedding() + static_cast<size_t>(tokens[t]) * dim, dim * sizeof(float));
-  }
+  const int dim = c.dim, hd = c.head_dim(), q_dim = c.q_dim(), kv_dim = c.kv_dim();
+  const size_t s = s_len;
   ForwardOutput result;
   result.seq_len = s_len;
   result.vocab_size = c.vocab_size;
-  result.layers.resize(c.n_layers);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  for (int l = 0; l < c.n_layers; ++l) {
-    for (int t = 0; t < s_len; ++t) {
-      RmsNorm(&x[static_cast<size_t>(t) * dim], ck_.attn_norm(l), dim,
-              &xn[static_cast<size_t>(t) * dim]);
-    }
-    MatMul(xn.data(), ck_.wq(l), s_len, dim, dim, q.data());
-    MatMul(xn.data(), ck_.wk(l), s_len, kv_dim, dim, k.data());
-    MatMul(xn.data(), ck_.wv(l), s_len, kv_dim, dim, v.data());
-    for (int t = 0; t < s_len; ++t) {
-      ApplyRope(&q[static_cast<size_t>(t) * dim], c.n_heads, hd, t, pairs_);
-      ApplyRope(&k[static_cast<size_t>(t) * kv_dim], c.n_kv_heads, hd, t, pairs_);
-    }
-    // Causal attention, position by position, straight from the [S, heads*hd] projections.
-    for (int h = 0; h < c.n_heads; ++h) {
-      const int kvh = h / g;
-      for (int i = 0; i < s_len; ++i) {
-        const float* qi = &q[static_cast<size_t>(i) * dim + h * hd];
-        float max_score = -INFINITY;
-        for (int j = 0; j <= i; ++j) {
-          const float* kj = &k[static_cast<size_t>(j) * kv_dim + kvh * hd];
-          float dot = 0;
-          for (int d = 0; d < hd; ++d) dot += qi[d] * kj[d];
-          scores[j] = dot * scale;
-          max_score = std::max(max_score, scores[j]);
-        }
-        float sum = 0;
-        for (int j = 0; j <= i; ++j) {
-          scores[j] = std::exp(scores[j] - max_score);
-          sum += scores[j];
-        }
-        float* o = &att[static_cast<size_t>(i) * dim + h * hd];
-        std::fill(o, o + hd, 0.0f);
-        for (int j = 0; j <= i; ++j) {
-          const float w = scores[j] / sum;
-          const float* vj = &v[static_cast<size_t>(j) * kv_dim + kvh * hd];
-          for (int d = 0; d < hd; ++d) o[d] += w * vj[d];
-        }
-      }
-    }
-    // Export in HND.
-    LayerProjections& out = result.layers[l];
-    out.q.resize(sd);
-    out.k.resize(k.size());
-    out.v.resize(v.size());
-    for (int t = 0; t < s_len; ++t) {
-      for (int h = 0; h < c.n_heads; ++h) {
-        std::memcpy(&out.q[(static_cast<size_t>(h) * s_len + t) * hd],
-                    &q[static_cast<size_t>(t) * dim + h * hd], hd * sizeof(float));
-      }
-      for (int h = 0; h < c.n_kv_heads; ++h) {
-        const size_t dst = (static_cast<size_t>(h) * s_len + t) * hd;
-        const size_t src = static_cast<size_t>(t) * kv_dim + h * hd;
-        std::memcpy(&out.k[dst], &k[src], hd * sizeof(float));
-        std::memcpy(&out.v[dst], &v[src], hd * sizeof(float));
-      }
-    }
-    MatMul(att.data(), ck_.wo(l), s_len, dim, dim, proj.data());
-    for (size_t i = 0; i < sd; ++i) x[i] += proj[i];
-    for (int t = 0; t < s_len; ++t) {
-      FeedForward(ck_, l, &x[static_cast<size_t>(t) * dim], ffn_xn, h1, h3, ffn_y);
-    }
+  result.logits_first = options.last_logits < 0 ? 0 : s_len - std::min(options.last_logits, s_len);
+  std::vector<float> x, xn, q, k, v, att, h1, h3;
+  try {
+    x.resize(s * dim);
+    xn.resize(s * dim);
+    q.resize(s * q_dim);
+    k.resize(s * kv_dim);
+    v.resize(s * kv_dim);
+    att.resize(s * q_dim);
+    h1.resize(s * c.hidden_dim);
+    h3.resize(s * c.hidden_dim);
+    result.logits.resize((s - result.logits_first) * c.vocab_size);
+    if (options.keep_layers) result.layers.resize(c.n_layers);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("Forward: cannot allocate the buffers of a ", s_len, "-token pass"));
   }
-  result.logits.resize(static_cast<size_t>(s_len) * c.vocab_size);
   for (int t = 0; t < s_len; ++t) {
-    RmsNorm(&x[static_cast<size_t>(t) * dim], ck_.final_norm(), dim, xn.data());
-    MatVec(ck_.classifier(), xn.data(), c.vocab_size, dim,
-           &result.logits[static_cast<size_t>(t) * c.vocab_size]);
+    std::memcpy(&x[t * static_cast<size_t>(dim)],
+                ck_.token_embedding() + static_cast<size_t>(tokens[t]) * dim, dim * sizeof(float));
+  }
+  const internal::RopeTable rope(c.rope, hd, 0, s_len);
+  for (int l = 0; l < c.n_layers; ++l) {
+    RmsNormRows(x.data(), ck_.attn_norm(l), s_len, dim, c.rms_norm_eps, xn.data());
+    MatMulT(xn.data(), ck_.wq(l), s_len, q_dim, dim, q.data());
+    MatMulT(xn.data(), ck_.wk(l), s_len, kv_dim, dim, k.data());
+    MatMulT(xn.data(), ck_.wv(l), s_len, kv_dim, dim, v.data());
+    for (int t = 0; t < s_len; ++t) {
+      rope.Apply(&q[t * static_cast<size_t>(q_dim)], c.n_heads, hd, t);
+      rope.Apply(&k[t * static_cast<size_t>(kv_dim)], c.n_kv_heads, hd, t);
+    }
+    internal::CausalAttention(q.data(), k.data(), v.data(), s_len, c.n_heads, c.n_kv_heads, hd,
+                              att.data());
+    if (options.keep_layers) {  // export in HND
+      LayerProjections& out = result.layers[l];
+      try {
+        out.q.resize(q.size());
+        out.k.resize(k.size());
+        out.v.resize(v.size());
+      } catch (const std::bad_alloc&) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("Forward: cannot allocate layer ", l, "'s projections"));
+      }
+      for (int t = 0; t < s_len; ++t) {
+        for (int h = 0; h < c.n_heads; ++h) {
+          std::memcpy(&out.q[(h * s + t) * hd], &q[t * static_cast<size_t>(q_dim) + h * hd],
+                      hd * sizeof(float));
+        }
+        for (int h = 0; h < c.n_kv_heads; ++h) {
+          const size_t dst = (h * s + t) * hd;
+          const size_t src = t * static_cast<size_t>(kv_dim) + h * hd;
+          std::memcpy(&out.k[dst], &k[src], hd * sizeof(float));
+          std::memcpy(&out.v[dst], &v[src], hd * sizeof(float));
+        }
+      }
+    }
+    MatMulT(att.data(), ck_.wo(l), s_len, dim, q_dim, xn.data());
+    for (size_t i = 0; i < s * dim; ++i) x[i] += xn[i];
+    // SwiGLU FFN with residual: x += w2 (silu(w1 xn) * (w3 xn)).
+    RmsNormRows(x.data(), ck_.ffn_norm(l), s_len, dim, c.rms_norm_eps, xn.data());
+    MatMulT(xn.data(), ck_.w1(l), s_len, c.hidden_dim, dim, h1.data());
+    MatMulT(xn.data(), ck_.w3(l), s_len, c.hidden_dim, dim, h3.data());
+    internal::SwiGlu(h1.data(), h3.data(), h1.size());
+    MatMulT(h1.data(), ck_.w2(l), s_len, dim, c.hidden_dim, xn.data());
+    for (size_t i = 0; i < s * dim; ++i) x[i] += xn[i];
+  }
+  const int first = result.logits_first, rows = s_len - first;
+  if (rows > 0) {
+    const float* xf = &x[static_cast<size_t>(first) * dim];
+    RmsNormRows(xf, ck_.final_norm(), rows, dim, c.rms_norm_eps, xn.data());
+    MatMulT(xn.data(), ck_.classifier(), rows, c.vocab_size, dim, result.logits.data());
   }
   return result;
 }
@@ -228,30 +185,37 @@ absl::Status Transformer::DecodeStep(int32_t token, KvCache* cache, absl::Span<f
   if (cache == nullptr || !cache->CanAppend()) {
     return absl::ResourceExhaustedError("cache: null or full");
   }
-  const int dim = c.dim, hd = c.head_dim(), kv_dim = c.kv_dim(), pos = cache->position();
+  const int dim = c.dim, hd = c.head_dim(), q_dim = c.q_dim(), kv_dim = c.kv_dim();
+  const int pos = cache->position();
   std::vector<float> x(ck_.token_embedding() + static_cast<size_t>(token) * dim,
                        ck_.token_embedding() + static_cast<size_t>(token + 1) * dim);
-  std::vector<float> xn(dim), q(dim), k(kv_dim), v(kv_dim), att(dim), proj(dim), h1(c.hidden_dim),
-      h3(c.hidden_dim), ffn_y(dim);
-  if (attn_out != nullptr) attn_out->assign(static_cast<size_t>(c.n_layers) * dim, 0.0f);
+  std::vector<float> xn(dim), q(q_dim), k(kv_dim), v(kv_dim), att(q_dim), proj(dim),
+      h1(c.hidden_dim), h3(c.hidden_dim);
+  if (attn_out != nullptr) attn_out->assign(static_cast<size_t>(c.n_layers) * q_dim, 0.0f);
+  const internal::RopeTable rope(c.rope, hd, pos, 1);
   for (int l = 0; l < c.n_layers; ++l) {
-    RmsNorm(x.data(), ck_.attn_norm(l), dim, xn.data());
-    MatVec(ck_.wq(l), xn.data(), dim, dim, q.data());
-    MatVec(ck_.wk(l), xn.data(), kv_dim, dim, k.data());
-    MatVec(ck_.wv(l), xn.data(), kv_dim, dim, v.data());
-    ApplyRope(q.data(), c.n_heads, hd, pos, pairs_);
-    ApplyRope(k.data(), c.n_kv_heads, hd, pos, pairs_);
+    RmsNormRows(x.data(), ck_.attn_norm(l), 1, dim, c.rms_norm_eps, xn.data());
+    MatMulT(xn.data(), ck_.wq(l), 1, q_dim, dim, q.data());
+    MatMulT(xn.data(), ck_.wk(l), 1, kv_dim, dim, k.data());
+    MatMulT(xn.data(), ck_.wv(l), 1, kv_dim, dim, v.data());
+    rope.Apply(q.data(), c.n_heads, hd, pos);
+    rope.Apply(k.data(), c.n_kv_heads, hd, pos);
     RETURN_IF_ERROR(cache->AppendAndAttend(l, q.data(), k.data(), v.data(), att.data()));
     if (attn_out != nullptr) {
-      std::copy(att.begin(), att.end(), attn_out->begin() + static_cast<size_t>(l) * dim);
+      std::copy(att.begin(), att.end(), attn_out->begin() + static_cast<size_t>(l) * q_dim);
     }
-    MatVec(ck_.wo(l), att.data(), dim, dim, proj.data());
+    MatMulT(att.data(), ck_.wo(l), 1, dim, q_dim, proj.data());
     for (int i = 0; i < dim; ++i) x[i] += proj[i];
-    FeedForward(ck_, l, x.data(), xn, h1, h3, ffn_y);
+    RmsNormRows(x.data(), ck_.ffn_norm(l), 1, dim, c.rms_norm_eps, xn.data());
+    MatMulT(xn.data(), ck_.w1(l), 1, c.hidden_dim, dim, h1.data());
+    MatMulT(xn.data(), ck_.w3(l), 1, c.hidden_dim, dim, h3.data());
+    internal::SwiGlu(h1.data(), h3.data(), h1.size());
+    MatMulT(h1.data(), ck_.w2(l), 1, dim, c.hidden_dim, proj.data());
+    for (int i = 0; i < dim; ++i) x[i] += proj[i];
   }
   cache->Advance();
-  RmsNorm(x.data(), ck_.final_norm(), dim, xn.data());
-  MatVec(ck_.classifier(), xn.data(), c.vocab_size, dim, logits.data());
+  RmsNormRows(x.data(), ck_.final_norm(), 1, dim, c.rms_norm_eps, xn.data());
+  MatMulT(xn.data(), ck_.classifier(), 1, c.vocab_size, dim, logits.data());
   return absl::OkStatus();
 }
 
@@ -280,7 +244,9 @@ absl::StatusOr<std::vector<int32_t>> Transformer::Generate(absl::Span<const int3
 
 absl::StatusOr<double> Transformer::MeanNll(absl::Span<const int32_t> tokens) const {
   if (tokens.size() < 2) return absl::InvalidArgumentError("tokens: need at least 2");
-  ASSIGN_OR_RETURN(ForwardOutput fwd, Forward(tokens));
+  ForwardOptions options;
+  options.keep_layers = false;
+  ASSIGN_OR_RETURN(ForwardOutput fwd, Forward(tokens, options));
   double total = 0;
   for (size_t t = 0; t + 1 < tokens.size(); ++t) {
     const float* row = fwd.logits_at(static_cast<int>(t));

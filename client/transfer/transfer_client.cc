@@ -112,8 +112,8 @@ absl::Status TransferClient::ReadAck(uint64_t sequence, TransferAck::State state
 }
 
 absl::Status TransferClient::Send(const std::string& cache_id, uint32_t layer,
-                                  kvcache::v1::TensorKind tensor, const void* data,
-                                  uint64_t bytes) {
+                                  kvcache::v1::TensorKind tensor, const void* data, uint64_t bytes,
+                                  const void* ready_event) {
   if (stream_ == nullptr) return absl::FailedPreconditionError("transfer client: not open");
   if (data == nullptr && bytes > 0) return absl::InvalidArgumentError("data: null");
   const bool nccl = transport_ == kvcache::v1::TRANSFER_TRANSPORT_NCCL;
@@ -135,7 +135,8 @@ absl::Status TransferClient::Send(const std::string& cache_id, uint32_t layer,
     if (absl::Status s = ReadAck(a.sequence(), TransferAck::STATE_POSTED, nullptr); !s.ok()) {
       return s;
     }
-    if (absl::Status s = comm_->Send(data, bytes, options_.send_timeout); !s.ok()) {
+    if (absl::Status s = comm_->SendAfter(data, bytes, ready_event, options_.send_timeout);
+        !s.ok()) {
       FinishStream().IgnoreError();
       return s;
     }

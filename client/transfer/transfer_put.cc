@@ -151,7 +151,8 @@ absl::StatusOr<TransferPutResult> PutCacheWithTransfer(
   }
 
   for (const TensorRef& t : tensors) {
-    absl::Status s = client->Send(header.cache_id(), t.layer, t.tensor, t.data, t.bytes);
+    absl::Status s =
+        client->Send(header.cache_id(), t.layer, t.tensor, t.data, t.bytes, t.ready_event);
     if (!s.ok()) {
       // kvcd has failed the upload already (or the data plane broke): make sure nothing is
       // stored, whatever the PutCache stream would say.

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvc/dtype.h"
+#include "kvc/spec.h"
 
 namespace kvc {
 

@@ -64,7 +64,7 @@ absl::Status ValidateShape(const LayerShape& shape) {
   return absl::OkStatus();
 }
 
-absl::Status ValidateInput(const LayerInput& in) {
+absl::Status ValidateInput(const LayerInput& in, bool allow_device) {
   if (absl::Status s = ValidateShape(in.shape); !s.ok()) return s;
   const auto dtype = static_cast<uint8_t>(in.dtype);
   if (dtype > static_cast<uint8_t>(DType::kBF16)) {
@@ -73,6 +73,15 @@ absl::Status ValidateInput(const LayerInput& in) {
   const auto layout = static_cast<uint8_t>(in.layout);
   if (layout > static_cast<uint8_t>(Layout::kNHD)) {
     return Invalid("layout", absl::StrCat("unknown value ", layout));
+  }
+  const auto memory = static_cast<uint8_t>(in.memory);
+  if (memory > static_cast<uint8_t>(MemorySpace::kDevice)) {
+    return Invalid("memory", absl::StrCat("unknown value ", memory));
+  }
+  if (in.memory == MemorySpace::kDevice && !allow_device) {
+    return Invalid("memory",
+                   "k, v and q_obs are in device memory, but this backend reads host memory only "
+                   "(the cuda backend accepts device memory)");
   }
   if (in.layer_index < 0) {
     return Invalid("layer_index", absl::StrCat(in.layer_index, " must be >= 0"));

@@ -4,12 +4,13 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "kvc/spec.h"  // FormatDouble
 
 namespace kvc {
 
 absl::Status ValidateRope(const RopeParams& rope, int head_dim) {
   if (!(rope.theta > 0) || !std::isfinite(rope.theta)) {
-    return absl::InvalidArgumentError(absl::StrCat("rope.theta: ", rope.theta, " must be > 0"));
+    return absl::InvalidArgumentError(absl::StrCat("rope.theta: ", FormatDouble(rope.theta), " must be > 0"));
   }
   if (rope.rotary_dims < 0 || rope.rotary_dims % 2 != 0 || rope.rotary_dims > head_dim) {
     return absl::InvalidArgumentError(absl::StrCat("rope.rotary_dims: ", rope.rotary_dims,
@@ -18,7 +19,7 @@ absl::Status ValidateRope(const RopeParams& rope, int head_dim) {
   }
   if (!(rope.linear_factor >= 1) || !std::isfinite(rope.linear_factor)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("rope.scaling_factor: ", rope.linear_factor, " must be >= 1"));
+        absl::StrCat("rope.scaling_factor: ", FormatDouble(rope.linear_factor), " must be >= 1"));
   }
   return absl::OkStatus();
 }

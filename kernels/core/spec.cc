@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -44,7 +46,8 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
   }
   // Written so that NaN fails too.
   if (!(e.keep_ratio > 0.0 && e.keep_ratio <= 1.0)) {
-    return Invalid("eviction.keep_ratio", absl::StrCat(e.keep_ratio, " is outside (0, 1]"));
+    return Invalid("eviction.keep_ratio",
+                   absl::StrCat(FormatDouble(e.keep_ratio), " is outside (0, 1]"));
   }
   for (size_t i = 0; i < e.layer_budgets.size(); ++i) {
     const int b = e.layer_budgets[i];
@@ -63,17 +66,23 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
   }
   // Negative means "the policy's default"; NaN is rejected.
   if (std::isnan(e.recent_fraction) || e.recent_fraction > 1.0) {
-    return Invalid("eviction.recent_fraction",
-                   absl::StrCat(e.recent_fraction, " is outside [0, 1] (negative = default)"));
+    return Invalid(
+        "eviction.recent_fraction",
+        absl::StrCat(FormatDouble(e.recent_fraction), " is outside [0, 1] (negative = default)"));
   }
   if (e.pool_kernel < 1 || e.pool_kernel % 2 == 0) {
     return Invalid("eviction.pool_kernel", absl::StrCat(e.pool_kernel, " must be odd and >= 1"));
+  }
+  if (e.pool_kernel > kMaxPoolKernel) {
+    return Invalid("eviction.pool_kernel",
+                   absl::StrCat(e.pool_kernel, " exceeds ", kMaxPoolKernel,
+                                " (pooling costs seq_len * pool_kernel per head)"));
   }
   if (static_cast<uint8_t>(e.pool) > static_cast<uint8_t>(PoolKind::kAvg)) {
     return Invalid("eviction.pool", absl::StrCat("unknown value ", static_cast<int>(e.pool)));
   }
   if (!(e.tau > 0.0) || std::isinf(e.tau)) {
-    return Invalid("eviction.tau", absl::StrCat(e.tau, " must be finite and > 0"));
+    return Invalid("eviction.tau", absl::StrCat(FormatDouble(e.tau), " must be finite and > 0"));
   }
   if (e.adaptive) {
     if (!row.scores) {
@@ -89,7 +98,7 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
     }
     if (!(e.adaptive_floor >= 0.0 && e.adaptive_floor <= 1.0)) {
       return Invalid("eviction.adaptive_floor",
-                     absl::StrCat(e.adaptive_floor, " is outside [0, 1]"));
+                     absl::StrCat(FormatDouble(e.adaptive_floor), " is outside [0, 1]"));
     }
   }
   if (row.inputs == PolicyInputs::kObservation && shape.obs_window == 0) {
@@ -109,9 +118,15 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
                                 ", not ", std::string(row.name)));
   }
   if (!(e.value_eps >= 0.0) || std::isinf(e.value_eps)) {
-    return Invalid("eviction.value_eps", absl::StrCat(e.value_eps, " must be finite and >= 0"));
+    return Invalid("eviction.value_eps",
+                   absl::StrCat(FormatDouble(e.value_eps), " must be finite and >= 0"));
   }
   if (e.horizon < 1) return Invalid("eviction.horizon", absl::StrCat(e.horizon, " must be >= 1"));
+  if (e.horizon > kMaxHorizon) {
+    return Invalid("eviction.horizon",
+                   absl::StrCat(e.horizon, " exceeds ", kMaxHorizon,
+                                " (future positions the statistics are averaged over)"));
+  }
   auto reads_query_stats = [](const PolicyInfo& r) {
     return r.inputs == PolicyInputs::kQueryStatistics;
   };
@@ -136,10 +151,12 @@ absl::Status ValidateChannels(const ChannelSpec& c, const LayerShape& shape) {
                    absl::StrCat("unknown value ", static_cast<int>(c.key_policy)));
   }
   if (!(c.key_lambda >= 0.0 && c.key_lambda < 1.0)) {
-    return Invalid("channels.key_lambda", absl::StrCat(c.key_lambda, " is outside [0, 1)"));
+    return Invalid("channels.key_lambda",
+                   absl::StrCat(FormatDouble(c.key_lambda), " is outside [0, 1)"));
   }
   if (!(c.value_lambda >= 0.0 && c.value_lambda < 1.0)) {
-    return Invalid("channels.value_lambda", absl::StrCat(c.value_lambda, " is outside [0, 1)"));
+    return Invalid("channels.value_lambda",
+                   absl::StrCat(FormatDouble(c.value_lambda), " is outside [0, 1)"));
   }
   if (c.key_policy == ChannelPolicy::kThink && shape.obs_window == 0) {
     return Invalid("channels.key_policy",
@@ -248,6 +265,17 @@ int KeptChannels(double lambda, int head_dim) {
 
 std::string_view PolicyName(EvictionPolicy p) {
   return IsKnownPolicy(p) ? Policy(p).name : "unknown";
+}
+
+bool PolicyHasScores(EvictionPolicy p) { return IsKnownPolicy(p) && Policy(p).scores; }
+
+std::string FormatDouble(double v) {
+  char buf[40];
+  for (int precision = 6; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
 }
 
 std::string_view ValueWeightName(ValueWeight w) {

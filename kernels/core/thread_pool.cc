@@ -1,12 +1,20 @@
 #include "kvc/thread_pool.h"
 
+#if defined(__linux__)
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <new>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 
 namespace kvc {
 
@@ -22,11 +30,47 @@ struct ThreadPool::Job {
   std::exception_ptr error ABSL_GUARDED_BY(mu);  // the first exception fn threw
 };
 
-ThreadPool::ThreadPool(int num_threads) {
+namespace {
+
+// Linux gives every thread its own nice value (setpriority on a thread id); raising it needs no
+// privilege. Best effort: a failure only costs fairness.
+void AddNice(int delta) {
+#if defined(__linux__)
+  if (delta == 0) return;
+  const auto tid = static_cast<id_t>(syscall(SYS_gettid));
+  errno = 0;
+  const int current = getpriority(PRIO_PROCESS, tid);
+  if (errno != 0) return;
+  (void)setpriority(PRIO_PROCESS, tid, std::clamp(current + delta, -20, 19));
+#else
+  (void)delta;
+#endif
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(int num_threads, int worker_nice) {
   if (num_threads <= 0) num_threads = static_cast<int>(std::thread::hardware_concurrency());
   num_threads_ = std::max(1, num_threads);
   workers_.reserve(num_threads_ - 1);
-  for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  for (int i = 1; i < num_threads_; ++i) {
+    workers_.emplace_back([this, worker_nice] {
+      AddNice(worker_nice);
+      WorkerLoop();
+    });
+  }
+}
+
+bool ThreadPool::WaitIdle(std::chrono::steady_clock::time_point deadline) {
+  const absl::Time until =
+      absl::Now() + absl::FromChrono(deadline - std::chrono::steady_clock::now());
+  absl::MutexLock lock(&mu_);
+  while (queued_closures_ != 0 || busy_workers_ != 0) {
+    if (idle_cv_.WaitWithDeadline(&mu_, until)) {  // timed out
+      return queued_closures_ == 0 && busy_workers_ == 0;
+    }
+  }
+  return true;
 }
 
 ThreadPool::~ThreadPool() {
@@ -87,6 +131,7 @@ void ThreadPool::WorkerLoop() {
       if (front.job == nullptr) {
         task.fn = std::move(front.fn);
         queue_.pop_front();
+        --queued_closures_;
       } else if (front.job->next.load() >= front.job->n) {
         // Every index of the front job is claimed once its counter reaches n: retire it so
         // workers move on to the next entry.
@@ -95,12 +140,16 @@ void ThreadPool::WorkerLoop() {
       } else {
         task.job = front.job;
       }
+      ++busy_workers_;
     }
     if (task.job != nullptr) {
       RunJob(task.job.get());
     } else {
       RunClosure(task.fn);
+      task.fn = nullptr;  // what the closure captured goes now, not at the next task
     }
+    absl::MutexLock lock(&mu_);
+    if (--busy_workers_ == 0 && queued_closures_ == 0) idle_cv_.SignalAll();
   }
 }
 
@@ -142,6 +191,7 @@ void ThreadPool::Schedule(std::function<void()> fn) {
   {
     absl::MutexLock lock(&mu_);
     queue_.push_back(Task{nullptr, std::move(fn)});
+    ++queued_closures_;
   }
   cv_.Signal();
 }

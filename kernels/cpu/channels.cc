@@ -8,17 +8,12 @@
 
 #include "cpu/engine.h"
 #include "cpu/simd.h"
+#include "kvc/cost.h"
 #include "kvc/selection.h"
 #include "kvc/status_macros.h"
 
 namespace kvc::cpu {
 namespace {
-
-template <typename T>
-T* Grow(std::vector<T>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-  return v.data();
-}
 
 // The `keep` highest-scoring channels (ties to the lower index, NaN last), ascending.
 void TopChannels(const float* score, int D, int keep, int32_t* out) {
@@ -46,16 +41,22 @@ void KeyChannelScores(const LayerInput& in, const CompressionSpec& spec, int h, 
                       int m, float* score) {
   const int D = in.shape.head_dim;
   Scratch& s = Scratch::ForThisThread();
-  float* k = Grow(s.k, static_cast<size_t>(std::max(m, 1)) * D);
-  GatherRows(in, /*values=*/false, h, pos, m, k);
+  // The pruned tokens' keys, a chunk at a time.
+  const int chunk = std::min(std::max(m, 1), kScoreTokenChunk);
+  float* k = s.k.Get<float>(static_cast<size_t>(chunk) * D);
   std::fill(score, score + D, 0.0f);
   const ChannelPolicy policy = spec.channels.key_policy;
-  for (int i = 0; i < m; ++i) {
-    const float* row = k + static_cast<size_t>(i) * D;
-    if (policy == ChannelPolicy::kL1) {
-      simd::AccumulateAbs(row, score, D);
-    } else {
-      simd::AccumulateSquares(row, score, D);
+  for (int c0 = 0; c0 < m; c0 += chunk) {
+    if (Cancelled(in)) return;
+    const int n = std::min(chunk, m - c0);
+    GatherRows(in, /*values=*/false, h, pos + c0, n, k);
+    for (int i = 0; i < n; ++i) {
+      const float* row = k + static_cast<size_t>(i) * D;
+      if (policy == ChannelPolicy::kL1) {
+        simd::AccumulateAbs(row, score, D);
+      } else {
+        simd::AccumulateSquares(row, score, D);
+      }
     }
   }
   if (policy == ChannelPolicy::kL2) {
@@ -63,17 +64,22 @@ void KeyChannelScores(const LayerInput& in, const CompressionSpec& spec, int h, 
   } else if (policy == ChannelPolicy::kThink) {
     // mean_t Q[.., c]^2 over the group's W rows, times mean_s K[s, c]^2 over the old tokens.
     const int rows = in.shape.group_size() * in.shape.obs_window;
-    float* q = Grow(s.q, static_cast<size_t>(rows) * D);
-    LoadQueryGroup(in, h, q);
+    const int block = ScoreRowBlock(in.shape.seq_len, rows, D);
+    float* q = s.q.Get<float>(static_cast<size_t>(block) * D);
     float qsq[kMaxHeadDim] = {};
-    for (int r = 0; r < rows; ++r) simd::AccumulateSquares(q + static_cast<size_t>(r) * D, qsq, D);
+    for (int r0 = 0; r0 < rows; r0 += block) {
+      const int n = std::min(block, rows - r0);
+      LoadQueryRows(in, h, r0, n, q);
+      for (int r = 0; r < n; ++r) simd::AccumulateSquares(q + static_cast<size_t>(r) * D, qsq, D);
+    }
     const float inv = m > 0 ? 1.0f / (static_cast<float>(rows) * static_cast<float>(m)) : 0.0f;
     for (int c = 0; c < D; ++c) score[c] *= qsq[c] * inv;
   }
 }
 
 // score_v[c] = sum over the group's query rows of (P[:, old] V_old[:, c])^2, P the causal
-// softmax of Q_obs K_kept^T / sqrt(D) over all kept tokens (the decode-time attention).
+// softmax of Q_obs K_kept^T / sqrt(D) over all kept tokens (the decode-time attention). Query
+// rows go in blocks, so the logits stay within kScoreLogitFloats.
 void ValueChannelScores(const LayerInput& in, int h, const int32_t* pos, int budget, int m,
                         float* score) {
   const LayerShape& sh = in.shape;
@@ -81,34 +87,41 @@ void ValueChannelScores(const LayerInput& in, int h, const int32_t* pos, int bud
   std::fill(score, score + D, 0.0f);
   if (m == 0) return;
   Scratch& s = Scratch::ForThisThread();
-  float* q = Grow(s.q, static_cast<size_t>(rows) * D);
-  float* k = Grow(s.k, static_cast<size_t>(budget) * D);
-  float* v = Grow(s.v, static_cast<size_t>(m) * D);
-  float* p = Grow(s.logits, static_cast<size_t>(rows) * budget);
-  float* o = Grow(s.acc, static_cast<size_t>(rows) * D);
-  LoadQueryGroup(in, h, q);
+  const int block = ScoreRowBlock(budget, rows, D);
+  float* q = s.q.Get<float>(static_cast<size_t>(block) * D);
+  float* k = s.k.Get<float>(static_cast<size_t>(budget) * D);
+  float* v = s.v.Get<float>(static_cast<size_t>(m) * D);
+  float* p = s.logits.Get<float>(static_cast<size_t>(block) * budget);
+  float* o = s.acc.Get<float>(static_cast<size_t>(block) * D);
   GatherRows(in, /*values=*/false, h, pos, budget, k);
   GatherRows(in, /*values=*/true, h, pos, m, v);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, budget, D, scale, q, D, k, D, 0.0f, p,
-              budget);
-  for (int r = 0; r < rows; ++r) {
-    float* row = p + static_cast<size_t>(r) * budget;
-    const int limit = S - W + r % W;  // causal: kept positions <= the query's position
-    const int valid = static_cast<int>(std::upper_bound(pos, pos + budget, limit) - pos);
-    if (valid == 0) {
-      std::fill(row, row + budget, 0.0f);
-      continue;
+  for (int r0 = 0; r0 < rows; r0 += block) {
+    if (Cancelled(in)) return;
+    const int nr = std::min(block, rows - r0);
+    LoadQueryRows(in, h, r0, nr, q);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, budget, D, scale, q, D, k, D, 0.0f, p,
+                budget);
+    for (int i = 0; i < nr; ++i) {
+      float* row = p + static_cast<size_t>(i) * budget;
+      const int limit = S - W + (r0 + i) % W;  // causal: kept positions <= the query's position
+      const int valid = static_cast<int>(std::upper_bound(pos, pos + budget, limit) - pos);
+      if (valid == 0) {
+        std::fill(row, row + budget, 0.0f);
+        continue;
+      }
+      const float mx = simd::Max(row, valid);
+      const float sum = simd::ExpShiftSum(row, valid, mx);
+      const float inv = 1.0f / sum;
+      for (int j = 0; j < valid; ++j) row[j] *= inv;
+      std::fill(row + valid, row + budget, 0.0f);
     }
-    const float mx = simd::Max(row, valid);
-    const float sum = simd::ExpShiftSum(row, valid, mx);
-    const float inv = 1.0f / sum;
-    for (int j = 0; j < valid; ++j) row[j] *= inv;
-    std::fill(row + valid, row + budget, 0.0f);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nr, D, m, 1.0f, p, budget, v, D, 0.0f, o,
+                D);
+    for (int r = 0; r < nr; ++r) {
+      simd::AccumulateSquares(o + static_cast<size_t>(r) * D, score, D);
+    }
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, D, m, 1.0f, p, budget, v, D, 0.0f, o,
-              D);
-  for (int r = 0; r < rows; ++r) simd::AccumulateSquares(o + static_cast<size_t>(r) * D, score, D);
 }
 
 }  // namespace
@@ -124,6 +137,7 @@ ChannelSelection SelectChannelsImpl(const LayerInput& in, const TokenSelection& 
   sel.value_idx.resize(static_cast<size_t>(H) * sel.value_channels);
   if (cs.prune_values) PrepareBlas(pool);
   pool->ParallelFor(H, [&](int h) {
+    ScratchTask task;
     // Ragged selections: each head prunes on its own kept count.
     const int32_t* pos = tokens.head(h);
     const int B = tokens.count(h);
@@ -156,7 +170,11 @@ absl::StatusOr<ChannelSelection> SelectChannels(const LayerInput& in, const Toke
   RETURN_IF_ERROR(ValidateInput(in));
   RETURN_IF_ERROR(ValidateSpec(spec, in.shape, in.layer_index));
   RETURN_IF_ERROR(cpu::ValidateTokenSelection(in, tokens));
-  return cpu::SelectChannelsImpl(in, tokens, spec, ThreadPool::Default());
+  return CallNoThrow([&]() -> absl::StatusOr<ChannelSelection> {
+    ChannelSelection sel = cpu::SelectChannelsImpl(in, tokens, spec, ThreadPool::Default());
+    RETURN_IF_ERROR(cpu::CancelStatus(in));
+    return sel;
+  });
 }
 
 }  // namespace kvc

@@ -27,7 +27,7 @@ double SecondsSince(std::chrono::steady_clock::time_point t) {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int num_threads) : pool_(num_threads) {}
+  CpuBackend(int num_threads, int thread_nice) : pool_(num_threads, thread_nice) {}
 
   std::string_view name() const override { return "cpu"; }
 
@@ -69,8 +69,12 @@ absl::StatusOr<CompactLayer> CompressOnPool(const LayerInput& in, const Compress
     RETURN_IF_ERROR(ValidateSpecInput(spec, in));
     CompressTimings t;
     const auto select_start = std::chrono::steady_clock::now();
+    // Cancelled work stops within a block of each stage; nothing after it runs.
+    RETURN_IF_ERROR(cpu::CancelStatus(in));
     TokenSelection tokens = cpu::SelectTokensImpl(in, spec, pool, &t.score);
+    RETURN_IF_ERROR(cpu::CancelStatus(in));
     ChannelSelection channels = cpu::SelectChannelsImpl(in, tokens, spec, pool);
+    RETURN_IF_ERROR(cpu::CancelStatus(in));
     t.select = SecondsSince(select_start) - t.score;
     const auto pack_start = std::chrono::steady_clock::now();
     cpu::PackWork work;
@@ -86,8 +90,8 @@ absl::StatusOr<CompactLayer> CompressOnPool(const LayerInput& in, const Compress
   });
 }
 
-std::unique_ptr<Backend> NewCpuBackend(int num_threads) {
-  return std::unique_ptr<Backend>(new CpuBackend(num_threads));
+std::unique_ptr<Backend> NewCpuBackend(int num_threads, int thread_nice) {
+  return std::unique_ptr<Backend>(new CpuBackend(num_threads, thread_nice));
 }
 
 }  // namespace kvc::cpu

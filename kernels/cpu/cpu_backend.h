@@ -20,7 +20,7 @@ absl::StatusOr<CompactLayer> CompressOnPool(const LayerInput& in, const Compress
 
 // The CPU backend with its own pool of num_threads threads (0 = hardware concurrency; must be
 // >= 0, the registry checks it).
-std::unique_ptr<Backend> NewCpuBackend(int num_threads);
+std::unique_ptr<Backend> NewCpuBackend(int num_threads, int thread_nice);
 
 // The host engine other backends fall back to (core/host_fallback.h), running on
 // ThreadPool::Default(). Process-wide, never destroyed, thread-safe.

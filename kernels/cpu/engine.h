@@ -8,9 +8,13 @@
 #ifndef KVC_KERNELS_CPU_ENGINE_H_
 #define KVC_KERNELS_CPU_ENGINE_H_
 
+#include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kvc/buffer_pool.h"
+#include "kvc/cancel.h"
 #include "kvc/layer.h"
 #include "kvc/selection.h"
 #include "kvc/spec.h"
@@ -18,7 +22,9 @@
 
 namespace kvc::cpu {
 
-// Preconditions for the *Impl functions: input and spec already validated.
+// Preconditions for the *Impl functions: input and spec already validated. They stop early,
+// within one row block or chunk, once in.cancel reads as cancelled; what they return is then
+// meaningless, and callers check CancelStatus(in) after each stage.
 // The policy's scores (its CPU scorer, scorers.cc), value-weighted where its row composes with
 // value weighting (kvc/policy.h).
 void ScoreTokensImpl(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool,
@@ -46,15 +52,62 @@ int RecentCount(const CompressionSpec& spec, int budget);
 // Sets OpenBLAS to one thread when the pool runs several (see the file comment).
 void PrepareBlas(const ThreadPool* pool);
 
-// Per-thread scratch buffers, grown on demand and kept for reuse so that the hot loops do not
-// allocate (and page-fault) on every call.
-struct Scratch {
-  std::vector<float> q, k, v, logits, tile, acc, row_max;
-  static Scratch& ForThisThread();
+// One scratch array of a thread: Get<T>(n) returns room for at least n elements (contents
+// unspecified; earlier contents are not kept when it grows). Below kScratchKeepBytes the memory is
+// the thread's own and kept for its next task (at most kScratchKeepBytes per array and thread: a
+// fixed overhead); larger memory comes from LargeBuffers() (kvc/buffer_pool.h) and goes back
+// there when the task ends (ReleaseLarge), so a request's scratch never outlives it except as the
+// pool's idle buffers, which its cap bounds. Throws std::bad_alloc when memory cannot be had (the
+// backends turn that into RESOURCE_EXHAUSTED).
+inline constexpr size_t kScratchKeepBytes = size_t{256} << 10;
+class ScratchArray {
+ public:
+  template <typename T>
+  T* Get(size_t n) {
+    return static_cast<T*>(Bytes(n, sizeof(T)));
+  }
+  void ReleaseLarge();
+
+ private:
+  void* Bytes(size_t n, size_t elem);
+  std::unique_ptr<uint8_t[]> small_;
+  size_t small_bytes_ = 0;
+  BufferPool::Buffer large_;
 };
 
-// Converts Q_obs rows of KV head h's query group to float, [g * W, D] (row i * W + t).
-void LoadQueryGroup(const LayerInput& in, int h, float* dst);
+// The arrays one task of the engine uses (every stage names its own use of them).
+struct Scratch {
+  ScratchArray q, k, v, logits, tile, acc, row_max, cand, stats;
+  static Scratch& ForThisThread();
+  void ReleaseLarge();
+};
+
+// Gives the calling thread's large scratch back when destroyed: each task body that uses Scratch
+// (one KV head of a stage) holds one, so large scratch lives only while its task runs.
+class ScratchTask {
+ public:
+  ScratchTask() = default;
+  ScratchTask(const ScratchTask&) = delete;
+  ScratchTask& operator=(const ScratchTask&) = delete;
+  ~ScratchTask() { Scratch::ForThisThread().ReleaseLarge(); }
+};
+
+// Bytes of large scratch (taken from LargeBuffers()) held by all threads now, and the most held
+// at once since the last ResetScratchPeak (for tests of the cost model's scratch bound).
+uint64_t LargeScratchBytes();
+uint64_t LargeScratchPeakBytes();
+void ResetScratchPeak();
+
+// The engine's check between blocks (see kvc/cancel.h).
+inline bool Cancelled(const LayerInput& in) { return kvc::Cancelled(in.cancel); }
+// OK, or the status of the input's token once cancelled.
+inline absl::Status CancelStatus(const LayerInput& in) {
+  return in.cancel != nullptr ? in.cancel->status() : absl::OkStatus();
+}
+
+// Converts `count` Q_obs rows of KV head h's query group, starting at group row `first`, to float
+// [count, D]; group row r is row r % W of query head h * g + r / W.
+void LoadQueryRows(const LayerInput& in, int h, int first, int count, float* dst);
 // Converts tokens [first, first + count) of K (or V when `values`) head h to float, [count, D].
 void LoadHeadRows(const LayerInput& in, bool values, int h, int first, int count, float* dst);
 

@@ -11,95 +11,138 @@
 
 #include "cpu/engine.h"
 #include "cpu/simd.h"
+#include "kvc/cost.h"
 
 namespace kvc::cpu {
 namespace {
 
-constexpr int kChunk = 1024;
+constexpr int kChunk = kScoreTokenChunk;
 
-template <typename T>
-T* Grow(std::vector<T>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-  return v.data();
+// Mean cosine and sine of a + i * f for i in [0, n).
+void MeanAngle(double a, double f, int n, double* c, double* s) {
+  if (n <= 16) {
+    double cs = 0, sn = 0;
+    for (int i = 0; i < n; ++i) {
+      const double angle = a + static_cast<double>(i) * f;
+      cs += std::cos(angle);
+      sn += std::sin(angle);
+    }
+    *c = cs / n;
+    *s = sn / n;
+    return;
+  }
+  // sum_i e^{j(a + i f)} = e^{j(a + (n-1) f / 2)} sin(n f / 2) / sin(f / 2), with f reduced
+  // modulo 2 pi (the terms only see f modulo 2 pi).
+  const double half = std::remainder(f, 2 * M_PI) / 2;
+  const double den = std::sin(half);
+  const double mid = a + (n - 1) * half;
+  if (std::abs(den) < 1e-300) {  // every angle is a (mod 2 pi)
+    *c = std::cos(a);
+    *s = std::sin(a);
+    return;
+  }
+  const double ratio = std::sin(n * half) / (n * den);
+  *c = ratio * std::cos(mid);
+  *s = ratio * std::sin(mid);
 }
 
 }  // namespace
 
-void ApplyMeanRotation(const RopeParams& rope, int head_dim, int first, int count, float* x) {
-  const int rd = rope.rotary_dims == 0 ? head_dim : rope.rotary_dims;
+MeanRotation MeanRotationOf(const RopeParams& rope, int head_dim, int first, int count) {
+  MeanRotation r;
+  r.rotary_dims = rope.rotary_dims == 0 ? head_dim : rope.rotary_dims;
+  const int pairs = r.rotary_dims / 2;
+  r.c.resize(pairs);
+  r.s.resize(pairs);
+  for (int p = 0; p < pairs; ++p) {
+    const double freq = std::pow(rope.theta, -2.0 * p / r.rotary_dims) / rope.linear_factor;
+    MeanAngle(static_cast<double>(first) * freq, freq, count, &r.c[p], &r.s[p]);
+  }
+  return r;
+}
+
+void ApplyMeanRotation(const RopeParams& rope, const MeanRotation& rotation, float* x) {
+  const int rd = rotation.rotary_dims;
   for (int p = 0; p < rd / 2; ++p) {
-    const double freq = std::pow(rope.theta, -2.0 * p / rd) / rope.linear_factor;
-    double c = 0, s = 0;
-    for (int i = 0; i < count; ++i) {
-      const double angle = static_cast<double>(first + i) * freq;
-      c += std::cos(angle);
-      s += std::sin(angle);
-    }
-    c /= count;
-    s /= count;
     float& a = x[RopePairFirst(rope, rd, p)];
     float& b = x[RopePairSecond(rope, rd, p)];
     const double x0 = a, x1 = b;
-    a = static_cast<float>(x0 * c - x1 * s);
-    b = static_cast<float>(x0 * s + x1 * c);
+    a = static_cast<float>(x0 * rotation.c[p] - x1 * rotation.s[p]);
+    b = static_cast<float>(x0 * rotation.s[p] + x1 * rotation.c[p]);
+  }
+}
+
+void QueryHeadStats(const LayerInput& in, const EvictionSpec& spec, const MeanRotation& rotation,
+                    int qh, float* mean, float* cov) {
+  const LayerShape& sh = in.shape;
+  const int D = sh.head_dim, W = sh.obs_window, S = sh.seq_len, g = sh.group_size();
+  const size_t dd = static_cast<size_t>(D) * D;
+  if (spec.query_stats) {
+    const float* src = in.q_stats + static_cast<size_t>(qh) * (D + dd);
+    std::copy_n(src, D, mean);
+    std::copy_n(src + D, dd, cov);
+  } else {
+    Scratch& s = Scratch::ForThisThread();
+    double* m = s.stats.Get<double>(D + dd);
+    double* c = m + D;
+    std::fill(m, m + D + dd, 0.0);
+    // Rows in blocks; with W within one block (the usual case) they are converted once.
+    const int block = std::clamp<int>(static_cast<int>(kScoreQueryFloats / D), 1, std::max(W, 1));
+    float* rows = s.q.Get<float>(static_cast<size_t>(block) * D);
+    const int h = qh / g, first_row = (qh % g) * W;
+    int loaded = -1;  // first row of the block in `rows`, -1 for none
+    auto load = [&](int t0, int n) {
+      if (loaded == t0) return;
+      LoadQueryRows(in, h, first_row + t0, n, rows);
+      for (int t = 0; t < n; ++t) RotateVector(*in.rope, D, -(S - W + t0 + t), rows + t * D);
+      loaded = t0;
+    };
+    for (int t0 = 0; t0 < W; t0 += block) {
+      const int n = std::min(block, W - t0);
+      load(t0, n);
+      for (int t = 0; t < n; ++t) {
+        for (int a = 0; a < D; ++a) m[a] += rows[t * D + a];
+      }
+    }
+    for (int a = 0; a < D; ++a) m[a] /= W;
+    for (int t0 = 0; t0 < W; t0 += block) {
+      if (Cancelled(in)) return;
+      const int n = std::min(block, W - t0);
+      load(t0, n);
+      for (int t = 0; t < n; ++t) {
+        for (int a = 0; a < D; ++a) {
+          const double da = rows[t * D + a] - m[a];
+          for (int b = 0; b < D; ++b) c[a * D + b] += da * (rows[t * D + b] - m[b]);
+        }
+      }
+    }
+    for (int a = 0; a < D; ++a) mean[a] = static_cast<float>(m[a]);
+    for (size_t i = 0; i < dd; ++i) cov[i] = static_cast<float>(c[i] / W);
+  }
+  // mean' = R mean, cov' = R cov R^T with R the mean rotation (applied to the columns of each
+  // row, then to the rows of each column).
+  ApplyMeanRotation(*in.rope, rotation, mean);
+  for (int r = 0; r < D; ++r) ApplyMeanRotation(*in.rope, rotation, cov + r * D);
+  float col[kMaxHeadDim];
+  for (int j = 0; j < D; ++j) {
+    for (int r = 0; r < D; ++r) col[r] = cov[r * D + j];
+    ApplyMeanRotation(*in.rope, rotation, col);
+    for (int r = 0; r < D; ++r) cov[r * D + j] = col[r];
   }
 }
 
 ExpectedStats ComputeExpectedStats(const LayerInput& in, const EvictionSpec& spec) {
   const LayerShape& sh = in.shape;
-  const int Hq = sh.num_q_heads, D = sh.head_dim, W = sh.obs_window, S = sh.seq_len;
-  const int g = sh.group_size();
+  const int Hq = sh.num_q_heads, D = sh.head_dim;
+  const MeanRotation rotation = MeanRotationOf(*in.rope, D, sh.seq_len, spec.horizon);
   ExpectedStats st;
   st.mean.assign(static_cast<size_t>(Hq) * D, 0.0f);
   st.cov.assign(static_cast<size_t>(Hq) * D * D, 0.0f);
-  if (spec.query_stats) {
-    const size_t per = D + static_cast<size_t>(D) * D;
-    for (int qh = 0; qh < Hq; ++qh) {
-      const float* src = in.q_stats + qh * per;
-      std::copy_n(src, D, st.mean.data() + static_cast<size_t>(qh) * D);
-      std::copy_n(src + D, static_cast<size_t>(D) * D,
-                  st.cov.data() + static_cast<size_t>(qh) * D * D);
-    }
-  } else {
-    std::vector<float> q(static_cast<size_t>(g) * W * D);
-    std::vector<double> mean(D), cov(static_cast<size_t>(D) * D);
-    for (int h = 0; h < sh.num_kv_heads; ++h) {
-      LoadQueryGroup(in, h, q.data());
-      for (int i = 0; i < g; ++i) {
-        float* rows = q.data() + static_cast<size_t>(i) * W * D;
-        for (int t = 0; t < W; ++t) RotateVector(*in.rope, D, -(S - W + t), rows + t * D);
-        std::fill(mean.begin(), mean.end(), 0.0);
-        std::fill(cov.begin(), cov.end(), 0.0);
-        for (int t = 0; t < W; ++t) {
-          for (int c = 0; c < D; ++c) mean[c] += rows[t * D + c];
-        }
-        for (double& m : mean) m /= W;
-        for (int t = 0; t < W; ++t) {
-          for (int a = 0; a < D; ++a) {
-            const double da = rows[t * D + a] - mean[a];
-            for (int b = 0; b < D; ++b) cov[a * D + b] += da * (rows[t * D + b] - mean[b]);
-          }
-        }
-        const int qh = h * g + i;
-        for (int c = 0; c < D; ++c) st.mean[static_cast<size_t>(qh) * D + c] = mean[c];
-        for (size_t c = 0; c < cov.size(); ++c) {
-          st.cov[static_cast<size_t>(qh) * D * D + c] = static_cast<float>(cov[c] / W);
-        }
-      }
-    }
-  }
-  // Rotate to the next `horizon` positions: mean' = R mean, cov' = R cov R^T with R the mean
-  // rotation (applied to the columns of each row, then to the rows of each column).
-  std::vector<float> col(D);
+  ScratchTask task;
   for (int qh = 0; qh < Hq; ++qh) {
-    ApplyMeanRotation(*in.rope, D, S, spec.horizon, st.mean.data() + static_cast<size_t>(qh) * D);
-    float* c = st.cov.data() + static_cast<size_t>(qh) * D * D;
-    for (int r = 0; r < D; ++r) ApplyMeanRotation(*in.rope, D, S, spec.horizon, c + r * D);
-    for (int j = 0; j < D; ++j) {
-      for (int r = 0; r < D; ++r) col[r] = c[r * D + j];
-      ApplyMeanRotation(*in.rope, D, S, spec.horizon, col.data());
-      for (int r = 0; r < D; ++r) c[r * D + j] = col[r];
-    }
+    if (Cancelled(in)) break;
+    QueryHeadStats(in, spec, rotation, qh, st.mean.data() + static_cast<size_t>(qh) * D,
+                   st.cov.data() + static_cast<size_t>(qh) * D * D);
   }
   return st;
 }
@@ -107,10 +150,11 @@ ExpectedStats ComputeExpectedStats(const LayerInput& in, const EvictionSpec& spe
 void KeyDiffScoreHead(const LayerInput& in, int h, float* out) {
   const int S = in.shape.seq_len, D = in.shape.head_dim;
   Scratch& s = Scratch::ForThisThread();
-  float* k = Grow(s.k, static_cast<size_t>(std::min(S, kChunk)) * D);
+  float* k = s.k.Get<float>(static_cast<size_t>(std::min(S, kChunk)) * D);
   std::vector<double> mean(D, 0.0);
   // Pass 1: mean of the normalised keys (zero keys contribute nothing); out keeps 1/||k||.
   for (int c0 = 0; c0 < S; c0 += kChunk) {
+    if (Cancelled(in)) return;
     const int n = std::min(kChunk, S - c0);
     LoadHeadRows(in, /*values=*/false, h, c0, n, k);
     for (int j = 0; j < n; ++j) {
@@ -133,6 +177,7 @@ void KeyDiffScoreHead(const LayerInput& in, int h, float* out) {
   }
   // Pass 2: -cos(k_j, mean).
   for (int c0 = 0; c0 < S; c0 += kChunk) {
+    if (Cancelled(in)) return;
     const int n = std::min(kChunk, S - c0);
     LoadHeadRows(in, /*values=*/false, h, c0, n, k);
     for (int j = 0; j < n; ++j) {
@@ -144,26 +189,31 @@ void KeyDiffScoreHead(const LayerInput& in, int h, float* out) {
   }
 }
 
-void ExpectedScoreHead(const LayerInput& in, const ExpectedStats& stats, int h, float* out) {
+void ExpectedScoreHead(const LayerInput& in, const EvictionSpec& spec, const MeanRotation& rotation,
+                       int h, float* out) {
   const LayerShape& sh = in.shape;
   const int S = sh.seq_len, D = sh.head_dim, g = sh.group_size();
   Scratch& s = Scratch::ForThisThread();
-  float* k = Grow(s.k, static_cast<size_t>(std::min(S, kChunk)) * D);
-  float* kc = Grow(s.tile, static_cast<size_t>(std::min(S, kChunk)) * D);
-  float* z = Grow(s.logits, static_cast<size_t>(g) * S);
+  float* k = s.k.Get<float>(static_cast<size_t>(std::min(S, kChunk)) * D);
+  float* kc = s.tile.Get<float>(static_cast<size_t>(std::min(S, kChunk)) * D);
+  float* z = s.logits.Get<float>(static_cast<size_t>(S));
+  float* mu = s.row_max.Get<float>(static_cast<size_t>(D) + static_cast<size_t>(D) * D);
+  float* cov = mu + D;
   const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(D));
   const float inv_2d = 1.0f / (2.0f * static_cast<float>(D));
-  for (int c0 = 0; c0 < S; c0 += kChunk) {
-    const int n = std::min(kChunk, S - c0);
-    LoadHeadRows(in, /*values=*/false, h, c0, n, k);
-    for (int i = 0; i < g; ++i) {
-      const int qh = h * g + i;
-      const float* mu = stats.mean.data() + static_cast<size_t>(qh) * D;
-      const float* cov = stats.cov.data() + static_cast<size_t>(qh) * D * D;
+  const float inv_g = 1.0f / static_cast<float>(g);
+  std::fill(out, out + S, 0.0f);
+  // One query head at a time: its statistics, its logits over every key, their softmax.
+  for (int i = 0; i < g; ++i) {
+    if (Cancelled(in)) return;
+    QueryHeadStats(in, spec, rotation, h * g + i, mu, cov);
+    for (int c0 = 0; c0 < S; c0 += kChunk) {
+      if (Cancelled(in)) return;
+      const int n = std::min(kChunk, S - c0);
+      LoadHeadRows(in, /*values=*/false, h, c0, n, k);
       // kc = K cov (cov is symmetric up to rounding; K cov^T is what k^T cov k needs either way).
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, D, D, 1.0f, k, D, cov, D, 0.0f, kc,
                   D);
-      float* zi = z + static_cast<size_t>(i) * S + c0;
       for (int j = 0; j < n; ++j) {
         const float* kj = k + static_cast<size_t>(j) * D;
         const float* kcj = kc + static_cast<size_t>(j) * D;
@@ -172,17 +222,12 @@ void ExpectedScoreHead(const LayerInput& in, const ExpectedStats& stats, int h, 
           lin += kj[c] * mu[c];
           quad += kj[c] * kcj[c];
         }
-        zi[j] = lin * inv_sqrt_d + quad * inv_2d;
+        z[c0 + j] = lin * inv_sqrt_d + quad * inv_2d;
       }
     }
-  }
-  std::fill(out, out + S, 0.0f);
-  const float inv_g = 1.0f / static_cast<float>(g);
-  for (int i = 0; i < g; ++i) {
-    float* zi = z + static_cast<size_t>(i) * S;
-    const float m = simd::Max(zi, S);
-    const float sum = simd::ExpShiftSum(zi, S, m);  // zi becomes exp(z - m)
-    simd::Axpy(inv_g / sum, zi, out, S);
+    const float m = simd::Max(z, S);
+    const float sum = simd::ExpShiftSum(z, S, m);  // z becomes exp(z - m)
+    simd::Axpy(inv_g / sum, z, out, S);
   }
 }
 
@@ -191,10 +236,11 @@ void ValueWeightHead(const LayerInput& in, const EvictionSpec& spec, int h, floa
   if (w != ValueWeight::kMul && w != ValueWeight::kAdd) return;
   const int S = in.shape.seq_len, D = in.shape.head_dim;
   Scratch& s = Scratch::ForThisThread();
-  float* v = Grow(s.v, static_cast<size_t>(std::min(S, kChunk)) * D);
-  float* norms = Grow(s.acc, static_cast<size_t>(S));
+  float* v = s.v.Get<float>(static_cast<size_t>(std::min(S, kChunk)) * D);
+  float* norms = s.acc.Get<float>(static_cast<size_t>(S));
   double norm_sum = 0, score_sum = 0;
   for (int c0 = 0; c0 < S; c0 += kChunk) {
+    if (Cancelled(in)) return;
     const int n = std::min(kChunk, S - c0);
     LoadHeadRows(in, /*values=*/true, h, c0, n, v);
     for (int j = 0; j < n; ++j) {

@@ -11,6 +11,7 @@
 #include "cpu/engine.h"
 #include "cpu/score_extra.h"
 #include "cpu/simd.h"
+#include "kvc/cost.h"
 #include "kvc/noise.h"
 #include "kvc/policy.h"
 
@@ -26,17 +27,17 @@ struct CpuScorer {
   CpuScoreFn score;  // null for a policy without scores (PolicyInfo::scores false)
 };
 
-// knorm: -||k_j||_2, 1024 keys converted at a time.
+// knorm: -||k_j||_2, kScoreTokenChunk keys converted at a time.
 void KNormScores(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool, float* out) {
-  constexpr int kChunk = 1024;
   const int S = in.shape.seq_len, D = in.shape.head_dim;
   pool->ParallelFor(in.shape.num_kv_heads, [&](int h) {
+    ScratchTask task;
     Scratch& s = Scratch::ForThisThread();
-    if (s.k.size() < static_cast<size_t>(kChunk) * D) s.k.resize(static_cast<size_t>(kChunk) * D);
-    float* k = s.k.data();
+    float* k = s.k.Get<float>(static_cast<size_t>(std::min(S, kScoreTokenChunk)) * D);
     float* head = out + static_cast<size_t>(h) * S;
-    for (int c0 = 0; c0 < S; c0 += kChunk) {
-      const int n = std::min(kChunk, S - c0);
+    for (int c0 = 0; c0 < S; c0 += kScoreTokenChunk) {
+      if (Cancelled(in)) return;
+      const int n = std::min(kScoreTokenChunk, S - c0);
       LoadHeadRows(in, /*values=*/false, h, c0, n, k);
       for (int j = 0; j < n; ++j) {
         head[c0 + j] = -std::sqrt(simd::SumSquares(k + static_cast<size_t>(j) * D, D));
@@ -49,6 +50,7 @@ void KNormScores(const LayerInput& in, const EvictionSpec& spec, ThreadPool* poo
 void RandomScores(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool, float* out) {
   const int S = in.shape.seq_len, H = in.shape.num_kv_heads;
   for (int h = 0; h < H; ++h) {
+    if (Cancelled(in)) return;
     for (int j = 0; j < S; ++j) {
       out[static_cast<size_t>(h) * S + j] =
           CounterUniform(spec.seed, static_cast<uint32_t>(in.layer_index), static_cast<uint32_t>(h),
@@ -59,16 +61,21 @@ void RandomScores(const LayerInput& in, const EvictionSpec& spec, ThreadPool* po
 
 void KeyDiffScores(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool, float* out) {
   const int S = in.shape.seq_len;
-  pool->ParallelFor(in.shape.num_kv_heads,
-                    [&](int h) { KeyDiffScoreHead(in, h, out + static_cast<size_t>(h) * S); });
+  pool->ParallelFor(in.shape.num_kv_heads, [&](int h) {
+    ScratchTask task;
+    KeyDiffScoreHead(in, h, out + static_cast<size_t>(h) * S);
+  });
 }
 
 void ExpectedScores(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool, float* out) {
   PrepareBlas(pool);
-  const ExpectedStats stats = ComputeExpectedStats(in, spec);
   const int S = in.shape.seq_len;
+  // The rotation to the horizon is the same for every head; each task computes its query heads'
+  // statistics itself, one head at a time (never the whole layer's Hq * D^2).
+  const MeanRotation rotation = MeanRotationOf(*in.rope, in.shape.head_dim, S, spec.horizon);
   pool->ParallelFor(in.shape.num_kv_heads, [&](int h) {
-    ExpectedScoreHead(in, stats, h, out + static_cast<size_t>(h) * S);
+    ScratchTask task;
+    ExpectedScoreHead(in, spec, rotation, h, out + static_cast<size_t>(h) * S);
   });
 }
 
@@ -98,8 +105,10 @@ void ScoreTokensImpl(const LayerInput& in, const EvictionSpec& spec, ThreadPool*
   scorer.score(in, spec, pool, out);
   // Value-aware weighting composes with the policies whose row says so (a no-op when it is off).
   if (Policy(spec.policy).value_weight) {
-    pool->ParallelFor(
-        H, [&](int h) { ValueWeightHead(in, spec, h, out + static_cast<size_t>(h) * S); });
+    pool->ParallelFor(H, [&](int h) {
+      ScratchTask task;
+      ValueWeightHead(in, spec, h, out + static_cast<size_t>(h) * S);
+    });
   }
 }
 

@@ -16,6 +16,7 @@
 #include "cpu/score_extra.h"
 #include "cpu/simd.h"
 #include "kvc/convert.h"
+#include "kvc/cost.h"
 #include "kvc/noise.h"
 #include "kvc/selection.h"
 #include "kvc/status_macros.h"
@@ -23,16 +24,7 @@
 namespace kvc::cpu {
 namespace {
 
-// Logits kept per block of query rows (16 MiB of floats): all 128 rows of a Llama-3 group at 32K.
-constexpr size_t kLogitFloats = size_t{4} << 20;
-// Keys converted to fp32 per chunk (512 KiB at D = 128).
-constexpr int kTokenChunk = 1024;
-
-template <typename T>
-T* Grow(std::vector<T>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-  return v.data();
-}
+constexpr int kTokenChunk = kScoreTokenChunk;
 
 // The first 64-byte-aligned address at or after p (p's buffer must have 15 floats of slack).
 float* AlignUp64(float* p) {
@@ -41,9 +33,10 @@ float* AlignUp64(float* p) {
 
 // 1-D pooling over x[0, n) with an odd kernel, same-size output, window clipped at the edges
 // (max: max of the in-range values; avg: their mean).
-void Pool1D(float* x, int n, int kernel, PoolKind kind, std::vector<float>& tmp) {
+void Pool1D(float* x, int n, int kernel, PoolKind kind, ScratchArray& scratch) {
   if (kernel <= 1 || n <= 1) return;
-  tmp.assign(x, x + n);
+  float* tmp = scratch.Get<float>(static_cast<size_t>(n));
+  std::copy_n(x, n, tmp);
   const int half = kernel / 2;
   for (int j = 0; j < n; ++j) {
     const int lo = std::max(0, j - half), hi = std::min(n - 1, j + half);
@@ -66,12 +59,12 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
   const int S = sh.seq_len, D = sh.head_dim, W = sh.obs_window, g = sh.group_size();
   const int rows = g * W;
   Scratch& s = Scratch::ForThisThread();
-  float* q = Grow(s.q, static_cast<size_t>(rows) * D);
-  float* k = Grow(s.k, static_cast<size_t>(std::min(S, kTokenChunk)) * D);
-  LoadQueryGroup(in, h, q);
+  // Query rows are converted one block at a time, so neither they nor the block's logits grow
+  // with W (kvc/cost.h: ScoreRowBlock).
+  const int block = ScoreRowBlock(S, rows, D);
+  float* q = s.q.Get<float>(static_cast<size_t>(block) * D);
+  float* k = s.k.Get<float>(static_cast<size_t>(std::min(S, kTokenChunk)) * D);
 
-  const int block = static_cast<int>(
-      std::clamp<size_t>(kLogitFloats / static_cast<size_t>(S), 1, static_cast<size_t>(rows)));
   std::fill(out, out + S, 0.0f);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const bool gumbel = spec.policy == EvictionPolicy::kKeyformer;
@@ -81,7 +74,9 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
   const auto layer = static_cast<uint32_t>(in.layer_index);
 
   for (int r0 = 0; r0 < rows; r0 += block) {
+    if (Cancelled(in)) return;
     const int nr = std::min(block, rows - r0);
+    LoadQueryRows(in, h, r0, nr, q);
     // Keys past the last row's causal limit are never read: trim the GEMM to them.
     int max_len = 0;
     for (int r = r0; r < r0 + nr; ++r) max_len = std::max(max_len, S - W + (r % W) + 1);
@@ -94,19 +89,20 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
     // GEMM operand), re-converted per row block, which costs little next to the GEMM.
     const int chunks = (max_len + kTokenChunk - 1) / kTokenChunk;
     const size_t slot = static_cast<size_t>(nr) * kTokenChunk;
-    float* tile = Grow(s.tile, static_cast<size_t>(nr) * std::min(kTokenChunk, max_len));
-    float* parked = AlignUp64(Grow(s.logits, slot * (chunks - 1) + 16));
-    float* stats = Grow(s.row_max, static_cast<size_t>(nr) * (chunks + 2));
+    float* tile = s.tile.Get<float>(static_cast<size_t>(nr) * std::min(kTokenChunk, max_len));
+    float* parked = AlignUp64(s.logits.Get<float>(slot * (chunks - 1) + 16));
+    float* stats = s.row_max.Get<float>(static_cast<size_t>(nr) * (chunks + 2));
     float* row_max = stats;
     float* row_sum = stats + nr;
     float* shift = stats + 2 * static_cast<size_t>(nr);  // [nr, chunks]: m_c per chunk
     std::fill(row_max, row_max + nr, -std::numeric_limits<float>::infinity());
     std::fill(row_sum, row_sum + nr, 0.0f);
     for (int c0 = 0, c = 0; c0 < max_len; c0 += kTokenChunk, ++c) {
+      if (Cancelled(in)) return;
       const int n = std::min(kTokenChunk, max_len - c0);
       LoadHeadRows(in, /*values=*/false, h, c0, n, k);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, D, scale,
-                  q + static_cast<size_t>(r0) * D, D, k, D, 0.0f, tile, n);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, D, scale, q, D, k, D, 0.0f, tile,
+                  n);
       for (int r = r0; r < r0 + nr; ++r) {
         const int i = r - r0, t = r % W;
         const int valid = std::min(n, S - W + t + 1 - c0);
@@ -160,25 +156,26 @@ void PrepareBlas(const ThreadPool* pool) {
   if (pool->num_threads() > 1 && openblas_get_num_threads() != 1) openblas_set_num_threads(1);
 }
 
-Scratch& Scratch::ForThisThread() {
-  thread_local Scratch scratch;
-  return scratch;
-}
-
-void LoadQueryGroup(const LayerInput& in, int h, float* dst) {
+void LoadQueryRows(const LayerInput& in, int h, int first, int count, float* dst) {
   const LayerShape& sh = in.shape;
   const int D = sh.head_dim, W = sh.obs_window, g = sh.group_size(), Hq = sh.num_q_heads;
   const size_t esize = DTypeSize(in.dtype);
   const auto* base = static_cast<const uint8_t*>(in.q_obs);
-  if (in.layout == Layout::kHND) {  // the group's heads are contiguous: [g, W, D]
-    ToFloat(base + static_cast<size_t>(h) * g * W * D * esize, in.dtype,
-            static_cast<size_t>(g) * W * D, dst);
-    return;
-  }
-  for (int i = 0; i < g; ++i) {  // NHD [W, Hq, D]: head (h*g+i) is a strided run of W rows
-    const size_t first = static_cast<size_t>(h * g + i) * D;
-    RowsToFloat(base + first * esize, in.dtype, static_cast<size_t>(Hq) * D, W, D,
-                dst + static_cast<size_t>(i) * W * D);
+  // Runs of rows within one query head: HND [Hq, W, D] is contiguous per head (and the group's
+  // heads follow each other); NHD [W, Hq, D] strides by Hq * D between a head's rows.
+  for (int r = first; r < first + count;) {
+    const int i = r / W, t = r % W;
+    const int n = std::min(first + count - r, W - t);
+    const int qh = h * g + i;
+    float* out = dst + static_cast<size_t>(r - first) * D;
+    if (in.layout == Layout::kHND) {
+      ToFloat(base + ((static_cast<size_t>(qh) * W + t) * D) * esize, in.dtype,
+              static_cast<size_t>(n) * D, out);
+    } else {
+      RowsToFloat(base + ((static_cast<size_t>(t) * Hq + qh) * D) * esize, in.dtype,
+                  static_cast<size_t>(Hq) * D, n, D, out);
+    }
+    r += n;
   }
 }
 
@@ -197,6 +194,7 @@ void ObservedAttentionScores(const LayerInput& in, const EvictionSpec& spec, Thr
   PrepareBlas(pool);
   const int S = in.shape.seq_len;
   pool->ParallelFor(in.shape.num_kv_heads, [&](int h) {
+    ScratchTask task;
     AttentionScoreHead(in, spec, h, out + static_cast<size_t>(h) * S);
   });
 }
@@ -211,9 +209,12 @@ absl::StatusOr<std::vector<float>> ScoreTokens(const LayerInput& in, const Evict
   full.eviction = spec;
   RETURN_IF_ERROR(ValidateSpec(full, in.shape, in.layer_index));
   RETURN_IF_ERROR(ValidateSpecInput(full, in));
-  std::vector<float> scores;
-  cpu::ScoreTokensImpl(in, spec, ThreadPool::Default(), &scores);
-  return scores;
+  return CallNoThrow([&]() -> absl::StatusOr<std::vector<float>> {
+    std::vector<float> scores;
+    cpu::ScoreTokensImpl(in, spec, ThreadPool::Default(), &scores);
+    RETURN_IF_ERROR(cpu::CancelStatus(in));
+    return scores;
+  });
 }
 
 }  // namespace kvc

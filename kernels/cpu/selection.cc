@@ -19,12 +19,13 @@ namespace {
 using Protected = ProtectedTokens;  // kvc/spec.h: the policy row's protected window
 
 // Writes the `budget` kept positions of one head, ascending, into out.
-void SelectHead(const float* score, int S, int budget, const Protected& p,
-                std::vector<int32_t>& cand, int32_t* out) {
+void SelectHead(const float* score, int S, int budget, const Protected& p, int32_t* out) {
   const int first = p.sinks, last = S - p.recent;  // candidates: [first, last)
   const int want = budget - p.sinks - p.recent;
-  cand.resize(static_cast<size_t>(last - first));
-  std::iota(cand.begin(), cand.end(), first);
+  int32_t* const cand_begin =
+      Scratch::ForThisThread().cand.Get<int32_t>(static_cast<size_t>(std::max(last - first, 1)));
+  int32_t* cand_end = cand_begin + (last - first);
+  std::iota(cand_begin, cand_end, first);
   auto better = [score](int32_t a, int32_t b) {
     const float sa = score[a], sb = score[b];
     const bool na = std::isnan(sa), nb = std::isnan(sb);
@@ -33,15 +34,15 @@ void SelectHead(const float* score, int S, int budget, const Protected& p,
     return a < b;
   };
   if (want <= 0) {
-    cand.clear();
-  } else if (want < static_cast<int>(cand.size())) {
-    std::nth_element(cand.begin(), cand.begin() + want, cand.end(), better);
-    cand.resize(static_cast<size_t>(want));
+    cand_end = cand_begin;
+  } else if (want < cand_end - cand_begin) {
+    std::nth_element(cand_begin, cand_begin + want, cand_end, better);
+    cand_end = cand_begin + want;
   }
-  std::sort(cand.begin(), cand.end());
+  std::sort(cand_begin, cand_end);
   int n = 0;
   for (int i = 0; i < p.sinks; ++i) out[n++] = i;
-  for (int32_t c : cand) out[n++] = c;
+  for (const int32_t* c = cand_begin; c < cand_end; ++c) out[n++] = *c;
   for (int i = last; i < S; ++i) out[n++] = i;
 }
 
@@ -157,6 +158,7 @@ TokenSelection SelectTokensImpl(const LayerInput& in, const CompressionSpec& spe
   const auto t0 = std::chrono::steady_clock::now();
   const bool need_scores = prot.sinks + prot.recent < budget;
   if (need_scores) ScoreTokensImpl(in, e, pool, &scores);
+  if (Cancelled(in)) return TokenSelection{};  // the caller reports CancelStatus(in)
   if (score_seconds != nullptr) {
     *score_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
@@ -189,8 +191,8 @@ TokenSelection SelectFromScoresImpl(const LayerInput& in, const CompressionSpec&
         for (int j = 0; j < S; ++j) scores[j] += row[j];
       }
     }
-    std::vector<int32_t> cand;
-    SelectHead(scores.data(), S, budget, prot, cand, sel.positions.data());
+    ScratchTask task;
+    SelectHead(scores.data(), S, budget, prot, sel.positions.data());
     for (int h = 1; h < H; ++h) {
       std::copy_n(sel.positions.data(), budget,
                   sel.positions.data() + static_cast<size_t>(h) * budget);
@@ -198,9 +200,9 @@ TokenSelection SelectFromScoresImpl(const LayerInput& in, const CompressionSpec&
     return sel;
   }
   pool->ParallelFor(H, [&](int h) {
-    thread_local std::vector<int32_t> cand;
+    ScratchTask task;
     SelectHead(need_scores ? scores.data() + static_cast<size_t>(h) * S : nullptr, S, budget, prot,
-               cand, sel.positions.data() + static_cast<size_t>(h) * budget);
+               sel.positions.data() + static_cast<size_t>(h) * budget);
   });
   return sel;
 }
@@ -263,7 +265,11 @@ absl::StatusOr<TokenSelection> SelectTokens(const LayerInput& in, const Compress
   RETURN_IF_ERROR(ValidateInput(in));
   RETURN_IF_ERROR(ValidateSpec(spec, in.shape, in.layer_index));
   RETURN_IF_ERROR(ValidateSpecInput(spec, in));
-  return cpu::SelectTokensImpl(in, spec, ThreadPool::Default(), nullptr);
+  return CallNoThrow([&]() -> absl::StatusOr<TokenSelection> {
+    TokenSelection sel = cpu::SelectTokensImpl(in, spec, ThreadPool::Default(), nullptr);
+    RETURN_IF_ERROR(cpu::CancelStatus(in));
+    return sel;
+  });
 }
 
 }  // namespace kvc

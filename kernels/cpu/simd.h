@@ -25,17 +25,17 @@ void AccumulateAbs(const float* x, float* y, size_t n);
 float SumSquares(const float* x, size_t n);
 // x[j] = (x[j] + CounterGumbel(seed, layer, head, row, col0 + j)) * inv_tau for j in [0, n):
 // keyformer's noisy logits for columns [col0, col0 + n) (col0 + n <= 2^32); returns the max of the
-// new values (-inf when n == 0). The vector paths (AVX-512DQ, else AVX2) evaluate the same counter
-// hash exactly and the two logarithms with a polynomial (within ~2 ulp of logf), so values agree
-// with kvc/noise.h to ~1e-6.
+// new values (-inf when n == 0). The vector paths (AVX-512DQ, else AVX2) evaluate the counter
+// hash and kvc/noise.h's table-driven logarithm operation for operation, so every path's values
+// are bit-identical to CounterGumbel's (and to the CUDA backend's).
 float AddGumbel(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head, uint32_t row,
                 uint32_t col0, float inv_tau);
 // Keyformer's softmax numerator at tau = 1 in one pass: x[j] = exp(x[j] + G_j - m) with
 // G_j = CounterGumbel(seed, layer, head, row, col0 + j) (col0 + n <= 2^32); returns the sum of the
 // new values. Evaluated as exp(x[j] - m) / -log(u_j) (u_j the counter uniform), which needs one
-// logarithm instead of two. Intended use: m = max(x) (of the noise-free logits), so that the row's
-// largest noisy value is not lost to underflow and no value exceeds 2^25 (-log(u_j) >= 2^-25): no
-// overflow.
+// logarithm (NoiseLog) instead of two. Intended use: m = max(x) (of the noise-free logits), so that
+// the row's largest noisy value is not lost to underflow and no value exceeds 2^25 (-log(u_j) >=
+// 2^-25): no overflow.
 float GumbelExpSum(float* x, size_t n, float m, uint64_t seed, uint32_t layer, uint32_t head,
                    uint32_t row, uint32_t col0);
 
@@ -52,7 +52,7 @@ bool GumbelExpSumAvx512(float* x, size_t n, float m, uint64_t seed, uint32_t lay
                         uint32_t row, uint32_t col0, float* sum);
 // y[i] = log(x[i]) (x[i] positive and normal) with the AVX-512 paths' table-driven logarithm.
 bool LogAvx512(const float* x, float* y, size_t n);
-// The portable paths (libm logf / expf).
+// The portable paths (kvc/noise.h's NoiseLog, libm expf).
 float AddGumbelScalar(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head,
                       uint32_t row, uint32_t col0, float inv_tau);
 float GumbelExpSumScalar(float* x, size_t n, float m, uint64_t seed, uint32_t layer, uint32_t head,

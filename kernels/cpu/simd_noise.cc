@@ -1,5 +1,6 @@
-// Keyformer's Gumbel noise, vectorized: the counter hash of kvc/noise.h evaluated exactly on 4
-// (AVX2) or 8 (AVX-512DQ, native 64-bit multiplies) lanes, and polynomial logarithms.
+// Keyformer's Gumbel noise, vectorized: the counter hash and the table-driven logarithm of
+// kvc/noise.h evaluated exactly on 4 (AVX2) or 8 (AVX-512DQ, native 64-bit multiplies) lanes, so
+// that every path, and the CUDA backend, produce bit-identical noise.
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -37,32 +38,30 @@ __attribute__((target("avx2,fma"))) inline __m256i Mix64x4(__m256i x) {
   return _mm256_xor_si256(x, _mm256_srli_epi64(x, 31));
 }
 
-// Natural log for positive normal floats (Cephes logf scheme).
+// NoiseLog of kvc/noise.h on eight lanes, operation for operation (so the results are
+// bit-identical): x = m * 2^e with m in [0.75, 1.5), the top five mantissa bits pick 1/c and
+// log(1/c) from the shared table, and a degree-5 series gives log1p(m/c - 1).
 __attribute__((target("avx2,fma"))) inline __m256 Log8(__m256 x) {
   const __m256i xi = _mm256_castps_si256(x);
-  __m256 e =
-      _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(xi, 23), _mm256_set1_epi32(126)));
-  __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
-      _mm256_and_si256(xi, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f000000)));
-  const __m256 small = _mm256_cmp_ps(m, _mm256_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
-  const __m256 tmp = _mm256_and_ps(m, small);
-  m = _mm256_sub_ps(m, _mm256_set1_ps(1.0f));
-  e = _mm256_sub_ps(e, _mm256_and_ps(_mm256_set1_ps(1.0f), small));
-  m = _mm256_add_ps(m, tmp);
-  const __m256 z = _mm256_mul_ps(m, m);
-  __m256 y = _mm256_set1_ps(7.0376836292e-2f);
-  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.1514610310e-1f));
-  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(1.1676998740e-1f));
-  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.2420140846e-1f));
-  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(1.4249322787e-1f));
-  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.6668057665e-1f));
-  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(2.0000714765e-1f));
-  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-2.4999993993e-1f));
-  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(3.3333331174e-1f));
-  y = _mm256_mul_ps(_mm256_mul_ps(y, m), z);
-  y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
-  y = _mm256_fnmadd_ps(z, _mm256_set1_ps(0.5f), y);
-  return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(m, y));
+  const __m256i mant = _mm256_and_si256(xi, _mm256_set1_epi32(0x007fffff));
+  // big: the mantissa 1.f is >= 1.5, so m = 1.f / 2 and the exponent goes up by one.
+  const __m256i big = _mm256_cmpgt_epi32(mant, _mm256_set1_epi32(0x003fffff));
+  const __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
+      mant, _mm256_sub_epi32(_mm256_set1_epi32(0x3f800000),
+                             _mm256_and_si256(big, _mm256_set1_epi32(0x00800000)))));
+  const __m256 e = _mm256_cvtepi32_ps(
+      _mm256_sub_epi32(_mm256_sub_epi32(_mm256_srli_epi32(xi, 23), _mm256_set1_epi32(127)), big));
+  const __m256i idx = _mm256_and_si256(_mm256_srli_epi32(mant, 18), _mm256_set1_epi32(31));
+  const __m256 inv_c = _mm256_i32gather_ps(kNoiseInvC, idx, 4);
+  const __m256 log_c = _mm256_i32gather_ps(kNoiseLogC, idx, 4);
+  const __m256 r = _mm256_fmsub_ps(m, inv_c, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(0.2f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(-0.25f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 3.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(-0.5f));
+  const __m256 log1p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+  const __m256 hi = _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), log_c);
+  return _mm256_add_ps(hi, _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), log1p));
 }
 
 // CounterUniform for columns c .. c + 7 of the row whose hash key is `key` (see noise.h).
@@ -75,8 +74,10 @@ __attribute__((target("avx2,fma"))) inline __m256 Uniform8(__m256i key, size_t c
   const __m256i b0 = _mm256_permutevar8x32_epi32(_mm256_srli_epi64(h0, 40), even);
   const __m256i b1 = _mm256_permutevar8x32_epi32(_mm256_srli_epi64(h1, 40), even);
   const __m256i bits = _mm256_permute2x128_si256(b0, b1, 0x20);
-  return _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(bits), _mm256_set1_ps(0.5f)),
-                       _mm256_set1_ps(1.0f / 16777216.0f));
+  // As CounterUniform: the one value that rounds up to 1 becomes the largest float below 1.
+  return _mm256_min_ps(_mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(bits), _mm256_set1_ps(0.5f)),
+                                     _mm256_set1_ps(1.0f / 16777216.0f)),
+                       _mm256_set1_ps(kBelowOne));
 }
 
 // The per-row hash key of CounterUniform: Mix64(h ^ ((row << 32) | col)) = Mix64(key ^ col).
@@ -176,49 +177,9 @@ __attribute__((target("avx512f,avx512dq"))) inline __m512i Mix64High8(__m512i x)
 // log(1/c) sit in two registers each (vpermt2ps lookups). About 15 instructions against the
 // 23 of the Cephes polynomial.
 __attribute__((target("avx512f,avx512dq"))) inline __m512 Log16(__m512 x) {
-  // Entry i: m in [1 + i/32, 1 + (i + 1)/32) for i < 16, [0.5 + i/64, 0.5 + (i + 1)/64)
-  // above; c is the interval's midpoint except c = 1 for entries 0 and 31.
-  alignas(64) static constexpr float kInvC[32] = {
-      1.000000000e+00f, 9.552238584e-01f, 9.275362492e-01f, 9.014084339e-01f, 8.767123222e-01f,
-      8.533333540e-01f, 8.311688304e-01f, 8.101266026e-01f, 7.901234627e-01f, 7.710843086e-01f,
-      7.529411912e-01f, 7.356321812e-01f, 7.191011310e-01f, 7.032967210e-01f, 6.881720424e-01f,
-      6.736842394e-01f, 1.319587588e+00f, 1.292929292e+00f, 1.267326713e+00f, 1.242718458e+00f,
-      1.219047666e+00f, 1.196261644e+00f, 1.174311876e+00f, 1.153153181e+00f, 1.132743359e+00f,
-      1.113043427e+00f, 1.094017148e+00f, 1.075630307e+00f, 1.057851195e+00f, 1.040650368e+00f,
-      1.024000049e+00f, 1.000000000e+00f};
-  // -log(kInvC[i]) of the float table value, rounded to float.
-  alignas(64) static constexpr float kLogC[32] = {0.0f,
-                                                  4.580955952e-02f,
-                                                  7.522340119e-02f,
-                                                  1.037968099e-01f,
-                                                  1.315763593e-01f,
-                                                  1.586050093e-01f,
-                                                  1.849223375e-01f,
-                                                  2.105647475e-01f,
-                                                  2.355660647e-01f,
-                                                  2.599575520e-01f,
-                                                  2.837681472e-01f,
-                                                  3.070250452e-01f,
-                                                  3.297532797e-01f,
-                                                  3.519763947e-01f,
-                                                  3.737164140e-01f,
-                                                  3.949937522e-01f,
-                                                  -2.773192525e-01f,
-                                                  -2.569104135e-01f,
-                                                  -2.369097322e-01f,
-                                                  -2.173012793e-01f,
-                                                  -1.980699450e-01f,
-                                                  -1.792013943e-01f,
-                                                  -1.606823355e-01f,
-                                                  -1.425000876e-01f,
-                                                  -1.246424392e-01f,
-                                                  -1.070980877e-01f,
-                                                  -8.985637873e-02f,
-                                                  -7.290682197e-02f,
-                                                  -5.623967573e-02f,
-                                                  -3.984587267e-02f,
-                                                  -2.371657453e-02f,
-                                                  0.0f};
+  // The shared table of kvc/noise.h (NoiseLog there is this function on one lane).
+  const float* kInvC = kNoiseInvC;
+  const float* kLogC = kNoiseLogC;
   const __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_p75_1p5, _MM_MANT_SIGN_src);
   __m512 e = _mm512_getexp_ps(x);
   e = _mm512_mask_add_ps(e, _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.0f), _CMP_LT_OQ), e,
@@ -246,9 +207,11 @@ __attribute__((target("avx512f,avx512dq"))) inline __m512 Uniform16(__m512i key,
   // The high 32-bit halves of h0's then h1's lanes, shifted down to their top 24 bits.
   const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   const __m512i bits = _mm512_srli_epi32(_mm512_permutex2var_epi32(h0, odd, h1), 8);
-  // (b + 0.5) * 2^-24 rounded once, as noise.h's float (b + 0.5f) then exact scaling does.
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(bits), _mm512_set1_ps(1.0f / 16777216.0f),
-                         _mm512_set1_ps(0.5f / 16777216.0f));
+  // (b + 0.5) * 2^-24 rounded once, as noise.h's float (b + 0.5f) then exact scaling does; then
+  // CounterUniform's clamp below 1.
+  return _mm512_min_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(bits), _mm512_set1_ps(1.0f / 16777216.0f),
+                                       _mm512_set1_ps(0.5f / 16777216.0f)),
+                       _mm512_set1_ps(kBelowOne));
 }
 
 inline constexpr int64_t kLane[8] = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -360,7 +323,7 @@ float GumbelExpSumScalar(float* x, size_t n, float m, uint64_t seed, uint32_t la
   float sum = 0.0f;
   for (size_t j = 0; j < n; ++j) {
     const float u = CounterUniform(seed, layer, head, row, col0 + static_cast<uint32_t>(j));
-    x[j] = std::exp(x[j] - m) / -std::log(u);
+    x[j] = std::exp(x[j] - m) / -NoiseLog(u);
     sum += x[j];
   }
   return sum;

@@ -23,7 +23,9 @@ __device__ __forceinline__ const T* At(const uint8_t* blob, uint64_t off) {
   return reinterpret_cast<const T*>(blob + off);
 }
 
-// One block per (query head, query row).
+// One block per (query head, query row). Scores: one warp per token, lanes over the channels, so
+// that a row's loads are coalesced; values: one thread per channel (consecutive threads read
+// consecutive elements of a row).
 template <typename E>
 __global__ void PackedAttentionKernel(AttnArgs a) {
   using T = typename E::T;
@@ -52,35 +54,37 @@ __global__ void PackedAttentionKernel(AttnArgs a) {
   __syncthreads();
   for (int c = threadIdx.x; c < hd.value_channels; c += blockDim.x) vinv[vidx[c]] = c;
   float* p = a.scratch + static_cast<size_t>(blockIdx.x) * (a.max_kept + a.n_new);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   float mx = -INFINITY;
-  for (int t = threadIdx.x; t < total; t += blockDim.x) {
+  for (int t = warp; t < total; t += warps) {
     float s = 0.f;
     if (t < m) {
       if (a.bits == 0) {
         const T* row = At<T>(a.blob, hd.key_old) + static_cast<size_t>(t) * hd.key_channels;
-        for (int c = 0; c < hd.key_channels; ++c) s = fmaf(sq[kidx[c]], E::Load(row, c), s);
+        for (int c = lane; c < hd.key_channels; c += 32) s = fmaf(sq[kidx[c]], E::Load(row, c), s);
       } else {
         const float* sc =
             At<float>(a.blob, hd.key_scale) + static_cast<size_t>(t / a.group) * hd.key_channels;
         const float* ze =
             At<float>(a.blob, hd.key_zero) + static_cast<size_t>(t / a.group) * hd.key_channels;
         const uint8_t* row = At<uint8_t>(a.blob, hd.key_codes) + static_cast<size_t>(t) * kq_bytes;
-        for (int c = 0; c < hd.key_channels; ++c) {
+        for (int c = lane; c < hd.key_channels; c += 32) {
           const float x = static_cast<float>(CodeAt(row, c, a.bits)) * sc[c] + ze[c];
           s = fmaf(sq[kidx[c]], x, s);
         }
       }
     } else if (t < hd.n_kept) {
       const T* row = At<T>(a.blob, hd.key_recent) + static_cast<size_t>(t - m) * d;
-      for (int c = 0; c < d; ++c) s = fmaf(sq[c], E::Load(row, c), s);
+      for (int c = lane; c < d; c += 32) s = fmaf(sq[c], E::Load(row, c), s);
     } else {
       const float* row = a.k_new + (static_cast<size_t>(h) * a.n_new + (t - hd.n_kept)) * d;
-      for (int c = 0; c < d; ++c) s = fmaf(sq[c], row[c], s);
+      for (int c = lane; c < d; c += 32) s = fmaf(sq[c], row[c], s);
     }
-    s *= scale;
-    p[t] = s;
+    s = WarpSum(s) * scale;
+    if (lane == 0) p[t] = s;
     mx = fmaxf(mx, s);
   }
+  // The barriers inside BlockReduce also make every warp's p[] visible to the whole block.
   mx = BlockReduce<true>(mx, red);
   float sum = 0.f;
   for (int t = threadIdx.x; t < total; t += blockDim.x) {
@@ -122,20 +126,34 @@ __global__ void PackedAttentionKernel(AttnArgs a) {
 // ---- split decode attention ----
 //
 // Block: 128 threads = 8 teams of 16 lanes. A chunk of C kept tokens (all old or all recent) is
-// split into 8 contiguous runs of C / 8 rows, one per team. Lane l of a team owns the 8 channels
-// [8l, 8l + 8) of every row (compact channel indices in old blocks, head channels in recent ones),
-// so a team reads a row as 16 consecutive slots: 16 bytes each for fp16/bf16, or `bits` bytes of
-// codes. Every slot is aligned to its size: the plan requires channel counts that are multiples
-// of 8 and every block of the blob starts 16-byte aligned.
+// read in batches of kDecBatch consecutive rows, dealt round-robin to the teams (batch b to team
+// b % 8). Lane l of a team owns the 8 channels [8l, 8l + 8) of every row (compact channel indices
+// in old blocks, head channels in recent ones), so a team reads a row as 16 consecutive slots:
+// 16 bytes each for fp16/bf16, or `bits` bytes of codes. Every slot is aligned to its size: the
+// plan requires channel counts that are multiples of 8 and every block of the blob starts 16-byte
+// aligned. A batch starts at a multiple of kDecBatch within its block and quantization groups are
+// multiples of 8, so a batch never straddles a key group: the query is rescaled once per batch at
+// most, outside the unrolled rows (this, and batches of 4 rows, keep the kernel near 100
+// registers, where 16-row unrolling with a per-row group check took up to 254).
+//
+// The value sums of the 8 teams are combined in a fixed order (the two teams of a warp with one
+// shuffle, then the four warps through shared memory), never with atomics: the result repeats run
+// to run.
 constexpr int kDecLanes = 16;
 constexpr int kDecThreads = kDecodeTeams * kDecLanes;
-// Rows loaded before any is used: 64 bytes in flight per thread for fp16/bf16, 8- and 4-bit rows.
-template <int kBits>
-constexpr int Unroll() {
-  return kBits == 0 ? 4 : kBits == 8 ? 8 : 16;
-}
+constexpr int kDecWarps = kDecThreads / 32;
+constexpr int kDecBatch = 4;  // rows per batch (loaded together)
 static_assert(kDecLanes * 8 == kDecodeMaxHeadDim, "a team covers head_dim channels");
 static_assert(kDecodeMaxChunk % kDecodeTeams == 0 && kDecodeMinChunk % kDecodeTeams == 0);
+static_assert(kDecodeTeams % kDecBatch == 0, "chunks start at multiples of the batch");
+// Blocks per multiprocessor the split kernel is compiled for, which caps its registers (65536 per
+// SM): with 4 query rows per KV head (Llama-3's g = 4, one new token) 7 blocks for full-precision
+// rows (<= 72 registers) and 6 for codes (<= 80), with 8 rows 4 blocks (<= 128); none of them
+// spills on sm_80 or sm_90 (nvcc -Xptxas -v). Tighter caps spill.
+template <int kBits, int kR>
+constexpr int DecMinBlocks() {
+  return kR <= 4 ? (kBits == 0 ? 7 : 6) : 4;
+}
 
 template <typename T>
 struct Pair;
@@ -212,66 +230,64 @@ struct ChunkRows {
   int t0;  // first row of the chunk within its block (for the quantization group)
 };
 
-// Scores of the team's rows [tb, te) for all kR query rows into s_p[rr][row] (scaled logits).
+// Scores of the team's batches of the chunk's nt rows for all kR query rows into s_p[rr][row]
+// (scaled logits).
 template <typename T, int kBits, int kR>
-__device__ __forceinline__ void ChunkScores(const ChunkRows& cr, int group, int lane, int tb,
-                                            int te, unsigned team_mask, float scale, int nr,
+__device__ __forceinline__ void ChunkScores(const ChunkRows& cr, int group, int lane, int team,
+                                            int nt, unsigned team_mask, float scale, int nr,
                                             const float (*s_q)[kDecodeMaxHeadDim],
                                             float (*s_p)[kDecodeMaxChunk]) {
   const bool active = 8 * lane < cr.key_channels;
-  int ch[8];
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    ch[k] = !active ? 0 : (cr.key_idx != nullptr ? cr.key_idx[8 * lane + k] : 8 * lane + k);
-  }
   // kBits == 0: qk = q[ch]. Quantized: qk = q[ch] * scale[group][c] and qz = sum q[ch] * zero,
-  // so that q . (code * scale + zero) = qk . code + qz; refreshed when the row's group changes.
+  // so that q . (code * scale + zero) = qk . code + qz; refreshed when the batch's group changes.
   float qk[8][kR], qz[kR];
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
+    int ch = 0;
+    if (kBits == 0 && active) {
+      ch = cr.key_idx != nullptr ? __ldg(cr.key_idx + 8 * lane + k) : 8 * lane + k;
+    }
 #pragma unroll
-    for (int r = 0; r < kR; ++r) qk[k][r] = active && kBits == 0 ? s_q[r][ch[k]] : 0.f;
+    for (int r = 0; r < kR; ++r) qk[k][r] = kBits == 0 && active ? s_q[r][ch] : 0.f;
   }
 #pragma unroll
   for (int r = 0; r < kR; ++r) qz[r] = 0.f;
   int cur_group = -1;
-  constexpr int kUnroll = Unroll<kBits>();
   const uint8_t* lane_keys = cr.keys + lane * SlotBytes<kBits>();
-  for (int t = tb; t < te; t += kUnroll) {
-    uint4 w[kUnroll];
+  for (int t = team * kDecBatch; t < nt; t += kDecodeTeams * kDecBatch) {
+    if constexpr (kBits > 0) {
+      const int grp = (cr.t0 + t) / group;  // the whole batch's group
+      if (grp != cur_group && active) {
+        cur_group = grp;
+        const float* sc = cr.key_scale + static_cast<size_t>(grp) * cr.key_channels + 8 * lane;
+        const float* ze = cr.key_zero + static_cast<size_t>(grp) * cr.key_channels + 8 * lane;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+        for (int r = 0; r < kR; ++r) qz[r] = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const int ch = __ldg(cr.key_idx + 8 * lane + k);
+          const float sk = __ldg(sc + k), zk = __ldg(ze + k);
+#pragma unroll
+          for (int r = 0; r < kR; ++r) {
+            const float q = s_q[r][ch];
+            qk[k][r] = q * sk;
+            qz[r] = fmaf(q, zk, qz[r]);
+          }
+        }
+      }
+    }
+    uint4 w[kDecBatch];
+#pragma unroll
+    for (int u = 0; u < kDecBatch; ++u) {
       w[u] = make_uint4(0u, 0u, 0u, 0u);
-      if (active && t + u < te) {
+      if (active && t + u < nt) {
         w[u] = LoadSlot<kBits>(lane_keys + static_cast<size_t>(t + u) * cr.key_row_bytes);
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kDecBatch; ++u) {
       const int row = t + u;
-      if (row >= te) break;  // uniform within the team
-      if constexpr (kBits > 0) {
-        const int grp = (cr.t0 + row) / group;
-        if (grp != cur_group) {
-          cur_group = grp;
-          if (active) {
-            const float* sc = cr.key_scale + static_cast<size_t>(grp) * cr.key_channels + 8 * lane;
-            const float* ze = cr.key_zero + static_cast<size_t>(grp) * cr.key_channels + 8 * lane;
-#pragma unroll
-            for (int r = 0; r < kR; ++r) qz[r] = 0.f;
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-              const float s = __ldg(sc + k), z = __ldg(ze + k);
-#pragma unroll
-              for (int r = 0; r < kR; ++r) {
-                const float q = s_q[r][ch[k]];
-                qk[k][r] = q * s;
-                qz[r] = fmaf(q, z, qz[r]);
-              }
-            }
-          }
-        }
-      }
+      if (row >= nt) break;  // uniform within the team
       float x[8];
       SlotValues<T, kBits>(w[u], x);
       float dot[kR];
@@ -295,34 +311,33 @@ __device__ __forceinline__ void ChunkScores(const ChunkRows& cr, int group, int 
   }
 }
 
-// Adds sum over the team's rows of p[rr][row] * value[row] into s_o (head channels).
+// This lane's share of sum over the team's rows of p[rr][row] * value[row] (its 8 value slots),
+// into acc (zero-point terms included).
 template <typename T, int kBits, int kR>
-__device__ __forceinline__ void ChunkValues(const ChunkRows& cr, int group, int lane, int tb,
-                                            int te, int nr, const float (*s_p)[kDecodeMaxChunk],
-                                            float (*s_o)[kDecodeMaxHeadDim]) {
-  const bool active = 8 * lane < cr.value_channels;
-  if (!active) return;
-  float acc[8][kR], zacc[kR];
+__device__ __forceinline__ void ChunkValues(const ChunkRows& cr, int group, int lane, int team,
+                                            int nt, int nr, const float (*s_p)[kDecodeMaxChunk],
+                                            float (&acc)[8][kR]) {
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
 #pragma unroll
     for (int r = 0; r < kR; ++r) acc[k][r] = 0.f;
   }
+  if (8 * lane >= cr.value_channels) return;  // no shuffles below: lanes may leave
+  float zacc[kR];
 #pragma unroll
   for (int r = 0; r < kR; ++r) zacc[r] = 0.f;
   // Quantized values: one (scale, zero) per row for this lane's 8 channels (group % 8 == 0).
   const int v_groups = kBits > 0 ? 1 + (cr.value_channels - 1) / group : 0;
   const int lane_group = kBits > 0 ? (8 * lane) / group : 0;
   const uint8_t* lane_values = cr.values + lane * SlotBytes<kBits>();
-  constexpr int kUnroll = Unroll<kBits>();
-  for (int t = tb; t < te; t += kUnroll) {
-    uint4 w[kUnroll];
-    float vs[kUnroll], vz[kUnroll];
+  for (int t = team * kDecBatch; t < nt; t += kDecodeTeams * kDecBatch) {
+    uint4 w[kDecBatch];
+    float vs[kDecBatch], vz[kDecBatch];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kDecBatch; ++u) {
       w[u] = make_uint4(0u, 0u, 0u, 0u);
       vs[u] = vz[u] = 0.f;
-      if (t + u < te) {
+      if (t + u < nt) {
         w[u] = LoadSlot<kBits>(lane_values + static_cast<size_t>(t + u) * cr.value_row_bytes);
         if constexpr (kBits > 0) {
           const size_t gi = static_cast<size_t>(cr.t0 + t + u) * v_groups + lane_group;
@@ -332,9 +347,9 @@ __device__ __forceinline__ void ChunkValues(const ChunkRows& cr, int group, int 
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kDecBatch; ++u) {
       const int row = t + u;
-      if (row >= te) break;
+      if (row >= nt) break;
       float x[8];
       SlotValues<T, kBits>(w[u], x);
 #pragma unroll
@@ -352,22 +367,24 @@ __device__ __forceinline__ void ChunkValues(const ChunkRows& cr, int group, int 
   }
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
-    const int ch = cr.value_idx != nullptr ? cr.value_idx[8 * lane + k] : 8 * lane + k;
 #pragma unroll
-    for (int r = 0; r < kR; ++r) {
-      if (r < nr) atomicAdd(&s_o[r][ch], acc[k][r] + zacc[r]);
-    }
+    for (int r = 0; r < kR; ++r) acc[k][r] += zacc[r];
   }
 }
 
 template <typename E, int kBits, int kR>
-__global__ void __launch_bounds__(kDecThreads) DecodeChunkKernel(DecodeArgs a) {
+__global__ void __launch_bounds__(kDecThreads, DecMinBlocks<kBits, kR>())
+    DecodeChunkKernel(DecodeArgs a) {
   using T = typename E::T;
   static_assert(sizeof(T) == 2, "fp16/bf16 only");
-  __shared__ float s_q[kR][kDecodeMaxHeadDim];
-  __shared__ float s_o[kR][kDecodeMaxHeadDim];
-  __shared__ float s_p[kR][kDecodeMaxChunk];
+  // One buffer, two lives: the query rows [kR][D] and the scores [kR][chunk] while the chunk is
+  // read, then the four warps' value sums [4][kR][D] for the fixed-order combine.
+  __shared__ float smem[kR * 4 * kDecodeMaxHeadDim];
+  static_assert(kDecodeMaxHeadDim + kDecodeMaxChunk <= 4 * kDecodeMaxHeadDim);
   __shared__ float s_ml[kR][2];
+  auto* s_q = reinterpret_cast<float(*)[kDecodeMaxHeadDim]>(smem);
+  auto* s_p = reinterpret_cast<float(*)[kDecodeMaxChunk]>(smem + kR * kDecodeMaxHeadDim);
+  auto* s_part = reinterpret_cast<float(*)[kR][kDecodeMaxHeadDim]>(smem);
   const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const DecodeSeq seq = a.seqs[b];
   const AttnHead hd = seq.heads[h];
@@ -379,24 +396,20 @@ __global__ void __launch_bounds__(kDecThreads) DecodeChunkKernel(DecodeArgs a) {
   const int nt = min(chunk, (old ? m : hd.n_recent) - t0);
   const int d = a.head_dim, g = a.num_q_heads / a.num_kv_heads, nr = g * a.n_q;
   const int tid = threadIdx.x, lane = tid % kDecLanes, team = tid / kDecLanes;
+  const int warp = tid / 32, wl = tid % 32;
   const uint8_t* blob = seq.blob;
 
-  for (int e = tid; e < kR * d; e += kDecThreads) {
-    const int rr = e / d, ch = e % d;
+  for (int e = tid; e < kR * kDecodeMaxHeadDim; e += kDecThreads) {
+    const int rr = e / kDecodeMaxHeadDim, ch = e % kDecodeMaxHeadDim;
     float v = 0.f;
-    if (rr < nr) {
+    if (rr < nr && ch < d) {
       const int hq = h * g + rr / a.n_q, i = rr % a.n_q;
       v = seq.q[(static_cast<size_t>(hq) * a.n_q + i) * d + ch];
     }
     s_q[rr][ch] = v;
-    s_o[rr][ch] = 0.f;
   }
   __syncthreads();
 
-  // The team's run of rows [tb, te) of the chunk (te - tb is uniform within a team; it may be <= 0
-  // for the last teams of a short chunk).
-  const int run = chunk / kDecodeTeams;
-  const int tb = team * run, te = min(tb + run, nt);
   const unsigned team_mask = 0xffffu << (16 * (team & 1));
   const float scale = 1.0f / sqrtf(static_cast<float>(d));
   ChunkRows rows;
@@ -416,7 +429,7 @@ __global__ void __launch_bounds__(kDecThreads) DecodeChunkKernel(DecodeArgs a) {
     rows.key_zero = reinterpret_cast<const float*>(blob + hd.key_zero);
     rows.value_scale = reinterpret_cast<const float*>(blob + hd.value_scale);
     rows.value_zero = reinterpret_cast<const float*>(blob + hd.value_zero);
-    ChunkScores<T, kBits, kR>(rows, a.group, lane, tb, te, team_mask, scale, nr, s_q, s_p);
+    ChunkScores<T, kBits, kR>(rows, a.group, lane, team, nt, team_mask, scale, nr, s_q, s_p);
   } else {
     rows.key_channels = rows.value_channels = d;
     rows.key_idx = rows.value_idx = nullptr;
@@ -424,13 +437,12 @@ __global__ void __launch_bounds__(kDecThreads) DecodeChunkKernel(DecodeArgs a) {
     rows.keys = blob + hd.key_recent + static_cast<size_t>(t0) * rows.key_row_bytes;
     rows.values = blob + hd.value_recent + static_cast<size_t>(t0) * rows.value_row_bytes;
     rows.key_scale = rows.key_zero = rows.value_scale = rows.value_zero = nullptr;
-    ChunkScores<T, 0, kR>(rows, 1, lane, tb, te, team_mask, scale, nr, s_q, s_p);
+    ChunkScores<T, 0, kR>(rows, 1, lane, team, nt, team_mask, scale, nr, s_q, s_p);
   }
   __syncthreads();
 
   // Partial softmax of each query row over the chunk: max, exp, sum (warp w: rows w, w + 4, ..).
-  const int warp = tid / 32, wl = tid % 32;
-  for (int r = warp; r < nr; r += kDecThreads / 32) {
+  for (int r = warp; r < nr; r += kDecWarps) {
     float mx = -INFINITY;
     for (int j = wl; j < nt; j += 32) mx = fmaxf(mx, s_p[r][j]);
     mx = WarpMax(mx);
@@ -448,20 +460,43 @@ __global__ void __launch_bounds__(kDecThreads) DecodeChunkKernel(DecodeArgs a) {
   }
   __syncthreads();
 
+  float acc[8][kR];
   if (old) {
-    ChunkValues<T, kBits, kR>(rows, a.group, lane, tb, te, nr, s_p, s_o);
+    ChunkValues<T, kBits, kR>(rows, a.group, lane, team, nt, nr, s_p, acc);
   } else {
-    ChunkValues<T, 0, kR>(rows, 1, lane, tb, te, nr, s_p, s_o);
+    ChunkValues<T, 0, kR>(rows, 1, lane, team, nt, nr, s_p, acc);
+  }
+  // Teams 2w and 2w + 1 (lanes l and l + 16 of warp w) own the same channels: one shuffle adds
+  // the pair, and both lanes get the same sum (IEEE addition commutes).
+  __syncwarp();
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+#pragma unroll
+    for (int r = 0; r < kR; ++r) acc[k][r] += __shfl_xor_sync(0xffffffffu, acc[k][r], 16);
+  }
+  __syncthreads();  // every read of s_q and s_p is done: smem becomes s_part
+  for (int e = tid; e < 4 * kR * kDecodeMaxHeadDim; e += kDecThreads) smem[e] = 0.f;
+  __syncthreads();
+  if ((team & 1) == 0 && 8 * lane < rows.value_channels) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int ch = rows.value_idx != nullptr ? rows.value_idx[8 * lane + k] : 8 * lane + k;
+#pragma unroll
+      for (int r = 0; r < kR; ++r) {
+        if (r < nr) s_part[warp][r][ch] = acc[k][r];
+      }
+    }
   }
   __syncthreads();
 
-  // Partial row: D unnormalized outputs, then max and sum.
+  // Partial row: D unnormalized outputs (the warps' sums in a fixed order), then max and sum.
   const int stride = d + 2;
   float* dst =
       a.partial + ((static_cast<size_t>(b) * a.num_kv_heads + h) * a.max_chunks + c) * nr * stride;
   for (int e = tid; e < nr * stride; e += kDecThreads) {
     const int r = e / stride, x = e % stride;
-    dst[e] = x < d ? s_o[r][x] : s_ml[r][x - d];
+    dst[e] = x < d ? (s_part[0][r][x] + s_part[1][r][x]) + (s_part[2][r][x] + s_part[3][r][x])
+                   : s_ml[r][x - d];
   }
 }
 
@@ -533,12 +568,11 @@ __global__ void __launch_bounds__(kDecThreads) DecodeCombineKernel(DecodeArgs a)
 template <typename E, int kBits, int kR>
 cudaError_t LaunchDecodeT(const DecodeArgs& a, cudaStream_t stream) {
   if (a.max_chunks > 0) {
-    DecodeChunkKernel<E, kBits, kR>
-        <<<dim3(a.max_chunks, a.num_kv_heads, a.batch), kDecThreads, 0, stream>>>(a);
-    KVC_CUDA_CALL(LastLaunchError());
+    KVC_CUDA_CALL(Launch(DecodeChunkKernel<E, kBits, kR>,
+                         dim3(a.max_chunks, a.num_kv_heads, a.batch), kDecThreads, 0, stream, a));
   }
-  DecodeCombineKernel<<<dim3(a.num_q_heads * a.n_q, a.batch), kDecThreads, 0, stream>>>(a);
-  return LastLaunchError();
+  return Launch(DecodeCombineKernel, dim3(a.num_q_heads * a.n_q, a.batch), kDecThreads, 0, stream,
+                a);
 }
 
 template <typename E, int kR>
@@ -572,8 +606,7 @@ cudaError_t LaunchPackedAttention(const AttnArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   return KVC_DISPATCH_DTYPE(a.dtype, E, [&] {
-    PackedAttentionKernel<E><<<a.num_q_heads * a.n_q, 128, 0, stream>>>(a);
-    return LastLaunchError();
+    return Launch(PackedAttentionKernel<E>, a.num_q_heads * a.n_q, 128, 0, stream, a);
   });
 }
 

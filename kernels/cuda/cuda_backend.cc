@@ -1,7 +1,8 @@
 // The CUDA backend: each call takes a stream slot, stages host inputs through the slot's pinned
-// buffer, runs scoring -> selection -> channel selection -> gather -> quantization on the
-// device, and copies the blob back. The blob layout is planned on the host before any kernel runs
-// (it depends only on shapes and the spec), so the only synchronization is the final one.
+// buffer (device-resident inputs are read where they are), runs scoring -> selection -> channel
+// selection -> gather -> quantization on the device, and copies the blob back. The blob layout is
+// planned on the host before any kernel runs (it depends only on shapes and the spec), so the only
+// synchronization is the final one.
 #include "cuda/cuda_backend.h"
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include "cuda/adaptive_select.h"
 #include "cuda/compress_plan.h"
 #include "cuda/decode_plan.h"
+#include "cuda/device_input.h"
 #include "cuda/kernels.h"
 #include "cuda/resources.h"
 #include "cuda/score_extra_kernels.h"
@@ -48,20 +50,34 @@ class CudaBackend final : public Backend {
   absl::Status Attend(const CompactLayerView& cache, const DecodeQuery& query, float* out) override;
 
  private:
-  // Runs `fn(slot)` on an acquired slot with the backend's device current.
+  // Runs `fn(slot, arena)` on an acquired slot with the backend's device current, then frees the
+  // call's arena in stream order and waits for the stream, so that the slot goes back idle. An
+  // error of that wait (a fault in the call's kernels, or a context another call broke) fails the
+  // call even when its result looked complete; a sticky one fails every later call too, with
+  // the first fault named (SlotPool::broken).
   template <typename Fn>
-  auto WithSlot(Fn fn) -> decltype(fn(static_cast<StreamSlot*>(nullptr))) {
+  auto WithSlot(Fn fn) -> decltype(fn(static_cast<StreamSlot*>(nullptr), nullptr)) {
+    if (absl::Status b = pool_->broken(); !b.ok()) return b;
     StreamSlot* slot = pool_->Acquire();
     absl::Cleanup release = [&] { pool_->Release(slot); };
     const cudaError_t err = cudaSetDevice(pool_->device());
-    if (err != cudaSuccess) return CudaStatus(err, "cudaSetDevice");
-    return fn(slot);
+    if (err != cudaSuccess) return pool_->Note(err, "cudaSetDevice");
+    Arena arena;
+    auto result = fn(slot, &arena);
+    arena.Free(slot->stream);
+    const cudaError_t sync = cudaStreamSynchronize(slot->stream);
+    if (sync != cudaSuccess) {
+      const absl::Status s = pool_->Note(sync, "finishing the call's work on its stream");
+      if (result.ok()) return s;
+    }
+    return result;
   }
 
   absl::StatusOr<CompactLayer> CompressOnSlot(const LayerInput& in, const CompressionSpec& spec,
-                                              StreamSlot* slot, CompressTimings* timings);
+                                              StreamSlot* slot, Arena* arena,
+                                              CompressTimings* timings);
   absl::Status AttendOnSlot(const CompactLayerView& cache, const DecodeQuery& query, float* out,
-                            StreamSlot* slot);
+                            StreamSlot* slot, Arena* arena);
 
   std::unique_ptr<SlotPool> pool_;
   const std::string description_;
@@ -71,20 +87,28 @@ class CudaBackend final : public Backend {
 absl::StatusOr<CompactLayer> CudaBackend::Compress(const LayerInput& in,
                                                    const CompressionSpec& spec,
                                                    CompressTimings* timings) {
-  RETURN_IF_ERROR(ValidateInput(in));
+  RETURN_IF_ERROR(ValidateInput(in, /*allow_device=*/true));
   RETURN_IF_ERROR(ValidateSpec(spec, in.shape, in.layer_index));
   RETURN_IF_ERROR(ValidateSpecInput(spec, in));
+  if (in.memory == MemorySpace::kDevice) RETURN_IF_ERROR(CheckDeviceInput(in, pool_->device()));
+  if (Cancelled(in.cancel)) return in.cancel->status();
   if (Policy(spec.eviction.policy).scores && CudaScorerFor(spec.eviction.policy).score == nullptr) {
     // A scoring policy without a device scorer yet (cuda/scorers.h): the host engine compresses
-    // the layer exactly as the CPU backend would.
+    // the layer exactly as the CPU backend would (from a host copy of device-resident inputs).
+    if (in.memory == MemorySpace::kDevice) {
+      ASSIGN_OR_RETURN(const HostInput host_in, CopyInputToHost(in, /*with_kv=*/true));
+      return host_->Compress(host_in.view, spec, timings);
+    }
     return host_->Compress(in, spec, timings);
   }
-  return WithSlot([&](StreamSlot* slot) { return CompressOnSlot(in, spec, slot, timings); });
+  return WithSlot([&](StreamSlot* slot, Arena* arena) {
+    return CompressOnSlot(in, spec, slot, arena, timings);
+  });
 }
 
 absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
                                                          const CompressionSpec& spec,
-                                                         StreamSlot* slot,
+                                                         StreamSlot* slot, Arena* arena_ptr,
                                                          CompressTimings* timings) {
   const LayerShape& sh = in.shape;
   const int hkv = sh.num_kv_heads, hq = sh.num_q_heads, s = sh.seq_len, d = sh.head_dim;
@@ -98,21 +122,35 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
   const bool need_q = w > 0;
   cudaStream_t st = slot->stream;
 
-  // Host staging: K, V, Q in; the blob comes back through the same buffer.
-  const size_t kv_bytes = static_cast<size_t>(hkv) * s * d * es;
-  const size_t q_bytes = need_q ? static_cast<size_t>(hq) * w * d * es : 0;
-  // Expected attention's statistics are computed on the host and travel with the inputs.
+  // Host staging: K, V, Q in (unless they are on the device already); the blob comes back
+  // through the same buffer.
+  const bool on_device = in.memory == MemorySpace::kDevice;
+  const size_t kv_bytes = on_device ? 0 : static_cast<size_t>(hkv) * s * d * es;
+  const size_t q_bytes = need_q && !on_device ? static_cast<size_t>(hq) * w * d * es : 0;
+  // Expected attention's statistics are computed on the host and travel with the inputs (from a
+  // host copy of Q_obs when it is on the device).
   const bool expected = scorer.host_statistics;
-  const ExpectedStats stats =
-      expected ? host_->ExpectedStatistics(in, spec.eviction) : ExpectedStats{};
+  ExpectedStats stats;
+  if (expected) {
+    if (on_device && !spec.eviction.query_stats) {
+      ASSIGN_OR_RETURN(const HostInput host_q, CopyInputToHost(in, /*with_kv=*/false));
+      stats = host_->ExpectedStatistics(host_q.view, spec.eviction);
+    } else {
+      stats = host_->ExpectedStatistics(in, spec.eviction);
+    }
+  }
+  // The statistics are the host's long step; the device stages run to the end once launched.
+  if (Cancelled(in.cancel)) return in.cancel->status();
   const size_t mean_bytes = sizeof(float) * stats.mean.size();
   const size_t stat_bytes = Align256(mean_bytes) + sizeof(float) * stats.cov.size();
   const size_t in_bytes = Align256(kv_bytes) * 2 + Align256(q_bytes) + Align256(stat_bytes);
   RETURN_IF_ERROR(slot->ReservePinned(std::max(in_bytes, plan.blob_bytes)));
   uint8_t* pinned = static_cast<uint8_t*>(slot->pinned);
-  std::memcpy(pinned, in.k, kv_bytes);
-  std::memcpy(pinned + Align256(kv_bytes), in.v, kv_bytes);
-  if (need_q) std::memcpy(pinned + 2 * Align256(kv_bytes), in.q_obs, q_bytes);
+  if (!on_device) {
+    std::memcpy(pinned, in.k, kv_bytes);
+    std::memcpy(pinned + Align256(kv_bytes), in.v, kv_bytes);
+    if (need_q) std::memcpy(pinned + 2 * Align256(kv_bytes), in.q_obs, q_bytes);
+  }
   const size_t stat_at = 2 * Align256(kv_bytes) + Align256(q_bytes);
   if (expected) {
     std::memcpy(pinned + stat_at, stats.mean.data(), mean_bytes);
@@ -120,7 +158,7 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
                 sizeof(float) * stats.cov.size());
   }
 
-  Arena arena;
+  Arena& arena = *arena_ptr;
   const size_t o_in = arena.Add(in_bytes);
   // fp16/bf16 score on tensor cores without a logits buffer (LaunchTensorCoreColumnScores); its
   // per-row scratch is about S / 32 floats instead of S.
@@ -145,6 +183,7 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
   const size_t o_extra = arena.Add(sizeof(float) * extra_floats);
   const size_t o_pooled = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
   const size_t o_pos = arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * b);
+  const size_t o_topk = arena.Add(TopKScratchBytes(per_layer ? 1 : hkv, s));
   const size_t o_kidx = arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * plan.key_channels);
   const size_t o_vidx = arena.Add(sizeof(int32_t) * static_cast<size_t>(hkv) * plan.value_channels);
   const bool channel_work = plan.key_channels < d || plan.value_channels < d;
@@ -156,16 +195,12 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
                                     : 0);
   const size_t o_offsets = arena.Add(sizeof(HeadOffsets) * hkv);
   const size_t o_blob = arena.Add(plan.blob_bytes);
-  RETURN_IF_ERROR(arena.Allocate(pool_->mem_pool(), st));
-  absl::Cleanup free_arena = [&] {
-    arena.Free(st);
-    cudaStreamSynchronize(st);
-  };
+  RETURN_IF_ERROR(arena.Allocate(pool_->mem_pool(), st));  // WithSlot frees it
 
   uint8_t* dev_in = arena.At<uint8_t>(o_in);
-  const void* dk = dev_in;
-  const void* dv = dev_in + Align256(kv_bytes);
-  const void* dq = dev_in + 2 * Align256(kv_bytes);
+  const void* dk = on_device ? in.k : dev_in;
+  const void* dv = on_device ? in.v : dev_in + Align256(kv_bytes);
+  const void* dq = on_device ? in.q_obs : dev_in + 2 * Align256(kv_bytes);
   const Strides kvs = StridesOf(in.layout, hkv, s, d);
   const Strides qs = StridesOf(in.layout, hq, w, d);
   float* scores = arena.At<float>(o_scores);
@@ -174,8 +209,10 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
   uint8_t* blob = arena.At<uint8_t>(o_blob);
   cudaEvent_t* ev = slot->events;
 
-  KVC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev_in, pinned, in_bytes, cudaMemcpyHostToDevice, st),
-                           "copy inputs to device");
+  if (in_bytes > 0) {
+    KVC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev_in, pinned, in_bytes, cudaMemcpyHostToDevice, st),
+                             "copy inputs to device");
+  }
   KVC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(arena.At<HeadOffsets>(o_offsets), plan.offsets.data(),
                                            sizeof(HeadOffsets) * hkv, cudaMemcpyHostToDevice, st),
                            "copy layout to device");
@@ -224,14 +261,22 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
         "value weighting");
   }
   KVC_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[1], st), "cudaEventRecord");
-  if (e.adaptive) return AdaptiveFromDeviceScores(in, spec, *host_, final_scores, st, timings);
+  if (e.adaptive) {
+    // The ragged pack runs on the host: it needs the layer there.
+    if (on_device) {
+      ASSIGN_OR_RETURN(const HostInput host_in, CopyInputToHost(in, /*with_kv=*/true));
+      return AdaptiveFromDeviceScores(host_in.view, spec, *host_, final_scores, st, timings);
+    }
+    return AdaptiveFromDeviceScores(in, spec, *host_, final_scores, st, timings);
+  }
 
   // Stage 2: token and channel selection.
   if (per_layer) {
     float* summed = final_scores == pooled ? scores : pooled;
     KVC_CUDA_RETURN_IF_ERROR(LaunchSumHeads(final_scores, hkv, s, summed, st), "sum heads");
-    KVC_CUDA_RETURN_IF_ERROR(
-        LaunchTopKPositions(summed, 1, s, b, plan.sink_end, plan.recent_begin, pos, st), "top-k");
+    KVC_CUDA_RETURN_IF_ERROR(LaunchTopKPositions(summed, 1, s, b, plan.sink_end, plan.recent_begin,
+                                                 arena.At<void>(o_topk), pos, st),
+                             "top-k");
     for (int h = 1; h < hkv; ++h) {
       KVC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pos + static_cast<size_t>(h) * b, pos,
                                                sizeof(int32_t) * b, cudaMemcpyDeviceToDevice, st),
@@ -239,7 +284,8 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
     }
   } else {
     KVC_CUDA_RETURN_IF_ERROR(
-        LaunchTopKPositions(final_scores, hkv, s, b, plan.sink_end, plan.recent_begin, pos, st),
+        LaunchTopKPositions(final_scores, hkv, s, b, plan.sink_end, plan.recent_begin,
+                            arena.At<void>(o_topk), pos, st),
         "top-k");
   }
   ChannelArgs ca;
@@ -344,11 +390,12 @@ absl::Status CudaBackend::Attend(const CompactLayerView& cache, const DecodeQuer
   RETURN_IF_ERROR(ValidateQuery(cache, query));
   if (out == nullptr) return absl::InvalidArgumentError("out: null pointer");
   if (query.n_q == 0) return absl::OkStatus();
-  return WithSlot([&](StreamSlot* slot) { return AttendOnSlot(cache, query, out, slot); });
+  return WithSlot(
+      [&](StreamSlot* slot, Arena* arena) { return AttendOnSlot(cache, query, out, slot, arena); });
 }
 
 absl::Status CudaBackend::AttendOnSlot(const CompactLayerView& cache, const DecodeQuery& query,
-                                       float* out, StreamSlot* slot) {
+                                       float* out, StreamSlot* slot, Arena* arena_ptr) {
   const int hkv = cache.num_kv_heads(), d = cache.head_dim(), hq = query.num_q_heads;
   const uint8_t* base = cache.blob().data();
   std::vector<AttnHead> heads(hkv);
@@ -369,7 +416,7 @@ absl::Status CudaBackend::AttendOnSlot(const CompactLayerView& cache, const Deco
   const size_t blob_bytes = cache.blob().size();
   const size_t q_bytes = sizeof(float) * static_cast<size_t>(hq) * query.n_q * d;
   const size_t new_bytes = sizeof(float) * static_cast<size_t>(hkv) * query.n_new * d;
-  Arena arena;
+  Arena& arena = *arena_ptr;
   const size_t o_blob = arena.Add(blob_bytes);
   const size_t o_q = arena.Add(q_bytes);
   const size_t o_kn = arena.Add(new_bytes);
@@ -399,11 +446,7 @@ absl::Status CudaBackend::AttendOnSlot(const CompactLayerView& cache, const Deco
   }
   std::memcpy(pinned + o_heads, heads.data(), sizeof(AttnHead) * hkv);
   cudaStream_t st = slot->stream;
-  RETURN_IF_ERROR(arena.Allocate(pool_->mem_pool(), st));
-  absl::Cleanup free_arena = [&] {
-    arena.Free(st);
-    cudaStreamSynchronize(st);
-  };
+  RETURN_IF_ERROR(arena.Allocate(pool_->mem_pool(), st));  // WithSlot frees it
   if (plan.split) {
     DecodeSeq seq;
     seq.blob = arena.At<uint8_t>(o_blob);

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "cuda/kernels.h"
 
@@ -79,8 +80,21 @@ struct HeadDim {
     }                                                                     \
   }()
 
-// Returns the launch error (if any) of the kernel just launched.
-inline cudaError_t LastLaunchError() { return cudaGetLastError(); }
+// Launches kernel<<<grid, block, smem, stream>>>(args...) and returns the error of this launch:
+// a bad configuration, or an earlier fault that broke the context. Unlike cudaGetLastError after
+// <<<...>>>, it never reports an error that an earlier, unrelated runtime call left behind.
+template <typename... KernelArgs, typename... Args>
+inline cudaError_t Launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                          cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = nullptr;
+  config.numAttrs = 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
 
 __device__ __forceinline__ int CeilDiv(int a, int b) { return (a + b - 1) / b; }
 

@@ -95,11 +95,17 @@ cudaError_t LaunchSumHeads(const float* scores, int num_kv_heads, int seq_len, f
 // For each row r of scores [rows, S], writes the k kept positions to out[r, 0..k) in ascending
 // order: positions in [0, sink_end) and [recent_begin, S) are protected and come first; then the
 // highest scores, ties broken by the lower position; NaN never beats a number. 1 <= k <= S.
+// Each row is split into blocks of `segment` keys (0: the default, 4096; else a multiple of 256);
+// `scratch` holds TopKScratchBytes(rows, seq_len, segment) bytes, 8-byte aligned. The result does
+// not depend on the segment size.
+size_t TopKScratchBytes(int rows, int seq_len, int segment = 0);
 cudaError_t LaunchTopKPositions(const float* scores, int rows, int seq_len, int k, int sink_end,
-                                int recent_begin, int32_t* out, cudaStream_t stream);
+                                int recent_begin, void* scratch, int32_t* out, cudaStream_t stream,
+                                int segment = 0);
 
 // Channel selection over the m oldest kept tokens (the ones whose channels are pruned) of each KV
-// head, with the CPU engine's scores (kernels/cpu/channels.cc): keys by `key_policy` (1 think:
+// head, with the CPU engine's scores (kernels/cpu/channels.cc; the key sums are split over slices
+// of 512 tokens, one block each, and added in a fixed order): keys by `key_policy` (1 think:
 // sum_s K^2 * sum_t Q^2 / (g W m), 2 l1: sum_s |K|, 3 l2: sqrt(sum_s K^2); 0 keeps all); values
 // when `prune_values` by sum over the group's query rows of (P[:, old] V_old[:, c])^2, P the causal
 // softmax over all kept tokens. Keeps the top Tk / Tv (ties: lower index, NaN last), and writes
@@ -118,7 +124,7 @@ struct ChannelArgs {
   int key_channels = 0;
   bool prune_values = false;
   int value_channels = 0;
-  float* scratch = nullptr;  // ChannelScratchFloats() floats
+  float* scratch = nullptr;  // ChannelScratchFloats() floats, 8-byte aligned
   int32_t* key_idx = nullptr;
   int32_t* value_idx = nullptr;
 };

@@ -177,24 +177,18 @@ cudaError_t LaunchPack(const PackArgs& a, cudaStream_t stream) {
   if (a.n_kept < 1 || a.num_kv_heads < 1) return cudaErrorInvalidValue;
   const dim3 grid(a.n_kept, a.num_kv_heads);
   const int threads = a.head_dim >= 128 ? 128 : 64;
-  const cudaError_t err = KVC_DISPATCH_DTYPE(a.dtype, E, [&] {
-    if constexpr (sizeof(typename E::T) == 4) {
-      GatherKernel<E, 4><<<grid, threads, 0, stream>>>(a);
-    } else {
-      GatherKernel<E, 2><<<grid, threads, 0, stream>>>(a);
-    }
-    return LastLaunchError();
+  return KVC_DISPATCH_DTYPE(a.dtype, E, [&] {
+    return Launch(GatherKernel<E, static_cast<int>(sizeof(typename E::T))>, grid, threads, 0,
+                  stream, a);
   });
-  return err;
 }
 
 cudaError_t LaunchQuantize(const PackArgs& a, cudaStream_t stream) {
   const int m = a.n_kept - a.n_recent;
   if (a.bits == 0 || m == 0) return cudaSuccess;
-  QuantizeKeysKernel<<<dim3(1 + (m - 1) / a.group, a.num_kv_heads), 128, 0, stream>>>(a);
-  KVC_CUDA_CALL(LastLaunchError());
-  QuantizeValuesKernel<<<dim3(m, a.num_kv_heads), 64, 0, stream>>>(a);
-  return LastLaunchError();
+  KVC_CUDA_CALL(
+      Launch(QuantizeKeysKernel, dim3(1 + (m - 1) / a.group, a.num_kv_heads), 128, 0, stream, a));
+  return Launch(QuantizeValuesKernel, dim3(m, a.num_kv_heads), 64, 0, stream, a);
 }
 
 }  // namespace kvc::cuda

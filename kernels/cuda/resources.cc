@@ -25,6 +25,24 @@ absl::Status CudaStatus(cudaError_t err, const char* what) {
   return absl::InternalError(msg);
 }
 
+bool IsStickyError(cudaError_t err) {
+  switch (err) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorAssert:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorECCUncorrectable:
+      return true;
+    default:
+      return false;
+  }
+}
+
 absl::Status StreamSlot::ReservePinned(size_t bytes) {
   if (bytes <= pinned_bytes) return absl::OkStatus();
   // Grow geometrically so that a slowly growing workload reallocates O(log n) times.
@@ -99,6 +117,23 @@ StreamSlot* SlotPool::Acquire() {
 void SlotPool::Release(StreamSlot* slot) {
   absl::MutexLock lock(&mu_);
   free_.push_back(slot);
+}
+
+absl::Status SlotPool::broken() const {
+  absl::MutexLock lock(&mu_);
+  return broken_;
+}
+
+absl::Status SlotPool::Note(cudaError_t err, const char* what) {
+  const absl::Status s = CudaStatus(err, what);
+  if (!IsStickyError(err)) return s;
+  absl::MutexLock lock(&mu_);
+  if (broken_.ok()) {
+    broken_ = absl::InternalError(absl::StrCat(
+        "cuda backend: the CUDA context of device ", device_, " is unusable after a fault (",
+        s.message(), "); every later call fails until the process restarts"));
+  }
+  return broken_;
 }
 
 size_t Arena::Add(size_t bytes) {

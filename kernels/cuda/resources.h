@@ -23,6 +23,10 @@ namespace kvc::cuda {
 // absl::Status from a CUDA error; `what` names the operation.
 absl::Status CudaStatus(cudaError_t err, const char* what);
 
+// True for the errors after which the CUDA context is unusable for the rest of the process (a
+// kernel fault such as cudaErrorIllegalAddress): every later call on the device fails.
+bool IsStickyError(cudaError_t err);
+
 #define KVC_CUDA_RETURN_IF_ERROR(expr, what)                                     \
   do {                                                                           \
     const cudaError_t kvc_err_ = (expr);                                         \
@@ -56,13 +60,20 @@ class SlotPool {
   cudaMemPool_t mem_pool() const { return mem_pool_; }
   int device() const { return device_; }
 
+  // OK until a sticky error was noted; then that error, explained, for every later call (one
+  // fault must not masquerade as unrelated failures of the calls after it).
+  absl::Status broken() const;
+  // The status for `err` from operation `what`; a sticky error also marks the pool broken.
+  absl::Status Note(cudaError_t err, const char* what);
+
  private:
   SlotPool() = default;
   int device_ = 0;
   cudaMemPool_t mem_pool_ = nullptr;
   std::vector<StreamSlot> slots_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::vector<StreamSlot*> free_ ABSL_GUARDED_BY(mu_);
+  absl::Status broken_ ABSL_GUARDED_BY(mu_);
 };
 
 // Carves 256-byte-aligned sub-buffers out of one cudaMallocAsync allocation.

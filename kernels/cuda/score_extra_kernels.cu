@@ -1,7 +1,9 @@
 // KeyDiff, expected attention and value weighting on the device. These scores are one pass over
-// K (or V) per head with small per-head reductions; simple warp-per-token kernels are enough
-// next to the attention scores' Q K^T. Expected attention's statistics (a few D x D matrices per
-// layer) are computed on the host by the shared CPU code and copied in.
+// K (or V) per head with small per-head reductions: warp-per-token kernels for the per-token
+// values, and the per-head sums split over slices of tokens (one block each) and then added in a
+// fixed order, in double where the CPU sums in double, so that a head's 128K tokens are not one
+// thread's serial loop and the result repeats run to run. Expected attention's statistics (a few
+// D x D matrices per layer) are computed on the host by the shared CPU code and copied in.
 #include <cmath>
 
 #include "cuda/cuda_common.cuh"
@@ -34,29 +36,70 @@ __global__ void RowNormKernel(const typename E::T* __restrict__ x, Strides xs, i
   if (lane == 0) out[w] = sqrtf(s);
 }
 
-// One block per head, one thread per channel: unit[h] = m / ||m||, m = mean_j k_j / ||k_j||
-// (inv_norm[h, j] = 1 / ||k_j||, 0 for a zero key). Zero when m is 0.
+constexpr int kSliceThreads = 128;
+
+// Grid (slices, Hkv): partial[h, slice, c] = sum over the slice's keys j of k[h, j, c] * inv_j in
+// double, inv_j = 1 / ||k_j|| (0 for a zero key; norms in). Threads cover the channels of
+// 128 / D keys at once (D <= 128) or one key's channels (D > 128); their sums are added in a
+// fixed order.
 template <typename E>
-__global__ void KeyDiffMeanKernel(const typename E::T* __restrict__ k, Strides ks, int seq_len,
-                                  int head_dim, const float* __restrict__ norms,
-                                  float* __restrict__ unit) {
-  __shared__ float red[32];
-  const int h = blockIdx.x;
-  float acc = 0.f;
-  const int c = threadIdx.x;
-  if (c < head_dim) {
-    for (int j = 0; j < seq_len; ++j) {
+__global__ void __launch_bounds__(kSliceThreads)
+    KeyDiffSliceKernel(const typename E::T* __restrict__ k, Strides ks, int seq_len, int head_dim,
+                       const float* __restrict__ norms, double* __restrict__ partial) {
+  __shared__ double sums[kSliceThreads];
+  const int slice = blockIdx.x, h = blockIdx.y, d = head_dim;
+  const int lanes = d <= kSliceThreads ? kSliceThreads / d : 1;  // keys read at once
+  const int r = d <= kSliceThreads ? threadIdx.x / d : 0;
+  const int c = d <= kSliceThreads ? threadIdx.x % d : threadIdx.x;
+  const bool live = r < lanes;
+  const int j0 = slice * kKeyDiffSliceTokens;
+  const int j1 = min(j0 + kKeyDiffSliceTokens, seq_len);
+  double acc0 = 0.0, acc1 = 0.0;
+  if (live) {
+    for (int j = j0 + r; j < j1; j += lanes) {
       const float n = norms[static_cast<size_t>(h) * seq_len + j];
-      if (n > 0.f) acc += E::Load(k, h * ks.head + j * ks.token + c) / n;
+      const double inv = n > 0.f ? static_cast<double>(1.0f / n) : 0.0;
+      const int64_t row = h * ks.head + j * ks.token;
+      acc0 += static_cast<double>(E::Load(k, row + c)) * inv;
+      if (c + kSliceThreads < d)
+        acc1 += static_cast<double>(E::Load(k, row + c + kSliceThreads)) * inv;
     }
-    acc /= static_cast<float>(seq_len);
   }
-  const float sq = BlockReduce<false>(c < head_dim ? acc * acc : 0.f, red);
-  const float mn = sqrtf(sq);
-  if (c < head_dim) unit[static_cast<size_t>(h) * head_dim + c] = mn > 0.f ? acc / mn : 0.f;
+  double* out = partial + (static_cast<size_t>(h) * gridDim.x + slice) * d;
+  if (d > kSliceThreads) {
+    out[c] = acc0;
+    if (c + kSliceThreads < d) out[c + kSliceThreads] = acc1;
+    return;
+  }
+  sums[threadIdx.x] = acc0;
+  __syncthreads();
+  if (threadIdx.x < d) {
+    double t = 0.0;
+    for (int i = 0; i < lanes; ++i) t += sums[i * d + threadIdx.x];
+    out[threadIdx.x] = t;
+  }
 }
 
-// One warp per (head, token): scores = -(k . unit) / ||k|| (norms in, scores out; may alias).
+// One block per head, one thread per channel: the slices' sums in order, divided by S, and
+// unit[h] = m / ||m|| as float (zero when m is 0), as the CPU computes it.
+__global__ void KeyDiffUnitKernel(const double* __restrict__ partial, int slices, int seq_len,
+                                  int head_dim, float* __restrict__ unit) {
+  __shared__ double red[32];
+  const int h = blockIdx.x, c = threadIdx.x;
+  double m = 0.0;
+  if (c < head_dim) {
+    const double* p = partial + static_cast<size_t>(h) * slices * head_dim + c;
+    for (int s = 0; s < slices; ++s) m += p[static_cast<size_t>(s) * head_dim];
+    m /= seq_len;
+  }
+  const double norm = sqrt(BlockSumDouble(c < head_dim ? m * m : 0.0, red));
+  if (c < head_dim) {
+    unit[static_cast<size_t>(h) * head_dim + c] = norm > 0.0 ? static_cast<float>(m / norm) : 0.f;
+  }
+}
+
+// One warp per (head, token): scores = -(k . unit) * (1 / ||k||) (norms in, scores out; may
+// alias), the CPU's operations.
 template <typename E>
 __global__ void KeyDiffScoreKernel(const typename E::T* __restrict__ k, Strides ks, int heads,
                                    int seq_len, int head_dim, const float* __restrict__ unit,
@@ -73,7 +116,8 @@ __global__ void KeyDiffScoreKernel(const typename E::T* __restrict__ k, Strides 
   dot = WarpSum(dot);
   if (lane == 0) {
     const float n = scores[w];
-    scores[w] = n > 0.f ? -dot / n : -0.f * dot;
+    const float inv = n > 0.f ? 1.0f / n : 0.f;
+    scores[w] = -dot * inv;
   }
 }
 
@@ -109,28 +153,32 @@ __global__ void ExpectedLogitsKernel(const typename E::T* __restrict__ k, Stride
   lin = WarpSum(lin);
   quad = WarpSum(quad);
   if (lane == 0) {
-    logits[w] =
-        lin * rsqrtf(static_cast<float>(head_dim)) + quad / (2.0f * static_cast<float>(head_dim));
+    // The CPU's operations: lin * (1 / sqrt(D)) + quad * (1 / (2D)), each rounded (no rsqrtf, no
+    // contraction), so that equal sums give equal logits.
+    const float inv_sqrt_d = 1.0f / sqrtf(static_cast<float>(head_dim));
+    const float inv_2d = 1.0f / (2.0f * static_cast<float>(head_dim));
+    logits[w] = __fadd_rn(__fmul_rn(lin, inv_sqrt_d), __fmul_rn(quad, inv_2d));
   }
 }
 
-// One block per head: the means of norms and scores, then the weighting.
+// One block per head: the sums of norms and scores in double (the CPU's), then the weighting with
+// the CPU's floor: eps * float(sum / S).
 __global__ void ValueWeightKernel(int seq_len, int mode, float eps, const float* __restrict__ norms,
                                   float* __restrict__ scores) {
-  __shared__ float red[32];
+  __shared__ double red[32];
   const int h = blockIdx.x;
   const float* n = norms + static_cast<size_t>(h) * seq_len;
   float* s = scores + static_cast<size_t>(h) * seq_len;
-  float ns = 0.f, ss = 0.f;
+  double ns = 0.0, ss = 0.0;
   for (int j = threadIdx.x; j < seq_len; j += blockDim.x) {
     ns += n[j];
     ss += s[j];
   }
-  ns = BlockReduce<false>(ns, red);
-  ss = BlockReduce<false>(ss, red);
-  const float inv = 1.0f / static_cast<float>(seq_len);
+  ns = BlockSumDouble(ns, red);
+  ss = BlockSumDouble(ss, red);
+  const float eps_mean = eps * static_cast<float>((mode == 2 ? ns : ss) / seq_len);
   for (int j = threadIdx.x; j < seq_len; j += blockDim.x) {
-    s[j] = mode == 2 ? s[j] * (n[j] + eps * ns * inv) : (s[j] + eps * ss * inv) * n[j];
+    s[j] = mode == 2 ? s[j] * (n[j] + eps_mean) : (s[j] + eps_mean) * n[j];
   }
 }
 
@@ -139,18 +187,23 @@ __global__ void ValueWeightKernel(int seq_len, int mode, float eps, const float*
 cudaError_t LaunchKeyDiffScores(ElemType dtype, const void* k, Strides ks, int num_kv_heads,
                                 int seq_len, int head_dim, float* scratch, float* scores,
                                 cudaStream_t stream) {
+  if (num_kv_heads < 1 || seq_len < 1 || head_dim < 1 || head_dim > 256) {
+    return cudaErrorInvalidValue;
+  }
   const int64_t threads = static_cast<int64_t>(num_kv_heads) * seq_len * 32;
+  const int slices = (seq_len + kKeyDiffSliceTokens - 1) / kKeyDiffSliceTokens;
+  auto* partial = reinterpret_cast<double*>(scratch);
+  float* unit = scratch + 2 * static_cast<size_t>(num_kv_heads) * slices * head_dim;
   return KVC_DISPATCH_DTYPE(dtype, E, [&] {
     const auto* kp = static_cast<const typename E::T*>(k);
-    RowNormKernel<E><<<BlocksFor(threads, kThreads), kThreads, 0, stream>>>(
-        kp, ks, num_kv_heads, seq_len, head_dim, scores);
-    KVC_CUDA_CALL(LastLaunchError());
-    KeyDiffMeanKernel<E>
-        <<<num_kv_heads, 256, 0, stream>>>(kp, ks, seq_len, head_dim, scores, scratch);
-    KVC_CUDA_CALL(LastLaunchError());
-    KeyDiffScoreKernel<E><<<BlocksFor(threads, kThreads), kThreads, 0, stream>>>(
-        kp, ks, num_kv_heads, seq_len, head_dim, scratch, scores);
-    return LastLaunchError();
+    KVC_CUDA_CALL(Launch(RowNormKernel<E>, BlocksFor(threads, kThreads), kThreads, 0, stream, kp,
+                         ks, num_kv_heads, seq_len, head_dim, scores));
+    KVC_CUDA_CALL(Launch(KeyDiffSliceKernel<E>, dim3(slices, num_kv_heads), kSliceThreads, 0,
+                         stream, kp, ks, seq_len, head_dim, scores, partial));
+    KVC_CUDA_CALL(Launch(KeyDiffUnitKernel, num_kv_heads, 256, 0, stream, partial, slices, seq_len,
+                         head_dim, unit));
+    return Launch(KeyDiffScoreKernel<E>, BlocksFor(threads, kThreads), kThreads, 0, stream, kp, ks,
+                  num_kv_heads, seq_len, head_dim, unit, scores);
   });
 }
 
@@ -160,10 +213,9 @@ cudaError_t LaunchExpectedLogits(ElemType dtype, const void* k, Strides ks, int 
   if (head_dim > 256) return cudaErrorInvalidValue;
   const int64_t threads = static_cast<int64_t>(num_q_heads) * seq_len * 32;
   return KVC_DISPATCH_DTYPE(dtype, E, [&] {
-    ExpectedLogitsKernel<E><<<BlocksFor(threads, kThreads), kThreads, 0, stream>>>(
-        static_cast<const typename E::T*>(k), ks, num_q_heads / num_kv_heads, num_q_heads, seq_len,
-        head_dim, mean, cov, logits);
-    return LastLaunchError();
+    return Launch(ExpectedLogitsKernel<E>, BlocksFor(threads, kThreads), kThreads, 0, stream,
+                  static_cast<const typename E::T*>(k), ks, num_q_heads / num_kv_heads, num_q_heads,
+                  seq_len, head_dim, mean, cov, logits);
   });
 }
 
@@ -173,11 +225,11 @@ cudaError_t LaunchValueWeight(ElemType dtype, const void* v, Strides vs, int num
   if (mode != 2 && mode != 3) return cudaSuccess;
   const int64_t threads = static_cast<int64_t>(num_kv_heads) * seq_len * 32;
   return KVC_DISPATCH_DTYPE(dtype, E, [&] {
-    RowNormKernel<E><<<BlocksFor(threads, kThreads), kThreads, 0, stream>>>(
-        static_cast<const typename E::T*>(v), vs, num_kv_heads, seq_len, head_dim, norms);
-    KVC_CUDA_CALL(LastLaunchError());
-    ValueWeightKernel<<<num_kv_heads, 256, 0, stream>>>(seq_len, mode, eps, norms, scores);
-    return LastLaunchError();
+    KVC_CUDA_CALL(Launch(RowNormKernel<E>, BlocksFor(threads, kThreads), kThreads, 0, stream,
+                         static_cast<const typename E::T*>(v), vs, num_kv_heads, seq_len, head_dim,
+                         norms));
+    return Launch(ValueWeightKernel, num_kv_heads, 1024, 0, stream, seq_len, mode, eps, norms,
+                  scores);
   });
 }
 

@@ -8,11 +8,17 @@
 
 namespace kvc::cuda {
 
-// Floats of scratch LaunchKeyDiffScores needs: Hkv * D.
-inline size_t KeyDiffScratchFloats(int num_kv_heads, int head_dim) {
-  return static_cast<size_t>(num_kv_heads) * head_dim;
+// Floats of scratch LaunchKeyDiffScores needs (8-byte aligned): per head, one double partial sum
+// per channel for every slice of kKeyDiffSliceTokens keys, and the unit mean key.
+inline constexpr int kKeyDiffSliceTokens = 512;
+inline size_t KeyDiffScratchFloats(int num_kv_heads, int seq_len, int head_dim) {
+  const size_t slices =
+      (static_cast<size_t>(seq_len) + kKeyDiffSliceTokens - 1) / kKeyDiffSliceTokens;
+  return static_cast<size_t>(num_kv_heads) * head_dim * (2 * slices + 1);
 }
-// scores[h, j] = -cos(k[h, j], mean over j of k[h, j] / ||k[h, j]||) (0 when the mean is 0).
+// scores[h, j] = -cos(k[h, j], mean over j of k[h, j] / ||k[h, j]||) (0 when the mean is 0), as
+// the CPU computes it (kernels/cpu/score_extra.cc): the mean summed in double (per slice, then the
+// slices in order: deterministic), the score -(k . unit) * (1 / ||k||).
 cudaError_t LaunchKeyDiffScores(ElemType dtype, const void* k, Strides ks, int num_kv_heads,
                                 int seq_len, int head_dim, float* scratch, float* scores,
                                 cudaStream_t stream);
@@ -24,8 +30,8 @@ cudaError_t LaunchExpectedLogits(ElemType dtype, const void* k, Strides ks, int 
                                  const float* cov, float* logits, cudaStream_t stream);
 
 // Value weighting of scores [Hkv, S] in place (mode 2 = mul, 3 = add, as kvc::ValueWeight):
-// mul: s * (||v|| + eps * mean ||v||), add: (s + eps * mean s) * ||v||, means over the head.
-// `norms` is Hkv * S floats of scratch.
+// mul: s * (||v|| + eps * mean ||v||), add: (s + eps * mean s) * ||v||, means over the head summed
+// in double as the CPU does. `norms` is Hkv * S floats of scratch.
 cudaError_t LaunchValueWeight(ElemType dtype, const void* v, Strides vs, int num_kv_heads,
                               int seq_len, int head_dim, int mode, float eps, float* norms,
                               float* scores, cudaStream_t stream);

@@ -9,8 +9,9 @@
 // accumulation), fused with the softmax and the group column sum so that no logits buffer is
 // written: pass 1 computes per-row (max, sum of exp) partials per 64-key tile, a small kernel
 // merges them per row, and pass 2 recomputes each logit tile and adds its probabilities into the
-// column sums. Products of fp16/bf16 values are exact in fp32, so the logits differ from the CUDA
-// core kernel only by summation order.
+// column sums. (row tile, key tile) pairs past every row's causal limit are skipped (up to half
+// the work when W = S). Products of fp16/bf16 values are exact in fp32, so the logits differ from
+// the CUDA core kernel only by summation order.
 #include <mma.h>
 
 #include <cmath>
@@ -322,6 +323,22 @@ __global__ void __launch_bounds__(kTcThreads) TcColumnKernel(TcArgs a) {
   const int lr = threadIdx.x >> 1, half = threadIdx.x & 1;  // this thread's tile row, key half
   float colacc = 0.f;                                       // pass 2: column threadIdx.x & 63
   for (int r0 = 0; r0 < total_rows; r0 += kTcRows) {
+    // A row tile whose every row sees only keys before this key tile contributes nothing: skip
+    // its loads and MMAs (block-uniform). The tile's rows are window rows of one or two query
+    // heads; the last visible key is largest for its largest window row. Pass 1 records the
+    // skipped (row, key tile) pairs as empty partials for TcRowStatsKernel.
+    const int last = min(r0 + kTcRows, total_rows) - 1;
+    const int max_ii = r0 / a.rows == last / a.rows ? last % a.rows : a.rows - 1;
+    if (j0 > a.seq_len - a.obs_window + a.row0 + max_ii) {
+      if (kStats) {
+        const RowInfo ri = TcRow(a, h, r0 + lr);
+        if (half == 0 && ri.live) {
+          const size_t row = static_cast<size_t>(ri.hq) * a.rows + (ri.i - a.row0);
+          a.tile_stats[row * a.ntiles + tile] = make_float2(-INFINITY, 0.f);
+        }
+      }
+      continue;
+    }
     __syncthreads();  // the previous tile's readers of sq / ss are done
     LoadTile<E>(
         q, min(kTcRows, total_rows - r0), d, kTcRows, qvec,
@@ -416,10 +433,9 @@ cudaError_t LaunchQKLogits(ElemType dtype, const void* q, Strides qs, const void
   const int group = num_q_heads / num_kv_heads;
   return KVC_DISPATCH_DTYPE(dtype, E, [&] {
     return KVC_DISPATCH_HEAD_DIM(head_dim, HD, [&] {
-      QKLogitsKernel<E, HD><<<grid, kThreads, 0, stream>>>(
-          static_cast<const typename E::T*>(q), qs, static_cast<const typename E::T*>(k), ks, group,
-          obs_window, qr.row0, qr.rows, seq_len, head_dim, scale, logits);
-      return LastLaunchError();
+      return Launch(QKLogitsKernel<E, HD>, grid, kThreads, 0, stream,
+                    static_cast<const typename E::T*>(q), qs, static_cast<const typename E::T*>(k),
+                    ks, group, obs_window, qr.row0, qr.rows, seq_len, head_dim, scale, logits);
     });
   });
 }
@@ -430,48 +446,45 @@ cudaError_t LaunchSoftmaxRows(float* logits, int num_q_heads, int obs_window, Qu
   const int rows = num_q_heads * qr.rows;
   if (rows <= 0) return cudaSuccess;
   if (qr.row0 < 0 || qr.row0 + qr.rows > obs_window) return cudaErrorInvalidValue;
-  SoftmaxRowsKernel<<<rows, 256, 0, stream>>>(logits, obs_window, qr.row0, qr.rows, seq_len, gumbel,
-                                              seed, layer, inv_tau);
-  return LastLaunchError();
+  return Launch(SoftmaxRowsKernel, rows, 256, 0, stream, logits, obs_window, qr.row0, qr.rows,
+                seq_len, gumbel, seed, layer, inv_tau);
 }
 
 cudaError_t LaunchGroupColumnSum(const float* probs, int num_q_heads, int num_kv_heads, int rows,
                                  int seq_len, bool accumulate, float* scores, cudaStream_t stream) {
   const int64_t n = static_cast<int64_t>(num_kv_heads) * seq_len;
-  GroupColumnSumKernel<<<Blocks(n, 256), 256, 0, stream>>>(
-      probs, num_q_heads / num_kv_heads, rows, seq_len, num_kv_heads, accumulate, scores);
-  return LastLaunchError();
+  return Launch(GroupColumnSumKernel, Blocks(n, 256), 256, 0, stream, probs,
+                num_q_heads / num_kv_heads, rows, seq_len, num_kv_heads, accumulate, scores);
 }
 
 cudaError_t LaunchPool1d(const float* in, int rows, int seq_len, int len, int kernel, bool avg,
                          float* out, cudaStream_t stream) {
   const int64_t n = static_cast<int64_t>(rows) * seq_len;
-  Pool1dKernel<<<Blocks(n, 256), 256, 0, stream>>>(in, rows, seq_len, len, kernel, avg, out);
-  return LastLaunchError();
+  return Launch(Pool1dKernel, Blocks(n, 256), 256, 0, stream, in, rows, seq_len, len, kernel, avg,
+                out);
 }
 
 cudaError_t LaunchKeyNormScores(ElemType dtype, const void* k, Strides ks, int num_kv_heads,
                                 int seq_len, int head_dim, float* scores, cudaStream_t stream) {
   const int64_t threads = static_cast<int64_t>(num_kv_heads) * seq_len * 32;
   return KVC_DISPATCH_DTYPE(dtype, E, [&] {
-    KeyNormKernel<E><<<Blocks(threads, 256), 256, 0, stream>>>(
-        static_cast<const typename E::T*>(k), ks, num_kv_heads, seq_len, head_dim, scores);
-    return LastLaunchError();
+    return Launch(KeyNormKernel<E>, Blocks(threads, 256), 256, 0, stream,
+                  static_cast<const typename E::T*>(k), ks, num_kv_heads, seq_len, head_dim,
+                  scores);
   });
 }
 
 cudaError_t LaunchRandomScores(int num_kv_heads, int seq_len, uint64_t seed, uint32_t layer,
                                float* scores, cudaStream_t stream) {
   const int64_t n = static_cast<int64_t>(num_kv_heads) * seq_len;
-  RandomScoresKernel<<<Blocks(n, 256), 256, 0, stream>>>(num_kv_heads, seq_len, seed, layer,
-                                                         scores);
-  return LastLaunchError();
+  return Launch(RandomScoresKernel, Blocks(n, 256), 256, 0, stream, num_kv_heads, seq_len, seed,
+                layer, scores);
 }
 
 cudaError_t LaunchSumHeads(const float* scores, int num_kv_heads, int seq_len, float* out,
                            cudaStream_t stream) {
-  SumHeadsKernel<<<Blocks(seq_len, 256), 256, 0, stream>>>(scores, num_kv_heads, seq_len, out);
-  return LastLaunchError();
+  return Launch(SumHeadsKernel, Blocks(seq_len, 256), 256, 0, stream, scores, num_kv_heads, seq_len,
+                out);
 }
 
 size_t ColumnScoreScratchFloats(int num_q_heads, int rows, int seq_len) {
@@ -521,14 +534,11 @@ cudaError_t LaunchTensorCoreColumnScores(ElemType dtype, const void* q, Strides 
                                        static_cast<int>(smem)));
     KVC_CUDA_CALL(cudaFuncSetAttribute(column_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
-    stats_kernel<<<grid, kTcThreads, smem, stream>>>(a);
-    KVC_CUDA_CALL(LastLaunchError());
-    TcRowStatsKernel<<<Blocks(static_cast<int64_t>(n_rows) * 32, 256), 256, 0, stream>>>(
-        a.tile_stats, static_cast<int>(n_rows), a.ntiles,
-        reinterpret_cast<float2*>(scratch + 2 * n_rows * a.ntiles));
-    KVC_CUDA_CALL(LastLaunchError());
-    column_kernel<<<grid, kTcThreads, smem, stream>>>(a);
-    return LastLaunchError();
+    KVC_CUDA_CALL(Launch(stats_kernel, grid, kTcThreads, smem, stream, a));
+    KVC_CUDA_CALL(Launch(TcRowStatsKernel, Blocks(static_cast<int64_t>(n_rows) * 32, 256), 256, 0,
+                         stream, a.tile_stats, static_cast<int>(n_rows), a.ntiles,
+                         reinterpret_cast<float2*>(scratch + 2 * n_rows * a.ntiles)));
+    return Launch(column_kernel, grid, kTcThreads, smem, stream, a);
   };
   if (dtype == ElemType::kF16) return run(TcColumnKernel<F16, true>, TcColumnKernel<F16, false>);
   return run(TcColumnKernel<BF16, true>, TcColumnKernel<BF16, false>);

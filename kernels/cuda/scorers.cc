@@ -78,7 +78,7 @@ absl::StatusOr<float*> RandomScores(const ScoreArgs& a) {
 }
 
 size_t KeyDiffFloats(const LayerShape& s) {
-  return KeyDiffScratchFloats(s.num_kv_heads, s.head_dim);
+  return KeyDiffScratchFloats(s.num_kv_heads, s.seq_len, s.head_dim);
 }
 
 absl::StatusOr<float*> KeyDiffScores(const ScoreArgs& a) {

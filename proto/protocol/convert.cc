@@ -14,6 +14,13 @@ absl::Status Invalid(const std::string& field, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
 }
 
+// Counts past this would wrap in the engine's int fields (and exceed any shape).
+constexpr uint32_t kMaxCount = 1u << 30;
+
+absl::Status TooLarge(const std::string& field, uint32_t value) {
+  return Invalid(field, absl::StrCat(value, " is too large (at most ", kMaxCount, ")"));
+}
+
 // Prefixes an engine error with the proto message path.
 absl::Status Qualify(const absl::Status& s, const std::string& prefix) {
   if (s.ok()) return s;
@@ -51,7 +58,7 @@ absl::StatusOr<UploadHeader> HeaderFromProto(const kvcache::v1::PutCacheHeader& 
   ASSIGN_OR_RETURN(out.layout, FromProto(h.layout()));
   ASSIGN_OR_RETURN(out.spec, SpecFromProto(h.compression(), out.shape, out.num_layers));
   if (h.has_rope()) {
-    absl::StatusOr<RopeParams> rope = RopeFromProto(h.rope(), out.shape.head_dim);
+    absl::StatusOr<RopeParams> rope = RopeFromProto(h.rope(), out.shape.head_dim, RopeUse::kPutHeader);
     if (!rope.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("header.", rope.status().message()));
     }
@@ -114,10 +121,7 @@ absl::StatusOr<LayerShape> ShapeFromProto(const kvcache::v1::ModelShape& p) {
                              p.obs_window()};
   const char* names[] = {"num_kv_heads", "num_q_heads", "head_dim", "seq_len", "obs_window"};
   for (int i = 0; i < 5; ++i) {
-    if (fields[i] > (1u << 30)) {
-      return Invalid(absl::StrCat("header.shape.", names[i]),
-                     absl::StrCat(fields[i], " is too large"));
-    }
+    if (fields[i] > kMaxCount) return TooLarge(absl::StrCat("header.shape.", names[i]), fields[i]);
   }
   LayerShape s;
   s.num_kv_heads = static_cast<int>(p.num_kv_heads());
@@ -150,11 +154,11 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
     return Invalid(field("eviction.policy"), absl::StrCat("unknown '", e.policy(), "'"));
   }
   spec.eviction.policy = *policy;
-  if (e.budget() > (1u << 30)) return Invalid(field("eviction.budget"), "too large");
+  if (e.budget() > kMaxCount) return TooLarge(field("eviction.budget"), e.budget());
   spec.eviction.budget = static_cast<int>(e.budget());
   if (e.has_keep_ratio()) spec.eviction.keep_ratio = e.keep_ratio();
   for (uint32_t b : e.layer_budgets()) {
-    if (b > (1u << 30)) return Invalid(field("eviction.layer_budgets"), "too large");
+    if (b > kMaxCount) return TooLarge(field("eviction.layer_budgets"), b);
     spec.eviction.layer_budgets.push_back(static_cast<int>(b));
   }
   switch (e.granularity()) {
@@ -173,7 +177,13 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   }
   if (e.has_recent_fraction()) spec.eviction.recent_fraction = e.recent_fraction();
   if (e.has_pool_kernel()) {
-    spec.eviction.pool_kernel = static_cast<int>(std::min(e.pool_kernel(), 1u << 30));
+    // Checked before narrowing, so the message quotes the value sent.
+    if (e.pool_kernel() > static_cast<uint32_t>(kMaxPoolKernel)) {
+      return Invalid(field("eviction.pool_kernel"),
+                     absl::StrCat(e.pool_kernel(), " exceeds ", kMaxPoolKernel,
+                                  " (pooling costs seq_len * pool_kernel per head)"));
+    }
+    spec.eviction.pool_kernel = static_cast<int>(e.pool_kernel());
   }
   if (e.pool().empty() || e.pool() == "max") {
     spec.eviction.pool = PoolKind::kMax;
@@ -194,7 +204,11 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   spec.eviction.value_weight = *value_weight;
   if (e.has_value_eps()) spec.eviction.value_eps = e.value_eps();
   if (e.has_horizon()) {
-    if (e.horizon() > (1u << 30)) return Invalid(field("eviction.horizon"), "too large");
+    if (e.horizon() > static_cast<uint32_t>(kMaxHorizon)) {
+      return Invalid(field("eviction.horizon"),
+                     absl::StrCat(e.horizon(), " exceeds ", kMaxHorizon,
+                                  " (future positions the statistics are averaged over)"));
+    }
     spec.eviction.horizon = static_cast<int>(e.horizon());
   }
   spec.eviction.query_stats = e.query_stats();
@@ -209,10 +223,12 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   spec.channels.prune_values = ch.prune_values();
   spec.channels.value_lambda = ch.value_lambda();
 
-  if (c.quant().bits() > 64) return Invalid(field("quant.bits"), "too large");
+  if (c.quant().bits() > 64) {
+    return Invalid(field("quant.bits"), absl::StrCat(c.quant().bits(), " is not one of 0, 2, 4, 8"));
+  }
   spec.quant.bits = static_cast<int>(c.quant().bits());
   if (c.quant().has_group_size()) {
-    spec.quant.group_size = static_cast<int>(std::min(c.quant().group_size(), 1u << 30));
+    spec.quant.group_size = static_cast<int>(std::min(c.quant().group_size(), kMaxCount));
   }
   if (c.has_recent_tokens()) {
     spec.recent_tokens = static_cast<int>(std::min(c.recent_tokens(), 1u << 30));
@@ -228,6 +244,13 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
         absl::StrCat(c.eviction().layer_budgets_size(), " entries for ", num_layers, " layers"));
   }
   ASSIGN_OR_RETURN(CompressionSpec spec, SpecFromProto(c, "header.compression."));
+  // A group larger than head_dim never divides it; said with the value sent (not narrowed).
+  if (spec.quant.bits > 0 && c.quant().has_group_size() &&
+      c.quant().group_size() > static_cast<uint32_t>(shape.head_dim)) {
+    return Invalid("header.compression.quant.group_size",
+                   absl::StrCat(c.quant().group_size(), " does not divide head_dim ",
+                                shape.head_dim));
+  }
   for (int l = 0; l < num_layers; ++l) {
     RETURN_IF_ERROR(Qualify(ValidateSpec(spec, shape, l), "header.compression."));
     // Layers without a per-layer budget share one validation result.

@@ -6,9 +6,19 @@
 
 namespace kvc {
 
-absl::StatusOr<RopeParams> RopeFromProto(const kvcache::v1::RopeSpec& rope, int head_dim) {
+absl::StatusOr<RopeParams> RopeFromProto(const kvcache::v1::RopeSpec& rope, int head_dim,
+                                         RopeUse use) {
+  const bool put = use == RopeUse::kPutHeader;
+  const char* needed_for = put ? "the expected policy needs the RoPE the model applied"
+                               : "FORMAT_DENSE_CONTIGUOUS needs the RoPE the keys were stored with";
   RopeParams p;
   p.theta = rope.theta();
+  // Checked before narrowing to int, so the message quotes the value sent.
+  if (rope.rotary_dims() > static_cast<uint32_t>(head_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat("rope.rotary_dims: ", rope.rotary_dims(),
+                                                   " exceeds head_dim ", head_dim,
+                                                   " (0 = head_dim)"));
+  }
   p.rotary_dims = static_cast<int>(rope.rotary_dims());
   switch (rope.style()) {
     case kvcache::v1::ROPE_INTERLEAVED:
@@ -17,11 +27,13 @@ absl::StatusOr<RopeParams> RopeFromProto(const kvcache::v1::RopeSpec& rope, int 
     case kvcache::v1::ROPE_HALF_SPLIT:
       p.half_split = true;
       break;
+    case kvcache::v1::ROPE_STYLE_UNSPECIFIED:
+      return absl::InvalidArgumentError(absl::StrCat("rope.style: unset; ", needed_for,
+                                                     " (ROPE_INTERLEAVED or ROPE_HALF_SPLIT)"));
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("rope.style: ", static_cast<int>(rope.style()),
-                       " is not ROPE_INTERLEAVED or ROPE_HALF_SPLIT (FORMAT_DENSE_CONTIGUOUS "
-                       "needs the RoPE the keys were stored with)"));
+                       " is not ROPE_INTERLEAVED or ROPE_HALF_SPLIT"));
   }
   switch (rope.scaling()) {
     case kvcache::v1::ROPE_SCALING_UNSPECIFIED:
@@ -31,14 +43,19 @@ absl::StatusOr<RopeParams> RopeFromProto(const kvcache::v1::RopeSpec& rope, int 
       p.linear_factor = rope.scaling_factor();
       break;
     case kvcache::v1::ROPE_SCALING_DYNAMIC_NTK:
+      if (put) {
+        return absl::InvalidArgumentError(
+            "rope.scaling: DYNAMIC_NTK rescales the frequencies by the sequence length, so the "
+            "expected policy cannot rotate its query statistics to future positions exactly; "
+            "send the RoPE with NONE or LINEAR scaling");
+      }
       return absl::FailedPreconditionError(
           "rope.scaling: DYNAMIC_NTK rescales the frequencies by the sequence length, so keys "
           "stored at one length cannot be moved to another exactly; fetch FORMAT_DENSE");
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("rope.scaling: ", static_cast<int>(rope.scaling()),
-                       " is not NONE, LINEAR or "
-                       "DYNAMIC_NTK"));
+                       " is not NONE, LINEAR or DYNAMIC_NTK"));
   }
   if (absl::Status s = ValidateRope(p, head_dim); !s.ok()) return s;
   return p;

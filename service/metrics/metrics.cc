@@ -67,6 +67,8 @@ const char* RejectionReasonName(RejectionReason r) {
       return "peer_streams";
     case RejectionReason::kStaging:
       return "staging";
+    case RejectionReason::kWork:
+      return "work";
   }
   return "unknown";
 }
@@ -81,7 +83,7 @@ using prometheus::Histogram;
 constexpr int kNumCodes = 17;  // OK .. UNAUTHENTICATED; absl and gRPC share the numbering
 constexpr int kNumStages = 5;
 constexpr int kNumEvictionReasons = 4;
-constexpr int kNumRejectionReasons = 10;
+constexpr int kNumRejectionReasons = 11;
 
 // The KvCache service's methods (proto/kvcache/v1/kvcache.proto), pre-created at start.
 constexpr const char* kKnownMethods[] = {"PutCache",    "GetCache",   "StatCache",
@@ -150,6 +152,7 @@ struct Metrics::Impl {
   uint64_t pool_reused_seen ABSL_GUARDED_BY(mu) = 0;  // totals already added to the counters
   uint64_t pool_mapped_seen ABSL_GUARDED_BY(mu) = 0;
   Gauge* active_streams = nullptr;
+  Gauge* compressions_running = nullptr;
   Family<Gauge>* build_info_family = nullptr;
 
   absl::Mutex mu;
@@ -284,6 +287,13 @@ struct Metrics::Impl {
                           .Help("PutCache and GetCache streams in progress.")
                           .Register(r)
                           .Add({});
+    compressions_running = &prometheus::BuildGauge()
+                                .Name("kvc_compressions_running")
+                                .Help(
+                                    "Layer compressions running in the engine now (uploads "
+                                    "whose compression is in progress).")
+                                .Register(r)
+                                .Add({});
     build_info_family = &prometheus::BuildGauge()
                              .Name("kvc_build_info")
                              .Help("Always 1; labels carry the kvcd version and the backend.")
@@ -387,6 +397,9 @@ void Metrics::SetBufferPoolStats(uint64_t idle_bytes, uint64_t cap_bytes, uint64
 
 void Metrics::StreamStarted() { impl_->active_streams->Increment(); }
 void Metrics::StreamFinished() { impl_->active_streams->Decrement(); }
+void Metrics::AddCompressionsRunning(int delta) {
+  impl_->compressions_running->Increment(static_cast<double>(delta));
+}
 
 void Metrics::SetBuildInfo(const std::string& version, const std::string& backend) {
   internal::WriterLock lock(&impl_->mu);

@@ -1,7 +1,10 @@
 #include "server/config.h"
 
+#include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <limits>
+#include <thread>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -71,6 +74,11 @@ absl::StatusOr<uint64_t> ParseByteSize(const std::string& field, const std::stri
   return number << shift;
 }
 
+int EffectiveThreads(const ServerConfig& c) {
+  if (c.threads > 0) return c.threads;
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 absl::Status ValidateConfig(const ServerConfig& c) {
   if (auto s = CheckAddress("listen", c.listen, false); !s.ok()) return s;
   if (auto s = CheckAddress("health_listen", c.health_listen, true); !s.ok()) return s;
@@ -120,6 +128,28 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   }
   if (!(c.ttl_sweep_seconds > 0 && c.ttl_sweep_seconds <= 3600)) {
     return absl::InvalidArgumentError("--ttl_sweep_seconds: must be in (0, 3600]");
+  }
+  if (!(c.work_flops_per_byte > 0) || !std::isfinite(c.work_flops_per_byte)) {
+    return absl::InvalidArgumentError("--work_flops_per_byte: must be finite and > 0");
+  }
+  if (!(c.work_base_flops >= 0) || !std::isfinite(c.work_base_flops)) {
+    return absl::InvalidArgumentError("--work_base_flops: must be finite and >= 0");
+  }
+  if (!(c.work_scratch_per_byte > 0) || !std::isfinite(c.work_scratch_per_byte)) {
+    return absl::InvalidArgumentError("--work_scratch_per_byte: must be finite and > 0");
+  }
+  if (!(c.compress_timeout_seconds > 0 && c.compress_timeout_seconds <= 86400)) {
+    return absl::InvalidArgumentError("--compress_timeout_seconds: must be in (0, 86400]");
+  }
+  if (c.compress_nice < 0 || c.compress_nice > 19) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--compress_nice: ", c.compress_nice, " is outside [0, 19]"));
+  }
+  if (!(c.keepalive_time_seconds >= 1 && c.keepalive_time_seconds <= 86400)) {
+    return absl::InvalidArgumentError("--keepalive_time_seconds: must be in [1, 86400]");
+  }
+  if (!(c.keepalive_timeout_seconds >= 1 && c.keepalive_timeout_seconds <= 86400)) {
+    return absl::InvalidArgumentError("--keepalive_timeout_seconds: must be in [1, 86400]");
   }
   if (c.tls_cert_file.empty() != c.tls_key_file.empty()) {
     return absl::InvalidArgumentError(c.tls_cert_file.empty()

@@ -39,8 +39,29 @@ struct ServerConfig {
   uint64_t buffer_pool_bytes = 512ull << 20;
   std::string backend = "auto";  // auto | cpu | cuda
   int threads = 0;               // engine and compression pool threads; 0 = hardware concurrency
+  // On SIGTERM, how long in-flight streams may take to end on their own; then uploads still
+  // compressing are stopped (their compression abandoned) and the server shuts down.
   double drain_seconds = 5;
   double shutdown_deadline_seconds = 10;
+  // The work budget of one upload (kvc/cost.h, server/ingest.h IngestLimits): its spec may cost
+  // at most work_flops_per_byte * upload bytes + work_base_flops flops and
+  // work_scratch_per_byte * upload bytes + work_base_scratch_bytes of engine scratch (reserved
+  // from --staging_bytes with the upload). > 0 each (base scratch >= 0).
+  double work_flops_per_byte = 8192;
+  double work_base_flops = 1e9;
+  double work_scratch_per_byte = 4;
+  uint64_t work_base_scratch_bytes = 64ull << 20;
+  // An upload whose compression has run this long (from its first layer's start) is stopped with
+  // DEADLINE_EXCEEDED: the stream lifetime that covers compression. (0, 86400].
+  double compress_timeout_seconds = 300;
+  // Nice value added to the compression threads (Linux): RPC threads win the CPU over them, so
+  // plain uploads and downloads keep their speed while a heavy spec compresses. [0, 19].
+  int compress_nice = 10;
+  // gRPC keepalive on the main port: a connection silent for keepalive_time_seconds is pinged,
+  // and dropped (its streams cancelled) when the ping is not answered within
+  // keepalive_timeout_seconds. [1, 86400] each.
+  double keepalive_time_seconds = 60;
+  double keepalive_timeout_seconds = 20;
   double ttl_sweep_seconds = 1;  // period of the TTL sweep and store gauge refresh
   bool enable_reflection = false;
   std::string auth_tokens_file;  // "TOKEN TENANT" lines; empty = no authentication (server/auth.h)
@@ -75,6 +96,9 @@ inline uint64_t EffectiveStagingBytes(const ServerConfig& c) {
   const uint64_t max_cache = EffectiveMaxCacheBytes(c);
   return c.store_bytes / 2 > max_cache ? c.store_bytes / 2 : max_cache;
 }
+
+// threads with the default resolved: hardware concurrency (at least 1) when 0.
+int EffectiveThreads(const ServerConfig& c);
 
 // max_streams_per_peer with the default resolved: max(1, max_concurrent_streams / 4) when 0.
 inline uint32_t EffectiveStreamsPerPeer(const ServerConfig& c) {

@@ -71,6 +71,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       }
       holds_peer_ = true;
     }
+    ns_ = *ns;
     grpc::Status s = Begin(*request, *ns);
     if (!s.ok()) {
       FinishOnce(s);
@@ -121,7 +122,9 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   // the reactor outlives it because it cannot finish while parked on this export.
   std::shared_ptr<Export> StartExport(uint32_t index) {
     auto ex = std::make_shared<Export>();
-    state_->pool->Schedule([this, ex, keep = keep_, index] {
+    // On the I/O pool: a download never waits behind compressions.
+    ThreadPool* pool = state_->io_pool != nullptr ? state_->io_pool : state_->pool;
+    pool->Schedule([this, ex, keep = keep_, index] {
       absl::StatusOr<std::shared_ptr<const DenseLayer>> result;
       const CacheEntry& entry = keep->lease.entry();
       absl::StatusOr<CompactLayerView> view = absl::UnknownError("not parsed");
@@ -201,9 +204,15 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       return grpc::Status(grpc::StatusCode::DATA_LOSS, "stored metadata is unreadable");
     }
     if (req.format() == kvcache::v1::FORMAT_DENSE_CONTIGUOUS) {
-      auto rope = RopeFromProto(req.rope(), static_cast<int>(first.info().shape().head_dim()));
+      if (!req.has_rope()) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            "rope: required with FORMAT_DENSE_CONTIGUOUS (the RoPE the keys were "
+                            "stored with: theta, rotary_dims, style)");
+      }
+      auto rope = RopeFromProto(req.rope(), static_cast<int>(first.info().shape().head_dim()),
+                                RopeUse::kContiguous);
       if (!rope.ok()) return ToGrpc(rope.status());
-      if (auto s = CheckUniformKept(first.info()); !s.ok()) return ToGrpc(s);
+      if (auto s = CheckUniformKept(first.info(), entry); !s.ok()) return ToGrpc(s);
       rope_ = *rope;
     }
     const uint32_t num_layers = static_cast<uint32_t>(entry.layers.size());
@@ -236,7 +245,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
         // Only corruption makes a stored blob unreadable: name the block when the hashes can.
         if (absl::Status s = VerifyBlocks(entry, layer_, 0, entry.block_checksums[layer_].size());
             !s.ok()) {
-          return ToGrpc(s);
+          return ToGrpc(s, ns_);
         }
         return grpc::Status(
             grpc::StatusCode::DATA_LOSS,
@@ -253,7 +262,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
           *parked = true;
           return grpc::Status::OK;
         }
-        if (!next_export_->result.ok()) return ToGrpc(next_export_->result.status());
+        if (!next_export_->result.ok()) return ToGrpc(next_export_->result.status(), ns_);
         owned = *std::move(next_export_->result);
       }
       kept_tokens_ = owned->n_kept;
@@ -308,7 +317,8 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
           if (upto > verified_blocks_) {
             const CacheEntry& entry = keep_->lease.entry();
             if (absl::Status s = VerifyBlocks(entry, layer_, verified_blocks_, upto); !s.ok()) {
-              FinishOnce(ToGrpc(s));
+              // The message names the cache by the caller's id, never the tenant-qualified one.
+              FinishOnce(ToGrpc(s, ns_));
               return;
             }
             verified_blocks_ = upto;
@@ -354,6 +364,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   bool holds_stream_ = false;
   bool holds_peer_ = false;
   std::string peer_;  // PeerKey of the caller
+  std::string ns_;    // the caller's store-id prefix, removed from every message
   bool dense_ = false;
   absl::optional<RopeParams> rope_;  // DENSE_CONTIGUOUS: keys re-rotated for slots 0..K-1
   std::shared_ptr<Keepalive> keep_;

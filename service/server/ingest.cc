@@ -1,13 +1,17 @@
 #include "server/ingest.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "kvc/compact.h"
 #include "kvc/status_macros.h"
 #include "server/convert.h"
+#include "server/work_budget.h"
 
 namespace kvc::server {
 namespace {
@@ -33,6 +37,8 @@ const char* RejectReasonName(RejectReason r) {
       return "incomplete";
     case RejectReason::kCompress:
       return "compress_failed";
+    case RejectReason::kWork:
+      return "work";
   }
   return "unknown";
 }
@@ -58,10 +64,11 @@ bool Upload::Coverage::Add(uint64_t begin, uint64_t end) {
 }
 
 Upload::Upload(Backend* backend, CacheStore* store, ThreadPool* pool, const IngestLimits& limits,
-               BufferPool* staging)
+               BufferPool* staging, ThreadPool* io_pool)
     : backend_(backend),
       store_(store),
       pool_(pool),
+      io_pool_(io_pool != nullptr ? io_pool : pool),
       staging_(staging),
       limits_(limits),
       backend_name_(backend->name()),
@@ -105,6 +112,22 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
                                    query_stats ? " + Q_stats" : "", "), over the ", "limit of ",
                                    limits_.max_cache_bytes, " bytes per cache")));
   }
+  // The work the spec will cost, against a budget in proportion to the upload's bytes: a small
+  // upload cannot ask for an unbounded amount of compute or memory. An upload that keeps
+  // everything never reaches the engine.
+  const bool in_place = InPlaceLayer::KeepsEverything(spec);
+  int concurrent_layers = 1;
+  if (!in_place) {
+    const CostConcurrency cc = UploadConcurrency(limits_.engine_threads, shape.num_kv_heads,
+                                                 num_layers, limits_.whole_layer_statistics);
+    concurrent_layers = cc.concurrent_layers;
+    cost_ = CompressCost(shape, dtype, spec, num_layers, cc);
+    const WorkBudget budget{limits_.work_flops_per_byte, limits_.work_base_flops,
+                            limits_.work_scratch_per_byte, limits_.work_base_scratch_bytes};
+    if (auto s = CheckWorkBudget(cost_, total, budget); !s.ok()) {
+      return Reject(RejectReason::kWork, s);
+    }
+  }
   if (!h.overwrite() && store_->Peek(store_id).ok()) {
     return Reject(RejectReason::kExists,
                   absl::AlreadyExistsError(absl::StrCat("header.cache_id: '", h.cache_id(),
@@ -130,10 +153,11 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
   tensor_bytes_[2] = lb->q_obs;
   tensor_bytes_[3] = lb->q_stats;
   rope_ = header->rope;
-  in_place_ = InPlaceLayer::KeepsEverything(spec);
+  in_place_ = in_place;
   layers_.resize(num_layers);
   {
     absl::MutexLock lock(&mu_);
+    max_running_ = concurrent_layers;
     compact_.resize(num_layers);
     compressed_.assign(num_layers, false);
     block_checksums_.assign(num_layers, {});
@@ -159,6 +183,7 @@ bool Upload::LayerComplete(const LayerState& layer) const {
 absl::Status Upload::OnChunk(const RawPutRequest& req) {
   {
     absl::MutexLock lock(&mu_);
+    if (aborted_) return cancel_->status();
     if (!compress_error_.ok()) return compress_error_;
   }
   const auto& c = req.chunk;
@@ -273,20 +298,42 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
   payload_bytes_ += req.data_size;
   if (!layer.scheduled && LayerComplete(layer)) {
     layer.scheduled = true;
-    {
-      absl::MutexLock lock(&mu_);
-      ++pending_;
-    }
     const int index = static_cast<int>(c.layer());
     // From here on only the job touches the layer's staging or blob: any further chunk for it
     // overlaps bytes already received and is rejected before reaching them.
     if (in_place_) {
-      pool_->Schedule([self = shared_from_this(), index] { self->CompleteInPlaceLayer(index); });
+      {
+        absl::MutexLock lock(&mu_);
+        ++pending_;
+      }
+      io_pool_->Schedule([self = shared_from_this(), index] { self->CompleteInPlaceLayer(index); });
     } else {
-      pool_->Schedule([self = shared_from_this(), index] { self->CompressLayer(index); });
+      {
+        absl::MutexLock lock(&mu_);
+        ++pending_;
+        ready_.push_back(index);
+      }
+      StartReady();
     }
   }
   return absl::OkStatus();
+}
+
+void Upload::StartReady() {
+  // Scheduled outside the lock: a pool without workers runs the job right here.
+  std::vector<int> start;
+  {
+    absl::MutexLock lock(&mu_);
+    while (running_ < max_running_ && !ready_.empty()) {
+      start.push_back(ready_.front());
+      ready_.pop_front();
+      ++running_;
+    }
+  }
+  // Each job goes to the back of the pool's queue: the layers of different uploads take turns.
+  for (int index : start) {
+    pool_->Schedule([self = shared_from_this(), index] { self->CompressLayer(index); });
+  }
 }
 
 void Upload::CompleteInPlaceLayer(int index) {
@@ -310,14 +357,26 @@ void Upload::CompleteInPlaceLayer(int index) {
 }
 
 void Upload::CompressLayer(int index) {
+  bool dropped = false;
   {
     absl::MutexLock lock(&mu_);
     if (aborted_ || !compress_error_.ok()) {
+      dropped = true;
       --pending_;
+      --running_;
       for (auto& buf : layers_[index].tensor) buf.reset();
       MaybeFinalize();
-      return;
+    } else if (!timeout_armed_) {
+      timeout_armed_ = true;
+      cancel_->SetDeadline(
+          absl::Now() + limits_.compress_timeout,
+          absl::StrFormat("compression ran past --compress_timeout_seconds=%g: upload discarded",
+                          absl::ToDoubleSeconds(limits_.compress_timeout)));
     }
+  }
+  if (dropped) {
+    StartReady();  // this upload's other ready layers go through the same way
+    return;
   }
   LayerState& layer = layers_[index];
   LayerInput in;
@@ -329,26 +388,27 @@ void Upload::CompressLayer(int index) {
   in.v = layer.tensor[1].get();
   in.q_obs = shape_.obs_window > 0 ? layer.tensor[2].get() : nullptr;
   in.rope = rope_ ? &*rope_ : nullptr;
-  // Q_stats: float32 little-endian on the wire, copied out of the (byte) staging buffer.
-  std::vector<float> q_stats;
+  in.cancel = cancel_.get();
+  // Q_stats: float32 little-endian on the wire, read in place from the staging buffer (its
+  // memory is aligned for floats). LayerDone prefixes the layer.
   absl::Status stats_error;
   if (spec_.eviction.query_stats) {
-    q_stats.resize(tensor_bytes_[3] / sizeof(float));
-    std::memcpy(q_stats.data(), layer.tensor[3].get(), tensor_bytes_[3]);
-    for (size_t i = 0; i < q_stats.size(); ++i) {
+    const auto* q_stats = reinterpret_cast<const float*>(layer.tensor[3].get());
+    const size_t n = tensor_bytes_[3] / sizeof(float);
+    for (size_t i = 0; i < n; ++i) {
       if (!std::isfinite(q_stats[i])) {
-        stats_error = absl::InvalidArgumentError(absl::StrCat("chunk: layer ", index,
-                                                              " tensor Q_stats: entry ", i, " (",
-                                                              q_stats[i], ") is not finite"));
+        stats_error = absl::InvalidArgumentError(
+            absl::StrCat("tensor Q_stats: entry ", i, " (", q_stats[i], ") is not finite"));
         break;
       }
     }
-    in.q_stats = q_stats.data();
+    in.q_stats = q_stats;
   }
   CompressTimings t;
   std::vector<uint64_t> blocks;
   // Nothing may escape a pool thread: a failed allocation in the engine (std::bad_alloc) fails
   // this upload with RESOURCE_EXHAUSTED, any other exception with INTERNAL, and kvcd carries on.
+  if (compress_observer_) compress_observer_(+1);
   absl::StatusOr<CompactLayer> out = CallNoThrow([&]() -> absl::StatusOr<CompactLayer> {
     RETURN_IF_ERROR(stats_error);
     ASSIGN_OR_RETURN(CompactLayer compact, backend_->Compress(in, spec_, &t));
@@ -356,10 +416,14 @@ void Upload::CompressLayer(int index) {
     blocks = ChecksumLayerBlocks(static_cast<uint32_t>(index), compact.bytes);
     return compact;
   });
+  if (compress_observer_) compress_observer_(-1);
   for (auto& buf : layer.tensor) buf.reset();  // staging goes back as soon as the layer is done
-
-  absl::MutexLock lock(&mu_);
-  LayerDone(index, std::move(out), std::move(blocks), t);
+  {
+    absl::MutexLock lock(&mu_);
+    --running_;
+    LayerDone(index, std::move(out), std::move(blocks), t);
+  }
+  StartReady();
 }
 
 void Upload::LayerDone(int index, absl::StatusOr<CompactLayer> out, std::vector<uint64_t> blocks,
@@ -368,12 +432,16 @@ void Upload::LayerDone(int index, absl::StatusOr<CompactLayer> out, std::vector<
     // Results of an abandoned upload are dropped.
   } else if (!out.ok()) {
     if (compress_error_.ok()) {
+      // The engine's refusals and a cancellation keep their code; anything else is a bug.
       const absl::StatusCode code = out.status().code();
-      compress_error_ = absl::Status(
-          code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kResourceExhausted
-              ? code
-              : absl::StatusCode::kInternal,
-          absl::StrCat("layer ", index, ": ", std::string(out.status().message())));
+      const bool kept =
+          code == absl::StatusCode::kInvalidArgument ||
+          code == absl::StatusCode::kResourceExhausted ||
+          code == absl::StatusCode::kDeadlineExceeded || code == absl::StatusCode::kCancelled ||
+          code == absl::StatusCode::kAborted || code == absl::StatusCode::kUnavailable;
+      compress_error_ =
+          absl::Status(kept ? code : absl::StatusCode::kInternal,
+                       absl::StrCat("layer ", index, ": ", std::string(out.status().message())));
       if (reason_ == RejectReason::kNone) reason_ = RejectReason::kCompress;
     }
   } else {
@@ -398,12 +466,15 @@ void Upload::Finish(DoneCallback done) {
   MaybeFinalize();
 }
 
-void Upload::Abort() {
+void Upload::Cancel(absl::Status why) {
+  cancel_->Cancel(std::move(why));
   absl::MutexLock lock(&mu_);
-  aborted_ = true;
+  aborted_ = true;  // layers still queued finish through their jobs, which drop them at once
   compact_.clear();
   compressed_.clear();
 }
+
+void Upload::Abort() { Cancel(absl::CancelledError("upload cancelled")); }
 
 void Upload::MaybeFinalize() {
   if (!finishing_ || pending_ > 0 || !done_) return;
@@ -430,7 +501,7 @@ std::string Upload::IncompleteMessage() const {
 }
 
 absl::StatusOr<kvcache::v1::PutCacheResponse> Upload::Finalize() {
-  if (aborted_) return absl::CancelledError("upload cancelled");
+  if (aborted_) return cancel_->status();
   if (!compress_error_.ok()) return compress_error_;
   if (!has_header_) {
     reason_ = RejectReason::kInvalid;

@@ -15,6 +15,7 @@
 #define KVC_SERVICE_SERVER_INGEST_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -30,7 +31,9 @@
 #include "kvc/backend.h"
 #include "kvc/buffer_pool.h"
 #include "kvc/cache_store.h"
+#include "kvc/cancel.h"
 #include "kvc/compact.h"
+#include "kvc/cost.h"
 #include "kvc/thread_pool.h"
 #include "kvcache/v1/kvcache.pb.h"
 #include "server/stream_guard.h"
@@ -42,46 +45,91 @@ struct IngestLimits {
   uint64_t max_chunk_bytes = 4ull << 20;
   uint64_t max_cache_bytes = 1ull << 30;  // K + V + Q_obs bytes of one upload
   uint32_t default_ttl_seconds = 0;
+  // The work one upload may ask for (kvc/cost.h), in proportion to its bytes: at most
+  // work_flops_per_byte * upload bytes + work_base_flops flops, and at most
+  // work_scratch_per_byte * upload bytes + work_base_scratch_bytes of engine scratch. A spec that
+  // needs more is refused at the header (RESOURCE_EXHAUSTED naming the term and the limit).
+  double work_flops_per_byte = 8192;
+  double work_base_flops = 1e9;
+  double work_scratch_per_byte = 4;
+  uint64_t work_base_scratch_bytes = 64ull << 20;
+  // The engine's threads (kvcd: --threads): with the upload's number of KV heads, how many of its
+  // layers compress at once and how many of its tasks may run at once (the scratch estimate).
+  int engine_threads = 1;
+  // The backend computes expected attention's statistics of a whole layer at once (CUDA).
+  bool whole_layer_statistics = false;
+  // An upload's compression stops with DEADLINE_EXCEEDED this long after its first layer started.
+  absl::Duration compress_timeout = absl::Seconds(300);
 };
 
 // Why an upload was refused; the label of kvc_rejected_requests_total.
-enum class RejectReason { kNone, kInvalid, kTooLarge, kNoSpace, kExists, kIncomplete, kCompress };
+enum class RejectReason {
+  kNone,
+  kInvalid,
+  kTooLarge,
+  kNoSpace,
+  kExists,
+  kIncomplete,
+  kCompress,
+  kWork,  // the spec's work is over the upload's budget (IngestLimits::work_*)
+};
 const char* RejectReasonName(RejectReason r);
 
 class Upload : public std::enable_shared_from_this<Upload> {
  public:
-  // `backend`, `store`, `pool` and `staging` must outlive every job of this upload (the server
-  // joins the pool before destroying them). Staging buffers come from `staging` (non-null).
+  // `backend`, `store`, the pools and `staging` must outlive every job of this upload (the server
+  // joins the pools before destroying them, or abandons them all). Staging buffers come from
+  // `staging` (non-null). Compression jobs run on `pool`, at most a few layers of one upload at a
+  // time (so one upload cannot fill the pool); the cheap completion of uploads that keep
+  // everything runs on `io_pool` (null: `pool`), so it never waits behind compressions.
   Upload(Backend* backend, CacheStore* store, ThreadPool* pool, const IngestLimits& limits,
-         BufferPool* staging);
+         BufferPool* staging, ThreadPool* io_pool = nullptr);
 
   // Validates the header; on success the upload accepts chunks. Errors: INVALID_ARGUMENT (shape,
-  // dtype, layout, spec, id), RESOURCE_EXHAUSTED (over max_cache_bytes or cannot fit the store),
-  // ALREADY_EXISTS (id taken and !overwrite). `store_id` is the key in the store (the caller may
-  // namespace it); the response and CacheInfo carry header.cache_id.
+  // dtype, layout, spec, id), RESOURCE_EXHAUSTED (over max_cache_bytes, the spec's work over the
+  // upload's budget, or cannot fit the store), ALREADY_EXISTS (id taken and !overwrite). `store_id`
+  // is the key in the store (the caller may namespace it); the response and CacheInfo carry
+  // header.cache_id.
   absl::Status OnHeader(const kvcache::v1::PutCacheHeader& header, const std::string& store_id);
 
   // Copies the chunk's payload into place. INVALID_ARGUMENT (unknown layer or tensor, out of
   // range, overlap) or RESOURCE_EXHAUSTED (payload over max_chunk_bytes). Schedules compression
   // of the layer when it becomes complete. Also returns a compression error as soon as one layer
   // failed: the engine's INVALID_ARGUMENT, RESOURCE_EXHAUSTED when memory ran out (an exception
-  // thrown by the engine never leaves the pool thread), else INTERNAL.
+  // thrown by the engine never leaves the pool thread), the cancellation's own status (e.g.
+  // DEADLINE_EXCEEDED at the compress timeout), else INTERNAL.
   absl::Status OnChunk(const RawPutRequest& chunk);
 
   // The stream closed: once every scheduled compression finishes, checks completeness, builds
-  // the entry and inserts it. `done` runs exactly once, on this or a pool thread.
+  // the entry and inserts it. `done` runs exactly once, on this or a pool thread (with the
+  // cancellation's status when the upload was cancelled; a stream that ended itself on
+  // cancellation must ignore it).
   using DoneCallback = std::function<void(absl::StatusOr<kvcache::v1::PutCacheResponse>)>;
   void Finish(DoneCallback done);
 
-  // Drops everything; pending jobs discard their results. Safe to call more than once.
+  // Drops everything; pending jobs discard their results and a running compression stops at its
+  // next row block (its CancelToken is cancelled with `why`). Safe to call more than once; the
+  // first reason wins. Abort() = Cancel(CANCELLED "upload cancelled").
+  void Cancel(absl::Status why);
   void Abort();
 
   // K + V + Q_obs (+ Q_stats) bytes the accepted header declares (0 before OnHeader succeeded):
   // what the upload may stage.
   uint64_t declared_bytes() const { return declared_bytes_; }
+  // What the upload reserves from the staging budget: declared_bytes() plus the engine scratch
+  // its spec needs (kvc/cost.h), 0 before OnHeader succeeded.
+  uint64_t reserved_bytes() const { return declared_bytes_ + cost_.scratch_bytes; }
+  // The spec's estimated work (zero for an upload that keeps everything).
+  const WorkCost& cost() const { return cost_; }
   // Holds `r` (the staging reserved for this upload) until the cache is in the store or the
   // upload is destroyed, so its bytes are given back once the staging is freed.
   void HoldStaging(StagingBudget::Reservation r) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Called with +1 when a layer's compression starts in the engine and -1 when it ends (e.g. to
+  // keep a gauge); set before OnHeader. Runs on pool threads.
+  void set_compress_observer(std::function<void(int)> observer) {
+    compress_observer_ = std::move(observer);
+  }
 
   bool has_header() const { return has_header_; }
   // Bytes of tensor t (0 K, 1 V, 2 Q_obs, 3 Q_stats) of every layer, and the layer count, as the
@@ -118,6 +166,8 @@ class Upload : public std::enable_shared_from_this<Upload> {
 
   absl::Status Reject(RejectReason reason, absl::Status status);
   bool LayerComplete(const LayerState& layer) const;
+  // Schedules ready layers while fewer than max_running_ of this upload are compressing.
+  void StartReady() ABSL_LOCKS_EXCLUDED(mu_);
   void CompressLayer(int layer);  // on a pool thread
   // Hashes the blocks of an in-place layer that no single chunk covered and records its
   // finished blob (on a pool thread).
@@ -133,6 +183,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
   Backend* const backend_;
   CacheStore* const store_;
   ThreadPool* const pool_;
+  ThreadPool* const io_pool_;
   BufferPool* const staging_;
   const IngestLimits limits_;
   const std::string backend_name_;
@@ -151,7 +202,11 @@ class Upload : public std::enable_shared_from_this<Upload> {
   std::vector<LayerState> layers_;
   uint64_t payload_bytes_ = 0;
   uint64_t declared_bytes_ = 0;
+  WorkCost cost_;
+  std::function<void(int)> compress_observer_;
   absl::Time start_;
+  // Read by the engine between blocks; cancelled by Cancel/Abort, or at the compress timeout.
+  const std::shared_ptr<CancelToken> cancel_ = std::make_shared<CancelToken>();
 
   mutable absl::Mutex mu_;
   RejectReason reason_ ABSL_GUARDED_BY(mu_) = RejectReason::kNone;
@@ -160,6 +215,11 @@ class Upload : public std::enable_shared_from_this<Upload> {
   CompressTimings timings_ ABSL_GUARDED_BY(mu_);
   absl::Status compress_error_ ABSL_GUARDED_BY(mu_);
   int pending_ ABSL_GUARDED_BY(mu_) = 0;
+  // Complete layers waiting for a compression job, the jobs running, and how many may run.
+  std::deque<int> ready_ ABSL_GUARDED_BY(mu_);
+  int running_ ABSL_GUARDED_BY(mu_) = 0;
+  int max_running_ ABSL_GUARDED_BY(mu_) = 1;
+  bool timeout_armed_ ABSL_GUARDED_BY(mu_) = false;
   bool aborted_ ABSL_GUARDED_BY(mu_) = false;
   DoneCallback done_ ABSL_GUARDED_BY(mu_);
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;

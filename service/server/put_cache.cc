@@ -6,11 +6,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "kvc/transfer.h"
 #include "server/convert.h"
 #include "server/ingest.h"
 #include "server/ingest_registry.h"
 #include "server/service_impl.h"
+#include "server/upload_table.h"
 #include "server/wire.h"
 
 namespace kvc::server {
@@ -25,16 +27,48 @@ absl::optional<RejectionReason> MetricReason(RejectReason r) {
       return RejectionReason::kTooLarge;
     case RejectReason::kNoSpace:
       return RejectionReason::kBudget;
+    case RejectReason::kWork:
+      return RejectionReason::kWork;
     default:
       return absl::nullopt;
   }
 }
+
+// The ingest limits kvcd's flags set.
+IngestLimits IngestLimitsOf(const ServerConfig& c, const Backend& backend) {
+  IngestLimits limits;
+  limits.max_chunk_bytes = c.max_chunk_bytes;
+  limits.max_cache_bytes = EffectiveMaxCacheBytes(c);
+  limits.default_ttl_seconds = c.default_ttl_seconds;
+  limits.work_flops_per_byte = c.work_flops_per_byte;
+  limits.work_base_flops = c.work_base_flops;
+  limits.work_scratch_per_byte = c.work_scratch_per_byte;
+  limits.work_base_scratch_bytes = c.work_base_scratch_bytes;
+  limits.engine_threads = EffectiveThreads(c);
+  limits.whole_layer_statistics = backend.name() == "cuda";
+  limits.compress_timeout = absl::Seconds(c.compress_timeout_seconds);
+  return limits;
+}
+
+class PutCacheReactor;
+
+// How the Upload's callbacks (its done callback, the UploadTable's stop) reach the reactor: they
+// run on other threads and may come after the stream ended. OnDone clears `reactor` before the
+// reactor is deleted, waiting for a callback that holds the lock.
+struct ReactorLink {
+  absl::Mutex mu;
+  PutCacheReactor* reactor ABSL_GUARDED_BY(mu) = nullptr;
+};
 
 class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   PutCacheReactor(ServiceState* state, grpc::CallbackServerContext* context,
                   grpc::ByteBuffer* response)
       : state_(state), context_(context), response_(response), rec_(state, "PutCache") {
+    {
+      absl::MutexLock lock(&link_->mu);
+      link_->reactor = this;
+    }
     StreamWatch::IdleFn on_idle = [this](absl::Duration idle) { OnIdle(idle); };
     watch_ = state_->reaper ? state_->reaper->Watch(std::move(on_idle))
                             : std::make_shared<StreamWatch>(std::move(on_idle));
@@ -71,12 +105,13 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       }
       holds_peer_ = true;
     }
-    IngestLimits limits;
-    limits.max_chunk_bytes = state_->config.max_chunk_bytes;
-    limits.max_cache_bytes = EffectiveMaxCacheBytes(state_->config);
-    limits.default_ttl_seconds = state_->config.default_ttl_seconds;
-    upload_ = std::make_shared<Upload>(state_->backend, state_->store, state_->pool, limits,
-                                       state_->staging);
+    upload_ = std::make_shared<Upload>(state_->backend, state_->store, state_->pool,
+                                       IngestLimitsOf(state_->config, *state_->backend),
+                                       state_->staging, state_->io_pool);
+    if (state_->metrics != nullptr) {
+      upload_->set_compress_observer(
+          [metrics = state_->metrics](int delta) { metrics->AddCompressionsRunning(delta); });
+    }
     Read();
   }
 
@@ -104,25 +139,11 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       if (state_->metrics && external_) {
         state_->metrics->AddIngestBytes(external_->delivered_bytes());
       }
-      // Clean end of stream: the upload finishes when its last layer is compressed.
-      upload_->Finish([this](absl::StatusOr<kvcache::v1::PutCacheResponse> result) {
-        if (!result.ok()) {
-          FinishWithError(ToGrpc(result.status(), namespace_));
-          return;
-        }
-        state_->RefreshStoreGauges();
-        if (state_->metrics) {
-          state_->metrics->ObserveCompressionRatio(result->compression_ratio());
-          CompressTimings t;
-          t.score = result->compress().score_seconds();
-          t.select = result->compress().select_seconds();
-          t.pack = result->compress().pack_seconds();
-          t.quantize = result->compress().quantize_seconds();
-          t.total = result->compress().total_seconds();
-          state_->metrics->ObserveCompressTimings(t);
-        }
-        *response_ = SerializeToByteBuffer(*result);
-        FinishOnce(grpc::Status::OK);
+      // Clean end of stream: the upload finishes when its last layer is compressed. The
+      // callback runs on a pool thread; the stream may have ended meanwhile (cancelled, stopped).
+      upload_->Finish([link = link_](absl::StatusOr<kvcache::v1::PutCacheResponse> result) {
+        absl::MutexLock lock(&link->mu);
+        if (link->reactor != nullptr) link->reactor->OnUploadDone(std::move(result));
       });
       return;
     }
@@ -144,11 +165,23 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       if (s.ok() && state_->staging_budget != nullptr) {
         // Reserved from the declared sizes before any byte is staged, so that uploads in flight
         // never stage more than --staging_bytes together.
-        auto reservation = state_->staging_budget->Reserve(upload_->declared_bytes());
+        // The engine's scratch for this spec is reserved with the staging.
+        auto reservation = state_->staging_budget->Reserve(upload_->reserved_bytes());
         if (!reservation.ok()) {
           return FinishWithError(ToGrpc(reservation.status()), RejectionReason::kStaging);
         }
         upload_->HoldStaging(*std::move(reservation));
+      }
+      if (s.ok() && state_->uploads != nullptr) {
+        // DeleteCache of this id and shutdown stop the upload through the table.
+        table_key_ =
+            state_->uploads->Add(namespace_ + req->header.cache_id(),
+                                 [upload = upload_, link = link_](const absl::Status& why) {
+                                   upload->Cancel(why);
+                                   absl::MutexLock lock(&link->mu);
+                                   if (link->reactor != nullptr)
+                                     link->reactor->EndStream(ToGrpc(why));
+                                 });
       }
       if (s.ok() && req->header.external_payload()) return StartExternal(req->header);
     } else if (req->kind == RawPutRequest::Kind::kChunk) {
@@ -177,16 +210,54 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   }
 
   void OnCancel() override {
-    // A cancelled upload must store nothing, even if its last layer is being finalized now.
+    // A cancelled upload must store nothing, even if its last layer is being finalized now; its
+    // compression stops at the next row block, and the stream ends now, not when it has.
     if (upload_) upload_->Abort();
+    EndStream(grpc::Status(grpc::StatusCode::CANCELLED, "upload cancelled"));
   }
 
   void OnDone() override {
+    if (table_key_ != 0) state_->uploads->Remove(table_key_);
+    {
+      absl::MutexLock lock(&link_->mu);  // waits for a callback using this reactor
+      link_->reactor = nullptr;
+    }
     watch_->Detach();  // the reaper no longer calls OnIdle
     CloseExternal().IgnoreError();
     if (holds_peer_) state_->peer_streams->Release(peer_);
     if (holds_stream_) state_->ReleaseStream();
     delete this;
+  }
+
+  // The Upload finished (from its done callback, link lock held): answer the client.
+  void OnUploadDone(absl::StatusOr<kvcache::v1::PutCacheResponse> result) {
+    if (!result.ok()) {
+      FinishWithError(ToGrpc(result.status(), namespace_));
+      return;
+    }
+    state_->RefreshStoreGauges();
+    if (state_->metrics) {
+      state_->metrics->ObserveCompressionRatio(result->compression_ratio());
+      CompressTimings t;
+      t.score = result->compress().score_seconds();
+      t.select = result->compress().select_seconds();
+      t.pack = result->compress().pack_seconds();
+      t.quantize = result->compress().quantize_seconds();
+      t.total = result->compress().total_seconds();
+      state_->metrics->ObserveCompressTimings(t);
+    }
+    *response_ = SerializeToByteBuffer(*result);
+    FinishOnce(grpc::Status::OK);
+  }
+
+  // Ends the stream with `status` unless it has ended already. Safe from any thread (the watch
+  // serializes it with the reactor's own operations); the transfer registration, if any, is
+  // closed by the reactor itself (OnReadDone, OnDone).
+  void EndStream(const grpc::Status& status) {
+    watch_->End([&] {
+      rec_.Record(status.error_code());
+      Finish(status);
+    });
   }
 
  private:
@@ -267,10 +338,7 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
   void FinishOnce(const grpc::Status& status) {
     CloseExternal().IgnoreError();
-    watch_->End([&] {
-      rec_.Record(status.error_code());
-      Finish(status);
-    });
+    EndStream(status);
   }
 
   ServiceState* const state_;
@@ -287,6 +355,8 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   // Set once an external_payload header was registered (reactor thread, before any other use).
   std::string store_id_;
   std::shared_ptr<IngestRegistry::Entry> external_;
+  const std::shared_ptr<ReactorLink> link_ = std::make_shared<ReactorLink>();
+  uint64_t table_key_ = 0;  // in state_->uploads once the header was accepted; 0: not there
 };
 
 }  // namespace

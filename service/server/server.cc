@@ -48,6 +48,7 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
   ASSIGN_OR_RETURN(BackendKind kind, ParseBackendKind(config.backend));
   BackendOptions bo;
   bo.num_threads = config.threads;
+  bo.thread_nice = config.compress_nice;
   ASSIGN_OR_RETURN(s->backend_, CreateBackend(kind, bo));
 
   Metrics::Options mo;
@@ -69,10 +70,13 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
   };
   ASSIGN_OR_RETURN(s->store_, CacheStore::Create(so));
 
-  int threads = config.threads;
-  if (threads == 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = EffectiveThreads(config);
   // `threads` compression workers; ThreadPool counts the ParallelFor caller too, hence the + 1.
-  s->pool_ = std::make_unique<ThreadPool>(threads + 1);
+  // They and the backend's threads run at --compress_nice, so that the RPC threads and the I/O
+  // pool (cheap jobs clients wait on: completing plain uploads, DENSE exports) win the CPU.
+  s->pool_ = std::make_unique<ThreadPool>(threads + 1, config.compress_nice);
+  s->io_pool_ = std::make_unique<ThreadPool>(threads + 1);
+  s->uploads_ = std::make_unique<UploadTable>();
   // One process-wide pool serves upload staging and every compact blob (ByteVector), so the
   // memory of an evicted or deleted cache goes to the next upload instead of back to the kernel.
   LargeBuffers().set_cap(config.buffer_pool_bytes);
@@ -97,6 +101,8 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
   s->state_->store = s->store_.get();
   s->state_->metrics = s->metrics_.get();
   s->state_->pool = s->pool_.get();
+  s->state_->io_pool = s->io_pool_.get();
+  s->state_->uploads = s->uploads_.get();
   s->state_->reaper = s->reaper_.get();
   s->state_->peer_streams = s->peer_streams_.get();
   s->state_->staging_budget = s->staging_budget_.get();
@@ -138,13 +144,19 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
     // Without this gRPC sets SO_REUSEPORT, and a second kvcd on the same port would silently
     // share its traffic instead of failing.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    // Keepalive enforcement: kvcd pings a connection silent for a minute and drops it when the
-    // peer does not answer within 20 s (dead clients free their streams); a client may ping at
-    // most every 10 s while no data flows, else it gets strikes and, at the third, GOAWAY; a
+    // Keepalive enforcement: kvcd pings a connection silent for --keepalive_time_seconds (60)
+    // and drops it when the peer does not answer within --keepalive_timeout_seconds (20): dead
+    // clients free their streams, and an upload of theirs stops compressing. A client may ping
+    // at most every 10 s while no data flows, else it gets strikes and, at the third, GOAWAY; a
     // connection without calls for 5 minutes is closed (clients reconnect transparently).
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60 * 1000);
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20 * 1000);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                               static_cast<int>(config.keepalive_time_seconds * 1000));
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                               static_cast<int>(config.keepalive_timeout_seconds * 1000));
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    // gRPC stops pinging after 2 pings without data by default: a stream waiting on a dead
+    // client (no data either way) would then never be detected.
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10 * 1000);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 2);
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 5 * 60 * 1000);
@@ -207,6 +219,16 @@ void KvcServer::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
   if (state_) state_->draining = true;
+  // Uploads still compressing after the drain are abandoned: their compression stops at the next
+  // row block and their streams end now, so the servers below need not wait for them.
+  if (uploads_) {
+    const int stopped = uploads_->StopAll(absl::UnavailableError(
+        "kvcd is shutting down: the upload was still in progress after the drain "
+        "(--drain_seconds), so it was discarded"));
+    if (stopped > 0) {
+      std::fprintf(stderr, "kvcd: stopped %d upload(s) still in progress\n", stopped);
+    }
+  }
   const auto deadline = std::chrono::system_clock::now() +
                         std::chrono::milliseconds(
                             static_cast<int64_t>(options_.config.shutdown_deadline_seconds * 1000));
@@ -217,7 +239,32 @@ void KvcServer::Shutdown() {
   stop_sweep_.Notify();
   if (sweeper_.joinable()) sweeper_.join();
   reaper_.reset();  // every stream is done: no watch is left to check
-  pool_.reset();    // runs queued compressions (their uploads are already finished or cancelled)
+  // Queued compressions of stopped uploads return at once and running ones at their next row
+  // block; a job that does not (one long step that checks no cancellation) is abandoned with
+  // everything it may touch, since joining it could take arbitrarily long.
+  const auto idle_by = std::chrono::steady_clock::now() +
+                       std::chrono::milliseconds(absl::ToInt64Milliseconds(kAbandonAfter));
+  const bool idle =
+      (!pool_ || pool_->WaitIdle(idle_by)) && (!io_pool_ || io_pool_->WaitIdle(idle_by));
+  if (!idle) {
+    abandoned_ = true;
+    std::fprintf(stderr,
+                 "kvcd: compression jobs still running %.1f s after the shutdown; abandoning "
+                 "them\n",
+                 absl::ToDoubleSeconds(kAbandonAfter));
+    (void)pool_.release();
+    (void)io_pool_.release();
+    (void)backend_.release();
+    (void)store_.release();
+    (void)state_.release();
+    (void)staging_budget_.release();
+    (void)metrics_.release();
+    (void)uploads_.release();
+    (void)service_.release();
+    return;
+  }
+  pool_.reset();
+  io_pool_.reset();
 }
 
 }  // namespace kvc::server

@@ -29,6 +29,7 @@
 #include "server/service_impl.h"
 #include "server/stream_guard.h"
 #include "server/tls_files.h"
+#include "server/upload_table.h"
 
 namespace kvc::server {
 
@@ -66,9 +67,15 @@ class KvcServer {
   // Health -> NOT_SERVING on both ports, new RPCs -> UNAVAILABLE, then waits up to
   // --drain_seconds for in-flight streams to end.
   void Drain();
-  // Shuts the gRPC servers down (in-flight calls get until --shutdown_deadline_seconds), stops
-  // the sweep and joins the pool. Idempotent.
+  // Stops the uploads still in flight (their compression is cancelled and their streams end
+  // UNAVAILABLE), shuts the gRPC servers down (other in-flight calls get until
+  // --shutdown_deadline_seconds), stops the sweep and joins the pools. A compression that has not
+  // stopped kAbandonAfter after that (one long step that checks no cancellation, e.g. a device
+  // kernel) is abandoned: the pools and everything their jobs use are leaked instead of destroyed
+  // under them, and abandoned() is true; the process should then exit at once. Idempotent.
   void Shutdown();
+  static constexpr absl::Duration kAbandonAfter = absl::Seconds(2);
+  bool abandoned() const { return abandoned_; }
 
  private:
   KvcServer() = default;
@@ -78,7 +85,9 @@ class KvcServer {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<CacheStore> store_;
   std::unique_ptr<Backend> backend_;
-  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<ThreadPool> pool_;     // compression jobs (niced)
+  std::unique_ptr<ThreadPool> io_pool_;  // cheap jobs clients wait on
+  std::unique_ptr<UploadTable> uploads_;
   std::unique_ptr<TokenAuth> auth_;
   std::unique_ptr<TlsFiles> tls_;  // null without TLS
   std::unique_ptr<StreamReaper> reaper_;
@@ -94,6 +103,7 @@ class KvcServer {
   absl::Notification stop_sweep_;
   std::thread sweeper_;
   bool shut_down_ = false;
+  bool abandoned_ = false;
 };
 
 }  // namespace kvc::server

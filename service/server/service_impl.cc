@@ -6,6 +6,7 @@
 #include "kvc/gpu_memory.h"
 #include "kvc/spec.h"
 #include "server/convert.h"
+#include "server/upload_table.h"
 #include "server/wire.h"
 
 namespace kvc::server {
@@ -159,7 +160,19 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::DeleteCache(grpc::CallbackServerCo
       [this](const std::string& ns, const kvcache::v1::DeleteCacheRequest& req,
              kvcache::v1::DeleteCacheResponse* resp) {
         if (auto s = ValidateCacheId("cache_id", req.cache_id()); !s.ok()) return ToGrpc(s);
+        // An upload of this id in flight is stopped too: its client has no use for it any more.
+        const int stopped =
+            state_->uploads == nullptr
+                ? 0
+                : state_->uploads->Stop(
+                      ns + req.cache_id(),
+                      absl::AbortedError(absl::StrCat("cache_id: '", req.cache_id(),
+                                                      "' was deleted while its upload was in "
+                                                      "progress; the upload was discarded")));
         auto freed = state_->store->Delete(ns + req.cache_id());
+        if (!freed.ok() && stopped > 0 && freed.status().code() == absl::StatusCode::kNotFound) {
+          freed = uint64_t{0};
+        }
         if (!freed.ok()) return ToGrpc(freed.status(), ns);
         resp->set_freed_bytes(*freed);
         if (state_->metrics) state_->metrics->RecordEviction(EvictionReason::kDeleted);

@@ -10,16 +10,23 @@
 //                       stream closed with bytes missing, bad layer range or format
 //   RESOURCE_EXHAUSTED  over --max_message_bytes (from gRPC), --max_chunk_bytes,
 //                       --max_cache_bytes, --max_concurrent_streams, --max_streams_per_peer or
-//                       --staging_bytes, or the store cannot make room
+//                       --staging_bytes, the spec's work over the upload's budget
+//                       (--work_*: the message names the term and the limit), or the store
+//                       cannot make room
 //   ALREADY_EXISTS      the id exists and the header does not set overwrite
 //   NOT_FOUND           unknown or expired cache (the message quotes the caller's id, never
 //                       the tenant-qualified store id)
 //   DATA_LOSS           stored bytes do not match their checksum (found block by block as a
 //                       GetCache sends them)
-//   CANCELLED / DEADLINE_EXCEEDED  from the client; the partial upload is discarded
+//   CANCELLED / DEADLINE_EXCEEDED  from the client; the partial upload is discarded and its
+//                       compression stops at the next row block
+//   DEADLINE_EXCEEDED   also: an upload's compression ran past --compress_timeout_seconds
 //   DEADLINE_EXCEEDED   also: the stream moved no bytes for --stream_idle_seconds (a GetCache
 //                       client that stopped reading may see CANCELLED instead)
-//   UNAVAILABLE         the server is draining
+//   ABORTED             PutCache: the cache id was deleted (DeleteCache) while the upload was in
+//                       progress; its compression stopped
+//   UNAVAILABLE         the server is draining (or, for an upload still compressing after the
+//                       drain, shutting down: its compression was abandoned)
 //
 // Thread-safety: gRPC calls the methods concurrently; all shared state is in ServiceState.
 #ifndef KVC_SERVICE_SERVER_SERVICE_IMPL_H_
@@ -42,6 +49,7 @@
 namespace kvc::server {
 
 class IngestRegistry;  // server/ingest_registry.h
+class UploadTable;     // server/upload_table.h
 
 // What every handler shares. Owned by the server; outlives the gRPC server.
 struct ServiceState {
@@ -49,7 +57,14 @@ struct ServiceState {
   Backend* backend = nullptr;
   CacheStore* store = nullptr;
   Metrics* metrics = nullptr;
+  // Compression jobs (at a lower CPU priority in kvcd, --compress_nice).
   ThreadPool* pool = nullptr;
+  // Cheap jobs that clients wait on: completing uploads that keep everything, DENSE exports.
+  // null: `pool`.
+  ThreadPool* io_pool = nullptr;
+  // The uploads in flight, for DeleteCache and shutdown to stop (server/upload_table.h); null:
+  // none tracked.
+  UploadTable* uploads = nullptr;
   // PutCache staging buffers (kvc/buffer_pool.h); never null: the process-wide pool unless set.
   BufferPool* staging = &LargeBuffers();
   std::string version;

@@ -386,7 +386,7 @@ void RegisterAttentionRows() {
 
 // ---- Model rows ---------------------------------------------------------------------------------
 
-// The fidelity table's configurations (README, kvcfidelity), so speed and quality line up.
+// The fidelity table's configurations (docs/fidelity.md, kvcfidelity), so speed and quality line up.
 const char* const kModelSpecs[] = {
     "full",
     "keyformer:0.5",

@@ -1,7 +1,7 @@
 // CI guard for head-adaptive budgets (AdaKV) on the real model: at half the cache, H2O with
 // adaptive budgets (floor 0.2) must have a lower mean KL(full || compressed) than uniform H2O, on
 // each of three independent sets of sequences. This is the policy where the gain held across
-// every seed measured (README, "Fidelity on a real model"); on this model SnapKV does not gain.
+// every seed measured (docs/fidelity.md); on this model SnapKV does not gain.
 #include <cstdio>
 
 #include "fidelity/eval_fixture.h"

@@ -45,7 +45,7 @@ absl::Status LoadStatus(const std::string& path) {
 }
 
 TEST(CheckpointTest, FloatCountMatchesTheRealModelsFileSize) {
-  // stories260K: 1,056,540 bytes = 28-byte header + 264,128 floats (README's layout).
+  // stories260K: 1,056,540 bytes = 28-byte header + 264,128 floats (../shared/models/README.md's layout).
   LlamaConfig c = ConfigOf({64, 172, 5, 8, 4, 512, 512});
   absl::StatusOr<uint64_t> n = CheckpointFloatCount(c);
   ASSERT_TRUE(n.ok()) << n.status();

@@ -3,7 +3,7 @@
 // needs none compresses and decodes, and expected attention from calibration statistics (the
 // other sequences' queries) beats StreamingLLM, knorm and KeyDiff on mean KL(full || compressed)
 // at a quarter of the cache, and KeyDiff beats knorm. Measured with kvcfidelity on 16 sequences x
-// 64 steps over seeds 1, 101 and 201 (README); here a CI-sized run over two seeds.
+// 64 steps over seeds 1, 101 and 201 (docs/fidelity.md); here a CI-sized run over two seeds.
 #include <cstdio>
 #include <map>
 #include <string>

@@ -48,6 +48,7 @@ cudaError_t LaunchSoftmaxToHalf(const float* scores, int rows, int cols, void* p
                                 cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (cols < 1) return cudaErrorInvalidValue;
+  cudaGetLastError();  // drop a stale error: the check below is this launch's
   SoftmaxToHalfKernel<<<rows, 256, 0, stream>>>(scores, cols, static_cast<__half*>(probs_half));
   return cudaGetLastError();
 }

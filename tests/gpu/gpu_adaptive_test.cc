@@ -94,8 +94,4 @@ TEST(GpuAdaptiveTest, MatchesCpuBackend) {
 }  // namespace
 }  // namespace kvc
 
-int main(int argc, char** argv) {
-  if (!kvc::gpu_testing::DeviceOrSkipMessage()) return kvc::gpu_testing::kSkipExitCode;
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
-}
+int main(int argc, char** argv) { return kvc::gpu_testing::RunGpuTests(argc, argv); }

@@ -107,12 +107,14 @@ struct Case {
   int g, n_q, n_new;
   int chunk;
   bool think;
+  int d = 128;
 };
 
 void RunCase(const Case& cs) {
   SCOPED_TRACE(absl::StrCat("dtype ", static_cast<int>(cs.dtype), " bits ", cs.bits, " g ", cs.g,
-                            " n_q ", cs.n_q, " n_new ", cs.n_new, " chunk ", cs.chunk));
-  const int hkv = 5, d = 128, s = 900, batch = 3;
+                            " n_q ", cs.n_q, " n_new ", cs.n_new, " chunk ", cs.chunk, " D ",
+                            cs.d));
+  const int hkv = 5, d = cs.d, s = 900, batch = 3;
   const LayerShape shape{hkv, hkv * cs.g, s, d, 16};
   const gpu_testing::Layer layer = gpu_testing::RandomLayer(shape, cs.dtype, Layout::kHND, 77);
   CompressionSpec spec;
@@ -192,6 +194,11 @@ void RunCase(const Case& cs) {
   ASSERT_EQ(cuda::LaunchDecodeAttention(a, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> got = dout.Get(batch * qn);
+  // The teams' and chunks' sums are added in a fixed order: a second launch gives the same bits.
+  cudaMemset(dout.p, 0xff, sizeof(float) * batch * qn);
+  ASSERT_EQ(cuda::LaunchDecodeAttention(a, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_TRUE(dout.Get(batch * qn) == got) << "a second launch gave different bits";
 
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   for (int b = 0; b < batch; ++b) {
@@ -246,6 +253,13 @@ TEST(SplitDecode, MatchesTheHostReferenceOnRaggedHeads) {
   RunCase({DType::kF16, 4, 1, 1, 1, 256, false});   // one query row, one chunk per block
   RunCase({DType::kF16, 8, 2, 3, 5, 40, true});     // 6 rows (row tile 8), 5 new tokens
   RunCase({DType::kBF16, 0, 8, 1, 64, 64, false});  // 8 rows, the most new tokens
+  // head_dim 64 and 96: lanes past D idle in recent rows (and past the kept channels in old ones).
+  for (int d : {64, 96}) {
+    for (int bits : {0, 2, 4, 8}) {
+      RunCase({DType::kF16, bits, 4, 1, 1, 32, bits == 4, d});
+    }
+    RunCase({DType::kBF16, 4, 2, 2, 3, 48, true, d});
+  }
 }
 
 TEST(SplitDecode, RejectsArgumentsOutsideThePlan) {
@@ -330,8 +344,4 @@ TEST(TensorCoreScores, Fp32IsLeftToTheCudaCorePath) {
 }  // namespace
 }  // namespace kvc
 
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  if (!kvc::gpu_testing::DeviceOrSkipMessage()) return kvc::gpu_testing::kSkipExitCode;
-  return RUN_ALL_TESTS();
-}
+int main(int argc, char** argv) { return kvc::gpu_testing::RunGpuTests(argc, argv); }

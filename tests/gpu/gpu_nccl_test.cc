@@ -1,17 +1,20 @@
 // The NCCL data path of the transfer service on real GPUs: two ranks in one process (device 0 is
 // kvcd's rank 0, device 1 the client's rank 1) join one group and move host and device buffers;
-// the fetch direction (rank 0's host blobs into rank 1's host and device buffers); a receive
-// without a sender times out instead of hanging. Needs two visible GPUs and
-// libnccl.so.2; otherwise main() prints the reason and exits 77 (skipped).
+// the fetch direction (rank 0's host blobs into rank 1's host and device buffers); growing
+// staging; a send ordered after its producer's event; Close aborting a receive in flight; a peer
+// that dies mid-transfer; a receive without a sender times out instead of hanging. Needs two
+// visible GPUs and libnccl.so.2; otherwise main() prints the reason and exits 77 (skipped).
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "gpu_util.h"
 #include "gtest/gtest.h"
 #include "kvc/communicator.h"
+#include "nccl_test_kernels.h"
 
 namespace kvc::transfer {
 namespace {
@@ -121,22 +124,115 @@ TEST(NcclDataPath, ReceiveWithoutSenderTimesOut) {
   p.rank1->Close();
 }
 
+// Host sends of growing sizes: the staging buffer grows in stream order between them.
+TEST(NcclDataPath, StagingGrowsBetweenTransfers) {
+  Pair p = JoinPair();
+  ASSERT_NE(p.rank0, nullptr);
+  ASSERT_NE(p.rank1, nullptr);
+  for (size_t n : {size_t{1000}, size_t{1} << 20, size_t{5000}, size_t{24} << 20}) {
+    std::vector<uint8_t> src(n), dst(n, 0);
+    for (size_t i = 0; i < n; ++i) src[i] = static_cast<uint8_t>(i * 7 + n);
+    absl::Status send_status;
+    std::thread sender([&] { send_status = p.rank1->Send(src.data(), n, absl::Seconds(30)); });
+    const absl::Status r = p.rank0->Recv(dst.data(), n, absl::Seconds(30));
+    sender.join();
+    ASSERT_TRUE(r.ok()) << r;
+    ASSERT_TRUE(send_status.ok()) << send_status;
+    EXPECT_EQ(dst, src) << n;
+  }
+}
+
+// A device buffer still being written by a kernel on another stream: SendAfter with the event
+// recorded after that kernel sends the final bytes (a send not ordered after it would read the
+// zeros it starts from: the kernel spins for 300 ms before it writes).
+TEST(NcclDataPath, SendAfterWaitsForTheProducersEvent) {
+  Pair p = JoinPair();
+  ASSERT_NE(p.rank0, nullptr);
+  ASSERT_NE(p.rank1, nullptr);
+  const size_t n = size_t{8} << 20;
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  uint8_t* src = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&src), n), cudaSuccess);
+  ASSERT_EQ(cudaMemset(src, 0, n), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaStream_t producer = nullptr;
+  cudaEvent_t done = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&producer, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(gpu_testing::LaunchSlowFill(src, n, 300, producer), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(done, producer), cudaSuccess);
+  std::vector<uint8_t> got(n, 0);
+  absl::Status send_status;
+  std::thread sender([&] {
+    send_status = p.rank1->SendAfter(src, n, static_cast<void*>(done), absl::Seconds(30));
+  });
+  const absl::Status r = p.rank0->Recv(got.data(), n, absl::Seconds(30));
+  sender.join();
+  ASSERT_TRUE(r.ok()) << r;
+  ASSERT_TRUE(send_status.ok()) << send_status;
+  size_t wrong = 0;
+  for (size_t i = 0; i < n; ++i) wrong += got[i] != static_cast<uint8_t>(i * 131 + 7);
+  EXPECT_EQ(wrong, 0u) << "bytes sent before the producer wrote them";
+  cudaSetDevice(1);
+  cudaStreamSynchronize(producer);
+  cudaEventDestroy(done);
+  cudaStreamDestroy(producer);
+  cudaFree(src);
+}
+
+// Close from another thread aborts a receive in flight (ncclCommAbort): it returns CANCELLED long
+// before its timeout, and destroying the communicator afterwards does not hang.
+TEST(NcclDataPath, CloseAbortsAReceiveInFlight) {
+  Pair p = JoinPair();
+  ASSERT_NE(p.rank0, nullptr);
+  std::vector<uint8_t> buf(size_t{1} << 20);
+  absl::Status recv_status;
+  const absl::Time t0 = absl::Now();
+  std::thread receiver(
+      [&] { recv_status = p.rank0->Recv(buf.data(), buf.size(), absl::Seconds(60)); });
+  absl::SleepFor(absl::Milliseconds(200));  // let it post (a Close before the post also cancels)
+  p.rank0->Close();
+  receiver.join();
+  EXPECT_EQ(recv_status.code(), absl::StatusCode::kCancelled) << recv_status;
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(20));
+  p.rank0.reset();  // the destructor waits for nothing now, and frees the staging
+  p.rank1->Close();
+}
+
+// The peer's group is aborted (its process died) while this rank waits for its bytes: the
+// receive ends with an error status within its timeout instead of hanging.
+TEST(NcclDataPath, PeerThatDiesMidTransferEndsItWithinTheTimeout) {
+  Pair p = JoinPair();
+  ASSERT_NE(p.rank0, nullptr);
+  ASSERT_NE(p.rank1, nullptr);
+  std::vector<uint8_t> buf(size_t{16} << 20);
+  absl::Status recv_status;
+  const absl::Time t0 = absl::Now();
+  std::thread receiver(
+      [&] { recv_status = p.rank0->Recv(buf.data(), buf.size(), absl::Seconds(3)); });
+  absl::SleepFor(absl::Milliseconds(100));
+  p.rank1.reset();  // closes and aborts rank 1's side without sending
+  receiver.join();
+  EXPECT_FALSE(recv_status.ok());
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(20));
+}
+
 }  // namespace
 }  // namespace kvc::transfer
 
 int main(int argc, char** argv) {
-  if (!kvc::gpu_testing::DeviceOrSkipMessage()) return kvc::gpu_testing::kSkipExitCode;
-  int count = 0;
-  cudaGetDeviceCount(&count);
-  if (count < 2) {
-    std::printf("SKIPPED: the NCCL data path needs two GPUs; %d visible\n", count);
-    return kvc::gpu_testing::kSkipExitCode;
-  }
-  const absl::Status a = kvc::transfer::CreateNcclCommunicatorFactory(0)->Available();
-  if (!a.ok()) {
-    std::printf("SKIPPED: %s\n", std::string(a.message()).c_str());
-    return kvc::gpu_testing::kSkipExitCode;
-  }
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return kvc::gpu_testing::RunGpuTests(argc, argv, [] {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+    if (count < 2) {
+      std::printf("SKIPPED: the NCCL data path needs two GPUs; %d visible\n", count);
+      return false;
+    }
+    const absl::Status a = kvc::transfer::CreateNcclCommunicatorFactory(0)->Available();
+    if (!a.ok()) {
+      std::printf("SKIPPED: %s\n", std::string(a.message()).c_str());
+      return false;
+    }
+    return true;
+  });
 }

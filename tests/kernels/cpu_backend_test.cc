@@ -143,6 +143,14 @@ TEST(CpuBackendTest, RejectsBadInputNamingTheField) {
   spec.quant.bits = 3;
   EXPECT_THAT(std::string(b->Compress(layer.input(), spec, nullptr).status().message()),
               HasSubstr("quant.bits"));
+  // Device memory is the CUDA backend's: the CPU reads host memory only, and says so.
+  in = layer.input();
+  in.memory = MemorySpace::kDevice;
+  r = b->Compress(in, DefaultSpec(), nullptr);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("memory: k, v and q_obs"));
+  EXPECT_EQ(ScoreTokens(in, DefaultSpec().eviction).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(CpuBackendTest, AttendIsPackedAttention) {

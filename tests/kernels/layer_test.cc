@@ -142,6 +142,23 @@ TEST(ValidateInputTest, RejectsBadPointersAndEnums) {
   bad = in;
   bad.shape.head_dim = 4;
   EXPECT_THAT(std::string(ValidateInput(bad).message()), HasSubstr("shape.head_dim"));
+  bad = in;
+  bad.memory = static_cast<MemorySpace>(2);
+  EXPECT_THAT(std::string(ValidateInput(bad, /*allow_device=*/true).message()),
+              HasSubstr("memory: unknown value 2"));
+}
+
+// Device memory is accepted only where the caller says it can read it (the CUDA backend).
+TEST(ValidateInputTest, DeviceMemoryOnlyWhereAllowed) {
+  uint16_t buf[16] = {};
+  LayerInput in;
+  in.shape = {.num_kv_heads = 1, .num_q_heads = 1, .seq_len = 1, .head_dim = 8, .obs_window = 1};
+  in.k = in.v = in.q_obs = buf;
+  in.memory = MemorySpace::kDevice;
+  const absl::Status st = ValidateInput(in);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("memory: k, v and q_obs are in device memory"));
+  EXPECT_TRUE(ValidateInput(in, /*allow_device=*/true).ok());
 }
 
 TEST(ElementOffsetTest, HndAndNhdAddressTheSameElement) {

@@ -58,14 +58,14 @@ TEST(NoiseTest, Mix64IsABijectionOnASample) {
   EXPECT_EQ(seen.size(), 100000u);
 }
 
-// The engine adds keyformer noise with a vector hash + polynomial log; every path must reproduce
-// CounterGumbel (what the CUDA backend uses) to float precision, tails included (n = 1003), and
-// return the max of what it wrote.
+// The engine adds keyformer noise with a vector hash + table-driven log; every path must reproduce
+// CounterGumbel (the function the CUDA kernels evaluate) bit for bit, tails included (n = 1003),
+// and return the max of what it wrote.
 void ExpectMatchesCounterGumbel(const std::vector<float>& x, float max) {
   float want_max = -INFINITY;
   for (size_t j = 0; j < x.size(); ++j) {
     const float want = (0.5f + CounterGumbel(77, 3, 5, 11, static_cast<uint32_t>(j))) * 0.5f;
-    ASSERT_NEAR(x[j], want, 4e-6f * std::max(1.0f, std::fabs(want))) << j;
+    ASSERT_EQ(x[j], want) << j;
     want_max = std::max(want_max, x[j]);
   }
   EXPECT_EQ(max, want_max);
@@ -146,6 +146,64 @@ TEST(NoiseTest, GumbelExpSumMatchesExpOfNoisyLogits) {
   std::vector<float> z(1 << 16, 0.0f);
   EXPECT_TRUE(std::isfinite(simd::GumbelExpSum(z.data(), z.size(), 0.0f, 1, 0, 0, 0, 0)));
   for (size_t j = 0; j < z.size(); ++j) ASSERT_TRUE(std::isfinite(z[j]) && z[j] > 0) << j;
+}
+
+// The one 24-bit counter that rounds up to 1 in float (b = 2^24 - 1: seed 1, col 7855647) gives
+// the largest float below 1 instead, so its Gumbel noise is finite (-log(1) = 0 would make it inf
+// and turn a whole softmax row into NaN; at 128K tokens a layer draws ~8 such counters).
+TEST(NoiseTest, UniformNeverReachesOneAndGumbelStaysFinite) {
+  uint64_t h = Mix64(1 ^ Mix64(0));
+  h = Mix64(h ^ 7855647u);
+  ASSERT_EQ(h >> 40, 0xffffffu) << "the test's counter no longer hits the top value";
+  EXPECT_EQ(CounterUniform(1, 0, 0, 0, 7855647), 0x1.fffffep-1f);
+  EXPECT_TRUE(std::isfinite(CounterGumbel(1, 0, 0, 0, 7855647)));
+  // Every path of the engine agrees, around that column (vector lanes and tails).
+  for (float inv_tau : {1.0f, 0.5f}) {
+    std::vector<float> x(40, 0.0f), y(40, 0.0f), z(40, 0.0f);
+    float max = 0;
+    simd::internal::AddGumbelScalar(x.data(), x.size(), 1, 0, 0, 0, 7855630, inv_tau);
+    if (simd::internal::AddGumbelAvx2(y.data(), y.size(), 1, 0, 0, 0, 7855630, inv_tau, &max)) {
+      EXPECT_EQ(x, y);
+    }
+    if (simd::internal::AddGumbelAvx512(z.data(), z.size(), 1, 0, 0, 0, 7855630, inv_tau, &max)) {
+      EXPECT_EQ(x, z);
+    }
+    for (float v : x) EXPECT_TRUE(std::isfinite(v));
+  }
+  std::vector<float> e(40, 0.0f);
+  EXPECT_TRUE(std::isfinite(simd::GumbelExpSum(e.data(), e.size(), 0.0f, 1, 0, 0, 0, 7855630)));
+}
+
+// NoiseLog (the scalar function the CUDA kernels evaluate) against the CPU's AVX-512 and AVX2
+// logarithms, bit for bit, over every 24-bit counter uniform and their negated logs (the two
+// arguments Gumbel noise takes), and against libm to its stated accuracy.
+TEST(NoiseTest, NoiseLogIsBitIdenticalToTheVectorPathsAndAccurate) {
+  std::vector<float> x;
+  for (uint32_t b = 0; b < (1u << 24); b += 3) {
+    x.push_back(std::min((b + 0.5f) * (1.0f / 16777216.0f), 0x1.fffffep-1f));
+  }
+  const size_t n_uniform = x.size();
+  for (size_t i = 0; i < n_uniform; i += 5) x.push_back(-NoiseLog(x[i]));
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double want = std::log(static_cast<double>(x[i]));
+    ASSERT_NEAR(NoiseLog(x[i]), want, 2.5e-7 * std::fabs(want) + 1e-30) << x[i];
+  }
+  std::vector<float> y(x.size());
+  if (simd::internal::LogAvx512(x.data(), y.data(), x.size())) {
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(y[i], NoiseLog(x[i])) << x[i];
+  } else {
+    GTEST_LOG_(INFO) << "no AVX-512 on this CPU: its logarithm is not compared";
+  }
+  // The AVX2 path's noise from the same counters (the log is internal to that path).
+  std::vector<float> g(4099, 0.0f);
+  float max = 0;
+  if (simd::internal::AddGumbelAvx2(g.data(), g.size(), 5, 1, 2, 3, 0, 1.0f, &max)) {
+    for (size_t j = 0; j < g.size(); ++j) {
+      ASSERT_EQ(g[j], CounterGumbel(5, 1, 2, 3, static_cast<uint32_t>(j))) << j;
+    }
+  } else {
+    GTEST_LOG_(INFO) << "no AVX2 on this CPU: its logarithm is not compared";
+  }
 }
 
 // The AVX-512 logarithm: every 24-bit counter uniform (where relative accuracy next to 1 decides

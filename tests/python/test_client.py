@@ -4,6 +4,7 @@ import asyncio
 import os
 import shutil
 import subprocess
+import threading
 
 import grpc
 import numpy as np
@@ -154,9 +155,23 @@ def test_errors_carry_status_and_message(client):
 
 
 def test_deadline(kvcd):
-    with kvc.Client(kvcd.address, stream_timeout=1e-6) as c:
-        with pytest.raises(kvc.KvcError) as e:
-            c.put("py/late", make_layers(9))
+    # The producer stalls after its first layer (as a slow prefill would) until the stream's
+    # deadline has passed: the put must end with DEADLINE_EXCEEDED, not wait for the producer.
+    # (A 1 us deadline is not enough: a fast server can answer before the client's timer fires.)
+    layers = make_layers(9)
+    release = threading.Event()
+
+    def slow_producer():
+        yield layers[0]
+        release.wait(60)
+        yield from layers[1:]
+
+    try:
+        with kvc.Client(kvcd.address, stream_timeout=0.3) as c:
+            with pytest.raises(kvc.KvcError) as e:
+                c.put("py/late", slow_producer(), num_layers=len(layers))
+    finally:
+        release.set()
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 

@@ -110,6 +110,7 @@ TEST(MetricsTest, EveryFamilyExistsWithItsTypeAndHelp) {
       {"kvc_buffer_pool_requests_total", "counter"},
       {"kvc_build_info", "gauge"},
       {"kvc_active_streams", "gauge"},
+      {"kvc_compressions_running", "gauge"},
   };
   for (const auto& [name, type] : families) {
     EXPECT_EQ(TypeOf(text, name), type) << name;
@@ -137,13 +138,14 @@ TEST(MetricsTest, KnownSeriesExistFromStartAtZero) {
   for (const char* reason : {"capacity", "ttl", "overwrite", "deleted"}) {
     EXPECT_EQ(Sample(text, "kvc_evictions_total", {{"reason", reason}}), 0) << reason;
   }
-  for (const char* reason : {"invalid_argument", "too_large", "budget", "limit", "draining",
-                             "unauthenticated", "permission_denied", "stream_idle",
-                             "peer_streams", "staging"}) {
+  for (const char* reason :
+       {"invalid_argument", "too_large", "budget", "limit", "draining", "unauthenticated",
+        "permission_denied", "stream_idle", "peer_streams", "staging", "work"}) {
     EXPECT_EQ(Sample(text, "kvc_rejected_requests_total", {{"reason", reason}}), 0) << reason;
   }
   EXPECT_EQ(Sample(text, "kvc_ingest_bytes_total"), 0);
   EXPECT_EQ(Sample(text, "kvc_active_streams"), 0);
+  EXPECT_EQ(Sample(text, "kvc_compressions_running"), 0);
   // Histogram buckets: 100us first, 60s last, then +Inf.
   EXPECT_EQ(Sample(text, "grpc_server_handling_seconds_bucket",
                    {{"grpc_method", "PutCache"}, {"le", "0.0001"}}),

@@ -1,7 +1,8 @@
 // GetCache checks the block checksum table before sending anything and each block just before
 // its bytes are sent: a corrupted block ends the stream with DATA_LOSS before any of its bytes
 // go out. The corruption is injected in-process (the store never corrupts data through its API),
-// so this test runs the KvCache service on an in-process gRPC server.
+// so this test runs the KvCache service on an in-process gRPC server. Under bearer tokens the
+// messages name the caller's cache id, never the tenant-qualified store id.
 #include <memory>
 #include <string>
 
@@ -11,6 +12,7 @@
 #include "kvc/backend.h"
 #include "kvc/cache_store.h"
 #include "kvc/thread_pool.h"
+#include "server/auth.h"
 #include "server/service_impl.h"
 #include "testing/kvc_rpc.h"
 
@@ -26,6 +28,12 @@ class ServerDataLossTest : public ::testing::Test {
     auto store = CacheStore::Create(CacheStore::Options{});
     ASSERT_TRUE(store.ok()) << store.status();
     store_ = *std::move(store);
+    if (!Tenant().empty()) {
+      auto auth = TokenAuth::Parse(std::string(kToken) + " " + Tenant() + "\n");
+      ASSERT_TRUE(auth.ok()) << auth.status();
+      auth_ = *std::move(auth);
+      state_.auth = auth_.get();
+    }
     state_.backend = backend_.get();
     state_.store = store_.get();
     state_.pool = &pool_;
@@ -38,7 +46,7 @@ class ServerDataLossTest : public ::testing::Test {
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
-    stub_ = testing::NewStub("127.0.0.1:" + std::to_string(port));
+    stub_ = testing::NewStub("127.0.0.1:" + std::to_string(port), Tenant().empty() ? "" : kToken);
     // Two layers of 2048 tokens x 1 KV head x 64 dims fp16: each blob spans 8+ checksum blocks.
     auto cache = testing::MakeTestCache("c", testing::Shape(2, 1, 1, 64, 2048, 0),
                                         kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 1);
@@ -54,11 +62,16 @@ class ServerDataLossTest : public ::testing::Test {
   // The stored entry, modified behind the store's back (the store never corrupts data through
   // its API).
   CacheEntry& Stored() {
-    auto entry = store_->Peek("c");
+    auto entry = store_->Peek(Tenant().empty() ? "c" : Tenant() + "/c");
     EXPECT_TRUE(entry.ok());
     return const_cast<CacheEntry&>(**entry);
   }
 
+  // The tenant the calls authenticate as ("" = no authentication).
+  virtual std::string Tenant() const { return ""; }
+  static constexpr char kToken[] = "token-data-loss-0123";
+
+  std::unique_ptr<TokenAuth> auth_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<CacheStore> store_;
   ThreadPool pool_{2};  // one compression worker
@@ -120,6 +133,28 @@ TEST_F(ServerDataLossTest, DenseExportVerifiesTheLayerFirst) {
   EXPECT_THAT(s.error_message(), ::testing::HasSubstr("layer 1 block 0"));
   EXPECT_EQ(bad.part(0, kvcache::v1::PART_K), dense_good.part(0, kvcache::v1::PART_K));
   EXPECT_EQ(bad.parts.count({1, kvcache::v1::PART_K}), 0u);
+}
+
+class ServerDataLossTenantTest : public ServerDataLossTest {
+ protected:
+  std::string Tenant() const override { return "alpha"; }
+};
+
+// A block found corrupt in the middle of the stream (PACKED while sending, DENSE while exporting)
+// ends it with DATA_LOSS quoting the caller's id 'c', not the store's 'alpha/c'.
+TEST_F(ServerDataLossTenantTest, MidStreamDataLossQuotesTheCallersId) {
+  for (auto format : {kvcache::v1::FORMAT_PACKED, kvcache::v1::FORMAT_DENSE}) {
+    SCOPED_TRACE(kvcache::v1::Format_Name(format));
+    get_.set_format(format);
+    Stored().layers[1][Stored().layers[1].size() / 2] ^= 0x40;
+    testing::Fetched bad;
+    grpc::Status s = testing::Get(stub_.get(), get_, &bad);
+    Stored().layers[1][Stored().layers[1].size() / 2] ^= 0x40;
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
+    EXPECT_THAT(s.error_message(), ::testing::HasSubstr("cache 'c': layer 1 block"));
+    EXPECT_THAT(s.error_message(), ::testing::Not(::testing::HasSubstr("alpha")));
+    EXPECT_GT(bad.messages, 1) << "the stream should have started before the corrupt block";
+  }
 }
 
 }  // namespace

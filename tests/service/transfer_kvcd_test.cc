@@ -610,11 +610,20 @@ TEST(TransferNcclPathTest, NcclSessionUploadStoresTheSameBytesAsChunks) {
   TransferClient::Options co = ClientOptions("prefill-nccl");
   co.factory = &fake;
   TransferClient client(channel, co);
-  auto r = transfer::PutCacheWithTransfer(channel, &client, moved.header, Tensors(moved));
+  // Each tensor's producer event goes with it to the data plane (stand-ins: the fake records).
+  std::vector<TensorRef> tensors = Tensors(moved);
+  std::vector<int> events(tensors.size());
+  std::vector<const void*> want;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    tensors[i].ready_event = &events[i];
+    want.push_back(&events[i]);
+  }
+  auto r = transfer::PutCacheWithTransfer(channel, &client, moved.header, tensors);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->path, PutPath::kNccl);
   EXPECT_EQ(r->fallback_reason, "");
   EXPECT_EQ(r->response.input_bytes(), chunked.kv_bytes());
+  EXPECT_EQ(fake.ready_events(), want);
   // The session (and its group) is reused by the next upload.
   TestCache second = MakeCache("nccl-second", 12);
   auto r2 = transfer::PutCacheWithTransfer(channel, &client, second.header, Tensors(second));

@@ -341,6 +341,71 @@ TEST_F(TransferTest, NcclSenderSizeMismatchFailsTheTensorAndDropsTheGroup) {
   EXPECT_NE(again.session_id(), r.session_id());
 }
 
+// A client that dies after POSTED (its rank never sends, and nothing closes the group): kvcd's
+// receive ends the Transfer stream with DEADLINE_EXCEEDED at recv_timeout, and drops the group.
+TEST_F(TransferTest, UploadPeerThatDiesMidTransferEndsItWithinTheTimeout) {
+  TransferLimits l;
+  l.recv_timeout = absl::Milliseconds(300);
+  Start(l);
+  OpenTransferSessionResponse r;
+  ASSERT_TRUE(Open("dies", kvcache::v1::TRANSFER_TRANSPORT_NCCL, &r).ok());
+  std::unique_ptr<Communicator> peer =
+      server_factory_.Join(r.nccl_unique_id(), 1, absl::Seconds(5), nullptr).value();
+  RawStream rs;
+  rs.s = stub_->Transfer(&rs.ctx);
+  ASSERT_TRUE(rs.s->Write(Announce(r.session_id(), 0, "c", 0, kvcache::v1::TENSOR_K, 100, "")));
+  TransferAck ack;
+  ASSERT_TRUE(rs.s->Read(&ack));
+  ASSERT_EQ(ack.state(), TransferAck::STATE_POSTED);
+  const absl::Time died = absl::Now();
+  server_factory_.Kill(1);
+  EXPECT_FALSE(rs.s->Read(&ack));
+  const grpc::Status st = rs.s->Finish();
+  const absl::Duration took = absl::Now() - died;
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
+  EXPECT_GE(took, absl::Milliseconds(250));
+  EXPECT_LT(took, absl::Seconds(30));  // bounded by the timeout, not by the dead peer
+  EXPECT_TRUE(sink_.got().empty());
+  OpenTransferSessionResponse again;
+  ASSERT_TRUE(Open("dies", kvcache::v1::TRANSFER_TRANSPORT_NCCL, &again).ok());
+  EXPECT_FALSE(again.reused());  // the broken group was dropped
+}
+
+// kvcd's rank dies after POSTED: the client's send cannot complete and ends at send_timeout
+// with DEADLINE_EXCEEDED; the client is closed (its group's state is unknown).
+TEST_F(TransferTest, ClientSendToAPeerThatDiedEndsWithinTheSendTimeout) {
+  Start();
+  TransferClient::Options o = ClientOptions("survivor");
+  o.send_timeout = absl::Milliseconds(300);
+  TransferClient client(channel_, o);
+  ASSERT_TRUE(client.Open().ok());
+  ASSERT_EQ(client.transport(), kvcache::v1::TRANSFER_TRANSPORT_NCCL);
+  const std::vector<uint8_t> x = Bytes(64, 1);
+  ASSERT_TRUE(client.Send("c", 0, kvcache::v1::TENSOR_K, x.data(), x.size()).ok());
+  server_factory_.Kill(0);
+  const absl::Time t0 = absl::Now();
+  const absl::Status s = client.Send("c", 0, kvcache::v1::TENSOR_V, x.data(), x.size());
+  const absl::Duration took = absl::Now() - t0;
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_GE(took, absl::Milliseconds(250));
+  EXPECT_LT(took, absl::Seconds(30));
+  EXPECT_FALSE(client.is_open());
+}
+
+// The producer's event reaches the data plane with the bytes it guards.
+TEST_F(TransferTest, SendPassesTheProducersEventToTheDataPlane) {
+  Start();
+  TransferClient client(channel_, ClientOptions("events"));
+  ASSERT_TRUE(client.Open().ok());
+  const std::vector<uint8_t> x = Bytes(32, 2);
+  int fake_event_a = 0, fake_event_b = 0;  // stand-ins: the fake only records them
+  ASSERT_TRUE(client.Send("c", 0, kvcache::v1::TENSOR_K, x.data(), x.size(), &fake_event_a).ok());
+  ASSERT_TRUE(client.Send("c", 0, kvcache::v1::TENSOR_V, x.data(), x.size()).ok());
+  ASSERT_TRUE(client.Send("c", 1, kvcache::v1::TENSOR_K, x.data(), x.size(), &fake_event_b).ok());
+  const std::vector<const void*> want = {&fake_event_a, nullptr, &fake_event_b};
+  EXPECT_EQ(server_factory_.ready_events(), want);
+}
+
 TEST_F(TransferTest, NcclPayloadInAnnouncementIsRejected) {
   Start();
   OpenTransferSessionResponse r;

@@ -2,6 +2,10 @@
 // a pair of message queues; Send enqueues for the peer, Recv dequeues (and reports a size
 // mismatch as DATA_LOSS, where real NCCL would corrupt or hang). Both ranks live in one process,
 // so one FakeFactory serves kvcd's side and the client's side. Thread-safe.
+// FakeFactory::Kill models a peer process that dies mid-transfer: its rank stops without closing
+// the group, so the survivor's Recv waits out its timeout and its Send (which, as with NCCL,
+// cannot complete without the receiver) ends DEADLINE_EXCEEDED at its timeout. SendAfter's
+// events are recorded, so tests can check that callers pass the producer's event through.
 #ifndef KVC_TESTS_TESTING_FAKE_COMMUNICATOR_H_
 #define KVC_TESTS_TESTING_FAKE_COMMUNICATOR_H_
 
@@ -31,7 +35,9 @@ struct FakeGroup {
   absl::Mutex mu;
   bool joined[2] ABSL_GUARDED_BY(mu) = {false, false};
   bool closed ABSL_GUARDED_BY(mu) = false;
+  bool dead[2] ABSL_GUARDED_BY(mu) = {false, false};              // FakeFactory::Kill
   std::deque<std::vector<uint8_t>> inbox[2] ABSL_GUARDED_BY(mu);  // messages to rank r
+  std::vector<const void*> ready_events ABSL_GUARDED_BY(mu);      // SendAfter's, in order
 };
 
 class FakeEndpoint final : public Communicator {
@@ -39,12 +45,29 @@ class FakeEndpoint final : public Communicator {
   FakeEndpoint(std::shared_ptr<FakeGroup> g, int rank) : g_(std::move(g)), rank_(rank) {}
   ~FakeEndpoint() override { Close(); }
 
-  absl::Status Send(const void* src, size_t bytes, absl::Duration) override {
+  absl::Status Send(const void* src, size_t bytes, absl::Duration timeout) override {
     absl::MutexLock lock(&g_->mu);
-    if (g_->closed) return absl::CancelledError("fake: closed");
+    FakeGroup* g = g_.get();
+    if (g->dead[rank_]) return absl::CancelledError("fake: this rank died");
+    if (g->dead[1 - rank_]) {
+      // Nobody will receive: wait out the timeout (an orderly close still ends it early).
+      g->mu.AwaitWithTimeout(absl::Condition(&g->closed), timeout);
+      if (g->closed) return absl::CancelledError("fake: closed");
+      return absl::DeadlineExceededError("fake: the peer did not receive in time");
+    }
+    if (g->closed) return absl::CancelledError("fake: closed");
     const auto* p = static_cast<const uint8_t*>(src);
-    g_->inbox[1 - rank_].emplace_back(p, p + bytes);
+    g->inbox[1 - rank_].emplace_back(p, p + bytes);
     return absl::OkStatus();
+  }
+
+  absl::Status SendAfter(const void* src, size_t bytes, const void* ready_event,
+                         absl::Duration timeout) override {
+    {
+      absl::MutexLock lock(&g_->mu);
+      g_->ready_events.push_back(ready_event);
+    }
+    return Send(src, bytes, timeout);
   }
 
   absl::Status Recv(void* dst, size_t bytes, absl::Duration timeout) override {
@@ -54,6 +77,7 @@ class FakeEndpoint final : public Communicator {
     auto ready = [g, r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g->mu) {
       return g->closed || !g->inbox[r].empty();
     };
+    if (g->dead[r]) return absl::CancelledError("fake: this rank died");
     if (!g->mu.AwaitWithTimeout(absl::Condition(&ready), timeout)) {
       return absl::DeadlineExceededError("fake: nothing received in time");
     }
@@ -71,6 +95,7 @@ class FakeEndpoint final : public Communicator {
 
   void Close() override {
     absl::MutexLock lock(&g_->mu);
+    if (g_->dead[rank_]) return;  // a dead process signals nothing
     g_->closed = true;
   }
   std::string_view kind() const override { return "fake"; }
@@ -133,6 +158,24 @@ class FakeFactory final : public CommunicatorFactory {
   int joins() {
     absl::MutexLock lock(&mu_);
     return joins_;
+  }
+  // Rank `rank` of every group made so far dies: no more operations, no close signal.
+  void Kill(int rank) {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, g] : groups_) {
+      absl::MutexLock glock(&g->mu);
+      g->dead[rank] = true;
+    }
+  }
+  // The events SendAfter was given, over all groups (in group order, then call order).
+  std::vector<const void*> ready_events() {
+    absl::MutexLock lock(&mu_);
+    std::vector<const void*> out;
+    for (auto& [id, g] : groups_) {
+      absl::MutexLock glock(&g->mu);
+      out.insert(out.end(), g->ready_events.begin(), g->ready_events.end());
+    }
+    return out;
   }
   int cancelled_joins() const { return cancelled_joins_.load(); }
 

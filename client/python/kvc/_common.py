@@ -7,9 +7,10 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from . import tensors
-from ._pb import pb
+from . import _validate, tensors
+from ._pb import pb, pb_grpc
 from .errors import KvcError, invalid
+from .replicas import resolve_target
 
 PUT_METHOD = "/kvcache.v1.KvCache/PutCache"
 GET_METHOD = "/kvcache.v1.KvCache/GetCache"
@@ -41,13 +42,15 @@ class Options:
     def validate(self):
         if not self.target:
             raise invalid("target: empty")
-        if self.timeout <= 0:
-            raise invalid("timeout: must be positive")
-        if self.stream_timeout <= 0:
-            raise invalid("stream_timeout: must be positive")
-        if not 1 <= self.max_attempts <= 10:
-            raise invalid(f"max_attempts: {self.max_attempts} is outside [1, 10]")
-        if self.initial_backoff < 0 or self.max_backoff < self.initial_backoff:
+        # Finite: an infinite or NaN timeout would fail every call at once.
+        _validate.seconds(self.timeout, "timeout")
+        _validate.seconds(self.stream_timeout, "stream_timeout")
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or \
+                not 1 <= self.max_attempts <= 10:
+            raise invalid(f"max_attempts: {self.max_attempts!r} is outside [1, 10]")
+        _validate.seconds(self.initial_backoff, "initial_backoff", positive=False)
+        _validate.seconds(self.max_backoff, "max_backoff", positive=False)
+        if self.max_backoff < self.initial_backoff:
             raise invalid("initial_backoff/max_backoff: need 0 <= initial <= max")
         if not 4096 <= self.max_chunk_bytes <= (64 << 20):
             raise invalid(f"max_chunk_bytes: {self.max_chunk_bytes} is outside [4096, 64 MiB]")
@@ -88,6 +91,37 @@ class Options:
         key = read("key_file", self.key_file) if self.key_file else None
         return grpc.ssl_channel_credentials(root_certificates=root, private_key=key,
                                             certificate_chain=chain)
+
+
+def open_channels(options, aio=False):
+    """The one channel set-up of kvc.Client (aio=False: grpc) and kvc.aio.Client (grpc.aio).
+
+    Validates `options`, resolves its target into replica addresses and opens one channel per
+    replica with the options' message limits, TLS credentials and server name. Returns
+    (addresses, channels, stubs); stubs[i] is (KvCacheStub, PutCache call, GetCache call) on
+    channels[i], the two streaming calls with kvc's own (de)serializers (see serialize_put and
+    parse_get_response).
+    """
+    options.validate()
+    addresses = resolve_target(options.target)
+    if aio:
+        from grpc import aio as module
+    else:
+        module = grpc
+    creds = options.credentials() if options.tls else None
+    channels, stubs = [], []
+    for address in addresses:
+        opts = options.channel_options()
+        ch = (module.secure_channel(address, creds, options=opts) if creds
+              else module.insecure_channel(address, options=opts))
+        channels.append(ch)
+        stubs.append((
+            pb_grpc.KvCacheStub(ch),
+            ch.stream_unary(PUT_METHOD, request_serializer=serialize_put,
+                            response_deserializer=pb.PutCacheResponse.FromString),
+            ch.unary_stream(GET_METHOD, request_serializer=pb.GetCacheRequest.SerializeToString,
+                            response_deserializer=identity)))
+    return addresses, channels, stubs
 
 
 def message(cls, value, field):
@@ -149,16 +183,18 @@ class PutPlan:
 
     def __init__(self, cache_id, first, num_layers, layout, dtype, compression, ttl_seconds,
                  overwrite, rope=None):
-        if not isinstance(cache_id, str) or not cache_id:
-            raise invalid("cache_id: empty")
+        cache_id = _validate.cache_id(cache_id)
         if layout not in LAYOUTS:
             raise invalid(f"layout: {layout!r} is not 'HND' or 'NHD'")
-        if not isinstance(num_layers, int) or num_layers < 1:
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise invalid(f"num_layers: {num_layers!r} must be an int >= 1")
+        ttl_seconds = _validate.uint32(ttl_seconds, "ttl_seconds")
         k, v, q, st = _layer_tuple(first, 0)
         if k is None or v is None:
             raise invalid("layers[0]: k and v are required")
-        self.dtype = tensors.wire_dtype(k, dtype)
+        self.dtype = tensors.wire_dtype(k, dtype, "layers[0].k")
+        # Where the upload's dtype came from, for messages about tensors that do not match it.
+        self.dtype_source = f"dtype={dtype!r}" if dtype is not None else "layers[0].k"
         self.layout = layout
         ks = tensors.shape_of(k)
         if len(ks) != 3:
@@ -204,8 +240,8 @@ class PutPlan:
                 raise invalid(f"layers[{i}].{name}: missing")
             if tensors.shape_of(x) != want:
                 raise invalid(f"layers[{i}].{name}: shape {tensors.shape_of(x)} != {want}")
-            if tensors.wire_dtype(x, self.dtype if self._forced(x) else None) != self.dtype:
-                raise invalid(f"layers[{i}].{name}: dtype differs from layers[0].k")
+            field = f"layers[{i}].{name}"
+            tensors.check_dtype(x, self.dtype, field, self.dtype_source)
             out.append((kind, tensors.as_bytes(x, self.dtype)))
         if (st is None) != (self.stats_shape is None):
             raise invalid(f"layers[{i}].q_stats: must be given for every layer or for none")
@@ -213,12 +249,8 @@ class PutPlan:
             if tensors.shape_of(st) != self.stats_shape:
                 raise invalid(f"layers[{i}].q_stats: shape {tensors.shape_of(st)} != "
                               f"{self.stats_shape}")
-            out.append((pb.TENSOR_Q_STATS, tensors.as_bytes(st, pb.DTYPE_F32)))
+            out.append((pb.TENSOR_Q_STATS, tensors.stats_bytes(st, f"layers[{i}].q_stats")))
         return out
-
-    def _forced(self, x):
-        # uint16 numpy arrays carry bf16 bits only when the dtype was given.
-        return not tensors.is_torch(x) and np.asarray(x).dtype == np.uint16
 
     def chunks(self, i, layer, max_chunk):
         for kind, data in self.tensors_of(layer, i):
@@ -245,13 +277,13 @@ def split_layers(layers, num_layers):
 # ---- GetCache -----------------------------------------------------------------------------------
 
 def get_request(cache_id, fmt, layer_begin, layer_end, rope):
-    if not isinstance(cache_id, str) or not cache_id:
-        raise invalid("cache_id: empty")
+    cache_id = _validate.cache_id(cache_id)
     if fmt not in FORMATS:
         raise invalid(f"format: {fmt!r} is not 'packed', 'dense' or 'contiguous'")
+    layer_begin = _validate.uint32(layer_begin, "layer_begin")
     req = pb.GetCacheRequest(cache_id=cache_id, format=FORMATS[fmt], layer_begin=layer_begin)
     if layer_end is not None:
-        req.layer_end = layer_end
+        req.layer_end = _validate.uint32(layer_end, "layer_end")
     if rope is not None:
         req.rope.CopyFrom(message(pb.RopeSpec, rope, "rope"))
     elif fmt == "contiguous":
@@ -323,7 +355,7 @@ class Assembler:
 
     def __init__(self, fmt, tensor_kind, request):
         self.dense = fmt != "packed"
-        self.kind = tensor_kind
+        self.kind = _validate.tensor_kind(tensor_kind)
         self.request = request  # GetCacheRequest: its layer range says how many layers to expect
         self.info = None
         self.cur = None  # (layer, kept, {part: array}, {part: received})

@@ -13,11 +13,11 @@ import time
 import grpc
 import grpc.aio
 
-from . import _common
+from . import _common, _validate
 from ._common import Assembler, CacheData, Options, PutPlan
-from ._pb import pb, pb_grpc
+from ._pb import pb
 from .errors import KvcError, from_rpc_error, invalid
-from .replicas import rendezvous_owner, resolve_target
+from .replicas import rendezvous_owner
 
 
 async def _aiter_layers(layers, num_layers):
@@ -47,22 +47,8 @@ async def _aiter_layers(layers, num_layers):
 class Client:
     def __init__(self, target="127.0.0.1:50051", **options):
         self.options = Options(target=target, **options)
-        self.options.validate()
-        self._replicas = resolve_target(target)
-        creds = self.options.credentials() if self.options.tls else None
-        self._channels, self._stubs = [], []
-        for address in self._replicas:
-            opts = self.options.channel_options()
-            ch = (grpc.aio.secure_channel(address, creds, options=opts) if creds
-                  else grpc.aio.insecure_channel(address, options=opts))
-            self._channels.append(ch)
-            self._stubs.append((
-                pb_grpc.KvCacheStub(ch),
-                ch.stream_unary(_common.PUT_METHOD, request_serializer=_common.serialize_put,
-                                response_deserializer=pb.PutCacheResponse.FromString),
-                ch.unary_stream(_common.GET_METHOD,
-                                request_serializer=pb.GetCacheRequest.SerializeToString,
-                                response_deserializer=_common.identity)))
+        self._replicas, self._channels, self._stubs = _common.open_channels(
+            self.options, aio=True)
 
     async def close(self):
         for ch in self._channels:
@@ -79,16 +65,21 @@ class Client:
         return list(self._replicas)
 
     def replica_for(self, cache_id):
+        cache_id = _validate.cache_id(cache_id)
         return 0 if len(self._replicas) == 1 else rendezvous_owner(cache_id, self._replicas)
 
     async def put(self, cache_id, layers, *, num_layers=None, layout="HND", dtype=None,
                   compression=None, ttl_seconds=0, overwrite=False, rope=None):
         """See kvc.Client.put; `layers` may also be an async iterator (give num_layers)."""
+        cache_id = _validate.cache_id(cache_id)
         first, it, n = await _aiter_layers(layers, num_layers)
         plan = PutPlan(cache_id, first, n, layout, dtype, compression, ttl_seconds, overwrite,
                        rope)
         max_chunk = self.options.max_chunk_bytes
+        # What the layers raised (any BaseException): the call is cancelled at once and the
+        # exception re-raised here.
         failed = []
+        holder = {}
 
         async def requests():
             try:
@@ -102,21 +93,24 @@ class Client:
                     i += 1
                 if i != n:
                     raise invalid(f"layers: {i} given, num_layers={n}")
-            except Exception as e:
+            except BaseException as e:  # noqa: B036 - handed to the awaiting caller below
+                if isinstance(e, GeneratorExit):
+                    raise  # the call closed the generator (it ended): nothing of the caller's
                 failed.append(e)
-                raise
+                holder["call"].cancel()
 
         _, put, _ = self._stubs[self.replica_for(cache_id)]
+        call = put(requests(), timeout=self.options.stream_timeout,
+                   metadata=self.options.metadata())
+        holder["call"] = call
         try:
-            return await put(requests(), timeout=self.options.stream_timeout,
-                             metadata=self.options.metadata())
+            return await call
         except grpc.RpcError as e:
             if failed:
                 raise failed[0] from None
             raise from_rpc_error(e) from None
         except (Exception, asyncio.CancelledError):
-            # grpc.aio ends the call with CancelledError when the request iterator raised: report
-            # the caller's mistake instead.
+            # grpc.aio ends a cancelled call with CancelledError: report the caller's exception.
             if failed:
                 raise failed[0] from None
             raise
@@ -125,7 +119,8 @@ class Client:
                          rope=None, tensors="auto"):
         """An AsyncGetStream with `info` read; `async for layer in stream`. See kvc.Client."""
         req = _common.get_request(cache_id, format, layer_begin, layer_end, rope)
-        _, _, get = self._stubs[self.replica_for(cache_id)]
+        _validate.tensor_kind(tensors)
+        _, _, get = self._stubs[self.replica_for(req.cache_id)]
         deadline = time.monotonic() + self.options.stream_timeout
         for attempt in range(self.options.max_attempts):
             stream = AsyncGetStream(get, req, format, tensors, deadline, self.options.metadata())
@@ -163,15 +158,18 @@ class Client:
             await self._sleep(attempt, deadline)
 
     async def stat(self, cache_id):
+        cache_id = _validate.cache_id(cache_id)
         return await self._unary(self.replica_for(cache_id), "StatCache",
                                  pb.StatCacheRequest(cache_id=cache_id))
 
     async def delete(self, cache_id):
+        cache_id = _validate.cache_id(cache_id)
         resp = await self._unary(self.replica_for(cache_id), "DeleteCache",
                                  pb.DeleteCacheRequest(cache_id=cache_id))
         return resp.freed_bytes
 
     async def list(self, prefix=""):
+        prefix = _validate.prefix(prefix)
         out = []
         for r in range(len(self._replicas)):
             token = ""

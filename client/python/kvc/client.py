@@ -13,36 +13,23 @@ on UNAVAILABLE while nothing has been handed to the caller; put is never retried
 is a kvc.KvcError carrying the grpc.StatusCode and the message. A Client is thread-safe.
 """
 
+import threading
 import time
 
 import grpc
 
-from . import _common
+from . import _common, _validate
 from ._common import Assembler, CacheData, Options, PutPlan
-from ._pb import pb, pb_grpc
+from ._pb import pb
 from .errors import KvcError, from_rpc_error, invalid
-from .replicas import rendezvous_owner, resolve_target
+from .replicas import rendezvous_owner
 
 
 class Client:
     def __init__(self, target="127.0.0.1:50051", **options):
         self.options = Options(target=target, **options)
-        self.options.validate()
-        self._replicas = resolve_target(target)
-        creds = self.options.credentials() if self.options.tls else None
-        self._channels, self._stubs = [], []
-        for address in self._replicas:
-            opts = self.options.channel_options()
-            ch = (grpc.secure_channel(address, creds, options=opts) if creds
-                  else grpc.insecure_channel(address, options=opts))
-            self._channels.append(ch)
-            self._stubs.append((
-                pb_grpc.KvCacheStub(ch),
-                ch.stream_unary(_common.PUT_METHOD, request_serializer=_common.serialize_put,
-                                response_deserializer=pb.PutCacheResponse.FromString),
-                ch.unary_stream(_common.GET_METHOD,
-                                request_serializer=pb.GetCacheRequest.SerializeToString,
-                                response_deserializer=_common.identity)))
+        self._replicas, self._channels, self._stubs = _common.open_channels(
+            self.options)
 
     def close(self):
         for ch in self._channels:
@@ -60,6 +47,7 @@ class Client:
         return list(self._replicas)
 
     def replica_for(self, cache_id):
+        cache_id = _validate.cache_id(cache_id)
         return 0 if len(self._replicas) == 1 else rendezvous_owner(cache_id, self._replicas)
 
     # ---- PutCache -------------------------------------------------------------------------------
@@ -73,21 +61,32 @@ class Client:
         [W, Hq, D]); q_obs may be None (no observation window). A sequence, or an iterator (then
         give num_layers): each layer is sent as soon as the iterator yields it, so a prefill loop
         can upload layer l while computing l + 1. The shape and dtype come from the first layer;
-        dtype="bf16" marks uint16 numpy arrays as bf16 bits. compression: CompressionConfig or
+        dtype="bf16" marks uint16 numpy arrays as bf16 bits; every tensor must hold the upload's
+        dtype (integers are refused, naming the tensor). cache_id: str, or UTF-8 bytes (as
+        everywhere in the client). compression: CompressionConfig or
         its dict form, e.g. {"eviction": {"policy": "snapkv", "budget": 64}}. A layer may add
         q_stats (4th item or dict key): float32 [Hq, D + D*D], the mean and covariance of the
         un-rotated queries, for {"eviction": {"policy": "expected"}} without q_obs (query_stats
-        is then set). rope: the model's RopeSpec or its dict form (needed by "expected").
+        is then set; float16/32/64, converted to float32). rope: the model's RopeSpec or its
+        dict form (needed by "expected"). An exception the layers raise (any BaseException)
+        cancels the upload at once and is re-raised here.
         """
+        cache_id = _validate.cache_id(cache_id)
         first, it, n = _common.split_layers(layers, num_layers)
         plan = PutPlan(cache_id, first, n, layout, dtype, compression, ttl_seconds, overwrite,
                        rope)
         max_chunk = self.options.max_chunk_bytes
 
-        failed = []  # what the request iterator raised: gRPC only sees a cancelled call
+        # What the layers raised (the caller's own exception, KeyboardInterrupt and SystemExit
+        # included): the call is cancelled at once and the exception re-raised here. gRPC's
+        # request thread only sees the iteration end.
+        failed = []
+        call_ready = threading.Event()
+        holder = {}
 
         def requests():
             try:
+                call_ready.wait()
                 yield pb.PutCacheRequest(header=plan.header)
                 count = 0
                 for i, layer in enumerate(it):
@@ -97,18 +96,28 @@ class Client:
                     count += 1
                 if count != n:
                     raise invalid(f"layers: {count} given, num_layers={n}")
-            except Exception as e:
+            except BaseException as e:  # noqa: B036 - handed to the caller's thread below
+                if isinstance(e, GeneratorExit):
+                    raise  # gRPC closed the generator (the call ended): nothing of the caller's
                 failed.append(e)
-                raise
+                holder["call"].cancel()
 
         _, put, _ = self._stubs[self.replica_for(cache_id)]
+        call = put.future(requests(), timeout=self.options.stream_timeout,
+                          metadata=self.options.metadata())
+        holder["call"] = call
+        call_ready.set()
         try:
-            return put(requests(), timeout=self.options.stream_timeout,
-                       metadata=self.options.metadata())
-        except grpc.RpcError as e:
+            return call.result()
+        except (grpc.RpcError, grpc.FutureCancelledError) as e:
             if failed:
                 raise failed[0] from None
+            if isinstance(e, grpc.FutureCancelledError):
+                raise KvcError(grpc.StatusCode.CANCELLED, "put: cancelled") from None
             raise from_rpc_error(e) from None
+        except BaseException:
+            call.cancel()  # e.g. KeyboardInterrupt while waiting: the upload must not go on
+            raise
 
     # ---- GetCache -------------------------------------------------------------------------------
 
@@ -119,7 +128,8 @@ class Client:
         engine-ready export; needs rope, a RopeSpec or its dict form). tensors: "numpy",
         "torch", or "auto" (numpy; bf16 as torch.bfloat16 when torch is installed)."""
         req = _common.get_request(cache_id, format, layer_begin, layer_end, rope)
-        _, _, get = self._stubs[self.replica_for(cache_id)]
+        _validate.tensor_kind(tensors)
+        _, _, get = self._stubs[self.replica_for(req.cache_id)]
         deadline = time.monotonic() + self.options.stream_timeout
         for attempt in range(self.options.max_attempts):
             stream = GetStream(get, req, format, tensors, deadline, self.options.metadata())
@@ -161,16 +171,19 @@ class Client:
 
     def stat(self, cache_id):
         """CacheInfo of a stored cache."""
+        cache_id = _validate.cache_id(cache_id)
         return self._unary(self.replica_for(cache_id), "StatCache",
                            pb.StatCacheRequest(cache_id=cache_id))
 
     def delete(self, cache_id):
         """Deletes a cache; returns the bytes freed."""
+        cache_id = _validate.cache_id(cache_id)
         return self._unary(self.replica_for(cache_id), "DeleteCache",
                            pb.DeleteCacheRequest(cache_id=cache_id)).freed_bytes
 
     def list(self, prefix=""):
         """CacheInfo of every cache whose id starts with prefix, from every replica, by id."""
+        prefix = _validate.prefix(prefix)
         out = []
         for r in range(len(self._replicas)):
             token = ""

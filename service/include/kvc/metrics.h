@@ -12,6 +12,7 @@
 //   kvc_store_capacity_bytes, kvc_store_entries   gauges kvc_evictions_total{reason} counter;
 //   capacity|ttl|overwrite|deleted kvc_rejected_requests_total{reason}                   counter;
 //   see RejectionReasonName kvc_gpu_memory_used_bytes, kvc_active_streams         gauges
+//   kvc_compressions_running                              gauge: layer compressions in progress
 //   kvc_build_info{version,backend}                       gauge, always 1
 // Series for the KvCache service's methods (with every gRPC code), the stages and the reasons
 // exist from the start with value 0. Other method names are accepted and get series on first use.
@@ -52,6 +53,7 @@ enum class RejectionReason {
   kStreamIdle,        // "stream_idle": no bytes moved for --stream_idle_seconds; stream ended
   kPeerStreams,       // "peer_streams": the peer (or tenant) holds --max_streams_per_peer
   kStaging,           // "staging": the upload's declared bytes exceed the free --staging_bytes
+  kWork,              // "work": the spec's work is over the upload's budget (--work_*)
 };
 const char* RejectionReasonName(RejectionReason r);
 
@@ -98,6 +100,8 @@ class Metrics {
                           uint64_t mapped);
   void StreamStarted();   // kvc_active_streams + 1
   void StreamFinished();  // kvc_active_streams - 1
+  // kvc_compressions_running + delta: layer compression jobs running in the engine.
+  void AddCompressionsRunning(int delta);
   // Replaces the kvc_build_info series (only one exists at a time).
   void SetBuildInfo(const std::string& version, const std::string& backend);
 

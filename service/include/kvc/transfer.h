@@ -52,8 +52,8 @@ namespace kvc::transfer {
 // ---- Server side ----
 
 struct TransferLimits {
-  uint64_t max_tensor_bytes = uint64_t{1} << 30;    // per announcement
-  int max_sessions = 64;                            // open sessions across all clients
+  uint64_t max_tensor_bytes = uint64_t{1} << 30;  // per announcement
+  int max_sessions = 64;                          // open sessions across all clients
   // A session unused this long (no announcement, fetch or reuse; nothing in flight) expires,
   // and a Transfer or Fetch stream whose client sends nothing this long is ended
   // (cancelled; recorded as DEADLINE_EXCEEDED), giving its stream slot back.

@@ -59,8 +59,12 @@ class TransferClient {
 
   // Sends `bytes` bytes at `data` (host memory, or device memory in an NCCL session) and waits
   // for RECEIVED. An error ends the stream (the status is kvcd's, e.g. INVALID_ARGUMENT).
+  // Device memory that GPU work produced must be complete before the data plane reads it (see
+  // kvc/communicator.h): the producer synchronized, or `ready_event` (a cudaEvent_t recorded on
+  // the producing stream after that work, as void*; null: none) is given and the send waits for
+  // it on the device.
   absl::Status Send(const std::string& cache_id, uint32_t layer, kvcache::v1::TensorKind tensor,
-                    const void* data, uint64_t bytes);
+                    const void* data, uint64_t bytes, const void* ready_event = nullptr);
 
   // Fetches layers [layer_begin, layer_end) (layer_end: num_layers when unset) of stored cache
   // `cache_id` over the session: `on_info` gets the CacheInfo first, then `on_layer` each PACKED
@@ -112,11 +116,15 @@ class TransferClient {
 // ---- A whole upload through the transfer service ----
 
 // One tensor of an upload: `bytes` bytes at `data`, the whole of tensor `tensor` of `layer`.
+// Device memory written by GPU work: `ready_event` is a cudaEvent_t recorded after that work on
+// its stream (the NCCL send waits for it on the device), or null when the work has completed
+// (see TransferClient::Send).
 struct TensorRef {
   uint32_t layer = 0;
   kvcache::v1::TensorKind tensor = kvcache::v1::TENSOR_UNSPECIFIED;
   const void* data = nullptr;
   uint64_t bytes = 0;
+  const void* ready_event = nullptr;
 };
 
 // Which way the bytes of an upload went.

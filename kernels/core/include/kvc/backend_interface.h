@@ -30,7 +30,10 @@ struct CompressTimings {
 
 struct BackendOptions {
   int num_threads = 0;  // CPU: worker threads (0 = hardware concurrency)
-  int device = 0;       // CUDA: device ordinal
+  // CPU: the workers' nice value (Linux; 0 = the process's own): a positive value lets other
+  // threads of the process (e.g. a server's RPC threads) win the CPU over compression.
+  int thread_nice = 0;
+  int device = 0;  // CUDA: device ordinal
 };
 
 // New queries for decode attention over a packed layer (Backend::Attend, PackedAttentionCpu in
@@ -55,7 +58,9 @@ class Backend {
   virtual std::string description() const = 0;
 
   // Compresses one layer held in host memory. Validates input and spec first (INVALID_ARGUMENT
-  // naming the field); never aborts. `timings` may be null.
+  // naming the field); never aborts. `timings` may be null. When in.cancel reads as cancelled the
+  // call returns its status soon after (the CPU backend within one row block or key chunk of each
+  // stage; the CUDA backend before each stage it launches).
   virtual absl::StatusOr<CompactLayer> Compress(const LayerInput& in, const CompressionSpec& spec,
                                                 CompressTimings* timings) = 0;
 

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kvc/cancel.h"
 #include "kvc/dtype.h"
 #include "kvc/rope.h"
 
@@ -28,8 +29,14 @@ struct LayerShape {
   int group_size() const { return num_kv_heads > 0 ? num_q_heads / num_kv_heads : 0; }
 };
 
-// Views of one layer's tensors, all post-RoPE, in host memory (the CUDA backend copies them to the
-// device itself). Element type `dtype`, layout `layout` for all three tensors:
+// Where a layer's K, V and Q_obs live. kDevice: CUDA device memory of the device the CUDA backend
+// runs on (BackendOptions::device), e.g. tensors an NCCL receive or the inference engine left
+// there; only the CUDA backend accepts it, and then copies nothing through the host for them.
+enum class MemorySpace : uint8_t { kHost = 0, kDevice = 1 };
+
+// Views of one layer's tensors, all post-RoPE, in host memory by default (the CUDA backend copies
+// them to the device itself) or, with `memory` = kDevice, in device memory (k, v and q_obs; rope
+// and q_stats are always host memory). Element type `dtype`, layout `layout` for all three tensors:
 //   HND: K, V [Hkv, S, D], Q_obs [Hq, W, D]      NHD: K, V [S, Hkv, D], Q_obs [W, Hq, D]
 // Q_obs row t is the query of prompt position S - W + t. q_obs may be null only when W == 0.
 // Expected attention also reads `rope` (the model's RoPE, to un-rotate Q_obs and to rotate the
@@ -45,8 +52,13 @@ struct LayerInput {
   const void* k = nullptr;
   const void* v = nullptr;
   const void* q_obs = nullptr;
-  const RopeParams* rope = nullptr;  // null: not known
-  const float* q_stats = nullptr;    // null: none sent
+  const RopeParams* rope = nullptr;         // null: not known
+  const float* q_stats = nullptr;           // null: none sent
+  MemorySpace memory = MemorySpace::kHost;  // where k, v and q_obs are
+  // Checked by the engine between row blocks and chunks: once it reads as cancelled, Compress
+  // (and the scoring and selection stages) stop within one block and return its status. null:
+  // never cancelled.
+  const CancelToken* cancel = nullptr;
 };
 
 // Floats of q_stats per layer: Hq * (D + D * D).
@@ -74,11 +86,13 @@ absl::StatusOr<uint64_t> UploadBytes(const LayerShape& shape, DType dtype, int n
 // are overflow-checked: a product past 64 bits is reported naming its factors, e.g.
 // "shape: num_kv_heads*seq_len*head_dim = 901467965*213156309*96 overflows 64 bits". A shape that
 // passes keeps every byte size and offset derived from it far below 2^64.
-// ValidateInput also checks dtype/layout values, layer_index >= 0 and that k, v (and q_obs when
-// W > 0) are non-null, and rope (when set) with ValidateRope; it cannot check that the buffers
-// are large enough.
+// ValidateInput also checks dtype/layout/memory values, layer_index >= 0 and that k, v (and q_obs
+// when W > 0) are non-null, and rope (when set) with ValidateRope; it cannot check that the
+// buffers are large enough. Device memory is INVALID_ARGUMENT ("memory: ...") unless
+// `allow_device` (the CUDA backend, which checks the pointers itself): every host-side consumer
+// reads host memory.
 absl::Status ValidateShape(const LayerShape& shape);
-absl::Status ValidateInput(const LayerInput& in);
+absl::Status ValidateInput(const LayerInput& in, bool allow_device = false);
 
 // Element offset of (head, token, channel) in a tensor of `heads` heads and `tokens` tokens.
 inline size_t ElementOffset(Layout layout, int heads, int tokens, int head_dim, int h, int t,

@@ -56,14 +56,18 @@ enum class CrossHeadScale : uint8_t {
   kSoftmaxPerHead,  // no common scale (negative key norms): a softmax over each head first
 };
 
-// Work and memory of scoring one layer with a policy: multiply-adds and comparable operations,
-// and the bytes of scratch beyond the inputs and the [Hkv, S] scores. For the per-request cost
-// model that bounds what one upload may ask of kvcd.
-struct PolicyCost {
-  uint64_t flops = 0;
-  uint64_t scratch_bytes = 0;
+// Which formula of the per-request cost model (kernels/core/cost.cc, kvc/cost.h) prices the
+// policy's scoring: its work and scratch bytes for a layer's shape and the spec, from which kvcd's
+// work budget refuses uploads it could not finish in time. A policy whose scorer does the work of
+// an existing one names that formula; a new kind of scorer adds its formula there.
+enum class ScoreCost : uint8_t {
+  kNone,       // no scores (position only)
+  kAttention,  // observation queries against every key, softmax (h2o, snapkv, keyformer)
+  kKeyNorms,   // one norm per key
+  kRandom,     // one hash per key
+  kKeyDiff,    // cosine of every key with the head's mean key
+  kExpected,   // query statistics rotated to the horizon, k^T Sigma k per key
 };
-using PolicyCostFn = PolicyCost (*)(const LayerShape& shape, const EvictionSpec& spec);
 
 struct PolicyInfo {
   EvictionPolicy policy;
@@ -80,9 +84,7 @@ struct PolicyInfo {
   // value_weight_by_default, else off.
   bool value_weight;
   bool value_weight_by_default;
-  // The policy's cost for the inputs' shapes and the spec (flops and scratch bytes). Null: not
-  // stated yet; the per-request cost model states every row's here.
-  PolicyCostFn cost;
+  ScoreCost cost;  // its scoring's formula in the per-request cost model
 };
 
 inline constexpr PolicyInfo kPolicies[] = {
@@ -96,7 +98,7 @@ inline constexpr PolicyInfo kPolicies[] = {
      .cross_head = CrossHeadScale::kAsIs,
      .value_weight = false,
      .value_weight_by_default = false,
-     .cost = nullptr},
+     .cost = ScoreCost::kNone},
     {.policy = EvictionPolicy::kStreaming,
      .name = "streaming",
      .summary = "StreamingLLM: the first sink tokens and the most recent rest",
@@ -107,7 +109,7 @@ inline constexpr PolicyInfo kPolicies[] = {
      .cross_head = CrossHeadScale::kAsIs,
      .value_weight = false,
      .value_weight_by_default = false,
-     .cost = nullptr},
+     .cost = ScoreCost::kNone},
     {.policy = EvictionPolicy::kH2O,
      .name = "h2o",
      .summary = "heavy hitters: attention of the observation queries, recent half kept",
@@ -118,7 +120,7 @@ inline constexpr PolicyInfo kPolicies[] = {
      .cross_head = CrossHeadScale::kAsIs,
      .value_weight = true,
      .value_weight_by_default = false,
-     .cost = nullptr},
+     .cost = ScoreCost::kAttention},
     {.policy = EvictionPolicy::kSnapKV,
      .name = "snapkv",
      .summary = "SnapKV: pooled attention of the observation window, the window kept",
@@ -129,7 +131,7 @@ inline constexpr PolicyInfo kPolicies[] = {
      .cross_head = CrossHeadScale::kAsIs,
      .value_weight = true,
      .value_weight_by_default = false,
-     .cost = nullptr},
+     .cost = ScoreCost::kAttention},
     {.policy = EvictionPolicy::kKeyformer,
      .name = "keyformer",
      .summary = "Keyformer: attention with Gumbel noise at temperature tau, recent 30% kept",
@@ -140,7 +142,7 @@ inline constexpr PolicyInfo kPolicies[] = {
      .cross_head = CrossHeadScale::kAsIs,
      .value_weight = true,
      .value_weight_by_default = false,
-     .cost = nullptr},
+     .cost = ScoreCost::kAttention},
     {.policy = EvictionPolicy::kKNorm,
      .name = "knorm",
      .summary = "keys of low L2 norm (query-agnostic baseline)",
@@ -151,7 +153,7 @@ inline constexpr PolicyInfo kPolicies[] = {
      .cross_head = CrossHeadScale::kSoftmaxPerHead,
      .value_weight = false,
      .value_weight_by_default = false,
-     .cost = nullptr},
+     .cost = ScoreCost::kKeyNorms},
     {.policy = EvictionPolicy::kRandom,
      .name = "random",
      .summary = "uniformly random tokens from the seed (baseline)",
@@ -162,7 +164,7 @@ inline constexpr PolicyInfo kPolicies[] = {
      .cross_head = CrossHeadScale::kAsIs,
      .value_weight = false,
      .value_weight_by_default = false,
-     .cost = nullptr},
+     .cost = ScoreCost::kRandom},
     {.policy = EvictionPolicy::kKeyDiff,
      .name = "keydiff",
      .summary = "KeyDiff: keys least similar to the head's mean key (query-agnostic)",
@@ -173,7 +175,7 @@ inline constexpr PolicyInfo kPolicies[] = {
      .cross_head = CrossHeadScale::kAsIs,
      .value_weight = false,
      .value_weight_by_default = false,
-     .cost = nullptr},
+     .cost = ScoreCost::kKeyDiff},
     {.policy = EvictionPolicy::kExpectedAttention,
      .name = "expected",
      .summary = "expected attention of the next queries, from their mean and covariance",
@@ -184,7 +186,7 @@ inline constexpr PolicyInfo kPolicies[] = {
      .cross_head = CrossHeadScale::kAsIs,
      .value_weight = true,
      .value_weight_by_default = true,
-     .cost = nullptr},
+     .cost = ScoreCost::kExpected},
 };
 
 inline constexpr size_t kNumPolicies = sizeof(kPolicies) / sizeof(kPolicies[0]);

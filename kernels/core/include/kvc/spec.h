@@ -25,6 +25,13 @@ enum class Granularity : uint8_t { kPerHead = 0, kPerLayer = 1 };
 // for expected attention and kOff for every other policy.
 enum class ValueWeight : uint8_t { kAuto = 0, kOff = 1, kMul = 2, kAdd = 3 };
 
+// Caps on the parameters whose work grows with their value (see kvc/cost.h): snapkv's pooling
+// costs seq_len * pool_kernel per head; `horizon` is the number of future positions expected
+// attention averages its rotation over (more than any model's context is meaningless: the mean
+// rotation of every pair but the slowest is then about 0).
+inline constexpr int kMaxPoolKernel = 1023;
+inline constexpr int kMaxHorizon = 1 << 20;
+
 struct EvictionSpec {
   EvictionPolicy policy = EvictionPolicy::kNone;
   // Tokens kept per KV head: `budget` when > 0, else round(keep_ratio * S) (at least 1).
@@ -37,7 +44,7 @@ struct EvictionSpec {
 
   int sink_tokens = 4;             // streaming: first tokens always kept
   double recent_fraction = -1.0;   // [0, 1]; h2o 0.5, keyformer 0.3 when < 0
-  int pool_kernel = 7;             // snapkv: odd, >= 1
+  int pool_kernel = 7;             // snapkv: odd, in [1, kMaxPoolKernel]
   PoolKind pool = PoolKind::kMax;  // snapkv
   double tau = 1.0;                // keyformer temperature, > 0
   uint64_t seed = 0;               // keyformer Gumbel noise, random
@@ -52,9 +59,10 @@ struct EvictionSpec {
   ValueWeight value_weight = ValueWeight::kAuto;
   double value_eps = 0.02;  // >= 0, finite
   // expected: the query statistics are rotated to the average of the next `horizon` positions
-  // (S .. S + horizon - 1), >= 1. Default 1 (the next position): on stories260K (head_dim 8,
-  // 64 decoded tokens, seeds 1/101/201) top-1 agreement fell with the horizon, 1 > 8 > 128 at
-  // keep 0.5 and 0.25, because averaging the rotation cancels the fast-turning channel pairs.
+  // (S .. S + horizon - 1), in [1, kMaxHorizon]. Default 1 (the next position): on stories260K
+  // (head_dim 8, 64 decoded tokens, seeds 1/101/201) top-1 agreement fell with the horizon, 1 > 8 >
+  // 128 at keep 0.5 and 0.25, because averaging the rotation cancels the fast-turning channel
+  // pairs.
   int horizon = 1;
   // expected: query statistics come from the client (LayerInput::q_stats) instead of Q_obs; the
   // only source when obs_window is 0.
@@ -86,15 +94,15 @@ struct CompressionSpec {
 // Checks the spec against a layer shape; the message names the field, e.g.
 // "eviction.budget: 5000 exceeds seq_len 4096" or "channels.key_lambda: 1.5 is outside [0, 1)".
 // Rejects: unknown enum values; budget or layer_budgets entries < 0 or > seq_len; keep_ratio
-// outside (0, 1]; sink_tokens < 0; recent_fraction NaN or > 1; pool_kernel even or < 1; tau not
-// finite and > 0; adaptive with a policy that has no scores (row .scores false: none, streaming)
-// or with per-layer granularity; adaptive_floor NaN or outside [0, 1] (checked only when
-// adaptive); a policy reading observation queries (row .inputs kObservation: h2o, snapkv,
-// keyformer), think and prune_values with obs_window 0; lambdas outside [0, 1); quant.bits not in
-// {0, 2, 4, 8}; recent_tokens < 0; layer_index < 0; value_weight unknown, or on (mul/add) for a
-// policy whose row does not compose with it; value_eps negative or not finite; horizon < 1;
-// query_stats with a policy that reads no query statistics; such a policy (expected) with
-// obs_window 0 and no query_stats.
+// outside (0, 1]; sink_tokens < 0; recent_fraction NaN or > 1; pool_kernel even, < 1 or above
+// kMaxPoolKernel; tau not finite and > 0; adaptive with a policy that has no scores (row .scores
+// false: none, streaming) or with per-layer granularity; adaptive_floor NaN or outside [0, 1]
+// (checked only when adaptive); a policy reading observation queries (row .inputs kObservation:
+// h2o, snapkv, keyformer), think and prune_values with obs_window 0; lambdas outside [0, 1);
+// quant.bits not in {0, 2, 4, 8}; recent_tokens < 0; layer_index < 0; value_weight unknown, or on
+// (mul/add) for a policy whose row does not compose with it; value_eps negative or not finite;
+// horizon < 1 or above kMaxHorizon; query_stats with a policy that reads no query statistics;
+// such a policy (expected) with obs_window 0 and no query_stats.
 absl::Status ValidateSpec(const CompressionSpec& spec, const LayerShape& shape, int layer_index);
 // The inputs a valid spec reads beyond K, V and Q_obs: a policy reading query statistics
 // (expected) needs in.rope ("rope: ..."), query_stats needs in.q_stats ("q_stats: ...").
@@ -116,7 +124,13 @@ struct ProtectedTokens {
 ProtectedTokens ProtectedFor(const EvictionSpec& spec, const LayerShape& shape, int budget);
 
 std::string_view PolicyName(EvictionPolicy p);  // "none", "streaming", "h2o", "snapkv", ...
-std::string_view PolicyName(ChannelPolicy p);   // "none", "think", "l1", "l2"
+// Whether the policy scores tokens (its row's .scores, kvc/policy.h): what head-adaptive budgets
+// and value-aware weighting need.
+bool PolicyHasScores(EvictionPolicy p);
+// The shortest decimal form of `v` that reads back as `v` (messages quote values exactly:
+// 1.0000001 is not printed as "1").
+std::string FormatDouble(double v);
+std::string_view PolicyName(ChannelPolicy p);                         // "none", "think", "l1", "l2"
 std::string_view ValueWeightName(ValueWeight w);                      // "auto", "off", "mul", "add"
 absl::StatusOr<ValueWeight> ParseValueWeight(std::string_view name);  // "" = auto
 // kAuto resolved: kMul where the policy's row says value_weight_by_default (expected), else kOff.

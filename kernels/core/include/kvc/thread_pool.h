@@ -13,6 +13,7 @@
 #define KVC_THREAD_POOL_H_
 
 #include <atomic>
+#include <chrono>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -32,7 +33,9 @@ class ThreadPool {
   // Parallelism `num_threads` counts the caller of ParallelFor: num_threads - 1 workers are
   // started. num_threads <= 0 means std::thread::hardware_concurrency(). A pool used only for
   // Schedule therefore needs num_threads = workers + 1.
-  explicit ThreadPool(int num_threads);
+  // `worker_nice` (Linux; 0 = inherit): the workers' nice value relative to the creating thread,
+  // e.g. 10 for background work that should yield the CPU to the process's other threads.
+  explicit ThreadPool(int num_threads, int worker_nice = 0);
   // Runs every closure already scheduled, then joins the workers.
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -49,6 +52,10 @@ class ThreadPool {
   // Queues fn to run once on a worker, in FIFO order with other closures and ParallelFor jobs.
   // A pool without workers (num_threads == 1) runs fn on the calling thread before returning.
   void Schedule(std::function<void()> fn);
+
+  // Waits until no scheduled closure is queued or running on a worker (ParallelFor callers wait
+  // for their own jobs); false when that has not happened by `deadline`.
+  bool WaitIdle(std::chrono::steady_clock::time_point deadline);
 
   // A process-wide pool with hardware_concurrency threads, created on first use.
   static ThreadPool* Default();
@@ -69,9 +76,12 @@ class ThreadPool {
   // for every lock in kvc alike.)
   int num_threads_;
   absl::Mutex mu_;
-  absl::CondVar cv_;  // signalled when queue_ grows or stop_ is set
+  absl::CondVar cv_;       // signalled when queue_ grows or stop_ is set
+  absl::CondVar idle_cv_;  // signalled when the last busy worker finds no closure queued
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  int queued_closures_ ABSL_GUARDED_BY(mu_) = 0;
+  int busy_workers_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::thread> workers_;
 };
 

@@ -20,17 +20,35 @@ namespace kvc::transfer {
 // One endpoint of a joined 2-rank group. Send and Recv move exactly `bytes` bytes and must be
 // matched by the peer's Recv/Send of the same size, in the same order. Buffers may be host or
 // device memory (an implementation that needs device memory stages host buffers itself).
-// Thread-compatible: one operation at a time; Close may be called from any thread.
+//
+// Device memory is read (Send) and written (Recv) by work the communicator orders on its own
+// stream. Bytes that GPU work on another stream produces must be complete before that read:
+// either the producer finished before Send is called (its stream or the device synchronized), or
+// the caller passes SendAfter an event recorded on the producing stream after that work, which
+// the communicator's stream waits on (no host synchronization). When Recv returns OK the bytes
+// are in place, device or host.
+//
+// Thread-compatible: one operation at a time. Close may be called from any thread: an operation
+// in flight ends with CANCELLED soon after (NCCL: the group is aborted with ncclCommAbort). The
+// destructor closes and waits until an operation in flight has returned.
 class Communicator {
  public:
   virtual ~Communicator() = default;
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
-  // DEADLINE_EXCEEDED when the peer does not match within `timeout` (the communicator is then
-  // unusable); CANCELLED after Close.
+  // DEADLINE_EXCEEDED when the peer does not match (or a peer that died does not finish) within
+  // `timeout`, an error status when the data plane reports the peer gone (the communicator is
+  // unusable after either); CANCELLED after Close.
   virtual absl::Status Send(const void* src, size_t bytes, absl::Duration timeout) = 0;
   virtual absl::Status Recv(void* dst, size_t bytes, absl::Duration timeout) = 0;
+  // Send once `ready_event` (a cudaEvent_t, as void* so that this header needs no CUDA; null:
+  // none) has completed. Implementations that read only host memory (the test fake) have nothing
+  // to wait for; the default forwards to Send.
+  virtual absl::Status SendAfter(const void* src, size_t bytes, const void* ready_event,
+                                 absl::Duration timeout) {
+    return Send(src, bytes, timeout);
+  }
   // Aborts pending operations and releases the group; later calls fail with CANCELLED.
   // Idempotent.
   virtual void Close() = 0;
@@ -58,8 +76,15 @@ class CommunicatorFactory {
                                                              const absl::Notification* cancel) = 0;
 };
 
-// Communicators on CUDA device `device`. Send/Recv accept host or device pointers; host buffers
-// are staged through a device buffer owned by the communicator (grown on demand, reused).
+// Communicators on CUDA device `device`. Send/Recv accept host pointers and device pointers of
+// that device (another device's memory is INVALID_ARGUMENT). With both ranks in one process NCCL
+// may access a device buffer from the peer GPU directly: cudaMalloc memory is fine once NCCL has
+// enabled peer access, memory from a cudaMemPool needs cudaMemPoolSetAccess for the peer device
+// (or NCCL_P2P_DIRECT_DISABLE=1 in the environment). Host buffers are staged through a
+// device buffer owned by the communicator, grown on demand with stream-ordered allocation
+// (cudaMallocFromPoolAsync / cudaFreeAsync on the communicator's stream, from its own pool), so
+// that growing it never waits for the whole device (cudaFree would, and with another session's
+// NCCL kernel waiting on the same GPU it would wait for that peer's timeout).
 std::unique_ptr<CommunicatorFactory> CreateNcclCommunicatorFactory(int device);
 
 // Initial-metadata key kvcd sets (value "registered") on a PutCache stream with external_payload

@@ -41,7 +41,7 @@ absl::string_view ScenarioName(Scenario s);  // "inside", "after"
 absl::StatusOr<std::vector<Scenario>> ParseScenarios(absl::string_view text);
 
 struct RunOptions {
-  int num_sequences = 16;    // sampled from BOS, sequence i with seed `seed + i`
+  int num_sequences = 16;    // sampled from the model's BOS, sequence i with seed `seed + i`
   int prefix_len = 256;      // P: the prompt (tokens before the scored continuation)
   int continuation = 64;     // C: tokens decoded teacher-forced on the compressed cache, scored
   int obs_window = 32;       // W: observation queries and question length; <= P (< P for kAfter)
@@ -115,8 +115,10 @@ struct Metrics {
 // Holds the sampled sequences, their prefix caches and the full-cache reference. Not thread-safe.
 class FidelityEval {
  public:
-  // Samples the sequences (or takes options.given_sequences) and runs the reference. `model` and
-  // `attention` (may be null: then kvc::PackedAttentionCpu) must outlive the object.
+  // Samples the sequences from the model's BOS token (or takes options.given_sequences) and runs
+  // the reference. `model` and `attention` (may be null: then kvc::PackedAttentionCpu) must
+  // outlive the object. INVALID_ARGUMENT for invalid options, a model whose RoPE the engine
+  // cannot express (model::EngineRope), or sampling asked of a model without a BOS token.
   static absl::StatusOr<std::unique_ptr<FidelityEval>> Create(const model::Transformer* model,
                                                               const RunOptions& options,
                                                               Backend* attention);
@@ -147,6 +149,7 @@ class FidelityEval {
   const model::Transformer* model_;
   RunOptions options_;
   Backend* attention_;
+  RopeParams rope_;  // the model's RoPE in the engine's terms
   std::vector<std::vector<int32_t>> sequences_;
   // Per sequence: the prefixes Evaluate compresses: s[0, P) with the question's queries;
   // s[0, P-W) with its own last queries, and the same without queries.

@@ -64,11 +64,19 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
 // which is left absent. SpecFromProto(SpecToProto(s)) == s for every spec ValidateSpec accepts.
 kvcache::v1::CompressionConfig SpecToProto(const CompressionSpec& spec);
 
+// What a request's RoPE is for; the messages say what it is needed for.
+enum class RopeUse {
+  kPutHeader,   // PutCacheHeader.rope: expected attention's query statistics
+  kContiguous,  // GetCacheRequest.rope: FORMAT_DENSE_CONTIGUOUS
+};
 // The RoPE a request declares (PutCache's header.rope, GetCache's rope for DENSE_CONTIGUOUS).
 // INVALID_ARGUMENT names a missing or bad field ("rope.style: ..."), or the ValidateRope error;
-// FAILED_PRECONDITION for DYNAMIC_NTK scaling, whose keys cannot be moved between positions
-// exactly, saying why.
-absl::StatusOr<RopeParams> RopeFromProto(const kvcache::v1::RopeSpec& rope, int head_dim);
+// values are quoted as sent (no narrowing: a rotary_dims of 4294967294 is quoted as that).
+// DYNAMIC_NTK (frequencies that depend on the sequence length) cannot be rotated exactly to other
+// positions: FAILED_PRECONDITION for kContiguous (fetch FORMAT_DENSE instead), INVALID_ARGUMENT
+// for kPutHeader (send NONE or LINEAR scaling).
+absl::StatusOr<RopeParams> RopeFromProto(const kvcache::v1::RopeSpec& rope, int head_dim,
+                                         RopeUse use);
 kvcache::v1::RopeSpec RopeToProto(const RopeParams& rope);
 
 }  // namespace kvc
