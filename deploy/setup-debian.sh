@@ -11,11 +11,12 @@ PKGS=(
   build-essential cmake pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libxxhash-dev libopenblas-dev zlib1g-dev nlohmann-json3-dev
+  libcurl4-openssl-dev
 )
 if ((!BUILD_ONLY)); then
   PKGS+=(git ca-certificates libgtest-dev libgmock-dev libbenchmark-dev
          clang libclang-rt-dev ccache
-         prometheus redis-server python3 python3-venv openssl
+         prometheus redis-server python3 python3-venv openssl librsvg2-bin
          python3-grpcio python3-protobuf python3-numpy python3-pytest python3-xxhash)
 fi
 # The container image tests (tests/deploy/image_test.sh) build and run images with these; they

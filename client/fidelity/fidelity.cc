@@ -115,11 +115,7 @@ absl::StatusOr<std::vector<Scenario>> ParseScenarios(absl::string_view text) {
 LayerInput PrefixCache::Input(int layer) const {
   const model::LayerProjections& l = (*layers)[layer];
   LayerInput in;
-  in.shape.num_kv_heads = num_kv_heads;
-  in.shape.num_q_heads = num_q_heads;
-  in.shape.seq_len = prefix_len;
-  in.shape.head_dim = head_dim;
-  in.shape.obs_window = obs_window;
+  in.shape = shape();
   in.dtype = DType::kF32;
   in.layout = Layout::kHND;
   in.layer_index = layer;
@@ -129,6 +125,16 @@ LayerInput PrefixCache::Input(int layer) const {
   in.rope = &rope;
   in.q_stats = q_stats ? (*q_stats)[layer].data() : nullptr;
   return in;
+}
+
+LayerShape PrefixCache::shape() const {
+  LayerShape s;
+  s.num_kv_heads = num_kv_heads;
+  s.num_q_heads = num_q_heads;
+  s.seq_len = prefix_len;
+  s.head_dim = head_dim;
+  s.obs_window = obs_window;
+  return s;
 }
 
 uint64_t PrefixCache::full_bytes() const {
@@ -331,13 +337,7 @@ const PrefixCache& FidelityEval::prefix(int i, Scenario scenario,
                                         const CompressionSpec& spec) const {
   if (scenario == Scenario::kInside) return inside_[i];
   const PrefixCache& after = after_[i];
-  LayerShape shape;
-  shape.num_kv_heads = after.num_kv_heads;
-  shape.num_q_heads = after.num_q_heads;
-  shape.seq_len = after.prefix_len;
-  shape.head_dim = after.head_dim;
-  shape.obs_window = after.obs_window;
-  return NeedsQueries(spec, shape) ? after : after_no_queries_[i];
+  return NeedsQueries(spec, after.shape()) ? after : after_no_queries_[i];
 }
 
 absl::StatusOr<std::vector<float>> FidelityEval::DecodeOnCompact(int i,

@@ -64,7 +64,8 @@ ABSL_FLAG(std::string, only, "",
           "rows to run; matching nothing is an error");
 ABSL_FLAG(std::string, csv, "", "write the results as CSV to this file (row by row)");
 ABSL_FLAG(std::string, png, "",
-          "write top-1 agreement vs size, one panel per scenario, to this PNG file");
+          "write top-1 agreement vs size, one panel per scenario, to this PNG file (rendered "
+          "from the SVG by rsvg-convert, Debian package librsvg2-bin)");
 ABSL_FLAG(std::string, svg, "", "the same plot as SVG");
 ABSL_FLAG(std::string, via, "",
           "kvcd address: compress through PutCache/GetCache(PACKED) as well as in-process, check "
@@ -180,7 +181,10 @@ absl::Status Run() {
   if (dump.empty()) dump = absl::GetFlag(FLAGS_tokens_out);
   const std::string csv_path = absl::GetFlag(FLAGS_csv), png = absl::GetFlag(FLAGS_png),
                     svg = absl::GetFlag(FLAGS_svg);
-  if (!png.empty()) RETURN_IF_ERROR(CheckWritable(png, "--png"));
+  if (!png.empty()) {
+    RETURN_IF_ERROR(CheckWritable(png, "--png"));
+    RETURN_IF_ERROR(PngWriterAvailable());
+  }
   if (!svg.empty()) RETURN_IF_ERROR(CheckWritable(svg, "--svg"));
   if (!dump.empty()) RETURN_IF_ERROR(CheckWritable(dump, "--dump_sequences"));
   std::ofstream csv;
@@ -338,7 +342,7 @@ absl::Status Run() {
   }
   const std::string title = absl::StrFormat("P=%d C=%d W=%d, %dx%d seqs", p, options.continuation,
                                             w, seeds, options.num_sequences);
-  if (!png.empty()) RETURN_IF_ERROR(WritePng(RenderPlots(AgreementPlots(results, title)), png));
+  if (!png.empty()) RETURN_IF_ERROR(WritePng(AgreementPlots(results, title), png));
   if (!svg.empty()) RETURN_IF_ERROR(WriteSvg(AgreementPlots(results, title), svg));
   if (mismatches > 0) {
     return absl::InternalError(absl::StrCat(mismatches, " rows differ via kvcd"));

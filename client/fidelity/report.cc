@@ -1,5 +1,8 @@
 #include "kvc/fidelity/report.h"
 
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,18 +12,27 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
+#include "kvc/status_macros.h"
+
+extern char** environ;
 
 namespace kvc::fidelity {
 namespace {
 
-constexpr Rgb kWhite{255, 255, 255};
-constexpr Rgb kBlack{0, 0, 0};
-constexpr Rgb kGrid{225, 225, 225};
+// Turns the SVG into PNG: librsvg's command-line tool (Debian package librsvg2-bin).
+constexpr char kPngWriter[] = "rsvg-convert";
+
+struct Rgb {
+  uint8_t r = 0, g = 0, b = 0;
+};
 constexpr Rgb kPalette[] = {{31, 119, 180},  {255, 127, 14}, {44, 160, 44},   {214, 39, 40},
                             {148, 103, 189}, {140, 86, 75},  {227, 119, 194}, {127, 127, 127}};
 constexpr int kColors = sizeof(kPalette) / sizeof(kPalette[0]);
@@ -51,25 +63,9 @@ double BytesPerSequence(const Metrics& m, uint64_t bytes) {
 }
 
 // Legend rows and the plot's minimum height for them.
-int LegendRowHeight() { return kGlyphHeight * 2 + 10; }
+int LegendRowHeight() { return 24; }
 int PanelHeight(const PlotSpec& spec) {
   return std::max(spec.height, 70 + static_cast<int>(spec.series.size()) * LegendRowHeight() + 80);
-}
-
-// Markers: filled square, hollow square, X; the second and third rounds of the palette use the
-// other shapes so every series stays distinguishable.
-void Marker(Image& img, int x, int y, int kind, Rgb c) {
-  if (kind == 0) {
-    img.FillRect(x - 3, y - 3, x + 3, y + 3, c);
-  } else if (kind == 1) {
-    img.Line(x - 4, y - 4, x + 4, y - 4, c, 2);
-    img.Line(x - 4, y + 4, x + 4, y + 4, c, 2);
-    img.Line(x - 4, y - 4, x - 4, y + 4, c, 2);
-    img.Line(x + 4, y - 4, x + 4, y + 4, c, 2);
-  } else {
-    img.Line(x - 4, y - 4, x + 4, y + 4, c, 2);
-    img.Line(x - 4, y + 4, x + 4, y - 4, c, 2);
-  }
 }
 
 std::string XmlEscape(const std::string& s) {
@@ -172,97 +168,6 @@ absl::Status CheckWritable(const std::string& path, absl::string_view flag) {
   std::fclose(f);
   if (!existed) std::remove(path.c_str());
   return absl::OkStatus();
-}
-
-Image RenderLinePlot(const PlotSpec& spec) {
-  const int height = PanelHeight(spec);
-  Image img(spec.width, height, kWhite);
-  const int scale = 2;
-  const int char_h = kGlyphHeight * scale;
-  int legend_w = 0;
-  for (const Series& s : spec.series) {
-    legend_w = std::max(legend_w, Image::TextWidth(s.name, scale));
-  }
-  const int left = 90, top = 50, bottom = height - 70;
-  const int right = spec.width - (legend_w + 60);
-  if (right <= left + 10 || bottom <= top + 10 || !(spec.x_max > spec.x_min) ||
-      !(spec.y_max > spec.y_min)) {
-    img.Text(10, 10, "plot area too small", kBlack, scale);
-    return img;
-  }
-  auto px = [&](double x) {
-    return left + static_cast<int>(
-                      std::lround((x - spec.x_min) / (spec.x_max - spec.x_min) * (right - left)));
-  };
-  auto py = [&](double y) {
-    return bottom - static_cast<int>(
-                        std::lround((y - spec.y_min) / (spec.y_max - spec.y_min) * (bottom - top)));
-  };
-  for (double t : spec.y_ticks) {
-    if (t < spec.y_min - 1e-9 || t > spec.y_max + 1e-9) continue;
-    const int y = py(t);
-    img.Line(left, y, right, y, kGrid);
-    img.Line(left - 6, y, left, y, kBlack);
-    const std::string label = TickLabel(t);
-    img.Text(left - 10 - Image::TextWidth(label, scale), y - char_h / 2, label, kBlack, scale);
-  }
-  for (double t : spec.x_ticks) {
-    if (t < spec.x_min - 1e-9 || t > spec.x_max + 1e-9) continue;
-    const int x = px(t);
-    img.Line(x, top, x, bottom, kGrid);
-    img.Line(x, bottom, x, bottom + 6, kBlack);
-    const std::string label = TickLabel(t);
-    img.Text(x - Image::TextWidth(label, scale) / 2, bottom + 12, label, kBlack, scale);
-  }
-  img.Line(left, top, left, bottom, kBlack, 2);
-  img.Line(left, bottom, right, bottom, kBlack, 2);
-  img.Text((left + right - Image::TextWidth(spec.x_label, scale)) / 2, bottom + 40, spec.x_label,
-           kBlack, scale);
-  img.TextVertical(18, (top + bottom + Image::TextWidth(spec.y_label, scale)) / 2, spec.y_label,
-                   kBlack, scale);
-  img.Text((spec.width - Image::TextWidth(spec.title, scale)) / 2, 16, spec.title, kBlack, scale);
-  auto cx = [&](double x) { return std::clamp(px(x), left, right); };
-  auto cy = [&](double y) { return std::clamp(py(y), top, bottom); };
-  for (size_t i = 0; i < spec.series.size(); ++i) {
-    const Series& s = spec.series[i];
-    const Rgb color = kPalette[i % kColors];
-    const int marker = static_cast<int>(i / kColors) % 3;
-    for (size_t j = 0; j < s.points.size(); ++j) {
-      const int x = cx(s.points[j].first), y = cy(s.points[j].second);
-      if (j > 0) img.Line(cx(s.points[j - 1].first), cy(s.points[j - 1].second), x, y, color, 2);
-      if (j < s.errors.size()) {
-        const int y0 = cy(s.errors[j].first), y1 = cy(s.errors[j].second);
-        img.Line(x, y0, x, y1, color, 1);
-        img.Line(x - 3, y0, x + 3, y0, color, 1);
-        img.Line(x - 3, y1, x + 3, y1, color, 1);
-      }
-      Marker(img, x, y, marker, color);
-    }
-    const int ly = top + 10 + static_cast<int>(i) * LegendRowHeight();
-    img.Line(right + 15, ly + char_h / 2, right + 35, ly + char_h / 2, color, 3);
-    Marker(img, right + 25, ly + char_h / 2, marker, color);
-    img.Text(right + 42, ly, s.name, kBlack, scale);
-  }
-  return img;
-}
-
-Image RenderPlots(const std::vector<PlotSpec>& panels) {
-  std::vector<Image> images;
-  int width = 1, height = 0;
-  for (const PlotSpec& p : panels) {
-    images.push_back(RenderLinePlot(p));
-    width = std::max(width, images.back().width());
-    height += images.back().height();
-  }
-  Image out(width, std::max(height, 1), kWhite);
-  int y0 = 0;
-  for (const Image& img : images) {
-    for (int y = 0; y < img.height(); ++y) {
-      for (int x = 0; x < img.width(); ++x) out.Set(x, y0 + y, img.At(x, y));
-    }
-    y0 += img.height();
-  }
-  return out;
 }
 
 std::string RenderSvg(const std::vector<PlotSpec>& panels) {
@@ -388,6 +293,64 @@ absl::Status WriteSvg(const std::vector<PlotSpec>& panels, const std::string& pa
   out.close();
   if (!out) return absl::InternalError(absl::StrCat("cannot write '", path, "'"));
   return absl::OkStatus();
+}
+
+absl::Status PngWriterAvailable() {
+  const char* path = std::getenv("PATH");
+  for (absl::string_view dir : absl::StrSplit(path != nullptr ? path : "", ':')) {
+    if (dir.empty()) continue;
+    if (::access(absl::StrCat(dir, "/", kPngWriter).c_str(), X_OK) == 0) return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat("--png: ", kPngWriter, " was not found on PATH; install Debian's librsvg2-bin ",
+                   "(deploy/setup-debian.sh does), or write --svg"));
+}
+
+absl::Status WritePng(const std::vector<PlotSpec>& panels, const std::string& path) {
+  RETURN_IF_ERROR(PngWriterAvailable());
+  // The SVG and rsvg-convert's messages go through temporary files, removed when done.
+  const char* tmp = std::getenv("TMPDIR");
+  const std::string dir = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+  std::string svg_path = absl::StrCat(dir, "/kvc-plot-XXXXXX");
+  const int svg_fd = ::mkstemp(svg_path.data());
+  if (svg_fd < 0) {
+    return absl::InternalError(
+        absl::StrCat("png: temporary file in ", dir, ": ", std::strerror(errno)));
+  }
+  ::close(svg_fd);
+  std::string err_path = svg_path + ".err";
+  auto cleanup = absl::MakeCleanup([&] {
+    std::remove(svg_path.c_str());
+    std::remove(err_path.c_str());
+  });
+  RETURN_IF_ERROR(WriteSvg(panels, svg_path));
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, err_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  std::vector<std::string> args = {kPngWriter, "--format=png", "--output=" + path, svg_path};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  const int spawned = posix_spawnp(&pid, kPngWriter, &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (spawned != 0) {
+    return absl::InternalError(
+        absl::StrCat("png: cannot run ", kPngWriter, ": ", std::strerror(spawned)));
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return absl::OkStatus();
+  std::ifstream err(err_path);
+  std::string message;
+  std::getline(err, message);
+  return absl::InternalError(absl::StrCat(
+      "cannot write '", path, "' with ", kPngWriter, " (",
+      WIFEXITED(status) ? absl::StrCat("exit code ", WEXITSTATUS(status)) : std::string("killed"),
+      message.empty() ? "" : ": ", message, ")"));
 }
 
 std::vector<PlotSpec> AgreementPlots(const std::vector<SweepResult>& results,

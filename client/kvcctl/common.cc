@@ -1,7 +1,12 @@
 #include <cmath>
 #include <cstdio>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "kvc/protocol/spec_string.h"
 #include "kvcctl.h"
 
 namespace kvc::ctl {
@@ -60,60 +65,63 @@ void AddCompressionFlags(FlagSet* flags) {
 }
 
 absl::StatusOr<pb::CompressionConfig> CompressionFromFlags(const FlagSet& flags) {
-  pb::CompressionConfig c;
-  c.mutable_eviction()->set_policy(flags.GetString("policy"));
+  // The flags are written as a spec string and parsed by the one grammar (ParseSpecConfig), so
+  // they take the values the spec strings and kvcd take. Checked here: what the flags' sentinels
+  // mean (0 or -1 = unset) and what a spec string cannot say.
+  auto exact = [](double x) { return absl::StrFormat("%.17g", x); };
   const double ratio = flags.GetDouble("ratio");
   if (ratio < 0 || ratio > 1) {
     return absl::InvalidArgumentError(absl::StrCat("--ratio: ", ratio, " is outside (0, 1]"));
   }
-  if (ratio > 0) c.mutable_eviction()->set_keep_ratio(ratio);
   const int64_t budget = flags.GetInt("budget");
   if (budget < 0 || budget > UINT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat("--budget: ", budget, " is out of range"));
   }
-  c.mutable_eviction()->set_budget(static_cast<uint32_t>(budget));
-  c.mutable_eviction()->set_seed(static_cast<uint64_t>(flags.GetInt("seed")));
-  if (const double ada = flags.GetDouble("ada"); ada != -1) {
-    if (!(ada >= 0 && ada <= 1)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--ada: ", ada, " is outside [0, 1] (-1 = off)"));
-    }
-    c.mutable_eviction()->set_adaptive(true);
-    c.mutable_eviction()->set_adaptive_floor(ada);
+  std::vector<std::string> options;
+  if (const int64_t seed = flags.GetInt("seed"); seed != 0) {
+    options.push_back(absl::StrCat("seed=", static_cast<uint64_t>(seed)));
   }
-  c.mutable_eviction()->set_value_weight(flags.GetString("value_weight"));
-  const double value_eps = flags.GetDouble("value_eps");
-  if (value_eps != -1) {
-    if (!(value_eps >= 0) || std::isinf(value_eps)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--value_eps: ", value_eps, " must be finite and >= 0 (-1 = default)"));
-    }
-    c.mutable_eviction()->set_value_eps(value_eps);
+  if (const double ada = flags.GetDouble("ada"); ada != -1) {
+    options.push_back(absl::StrCat("ada=", exact(ada)));
+  }
+  if (const std::string w = flags.GetString("value_weight"); !w.empty()) {
+    options.push_back(absl::StrCat("value=", w));
+  }
+  if (const double eps = flags.GetDouble("value_eps"); eps != -1) {
+    options.push_back(absl::StrCat("veps=", exact(eps)));
   }
   const int64_t horizon = flags.GetInt("horizon");
   if (horizon < 0 || horizon > UINT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat("--horizon: ", horizon, " is out of range"));
   }
-  if (horizon > 0) c.mutable_eviction()->set_horizon(static_cast<uint32_t>(horizon));
+  if (horizon > 0) options.push_back(absl::StrCat("horizon=", horizon));
+  std::vector<std::string> terms;
+  const std::string policy = flags.GetString("policy");
+  if (!policy.empty() && policy != "none") {
+    std::string term =
+        absl::StrCat(policy, budget > 0 ? absl::StrCat("@", budget)
+                                        : absl::StrCat(":", exact(ratio > 0 ? ratio : 1)));
+    for (const std::string& o : options) absl::StrAppend(&term, ",", o);
+    terms.push_back(std::move(term));
+  } else if (!options.empty()) {
+    return absl::InvalidArgumentError(
+        "--seed, --ada, --value_weight, --value_eps and --horizon need an eviction --policy");
+  }
   const double lambda = flags.GetDouble("lambda");
   if (lambda < 0 || lambda >= 1) {
     return absl::InvalidArgumentError(absl::StrCat("--lambda: ", lambda, " is outside [0, 1)"));
   }
   std::string key_policy = flags.GetString("key_policy");
   if (key_policy.empty()) key_policy = lambda > 0 ? "think" : "none";
-  c.mutable_channels()->set_key_policy(key_policy);
-  c.mutable_channels()->set_key_lambda(lambda);
-  const int64_t bits = flags.GetInt("bits");
-  if (bits != 0 && bits != 2 && bits != 4 && bits != 8) {
-    return absl::InvalidArgumentError(absl::StrCat("--bits: ", bits, " is not 0, 2, 4 or 8"));
-  }
-  c.mutable_quant()->set_bits(static_cast<uint32_t>(bits));
+  if (key_policy != "none") terms.push_back(absl::StrCat(key_policy, ":", exact(lambda)));
+  if (const int64_t bits = flags.GetInt("bits"); bits != 0)
+    terms.push_back(absl::StrCat("q", bits));
   const int64_t recent = flags.GetInt("recent");
   if (recent < -1 || recent > UINT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat("--recent: ", recent, " is out of range"));
   }
-  if (recent >= 0) c.set_recent_tokens(static_cast<uint32_t>(recent));
-  return c;
+  if (recent >= 0) terms.push_back(absl::StrCat("r=", recent));
+  return ParseSpecConfig(terms.empty() ? "full" : absl::StrJoin(terms, "+"));
 }
 
 int Fail(const std::string& what, const absl::Status& status) {

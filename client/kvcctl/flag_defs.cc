@@ -14,9 +14,9 @@ ABSL_FLAG(bool, tls, false, "connect with TLS (implied by --tls_ca, --tls_cert, 
 ABSL_FLAG(std::string, tls_ca, "", "PEM roots that verify kvcd; empty = the system roots");
 ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate for mutual TLS (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+// The policies' names are listed under the flags from kvc/policy.h (FlagSet::Help).
 ABSL_FLAG(std::string, policy, "none",
-          "token eviction: none, streaming, h2o, snapkv, keyformer, knorm, random, keydiff, "
-          "expected (put: expected needs --rope_pairs)");
+          "token eviction policy, listed below (put: expected needs --rope_pairs)");
 ABSL_FLAG(std::string, value_weight, "",
           "value-aware scores for h2o, snapkv, keyformer, expected: auto (mul for expected), off, "
           "mul, add");

@@ -5,7 +5,9 @@
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/reflection.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/types/optional.h"
+#include "kvc/policy.h"
 
 namespace kvc::ctl {
 namespace {
@@ -110,6 +112,11 @@ std::string FlagSet::Help() const {
     absl::StrAppend(&out, left, " ", f.Help(), "\n");
   }
   absl::StrAppend(&out, "  --help                       show this help\n");
+  if (accepted_.count("policy") > 0) {
+    std::vector<std::string> names;
+    for (const PolicyInfo& row : kPolicies) names.emplace_back(row.name);
+    absl::StrAppend(&out, "eviction policies (--policy): ", absl::StrJoin(names, ", "), "\n");
+  }
   return out;
 }
 

@@ -22,7 +22,6 @@
 namespace kvc::ctl {
 namespace {
 
-using soak::KvcdChild;
 using soak::RssSampler;
 using soak::SoakConfig;
 using soak::SoakState;
@@ -58,7 +57,7 @@ absl::StatusOr<ServerInfo> WaitServing(const std::string& target, absl::Duration
 void EndChecks(const SoakConfig& config, bool own_kvcd, const std::string& metrics,
                SoakState* state) {
   if (!metrics.empty()) {
-    if (absl::Status s = soak::WaitForMetric(metrics, "kvc_active_streams", 0, absl::Seconds(30));
+    if (absl::Status s = WaitForMetric(metrics, "kvc_active_streams", 0, absl::Seconds(30));
         !s.ok()) {
       state->Failure(
           absl::StrCat("stream slots still held after every client stopped: ", s.message()));
@@ -93,7 +92,7 @@ void EndChecks(const SoakConfig& config, bool own_kvcd, const std::string& metri
   if (own_kvcd && !metrics.empty()) {
     // The gauges are refreshed every --ttl_sweep_seconds (1 s by default).
     for (const char* series : {"kvc_store_entries", "kvc_store_used_bytes"}) {
-      if (absl::Status s = soak::WaitForMetric(metrics, series, 0, absl::Seconds(30)); !s.ok()) {
+      if (absl::Status s = WaitForMetric(metrics, series, 0, absl::Seconds(30)); !s.ok()) {
         state->Failure(
             absl::StrCat("the store is not empty after deleting every cache: ", s.message()));
       }
@@ -179,22 +178,25 @@ int RunSoak(const std::vector<std::string>& args) {
                              : store + pool + inflight + overhead;
 
   // kvcd: ours (restartable) or the target.
-  std::unique_ptr<KvcdChild> kvcd;
+  std::unique_ptr<KvcdProcess> kvcd;
   if (!kvcd_path.empty()) {
-    KvcdChild::Options o;
+    KvcdProcess::Options o;
     o.binary = kvcd_path;
     const char* tmp = std::getenv("TMPDIR");
     const std::string dir = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
     o.log_path = flags.GetString("kvcd_log");
     if (o.log_path.empty()) o.log_path = absl::StrCat(dir, "/kvcctl-soak-", getpid(), ".log");
-    o.port_file = absl::StrCat(dir, "/kvcctl-soak-", getpid(), ".port");
-    o.flags = {absl::StrCat("--store_bytes=", store), absl::StrCat("--buffer_pool_bytes=", pool)};
+    o.base_flags = {absl::StrCat("--store_bytes=", store),
+                    absl::StrCat("--buffer_pool_bytes=", pool)};
     for (absl::string_view f :
          absl::StrSplit(flags.GetString("kvcd_flags"), ' ', absl::SkipWhitespace())) {
       o.flags.emplace_back(f);
     }
-    kvcd = std::make_unique<KvcdChild>(o);
-    if (absl::Status s = kvcd->Start(); !s.ok()) return Fail("soak: starting kvcd", s);
+    o.start_timeout = absl::Seconds(60);
+    o.kill_with_parent = true;  // the spawning thread is the soak's main thread
+    absl::StatusOr<std::unique_ptr<KvcdProcess>> started = KvcdProcess::Start(o);
+    if (!started.ok()) return Fail("soak: starting kvcd", started.status());
+    kvcd = *std::move(started);
     config.target = kvcd->address();
     std::printf("soak: kvcd pid %d on %s, log %s\n", static_cast<int>(kvcd->pid()),
                 config.target.c_str(), o.log_path.c_str());
@@ -227,7 +229,7 @@ int RunSoak(const std::vector<std::string>& args) {
     }
   }
   const pid_t external_pid = static_cast<pid_t>(flags.GetInt("kvcd_pid"));
-  KvcdChild* child = kvcd.get();
+  KvcdProcess* child = kvcd.get();
   RssSampler sampler([child, external_pid] { return child ? child->pid() : external_pid; },
                      [&state] { return state.ops.load(); }, absl::Milliseconds(500), csv);
 
@@ -253,7 +255,8 @@ int RunSoak(const std::vector<std::string>& args) {
     absl::SleepFor(absl::Milliseconds(100));
     if (kvcd != nullptr) {
       if (absl::Status s = kvcd->CheckAlive(); !s.ok()) {
-        state.Failure(absl::StrCat("CRASH: ", s.message(), "; log tail:\n", kvcd->LogTail(4000)));
+        state.Failure(
+            absl::StrCat("CRASH: ", s.message(), "; log tail:\n", kvcd->OutputTail(4000)));
         crashed = true;
         break;
       }
@@ -269,7 +272,7 @@ int RunSoak(const std::vector<std::string>& args) {
       state.ledger.Wiped(state.ledger.Tick());
       ++kills;
       state.Fault("kvcd_sigkill");
-      if (absl::Status s = kvcd->Start(); !s.ok()) {
+      if (absl::Status s = kvcd->Restart(); !s.ok()) {
         state.Failure(absl::StrCat("restart after SIGKILL failed: ", s.message()));
         crashed = true;
         break;
@@ -317,14 +320,14 @@ int RunSoak(const std::vector<std::string>& args) {
   if (csv != nullptr) std::fclose(csv);
   if (kvcd != nullptr && !crashed) {
     if (absl::Status s = kvcd->CheckAlive(); !s.ok()) {
-      state.Failure(absl::StrCat("CRASH: ", s.message(), "; log tail:\n", kvcd->LogTail(4000)));
+      state.Failure(absl::StrCat("CRASH: ", s.message(), "; log tail:\n", kvcd->OutputTail(4000)));
     } else {
       absl::StatusOr<int> code = kvcd->Stop(absl::Seconds(60));
       if (!code.ok() || *code != 0) {
         state.Failure(
             absl::StrCat("kvcd did not shut down cleanly on SIGTERM: ",
                          code.ok() ? absl::StrCat("exit code ", *code) : code.status().ToString(),
-                         "; log tail:\n", kvcd->LogTail(4000)));
+                         "; log tail:\n", kvcd->OutputTail(4000)));
       }
     }
   }

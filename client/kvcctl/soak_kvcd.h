@@ -1,7 +1,8 @@
-// kvcctl soak: the kvcd it runs itself (spawn, SIGKILL, restart on the same port) and the RSS
-// sampler that watches it (VmRSS and VmHWM from /proc/<pid>/status).
+// kvcctl soak: the RSS sampler that watches kvcd (VmRSS and VmHWM from /proc/<pid>/status). The
+// kvcd it runs itself (spawn, SIGKILL, restart on the same port) and its metrics come from the
+// shared launcher, kvc/kvcd_process.h.
 //
-// Thread-safety: KvcdChild is thread-safe (one mutex); RssSampler runs its own thread.
+// Thread-safety: RssSampler runs its own thread.
 #ifndef KVC_CLIENT_KVCCTL_SOAK_KVCD_H_
 #define KVC_CLIENT_KVCCTL_SOAK_KVCD_H_
 
@@ -20,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kvc/kvcd_process.h"  // KvcdProcess, MetricValue, WaitForMetric
 
 namespace kvc::soak {
 
@@ -29,56 +31,6 @@ struct ProcStatus {
 };
 // NOT_FOUND when the process is gone.
 absl::StatusOr<ProcStatus> ReadProcStatus(pid_t pid);
-
-// A plain HTTP/1.0 GET of http://<host_port>/metrics (IPv4); returns the body of a 200.
-absl::StatusOr<std::string> ScrapeMetrics(const std::string& host_port, absl::Duration timeout);
-// The value of an unlabelled series in a Prometheus text exposition; NOT_FOUND when absent.
-absl::StatusOr<double> MetricValue(const std::string& exposition, const std::string& series);
-// Scrapes until `series` equals `value` or `timeout` passes; the error names the last value.
-absl::Status WaitForMetric(const std::string& host_port, const std::string& series, double value,
-                           absl::Duration timeout);
-
-// A kvcd child process. Its output goes to `log_path` (appended, every start).
-class KvcdChild {
- public:
-  struct Options {
-    std::string binary;
-    std::vector<std::string> flags;  // after --listen/--port_file/--health_listen/--metrics_listen
-    std::string log_path;
-    std::string port_file;
-    absl::Duration start_timeout = absl::Seconds(60);
-  };
-  explicit KvcdChild(Options options) : options_(std::move(options)) {}
-  ~KvcdChild();  // SIGKILLs a running child
-  KvcdChild(const KvcdChild&) = delete;
-  KvcdChild& operator=(const KvcdChild&) = delete;
-
-  // Starts kvcd on 127.0.0.1:0 the first time and on the same address afterwards (retrying while
-  // the port is not free yet); returns when it has written its --port_file. The error carries the
-  // tail of the log.
-  absl::Status Start();
-  // SIGKILL and reap. Marks the exit as expected.
-  absl::Status Kill();
-  // SIGTERM, then waits up to `timeout` for a clean exit; returns the exit code.
-  absl::StatusOr<int> Stop(absl::Duration timeout);
-  // Non-blocking: OK while running (or after an expected kill), INTERNAL naming the exit status
-  // when the child exited on its own.
-  absl::Status CheckAlive();
-
-  std::string address() const;
-  // The metrics address the running kvcd printed ("" if none yet).
-  std::string metrics_address() const;
-  pid_t pid() const;
-  std::string LogTail(size_t bytes) const;
-
- private:
-  absl::Status StartOnce(const std::string& listen);
-
-  const Options options_;
-  mutable absl::Mutex mu_;
-  pid_t pid_ ABSL_GUARDED_BY(mu_) = -1;
-  std::string address_ ABSL_GUARDED_BY(mu_);
-};
 
 // Samples a process every `period`; `pid` is asked anew each time (0 = no process now).
 class RssSampler {

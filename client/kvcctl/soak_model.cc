@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "kvc/compact.h"
 #include "kvc/dtype.h"
+#include "kvc/protocol/convert.h"
 #include "kvc/status_macros.h"
 #include "kvc/xxh3.h"
 
@@ -20,7 +21,8 @@ const char* const kPolicies[] = {"none",      "streaming", "h2o",   "snapkv",
                                  "keyformer", "knorm",     "random"};
 
 bool NeedsWindow(const std::string& policy) {
-  return policy == "h2o" || policy == "snapkv" || policy == "keyformer";
+  const absl::StatusOr<EvictionPolicy> p = ParseEvictionPolicy(policy);
+  return p.ok() && Policy(*p).inputs == PolicyInputs::kObservation;
 }
 
 template <class T>
@@ -242,43 +244,23 @@ absl::StatusOr<Upload> MakeVersion(const std::string& id, uint64_t seed, const S
 
   pb::PutCacheHeader& h = ver->header;
   h.set_cache_id(id);
-  h.set_dtype(ver->dtype == DType::kF32   ? pb::DTYPE_F32
-              : ver->dtype == DType::kF16 ? pb::DTYPE_F16
-                                          : pb::DTYPE_BF16);
-  h.set_layout(ver->layout == Layout::kHND ? pb::LAYOUT_HND : pb::LAYOUT_NHD);
+  h.set_dtype(ToProto(ver->dtype));
+  h.set_layout(ToProto(ver->layout));
   h.set_overwrite(true);
-  pb::ModelShape* ms = h.mutable_shape();
-  ms->set_num_layers(ver->num_layers);
-  ms->set_num_kv_heads(s.num_kv_heads);
-  ms->set_num_q_heads(s.num_q_heads);
-  ms->set_head_dim(s.head_dim);
-  ms->set_seq_len(s.seq_len);
-  ms->set_obs_window(s.obs_window);
+  *h.mutable_shape() = ShapeToProto(s, ver->num_layers);
+  // The request's config; the engine's spec for the local reference is what kvcd maps it to.
   pb::CompressionConfig* c = h.mutable_compression();
-  CompressionSpec& spec = ver->spec;
-  auto parsed = ParseEvictionPolicy(policy);
-  if (!parsed.ok()) return parsed.status();
-  spec.eviction.policy = *parsed;
   c->mutable_eviction()->set_policy(policy);
   if (policy != "none") {
-    const double keep = Pick(rng, {0.1, 0.25, 0.5, 0.9});
-    c->mutable_eviction()->set_keep_ratio(keep);
-    spec.eviction.keep_ratio = keep;
-    const uint64_t noise = rng();
-    c->mutable_eviction()->set_seed(noise);
-    spec.eviction.seed = noise;
+    c->mutable_eviction()->set_keep_ratio(Pick(rng, {0.1, 0.25, 0.5, 0.9}));
+    c->mutable_eviction()->set_seed(rng());
   }
-  auto channel = ParseChannelPolicy(key_policy);
-  if (!channel.ok()) return channel.status();
   c->mutable_channels()->set_key_policy(key_policy);
   c->mutable_channels()->set_key_lambda(lambda);
-  spec.channels.key_policy = *channel;
-  spec.channels.key_lambda = lambda;
   c->mutable_quant()->set_bits(bits);
-  spec.quant.bits = bits;
-  const int recent = Pick(rng, {0, 8, 32});
-  c->set_recent_tokens(recent);
-  spec.recent_tokens = recent;
+  c->set_recent_tokens(Pick(rng, {0, 8, 32}));
+  ASSIGN_OR_RETURN(ver->spec, SpecFromProto(*c, s, ver->num_layers));
+  const CompressionSpec& spec = ver->spec;
 
   const size_t es = DTypeSize(ver->dtype);
   const size_t kv = static_cast<size_t>(s.num_kv_heads) * s.seq_len * s.head_dim;

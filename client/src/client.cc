@@ -496,12 +496,6 @@ absl::StatusOr<ServerInfo> ClientImpl::GetServerInfo(size_t replica) {
 
 }  // namespace
 
-absl::Status FromGrpcStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  // grpc::StatusCode and absl::StatusCode share their numbering (both follow google.rpc.Code).
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
-
 std::string StatusCodeName(absl::StatusCode code) { return absl::StatusCodeToString(code); }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& options) {

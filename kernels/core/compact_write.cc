@@ -1,5 +1,6 @@
 // The compact format's writer side that needs no engine: PackedSize (the size PackLayer in
-// kernels/cpu produces) and InPlaceLayer (a layer stored whole, written as its bytes arrive).
+// kernels/cpu produces), EstimateStoredBytes (a cache's size before any layer arrived) and
+// InPlaceLayer (a layer stored whole, written as its bytes arrive).
 #include "core/compact_write.h"
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "core/compact_layout.h"
+#include "kvc/checked_math.h"
 #include "kvc/compact.h"
 #include "kvc/status_macros.h"
 
@@ -126,6 +128,39 @@ void InPlaceLayer::Write(bool values, uint64_t offset, const uint8_t* data, size
     offset += take;
     size -= take;
   }
+}
+
+absl::StatusOr<uint64_t> EstimateStoredBytes(const LayerShape& s, DType dtype,
+                                             const CompressionSpec& spec, int num_layers) {
+  const uint64_t es = DTypeSize(dtype);
+  const bool pruning = spec.channels.key_policy != ChannelPolicy::kNone;
+  const int tk = pruning ? KeptChannels(spec.channels.key_lambda, s.head_dim) : s.head_dim;
+  const int tv = spec.channels.prune_values ? KeptChannels(spec.channels.value_lambda, s.head_dim)
+                                            : s.head_dim;
+  // Quantized elements cost bits/8 bytes, otherwise the dtype size; counted in bits and rounded
+  // down per head, and scales are not counted, so this stays a lower bound.
+  const uint64_t elem_bits = spec.quant.bits > 0 ? static_cast<uint64_t>(spec.quant.bits) : 8 * es;
+  const uint64_t heads = static_cast<uint64_t>(s.num_kv_heads);
+  uint64_t total = 0;
+  for (int l = 0; l < num_layers; ++l) {
+    const uint64_t kept = static_cast<uint64_t>(EffectiveBudget(spec.eviction, l, s.seq_len));
+    ASSIGN_OR_RETURN(const uint64_t data_bits,
+                     CheckedProduct("shape", {{"kept_tokens", kept},
+                                              {"kept_channels", static_cast<uint64_t>(tk + tv)},
+                                              {"element_bits", elem_bits}}));
+    // Per head: its descriptor, the kept data and one int32 position per kept token. With
+    // head-adaptive budgets the heads keep different counts, but H * kept in all, each head at
+    // least its count times these per-token bytes: H times a per-head floor stays below that.
+    uint64_t per_head = sizeof(HeadDesc) + data_bits / 8;
+    uint64_t layer = sizeof(LayerHeader);
+    if (!CheckedMulAdd(kept, 4, &per_head) || !CheckedMulAdd(heads, per_head, &layer) ||
+        !CheckedMulAdd(1, layer, &total)) {
+      return ProductOverflowError("shape", {{"num_kv_heads", heads},
+                                            {"stored_bytes_per_head", per_head},
+                                            {"num_layers", static_cast<uint64_t>(num_layers)}});
+    }
+  }
+  return total;
 }
 
 }  // namespace kvc

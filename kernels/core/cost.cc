@@ -1,6 +1,7 @@
-// The cost model of kvc/cost.h. Each policy's cost is one row of a table below; the rows follow
-// the CPU engine's loops (scoring.cc, score_extra.cc, selection.cc, channels.cc, compact.cc) and
-// its blocking (ScoreRowBlock, kScoreTokenChunk). Buffers a task reuses for several purposes are
+// The cost model of kvc/cost.h. Each eviction policy's scoring is priced by the formula its row
+// of the policy table names (kvc/policy.h, ScoreCost); each key channel policy by a row of the
+// table below. The formulas follow the CPU engine's loops (scoring.cc, score_extra.cc,
+// selection.cc, channels.cc, compact.cc) and its blocking (ScoreRowBlock, kScoreTokenChunk). Buffers a task reuses for several purposes are
 // counted once per purpose, so scratch stays an upper bound.
 #include "kvc/cost.h"
 
@@ -14,6 +15,7 @@
 
 #include "kvc/buffer_pool.h"
 #include "kvc/checked_math.h"
+#include "kvc/policy.h"
 
 namespace kvc {
 namespace {
@@ -219,26 +221,23 @@ void RandomScores(const Input& in, Sheet* s) {
 }
 
 using ScoreCostFn = void (*)(const Input&, Sheet*);
-struct EvictionCostRow {
-  EvictionPolicy policy;
-  ScoreCostFn scores;
-};
-// One row per eviction policy: a new policy adds its row here.
-constexpr EvictionCostRow kEvictionCost[] = {
-    {EvictionPolicy::kNone, NoScores},
-    {EvictionPolicy::kStreaming, NoScores},
-    {EvictionPolicy::kH2O, AttentionScores},
-    {EvictionPolicy::kSnapKV, AttentionScores},
-    {EvictionPolicy::kKeyformer, AttentionScores},
-    {EvictionPolicy::kKNorm, KNormScores},
-    {EvictionPolicy::kRandom, RandomScores},
-    {EvictionPolicy::kKeyDiff, KeyDiffScores},
-    {EvictionPolicy::kExpectedAttention, ExpectedScores},
-};
 
+// The formula a policy's row names (kvc/policy.h, PolicyInfo::cost).
 ScoreCostFn ScoreCostOf(EvictionPolicy p) {
-  for (const EvictionCostRow& row : kEvictionCost) {
-    if (row.policy == p) return row.scores;
+  if (!IsKnownPolicy(p)) return nullptr;
+  switch (Policy(p).cost) {
+    case ScoreCost::kNone:
+      return NoScores;
+    case ScoreCost::kRandom:
+      return RandomScores;
+    case ScoreCost::kAttention:
+      return AttentionScores;
+    case ScoreCost::kKeyNorms:
+      return KNormScores;
+    case ScoreCost::kKeyDiff:
+      return KeyDiffScores;
+    case ScoreCost::kExpected:
+      return ExpectedScores;
   }
   return nullptr;
 }

@@ -1,8 +1,9 @@
 // What a device backend may hand to the host engine, internal to kernels/. The CUDA backend has no
 // device path for a few steps (the head-adaptive allocation and its ragged pack, expected
-// attention's query statistics); the backend registry (kernels/registry.cc) gives it the CPU
-// engine's implementation of this interface, so that kernels/cuda never includes or links
-// kernels/cpu and both backends run the same host code for these steps.
+// attention's query statistics, a policy without a CUDA scorer); the backend registry
+// (kernels/registry.cc) gives it the CPU engine's implementation of this interface, so that
+// kernels/cuda never includes or links kernels/cpu and both backends run the same host code for
+// these steps.
 #ifndef KVC_KERNELS_CORE_HOST_FALLBACK_H_
 #define KVC_KERNELS_CORE_HOST_FALLBACK_H_
 
@@ -28,6 +29,11 @@ struct ExpectedStats {
 class HostFallback {
  public:
   virtual ~HostFallback() = default;
+
+  // The whole layer, exactly as the CPU backend compresses it (for a policy that has no device
+  // scorer; cuda/scorers.h). Fills `timings` when not null.
+  virtual absl::StatusOr<CompactLayer> Compress(const LayerInput& in, const CompressionSpec& spec,
+                                                CompressTimings* timings) const = 0;
 
   // From in.q_stats when spec.query_stats, else from the un-rotated Q_obs rows (see ScoreTokens in
   // kvc/selection.h). Requires in.rope.

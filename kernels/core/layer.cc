@@ -1,10 +1,12 @@
 #include "kvc/layer.h"
 
 #include <cstdint>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kvc/checked_math.h"
+#include "kvc/status_macros.h"
 
 namespace kvc {
 namespace {
@@ -93,6 +95,45 @@ absl::Status ValidateInput(const LayerInput& in, bool allow_device) {
     if (absl::Status s = ValidateRope(*in.rope, in.shape.head_dim); !s.ok()) return s;
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& s, DType dtype, bool query_stats) {
+  const uint64_t es = DTypeSize(dtype);
+  LayerBytes b;
+  ASSIGN_OR_RETURN(b.k,
+                   CheckedProduct("shape", {{"num_kv_heads", static_cast<uint64_t>(s.num_kv_heads)},
+                                            {"seq_len", static_cast<uint64_t>(s.seq_len)},
+                                            {"head_dim", static_cast<uint64_t>(s.head_dim)},
+                                            {"dtype_bytes", es}}));
+  b.v = b.k;
+  ASSIGN_OR_RETURN(b.q_obs,
+                   CheckedProduct("shape", {{"num_q_heads", static_cast<uint64_t>(s.num_q_heads)},
+                                            {"obs_window", static_cast<uint64_t>(s.obs_window)},
+                                            {"head_dim", static_cast<uint64_t>(s.head_dim)},
+                                            {"dtype_bytes", es}}));
+  if (query_stats) {
+    const uint64_t d = static_cast<uint64_t>(s.head_dim);
+    ASSIGN_OR_RETURN(b.q_stats,
+                     CheckedProduct("shape", {{"num_q_heads", static_cast<uint64_t>(s.num_q_heads)},
+                                              {"head_dim+head_dim^2", d + d * d},
+                                              {"float_bytes", 4}}));
+  }
+  return b;
+}
+
+absl::StatusOr<uint64_t> UploadBytes(const LayerShape& s, DType dtype, int num_layers,
+                                     bool query_stats) {
+  ASSIGN_OR_RETURN(const LayerBytes lb, LayerTensorBytes(s, dtype, query_stats));
+  const std::optional<uint64_t> kv = CheckedAdd(lb.k, lb.v);
+  const std::optional<uint64_t> kvq = kv ? CheckedAdd(*kv, lb.q_obs) : std::nullopt;
+  const std::optional<uint64_t> layer = kvq ? CheckedAdd(*kvq, lb.q_stats) : std::nullopt;
+  if (!layer) {
+    return absl::InvalidArgumentError(absl::StrCat("shape: K + V + Q_obs + Q_stats = ", lb.k, " + ",
+                                                   lb.v, " + ", lb.q_obs, " + ", lb.q_stats,
+                                                   " bytes overflows 64 bits"));
+  }
+  return CheckedProduct(
+      "shape", {{"layer_bytes", *layer}, {"num_layers", static_cast<uint64_t>(num_layers)}});
 }
 
 }  // namespace kvc

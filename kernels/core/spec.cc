@@ -1,9 +1,11 @@
 #include "kvc/spec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
@@ -13,10 +15,6 @@
 namespace kvc {
 namespace {
 
-constexpr EvictionPolicy kEvictionPolicies[] = {
-    EvictionPolicy::kNone,   EvictionPolicy::kStreaming, EvictionPolicy::kH2O,
-    EvictionPolicy::kSnapKV, EvictionPolicy::kKeyformer, EvictionPolicy::kKNorm,
-    EvictionPolicy::kRandom, EvictionPolicy::kKeyDiff,   EvictionPolicy::kExpectedAttention};
 constexpr ChannelPolicy kChannelPolicies[] = {ChannelPolicy::kNone, ChannelPolicy::kThink,
                                               ChannelPolicy::kL1, ChannelPolicy::kL2};
 
@@ -24,15 +22,24 @@ absl::Status Invalid(const std::string& field, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
 }
 
-bool NeedsObservation(EvictionPolicy p) {
-  return p == EvictionPolicy::kH2O || p == EvictionPolicy::kSnapKV ||
-         p == EvictionPolicy::kKeyformer;
+// The names of the policies whose row passes `pred`, as "a, b, c and d".
+template <typename Pred>
+std::string PolicyList(Pred pred) {
+  std::vector<std::string> names;
+  for (const PolicyInfo& row : kPolicies) {
+    if (pred(row)) names.emplace_back(row.name);
+  }
+  if (names.size() < 2) return absl::StrJoin(names, "");
+  const std::string last = names.back();
+  names.pop_back();
+  return absl::StrCat(absl::StrJoin(names, ", "), " and ", last);
 }
 
 absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
-  if (static_cast<uint8_t>(e.policy) > static_cast<uint8_t>(EvictionPolicy::kExpectedAttention)) {
+  if (!IsKnownPolicy(e.policy)) {
     return Invalid("eviction.policy", absl::StrCat("unknown value ", static_cast<int>(e.policy)));
   }
+  const PolicyInfo& row = Policy(e.policy);
   if (e.budget < 0) return Invalid("eviction.budget", absl::StrCat(e.budget, " must be >= 0"));
   if (e.budget > shape.seq_len) {
     return Invalid("eviction.budget", absl::StrCat(e.budget, " exceeds seq_len ", shape.seq_len));
@@ -78,11 +85,11 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
     return Invalid("eviction.tau", absl::StrCat(FormatDouble(e.tau), " must be finite and > 0"));
   }
   if (e.adaptive) {
-    if (!PolicyHasScores(e.policy)) {
-      return Invalid(
-          "eviction.adaptive",
-          absl::StrCat("needs a scoring policy (", absl::StrJoin(ScoringPolicyNames(), ", "),
-                       "), not ", std::string(PolicyName(e.policy))));
+    if (!row.scores) {
+      return Invalid("eviction.adaptive",
+                     absl::StrCat("needs a scoring policy (",
+                                  PolicyList([](const PolicyInfo& r) { return r.scores; }),
+                                  "), not ", std::string(row.name)));
     }
     if (e.granularity == Granularity::kPerLayer) {
       return Invalid("eviction.adaptive",
@@ -94,7 +101,7 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
                      absl::StrCat(FormatDouble(e.adaptive_floor), " is outside [0, 1]"));
     }
   }
-  if (NeedsObservation(e.policy) && shape.obs_window == 0) {
+  if (row.inputs == PolicyInputs::kObservation && shape.obs_window == 0) {
     return Invalid("eviction.policy",
                    absl::StrCat(std::string(PolicyName(e.policy)),
                                 " needs observation queries but shape.obs_window is 0"));
@@ -104,11 +111,11 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
                    absl::StrCat("unknown value ", static_cast<int>(e.value_weight)));
   }
   const bool weighted = e.value_weight == ValueWeight::kMul || e.value_weight == ValueWeight::kAdd;
-  if (weighted && !NeedsObservation(e.policy) && e.policy != EvictionPolicy::kExpectedAttention) {
+  if (weighted && !row.value_weight) {
     return Invalid("eviction.value_weight",
                    absl::StrCat(std::string(ValueWeightName(e.value_weight)), " applies to ",
-                                "h2o, snapkv, keyformer and expected, not ",
-                                std::string(PolicyName(e.policy))));
+                                PolicyList([](const PolicyInfo& r) { return r.value_weight; }),
+                                ", not ", std::string(row.name)));
   }
   if (!(e.value_eps >= 0.0) || std::isinf(e.value_eps)) {
     return Invalid("eviction.value_eps",
@@ -120,14 +127,20 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
                    absl::StrCat(e.horizon, " exceeds ", kMaxHorizon,
                                 " (future positions the statistics are averaged over)"));
   }
-  if (e.query_stats && e.policy != EvictionPolicy::kExpectedAttention) {
+  auto reads_query_stats = [](const PolicyInfo& r) {
+    return r.inputs == PolicyInputs::kQueryStatistics;
+  };
+  const bool reads_stats = reads_query_stats(row);
+  if (e.query_stats && !reads_stats) {
     return Invalid("eviction.query_stats",
-                   absl::StrCat("query statistics are read only by expected, not ",
-                                std::string(PolicyName(e.policy))));
+                   absl::StrCat("query statistics are read only by ", PolicyList(reads_query_stats),
+                                ", not ", std::string(row.name)));
   }
-  if (e.policy == EvictionPolicy::kExpectedAttention && shape.obs_window == 0 && !e.query_stats) {
+  if (reads_stats && shape.obs_window == 0 && !e.query_stats) {
     return Invalid("eviction.query_stats",
-                   "expected needs query statistics from the client when shape.obs_window is 0");
+                   absl::StrCat(std::string(row.name),
+                                " needs query statistics from the client when shape.obs_window "
+                                "is 0"));
   }
   return absl::OkStatus();
 }
@@ -190,8 +203,14 @@ absl::Status ValidateSpec(const CompressionSpec& spec, const LayerShape& shape, 
 
 absl::Status ValidateSpecInput(const CompressionSpec& spec, const LayerInput& in) {
   const EvictionSpec& e = spec.eviction;
-  if (e.policy == EvictionPolicy::kExpectedAttention && in.rope == nullptr) {
-    return Invalid("rope", "expected attention needs the model's RoPE (theta, rotary dims, style)");
+  if (!IsKnownPolicy(e.policy)) {
+    return Invalid("eviction.policy", absl::StrCat("unknown value ", static_cast<int>(e.policy)));
+  }
+  const PolicyInfo& row = Policy(e.policy);
+  if (row.inputs == PolicyInputs::kQueryStatistics && in.rope == nullptr) {
+    return Invalid("rope", absl::StrCat("the ", std::string(row.name),
+                                        " policy needs the model's RoPE (theta, rotary dims, "
+                                        "style)"));
   }
   if (e.query_stats && in.q_stats == nullptr) {
     return Invalid("q_stats", "null pointer with eviction.query_stats set");
@@ -212,45 +231,43 @@ int EffectiveBudget(const EvictionSpec& spec, int layer_index, int seq_len) {
   return b;
 }
 
+ProtectedTokens ProtectedFor(const EvictionSpec& e, const LayerShape& shape, int budget) {
+  const PolicyInfo& row = Policy(e.policy);
+  ProtectedTokens p;
+  switch (row.window) {
+    case ProtectedWindow::kEverything:
+      p.recent = budget;
+      break;
+    case ProtectedWindow::kSinksAndRecent:
+      p.sinks = std::min(e.sink_tokens, budget);
+      p.recent = budget - p.sinks;
+      break;
+    case ProtectedWindow::kRecentFraction: {
+      const double f = e.recent_fraction >= 0.0 ? e.recent_fraction : row.default_recent_fraction;
+      // int(f * B) as in the reference implementations (floor for non-negative values).
+      p.recent = static_cast<int>(f * budget);
+      break;
+    }
+    case ProtectedWindow::kObservation:
+      // The observation window is always kept; a budget below W keeps its most recent B tokens.
+      p.recent = std::min(shape.obs_window, budget);
+      break;
+    case ProtectedWindow::kNothing:
+      break;
+  }
+  p.recent = std::clamp(p.recent, 0, budget - p.sinks);
+  return p;
+}
+
 int KeptChannels(double lambda, int head_dim) {
   return head_dim - static_cast<int>(std::floor(lambda * head_dim));
 }
 
 std::string_view PolicyName(EvictionPolicy p) {
-  switch (p) {
-    case EvictionPolicy::kNone:
-      return "none";
-    case EvictionPolicy::kStreaming:
-      return "streaming";
-    case EvictionPolicy::kH2O:
-      return "h2o";
-    case EvictionPolicy::kSnapKV:
-      return "snapkv";
-    case EvictionPolicy::kKeyformer:
-      return "keyformer";
-    case EvictionPolicy::kKNorm:
-      return "knorm";
-    case EvictionPolicy::kRandom:
-      return "random";
-    case EvictionPolicy::kKeyDiff:
-      return "keydiff";
-    case EvictionPolicy::kExpectedAttention:
-      return "expected";
-  }
-  return "unknown";
+  return IsKnownPolicy(p) ? Policy(p).name : "unknown";
 }
 
-bool PolicyHasScores(EvictionPolicy p) {
-  return p != EvictionPolicy::kNone && p != EvictionPolicy::kStreaming;
-}
-
-std::vector<std::string> ScoringPolicyNames() {
-  std::vector<std::string> names;
-  for (EvictionPolicy p : kEvictionPolicies) {
-    if (PolicyHasScores(p)) names.emplace_back(PolicyName(p));
-  }
-  return names;
-}
+bool PolicyHasScores(EvictionPolicy p) { return IsKnownPolicy(p) && Policy(p).scores; }
 
 std::string FormatDouble(double v) {
   char buf[40];
@@ -288,7 +305,8 @@ absl::StatusOr<ValueWeight> ParseValueWeight(std::string_view name) {
 
 ValueWeight EffectiveValueWeight(const EvictionSpec& e) {
   if (e.value_weight != ValueWeight::kAuto) return e.value_weight;
-  return e.policy == EvictionPolicy::kExpectedAttention ? ValueWeight::kMul : ValueWeight::kOff;
+  return IsKnownPolicy(e.policy) && Policy(e.policy).value_weight_by_default ? ValueWeight::kMul
+                                                                             : ValueWeight::kOff;
 }
 
 std::string_view PolicyName(ChannelPolicy p) {
@@ -307,8 +325,8 @@ std::string_view PolicyName(ChannelPolicy p) {
 
 absl::StatusOr<EvictionPolicy> ParseEvictionPolicy(std::string_view name) {
   const std::string n = absl::AsciiStrToLower(std::string(name));
-  for (EvictionPolicy p : kEvictionPolicies) {
-    if (n == PolicyName(p)) return p;
+  for (const PolicyInfo& row : kPolicies) {
+    if (n == row.name) return row.policy;
   }
   return Invalid("eviction.policy",
                  absl::StrCat("unknown '", std::string(name), "' (expected one of ",
@@ -327,7 +345,7 @@ absl::StatusOr<ChannelPolicy> ParseChannelPolicy(std::string_view name) {
 
 std::vector<std::string> EvictionPolicyNames() {
   std::vector<std::string> names;
-  for (EvictionPolicy p : kEvictionPolicies) names.emplace_back(PolicyName(p));
+  for (const PolicyInfo& row : kPolicies) names.emplace_back(row.name);
   return names;
 }
 

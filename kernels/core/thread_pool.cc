@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 
 namespace kvc {
 
@@ -23,10 +24,10 @@ struct ThreadPool::Job {
   std::atomic<int> next{0};
   // Set once an index threw: the indices claimed after that are counted done without running.
   std::atomic<bool> failed{false};
-  std::mutex mu;
-  std::condition_variable cv;
-  int done = 0;              // guarded by mu
-  std::exception_ptr error;  // guarded by mu: the first exception fn threw
+  absl::Mutex mu;
+  absl::CondVar cv;  // signalled when done reaches n
+  int done ABSL_GUARDED_BY(mu) = 0;
+  std::exception_ptr error ABSL_GUARDED_BY(mu);  // the first exception fn threw
 };
 
 namespace {
@@ -61,17 +62,23 @@ ThreadPool::ThreadPool(int num_threads, int worker_nice) {
 }
 
 bool ThreadPool::WaitIdle(std::chrono::steady_clock::time_point deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
-  return idle_cv_.wait_until(lock, deadline,
-                             [this] { return queued_closures_ == 0 && busy_workers_ == 0; });
+  const absl::Time until =
+      absl::Now() + absl::FromChrono(deadline - std::chrono::steady_clock::now());
+  absl::MutexLock lock(&mu_);
+  while (queued_closures_ != 0 || busy_workers_ != 0) {
+    if (idle_cv_.WaitWithDeadline(&mu_, until)) {  // timed out
+      return queued_closures_ == 0 && busy_workers_ == 0;
+    }
+  }
+  return true;
 }
 
 ThreadPool::~ThreadPool() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   for (std::thread& t : workers_) t.join();
 }
 
@@ -88,7 +95,7 @@ void ThreadPool::RunJob(Job* job) {
       try {
         (*job->fn)(i);
       } catch (...) {
-        std::lock_guard<std::mutex> lock(job->mu);
+        absl::MutexLock lock(&job->mu);
         if (!job->error) job->error = std::current_exception();
         job->failed.store(true, std::memory_order_relaxed);
       }
@@ -96,9 +103,9 @@ void ThreadPool::RunJob(Job* job) {
     ++finished;
   }
   if (finished > 0) {
-    std::lock_guard<std::mutex> lock(job->mu);
+    absl::MutexLock lock(&job->mu);
     job->done += finished;
-    if (job->done == job->n) job->cv.notify_all();
+    if (job->done == job->n) job->cv.SignalAll();
   }
 }
 
@@ -117,8 +124,8 @@ void ThreadPool::WorkerLoop() {
   for (;;) {
     Task task;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      absl::MutexLock lock(&mu_);
+      while (!stop_ && queue_.empty()) cv_.Wait(&mu_);
       if (queue_.empty()) return;  // stop_ and nothing left
       Task& front = queue_.front();
       if (front.job == nullptr) {
@@ -141,8 +148,8 @@ void ThreadPool::WorkerLoop() {
       RunClosure(task.fn);
       task.fn = nullptr;  // what the closure captured goes now, not at the next task
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    if (--busy_workers_ == 0 && queued_closures_ == 0) idle_cv_.notify_all();
+    absl::MutexLock lock(&mu_);
+    if (--busy_workers_ == 0 && queued_closures_ == 0) idle_cv_.SignalAll();
   }
 }
 
@@ -156,19 +163,19 @@ void ThreadPool::ParallelFor(int n, const std::function<void(int)>& fn) {
   job->fn = &fn;
   job->n = n;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     queue_.push_back(Task{job, nullptr});
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   RunJob(job.get());
   std::exception_ptr error;
   {
-    std::unique_lock<std::mutex> lock(job->mu);
-    job->cv.wait(lock, [&job] { return job->done == job->n; });
+    absl::MutexLock lock(&job->mu);
+    while (job->done != job->n) job->cv.Wait(&job->mu);
     error = job->error;
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it =
         std::find_if(queue_.begin(), queue_.end(), [&job](const Task& t) { return t.job == job; });
     if (it != queue_.end()) queue_.erase(it);
@@ -182,11 +189,11 @@ void ThreadPool::Schedule(std::function<void()> fn) {
     return;
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     queue_.push_back(Task{nullptr, std::move(fn)});
     ++queued_closures_;
   }
-  cv_.notify_one();
+  cv_.Signal();
 }
 
 absl::Status StatusFromException(std::exception_ptr e) {

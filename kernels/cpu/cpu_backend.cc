@@ -36,17 +36,9 @@ class CpuBackend final : public Backend {
                         ", OpenBLAS sgemm");
   }
 
-  // Packing runs on the pool, one task per (KV head, K or V), and quantization happens inside
-  // those tasks. `pack` + `quantize` is the wall time of that packing stage, split in proportion
-  // to the time (summed over tasks, cpu::PackWork) the tasks spent quantizing (computing and
-  // writing scales, zeros and codes) versus everything else (gather, fp32 conversion); `quantize`
-  // is 0 when bits == 0.
-  // Scratch and result buffers are sized from the shape; a failed allocation (std::bad_alloc,
-  // rethrown here from whichever pool thread hit it) is RESOURCE_EXHAUSTED, never an exception
-  // out of the backend.
   absl::StatusOr<CompactLayer> Compress(const LayerInput& in, const CompressionSpec& spec,
                                         CompressTimings* timings) override {
-    return CallNoThrow([&] { return CompressImpl(in, spec, timings); });
+    return CompressOnPool(in, spec, &pool_, timings);
   }
 
   absl::Status Attend(const CompactLayerView& cache, const DecodeQuery& query,
@@ -55,8 +47,22 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  absl::StatusOr<CompactLayer> CompressImpl(const LayerInput& in, const CompressionSpec& spec,
-                                            CompressTimings* timings) {
+  ThreadPool pool_;
+};
+
+}  // namespace
+
+absl::StatusOr<CompactLayer> CompressOnPool(const LayerInput& in, const CompressionSpec& spec,
+                                            ThreadPool* pool, CompressTimings* timings) {
+  // Packing runs on the pool, one task per (KV head, K or V), and quantization happens inside
+  // those tasks. `pack` + `quantize` is the wall time of that packing stage, split in proportion
+  // to the time (summed over tasks, cpu::PackWork) the tasks spent quantizing (computing and
+  // writing scales, zeros and codes) versus everything else (gather, fp32 conversion); `quantize`
+  // is 0 when bits == 0.
+  // Scratch and result buffers are sized from the shape; a failed allocation (std::bad_alloc,
+  // rethrown here from whichever pool thread hit it) is RESOURCE_EXHAUSTED, never an exception
+  // out of the backend.
+  return CallNoThrow([&]() -> absl::StatusOr<CompactLayer> {
     const auto start = std::chrono::steady_clock::now();
     RETURN_IF_ERROR(ValidateInput(in));
     RETURN_IF_ERROR(ValidateSpec(spec, in.shape, in.layer_index));
@@ -65,15 +71,15 @@ class CpuBackend final : public Backend {
     const auto select_start = std::chrono::steady_clock::now();
     // Cancelled work stops within a block of each stage; nothing after it runs.
     RETURN_IF_ERROR(cpu::CancelStatus(in));
-    TokenSelection tokens = cpu::SelectTokensImpl(in, spec, &pool_, &t.score);
+    TokenSelection tokens = cpu::SelectTokensImpl(in, spec, pool, &t.score);
     RETURN_IF_ERROR(cpu::CancelStatus(in));
-    ChannelSelection channels = cpu::SelectChannelsImpl(in, tokens, spec, &pool_);
+    ChannelSelection channels = cpu::SelectChannelsImpl(in, tokens, spec, pool);
     RETURN_IF_ERROR(cpu::CancelStatus(in));
     t.select = SecondsSince(select_start) - t.score;
     const auto pack_start = std::chrono::steady_clock::now();
     cpu::PackWork work;
     ASSIGN_OR_RETURN(CompactLayer layer,
-                     cpu::PackLayerImpl(in, tokens, channels, spec, &pool_, &work));
+                     cpu::PackLayerImpl(in, tokens, channels, spec, pool, &work));
     const double pack_wall = SecondsSince(pack_start);
     t.quantize =
         work.task_seconds > 0 ? pack_wall * (work.quantize_seconds / work.task_seconds) : 0;
@@ -81,12 +87,8 @@ class CpuBackend final : public Backend {
     t.total = SecondsSince(start);
     if (timings != nullptr) *timings = t;
     return layer;
-  }
-
-  ThreadPool pool_;
-};
-
-}  // namespace
+  });
+}
 
 std::unique_ptr<Backend> NewCpuBackend(int num_threads, int thread_nice) {
   return std::unique_ptr<Backend>(new CpuBackend(num_threads, thread_nice));

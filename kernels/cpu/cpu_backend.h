@@ -5,10 +5,18 @@
 
 #include <memory>
 
+#include "absl/status/statusor.h"
 #include "core/host_fallback.h"
 #include "kvc/backend_interface.h"
+#include "kvc/thread_pool.h"
 
 namespace kvc::cpu {
+
+// Compresses one layer on `pool` as the CPU backend does: validates the input and spec
+// (INVALID_ARGUMENT naming the field), selects tokens and channels, packs; fills `timings` when
+// not null. A failed allocation is RESOURCE_EXHAUSTED: no exception leaves.
+absl::StatusOr<CompactLayer> CompressOnPool(const LayerInput& in, const CompressionSpec& spec,
+                                            ThreadPool* pool, CompressTimings* timings);
 
 // The CPU backend with its own pool of num_threads threads (0 = hardware concurrency; must be
 // >= 0, the registry checks it).

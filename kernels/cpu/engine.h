@@ -25,8 +25,14 @@ namespace kvc::cpu {
 // Preconditions for the *Impl functions: input and spec already validated. They stop early,
 // within one row block or chunk, once in.cancel reads as cancelled; what they return is then
 // meaningless, and callers check CancelStatus(in) after each stage.
+// The policy's scores (its CPU scorer, scorers.cc), value-weighted where its row composes with
+// value weighting (kvc/policy.h).
 void ScoreTokensImpl(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool,
                      std::vector<float>* scores);
+// The scorer of h2o, snapkv and keyformer (scoring.cc): the observation queries' attention,
+// pooled for snapkv, with Gumbel noise for keyformer; out [Hkv, S].
+void ObservedAttentionScores(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool,
+                             float* out);
 TokenSelection SelectTokensImpl(const LayerInput& in, const CompressionSpec& spec, ThreadPool* pool,
                                 double* score_seconds);
 // SelectTokensImpl's selection from given scores ([num_kv_heads, S], as ScoreTokensImpl writes

@@ -15,6 +15,11 @@ namespace {
 
 class CpuHostFallback final : public HostFallback {
  public:
+  absl::StatusOr<CompactLayer> Compress(const LayerInput& in, const CompressionSpec& spec,
+                                        CompressTimings* timings) const override {
+    return CompressOnPool(in, spec, ThreadPool::Default(), timings);
+  }
+
   ExpectedStats ExpectedStatistics(const LayerInput& in, const EvictionSpec& spec) const override {
     return ComputeExpectedStats(in, spec);
   }

@@ -1,6 +1,7 @@
-// Token scoring. Attention-based policies compute, per KV head, the GEMM of the group's
-// observation queries against all keys ([g*W, D] x [D, S], OpenBLAS sgemm on fp32 copies, one
-// 1024-key chunk at a time), then a causal row softmax (online over the chunks) whose rows are
+// Attention scores of the observation queries (h2o, snapkv, keyformer: the policies' scorers and
+// the dispatch are in scorers.cc). Attention-based policies compute, per KV head, the GEMM of the
+// group's observation queries against all keys ([g*W, D] x [D, S], OpenBLAS sgemm on fp32 copies,
+// one 1024-key chunk at a time), then a causal row softmax (online over the chunks) whose rows are
 // accumulated into the head's score. Query rows are processed in blocks so the logits buffer
 // stays bounded even when W == S.
 #include <cblas.h>
@@ -166,20 +167,6 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
   }
 }
 
-void KNormScoreHead(const LayerInput& in, int h, float* out) {
-  const int S = in.shape.seq_len, D = in.shape.head_dim;
-  Scratch& s = Scratch::ForThisThread();
-  float* k = s.k.Get<float>(static_cast<size_t>(std::min(S, kTokenChunk)) * D);
-  for (int c0 = 0; c0 < S; c0 += kTokenChunk) {
-    if (Cancelled(in)) return;
-    const int n = std::min(kTokenChunk, S - c0);
-    LoadHeadRows(in, /*values=*/false, h, c0, n, k);
-    for (int j = 0; j < n; ++j) {
-      out[c0 + j] = -std::sqrt(simd::SumSquares(k + static_cast<size_t>(j) * D, D));
-    }
-  }
-}
-
 }  // namespace
 
 void PrepareBlas(const ThreadPool* pool) {
@@ -219,60 +206,14 @@ void LoadHeadRows(const LayerInput& in, bool values, int h, int first, int count
   RowsToFloat(base + offset * esize, in.dtype, stride, count, D, dst);
 }
 
-void ScoreTokensImpl(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool,
-                     std::vector<float>* scores) {
-  const int S = in.shape.seq_len, H = in.shape.num_kv_heads;
-  scores->assign(static_cast<size_t>(H) * S, 0.0f);
-  float* out = scores->data();
-  switch (spec.policy) {
-    case EvictionPolicy::kNone:
-    case EvictionPolicy::kStreaming:
-      return;
-    case EvictionPolicy::kRandom:
-      for (int h = 0; h < H; ++h) {
-        if (Cancelled(in)) return;
-        for (int j = 0; j < S; ++j) {
-          out[static_cast<size_t>(h) * S + j] =
-              CounterUniform(spec.seed, static_cast<uint32_t>(in.layer_index),
-                             static_cast<uint32_t>(h), 0, static_cast<uint32_t>(j));
-        }
-      }
-      return;
-    case EvictionPolicy::kKNorm:
-      pool->ParallelFor(H, [&](int h) {
-        ScratchTask task;
-        KNormScoreHead(in, h, out + static_cast<size_t>(h) * S);
-      });
-      return;
-    case EvictionPolicy::kH2O:
-    case EvictionPolicy::kSnapKV:
-    case EvictionPolicy::kKeyformer:
-      PrepareBlas(pool);
-      pool->ParallelFor(H, [&](int h) {
-        ScratchTask task;
-        AttentionScoreHead(in, spec, h, out + static_cast<size_t>(h) * S);
-        ValueWeightHead(in, spec, h, out + static_cast<size_t>(h) * S);
-      });
-      return;
-    case EvictionPolicy::kKeyDiff:
-      pool->ParallelFor(H, [&](int h) {
-        ScratchTask task;
-        KeyDiffScoreHead(in, h, out + static_cast<size_t>(h) * S);
-      });
-      return;
-    case EvictionPolicy::kExpectedAttention: {
-      PrepareBlas(pool);
-      // The rotation to the horizon is the same for every head; each task computes its query
-      // heads' statistics itself, one head at a time (never the whole layer's Hq * D^2).
-      const MeanRotation rotation = MeanRotationOf(*in.rope, in.shape.head_dim, S, spec.horizon);
-      pool->ParallelFor(H, [&](int h) {
-        ScratchTask task;
-        ExpectedScoreHead(in, spec, rotation, h, out + static_cast<size_t>(h) * S);
-        ValueWeightHead(in, spec, h, out + static_cast<size_t>(h) * S);
-      });
-      return;
-    }
-  }
+void ObservedAttentionScores(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool,
+                             float* out) {
+  PrepareBlas(pool);
+  const int S = in.shape.seq_len;
+  pool->ParallelFor(in.shape.num_kv_heads, [&](int h) {
+    ScratchTask task;
+    AttentionScoreHead(in, spec, h, out + static_cast<size_t>(h) * S);
+  });
 }
 
 }  // namespace kvc::cpu

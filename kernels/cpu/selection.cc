@@ -16,45 +16,7 @@
 namespace kvc::cpu {
 namespace {
 
-struct Protected {
-  int sinks = 0;   // positions [0, sinks)
-  int recent = 0;  // positions [S - recent, S)
-};
-
-double DefaultRecentFraction(EvictionPolicy p) {
-  if (p == EvictionPolicy::kKeyDiff || p == EvictionPolicy::kExpectedAttention) return 0.0;
-  return p == EvictionPolicy::kKeyformer ? 0.3 : 0.5;
-}
-
-Protected ProtectedFor(const EvictionSpec& e, const LayerShape& sh, int budget) {
-  Protected p;
-  const double rf = e.recent_fraction >= 0.0 ? e.recent_fraction : DefaultRecentFraction(e.policy);
-  switch (e.policy) {
-    case EvictionPolicy::kNone:
-      p.recent = budget;
-      break;
-    case EvictionPolicy::kStreaming:
-      p.sinks = std::min(e.sink_tokens, budget);
-      p.recent = budget - p.sinks;
-      break;
-    case EvictionPolicy::kH2O:
-    case EvictionPolicy::kKeyformer:
-    case EvictionPolicy::kKeyDiff:
-    case EvictionPolicy::kExpectedAttention:
-      // int(rf * B) as in the reference implementations (floor for non-negative values).
-      p.recent = static_cast<int>(rf * budget);
-      break;
-    case EvictionPolicy::kSnapKV:
-      // The observation window is always kept; a budget below W keeps its most recent B tokens.
-      p.recent = std::min(sh.obs_window, budget);
-      break;
-    case EvictionPolicy::kKNorm:
-    case EvictionPolicy::kRandom:
-      break;
-  }
-  p.recent = std::clamp(p.recent, 0, budget - p.sinks);
-  return p;
-}
+using Protected = ProtectedTokens;  // kvc/spec.h: the policy row's protected window
 
 // Writes the `budget` kept positions of one head, ascending, into out.
 void SelectHead(const float* score, int S, int budget, const Protected& p, int32_t* out) {
@@ -101,11 +63,12 @@ struct Better {
 // averaged over the group), so a score already is the token's share of its head's attention;
 // snapkv's pooled scores are compared as pooled, as AdaKV does. random: as they are (uniform in
 // [0, 1) for every head). knorm (negative key norms, no common scale): softmax over the head.
+// Which is which is the policy row's cross_head (kvc/policy.h).
 void NormalizeScores(const float* scores, int H, int S, EvictionPolicy policy, float* out) {
   for (int h = 0; h < H; ++h) {
     const float* x = scores + static_cast<size_t>(h) * S;
     float* y = out + static_cast<size_t>(h) * S;
-    if (policy == EvictionPolicy::kKNorm) {
+    if (Policy(policy).cross_head == CrossHeadScale::kSoftmaxPerHead) {
       float mx = -std::numeric_limits<float>::infinity();
       for (int j = 0; j < S; ++j) mx = std::max(mx, x[j]);
       double sum = 0;

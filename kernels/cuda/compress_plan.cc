@@ -6,16 +6,6 @@
 #include "core/compact_write.h"
 
 namespace kvc::cuda {
-namespace {
-
-// Tokens of the budget reserved for the recent window: the request's recent_fraction when set
-// (>= 0), else the policy's default (h2o 1/2, keyformer 0.3).
-int RecentTokens(const EvictionSpec& e, int budget, double default_fraction) {
-  const double f = e.recent_fraction >= 0 ? e.recent_fraction : default_fraction;
-  return std::min(budget, static_cast<int>(f * budget));
-}
-
-}  // namespace
 
 CompressPlan MakeCompressPlan(const LayerInput& in, const CompressionSpec& spec) {
   const LayerShape& sh = in.shape;
@@ -23,36 +13,10 @@ CompressPlan MakeCompressPlan(const LayerInput& in, const CompressionSpec& spec)
   CompressPlan p;
   const EvictionSpec& e = spec.eviction;
   p.budget = EffectiveBudget(e, in.layer_index, s);
-  int recent = 0;
-  switch (e.policy) {
-    case EvictionPolicy::kNone:
-      recent = s;
-      break;
-    case EvictionPolicy::kStreaming:
-      p.sink_end = std::min(e.sink_tokens, p.budget);
-      recent = p.budget - p.sink_end;
-      break;
-    case EvictionPolicy::kH2O:
-      recent = RecentTokens(e, p.budget, 0.5);
-      p.needs_attention_scores = true;
-      break;
-    case EvictionPolicy::kSnapKV:
-      recent = std::min(sh.obs_window, p.budget);
-      p.needs_attention_scores = true;
-      break;
-    case EvictionPolicy::kKeyformer:
-      recent = RecentTokens(e, p.budget, 0.3);
-      p.needs_attention_scores = true;
-      break;
-    case EvictionPolicy::kKeyDiff:
-    case EvictionPolicy::kExpectedAttention:
-      recent = RecentTokens(e, p.budget, 0.0);
-      break;
-    case EvictionPolicy::kKNorm:
-    case EvictionPolicy::kRandom:
-      break;
-  }
-  p.recent_begin = s - std::clamp(recent, 0, p.budget - p.sink_end);
+  // The policy row's protected window, computed as the CPU engine does (kvc/spec.h).
+  const ProtectedTokens prot = ProtectedFor(e, sh, p.budget);
+  p.sink_end = prot.sinks;
+  p.recent_begin = s - prot.recent;
 
   const bool prune_keys = spec.channels.key_policy != ChannelPolicy::kNone;
   p.key_channels = prune_keys ? KeptChannels(spec.channels.key_lambda, d) : d;

@@ -18,7 +18,6 @@ struct CompressPlan {
   int budget = 0;                       // kept tokens per KV head
   int sink_end = 0;                     // positions [0, sink_end) are protected
   int recent_begin = 0;                 // positions [recent_begin, S) are protected
-  bool needs_attention_scores = false;  // h2o, snapkv, keyformer
   int n_recent = 0;                     // r, the most recent kept tokens stored unpruned
   int key_channels = 0, value_channels = 0;
   std::vector<HeadOffsets> offsets;  // [Hkv]

@@ -19,6 +19,7 @@
 #include "cuda/kernels.h"
 #include "cuda/resources.h"
 #include "cuda/score_extra_kernels.h"
+#include "cuda/scorers.h"
 #include "kvc/status_macros.h"
 
 namespace kvc::cuda {
@@ -91,6 +92,15 @@ absl::StatusOr<CompactLayer> CudaBackend::Compress(const LayerInput& in,
   RETURN_IF_ERROR(ValidateSpecInput(spec, in));
   if (in.memory == MemorySpace::kDevice) RETURN_IF_ERROR(CheckDeviceInput(in, pool_->device()));
   if (Cancelled(in.cancel)) return in.cancel->status();
+  if (Policy(spec.eviction.policy).scores && CudaScorerFor(spec.eviction.policy).score == nullptr) {
+    // A scoring policy without a device scorer yet (cuda/scorers.h): the host engine compresses
+    // the layer exactly as the CPU backend would (from a host copy of device-resident inputs).
+    if (in.memory == MemorySpace::kDevice) {
+      ASSIGN_OR_RETURN(const HostInput host_in, CopyInputToHost(in, /*with_kv=*/true));
+      return host_->Compress(host_in.view, spec, timings);
+    }
+    return host_->Compress(in, spec, timings);
+  }
   return WithSlot([&](StreamSlot* slot, Arena* arena) {
     return CompressOnSlot(in, spec, slot, arena, timings);
   });
@@ -106,6 +116,7 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
   const ElemType et = static_cast<ElemType>(in.dtype);
   const size_t es = DTypeSize(in.dtype);
   const CompressPlan plan = MakeCompressPlan(in, spec);
+  const CudaScorer& scorer = CudaScorerFor(spec.eviction.policy);
   const int b = plan.budget, m = b - plan.n_recent;
   const bool per_layer = spec.eviction.granularity == Granularity::kPerLayer;
   const bool need_q = w > 0;
@@ -118,7 +129,7 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
   const size_t q_bytes = need_q && !on_device ? static_cast<size_t>(hq) * w * d * es : 0;
   // Expected attention's statistics are computed on the host and travel with the inputs (from a
   // host copy of Q_obs when it is on the device).
-  const bool expected = spec.eviction.policy == EvictionPolicy::kExpectedAttention;
+  const bool expected = scorer.host_statistics;
   ExpectedStats stats;
   if (expected) {
     if (on_device && !spec.eviction.query_stats) {
@@ -159,15 +170,15 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
       std::clamp<size_t>(kMaxLogitFloats / row_floats, 1, static_cast<size_t>(std::max(w, 1))));
   const size_t logit_floats = tensor_cores ? ColumnScoreScratchFloats(hq, block_rows, s)
                                            : static_cast<size_t>(hq) * block_rows * s;
-  const size_t o_logits = arena.Add(plan.needs_attention_scores ? sizeof(float) * logit_floats : 0);
+  const size_t o_logits = arena.Add(scorer.attention_logits ? sizeof(float) * logit_floats : 0);
   const size_t o_scores = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
-  // Expected logits [Hq, S], value norms [Hkv, S], KeyDiff's mean keys [Hkv, D].
+  // Value norms [Hkv, S], or the scorer's own scratch (expected logits [Hq, S], KeyDiff's mean
+  // keys [Hkv, D]).
   const ValueWeight value_weight = EffectiveValueWeight(spec.eviction);
   const bool weighted = value_weight == ValueWeight::kMul || value_weight == ValueWeight::kAdd;
   size_t extra_floats = weighted ? static_cast<size_t>(hkv) * s : 0;
-  if (expected) extra_floats = std::max(extra_floats, static_cast<size_t>(hq) * s);
-  if (spec.eviction.policy == EvictionPolicy::kKeyDiff) {
-    extra_floats = std::max(extra_floats, KeyDiffScratchFloats(hkv, s, d));
+  if (scorer.extra_floats != nullptr) {
+    extra_floats = std::max(extra_floats, scorer.extra_floats(sh));
   }
   const size_t o_extra = arena.Add(sizeof(float) * extra_floats);
   const size_t o_pooled = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
@@ -208,82 +219,39 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
   KVC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(blob, 0, plan.blob_bytes, st), "clear blob");
   KVC_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[0], st), "cudaEventRecord");
 
-  // Stage 1: token scores.
+  // Stage 1: token scores, by the policy's row (cuda/scorers.h).
   const EvictionSpec& e = spec.eviction;
   float* final_scores = scores;
-  switch (e.policy) {
-    case EvictionPolicy::kNone:
-    case EvictionPolicy::kStreaming:
-      KVC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(scores, 0, sizeof(float) * hkv * s, st),
-                               "clear scores");
-      break;
-    case EvictionPolicy::kH2O:
-    case EvictionPolicy::kSnapKV:
-    case EvictionPolicy::kKeyformer: {
-      float* logits = arena.At<float>(o_logits);
-      const bool gumbel = e.policy == EvictionPolicy::kKeyformer;
-      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-      for (int row0 = 0; row0 < w; row0 += block_rows) {
-        const QueryRows qr{row0, std::min(block_rows, w - row0)};
-        if (tensor_cores) {
-          KVC_CUDA_RETURN_IF_ERROR(
-              LaunchTensorCoreColumnScores(et, dq, qs, dk, kvs, hq, hkv, w, qr, s, d, scale, gumbel,
-                                           e.seed, static_cast<uint32_t>(in.layer_index),
-                                           static_cast<float>(1.0 / e.tau), row0 > 0, logits,
-                                           scores, st),
-              "attention scores (tensor cores)");
-          continue;
-        }
-        KVC_CUDA_RETURN_IF_ERROR(
-            LaunchQKLogits(et, dq, qs, dk, kvs, hq, hkv, w, qr, s, d, scale, logits, st),
-            "QK^T scores");
-        KVC_CUDA_RETURN_IF_ERROR(LaunchSoftmaxRows(logits, hq, w, qr, s, gumbel, e.seed,
-                                                   static_cast<uint32_t>(in.layer_index),
-                                                   static_cast<float>(1.0 / e.tau), st),
-                                 "softmax");
-        KVC_CUDA_RETURN_IF_ERROR(
-            LaunchGroupColumnSum(logits, hq, hkv, qr.rows, s, /*accumulate=*/row0 > 0, scores, st),
-            "group average");
-      }
-      if (e.policy == EvictionPolicy::kSnapKV && e.pool_kernel > 1) {
-        KVC_CUDA_RETURN_IF_ERROR(
-            // SnapKV pools the prefix only; the observation window is protected anyway.
-            LaunchPool1d(scores, hkv, s, s - w, e.pool_kernel, e.pool == PoolKind::kAvg, pooled,
-                         st),
-            "snapkv pooling");
-        final_scores = pooled;
-      }
-      break;
+  if (scorer.score == nullptr) {  // a policy without scores (Compress sent the others to the host)
+    KVC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(scores, 0, sizeof(float) * hkv * s, st),
+                             "clear scores");
+  } else {
+    ScoreArgs sa;
+    sa.in = &in;
+    sa.spec = &e;
+    sa.dtype = et;
+    sa.k = dk;
+    sa.v = dv;
+    sa.q = dq;
+    sa.kvs = kvs;
+    sa.qs = qs;
+    sa.hq = hq;
+    sa.hkv = hkv;
+    sa.s = s;
+    sa.d = d;
+    sa.w = w;
+    sa.tensor_cores = tensor_cores;
+    sa.block_rows = block_rows;
+    sa.logits = arena.At<float>(o_logits);
+    sa.extra = arena.At<float>(o_extra);
+    if (expected) {
+      sa.stats_mean = reinterpret_cast<const float*>(dev_in + stat_at);
+      sa.stats_cov = reinterpret_cast<const float*>(dev_in + stat_at + Align256(mean_bytes));
     }
-    case EvictionPolicy::kKNorm:
-      KVC_CUDA_RETURN_IF_ERROR(LaunchKeyNormScores(et, dk, kvs, hkv, s, d, scores, st),
-                               "key norms");
-      break;
-    case EvictionPolicy::kRandom:
-      KVC_CUDA_RETURN_IF_ERROR(
-          LaunchRandomScores(hkv, s, e.seed, static_cast<uint32_t>(in.layer_index), scores, st),
-          "random scores");
-      break;
-    case EvictionPolicy::kKeyDiff:
-      KVC_CUDA_RETURN_IF_ERROR(
-          LaunchKeyDiffScores(et, dk, kvs, hkv, s, d, arena.At<float>(o_extra), scores, st),
-          "keydiff scores");
-      break;
-    case EvictionPolicy::kExpectedAttention: {
-      float* logits = arena.At<float>(o_extra);
-      const auto* mean = reinterpret_cast<const float*>(dev_in + stat_at);
-      const auto* cov = reinterpret_cast<const float*>(dev_in + stat_at + Align256(mean_bytes));
-      KVC_CUDA_RETURN_IF_ERROR(
-          LaunchExpectedLogits(et, dk, kvs, hq, hkv, s, d, mean, cov, logits, st),
-          "expected logits");
-      KVC_CUDA_RETURN_IF_ERROR(
-          LaunchSoftmaxRows(logits, hq, 1, QueryRows{0, 1}, s, false, 0, 0, 1.0f, st),
-          "expected softmax");
-      KVC_CUDA_RETURN_IF_ERROR(
-          LaunchGroupColumnSum(logits, hq, hkv, 1, s, /*accumulate=*/false, scores, st),
-          "expected group average");
-      break;
-    }
+    sa.scores = scores;
+    sa.pooled = pooled;
+    sa.stream = st;
+    ASSIGN_OR_RETURN(final_scores, scorer.score(sa));
   }
   if (weighted) {
     KVC_CUDA_RETURN_IF_ERROR(

@@ -174,16 +174,8 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   }
 
   grpc::Status Begin(const grpc::ByteBuffer& buffer, const std::string& ns) {
-    std::vector<grpc::Slice> slices;
-    if (!buffer.Dump(&slices).ok()) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "unreadable GetCacheRequest");
-    }
-    std::string bytes;
-    for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
     kvcache::v1::GetCacheRequest req;
-    if (!req.ParseFromString(bytes)) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "malformed GetCacheRequest");
-    }
+    if (absl::Status s = ParseMessage(buffer, &req); !s.ok()) return ToGrpc(s);
     if (auto s = ValidateCacheId("cache_id", req.cache_id()); !s.ok()) return ToGrpc(s);
     switch (req.format()) {
       case kvcache::v1::FORMAT_UNSPECIFIED:

@@ -10,7 +10,6 @@
 #include "absl/strings/str_format.h"
 #include "kvc/compact.h"
 #include "kvc/status_macros.h"
-#include "server/contiguous.h"
 #include "server/convert.h"
 #include "server/work_budget.h"
 
@@ -88,40 +87,23 @@ absl::Status Upload::Reject(RejectReason reason, absl::Status status) {
 
 absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::string& store_id) {
   auto invalid = [this](absl::Status s) { return Reject(RejectReason::kInvalid, std::move(s)); };
-  if (auto s = ValidateCacheId("header.cache_id", h.cache_id()); !s.ok()) return invalid(s);
-  if (h.shape().num_layers() < 1 || h.shape().num_layers() > 4096) {
-    return invalid(absl::InvalidArgumentError(absl::StrCat(
-        "header.shape.num_layers: ", h.shape().num_layers(), " is outside [1, 4096]")));
-  }
-  auto shape = ShapeFromProto(h.shape());
-  if (!shape.ok()) return invalid(shape.status());
-  auto dtype = FromProto(h.dtype());
-  if (!dtype.ok()) return invalid(dtype.status());
-  auto layout = FromProto(h.layout());
-  if (!layout.ok()) return invalid(layout.status());
-  const int num_layers = static_cast<int>(h.shape().num_layers());
-  auto spec = SpecFromProto(h.compression(), *shape, num_layers);
-  if (!spec.ok()) return invalid(spec.status());
-
-  // Checked sizes: ShapeFromProto bounds the element counts, and these products are checked too,
-  // so a wrapped (small) size can never pass the limits below.
-  std::optional<RopeParams> rope;
-  if (h.has_rope()) {
-    auto r = RopeFromProto(h.rope(), shape->head_dim, RopeUse::kPutHeader);
-    if (!r.ok()) {
-      return invalid(
-          absl::InvalidArgumentError(absl::StrCat("header.", std::string(r.status().message()))));
-    }
-    rope = *r;
-  } else if (spec->eviction.policy == EvictionPolicy::kExpectedAttention) {
-    return invalid(absl::InvalidArgumentError(
-        "header.rope: the expected policy needs the model's RoPE (theta, rotary_dims, style)"));
-  }
-  const bool query_stats = spec->eviction.query_stats;
-  auto lb = LayerTensorBytes(*shape, *dtype, query_stats);
-  if (!lb.ok()) return invalid(lb.status());
-  auto upload_bytes = UploadBytes(*shape, *dtype, num_layers, query_stats);
-  if (!upload_bytes.ok()) return invalid(upload_bytes.status());
+  // Every field mapped and checked by the protocol and the engine (kvc/protocol/convert.h).
+  absl::StatusOr<UploadHeader> header = HeaderFromProto(h);
+  if (!header.ok()) return invalid(header.status());
+  const int num_layers = header->num_layers;
+  const LayerShape& shape = header->shape;
+  const DType dtype = header->dtype;
+  const CompressionSpec& spec = header->spec;
+  // Sizes from the engine (kvc/layer.h, kvc/compact.h), overflow-checked there: a wrapped (small)
+  // size can never pass the limits below. They name "shape..."; the field is "header.shape...".
+  auto in_header = [](const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat("header.", s.message()));
+  };
+  const bool query_stats = spec.eviction.query_stats;
+  auto lb = LayerTensorBytes(shape, dtype, query_stats);
+  if (!lb.ok()) return invalid(in_header(lb.status()));
+  auto upload_bytes = UploadBytes(shape, dtype, num_layers, query_stats);
+  if (!upload_bytes.ok()) return invalid(in_header(upload_bytes.status()));
   const uint64_t total = *upload_bytes;
   if (total > limits_.max_cache_bytes) {
     return Reject(RejectReason::kTooLarge,
@@ -133,13 +115,13 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
   // The work the spec will cost, against a budget in proportion to the upload's bytes: a small
   // upload cannot ask for an unbounded amount of compute or memory. An upload that keeps
   // everything never reaches the engine.
-  const bool in_place = InPlaceLayer::KeepsEverything(*spec);
+  const bool in_place = InPlaceLayer::KeepsEverything(spec);
   int concurrent_layers = 1;
   if (!in_place) {
-    const CostConcurrency cc = UploadConcurrency(limits_.engine_threads, shape->num_kv_heads,
+    const CostConcurrency cc = UploadConcurrency(limits_.engine_threads, shape.num_kv_heads,
                                                  num_layers, limits_.whole_layer_statistics);
     concurrent_layers = cc.concurrent_layers;
-    cost_ = CompressCost(*shape, *dtype, *spec, num_layers, cc);
+    cost_ = CompressCost(shape, dtype, spec, num_layers, cc);
     const WorkBudget budget{limits_.work_flops_per_byte, limits_.work_base_flops,
                             limits_.work_scratch_per_byte, limits_.work_base_scratch_bytes};
     if (auto s = CheckWorkBudget(cost_, total, budget); !s.ok()) {
@@ -151,8 +133,8 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
                   absl::AlreadyExistsError(absl::StrCat("header.cache_id: '", h.cache_id(),
                                                         "' exists (set overwrite to replace)")));
   }
-  auto estimated = EstimateStoredBytes(*shape, *dtype, *spec, num_layers);
-  if (!estimated.ok()) return invalid(estimated.status());
+  auto estimated = EstimateStoredBytes(shape, dtype, spec, num_layers);
+  if (!estimated.ok()) return invalid(in_header(estimated.status()));
   const uint64_t estimate = *estimated;
   if (auto s = store_->CheckCanFit(estimate); !s.ok()) {
     return Reject(RejectReason::kNoSpace, absl::ResourceExhaustedError(absl::StrCat(
@@ -162,15 +144,15 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
 
   header_ = h;
   store_id_ = store_id;
-  shape_ = *shape;
-  dtype_ = *dtype;
-  layout_ = *layout;
-  spec_ = *spec;
+  shape_ = shape;
+  dtype_ = dtype;
+  layout_ = header->layout;
+  spec_ = spec;
   tensor_bytes_[0] = lb->k;
   tensor_bytes_[1] = lb->v;
   tensor_bytes_[2] = lb->q_obs;
   tensor_bytes_[3] = lb->q_stats;
-  rope_ = rope;
+  rope_ = header->rope;
   in_place_ = in_place;
   layers_.resize(num_layers);
   {

@@ -132,6 +132,10 @@ class Upload : public std::enable_shared_from_this<Upload> {
   }
 
   bool has_header() const { return has_header_; }
+  // Bytes of tensor t (0 K, 1 V, 2 Q_obs, 3 Q_stats) of every layer, and the layer count, as the
+  // accepted header declares them (0 before OnHeader succeeded).
+  uint64_t tensor_bytes(int t) const { return tensor_bytes_[t]; }
+  int num_layers() const { return static_cast<int>(layers_.size()); }
   RejectReason reject_reason() const;
   uint64_t payload_bytes() const { return payload_bytes_; }  // data bytes accepted so far
   const std::string& backend_name() const { return backend_name_; }

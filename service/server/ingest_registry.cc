@@ -31,20 +31,9 @@ constexpr const char* kTensorNames[4] = {"K", "V", "Q_obs", "Q_stats"};
 IngestRegistry::Entry::Entry(std::shared_ptr<Upload> upload,
                              const kvcache::v1::PutCacheHeader& header, uint64_t max_chunk_bytes)
     : upload_(std::move(upload)), max_chunk_bytes_(std::max<uint64_t>(max_chunk_bytes, 1)) {
-  // The header was accepted by Upload::OnHeader, so these conversions succeed; a failure would
-  // leave the sizes at 0 and every tensor is then refused as the wrong size.
-  auto shape = ShapeFromProto(header.shape());
-  auto dtype = FromProto(header.dtype());
-  if (shape.ok() && dtype.ok()) {
-    const bool query_stats = header.compression().eviction().query_stats();
-    if (auto lb = LayerTensorBytes(*shape, *dtype, query_stats); lb.ok()) {
-      tensor_bytes_[0] = lb->k;
-      tensor_bytes_[1] = lb->v;
-      tensor_bytes_[2] = lb->q_obs;
-      tensor_bytes_[3] = lb->q_stats;
-    }
-  }
-  num_layers_ = header.shape().num_layers();
+  // The sizes the upload accepted with its header (Upload::OnHeader): the proto is mapped once.
+  for (int t = 0; t < 4; ++t) tensor_bytes_[t] = upload_->tensor_bytes(t);
+  num_layers_ = static_cast<uint32_t>(upload_->num_layers());
 }
 
 absl::Status IngestRegistry::Entry::Close() {

@@ -1,7 +1,6 @@
-// Raw wire handling for the two bulk messages, PutCacheRequest and GetCacheResponse, so that the
-// `data` payload (field 15) is never copied through protobuf parsing: requests are walked over
-// the slices of the received ByteBuffer, and responses are a small serialized prefix plus a slice
-// that references the payload in place.
+// kvcd's side of the raw wire handling of the two bulk messages, PutCacheRequest and
+// GetCacheResponse, so that the `data` payload (field 15) is never copied through protobuf
+// parsing. The reader and the framing are the ones the client uses (kvc/protocol/wire.h).
 #ifndef KVC_SERVICE_SERVER_WIRE_H_
 #define KVC_SERVICE_SERVER_WIRE_H_
 
@@ -13,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/slice.h"
+#include "kvc/protocol/wire.h"
 #include "kvcache/v1/kvcache.pb.h"
 
 namespace kvc::server {
@@ -23,8 +23,8 @@ struct RawPutRequest {
   Kind kind = Kind::kNone;
   kvcache::v1::PutCacheHeader header;  // when kind == kHeader
   kvcache::v1::ChunkHeader chunk;      // when kind == kChunk
-  // Keeps the slices alive; `data` points into them.
-  std::vector<grpc::Slice> slices;
+  // Keeps the received slices alive; `data` points into them.
+  RawData raw;
   struct Segment {
     const uint8_t* ptr;
     size_t size;
@@ -47,14 +47,13 @@ absl::StatusOr<RawPutRequest> ParsePutRequest(grpc::ByteBuffer* buffer);
 grpc::ByteBuffer MakeChunkResponse(const kvcache::v1::LayerChunk& chunk, const uint8_t* data,
                                    size_t size, std::shared_ptr<const void> keepalive);
 
-// Parses an ordinary (small) request message held in `buffer` into `message`. INVALID_ARGUMENT
-// naming the message type when the bytes are not a valid serialization, including a string field
-// that is not UTF-8. Raw unary handlers use it: gRPC's own handler answers an unparsable request
-// with UNIMPLEMENTED and no message.
-absl::Status ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message);
+// Parses an ordinary (small) request message (kvc::ParseMessage, kvc/protocol/wire.h).
+using ::kvc::ParseMessage;
 
 // Serializes an ordinary message into a ByteBuffer (for the info message and the Put response).
-grpc::ByteBuffer SerializeToByteBuffer(const google::protobuf::MessageLite& message);
+inline grpc::ByteBuffer SerializeToByteBuffer(const google::protobuf::MessageLite& message) {
+  return FrameMessage(message);
+}
 
 }  // namespace kvc::server
 

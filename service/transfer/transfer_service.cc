@@ -438,11 +438,6 @@ grpc::ServerBidiReactor<FetchRequest, FetchResponse>* TransferServiceImpl::Fetch
 
 }  // namespace
 
-grpc::Status ToGrpcStatus(const absl::Status& s) {
-  if (s.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
-
 absl::StatusOr<std::unique_ptr<grpc::Service>> CreateTransferService(
     const TransferServiceOptions& options) {
   if (options.sink == nullptr) return absl::InvalidArgumentError("sink: required");

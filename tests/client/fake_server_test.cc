@@ -7,10 +7,10 @@
 
 #include <atomic>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "kvc/client.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 
@@ -30,7 +30,7 @@ class FakeService final : public pb::KvCache::Service {
   // the call and returns at once, while the handler of that call may still be walking its
   // script; so tests replace the script only through here and each call works on its own copy.
   void SetGet(std::vector<pb::GetCacheResponse> script, grpc::Status status = grpc::Status::OK) {
-    std::lock_guard<std::mutex> lock(get_mu_);
+    absl::MutexLock lock(&get_mu_);
     script_ = std::move(script);
     get_status_ = std::move(status);
   }
@@ -76,7 +76,7 @@ class FakeService final : public pb::KvCache::Service {
     std::vector<pb::GetCacheResponse> script;
     grpc::Status status;
     {
-      std::lock_guard<std::mutex> lock(get_mu_);
+      absl::MutexLock lock(&get_mu_);
       script = script_;
       status = get_status_;
     }
@@ -87,7 +87,7 @@ class FakeService final : public pb::KvCache::Service {
   }
 
  private:
-  std::mutex get_mu_;
+  absl::Mutex get_mu_;
   std::vector<pb::GetCacheResponse> script_;
   grpc::Status get_status_ = grpc::Status::OK;
 };

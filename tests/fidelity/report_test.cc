@@ -1,18 +1,23 @@
 // The fidelity tool's pieces that need no model: option checks, the default sweep, CSV/table
-// formatting, the PNG encoder (decoded back with zlib) and the plot renderer.
+// formatting, the plots, and their PNG (rendered by rsvg-convert, decoded back here with zlib).
 #include "kvc/fidelity/report.h"
 
+#include <unistd.h>
 #include <zlib.h>
 
+#include <array>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvc/fidelity/fidelity.h"
-#include "kvc/fidelity/png.h"
 
 namespace kvc::fidelity {
 namespace {
@@ -136,11 +141,15 @@ TEST(ReportTest, CsvQuotesLabelsWithCommas) {
   EXPECT_EQ(FormatTableRow(r).rfind("snapkv:0.25,kernel=5,pool=avg", 0), 0u);
 }
 
-// Decodes our own PNG: signature, chunk CRCs, IHDR, inflated scanlines.
+// Decodes a PNG as rsvg-convert writes it: signature, chunk CRCs, IHDR (8-bit RGB or RGBA, not
+// interlaced), the IDAT chunks inflated and unfiltered (None, Sub, Up, Average, Paeth). Returns
+// RGB pixels; alpha, when present, must be opaque.
 std::vector<uint8_t> DecodePng(const std::vector<uint8_t>& png, int* w, int* h) {
   static const uint8_t kSig[] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+  EXPECT_GE(png.size(), 8u);
   EXPECT_EQ(std::memcmp(png.data(), kSig, 8), 0);
   size_t at = 8;
+  int channels = 0;
   std::vector<uint8_t> idat;
   std::vector<std::string> types;
   while (at + 12 <= png.size()) {
@@ -153,70 +162,137 @@ std::vector<uint8_t> DecodePng(const std::vector<uint8_t>& png, int* w, int* h) 
       *w = static_cast<int>(Be32(&png[at + 8]));
       *h = static_cast<int>(Be32(&png[at + 12]));
       EXPECT_EQ(png[at + 16], 8);  // bit depth
-      EXPECT_EQ(png[at + 17], 2);  // truecolor
+      EXPECT_TRUE(png[at + 17] == 2 || png[at + 17] == 6) << int{png[at + 17]};  // RGB(A)
+      channels = png[at + 17] == 6 ? 4 : 3;
+      EXPECT_EQ(png[at + 20], 0);  // not interlaced
     }
     if (type == "IDAT") idat.insert(idat.end(), &png[at + 8], &png[at + 8 + len]);
     at += 12 + len;
   }
   EXPECT_EQ(at, png.size());
-  EXPECT_THAT(types, ::testing::ElementsAre("IHDR", "IDAT", "IEND"));
-  uLongf raw_size = static_cast<uLongf>(*h) * (1 + 3 * *w);
+  EXPECT_FALSE(types.empty());
+  if (types.empty() || channels == 0) return {};
+  EXPECT_EQ(types.front(), "IHDR");
+  EXPECT_EQ(types.back(), "IEND");
+  const size_t stride = static_cast<size_t>(*w) * channels;
+  uLongf raw_size = static_cast<uLongf>(*h) * (1 + stride);
   std::vector<uint8_t> raw(raw_size);
   EXPECT_EQ(uncompress(raw.data(), &raw_size, idat.data(), idat.size()), Z_OK);
-  std::vector<uint8_t> rgb;
+  std::vector<uint8_t> pix(static_cast<size_t>(*h) * stride), rgb;
   for (int y = 0; y < *h; ++y) {
-    EXPECT_EQ(raw[y * (1 + 3 * *w)], 0);  // filter None
-    rgb.insert(rgb.end(), &raw[y * (1 + 3 * *w) + 1], &raw[(y + 1) * (1 + 3 * *w)]);
+    const uint8_t filter = raw[y * (1 + stride)];
+    const uint8_t* in = &raw[y * (1 + stride) + 1];
+    uint8_t* out = &pix[y * stride];
+    const uint8_t* up = y > 0 ? &pix[(y - 1) * stride] : nullptr;
+    for (size_t i = 0; i < stride; ++i) {
+      const int a = i >= static_cast<size_t>(channels) ? out[i - channels] : 0;
+      const int b = up != nullptr ? up[i] : 0;
+      const int c = up != nullptr && i >= static_cast<size_t>(channels) ? up[i - channels] : 0;
+      int pred = 0;
+      switch (filter) {
+        case 0:
+          pred = 0;
+          break;
+        case 1:
+          pred = a;
+          break;
+        case 2:
+          pred = b;
+          break;
+        case 3:
+          pred = (a + b) / 2;
+          break;
+        case 4: {
+          const int p = a + b - c, pa = std::abs(p - a), pb = std::abs(p - b), pc = std::abs(p - c);
+          pred = pa <= pb && pa <= pc ? a : (pb <= pc ? b : c);
+          break;
+        }
+        default:
+          ADD_FAILURE() << "filter " << int{filter};
+      }
+      out[i] = static_cast<uint8_t>(in[i] + pred);
+    }
+  }
+  for (size_t i = 0; i < pix.size(); i += channels) {
+    rgb.insert(rgb.end(), &pix[i], &pix[i] + 3);
+    if (channels == 4) {
+      EXPECT_EQ(pix[i + 3], 255) << "pixel " << i / channels;
+    }
   }
   return rgb;
 }
 
-TEST(PngTest, EncodesPixelsExactly) {
-  Image img(7, 3, {10, 20, 30});
-  img.Set(0, 0, {255, 0, 0});
-  img.Set(6, 2, {0, 255, 1});
-  img.Set(7, 0, {1, 1, 1});   // outside: ignored
-  img.Set(-1, 1, {1, 1, 1});  // outside: ignored
-  auto png = EncodePng(img);
-  ASSERT_TRUE(png.ok());
-  int w = 0, h = 0;
-  EXPECT_EQ(DecodePng(*png, &w, &h), img.pixels());
-  EXPECT_EQ(w, 7);
-  EXPECT_EQ(h, 3);
-  EXPECT_EQ(img.At(0, 0), (Rgb{255, 0, 0}));
-  EXPECT_EQ(img.At(6, 2), (Rgb{0, 255, 1}));
-  EXPECT_EQ(img.At(1, 1), (Rgb{10, 20, 30}));
-}
-
-TEST(PngTest, WriteReportsUnwritablePaths) {
-  Image img(2, 2, {});
-  absl::Status s = WritePng(img, "/nonexistent-dir/x.png");
-  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
-  EXPECT_THAT(s.message(), HasSubstr("/nonexistent-dir/x.png"));
-}
-
-int CountColor(const Image& img, Rgb c, int x0 = 0, int y0 = 0, int x1 = -1, int y1 = -1) {
-  if (x1 < 0) x1 = img.width() - 1;
-  if (y1 < 0) y1 = img.height() - 1;
+// Pixels of colour (r, g, b) in rows [y0, y1) of an RGB image `w` wide.
+int CountColor(const std::vector<uint8_t>& rgb, int w, std::array<uint8_t, 3> c, int y0, int y1) {
   int n = 0;
-  for (int y = y0; y <= y1; ++y) {
-    for (int x = x0; x <= x1; ++x) n += img.At(x, y) == c;
+  for (size_t i = static_cast<size_t>(y0) * w * 3;
+       i + 2 < rgb.size() && i < static_cast<size_t>(y1) * w * 3; i += 3) {
+    n += rgb[i] == c[0] && rgb[i + 1] == c[1] && rgb[i + 2] == c[2];
   }
   return n;
 }
 
-TEST(FontTest, GlyphsAreDistinctAndTextIsDrawn) {
-  EXPECT_EQ(Glyph('a'), Glyph('A'));
-  EXPECT_NE(Glyph('A'), Glyph('B'));
-  EXPECT_EQ(Glyph('~'), Glyph('?'));  // not in the font
-  Image img(100, 20, {255, 255, 255});
-  img.Text(1, 1, "L", {0, 0, 0}, 2);
-  // 'L' is 7 pixels of stem plus 4 more of foot, each a 2x2 block.
-  EXPECT_EQ(CountColor(img, {0, 0, 0}), (7 + 4) * 4);
-  EXPECT_EQ(Image::TextWidth("abc", 2), 36);
-  Image v(20, 100, {255, 255, 255});
-  v.TextVertical(1, 90, "L", {0, 0, 0}, 1);
-  EXPECT_EQ(CountColor(v, {0, 0, 0}), 11);
+// Pixels darker than (64, 64, 64) in rows [y0, y1): text, axes, ticks.
+int CountDark(const std::vector<uint8_t>& rgb, int w, int y0, int y1) {
+  int n = 0;
+  for (size_t i = static_cast<size_t>(y0) * w * 3;
+       i + 2 < rgb.size() && i < static_cast<size_t>(y1) * w * 3; i += 3) {
+    n += rgb[i] < 64 && rgb[i + 1] < 64 && rgb[i + 2] < 64;
+  }
+  return n;
+}
+
+std::string TempPng(const std::string& name) {
+  return ::testing::TempDir() + "kvc_report_" + name + ".png";
+}
+
+TEST(PngTest, RsvgConvertRendersTheSvgPlot) {
+  if (!PngWriterAvailable().ok()) {
+    GTEST_SKIP() << "SKIPPED: rsvg-convert is not installed (Debian package librsvg2-bin)";
+  }
+  const std::vector<PlotSpec> panels = AgreementPlots(SampleResults(), "title");
+  const std::string path = TempPng("plot");
+  ASSERT_TRUE(WritePng(panels, path).ok());
+  std::ifstream in(path, std::ios::binary);
+  const std::vector<uint8_t> png((std::istreambuf_iterator<char>(in)),
+                                 std::istreambuf_iterator<char>());
+  std::remove(path.c_str());
+  int w = 0, h = 0;
+  const std::vector<uint8_t> rgb = DecodePng(png, &w, &h);
+  // The SVG's own size.
+  const std::string svg = RenderSvg(panels);
+  EXPECT_THAT(svg, HasSubstr(absl::StrCat("width=\"", w, "\" height=\"", h, "\"")));
+  ASSERT_EQ(rgb.size(), static_cast<size_t>(w) * h * 3);
+  // Each series has its own palette color (lines, markers, legend swatches), the title and the
+  // axes are dark, the background white.
+  EXPECT_GT(CountColor(rgb, w, {31, 119, 180}, 0, h), 50);
+  EXPECT_GT(CountColor(rgb, w, {140, 86, 75}, 0, h), 50);
+  EXPECT_GT(CountDark(rgb, w, 0, 40), 20);
+  EXPECT_GT(CountDark(rgb, w, 0, h), 500);
+  EXPECT_GT(CountColor(rgb, w, {255, 255, 255}, 0, h), w * h / 2);
+}
+
+TEST(PngTest, WriteReportsUnwritablePaths) {
+  if (!PngWriterAvailable().ok()) {
+    GTEST_SKIP() << "SKIPPED: rsvg-convert is not installed (Debian package librsvg2-bin)";
+  }
+  absl::Status s = WritePng(AgreementPlots(SampleResults(), "t"), "/nonexistent-dir/x.png");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(s.message(), HasSubstr("/nonexistent-dir/x.png"));
+}
+
+TEST(PngTest, WithoutRsvgConvertTheErrorSaysWhatToInstall) {
+  const char* old = std::getenv("PATH");
+  const std::string saved = old != nullptr ? old : "";
+  setenv("PATH", "/nonexistent-dir", 1);
+  const absl::Status available = PngWriterAvailable();
+  const absl::Status written = WritePng(AgreementPlots(SampleResults(), "t"), TempPng("none"));
+  setenv("PATH", saved.c_str(), 1);
+  EXPECT_EQ(available.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(available.message(), HasSubstr("rsvg-convert"));
+  EXPECT_THAT(available.message(), HasSubstr("librsvg2-bin"));
+  EXPECT_EQ(written.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(::access(TempPng("none").c_str(), F_OK), 0);  // nothing written
 }
 
 TEST(PlotTest, DrawsEverySeriesAndLegend) {
@@ -233,22 +309,23 @@ TEST(PlotTest, DrawsEverySeriesAndLegend) {
   ASSERT_EQ(spec.series[0].points.size(), 4u);
   EXPECT_NEAR(spec.series[0].points.front().first, 0.9 * 0.25, 0.03);  // sorted by x (size)
   EXPECT_EQ(spec.series[0].points.front().second, 0.25);
-  const Image img = RenderLinePlot(spec);
-  // Each series has its own palette color: markers + line + legend swatch.
-  const Rgb first{31, 119, 180}, sixth{140, 86, 75};
-  EXPECT_GT(CountColor(img, first), 50);
-  EXPECT_GT(CountColor(img, sixth), 50);
-  // Title, tick labels and axes are black.
-  EXPECT_GT(CountColor(img, {0, 0, 0}, 0, 0, img.width() - 1, 40), 20);
-  EXPECT_GT(CountColor(img, {0, 0, 0}), 500);
-  // A degenerate range does not crash; it says so.
-  // Legend rows for all 10 series fit in the image.
-  EXPECT_GE(img.height(), 50 + 10 * 24);
+  const std::string svg = RenderSvg(panels);
+  // Each series has its own palette color; every legend entry is a text; the title is there.
+  EXPECT_THAT(svg, HasSubstr("stroke=\"#1f77b4\""));
+  EXPECT_THAT(svg, HasSubstr("stroke=\"#8c564b\""));
+  for (const Series& s : spec.series) EXPECT_THAT(svg, HasSubstr(">" + s.name + "</text>"));
+  EXPECT_THAT(svg, HasSubstr(">" + spec.title + "</text>"));
+  // Legend rows for every series fit in the plot.
+  int h = 0;
+  ASSERT_NE(svg.find("height=\""), std::string::npos);
+  h = std::atoi(svg.c_str() + svg.find("height=\"") + 8);
+  EXPECT_GE(h, 50 + static_cast<int>(spec.series.size()) * 24);
+  // A degenerate range does not crash: the panel keeps its title and draws no series.
   PlotSpec bad = spec;
   bad.x_max = bad.x_min;
-  const Image msg = RenderLinePlot(bad);
-  EXPECT_GT(CountColor(msg, {0, 0, 0}), 0);
-  EXPECT_EQ(CountColor(msg, first), 0);
+  const std::string msg = RenderSvg({bad});
+  EXPECT_THAT(msg, HasSubstr(">" + spec.title + "</text>"));
+  EXPECT_EQ(msg.find("#1f77b4"), std::string::npos);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "kvc/backend.h"
 #include "kvc/compact.h"
+#include "kvc/protocol/spec_string.h"
 #include "kvc/selection.h"
 
 namespace kvc {

@@ -14,6 +14,7 @@
 #include "kernels/select_util.h"
 #include "kvc/compact.h"
 #include "kvc/contiguous_export.h"
+#include "kvc/protocol/spec_string.h"
 #include "kvc/selection.h"
 #include "kvc/spec.h"
 

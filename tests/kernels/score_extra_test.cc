@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "kernels/select_util.h"
 #include "kvc/backend.h"
+#include "kvc/protocol/spec_string.h"
 #include "kvc/rope.h"
 #include "kvc/selection.h"
 

@@ -1,3 +1,5 @@
+#include "kvc/protocol/spec_string.h"
+
 #include <string>
 
 #include "gmock/gmock.h"

@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "kvc/cache_store.h"
 #include "kvc/transfer.h"
+#include "kvc/transfer_client.h"
 #include "server/ingest_registry.h"
 #include "server/server.h"
 #include "server/transfer_source.h"

@@ -14,6 +14,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvc/transfer.h"
+#include "kvc/transfer_client.h"
 #include "kvcache/v1/transfer.grpc.pb.h"
 #include "testing/fake_communicator.h"
 

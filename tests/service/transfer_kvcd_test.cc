@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kvc/transfer.h"
+#include "kvc/transfer_client.h"
 #include "server/ingest_registry.h"
 #include "server/server.h"
 #include "testing/fake_communicator.h"

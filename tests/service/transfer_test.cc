@@ -19,6 +19,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvc/backend.h"
+#include "kvc/transfer_client.h"
 #include "kvcache/v1/transfer.grpc.pb.h"
 #include "testing/fake_communicator.h"
 #include "transfer/transfer_sessions.h"

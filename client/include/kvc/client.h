@@ -43,6 +43,7 @@
 #include "absl/types/optional.h"
 #include "absl/types/span.h"
 #include "kvc/bytes.h"
+#include "kvc/protocol/status.h"
 #include "kvcache/v1/kvcache.pb.h"
 
 namespace grpc {
@@ -185,8 +186,8 @@ class Client {
   Client() = default;
 };
 
-// grpc::Status -> absl::Status with the same code and message (exposed for tests and tools).
-absl::Status FromGrpcStatus(const grpc::Status& status);
+// grpc::Status -> absl::Status with the same code and message: FromGrpcStatus in
+// kvc/protocol/status.h (included above).
 
 // Name of a status code as gRPC spells it ("UNAVAILABLE", "NOT_FOUND", ...).
 std::string StatusCodeName(absl::StatusCode code);

@@ -158,9 +158,18 @@ class CompactLayerView {
   const HeadDesc* descs_ = nullptr;
 };
 
-// Byte size PackLayer will produce for inputs it accepts (for budgets and benchmarks).
+// Byte size PackLayer (kvc/selection.h) will produce for inputs it accepts (for budgets and
+// benchmarks).
 size_t PackedSize(const LayerShape& shape, DType dtype, const TokenSelection& tokens,
                   const ChannelSelection& channels, const CompressionSpec& spec);
+
+// Lower bound on the compact size of a whole cache of `num_layers` layers compressed with `spec`
+// (blob headers, kept tokens, kept channels, quantized sizes; scales ignored), before any layer
+// has arrived: kvcd refuses an upload that can never fit its store with it. Checked integer
+// arithmetic: INVALID_ARGUMENT naming the product ("shape: ...") when it does not fit in 64 bits
+// (never for a shape ValidateShape accepts with num_layers <= 4096). The spec must be valid.
+absl::StatusOr<uint64_t> EstimateStoredBytes(const LayerShape& shape, DType dtype,
+                                             const CompressionSpec& spec, int num_layers);
 
 // A layer stored whole, built in place. When a spec keeps every token and channel unquantized
 // (KeepsEverything: eviction, key and value pruning all off, bits 0), PackLayer's blob is the

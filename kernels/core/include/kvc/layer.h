@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kvc/cancel.h"
 #include "kvc/dtype.h"
 #include "kvc/rope.h"
@@ -65,6 +66,19 @@ inline size_t QueryStatsFloats(const LayerShape& s) {
   return static_cast<size_t>(s.num_q_heads) *
          (s.head_dim + static_cast<size_t>(s.head_dim) * s.head_dim);
 }
+
+// Byte sizes of one layer's tensors as uploaded: K, V and Q_obs in `dtype`, and Q_stats (float32
+// [Hq, D + D * D], QueryStatsFloats) when `query_stats`, else 0. Overflow-checked
+// (kvc/checked_math.h): INVALID_ARGUMENT naming the product, e.g. "shape: num_kv_heads*seq_len*
+// head_dim*dtype_bytes = ... overflows 64 bits" (never for a shape ValidateShape accepts).
+struct LayerBytes {
+  uint64_t k = 0, v = 0, q_obs = 0, q_stats = 0;
+};
+absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& shape, DType dtype,
+                                            bool query_stats = false);
+// K + V + Q_obs (+ Q_stats) bytes of all `num_layers` layers, overflow-checked likewise.
+absl::StatusOr<uint64_t> UploadBytes(const LayerShape& shape, DType dtype, int num_layers,
+                                     bool query_stats = false);
 
 // Checks shape limits and pointers; the message names the offending field, e.g.
 // "shape.head_dim: 300 is outside [8, 256]". ValidateShape: Hkv >= 1, Hq a multiple of Hkv, S >= 1,

@@ -11,21 +11,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kvc/layer.h"
+#include "kvc/policy.h"
 
 namespace kvc {
 
-// Values are part of the wire format: never renumber.
-enum class EvictionPolicy : uint8_t {
-  kNone = 0,  // keep every token
-  kStreaming = 1,
-  kH2O = 2,
-  kSnapKV = 3,
-  kKeyformer = 4,
-  kKNorm = 5,
-  kRandom = 6,
-  kKeyDiff = 7,            // query-agnostic: -cos(k_j, mean normalised key of the head)
-  kExpectedAttention = 8,  // from query statistics: see ScoreTokens in kvc/selection.h
-};
+// EvictionPolicy and what each policy is: kvc/policy.h.
 enum class ChannelPolicy : uint8_t { kNone = 0, kThink = 1, kL1 = 2, kL2 = 3 };
 enum class PoolKind : uint8_t { kMax = 0, kAvg = 1 };
 enum class Granularity : uint8_t { kPerHead = 0, kPerLayer = 1 };
@@ -105,17 +95,17 @@ struct CompressionSpec {
 // "eviction.budget: 5000 exceeds seq_len 4096" or "channels.key_lambda: 1.5 is outside [0, 1)".
 // Rejects: unknown enum values; budget or layer_budgets entries < 0 or > seq_len; keep_ratio
 // outside (0, 1]; sink_tokens < 0; recent_fraction NaN or > 1; pool_kernel even, < 1 or above
-// kMaxPoolKernel; tau not
-// finite and > 0; adaptive with a policy that has no scores (none, streaming) or with per-layer
-// granularity; adaptive_floor NaN or outside [0, 1] (checked only when adaptive);
-// h2o/snapkv/keyformer, think and prune_values with obs_window 0; lambdas outside [0, 1);
+// kMaxPoolKernel; tau not finite and > 0; adaptive with a policy that has no scores (row .scores
+// false: none, streaming) or with per-layer granularity; adaptive_floor NaN or outside [0, 1]
+// (checked only when adaptive); a policy reading observation queries (row .inputs kObservation:
+// h2o, snapkv, keyformer), think and prune_values with obs_window 0; lambdas outside [0, 1);
 // quant.bits not in {0, 2, 4, 8}; recent_tokens < 0; layer_index < 0; value_weight unknown, or on
-// (mul/add) for a policy without attention scores; value_eps negative or not finite; horizon < 1
-// or above kMaxHorizon;
-// query_stats with a policy other than expected; expected with obs_window 0 and no query_stats.
+// (mul/add) for a policy whose row does not compose with it; value_eps negative or not finite;
+// horizon < 1 or above kMaxHorizon; query_stats with a policy that reads no query statistics;
+// such a policy (expected) with obs_window 0 and no query_stats.
 absl::Status ValidateSpec(const CompressionSpec& spec, const LayerShape& shape, int layer_index);
-// The inputs a valid spec reads beyond K, V and Q_obs: expected attention needs in.rope
-// ("rope: ..."), query_stats needs in.q_stats ("q_stats: ...").
+// The inputs a valid spec reads beyond K, V and Q_obs: a policy reading query statistics
+// (expected) needs in.rope ("rope: ..."), query_stats needs in.q_stats ("q_stats: ...").
 absl::Status ValidateSpecInput(const CompressionSpec& spec, const LayerInput& in);
 
 // Tokens kept per KV head for this layer (spec must be valid): seq_len for policy none; else a
@@ -124,18 +114,26 @@ int EffectiveBudget(const EvictionSpec& spec, int layer_index, int seq_len);
 // Channels kept of head_dim D at pruning ratio lambda: D - floor(lambda * D).
 int KeptChannels(double lambda, int head_dim);
 
+// Tokens a policy keeps whatever the scores (its row's ProtectedWindow, kvc/policy.h), for a
+// budget of B = EffectiveBudget(...) tokens: positions [0, sinks) and [S - recent, S), with
+// sinks + recent <= B. Both backends select with these. The spec must be valid for `shape`.
+struct ProtectedTokens {
+  int sinks = 0;
+  int recent = 0;
+};
+ProtectedTokens ProtectedFor(const EvictionSpec& spec, const LayerShape& shape, int budget);
+
 std::string_view PolicyName(EvictionPolicy p);  // "none", "streaming", "h2o", "snapkv", ...
-// Whether the policy scores tokens (every policy but none and streaming): what head-adaptive
-// budgets need. ScoringPolicyNames lists them, for messages.
+// Whether the policy scores tokens (its row's .scores, kvc/policy.h): what head-adaptive budgets
+// and value-aware weighting need.
 bool PolicyHasScores(EvictionPolicy p);
-std::vector<std::string> ScoringPolicyNames();
 // The shortest decimal form of `v` that reads back as `v` (messages quote values exactly:
 // 1.0000001 is not printed as "1").
 std::string FormatDouble(double v);
 std::string_view PolicyName(ChannelPolicy p);                         // "none", "think", "l1", "l2"
 std::string_view ValueWeightName(ValueWeight w);                      // "auto", "off", "mul", "add"
 absl::StatusOr<ValueWeight> ParseValueWeight(std::string_view name);  // "" = auto
-// kAuto resolved: kMul for expected attention, kOff otherwise.
+// kAuto resolved: kMul where the policy's row says value_weight_by_default (expected), else kOff.
 ValueWeight EffectiveValueWeight(const EvictionSpec& e);
 absl::StatusOr<EvictionPolicy> ParseEvictionPolicy(std::string_view name);
 absl::StatusOr<ChannelPolicy> ParseChannelPolicy(std::string_view name);
@@ -143,27 +141,7 @@ absl::StatusOr<ChannelPolicy> ParseChannelPolicy(std::string_view name);
 std::vector<std::string> EvictionPolicyNames();
 std::vector<std::string> ChannelPolicyNames();
 
-// Spec strings: a whole CompressionSpec on one line, for tools, labels and tests. Terms joined by
-// '+', in any order, each kind at most once:
-//   POLICY:KEEP[,key=value...]   eviction keeping a ratio KEEP in (0, 1] of the tokens
-//   POLICY@BUDGET[,key=value...] eviction keeping BUDGET >= 1 tokens per KV head
-//       keys: sink=N (sink_tokens), recent=F (recent_fraction), kernel=N (pool_kernel),
-//             pool=max|avg, tau=F, seed=N, layer=0|1 (per-layer granularity),
-//             lb=B0/B1/... (layer_budgets), ada=ALPHA (head-adaptive budgets with
-//             adaptive_floor ALPHA in [0, 1])
-//   think:L | l1:L | l2:L        key channel pruning, L = fraction pruned in [0, 1)
-//   vthink:L                     value channel pruning (prune_values, value_lambda = L)
-//   qB[gG]                       quantization to B in {2, 4, 8} bits, group size G
-//   r=N                          recent_tokens
-//   full | none                  keep everything (alone)
-// e.g. "keyformer:0.5+think:0.5+q4", "snapkv:0.25,kernel=7,pool=avg", "q2g16".
-// INVALID_ARGUMENT quoting the string and the bad term, e.g. `spec "h2o:2": term "h2o:2": keep
-// 2 is outside (0, 1]`. Only the string is checked here; ValidateSpec checks the result against a
-// layer shape.
-absl::StatusOr<CompressionSpec> ParseSpecString(std::string_view text);
-// The canonical spec string (options at their defaults omitted); ParseSpecString of it gives the
-// spec back for every spec ValidateSpec accepts.
-std::string SpecString(const CompressionSpec& spec);
+// Spec strings (one-line specs for tools and tests): kvc/protocol/spec_string.h.
 
 }  // namespace kvc
 

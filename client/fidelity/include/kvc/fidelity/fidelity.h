@@ -75,6 +75,8 @@ struct PrefixCache {
   // Views for Backend::Compress (fp32, HND); valid while this object lives. q_obs is null when
   // obs_window is 0.
   LayerInput Input(int layer) const;
+  // The shape of every layer (fp32 HND tensors of prefix_len tokens).
+  LayerShape shape() const;
   uint64_t full_bytes() const;  // K + V bytes, fp32
 };
 

@@ -1,5 +1,6 @@
 // Reports of a fidelity sweep: a text table (streamed row by row), CSV, and plots of top-1
-// agreement against stored size, one panel per scenario, as PNG or SVG.
+// agreement against stored size, one panel per scenario, as SVG, and as PNG converted from the
+// SVG by librsvg's rsvg-convert.
 #ifndef KVC_FIDELITY_REPORT_H_
 #define KVC_FIDELITY_REPORT_H_
 
@@ -10,7 +11,6 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "kvc/fidelity/fidelity.h"
-#include "kvc/fidelity/png.h"
 #include "kvc/fidelity/stats.h"
 
 namespace kvc::fidelity {
@@ -61,15 +61,19 @@ struct PlotSpec {
 };
 
 // Axes with ticks and grid, one colored polyline with markers (and error bars) per series, a
-// legend on the right listing every series, the title on top. Points outside the ranges are
-// drawn on the border.
-Image RenderLinePlot(const PlotSpec& spec);
-// The panels one above the other.
-Image RenderPlots(const std::vector<PlotSpec>& panels);
+// legend on the right listing every series, the title on top; the panels one above the other.
+// Points outside the ranges are drawn on the border; a panel with an empty range shows only its
+// title.
 // The same plots as an SVG document (real fonts; scales without blur).
 std::string RenderSvg(const std::vector<PlotSpec>& panels);
 // INTERNAL naming the path when it cannot be written.
 absl::Status WriteSvg(const std::vector<PlotSpec>& panels, const std::string& path);
+// The same plots as PNG, rendered from the SVG by rsvg-convert (librsvg, Debian package
+// librsvg2-bin). FAILED_PRECONDITION saying so when rsvg-convert is not on PATH
+// (PngWriterAvailable, to check before a long run); INTERNAL naming the path and rsvg-convert's
+// message when it fails (e.g. the path cannot be written).
+absl::Status PngWriterAvailable();
+absl::Status WritePng(const std::vector<PlotSpec>& panels, const std::string& path);
 
 // One panel per scenario present, in order of first appearance: top-1 agreement against size
 // ratio (compact / full bytes), every row drawn (eviction, ThinK, quantization, combined), rows

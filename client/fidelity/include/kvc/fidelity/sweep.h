@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kvc/protocol/spec_string.h"  // ParseSpecString, SpecString: the sweep's labels
 #include "kvc/spec.h"
 
 namespace kvc::fidelity {

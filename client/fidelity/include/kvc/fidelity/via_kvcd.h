@@ -8,12 +8,12 @@
 
 #include "kvc/client.h"
 #include "kvc/fidelity/fidelity.h"
+#include "kvc/protocol/convert.h"
 #include "kvcache/v1/kvcache.pb.h"
 
 namespace kvc::fidelity {
 
-// The wire form of a spec (every field set explicitly, so server defaults do not matter).
-kvcache::v1::CompressionConfig SpecToProto(const CompressionSpec& spec);
+// The wire form of a spec is kvc::SpecToProto (kvc/protocol/convert.h, the one mapping).
 
 // A Compressor that round-trips through kvcd with `client` (not owned; must outlive the
 // function). Cache ids are `id_prefix` + a running number; each cache is uploaded with overwrite

@@ -1,6 +1,7 @@
-// The data plane of kvcd's transfer path (see kvc/transfer.h): a 2-rank point-to-point channel
-// between kvcd (rank 0) and one client (rank 1), behind an interface so that the control plane
-// can be tested with an in-process fake. No gRPC here: GPU test binaries use it alone.
+// The data plane of kvcd's transfer path (server side kvc/transfer.h, client side
+// kvc/transfer_client.h): a 2-rank point-to-point channel between kvcd (rank 0) and one client
+// (rank 1), behind an interface so that the control plane can be tested with an in-process fake.
+// No gRPC here: GPU test binaries use it alone.
 #ifndef KVC_COMMUNICATOR_H_
 #define KVC_COMMUNICATOR_H_
 
@@ -85,6 +86,10 @@ class CommunicatorFactory {
 // that growing it never waits for the whole device (cudaFree would, and with another session's
 // NCCL kernel waiting on the same GPU it would wait for that peer's timeout).
 std::unique_ptr<CommunicatorFactory> CreateNcclCommunicatorFactory(int device);
+
+// Initial-metadata key kvcd sets (value "registered") on a PutCache stream with external_payload
+// once the upload accepts transferred tensors.
+inline constexpr char kExternalPayloadMetadataKey[] = "kvc-external-payload";
 
 }  // namespace kvc::transfer
 

@@ -1,8 +1,9 @@
+#include "kvc/transfer_client.h"
+
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "kvc/transfer.h"
 
 namespace kvc::transfer {
 
@@ -14,15 +15,6 @@ using kvcache::v1::OpenTransferSessionResponse;
 using kvcache::v1::TransferAck;
 using kvcache::v1::TransferAnnouncement;
 using kvcache::v1::TransferTransport;
-
-namespace {
-
-absl::Status FromGrpc(const grpc::Status& s) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-}
-
-}  // namespace
 
 TransferClient::TransferClient(std::shared_ptr<grpc::Channel> channel, Options options)
     : stub_(kvcache::v1::KvCacheTransfer::NewStub(channel)), options_(std::move(options)) {}
@@ -38,7 +30,7 @@ absl::Status TransferClient::OpenSession(TransferTransport t, OpenTransferSessio
   req.set_transport(t);
   req.set_session_secret(session_secret_);  // "" unless this client opened the session
   grpc::ClientContext ctx;
-  return FromGrpc(stub_->OpenTransferSession(&ctx, req, resp));
+  return FromGrpcStatus(stub_->OpenTransferSession(&ctx, req, resp));
 }
 
 absl::Status TransferClient::Open() {
@@ -100,7 +92,7 @@ absl::Status TransferClient::FinishStream() {
   const grpc::Status s = stream_->Finish();
   stream_.reset();
   ctx_.reset();
-  return FromGrpc(s);
+  return FromGrpcStatus(s);
 }
 
 absl::Status TransferClient::ReadAck(uint64_t sequence, TransferAck::State state, uint64_t* bytes) {
@@ -173,12 +165,12 @@ absl::Status TransferClient::Fetch(const std::string& cache_id, uint32_t layer_b
   auto fail = [&](absl::Status s) -> absl::Status {
     ctx.TryCancel();
     const grpc::Status g = stream->Finish();
-    return g.ok() || g.error_code() == grpc::StatusCode::CANCELLED ? s : FromGrpc(g);
+    return g.ok() || g.error_code() == grpc::StatusCode::CANCELLED ? s : FromGrpcStatus(g);
   };
   // The stream ended or broke where a message was due: kvcd's status says why.
   auto ended = [&](const char* what) -> absl::Status {
     const grpc::Status g = stream->Finish();
-    if (!g.ok()) return FromGrpc(g);
+    if (!g.ok()) return FromGrpcStatus(g);
     return absl::InternalError(absl::StrCat("fetch: the stream ended before ", what));
   };
   FetchRequest req;
@@ -235,7 +227,7 @@ absl::Status TransferClient::Fetch(const std::string& cache_id, uint32_t layer_b
     }
   }
   stream->WritesDone();
-  return FromGrpc(stream->Finish());
+  return FromGrpcStatus(stream->Finish());
 }
 
 absl::StatusOr<TransferClient::FetchedCache> TransferClient::Fetch(
@@ -266,7 +258,7 @@ absl::Status TransferClient::Close() {
   req.set_session_id(session_id_);
   req.set_session_secret(session_secret_);
   kvcache::v1::CloseTransferSessionResponse resp;
-  absl::Status c = FromGrpc(stub_->CloseTransferSession(&ctx, req, &resp));
+  absl::Status c = FromGrpcStatus(stub_->CloseTransferSession(&ctx, req, &resp));
   session_id_.clear();
   session_secret_.clear();
   if (comm_ != nullptr) {

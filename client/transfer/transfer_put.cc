@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "kvc/transfer.h"
+#include "kvc/transfer_client.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 
 namespace kvc::transfer {
@@ -17,11 +17,6 @@ using kvcache::v1::PutCacheResponse;
 
 // Room for an announcement's fields besides the payload (ids, numbers, framing).
 constexpr uint64_t kAnnouncementOverhead = 1024;
-
-absl::Status FromGrpc(const grpc::Status& s) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-}
 
 // The whole upload as ordinary chunk messages (host memory).
 absl::StatusOr<PutCacheResponse> PutWithChunks(const std::shared_ptr<grpc::Channel>& channel,
@@ -51,7 +46,7 @@ absl::StatusOr<PutCacheResponse> PutWithChunks(const std::shared_ptr<grpc::Chann
   }
   if (ok) writer->WritesDone();
   // When a write failed kvcd already ended the stream; Finish returns its status.
-  if (absl::Status s = FromGrpc(writer->Finish()); !s.ok()) return s;
+  if (absl::Status s = FromGrpcStatus(writer->Finish()); !s.ok()) return s;
   return resp;
 }
 
@@ -110,7 +105,7 @@ absl::StatusOr<TransferPutResult> PutCacheWithTransfer(
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + options.timeout));
     kvcache::v1::ServerInfo info;
     if (absl::Status s =
-            FromGrpc(stub->GetServerInfo(&ctx, kvcache::v1::GetServerInfoRequest(), &info));
+            FromGrpcStatus(stub->GetServerInfo(&ctx, kvcache::v1::GetServerInfoRequest(), &info));
         !s.ok()) {
       return s;
     }
@@ -147,7 +142,7 @@ absl::StatusOr<TransferPutResult> PutCacheWithTransfer(
   const auto& md = ctx.GetServerInitialMetadata();
   if (md.find(kExternalPayloadMetadataKey) == md.end()) {
     writer->WritesDone();
-    absl::Status s = FromGrpc(writer->Finish());
+    absl::Status s = FromGrpcStatus(writer->Finish());
     if (s.ok()) return absl::InternalError("PutCache: kvcd neither registered nor refused");
     if (s.code() == absl::StatusCode::kFailedPrecondition && options.allow_chunks_fallback) {
       return chunks(std::string(s.message()));
@@ -170,7 +165,7 @@ absl::StatusOr<TransferPutResult> PutCacheWithTransfer(
     }
   }
   writer->WritesDone();
-  if (absl::Status s = FromGrpc(writer->Finish()); !s.ok()) return s;
+  if (absl::Status s = FromGrpcStatus(writer->Finish()); !s.ok()) return s;
   result.response = std::move(resp);
   return result;
 }
