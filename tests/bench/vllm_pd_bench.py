@@ -19,6 +19,7 @@ each on a fresh cache (recompute: a fresh cache_salt, so vLLM's prefix cache nev
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -227,6 +228,10 @@ def main():
         for p in procs:
             p.stop()
         kvcd.stop()
+        if os.environ.get("KVC_KEEP_TEST_DIR") is None:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"logs kept in {work}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -4,7 +4,8 @@ compared with.
 transformers computes the prompt's cache (all but the last token, as the prefill instance
 stores it), the Python client puts it to kvcd with the spec (query statistics from the same
 kvc-qstats file the connector reads), fetches FORMAT_DENSE_CONTIGUOUS with the model's RoPE, and
-decodes the prompt's last token at position K, then greedily onwards.
+decodes the prompt's last token at position K, then greedily onwards. decode() does the same
+from a cache another producer (vLLM's prefill instance) stored.
 """
 
 import numpy as np
@@ -32,8 +33,7 @@ class Flow:
 
     @torch.no_grad()
     def run(self, client, cache_id, prompt_ids, spec_config, new_tokens=1):
-        """(logprobs of the first generated token [V], kept K, greedy token ids)."""
-        from transformers import DynamicCache
+        """Stores the prompt's cache as `cache_id` with the spec, then decode() from it."""
         S = len(prompt_ids) - 1
         out = self.model(torch.tensor([prompt_ids[:S]]), use_cache=True)
         pkv = out.past_key_values
@@ -47,12 +47,22 @@ class Flow:
                 layers.append((k, v))
         client.put(cache_id, layers, compression=spec_config,
                    rope=self.rope if expected else None)
+        return self.decode(client, cache_id, prompt_ids[-1], new_tokens)
+
+    @torch.no_grad()
+    def decode(self, client, cache_id, last_token, new_tokens=1):
+        """Fetches the evicted cache `cache_id` (any producer's) as FORMAT_DENSE_CONTIGUOUS with
+        the model's RoPE and decodes `last_token` at position K, then greedily onwards:
+        (logprobs of the first generated token [V], kept K, greedy token ids, the kept prompt
+        positions per layer [Hkv, K])."""
+        from transformers import DynamicCache
         data = client.get(cache_id, format="contiguous", rope=self.rope, tensors="torch")
         K = data.layers[0].kept_tokens
         cache = DynamicCache()
         for l, layer in enumerate(data.layers):
             cache.update(torch.as_tensor(layer.k)[None], torch.as_tensor(layer.v)[None], l)
-        tok, pos, first, gen = prompt_ids[-1], K, None, []
+        positions = [np.asarray(layer.positions) for layer in data.layers]
+        tok, pos, first, gen = last_token, K, None, []
         for _ in range(new_tokens):
             logits = self.model(torch.tensor([[tok]]), position_ids=torch.tensor([[pos]]),
                                 past_key_values=cache, use_cache=True).logits[0, -1]
@@ -62,7 +72,18 @@ class Flow:
             tok = int(lp.argmax())
             gen.append(tok)
             pos += 1
-        return first, K, gen
+        return first, K, gen, positions
+
+
+def kept_difference(a, b):
+    """The fraction of kept (layer, head, position) entries of positions `a` missing from `b`
+    (both as decode() returns them)."""
+    missing, total = 0, 0
+    for la, lb in zip(a, b):
+        for ha, hb in zip(la.reshape(la.shape[0], -1), lb.reshape(lb.shape[0], -1)):
+            missing += len(set(ha.tolist()) - set(hb.tolist()))
+            total += ha.size
+    return missing / max(1, total)
 
 
 def passkey_prompts(tokenizer, count=4, filler_repeats=8):
