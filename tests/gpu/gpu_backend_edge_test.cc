@@ -17,6 +17,7 @@
 #include "kvc/backend.h"
 #include "kvc/compact.h"
 #include "kvc/gpu_memory.h"
+#include "kvc/protocol/spec_string.h"
 #include "kvc/spec.h"
 
 namespace kvc {

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "kvc/backend.h"
 #include "kvc/selection.h"
+#include "kvc/protocol/spec_string.h"
 #include "kvc/spec.h"
 
 namespace kvc {

@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvc/backend.h"
+#include "kvc/protocol/spec_string.h"
 #include "kvc/spec.h"
 
 namespace kvc {
@@ -35,7 +36,7 @@ LayerShape Shape(int hkv, int hq, int s, int d, int w) {
 }
 
 // K + V + Q_obs (+ Q_stats) bytes of an upload.
-double UploadBytes(const LayerShape& sh, DType dtype, int layers, bool stats) {
+double UploadBytesOf(const LayerShape& sh, DType dtype, int layers, bool stats) {
   const double es = DTypeSize(dtype);
   double per = 2.0 * sh.num_kv_heads * sh.seq_len * sh.head_dim * es +
                1.0 * sh.num_q_heads * sh.obs_window * sh.head_dim * es;
@@ -87,7 +88,7 @@ TEST(CostTest, RealisticRequestsOfEveryPolicyFitTheDefaultBudget) {
   cases.push_back({"snapkv:0.25", Shape(4, 4, 512, 8, 32), 5});  // stories260K-like
   for (const Case& c : cases) {
     const WorkCost cost = CompressCost(c.shape, DType::kF16, Spec(c.spec), c.layers, Kvcd16());
-    const double bytes = UploadBytes(c.shape, DType::kF16, c.layers, c.stats);
+    const double bytes = UploadBytesOf(c.shape, DType::kF16, c.layers, c.stats);
     EXPECT_LE(static_cast<double>(cost.flops), kFlopsPerByte * bytes + kBaseFlops)
         << c.spec << " S=" << c.shape.seq_len << " W=" << c.shape.obs_window << ": "
         << cost.flops_term;
@@ -146,7 +147,7 @@ TEST(CostTest, TheHostileShapesOfTheReviewAreOverBudget) {
   {
     const LayerShape sh = Shape(1, 16384, 16384, 8, 1);
     const WorkCost c = CompressCost(sh, DType::kF16, Spec("expected:0.5"), 2, Kvcd16());
-    const double bytes = UploadBytes(sh, DType::kF16, 2, false);
+    const double bytes = UploadBytesOf(sh, DType::kF16, 2, false);
     EXPECT_NEAR(bytes, 1.5 * (1 << 20), 1);
     EXPECT_GT(static_cast<double>(c.flops), kFlopsPerByte * bytes + kBaseFlops);
     EXPECT_THAT(c.flops_term, HasSubstr("expected scores"));
@@ -158,7 +159,7 @@ TEST(CostTest, TheHostileShapesOfTheReviewAreOverBudget) {
     const LayerShape sh = Shape(1, 4096, 16, 256, 1);
     CostConcurrency cuda = Kvcd16();
     cuda.whole_layer_statistics = true;
-    const double bytes = UploadBytes(sh, DType::kF16, 1, false);
+    const double bytes = UploadBytesOf(sh, DType::kF16, 1, false);
     const WorkCost gpu = CompressCost(sh, DType::kF16, Spec("expected:0.5"), 1, cuda);
     EXPECT_GT(static_cast<double>(gpu.scratch_bytes), kScratchPerByte * bytes + kBaseScratch);
     EXPECT_THAT(gpu.scratch_term, HasSubstr("statistics of all query heads"));
