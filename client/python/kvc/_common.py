@@ -10,7 +10,7 @@ from google.protobuf import json_format
 from . import _validate, tensors
 from ._pb import pb, pb_grpc
 from .errors import KvcError, invalid
-from .replicas import resolve_target
+from .replicas import rendezvous_owner, resolve_target
 
 PUT_METHOD = "/kvcache.v1.KvCache/PutCache"
 GET_METHOD = "/kvcache.v1.KvCache/GetCache"
@@ -122,6 +122,25 @@ def open_channels(options, aio=False):
             ch.unary_stream(GET_METHOD, request_serializer=pb.GetCacheRequest.SerializeToString,
                             response_deserializer=identity)))
     return addresses, channels, stubs
+
+
+class ClientBase:
+    """What kvc.Client and kvc.aio.Client share: options, channels (open_channels) and the
+    replica that owns a cache id."""
+
+    def __init__(self, target, aio, **options):
+        self.options = Options(target=target, **options)
+        self._replicas, self._channels, self._stubs = open_channels(self.options, aio=aio)
+
+    @property
+    def replicas(self):
+        """The replica addresses, sorted."""
+        return list(self._replicas)
+
+    def replica_for(self, cache_id):
+        """The index in `replicas` of the replica that owns cache_id (rendezvous hashing)."""
+        cache_id = _validate.cache_id(cache_id)
+        return 0 if len(self._replicas) == 1 else rendezvous_owner(cache_id, self._replicas)
 
 
 def message(cls, value, field):

@@ -14,10 +14,9 @@ import grpc
 import grpc.aio
 
 from . import _common, _validate
-from ._common import Assembler, CacheData, Options, PutPlan
+from ._common import Assembler, CacheData, PutPlan
 from ._pb import pb
 from .errors import KvcError, from_rpc_error, invalid
-from .replicas import rendezvous_owner
 
 
 async def _aiter_layers(layers, num_layers):
@@ -44,11 +43,9 @@ async def _aiter_layers(layers, num_layers):
     return first, wrapped(), n
 
 
-class Client:
+class Client(_common.ClientBase):
     def __init__(self, target="127.0.0.1:50051", **options):
-        self.options = Options(target=target, **options)
-        self._replicas, self._channels, self._stubs = _common.open_channels(
-            self.options, aio=True)
+        super().__init__(target, aio=True, **options)
 
     async def close(self):
         for ch in self._channels:
@@ -59,14 +56,6 @@ class Client:
 
     async def __aexit__(self, *exc):
         await self.close()
-
-    @property
-    def replicas(self):
-        return list(self._replicas)
-
-    def replica_for(self, cache_id):
-        cache_id = _validate.cache_id(cache_id)
-        return 0 if len(self._replicas) == 1 else rendezvous_owner(cache_id, self._replicas)
 
     async def put(self, cache_id, layers, *, num_layers=None, layout="HND", dtype=None,
                   compression=None, ttl_seconds=0, overwrite=False, rope=None):

@@ -19,17 +19,14 @@ import time
 import grpc
 
 from . import _common, _validate
-from ._common import Assembler, CacheData, Options, PutPlan
+from ._common import Assembler, CacheData, PutPlan
 from ._pb import pb
 from .errors import KvcError, from_rpc_error, invalid
-from .replicas import rendezvous_owner
 
 
-class Client:
+class Client(_common.ClientBase):
     def __init__(self, target="127.0.0.1:50051", **options):
-        self.options = Options(target=target, **options)
-        self._replicas, self._channels, self._stubs = _common.open_channels(
-            self.options)
+        super().__init__(target, aio=False, **options)
 
     def close(self):
         for ch in self._channels:
@@ -40,15 +37,6 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
-
-    @property
-    def replicas(self):
-        """The replica addresses, sorted."""
-        return list(self._replicas)
-
-    def replica_for(self, cache_id):
-        cache_id = _validate.cache_id(cache_id)
-        return 0 if len(self._replicas) == 1 else rendezvous_owner(cache_id, self._replicas)
 
     # ---- PutCache -------------------------------------------------------------------------------
 
