@@ -23,10 +23,16 @@ T* Grow(std::vector<T>& v, size_t n) {
   return v.data();
 }
 
-}  // namespace
+// Mean cosine and sine of every rotary pair's angles over positions [first, first + count).
+struct PairRotation {
+  std::vector<double> c, s;
+};
 
-void ApplyMeanRotation(const RopeParams& rope, int head_dim, int first, int count, float* x) {
+PairRotation MeanPairRotation(const RopeParams& rope, int head_dim, int first, int count) {
   const int rd = rope.rotary_dims == 0 ? head_dim : rope.rotary_dims;
+  PairRotation r;
+  r.c.resize(rd / 2);
+  r.s.resize(rd / 2);
   for (int p = 0; p < rd / 2; ++p) {
     const double freq = std::pow(rope.theta, -2.0 * p / rd) / rope.linear_factor;
     double c = 0, s = 0;
@@ -35,14 +41,27 @@ void ApplyMeanRotation(const RopeParams& rope, int head_dim, int first, int coun
       c += std::cos(angle);
       s += std::sin(angle);
     }
-    c /= count;
-    s /= count;
+    r.c[p] = c / count;
+    r.s[p] = s / count;
+  }
+  return r;
+}
+
+void RotatePairs(const RopeParams& rope, int head_dim, const PairRotation& r, float* x) {
+  const int rd = rope.rotary_dims == 0 ? head_dim : rope.rotary_dims;
+  for (int p = 0; p < rd / 2; ++p) {
     float& a = x[RopePairFirst(rope, rd, p)];
     float& b = x[RopePairSecond(rope, rd, p)];
     const double x0 = a, x1 = b;
-    a = static_cast<float>(x0 * c - x1 * s);
-    b = static_cast<float>(x0 * s + x1 * c);
+    a = static_cast<float>(x0 * r.c[p] - x1 * r.s[p]);
+    b = static_cast<float>(x0 * r.s[p] + x1 * r.c[p]);
   }
+}
+
+}  // namespace
+
+void ApplyMeanRotation(const RopeParams& rope, int head_dim, int first, int count, float* x) {
+  RotatePairs(rope, head_dim, MeanPairRotation(rope, head_dim, first, count), x);
 }
 
 ExpectedStats ComputeExpectedStats(const LayerInput& in, const EvictionSpec& spec) {
@@ -90,14 +109,17 @@ ExpectedStats ComputeExpectedStats(const LayerInput& in, const EvictionSpec& spe
   }
   // Rotate to the next `horizon` positions: mean' = R mean, cov' = R cov R^T with R the mean
   // rotation (applied to the columns of each row, then to the rows of each column).
+  // The mean cosines and sines are computed once per layer (horizon x D/2 of each), not once
+  // per rotated vector.
+  const PairRotation rot = MeanPairRotation(*in.rope, D, S, spec.horizon);
   std::vector<float> col(D);
   for (int qh = 0; qh < Hq; ++qh) {
-    ApplyMeanRotation(*in.rope, D, S, spec.horizon, st.mean.data() + static_cast<size_t>(qh) * D);
+    RotatePairs(*in.rope, D, rot, st.mean.data() + static_cast<size_t>(qh) * D);
     float* c = st.cov.data() + static_cast<size_t>(qh) * D * D;
-    for (int r = 0; r < D; ++r) ApplyMeanRotation(*in.rope, D, S, spec.horizon, c + r * D);
+    for (int r = 0; r < D; ++r) RotatePairs(*in.rope, D, rot, c + r * D);
     for (int j = 0; j < D; ++j) {
       for (int r = 0; r < D; ++r) col[r] = c[r * D + j];
-      ApplyMeanRotation(*in.rope, D, S, spec.horizon, col.data());
+      RotatePairs(*in.rope, D, rot, col.data());
       for (int r = 0; r < D; ++r) c[r * D + j] = col[r];
     }
   }
