@@ -83,15 +83,17 @@ def equivalence(model, press_name, ratio, ids, shadow_lin32):
     press = P.PRESSES[press_name](1 - ratio)
     cache = DynamicCache()
     masked = {}
-    if isinstance(press, (P.AdaKVPress, P.CriticalAdaKVPress)):
-        def grab(module, args, kwargs, output):
-            masked[module.layer_idx] = module.masked_key_indices
-        hooks = [layer.self_attn.register_forward_hook(grab, with_kwargs=True)
-                 for layer in model.model.layers]
-    else:
-        hooks = []
+
+    def grab(module, args, kwargs, output):
+        masked[module.layer_idx] = module.masked_key_indices
+
+    hooks = []
     try:
         with torch.no_grad(), press(model):
+            # registered after the press's own hooks, so they run after it compressed
+            if isinstance(press, (P.AdaKVPress, P.CriticalAdaKVPress)):
+                hooks = [layer.self_attn.register_forward_hook(grab, with_kwargs=True)
+                         for layer in model.model.layers]
             model.model(torch.tensor([ids]), past_key_values=cache)
     finally:
         for h in hooks:
@@ -131,6 +133,8 @@ def main(argv=None):
     ap.add_argument("--equivalence", default="streaming,knorm,snapkv,keydiff,expected,tova,"
                     "adakv-snapkv,adakv-expected,criticalkv-snapkv")
     args = ap.parse_args(argv)
+    if argv is None:  # run as a program
+        kvcrows.exit_on_sigterm()
     import transformers
     transformers.logging.disable_progress_bar()
     transformers.logging.set_verbosity_error()
