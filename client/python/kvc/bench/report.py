@@ -15,7 +15,9 @@ def wilson(k, n, z=Z95):
     den = 1 + z * z / n
     mid = (p + z * z / (2 * n)) / den
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return (max(0.0, mid - half), min(1.0, mid + half))
+    lo, hi = max(0.0, mid - half), min(1.0, mid + half)
+    # exact ends: rounding must not leave a bound on the wrong side of p = 0 or 1
+    return (0.0 if k == 0 else min(lo, p), 1.0 if k == n else max(hi, p))
 
 
 def bootstrap(values, reps=2000, seed=12345):
@@ -129,7 +131,8 @@ def plot(summary, path, tasks, scenario="after", metric="acc"):
             pts.sort()
             style = {"kvpress": "--", "kvc": "-", "proto": ":"}.get(fam, "-")
             ax.errorbar([p[0] for p in pts], [p[1] for p in pts],
-                        yerr=[[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]],
+                        yerr=[[max(0.0, p[1] - p[2]) for p in pts],
+                              [max(0.0, p[3] - p[1]) for p in pts]],
                         ls=style, marker="o", ms=3, capsize=2, lw=1, label=f"{fam}:{method}")
         ax.set_xscale("log")
         ax.set_xticks([0.1, 0.25, 0.5, 1.0])
