@@ -23,6 +23,14 @@ from kvc import spec as kvc_spec
 from .model import RowCache, queries, query_stats, rope_spec
 
 
+def exit_on_sigterm():
+    """Turn SIGTERM into SystemExit, so `with Kvcd(...)` stops the kvcd it started when the
+    harness is terminated (the default action would leave kvcd running)."""
+    import signal
+    import sys
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 class Kvcd:
     """kvcd on 127.0.0.1:0; stop() (or the context manager) ends it."""
 

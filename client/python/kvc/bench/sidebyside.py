@@ -167,6 +167,7 @@ class Runner:
                          for s in self.args.scenarios]
         prefill = time.perf_counter() - t0
         out = []
+        heads = len(self.model.model.layers) * self.model.config.num_key_value_heads
         for scen, lin in scenarios:
             caches = self.compress_all(lin, doc["task"], scen)
             res, secs = self.evaluate(doc, scen, caches)
@@ -175,7 +176,7 @@ class Runner:
                 out.append({"task": doc["task"], "doc": doc["id"], "scenario": scen,
                             "row": row.name, "family": row.family, "method": row.method,
                             "keep": row.keep, "tokens": S,
-                            "kept": cache.kept() / (len(cache.layers) * cache.layers[0][0].shape[0]),
+                            "kept": cache.kept() / heads,
                             "stored": round(cache.stored_fraction, 5),
                             "acc": r.get("acc", ""), "recall": r.get("recall", ""),
                             "top1": r.get("top1", ""), "kl": r.get("kl", ""),
@@ -187,7 +188,8 @@ class Runner:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m kvc.bench.sidebyside", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvc.bench.sidebyside",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--model", default=None, help="SmolLM2 directory (default: kvc-smollm2's)")
     ap.add_argument("--kvcd", default=os.environ.get("KVCD_PATH", "build/service/kvcd"))
@@ -242,6 +244,8 @@ def _work(doc):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if argv is None:  # run as a program
+        kvcrows.exit_on_sigterm()
     import transformers
     transformers.logging.disable_progress_bar()
     transformers.logging.set_verbosity_error()
