@@ -10,13 +10,20 @@
 2. Kept sets: for each method both implement, kvpress's kept positions against kvcd's (DENSE
    download positions), on the same captured keys, values and queries, per layer and head:
    the mean overlap |A n B| / |A|, the share of (layer, head) sets that are identical, the
-   worst overlap; for ThinK the pruned key channels.
+   worst overlap; for ThinK the pruned key channels. Where sets differ, two numbers say why:
+   `gap`, how far below kvpress's cut (its n-th highest score, relative to the head's largest
+   score) the lowest token kvc kept instead lies, by kvpress's own score (near 1e-7: a tie
+   broken by rounding); `edge`, the share of the differing sets where a differing position
+   lies within 2 of either end of the scored range (kvpress's zero-padded pooling there).
+3. Explained: kvpress's expected-attention score computed with kvc's two choices (the first
+   4 keys inside the softmax, and not protected) against kvc's kept sets.
 
 Runs in float32 (model, scores and uploads), so nothing is decided by bf16 rounding.
 """
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -64,6 +71,65 @@ def pruned_channels(k, valid, recent=0):
         rows = k[h][valid[h]]
         old = rows[:max(0, rows.shape[0] - recent)] if recent else rows
         out.append(set(torch.nonzero((old == 0).all(0)).flatten().tolist()))
+    return out
+
+
+def score_gap(press, model, layers_in, a, b):
+    """Largest, over (layer, head) sets that differ, of (kvpress's cut - kvpress's score of the
+    lowest token only kvc kept) / the head's largest |score|; None for presses without a
+    score of their own (0.0 when no set differs)."""
+    if not isinstance(press, P.ScorerPress):
+        return None
+    worst = 0.0
+    with torch.no_grad():
+        for li, (x, la, lb) in enumerate(zip(layers_in, a, b)):
+            if all(sa == sb for sa, sb in zip(la, lb)):
+                continue
+            module = model.model.layers[li].self_attn
+            sc = press.score(module, x.hidden, x.keys, x.values, None,
+                             P._kwargs(x, x.hidden))[0]
+            for h, (sa, sb) in enumerate(zip(la, lb)):
+                only_b = sb - sa
+                if not only_b:
+                    continue
+                cut = float(sc[h].topk(len(sa)).values[-1])
+                low = min(float(sc[h][j]) for j in only_b)
+                worst = max(worst, (cut - low) / max(float(sc[h].abs().max()), 1e-30))
+    return worst
+
+
+def edge_share(a, b, S, W, half=2):
+    """Share of the (layer, head) sets that differ where a position kept by one side only lies
+    within `half` of position 0 or of the last scored position S - W - 1 (None when no set
+    differs)."""
+    n = edge = 0
+    for la, lb in zip(a, b):
+        for sa, sb in zip(la, lb):
+            if sa != sb:
+                n += 1
+                edge += any(p < half or S - W - 1 - half < p < S - W for p in sa ^ sb)
+    return edge / n if n else None
+
+
+def expected_as_kvc_sets(press, model, layers_in):
+    """Kept sets of kvpress's ExpectedAttentionPress score computed with kvc's choices: the
+    first n_sink keys stay inside the softmax and are not protected (kvpress drops them from
+    the softmax and keeps them with score max + 1). Everything else is kvpress's code."""
+    out = []
+    with torch.no_grad():
+        for li, x in enumerate(layers_in):
+            module = model.model.layers[li].self_attn
+            keys, values = x.keys, x.values
+            mu, cov = press.get_query_statistics(module, x.hidden)
+            b, H, S, d = keys.shape
+            g = module.config.num_attention_heads // H
+            k = keys.repeat_interleave(g, dim=1).transpose(2, 3)
+            s = torch.matmul(mu.unsqueeze(2), k).squeeze(2) / math.sqrt(d)
+            s = s + torch.einsum("bhin,bhij,bhjn->bhn", k, cov, k) / d / 2
+            s = torch.softmax(s, -1).view(b, H, g, S).mean(2)
+            s = (s + press.epsilon) * values.norm(dim=-1)
+            idx = s.topk(P.compute_n_kept(S, press.compression_ratio), -1).indices[0]
+            out.append([set(idx[h].tolist()) for h in range(H)])
     return out
 
 
@@ -130,6 +196,7 @@ def main(argv=None):
     ap.add_argument("--docs", type=int, default=3)
     ap.add_argument("--length", type=int, default=1000)
     ap.add_argument("--ratios", default="0.5,0.25,0.1")
+    ap.add_argument("--scenarios", default="after,inside")
     ap.add_argument("--equivalence", default="streaming,knorm,snapkv,keydiff,expected,tova,"
                     "adakv-snapkv,adakv-expected,criticalkv-snapkv")
     args = ap.parse_args(argv)
@@ -149,6 +216,8 @@ def main(argv=None):
             qs = d["question_start"]
             cap = M.Capture(model, d["prompt"][:-1])
             for scen, lin in (("after", cap.prefix(qs)), ("inside", cap.layers_in)):
+                if scen not in args.scenarios.split(","):
+                    continue
                 lin32 = P.fp32_layers(lin)
                 ids = d["prompt"][:qs] if scen == "after" else d["prompt"][:-1]
                 uploads = kvcrows.Uploads(shadow, lin, torch.float32)
@@ -159,16 +228,27 @@ def main(argv=None):
                             lines.append({"check": "equivalence", "doc": d["id"], "scenario": scen,
                                           "keep": r, "kvpress": name, "kvc": "",
                                           "overlap": mean, "identical": same, "min": worst})
+                    S = lin32[0].keys.shape[2]
                     for pname, tmpl, W in PAIRS:
-                        prow, pkept = P.compress(P.PRESSES[pname](1 - r), shadow, lin32,
-                                                 torch.float32)
+                        press = P.PRESSES[pname](1 - r)
+                        prow, pkept = P.compress(press, shadow, lin32, torch.float32)
                         krow = kvcrows.compress(server, "kvc:" + tmpl.replace("{r}", f"{r:g}"),
                                                 uploads, W)
                         a, b = kept_sets_press(prow, pkept), kept_sets_kvc(krow)
                         mean, same, worst = compare(a, b)
                         line = {"check": "kept", "doc": d["id"], "scenario": scen, "keep": r,
                                 "kvpress": pname, "kvc": tmpl, "overlap": mean,
-                                "identical": same, "min": worst}
+                                "identical": same, "min": worst,
+                                "gap": score_gap(press, shadow, lin32, a, b),
+                                "edge": edge_share(a, b, S, W)}
+                        if tmpl == "expected:{r},stats=1,horizon=512,veps=0":
+                            e_mean, e_same, e_worst = compare(
+                                expected_as_kvc_sets(press, shadow, lin32), b)
+                            lines.append({"check": "explained", "doc": d["id"],
+                                          "scenario": scen, "keep": r,
+                                          "kvpress": "expected, kvc's sink handling",
+                                          "kvc": tmpl, "overlap": e_mean,
+                                          "identical": e_same, "min": e_worst})
                         if "think" in pname:
                             ca = [pruned_channels(k, m) for k, _, m in prow.layers]
                             cb = [pruned_channels(k, m, recent=32) for k, _, m in krow.layers]
@@ -181,16 +261,20 @@ def main(argv=None):
         key = (ln["check"], ln["kvpress"], ln["kvc"], ln["scenario"], ln["keep"])
         agg.setdefault(key, []).append(ln)
     table = ["| check | kvpress | kvc | scenario | keep | mean overlap | identical (layer, head) "
-             "sets | worst overlap | channels (ThinK) |", "|" + "---|" * 9]
+             "sets | worst overlap | gap (max) | edge | channels (ThinK) |", "|" + "---|" * 11]
     for (check, p, k, scen, keep), ls in sorted(agg.items()):
         ch = ""
         if "channels_overlap" in ls[0]:
             ch = f"{sum(x['channels_overlap'] for x in ls) / len(ls):.3f} overlap, " \
                  f"{sum(x['channels_identical'] for x in ls) / len(ls):.2f} identical"
+        gaps = [x["gap"] for x in ls if x.get("gap") is not None]
+        edges = [x["edge"] for x in ls if x.get("edge") is not None]
+        gap = f"{max(gaps):.1e}" if gaps else ""
+        edge = f"{sum(edges) / len(edges):.2f}" if edges else ""
         table.append(f"| {check} | {p} | `{k}` | {scen} | {keep:g} | "
                      f"{sum(x['overlap'] for x in ls) / len(ls):.4f} | "
                      f"{sum(x['identical'] for x in ls) / len(ls):.3f} | "
-                     f"{min(x['min'] for x in ls):.3f} | {ch} |")
+                     f"{min(x['min'] for x in ls):.3f} | {gap} | {edge} | {ch} |")
     with open(os.path.join(args.out, "parity.md"), "w") as f:
         f.write("\n".join(table) + "\n")
     with open(os.path.join(args.out, "parity.json"), "w") as f:
