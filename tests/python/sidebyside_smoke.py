@@ -4,7 +4,7 @@ Three pass-key documents of about 600 tokens, question after the context, keep 0
 cache, kvpress's StreamingLLM and SnapKV presses, and kvc's streaming and snapkv specs through a
 real kvcd (KVCD_PATH) with the Python client. Checks, each of which can fail:
 - the full cache answers every document (pass-key accuracy >= 0.9 on its documents);
-- kvc's rows came back from kvcd: kept fraction 0.25 of the tokens, stored bytes measured;
+- kvc's rows came back from kvcd keeping kvpress's token count, stored bytes measured;
 - kvc's streaming row holds exactly kvpress's StreamingLLM entries (the harness found the
   two caches identical and decoded them once);
 - parity on one document: kept sets per layer and head of StreamingLLM, KeyDiff and TOVA
@@ -37,6 +37,13 @@ def main():
     import torch
     from kvc.bench import kvcrows, model as M, parity, presses as P, sidebyside
 
+    # kvc's budget is kvpress's count in the same floating point (int(1000 * 0.1) = 100, but
+    # kvpress keeps int(1000 * (1 - 0.9)) = 99)
+    for S in (1000, 1036, 4000):
+        for keep in (0.5, 0.25, 0.1):
+            got = kvcrows.config_for(f"snapkv:{keep}", S)["eviction"]["budget"]
+            assert got == P.compute_n_kept(S, 1 - keep), f"S={S} keep={keep}: budget {got}"
+
     out = tempfile.mkdtemp(prefix="kvc_sbs_test_")
     sidebyside.main(["--out", out, "--model", str(model_dir), "--kvcd", kvcd,
                      "--tasks", "passkey:3", "--length", "600", "--scenarios", "after",
@@ -57,7 +64,8 @@ def main():
     for name in ("kvc:streaming:0.25", "kvc:snapkv:0.25"):
         for r in by[name]:
             S, kept, stored = int(r["tokens"]), float(r["kept"]), float(r["stored"])
-            assert kept == int(0.25 * S), f"{name}: kept {kept} of {S}, want {int(0.25 * S)}"
+            want = P.compute_n_kept(S, 0.75)
+            assert kept == want, f"{name}: kept {kept} of {S}, want kvpress's {want}"
             assert 0.25 <= stored < 0.3, f"{name}: stored fraction {stored}"
     for r in by["kvc:streaming:0.25"]:
         assert r["same_as"] == "kvpress:streaming@0.25", \

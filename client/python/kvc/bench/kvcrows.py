@@ -6,7 +6,7 @@ padding) or CONTIGUOUS (keys turned back so the kept tokens sit in slots 0..K-1,
 continues at position K), and the cache is decoded in the transformers model.
 
 Row names: `kvc:SPEC[|w=W][|fmt=contiguous]`, SPEC a kvc spec string (docs/usage.md). A keep
-ratio `POLICY:R` is sent as the budget int(R * S), the token count kvpress keeps
+ratio `POLICY:R` is sent as the budget int(S * (1 - (1 - R))), the token count kvpress keeps
 (compute_n_kept), so kvc and kvpress rows of one ratio keep the same number of tokens.
 """
 
@@ -105,7 +105,9 @@ def config_for(spec, S):
     cfg = kvc_spec.parse(spec)
     ev = cfg.get("eviction")
     if ev and "keep_ratio" in ev:
-        ev["budget"] = max(1, int(S * ev.pop("keep_ratio")))
+        # kvpress's compute_n_kept of the press built with compression_ratio = 1 - R, in the
+        # same floating point: int(1000 * 0.1) is 100 but int(1000 * (1 - 0.9)) is 99.
+        ev["budget"] = max(1, int(S * (1.0 - (1.0 - ev.pop("keep_ratio")))))
     return cfg
 
 
