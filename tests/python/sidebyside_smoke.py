@@ -1,0 +1,104 @@
+"""The side-by-side harness (kvc.bench) end to end on a tiny subset, as a regression guard.
+
+Three pass-key documents of about 600 tokens, question after the context, keep 0.25: the full
+cache, kvpress's StreamingLLM and SnapKV presses, and kvc's streaming and snapkv specs through a
+real kvcd (KVCD_PATH) with the Python client. Checks, each of which can fail:
+- the full cache answers every document (pass-key accuracy >= 0.9 on its documents);
+- kvc's rows came back from kvcd keeping kvpress's token count, stored bytes measured;
+- kvc's streaming row holds exactly kvpress's StreamingLLM entries (the harness found the
+  two caches identical and decoded them once);
+- parity on one document: kept sets per layer and head of StreamingLLM, KeyDiff and TOVA
+  (kvc: h2o per layer, no recent window) identical, SnapKV with kvpress's pooling >= 0.99
+  mean overlap; and the harness's kept sets equal those of kvpress's own forward hooks for
+  the five presses of python_kvpress_venv_test plus AdaKV(SnapKV).
+
+Run by ctest with the kvpress venv's Python (tests/testing/venv_run.sh). Exit 77 with
+"SKIPPED: ..." only when the SmolLM2 directory is missing (deploy/setup-python.sh makes it).
+"""
+
+import csv
+import os
+import sys
+import tempfile
+import time
+
+
+def main():
+    t0 = time.time()
+    from kvc.models import smollm2
+    model_dir = smollm2.default_dir()
+    if not model_dir.exists():
+        print(f"SKIPPED: python_sidebyside_venv_test: no SmolLM2 directory at {model_dir} "
+              "(deploy/setup-python.sh)")
+        sys.exit(77)
+    kvcd = os.environ.get("KVCD_PATH")
+    assert kvcd and os.access(kvcd, os.X_OK), f"KVCD_PATH {kvcd!r} is not an executable kvcd"
+
+    import torch
+    from kvc.bench import kvcrows, model as M, parity, presses as P, sidebyside
+
+    # kvc's budget is kvpress's count in the same floating point (int(1000 * 0.1) = 100, but
+    # kvpress keeps int(1000 * (1 - 0.9)) = 99)
+    for S in (1000, 1036, 4000):
+        for keep in (0.5, 0.25, 0.1):
+            got = kvcrows.config_for(f"snapkv:{keep}", S)["eviction"]["budget"]
+            assert got == P.compute_n_kept(S, 1 - keep), f"S={S} keep={keep}: budget {got}"
+
+    out = tempfile.mkdtemp(prefix="kvc_sbs_test_")
+    sidebyside.main(["--out", out, "--model", str(model_dir), "--kvcd", kvcd,
+                     "--tasks", "passkey:3", "--length", "600", "--scenarios", "after",
+                     "--ratios", "0.25",
+                     "--kvpress", "streaming,snapkv", "--kvc", "streaming:{r};snapkv:{r}",
+                     "--kvc-bytes", "", "--workers", "1"])
+    rows = list(csv.DictReader(open(os.path.join(out, "results.csv"))))
+    by = {}
+    for r in rows:
+        by.setdefault(r["row"], []).append(r)
+    want = {"full", "kvpress:streaming@0.25", "kvpress:snapkv@0.25", "kvc:streaming:0.25",
+            "kvc:snapkv:0.25"}
+    assert set(by) == want, f"rows {sorted(by)}"
+    assert all(len(v) == 3 for v in by.values()), {k: len(v) for k, v in by.items()}
+
+    full_acc = sum(float(r["acc"]) for r in by["full"]) / 3
+    assert full_acc >= 0.9, f"full cache pass-key accuracy {full_acc:.2f}: {by['full']}"
+    for name in ("kvc:streaming:0.25", "kvc:snapkv:0.25"):
+        for r in by[name]:
+            S, kept, stored = int(r["tokens"]), float(r["kept"]), float(r["stored"])
+            want = P.compute_n_kept(S, 0.75)
+            assert kept == want, f"{name}: kept {kept} of {S}, want kvpress's {want}"
+            assert 0.25 <= stored < 0.3, f"{name}: stored fraction {stored}"
+    for r in by["kvc:streaming:0.25"]:
+        assert r["same_as"] == "kvpress:streaming@0.25", \
+            f"kvc streaming differs from kvpress's StreamingLLM on {r['doc']}: {r['same_as']!r}"
+    print(f"sidebyside: full acc {full_acc:.2f}; kvc rows from kvcd keep 0.25; kvc streaming "
+          f"== kvpress StreamingLLM ({time.time() - t0:.0f}s)", flush=True)
+
+    # Parity on one document (fp32: nothing decided by bf16 rounding).
+    tok, model, _ = M.load(str(model_dir), "float32")
+    doc = sidebyside.build_docs(tok, "passkey:1", 600, 7, 64)[0]
+    qs = doc["prompt"][:doc["question_start"]]
+    lin32 = P.fp32_layers(M.Capture(model, qs).layers_in)
+    for name in ("streaming", "knorm", "snapkv", "keydiff", "expected", "adakv-snapkv"):
+        mean, same, worst = parity.equivalence(model, name, 0.25, qs, lin32)
+        assert same == 1.0, f"harness vs kvpress hooks, {name}: {same:.3f} identical sets"
+    with kvcrows.Kvcd(kvcd) as server:
+        uploads = kvcrows.Uploads(model, lin32, torch.float32)
+        for press, spec, W, need in (("streaming", "streaming:0.25", 64, "exact"),
+                                     ("keydiff", "keydiff:0.25", 64, "exact"),
+                                     ("tova", "h2o:0.25,recent=0,layer=1", 1, "exact"),
+                                     ("snapkv", "snapkv:0.25,kernel=5,pool=avg", 64, 0.99)):
+            prow, pkept = P.compress(P.PRESSES[press](0.75), model, lin32, torch.float32)
+            krow = kvcrows.compress(server, "kvc:" + spec, uploads, W)
+            mean, same, worst = parity.compare(parity.kept_sets_press(prow, pkept),
+                                               parity.kept_sets_kvc(krow))
+            print(f"parity {press} / {spec}: mean overlap {mean:.4f}, identical {same:.3f}, "
+                  f"worst {worst:.3f}", flush=True)
+            if need == "exact":
+                assert same == 1.0, f"{press}: kept sets differ ({same:.3f} identical)"
+            else:
+                assert mean >= need, f"{press}: mean overlap {mean:.4f} < {need}"
+    print(f"OK python_sidebyside_venv_test ({time.time() - t0:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()

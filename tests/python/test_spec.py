@@ -1,0 +1,54 @@
+"""kvc.spec: spec strings as CompressionConfig dicts, and the errors of bad ones."""
+
+import pytest
+
+from kvc import spec
+
+
+def test_full_spec():
+    assert spec.parse("snapkv:0.25,kernel=5,pool=avg+think:0.5+q4g64") == {
+        "eviction": {"policy": "snapkv", "keep_ratio": 0.25, "pool_kernel": 5, "pool": "avg"},
+        "channels": {"key_policy": "think", "key_lambda": 0.5},
+        "quant": {"bits": 4, "group_size": 64}}
+
+
+def test_budget_options_and_alone_terms():
+    assert spec.parse("expected@100,stats=1,horizon=512,veps=0,ada=0.2") == {
+        "eviction": {"policy": "expected", "budget": 100, "query_stats": True, "horizon": 512,
+                     "value_eps": 0.0, "adaptive": True, "adaptive_floor": 0.2}}
+    assert spec.parse("h2o:0.5,layer=1,recent=0+r=8")["eviction"]["granularity"] == \
+        "GRANULARITY_PER_LAYER"
+    assert spec.parse("full") == {} and spec.parse(" none ") == {}
+    assert spec.parse("vthink:0.25")["channels"] == {"prune_values": True, "value_lambda": 0.25}
+
+
+@pytest.mark.parametrize("bad, words", [
+    ("", "empty"),
+    ("snapkv", "needs an amount"),
+    ("snapkv:0", "outside (0, 1]"),
+    ("snapkv:1.5", "outside (0, 1]"),
+    ("snapkv@0", "must be >= 1"),
+    ("snapkv:x", "not a number"),
+    ("nosuch:0.5", "unknown term"),
+    ("snapkv:0.5,pool=min", "not max or avg"),
+    ("snapkv:0.5,kernel", "not key=value"),
+    ("snapkv:0.5,color=red", "unknown option"),
+    ("snapkv:0.5+knorm:0.5", "a second eviction"),
+    ("q3", "not 2, 4 or 8"),
+    ("q4+q8", "a second quantization"),
+    ("think:1.0", "outside [0, 1)"),
+    ("full+q4", "stand alone"),
+    ("snapkv:0.5++q4", "empty term"),
+])
+def test_bad_specs_name_the_term(bad, words):
+    with pytest.raises(ValueError) as e:
+        spec.parse(bad)
+    assert words in str(e.value)
+
+
+def test_needs_queries():
+    assert spec.needs_queries(spec.parse("snapkv:0.5"))
+    assert spec.needs_queries(spec.parse("expected:0.5"))
+    assert not spec.needs_queries(spec.parse("expected:0.5,stats=1"))
+    assert not spec.needs_queries(spec.parse("knorm:0.5+q4"))
+    assert spec.needs_queries(spec.parse("knorm:0.5+think:0.5"))
