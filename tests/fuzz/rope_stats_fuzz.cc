@@ -24,7 +24,7 @@
 #include "kvc/cost.h"
 #include "kvc/spec.h"
 #include "kvcache/v1/kvcache.pb.h"
-#include "server/contiguous.h"
+#include "kvc/protocol/convert.h"
 
 namespace {
 
@@ -93,7 +93,7 @@ void EngineLevel(FuzzedDataProvider& in) {
   const auto dtype = static_cast<kvc::DType>(in.ConsumeIntegralInRange(0, 2));
 
   absl::StatusOr<kvc::RopeParams> rope =
-      kvc::server::RopeFromProto(spec_rope, shape.head_dim, kvc::server::RopeUse::kPutHeader);
+      kvc::RopeFromProto(spec_rope, shape.head_dim, kvc::RopeUse::kPutHeader);
   if (!rope.ok()) return;
 
   kvc::CompressionSpec spec;
