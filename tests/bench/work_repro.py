@@ -13,13 +13,13 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 import numpy as np
 
 import kvc  # noqa: E402  (PYTHONPATH: client/python and the generated stubs)
+from kvc.launcher import KvcdProcess
 
 BIN = sys.argv[1]
 NEW = "new" in sys.argv[2:]
@@ -27,18 +27,9 @@ MiB = 1 << 20
 
 
 def start(*flags):
-    d = tempfile.mkdtemp(prefix="kvc_work_repro_")
-    pf = os.path.join(d, "port")
-    log = open(os.path.join(d, "log"), "w+b")
-    p = subprocess.Popen([BIN, "--listen=127.0.0.1:0", "--health_listen=", "--metrics_listen=",
-                          "--backend=cpu", "--threads=2", "--port_file=" + pf, *flags],
-                         stdout=log, stderr=subprocess.STDOUT)
-    while not (os.path.exists(pf) and open(pf).read().strip()):
-        if p.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(log.read().decode())
-        time.sleep(0.02)
-    return p, open(pf).read().strip(), log
+    k = KvcdProcess(BIN, ["--backend=cpu", "--threads=2", *flags], start_timeout=120,
+                    prefix="kvc_work_repro_")
+    return k.proc, k.address, k.log
 
 
 def cpu(pid):

@@ -11,14 +11,12 @@ ratio `POLICY:R` is sent as the budget int(S * (1 - (1 - R))), the token count k
 """
 
 import os
-import subprocess
-import tempfile
-import time
 
 import torch
 
 import kvc
 from kvc import spec as kvc_spec
+from kvc.launcher import KvcdProcess
 
 from .model import RowCache, queries, query_stats, rope_spec
 
@@ -31,53 +29,23 @@ def exit_on_sigterm():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
-class Kvcd:
-    """kvcd on 127.0.0.1:0; stop() (or the context manager) ends it."""
+class Kvcd(KvcdProcess):
+    """kvcd on 127.0.0.1:0 with a client; stop() (or the context manager) ends both."""
 
     def __init__(self, binary, store="4GiB", threads=1):
         if not binary or not os.access(binary, os.X_OK):
             raise FileNotFoundError(f"kvcd binary {binary!r} not found (build target kvcd; "
                                     "--kvcd or KVCD_PATH)")
-        self.dir = tempfile.mkdtemp(prefix="kvc_sbs_")
-        port_file = os.path.join(self.dir, "port")
-        self.log = open(os.path.join(self.dir, "kvcd.log"), "w+b")
-        self.proc = subprocess.Popen(
-            [binary, "--listen=127.0.0.1:0", "--health_listen=", "--metrics_listen=",
-             f"--store_bytes={store}", f"--threads={threads}", "--port_file=" + port_file,
-             "--max_message_bytes=64MiB", "--max_chunk_bytes=32MiB"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            if os.path.exists(port_file) and open(port_file).read().strip():
-                self.address = open(port_file).read().strip()
-                break
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("kvcd did not start: " + self.output())
-            time.sleep(0.05)
+        super().__init__(binary, [f"--store_bytes={store}", f"--threads={threads}",
+                                  "--max_message_bytes=64MiB", "--max_chunk_bytes=32MiB"],
+                         start_timeout=60, prefix="kvc_sbs_")
         self.client = kvc.Client(self.address, max_chunk_bytes=32 << 20,
                                  max_message_bytes=64 << 20, timeout=120, stream_timeout=600)
 
-    def output(self):
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")
-
-    def stop(self):
+    def stop(self, stop_timeout=30.0):
         if getattr(self, "client", None):
             self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
+        super().stop(stop_timeout)
 
 
 class Remote:
