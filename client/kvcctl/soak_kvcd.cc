@@ -42,6 +42,9 @@ void RssSampler::Stop() {
   stop_ = true;
   if (thread_.joinable()) thread_.join();
   if (csv_ != nullptr) std::fflush(csv_);
+  // The caller may close the file once Stop has returned: the destructor's Stop must not touch
+  // it again (an hour-long soak with --rss_csv aborted in glibc at exit).
+  csv_ = nullptr;
 }
 
 void RssSampler::Loop() {

@@ -58,7 +58,7 @@ class RssSampler {
   std::function<pid_t()> pid_;
   std::function<uint64_t()> ops_;
   const absl::Duration period_;
-  std::FILE* const csv_;
+  std::FILE* csv_;  // null once Stop has run
   const absl::Time start_ = absl::Now();
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> max_rss_{0}, max_hwm_{0}, samples_{0};
