@@ -15,6 +15,7 @@
 #include "cuda/decode_plan.h"
 #include "cuda/kernels.h"
 #include "gpu_util.h"
+#include "gpu_dev.h"
 #include "gtest/gtest.h"
 #include "kvc/backend.h"
 #include "kvc/compact.h"
@@ -24,23 +25,7 @@ namespace {
 
 using cuda::AttnHead;
 
-template <typename T>
-struct Dev {
-  T* p = nullptr;
-  explicit Dev(size_t n) {
-    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&p), sizeof(T) * std::max<size_t>(n, 1)),
-              cudaSuccess);
-  }
-  Dev(const T* host, size_t n) : Dev(n) {
-    EXPECT_EQ(cudaMemcpy(p, host, sizeof(T) * n, cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  ~Dev() { cudaFree(p); }
-  std::vector<T> Get(size_t n) const {
-    std::vector<T> h(n);
-    EXPECT_EQ(cudaMemcpy(h.data(), p, sizeof(T) * n, cudaMemcpyDeviceToHost), cudaSuccess);
-    return h;
-  }
-};
+using gpu_testing::Dev;
 
 AttnHead HeadOf(const CompactLayerView& v, int h) {
   const uint8_t* base = v.blob().data();

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "cuda/kernels.h"
 #include "gpu_util.h"
+#include "gpu_dev.h"
 #include "gtest/gtest.h"
 #include "kvc/noise.h"
 #include "noise_kernel.h"
@@ -26,23 +27,7 @@
 namespace kvc {
 namespace {
 
-template <typename T>
-struct Dev {
-  T* p = nullptr;
-  explicit Dev(size_t n) {
-    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&p), sizeof(T) * std::max<size_t>(n, 1)),
-              cudaSuccess);
-  }
-  Dev(const T* host, size_t n) : Dev(n) {
-    EXPECT_EQ(cudaMemcpy(p, host, sizeof(T) * n, cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  ~Dev() { cudaFree(p); }
-  std::vector<T> Get(size_t n) const {
-    std::vector<T> h(n);
-    EXPECT_EQ(cudaMemcpy(h.data(), p, sizeof(T) * n, cudaMemcpyDeviceToHost), cudaSuccess);
-    return h;
-  }
-};
+using gpu_testing::Dev;
 
 uint32_t Bits(float f) {
   uint32_t u;
