@@ -302,8 +302,9 @@ void SoakWorker::AbandonUpload(bool stall) {
   pb::PutCacheRequest req;
   *req.mutable_header() = ver.header;
   bool open = writer->Write(req);
-  // The tensors in upload order (layer by layer: K, V, Q_obs), in 64 KiB pieces, up to a random
-  // byte short of the end: kvcd may be compressing early layers when the cancel comes.
+  // The tensors in upload order (layer by layer: Q_obs, K, V, as the client sends them), in 64 KiB
+  // pieces, up to a random byte short of the end: kvcd may be scoring or compressing early layers
+  // when the cancel comes.
   struct Tensor {
     uint32_t layer;
     pb::TensorKind kind;
@@ -312,8 +313,8 @@ void SoakWorker::AbandonUpload(bool stall) {
   std::vector<Tensor> order;
   uint64_t total = 0;
   for (int l = 0; l < ver.num_layers; ++l) {
-    for (auto [kind, t] : {std::pair{pb::TENSOR_K, &in.k[l]}, std::pair{pb::TENSOR_V, &in.v[l]},
-                           std::pair{pb::TENSOR_Q_OBS, &in.q[l]}}) {
+    for (auto [kind, t] : {std::pair{pb::TENSOR_Q_OBS, &in.q[l]}, std::pair{pb::TENSOR_K, &in.k[l]},
+                           std::pair{pb::TENSOR_V, &in.v[l]}}) {
       if (t->empty()) continue;
       order.push_back({static_cast<uint32_t>(l), kind, t});
       total += t->size();

@@ -297,11 +297,13 @@ absl::StatusOr<PutResult> ClientImpl::PutCache(const PutHeader& header,
   pb::ChunkHeader chunk;
   for (size_t l = 0; ok && l < layers.size(); ++l) {
     chunk.set_layer(static_cast<uint32_t>(l));
+    // The queries first, then K, then V: kvcd scores a layer from K and the queries while its V
+    // is still arriving.
     const std::pair<pb::TensorKind, const void*> tensors[4] = {
-        {pb::TENSOR_K, layers[l].k},
-        {pb::TENSOR_V, layers[l].v},
         {pb::TENSOR_Q_OBS, layers[l].q_obs},
-        {pb::TENSOR_Q_STATS, layers[l].q_stats}};
+        {pb::TENSOR_Q_STATS, layers[l].q_stats},
+        {pb::TENSOR_K, layers[l].k},
+        {pb::TENSOR_V, layers[l].v}};
     for (const auto& [kind, base] : tensors) {
       chunk.set_tensor(kind);
       const std::vector<ChunkSpan>& spans = kind == pb::TENSOR_Q_OBS     ? q_chunks

@@ -163,6 +163,11 @@ void AttentionScores(const Input& in, Sheet* s) {
   s->Task("query rows (row_block*head_dim floats)", Mul({in.row_block, in.d, kFloat}));
   s->Task("key chunk", Mul({in.chunk, in.d, kFloat}));
   s->Task("logit tile", Mul({in.row_block, in.chunk, kFloat}));
+  // The AMX path's bf16 hi/lo copies (cpu/amx_logits.h; counted on every machine, so that a
+  // request's cost does not depend on the CPU that serves it): rows and keys padded to 32.
+  s->Task("AMX query rows (2*row_block*head_dim bf16)",
+          Mul({CeilDiv(in.row_block, 32), 32, in.d, 2, 2}));
+  s->Task("AMX key chunk (2*chunk*head_dim bf16)", Mul({CeilDiv(in.chunk, 32), 32, in.d, 2, 2}));
   s->Task("parked logits (row_block*seq_len floats)",
           Mul({Add(Mul({in.row_block, kScoreTokenChunk, chunks - 1}), 16), kFloat}));
   s->Task("softmax statistics", Mul({in.row_block, chunks + 2, kFloat}));

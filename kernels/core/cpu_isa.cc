@@ -16,6 +16,8 @@
 
 #if defined(__x86_64__)
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define KVC_CPU_ISA_X86 1
 #endif
 
@@ -26,6 +28,8 @@ struct Features {
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512dq = false, avx512bw = false, avx512vl = false;
   bool avx512vnni = false, avx512bf16 = false, avx512fp16 = false, amx = false;
+  bool amx_bf16 = false;
+  bool amx_permitted = false;  // the kernel let this process use the tile data registers
   bool avx_vnni = false;
 };
 
@@ -59,11 +63,20 @@ Features Detect() {
   f.avx512vnni = f.avx512f && (c & (1u << 11)) != 0;
   f.avx512fp16 = f.avx512f && (d & (1u << 23)) != 0;
   f.amx = tiles && (d & (1u << 24)) != 0;
+  f.amx_bf16 = f.amx && (d & (1u << 22)) != 0;
   const unsigned max_sub = a;
   if (max_sub >= 1) {
     __cpuid_count(7, 1, a, b, c, d);
     f.avx_vnni = avx && (a & (1u << 4)) != 0;
     f.avx512bf16 = f.avx512f && (a & (1u << 5)) != 0;
+  }
+  if (f.amx_bf16) {
+    // Linux hands out the 8 KiB tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+    // XTILEDATA, once per process: every thread may then use it); without it the first tile
+    // instruction kills the process with SIGILL.
+    constexpr long kArchReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    f.amx_permitted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }
   return f;
 }
@@ -75,7 +88,8 @@ CpuIsa LevelOf(const Features& f) {
   if (!(f.avx2 && f.fma && f.f16c)) return CpuIsa::kPortable;
   if (!(f.avx512f && f.avx512dq && f.avx512bw && f.avx512vl)) return CpuIsa::kAvx2;
   if (!f.avx512vnni) return CpuIsa::kAvx512;
-  return CpuIsa::kAvx512Vnni;
+  if (!(f.avx512bf16 && f.amx_bf16 && f.amx_permitted)) return CpuIsa::kAvx512Vnni;
+  return CpuIsa::kAmx;
 }
 
 enum class CapSource { kNone, kEnv, kCall };
@@ -84,7 +98,7 @@ struct State {
   Features features;
   CpuIsa detected = CpuIsa::kPortable;
   absl::Status env_status;
-  std::atomic<int> cap{static_cast<int>(CpuIsa::kAvx512Vnni)};
+  std::atomic<int> cap{static_cast<int>(kBestCpuIsa)};
   std::atomic<int> active{static_cast<int>(CpuIsa::kPortable)};
   std::atomic<int> source{static_cast<int>(CapSource::kNone)};
 };
@@ -93,7 +107,7 @@ State* Init() {
   auto* s = new State;
   s->features = Detect();
   s->detected = LevelOf(s->features);
-  CpuIsa cap = CpuIsa::kAvx512Vnni;
+  CpuIsa cap = kBestCpuIsa;
   if (const char* env = std::getenv("KVC_CPU_ISA"); env != nullptr && env[0] != '\0') {
     absl::StatusOr<CpuIsa> parsed = ParseCpuIsa(env);
     if (parsed.ok()) {
@@ -127,18 +141,21 @@ std::string_view CpuIsaName(CpuIsa isa) {
       return "avx512";
     case CpuIsa::kAvx512Vnni:
       return "avx512vnni";
+    case CpuIsa::kAmx:
+      return "amx";
   }
   return "unknown";
 }
 
 absl::StatusOr<CpuIsa> ParseCpuIsa(std::string_view name) {
   const std::string lower = absl::AsciiStrToLower(std::string(name));
-  for (CpuIsa isa : {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Vnni}) {
+  for (CpuIsa isa :
+       {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Vnni, CpuIsa::kAmx}) {
     if (lower == CpuIsaName(isa)) return isa;
   }
-  if (lower == "native" || lower == "best") return CpuIsa::kAvx512Vnni;
+  if (lower == "native" || lower == "best") return kBestCpuIsa;
   return absl::InvalidArgumentError(absl::StrCat(
-      "\"", std::string(name), "\" is not one of portable, avx2, avx512, avx512vnni, native"));
+      "\"", std::string(name), "\" is not one of portable, avx2, avx512, avx512vnni, amx, native"));
 }
 
 CpuIsa DetectedCpuIsa() { return GetState().detected; }
@@ -149,7 +166,7 @@ CpuIsa ActiveCpuIsa() {
 
 CpuIsa SetCpuIsaCap(CpuIsa cap) {
   State& s = GetState();
-  const int c = std::clamp(static_cast<int>(cap), 0, static_cast<int>(CpuIsa::kAvx512Vnni));
+  const int c = std::clamp(static_cast<int>(cap), 0, static_cast<int>(kBestCpuIsa));
   const int previous = s.cap.exchange(c);
   s.active.store(std::min(c, static_cast<int>(s.detected)));
   s.source.store(static_cast<int>(CapSource::kCall));
@@ -187,7 +204,9 @@ std::string CpuFeatureList() {
       {f.avx512vnni, "avx512vnni"},
       {f.avx512bf16, "avx512bf16"},
       {f.avx512fp16, "avx512fp16"},
-      {f.amx, "amx"},
+      {f.amx, "amx-tile"},
+      {f.amx_bf16, "amx-bf16"},
+      {f.amx_bf16 && !f.amx_permitted, "(amx not permitted by the kernel)"},
   };
   for (const auto& [has, name] : all) {
     if (has) names.emplace_back(name);

@@ -41,6 +41,16 @@ class CpuBackend final : public Backend {
     return CompressOnPool(in, spec, &pool_, timings);
   }
 
+  bool CanScoreKeys() const override { return true; }
+  absl::StatusOr<KeyScores> ScoreKeys(const LayerInput& in, const CompressionSpec& spec) override {
+    return ScoreKeysOnPool(in, spec, &pool_);
+  }
+  absl::StatusOr<CompactLayer> CompressScored(const LayerInput& in, const CompressionSpec& spec,
+                                              KeyScores scores,
+                                              CompressTimings* timings) override {
+    return CompressOnPool(in, spec, &pool_, timings, &scores);
+  }
+
   absl::Status Attend(const CompactLayerView& cache, const DecodeQuery& query,
                       float* out) override {
     return PackedAttentionCpu(cache, query, out, &pool_);
@@ -52,8 +62,32 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
+absl::StatusOr<KeyScores> ScoreKeysOnPool(const LayerInput& in, const CompressionSpec& spec,
+                                          ThreadPool* pool) {
+  return CallNoThrow([&]() -> absl::StatusOr<KeyScores> {
+    const auto start = std::chrono::steady_clock::now();
+    // V is never read here: validate the rest as Compress would (with k standing in for v).
+    LayerInput check = in;
+    if (check.v == nullptr) check.v = check.k;
+    RETURN_IF_ERROR(ValidateInput(check));
+    RETURN_IF_ERROR(ValidateSpec(spec, in.shape, in.layer_index));
+    RETURN_IF_ERROR(ValidateSpecInput(spec, check));
+    KeyScores out;
+    out.computed = cpu::NeedsScores(in, spec);
+    if (out.computed) {
+      LayerInput keys_only = in;
+      keys_only.v = nullptr;  // a scorer that read V would fault here, not read stale memory
+      cpu::RawScoresImpl(keys_only, spec.eviction, pool, &out.scores);
+    }
+    RETURN_IF_ERROR(cpu::CancelStatus(in));
+    out.seconds = SecondsSince(start);
+    return out;
+  });
+}
+
 absl::StatusOr<CompactLayer> CompressOnPool(const LayerInput& in, const CompressionSpec& spec,
-                                            ThreadPool* pool, CompressTimings* timings) {
+                                            ThreadPool* pool, CompressTimings* timings,
+                                            KeyScores* early) {
   // Packing runs on the pool, one task per (KV head, K or V), and quantization happens inside
   // those tasks. `pack` + `quantize` is the wall time of that packing stage, split in proportion
   // to the time (summed over tasks, cpu::PackWork) the tasks spent quantizing (computing and
@@ -71,11 +105,29 @@ absl::StatusOr<CompactLayer> CompressOnPool(const LayerInput& in, const Compress
     const auto select_start = std::chrono::steady_clock::now();
     // Cancelled work stops within a block of each stage; nothing after it runs.
     RETURN_IF_ERROR(cpu::CancelStatus(in));
-    TokenSelection tokens = cpu::SelectTokensImpl(in, spec, pool, &t.score);
+    TokenSelection tokens;
+    double scored_here = 0;  // of t.score, the part spent in this call
+    if (early == nullptr) {
+      tokens = cpu::SelectTokensImpl(in, spec, pool, &t.score);
+      scored_here = t.score;
+    } else {
+      // Scored before V arrived: the value weighting now, then the same selection.
+      if (early->computed != cpu::NeedsScores(in, spec) ||
+          (early->computed && early->scores.size() != static_cast<size_t>(in.shape.num_kv_heads) *
+                                                          in.shape.seq_len)) {
+        return absl::InvalidArgumentError("scores: not ScoreKeys' output for this input and spec");
+      }
+      const auto weight_start = std::chrono::steady_clock::now();
+      if (early->computed) cpu::ApplyValueWeights(in, spec.eviction, pool, &early->scores);
+      scored_here = SecondsSince(weight_start);
+      t.score = early->seconds + scored_here;
+      RETURN_IF_ERROR(cpu::CancelStatus(in));
+      tokens = cpu::SelectFromScoresImpl(in, spec, pool, early->computed ? &early->scores : nullptr);
+    }
     RETURN_IF_ERROR(cpu::CancelStatus(in));
     ChannelSelection channels = cpu::SelectChannelsImpl(in, tokens, spec, pool);
     RETURN_IF_ERROR(cpu::CancelStatus(in));
-    t.select = SecondsSince(select_start) - t.score;
+    t.select = SecondsSince(select_start) - scored_here;
     const auto pack_start = std::chrono::steady_clock::now();
     cpu::PackWork work;
     ASSIGN_OR_RETURN(CompactLayer layer,

@@ -15,8 +15,15 @@ namespace kvc::cpu {
 // Compresses one layer on `pool` as the CPU backend does: validates the input and spec
 // (INVALID_ARGUMENT naming the field), selects tokens and channels, packs; fills `timings` when
 // not null. A failed allocation is RESOURCE_EXHAUSTED: no exception leaves.
+// `early`: scores from ScoreKeysOnPool for this input and spec (the value weighting, selection,
+// channels and packing then run from them), or null (score here).
 absl::StatusOr<CompactLayer> CompressOnPool(const LayerInput& in, const CompressionSpec& spec,
-                                            ThreadPool* pool, CompressTimings* timings);
+                                            ThreadPool* pool, CompressTimings* timings,
+                                            KeyScores* early = nullptr);
+// Backend::ScoreKeys on `pool`: validates what it reads (in.v may be null), then the policy's
+// scores before value weighting.
+absl::StatusOr<KeyScores> ScoreKeysOnPool(const LayerInput& in, const CompressionSpec& spec,
+                                          ThreadPool* pool);
 
 // The CPU backend with its own pool of num_threads threads (0 = hardware concurrency; must be
 // >= 0, the registry checks it).

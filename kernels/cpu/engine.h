@@ -29,6 +29,15 @@ namespace kvc::cpu {
 // value weighting (kvc/policy.h).
 void ScoreTokensImpl(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool,
                      std::vector<float>* scores);
+// ScoreTokensImpl in its two steps: the scorer alone (reads K and the queries, never V), then the
+// value weighting (reads V; a no-op for a policy or spec without it).
+void RawScoresImpl(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool,
+                   std::vector<float>* scores);
+void ApplyValueWeights(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool,
+                       std::vector<float>* scores);
+// Whether the spec's selection of this layer needs scores at all (false when the protected sinks
+// and recent tokens fill the budget).
+bool NeedsScores(const LayerInput& in, const CompressionSpec& spec);
 // The scorer of h2o, snapkv and keyformer (scoring.cc): the observation queries' attention,
 // pooled for snapkv, with Gumbel noise for keyformer; out [Hkv, S].
 void ObservedAttentionScores(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool,
@@ -78,6 +87,7 @@ class ScratchArray {
 // The arrays one task of the engine uses (every stage names its own use of them).
 struct Scratch {
   ScratchArray q, k, v, logits, tile, acc, row_max, cand, stats;
+  ScratchArray amx_q, amx_k;  // AMX-packed queries and keys (scoring.cc, cpu/amx_logits.h)
   std::vector<const float*> rows;  // row pointers of one chunk (AttentionScoreHead): small
   static Scratch& ForThisThread();
   void ReleaseLarge();

@@ -95,21 +95,34 @@ static_assert(CoversEveryPolicyInOrder(kCpuScorers),
 
 }  // namespace
 
-void ScoreTokensImpl(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool,
-                     std::vector<float>* scores) {
+void RawScoresImpl(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool,
+                   std::vector<float>* scores) {
   const int S = in.shape.seq_len, H = in.shape.num_kv_heads;
   scores->assign(static_cast<size_t>(H) * S, 0.0f);
   const CpuScorer& scorer = kCpuScorers[static_cast<size_t>(spec.policy)];
   if (scorer.score == nullptr) return;
-  float* out = scores->data();
-  scorer.score(in, spec, pool, out);
+  scorer.score(in, spec, pool, scores->data());
+}
+
+void ApplyValueWeights(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool,
+                       std::vector<float>* scores) {
   // Value-aware weighting composes with the policies whose row says so (a no-op when it is off).
-  if (Policy(spec.policy).value_weight) {
-    pool->ParallelFor(H, [&](int h) {
-      ScratchTask task;
-      ValueWeightHead(in, spec, h, out + static_cast<size_t>(h) * S);
-    });
+  if (!Policy(spec.policy).value_weight || kCpuScorers[static_cast<size_t>(spec.policy)].score ==
+                                               nullptr) {
+    return;
   }
+  const int S = in.shape.seq_len;
+  float* out = scores->data();
+  pool->ParallelFor(in.shape.num_kv_heads, [&](int h) {
+    ScratchTask task;
+    ValueWeightHead(in, spec, h, out + static_cast<size_t>(h) * S);
+  });
+}
+
+void ScoreTokensImpl(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool,
+                     std::vector<float>* scores) {
+  RawScoresImpl(in, spec, pool, scores);
+  ApplyValueWeights(in, spec, pool, scores);
 }
 
 }  // namespace kvc::cpu

@@ -1,7 +1,8 @@
 // Attention scores of the observation queries (h2o, snapkv, keyformer: the policies' scorers and
 // the dispatch are in scorers.cc). Attention-based policies compute, per KV head, the GEMM of the
 // group's observation queries against all keys ([g*W, D] x [D, S], OpenBLAS sgemm on fp32 copies,
-// one 1024-key chunk at a time), then a causal row softmax (online over the chunks) whose rows are
+// one 1024-key chunk at a time; on AMX the same products from bf16 tiles, cpu/amx_logits.h), then
+// a causal row softmax (online over the chunks) whose rows are
 // accumulated into the head's score. Query rows are processed in blocks so the logits buffer
 // stays bounded even when W == S.
 #include <cblas.h>
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <limits>
 
+#include "cpu/amx_logits.h"
 #include "cpu/engine.h"
 #include "cpu/score_extra.h"
 #include "cpu/simd.h"
@@ -63,7 +65,22 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
   // with W (kvc/cost.h: ScoreRowBlock).
   const int block = ScoreRowBlock(S, rows, D);
   float* q = s.q.Get<float>(static_cast<size_t>(block) * D);
-  float* k = s.k.Get<float>(static_cast<size_t>(std::min(S, kTokenChunk)) * D);
+  // AMX: the logits from bf16 hi/lo tiles instead of sgemm (same values to ~2^-16, see
+  // cpu/amx_logits.h). bf16 keys are exact in one bf16 part: their lo products are skipped.
+  const bool use_amx = amx::Usable(D);
+  const bool key_lo = in.dtype != DType::kBF16;
+  uint16_t *q_hi = nullptr, *q_lo = nullptr, *k_hi = nullptr, *k_lo = nullptr;
+  float* k = nullptr;  // the fp32 key chunk of the sgemm path
+  if (!use_amx) {
+    k = s.k.Get<float>(static_cast<size_t>(std::min(S, kTokenChunk)) * D);
+  } else {
+    const size_t qn = amx::PackedQueryElems(block, D);
+    const size_t kn = amx::PackedKeyElems(std::min(S, kTokenChunk), D);
+    q_hi = s.amx_q.Get<uint16_t>(2 * qn);
+    q_lo = q_hi + qn;
+    k_hi = s.amx_k.Get<uint16_t>(2 * kn);
+    k_lo = key_lo ? k_hi + kn : nullptr;
+  }
 
   std::fill(out, out + S, 0.0f);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -77,6 +94,7 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
     if (Cancelled(in)) return;
     const int nr = std::min(block, rows - r0);
     LoadQueryRows(in, h, r0, nr, q);
+    if (use_amx) amx::PackQueries(q, nr, D, scale, q_hi, q_lo);
     // Keys past the last row's causal limit are never read: trim the GEMM to them.
     int max_len = 0;
     for (int r = r0; r < r0 + nr; ++r) max_len = std::max(max_len, S - W + (r % W) + 1);
@@ -99,12 +117,22 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
     for (int c0 = 0, c = 0; c0 < max_len; c0 += kTokenChunk, ++c) {
       if (Cancelled(in)) return;
       const int n = std::min(kTokenChunk, max_len - c0);
-      LoadHeadRows(in, /*values=*/false, h, c0, n, k);
+      if (!use_amx) LoadHeadRows(in, /*values=*/false, h, c0, n, k);
       // All but the last chunk: the GEMM writes straight into the chunk's parked slot (it stays
       // in L2 for the passes below); the last one into the tile the final pass reads.
       float* dst = c + 1 < chunks ? parked + c * slot : tile;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, D, scale, q, D, k, D, 0.0f, dst,
-                  n);
+      if (use_amx) {
+        // Straight from the cache's rows (no fp32 copy of the chunk).
+        const size_t offset = ElementOffset(in.layout, sh.num_kv_heads, S, D, h, c0, 0);
+        const size_t stride =
+            in.layout == Layout::kHND ? D : static_cast<size_t>(sh.num_kv_heads) * D;
+        amx::PackKeys(static_cast<const uint8_t*>(in.k) + offset * DTypeSize(in.dtype), in.dtype,
+                      stride, n, D, k_hi, k_lo);
+        amx::Logits(q_hi, q_lo, nr, k_hi, k_lo, n, D, dst, static_cast<size_t>(n));
+      } else {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, D, scale, q, D, k, D, 0.0f,
+                    dst, n);
+      }
       for (int r = r0; r < r0 + nr; ++r) {
         const int i = r - r0, t = r % W;
         const int valid = std::min(n, S - W + t + 1 - c0);

@@ -61,7 +61,8 @@ Scratch& Scratch::ForThisThread() {
 }
 
 void Scratch::ReleaseLarge() {
-  for (ScratchArray* a : {&q, &k, &v, &logits, &tile, &acc, &row_max, &cand, &stats}) {
+  for (ScratchArray* a :
+       {&q, &k, &v, &logits, &tile, &acc, &row_max, &cand, &stats, &amx_q, &amx_k}) {
     a->ReleaseLarge();
   }
 }

@@ -149,14 +149,19 @@ int RecentCount(const CompressionSpec& spec, int budget) {
   return active ? std::min(spec.recent_tokens, budget) : 0;
 }
 
-TokenSelection SelectTokensImpl(const LayerInput& in, const CompressionSpec& spec, ThreadPool* pool,
-                                double* score_seconds) {
+bool NeedsScores(const LayerInput& in, const CompressionSpec& spec) {
   const EvictionSpec& e = spec.eviction;
   const int budget = EffectiveBudget(e, in.layer_index, in.shape.seq_len);
   const Protected prot = ProtectedFor(e, in.shape, budget);
+  return prot.sinks + prot.recent < budget;
+}
+
+TokenSelection SelectTokensImpl(const LayerInput& in, const CompressionSpec& spec, ThreadPool* pool,
+                                double* score_seconds) {
+  const EvictionSpec& e = spec.eviction;
   std::vector<float> scores;
   const auto t0 = std::chrono::steady_clock::now();
-  const bool need_scores = prot.sinks + prot.recent < budget;
+  const bool need_scores = NeedsScores(in, spec);
   if (need_scores) ScoreTokensImpl(in, e, pool, &scores);
   if (Cancelled(in)) return TokenSelection{};  // the caller reports CancelStatus(in)
   if (score_seconds != nullptr) {

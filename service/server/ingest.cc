@@ -154,10 +154,14 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
   tensor_bytes_[3] = lb->q_stats;
   rope_ = header->rope;
   in_place_ = in_place;
+  early_scoring_ = !in_place && backend_->CanScoreKeys() && Policy(spec.eviction.policy).scores;
   layers_.resize(num_layers);
   {
     absl::MutexLock lock(&mu_);
     max_running_ = concurrent_layers;
+    stage_.assign(num_layers, Stage::kReceiving);
+    complete_.assign(num_layers, false);
+    early_scores_.resize(num_layers);
     compact_.resize(num_layers);
     compressed_.assign(num_layers, false);
     block_checksums_.assign(num_layers, {});
@@ -175,6 +179,13 @@ void Upload::HoldStaging(StagingBudget::Reservation r) {
 
 bool Upload::LayerComplete(const LayerState& layer) const {
   for (int t = 0; t < kNumTensors; ++t) {
+    if (layer.coverage[t].received != tensor_bytes_[t]) return false;
+  }
+  return true;
+}
+
+bool Upload::KeysComplete(const LayerState& layer) const {
+  for (int t : {0, 2, 3}) {
     if (layer.coverage[t].received != tensor_bytes_[t]) return false;
   }
   return true;
@@ -308,32 +319,158 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
       }
       io_pool_->Schedule([self = shared_from_this(), index] { self->CompleteInPlaceLayer(index); });
     } else {
+      bool compress_now = false;
       {
         absl::MutexLock lock(&mu_);
         ++pending_;
-        ready_.push_back(index);
+        complete_[index] = true;
+        switch (stage_[index]) {
+          case Stage::kScored:  // scored while V arrived: compress now, in the layer's slot
+            stage_[index] = Stage::kCompressing;
+            compress_now = true;
+            break;
+          case Stage::kScoring:  // ScoreLayer starts the compression when it ends
+            break;
+          default:  // not scored (a kKeysQueued entry left in score_ready_ is skipped)
+            stage_[index] = Stage::kQueued;
+            ready_.push_back(index);
+            break;
+        }
+      }
+      if (compress_now) {
+        pool_->Schedule([self = shared_from_this(), index] { self->CompressLayer(index); });
       }
       StartReady();
     }
+  } else if (early_scoring_ && !layer.keys_queued && !layer.scheduled && KeysComplete(layer)) {
+    layer.keys_queued = true;
+    const int index = static_cast<int>(c.layer());
+    {
+      absl::MutexLock lock(&mu_);
+      if (stage_[index] == Stage::kReceiving) {
+        stage_[index] = Stage::kKeysQueued;
+        score_ready_.push_back(index);
+      }
+    }
+    StartReady();
   }
   return absl::OkStatus();
 }
 
 void Upload::StartReady() {
   // Scheduled outside the lock: a pool without workers runs the job right here.
-  std::vector<int> start;
+  // Complete layers first (they are closest to done), then layers to score early.
+  std::vector<std::pair<int, bool>> start;  // (layer, score early)
   {
     absl::MutexLock lock(&mu_);
-    while (running_ < max_running_ && !ready_.empty()) {
-      start.push_back(ready_.front());
-      ready_.pop_front();
+    while (running_ < max_running_) {
+      if (!ready_.empty()) {
+        const int index = ready_.front();
+        ready_.pop_front();
+        stage_[index] = Stage::kCompressing;
+        start.emplace_back(index, false);
+        ++running_;
+        continue;
+      }
+      // Entries of layers that completed meanwhile went to ready_ instead: skip them.
+      while (!score_ready_.empty() && stage_[score_ready_.front()] != Stage::kKeysQueued) {
+        score_ready_.pop_front();
+      }
+      if (score_ready_.empty()) break;
+      const int index = score_ready_.front();
+      score_ready_.pop_front();
+      stage_[index] = Stage::kScoring;
+      ++pending_;  // the upload is not final while a layer is being scored
       ++running_;
+      start.emplace_back(index, true);
     }
   }
   // Each job goes to the back of the pool's queue: the layers of different uploads take turns.
-  for (int index : start) {
+  for (const auto& [index, score] : start) {
+    if (score) {
+      pool_->Schedule([self = shared_from_this(), index = index] { self->ScoreLayer(index); });
+    } else {
+      pool_->Schedule([self = shared_from_this(), index = index] { self->CompressLayer(index); });
+    }
+  }
+}
+
+LayerInput Upload::InputOf(int index) const {
+  const LayerState& layer = layers_[index];
+  LayerInput in;
+  in.shape = shape_;
+  in.dtype = dtype_;
+  in.layout = layout_;
+  in.layer_index = index;
+  in.k = layer.tensor[0].get();
+  in.v = layer.tensor[1].get();
+  in.q_obs = shape_.obs_window > 0 ? layer.tensor[2].get() : nullptr;
+  in.rope = rope_ ? &*rope_ : nullptr;
+  in.cancel = cancel_.get();
+  // Q_stats: float32 little-endian on the wire, read in place from the staging buffer (its
+  // memory is aligned for floats).
+  if (spec_.eviction.query_stats) in.q_stats = reinterpret_cast<const float*>(layer.tensor[3].get());
+  return in;
+}
+
+void Upload::ScoreLayer(int index) {
+  bool dropped = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (aborted_ || !compress_error_.ok()) {
+      dropped = true;
+    } else if (!timeout_armed_) {
+      timeout_armed_ = true;
+      cancel_->SetDeadline(
+          absl::Now() + limits_.compress_timeout,
+          absl::StrFormat("compression ran past --compress_timeout_seconds=%g: upload discarded",
+                          absl::ToDoubleSeconds(limits_.compress_timeout)));
+    }
+  }
+  absl::StatusOr<KeyScores> out = absl::CancelledError("upload dropped");
+  if (!dropped) {
+    // Only K, Q_obs and Q_stats are complete (and no longer written): V is not passed.
+    LayerInput in = InputOf(index);
+    in.v = nullptr;
+    if (compress_observer_) compress_observer_(+1);
+    out = CallNoThrow([&]() -> absl::StatusOr<KeyScores> {
+      RETURN_IF_ERROR(QueryStatsFinite(in));
+      return backend_->ScoreKeys(in, spec_);
+    });
+    if (compress_observer_) compress_observer_(-1);
+  }
+  bool compress_now = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (out.ok()) {
+      early_scores_[index] = *std::move(out);
+    } else if (!dropped) {
+      RecordError(index, out.status());
+    }
+    --pending_;
+    if (complete_[index]) {  // the slot passes to the layer's compression
+      stage_[index] = Stage::kCompressing;
+      compress_now = true;
+    } else {
+      stage_[index] = Stage::kScored;  // keeps the slot until V is complete
+    }
+    MaybeFinalize();
+  }
+  if (compress_now) {
     pool_->Schedule([self = shared_from_this(), index] { self->CompressLayer(index); });
   }
+}
+
+absl::Status Upload::QueryStatsFinite(const LayerInput& in) const {
+  if (in.q_stats == nullptr) return absl::OkStatus();
+  const size_t n = tensor_bytes_[3] / sizeof(float);
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(in.q_stats[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor Q_stats: entry ", i, " (", in.q_stats[i], ") is not finite"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 void Upload::CompleteInPlaceLayer(int index) {
@@ -379,30 +516,11 @@ void Upload::CompressLayer(int index) {
     return;
   }
   LayerState& layer = layers_[index];
-  LayerInput in;
-  in.shape = shape_;
-  in.dtype = dtype_;
-  in.layout = layout_;
-  in.layer_index = index;
-  in.k = layer.tensor[0].get();
-  in.v = layer.tensor[1].get();
-  in.q_obs = shape_.obs_window > 0 ? layer.tensor[2].get() : nullptr;
-  in.rope = rope_ ? &*rope_ : nullptr;
-  in.cancel = cancel_.get();
-  // Q_stats: float32 little-endian on the wire, read in place from the staging buffer (its
-  // memory is aligned for floats). LayerDone prefixes the layer.
-  absl::Status stats_error;
-  if (spec_.eviction.query_stats) {
-    const auto* q_stats = reinterpret_cast<const float*>(layer.tensor[3].get());
-    const size_t n = tensor_bytes_[3] / sizeof(float);
-    for (size_t i = 0; i < n; ++i) {
-      if (!std::isfinite(q_stats[i])) {
-        stats_error = absl::InvalidArgumentError(
-            absl::StrCat("tensor Q_stats: entry ", i, " (", q_stats[i], ") is not finite"));
-        break;
-      }
-    }
-    in.q_stats = q_stats;
+  const LayerInput in = InputOf(index);
+  std::optional<KeyScores> early;
+  {
+    absl::MutexLock lock(&mu_);
+    early.swap(early_scores_[index]);
   }
   CompressTimings t;
   std::vector<uint64_t> blocks;
@@ -410,8 +528,10 @@ void Upload::CompressLayer(int index) {
   // this upload with RESOURCE_EXHAUSTED, any other exception with INTERNAL, and kvcd carries on.
   if (compress_observer_) compress_observer_(+1);
   absl::StatusOr<CompactLayer> out = CallNoThrow([&]() -> absl::StatusOr<CompactLayer> {
-    RETURN_IF_ERROR(stats_error);
-    ASSIGN_OR_RETURN(CompactLayer compact, backend_->Compress(in, spec_, &t));
+    RETURN_IF_ERROR(QueryStatsFinite(in));
+    ASSIGN_OR_RETURN(CompactLayer compact,
+                     early ? backend_->CompressScored(in, spec_, *std::move(early), &t)
+                           : backend_->Compress(in, spec_, &t));
     // Hashed here, right after the engine wrote it, on this job's thread.
     blocks = ChecksumLayerBlocks(static_cast<uint32_t>(index), compact.bytes);
     return compact;
@@ -431,19 +551,7 @@ void Upload::LayerDone(int index, absl::StatusOr<CompactLayer> out, std::vector<
   if (aborted_) {
     // Results of an abandoned upload are dropped.
   } else if (!out.ok()) {
-    if (compress_error_.ok()) {
-      // The engine's refusals and a cancellation keep their code; anything else is a bug.
-      const absl::StatusCode code = out.status().code();
-      const bool kept =
-          code == absl::StatusCode::kInvalidArgument ||
-          code == absl::StatusCode::kResourceExhausted ||
-          code == absl::StatusCode::kDeadlineExceeded || code == absl::StatusCode::kCancelled ||
-          code == absl::StatusCode::kAborted || code == absl::StatusCode::kUnavailable;
-      compress_error_ =
-          absl::Status(kept ? code : absl::StatusCode::kInternal,
-                       absl::StrCat("layer ", index, ": ", std::string(out.status().message())));
-      if (reason_ == RejectReason::kNone) reason_ = RejectReason::kCompress;
-    }
+    RecordError(index, out.status());
   } else {
     compact_[index] = *std::move(out);
     compressed_[index] = true;
@@ -459,6 +567,19 @@ void Upload::LayerDone(int index, absl::StatusOr<CompactLayer> out, std::vector<
   MaybeFinalize();
 }
 
+void Upload::RecordError(int index, const absl::Status& status) {
+  if (aborted_ || !compress_error_.ok()) return;  // the first error wins
+  // The engine's refusals and a cancellation keep their code; anything else is a bug.
+  const absl::StatusCode code = status.code();
+  const bool kept =
+      code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kResourceExhausted ||
+      code == absl::StatusCode::kDeadlineExceeded || code == absl::StatusCode::kCancelled ||
+      code == absl::StatusCode::kAborted || code == absl::StatusCode::kUnavailable;
+  compress_error_ = absl::Status(kept ? code : absl::StatusCode::kInternal,
+                                 absl::StrCat("layer ", index, ": ", std::string(status.message())));
+  if (reason_ == RejectReason::kNone) reason_ = RejectReason::kCompress;
+}
+
 void Upload::Finish(DoneCallback done) {
   absl::MutexLock lock(&mu_);
   done_ = std::move(done);
@@ -472,6 +593,7 @@ void Upload::Cancel(absl::Status why) {
   aborted_ = true;  // layers still queued finish through their jobs, which drop them at once
   compact_.clear();
   compressed_.clear();
+  for (auto& scores : early_scores_) scores.reset();
 }
 
 void Upload::Abort() { Cancel(absl::CancelledError("upload cancelled")); }

@@ -1,6 +1,10 @@
 // One PutCache upload in progress: header validation, placement of chunks into per-layer staging
 // buffers with exact byte coverage, compression of each layer on the worker pool as soon as its
-// tensors are complete, and the final insertion into the store. An upload that asks for no
+// tensors are complete, and the final insertion into the store. When the backend can
+// (Backend::CanScoreKeys) and the policy has scores, a layer whose K and queries (Q_obs, Q_stats)
+// are complete is scored while its V is still arriving, so that only the value weighting,
+// selection and packing remain when V's last chunk lands (clients send the queries first, then K,
+// then V; another order works too, scoring then waits for the whole layer as before). An upload that asks for no
 // compression at all (InPlaceLayer::KeepsEverything) skips staging: its K and V chunks are copied
 // straight into the layer's compact blob (and hashed there while in cache) and Q_obs is only
 // accounted for, so each payload byte is copied once.
@@ -161,14 +165,28 @@ class Upload : public std::enable_shared_from_this<Upload> {
     };
     std::unique_ptr<Hashing> hashing;
     Coverage coverage[4];
-    bool scheduled = false;
+    bool scheduled = false;    // complete, its compression queued or started
+    bool keys_queued = false;  // K and the queries complete, queued for early scoring
+  };
+  // Where a layer is, for the jobs (guarded by mu_). Each job holds one of max_running_ slots; a
+  // layer scored early keeps its slot (and its scores) until its compression ends.
+  enum class Stage : uint8_t {
+    kReceiving,    // no job yet
+    kKeysQueued,   // in score_ready_
+    kScoring,      // ScoreLayer running
+    kScored,       // scores held, waiting for the rest of the layer
+    kQueued,       // complete, in ready_
+    kCompressing,  // CompressLayer queued or running
   };
 
   absl::Status Reject(RejectReason reason, absl::Status status);
   bool LayerComplete(const LayerState& layer) const;
+  bool KeysComplete(const LayerState& layer) const;  // K, Q_obs and Q_stats
+  LayerInput InputOf(int index) const;                // the layer's staging as engine input
   // Schedules ready layers while fewer than max_running_ of this upload are compressing.
   void StartReady() ABSL_LOCKS_EXCLUDED(mu_);
   void CompressLayer(int layer);  // on a pool thread
+  void ScoreLayer(int layer);     // on a pool thread: Backend::ScoreKeys before V is complete
   // Hashes the blocks of an in-place layer that no single chunk covered and records its
   // finished blob (on a pool thread).
   void CompleteInPlaceLayer(int layer);
@@ -177,6 +195,10 @@ class Upload : public std::enable_shared_from_this<Upload> {
   void LayerDone(int index, absl::StatusOr<CompactLayer> out, std::vector<uint64_t> blocks,
                  const CompressTimings& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeFinalize() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records a job's failure as the upload's error (the first one wins), prefixed with the layer.
+  void RecordError(int index, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // INVALID_ARGUMENT naming the first non-finite entry of in.q_stats (when sent).
+  absl::Status QueryStatsFinite(const LayerInput& in) const;
   absl::StatusOr<kvcache::v1::PutCacheResponse> Finalize() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string IncompleteMessage() const;
 
@@ -199,6 +221,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
   uint64_t tensor_bytes_[4] = {0, 0, 0, 0};  // 0 for Q_obs / Q_stats when not sent
   std::optional<RopeParams> rope_;           // header.rope, when set
   bool in_place_ = false;  // no compression asked: chunks go straight into the blobs
+  bool early_scoring_ = false;  // score layers from K and the queries before V is complete
   std::vector<LayerState> layers_;
   uint64_t payload_bytes_ = 0;
   uint64_t declared_bytes_ = 0;
@@ -217,6 +240,11 @@ class Upload : public std::enable_shared_from_this<Upload> {
   int pending_ ABSL_GUARDED_BY(mu_) = 0;
   // Complete layers waiting for a compression job, the jobs running, and how many may run.
   std::deque<int> ready_ ABSL_GUARDED_BY(mu_);
+  // Layers whose K and queries are complete, waiting for a slot to be scored early.
+  std::deque<int> score_ready_ ABSL_GUARDED_BY(mu_);
+  std::vector<Stage> stage_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> complete_ ABSL_GUARDED_BY(mu_);  // every byte of the layer received
+  std::vector<std::optional<KeyScores>> early_scores_ ABSL_GUARDED_BY(mu_);
   int running_ ABSL_GUARDED_BY(mu_) = 0;
   int max_running_ ABSL_GUARDED_BY(mu_) = 1;
   bool timeout_armed_ ABSL_GUARDED_BY(mu_) = false;

@@ -25,7 +25,7 @@ TEST(CpuIsaTest, NamesParseBothWays) {
     EXPECT_EQ(*parsed, isa);
   }
   EXPECT_EQ(*ParseCpuIsa("AVX2"), CpuIsa::kAvx2);
-  EXPECT_EQ(*ParseCpuIsa("native"), CpuIsa::kAvx512Vnni);
+  EXPECT_EQ(*ParseCpuIsa("native"), kBestCpuIsa);
   const absl::StatusOr<CpuIsa> bad = ParseCpuIsa("sse9");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(bad.status().message()), HasSubstr("\"sse9\" is not one of portable"));
@@ -75,13 +75,13 @@ TEST(CpuIsaTest, EnvironmentSetsTheCap) {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(st.message()), HasSubstr("KVC_CPU_ISA"));
     EXPECT_THAT(std::string(st.message()), HasSubstr(env));
-    EXPECT_EQ(CpuIsaCap(), CpuIsa::kAvx512Vnni);
+    EXPECT_EQ(CpuIsaCap(), kBestCpuIsa);
     EXPECT_EQ(ActiveCpuIsa(), DetectedCpuIsa());
     return;
   }
   if (env == nullptr || env[0] == '\0') {
     EXPECT_TRUE(st.ok());
-    EXPECT_EQ(CpuIsaCap(), CpuIsa::kAvx512Vnni);
+    EXPECT_EQ(CpuIsaCap(), kBestCpuIsa);
     EXPECT_EQ(ActiveCpuIsa(), DetectedCpuIsa());
   } else {
     const absl::StatusOr<CpuIsa> parsed = ParseCpuIsa(env);

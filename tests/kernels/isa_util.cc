@@ -3,7 +3,7 @@
 namespace kvc::testing_isa {
 
 std::vector<CpuIsa> AllIsas() {
-  return {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Vnni};
+  return {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Vnni, CpuIsa::kAmx};
 }
 
 std::vector<CpuIsa> SupportedIsas() {

@@ -11,7 +11,7 @@
 
 namespace kvc::testing_isa {
 
-// portable, avx2, avx512, avx512vnni.
+// portable, avx2, avx512, avx512vnni, amx.
 std::vector<CpuIsa> AllIsas();
 // The levels up to DetectedCpuIsa().
 std::vector<CpuIsa> SupportedIsas();
@@ -40,7 +40,7 @@ class IsaTest : public ::testing::TestWithParam<CpuIsa> {
   void TearDown() override;
 
  private:
-  CpuIsa previous_ = CpuIsa::kAvx512Vnni;
+  CpuIsa previous_ = kBestCpuIsa;
 };
 
 }  // namespace kvc::testing_isa

@@ -12,6 +12,9 @@ from ._pb import pb, pb_grpc
 from .errors import KvcError, invalid
 from .replicas import rendezvous_owner, resolve_target
 
+# The order of a layer's tensors on the wire (see tensors_of).
+_SEND_ORDER = {pb.TENSOR_Q_OBS: 0, pb.TENSOR_Q_STATS: 1, pb.TENSOR_K: 2, pb.TENSOR_V: 3}
+
 PUT_METHOD = "/kvcache.v1.KvCache/PutCache"
 GET_METHOD = "/kvcache.v1.KvCache/GetCache"
 
@@ -269,7 +272,9 @@ class PutPlan:
                 raise invalid(f"layers[{i}].q_stats: shape {tensors.shape_of(st)} != "
                               f"{self.stats_shape}")
             out.append((pb.TENSOR_Q_STATS, tensors.stats_bytes(st, f"layers[{i}].q_stats")))
-        return out
+        # Sent queries first, then K, then V: kvcd scores a layer from K and the queries while its
+        # V is still arriving.
+        return sorted(out, key=lambda kind_data: _SEND_ORDER[kind_data[0]])
 
     def chunks(self, i, layer, max_chunk):
         for kind, data in self.tensors_of(layer, i):

@@ -169,8 +169,8 @@ class WorkerSide:
             slots = slots_for(job.block_ids, self.manager_block_size, job.start, job.end)
             k, v = self.layouts[layer_name].gather(kv_layer, slots)
             off = job.start * H * D * esz
-            up.send(l, pb.TENSOR_K, off, _bytes(k))
-            up.send(l, pb.TENSOR_V, off, _bytes(v))
+            # The layer's queries before its keys and values: kvcd can then score the layer
+            # while its V is still arriving.
             if l not in extras_sent:
                 extras_sent.add(l)
                 if think:
@@ -179,6 +179,8 @@ class WorkerSide:
                 if stats:
                     up.send(l, pb.TENSOR_Q_STATS, 0, _bytes(torch.from_numpy(
                         self.qstats.q_stats[l])))
+            up.send(l, pb.TENSOR_K, off, _bytes(k))
+            up.send(l, pb.TENSOR_V, off, _bytes(v))
 
     def wait_for_save(self, meta):
         for job in meta.saves:

@@ -7,6 +7,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -26,6 +27,15 @@ struct CompressTimings {
   double pack = 0;      // gather of kept tokens/channels into the blob
   double quantize = 0;  // quantization of the old blocks
   double total = 0;
+};
+
+// A layer's token scores computed before its values arrived (Backend::ScoreKeys): the policy's
+// scores [num_kv_heads, seq_len] before value weighting, or none when the spec's protected tokens
+// fill the budget (no scores needed).
+struct KeyScores {
+  std::vector<float> scores;
+  bool computed = false;
+  double seconds = 0;  // wall time of the scoring
 };
 
 struct BackendOptions {
@@ -63,6 +73,22 @@ class Backend {
   // stage; the CUDA backend before each stage it launches).
   virtual absl::StatusOr<CompactLayer> Compress(const LayerInput& in, const CompressionSpec& spec,
                                                 CompressTimings* timings) = 0;
+
+  // Compression in two steps, for a caller that has a layer's keys and queries before its values
+  // (kvcd scores a layer while its V is still arriving). ScoreKeys reads in.k, in.q_obs,
+  // in.q_stats and in.rope, never in.v (which may be null); CompressScored then finishes the
+  // layer with V from those scores (value weighting, selection, channels, packing) and returns
+  // what Compress(in, spec) would. Only when CanScoreKeys() (default: false; ScoreKeys then
+  // returns UNIMPLEMENTED and CompressScored ignores the scores).
+  virtual bool CanScoreKeys() const { return false; }
+  virtual absl::StatusOr<KeyScores> ScoreKeys(const LayerInput& in, const CompressionSpec& spec) {
+    return absl::UnimplementedError("this backend scores a layer only inside Compress");
+  }
+  virtual absl::StatusOr<CompactLayer> CompressScored(const LayerInput& in,
+                                                      const CompressionSpec& spec,
+                                                      KeyScores scores, CompressTimings* timings) {
+    return Compress(in, spec, timings);
+  }
 
   // Decode attention over a packed layer (see kvc/attention.h); host pointers.
   virtual absl::Status Attend(const CompactLayerView& cache, const DecodeQuery& query,

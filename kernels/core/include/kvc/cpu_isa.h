@@ -10,6 +10,9 @@
 //   avx2        AVX2 + FMA + F16C (Haswell, Zen 1 and later)
 //   avx512      AVX-512 F, DQ, BW and VL (Skylake-SP, Zen 4 and later)
 //   avx512vnni  the above + AVX-512 VNNI (Cascade Lake, Ice Lake, Zen 4 and later)
+//   amx         the above + AVX-512 BF16, AMX-TILE and AMX-BF16, with the kernel's permission to
+//               use the tile registers (Sapphire Rapids and later); only attention scoring's
+//               GEMM uses it (kernels/cpu/amx_logits.h: bf16 hi/lo splits, near-fp32 logits)
 //
 // The vector paths compute the same results as the portable ones up to float rounding (integer
 // results, e.g. hashes and quantization codes, are identical); a kernel's contract says where it
@@ -27,9 +30,11 @@
 
 namespace kvc {
 
-enum class CpuIsa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
+enum class CpuIsa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAmx = 4 };
+// The highest level (a cap at it caps nothing).
+inline constexpr CpuIsa kBestCpuIsa = CpuIsa::kAmx;
 
-// "portable", "avx2", "avx512", "avx512vnni".
+// "portable", "avx2", "avx512", "avx512vnni", "amx".
 std::string_view CpuIsaName(CpuIsa isa);
 // The inverse of CpuIsaName (case-insensitive); "native" (or "best") means the highest level, i.e.
 // no cap. INVALID_ARGUMENT listing the accepted names otherwise.
@@ -43,7 +48,7 @@ inline bool CpuIsaAtLeast(CpuIsa level) {
   return static_cast<int>(ActiveCpuIsa()) >= static_cast<int>(level);
 }
 
-// Sets the cap (kAvx512Vnni = no cap) and returns the previous one. Overrides KVC_CPU_ISA.
+// Sets the cap (kBestCpuIsa = no cap) and returns the previous one. Overrides KVC_CPU_ISA.
 CpuIsa SetCpuIsaCap(CpuIsa cap);
 CpuIsa CpuIsaCap();
 
@@ -52,8 +57,8 @@ CpuIsa CpuIsaCap();
 // from the environment (kvcd) refuse to start on an error.
 absl::Status CpuIsaEnvStatus();
 
-// One line for logs and benchmark labels, e.g. "avx2 (capped from avx512vnni by KVC_CPU_ISA)" or
-// "avx512vnni"; CpuFeatureList() names the features detected ("avx2 fma f16c avx512f ...").
+// One line for logs and benchmark labels, e.g. "avx2 (capped from amx by KVC_CPU_ISA)" or
+// "amx"; CpuFeatureList() names the features detected ("avx2 fma f16c avx512f ...").
 std::string CpuIsaDescription();
 std::string CpuFeatureList();
 

@@ -1,0 +1,230 @@
+// AMX tile kernels for attention logits (see amx_logits.h). Compiled with AVX-512 BF16 and AMX
+// enabled; only called when CpuIsaAtLeast(kAmx).
+#include "cpu/amx_logits.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace kvc::cpu::amx {
+namespace {
+
+// The tile configuration (palette 1): eight tiles of 16 rows x 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+void ConfigureTiles() {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// x0 = elements 0..15 and x1 = 16..31 of 32 floats: their bf16 hi parts (in order, as 16 dwords
+// holding pairs) and lo parts.
+inline void Split(__m512 x0, __m512 x1, __m512i* hi, __m512i* lo) {
+  const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+  const __m512 b0 = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+  const __m512 b1 = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+  *hi = h;
+  *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, b1), _mm512_sub_ps(x0, b0));
+}
+
+// In-register transpose of a 16 x 16 matrix of dwords: r[i][j] -> r[j][i].
+inline void Transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  __m512i u[16];  // u[4m + c], lane L: rows 4m..4m+3 of column 4L + c
+  for (int m = 0; m < 4; ++m) {
+    u[4 * m] = _mm512_unpacklo_epi64(t[4 * m], t[4 * m + 2]);
+    u[4 * m + 1] = _mm512_unpackhi_epi64(t[4 * m], t[4 * m + 2]);
+    u[4 * m + 2] = _mm512_unpacklo_epi64(t[4 * m + 1], t[4 * m + 3]);
+    u[4 * m + 3] = _mm512_unpackhi_epi64(t[4 * m + 1], t[4 * m + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+    const __m512i y = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i x2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i y2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(x, x2, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(x, x2, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(y, y2, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(y, y2, 0xDD);
+  }
+}
+
+// Where accumulator tile t (16 x 16 floats) goes: straight into dst at rows r0.., columns c0..
+// when wholly inside rows x n; else (nullptr) into a buffer whose inside part CopyClipped copies.
+inline float* TileDst(float* dst, size_t ldc, int r0, int c0, int rows, int n) {
+  return r0 + 16 <= rows && c0 + 16 <= n ? dst + static_cast<size_t>(r0) * ldc + c0 : nullptr;
+}
+inline void CopyClipped(const float* buf, float* dst, size_t ldc, int r0, int c0, int rows, int n) {
+  if (r0 >= rows || c0 >= n) return;
+  const int nr = std::min(16, rows - r0), nc = std::min(16, n - c0);
+  for (int i = 0; i < nr; ++i) {
+    std::memcpy(dst + static_cast<size_t>(r0 + i) * ldc + c0, buf + i * 16, nc * sizeof(float));
+  }
+}
+
+}  // namespace
+
+void PackQueries(const float* q, int rows, int head_dim, float scale, uint16_t* hi, uint16_t* lo) {
+  const int padded = (rows + 31) / 32 * 32;
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int r = 0; r < padded; ++r) {
+    for (int d = 0; d < head_dim; d += 32) {
+      __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
+      if (r < rows) {
+        const float* src = q + static_cast<size_t>(r) * head_dim + d;
+        x0 = _mm512_mul_ps(_mm512_loadu_ps(src), s);
+        x1 = _mm512_mul_ps(_mm512_loadu_ps(src + 16), s);
+      }
+      __m512i h, l;
+      Split(x0, x1, &h, &l);
+      const size_t at = static_cast<size_t>(r) * head_dim + d;
+      _mm512_storeu_si512(hi + at, h);
+      _mm512_storeu_si512(lo + at, l);
+    }
+  }
+}
+
+// 16 elements of type t at p as floats (exact).
+inline __m512 Load16(const uint8_t* p, DType t) {
+  switch (t) {
+    case DType::kF32:
+      return _mm512_loadu_ps(p);
+    case DType::kF16:
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    case DType::kBF16:
+      return _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+  return _mm512_setzero_ps();
+}
+
+void PackKeys(const void* src, DType t, size_t row_stride, int n, int head_dim, uint16_t* hi,
+              uint16_t* lo) {
+  const auto* base = static_cast<const uint8_t*>(src);
+  const size_t esize = DTypeSize(t);
+  const int tiles = (n + 31) / 32 * 2;
+  const int blocks = head_dim / 32;
+  for (int kt = 0; kt < tiles; ++kt) {
+    for (int db = 0; db < blocks; ++db) {
+      __m512i rh[16], rl[16];
+      for (int i = 0; i < 16; ++i) {
+        const int key = kt * 16 + i;
+        __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
+        if (key < n) {
+          const uint8_t* row = base + (static_cast<size_t>(key) * row_stride + db * 32) * esize;
+          x0 = Load16(row, t);
+          x1 = Load16(row + 16 * esize, t);
+        }
+        Split(x0, x1, &rh[i], &rl[i]);
+      }
+      // Rows: keys, dwords: dimension pairs -> rows: pairs, dwords: keys.
+      const size_t at = (static_cast<size_t>(kt) * blocks + db) * 512;
+      Transpose16(rh);
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(hi + at + p * 32, rh[p]);
+      if (lo != nullptr) {
+        Transpose16(rl);
+        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(lo + at + p * 32, rl[p]);
+      }
+    }
+  }
+}
+
+void Logits(const uint16_t* q_hi, const uint16_t* q_lo, int rows, const uint16_t* k_hi,
+            const uint16_t* k_lo, int n, int head_dim, float* dst, size_t ldc) {
+  if (rows <= 0 || n <= 0) return;
+  ConfigureTiles();
+  const int row_tiles = (rows + 31) / 32 * 2;
+  const int key_tiles = (n + 31) / 32 * 2;
+  const int blocks = head_dim / 32;
+  const long q_stride = static_cast<long>(head_dim) * 2;  // bytes per packed query row
+  // Tiles 0-3: accumulators of 2 row tiles x 2 key tiles; 4-5: queries; 6-7: keys.
+  for (int rt = 0; rt < row_tiles; rt += 2) {
+    for (int kt = 0; kt < key_tiles; kt += 2) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int db = 0; db < blocks; ++db) {
+        const size_t a0 = static_cast<size_t>(rt) * 16 * head_dim + db * 32;
+        const size_t a1 = a0 + static_cast<size_t>(16) * head_dim;
+        const size_t b0 = (static_cast<size_t>(kt) * blocks + db) * 512;
+        const size_t b1 = (static_cast<size_t>(kt + 1) * blocks + db) * 512;
+        _tile_loadd(4, q_hi + a0, q_stride);
+        _tile_loadd(5, q_hi + a1, q_stride);
+        if (k_lo != nullptr) {  // q_hi . k_lo
+          _tile_loadd(6, k_lo + b0, 64);
+          _tile_loadd(7, k_lo + b1, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_loadd(6, k_hi + b0, 64);  // q_hi . k_hi
+        _tile_loadd(7, k_hi + b1, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+        _tile_loadd(4, q_lo + a0, q_stride);  // q_lo . k_hi
+        _tile_loadd(5, q_lo + a1, q_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      // (The tile number of a tile intrinsic must be a literal: one statement per tile.)
+      const int r0 = rt * 16, c0 = kt * 16;
+      alignas(64) float buf[256];
+      const long ld = static_cast<long>(ldc * sizeof(float));
+#define KVC_AMX_STORE(T, R, C)                                   \
+  if (float* at = TileDst(dst, ldc, R, C, rows, n)) {            \
+    _tile_stored(T, at, ld);                                     \
+  } else if ((R) < rows && (C) < n) {                            \
+    _tile_stored(T, buf, 64);                                    \
+    CopyClipped(buf, dst, ldc, R, C, rows, n);                   \
+  }
+      KVC_AMX_STORE(0, r0, c0)
+      KVC_AMX_STORE(1, r0, c0 + 16)
+      KVC_AMX_STORE(2, r0 + 16, c0)
+      KVC_AMX_STORE(3, r0 + 16, c0 + 16)
+#undef KVC_AMX_STORE
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace kvc::cpu::amx
+
+#else  // built without AMX (not x86-64): Usable() is false, so nothing here is ever called.
+
+namespace kvc::cpu::amx {
+void PackQueries(const float*, int, int, float, uint16_t*, uint16_t*) { std::abort(); }
+void PackKeys(const void*, DType, size_t, int, int, uint16_t*, uint16_t*) { std::abort(); }
+void Logits(const uint16_t*, const uint16_t*, int, const uint16_t*, const uint16_t*, int, int,
+            float*, size_t) {
+  std::abort();
+}
+}  // namespace kvc::cpu::amx
+
+#endif

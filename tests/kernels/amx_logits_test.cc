@@ -1,0 +1,139 @@
+// The AMX logits kernel (kernels/cpu/amx_logits.h): the packed key layout against a scalar
+// packing, and the logits against a double-precision reference within the stated bound
+// (2^-16 of sum_d |q_d k_d| * scale) for fp16, bf16 and fp32 keys, ragged row and key counts, and
+// head_dim 32..256. On a CPU without AMX every test skips, naming what the CPU has.
+#include "cpu/amx_logits.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvc/convert.h"
+#include "kvc/cpu_isa.h"
+#include "kvc/dtype.h"
+
+namespace kvc::cpu {
+namespace {
+
+#define SKIP_WITHOUT_AMX()                                                                   \
+  do {                                                                                       \
+    if (!amx::Usable(32)) {                                                                  \
+      GTEST_SKIP() << "no AMX path here: the kernels run at " << CpuIsaDescription() << " (" \
+                   << CpuFeatureList() << ")";                                               \
+    }                                                                                        \
+  } while (0)
+
+std::vector<float> Random(size_t n, uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// Rounds every element to the given key dtype (the values a converted fp16 / bf16 cache holds).
+void RoundTo(DType t, std::vector<float>* v) {
+  if (t == DType::kF32) return;
+  const size_t esize = DTypeSize(t);
+  std::vector<uint8_t> raw(v->size() * esize);
+  FromFloat(v->data(), t, v->size(), raw.data());
+  ToFloat(raw.data(), t, v->size(), v->data());
+}
+
+TEST(AmxLogitsTest, KeysArePackedPairInterleavedPerTile) {
+  SKIP_WITHOUT_AMX();
+  const int n = 37, d = 64;
+  std::vector<float> k = Random(static_cast<size_t>(n) * d, 1, 1.0f);
+  const size_t elems = amx::PackedKeyElems(n, d);
+  ASSERT_EQ(elems, size_t{64} * d);
+  std::vector<uint16_t> hi(elems, 0xffff), lo(elems, 0xffff);
+  amx::PackKeys(k.data(), DType::kF32, d, n, d, hi.data(), lo.data());
+  const int blocks = d / 32;
+  for (int kt = 0; kt < 4; ++kt) {
+    for (int db = 0; db < blocks; ++db) {
+      for (int p = 0; p < 16; ++p) {
+        for (int i = 0; i < 16; ++i) {
+          for (int e = 0; e < 2; ++e) {
+            const int key = kt * 16 + i, dim = db * 32 + 2 * p + e;
+            const size_t at = (static_cast<size_t>(kt) * blocks + db) * 512 + p * 32 + i * 2 + e;
+            const float x = key < n ? k[static_cast<size_t>(key) * d + dim] : 0.0f;
+            const uint16_t want_hi = FloatToBFloat16(x);
+            float back;
+            const uint32_t bits = static_cast<uint32_t>(want_hi) << 16;
+            std::memcpy(&back, &bits, 4);
+            ASSERT_EQ(hi[at], want_hi) << "key " << key << " dim " << dim;
+            ASSERT_EQ(lo[at], FloatToBFloat16(x - back)) << "key " << key << " dim " << dim;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(AmxLogitsTest, LogitsMatchDoubleReferenceWithinTheStatedBound) {
+  SKIP_WITHOUT_AMX();
+  struct Case {
+    int rows, n, d;
+    DType keys;
+  };
+  const Case cases[] = {{1, 1, 32, DType::kF16},     {16, 16, 64, DType::kF16},
+                        {33, 47, 64, DType::kF16},   {128, 1024, 128, DType::kF16},
+                        {70, 1000, 128, DType::kBF16}, {5, 300, 256, DType::kF32},
+                        {128, 129, 96, DType::kBF16}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::Message() << c.rows << "x" << c.n << " d " << c.d << " "
+                                    << DTypeName(c.keys));
+    std::vector<float> q = Random(static_cast<size_t>(c.rows) * c.d, 7 + c.n, 1.0f);
+    std::vector<float> k = Random(static_cast<size_t>(c.n) * c.d, 9 + c.rows, 1.5f);
+    RoundTo(c.keys, &k);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+    std::vector<uint16_t> qp(2 * amx::PackedQueryElems(c.rows, c.d));
+    std::vector<uint16_t> kp(2 * amx::PackedKeyElems(c.n, c.d));
+    uint16_t* q_lo = qp.data() + amx::PackedQueryElems(c.rows, c.d);
+    uint16_t* k_lo =
+        c.keys == DType::kBF16 ? nullptr : kp.data() + amx::PackedKeyElems(c.n, c.d);
+    amx::PackQueries(q.data(), c.rows, c.d, scale, qp.data(), q_lo);
+    // Keys in their dtype, as the cache holds them (exact: k was rounded to it).
+    std::vector<uint8_t> raw(k.size() * DTypeSize(c.keys));
+    FromFloat(k.data(), c.keys, k.size(), raw.data());
+    amx::PackKeys(raw.data(), c.keys, c.d, c.n, c.d, kp.data(), k_lo);
+    // A guard column on each side of every row: the kernel writes [0, n) of each row only.
+    const size_t ldc = static_cast<size_t>(c.n) + 2;
+    std::vector<float> out(static_cast<size_t>(c.rows) * ldc, -7.0f);
+    amx::Logits(qp.data(), q_lo, c.rows, kp.data(), k_lo, c.n, c.d, out.data() + 1, ldc);
+    double worst = 0;
+    int single_over = 0;  // logits that one bf16 part per operand would get outside the bound
+    for (int r = 0; r < c.rows; ++r) {
+      EXPECT_EQ(out[r * ldc], -7.0f);
+      EXPECT_EQ(out[r * ldc + ldc - 1], -7.0f);
+      for (int j = 0; j < c.n; ++j) {
+        double dot = 0, mag = 0, single = 0;
+        for (int e = 0; e < c.d; ++e) {
+          const float qe = q[static_cast<size_t>(r) * c.d + e];
+          const float ke = k[static_cast<size_t>(j) * c.d + e];
+          const double p = static_cast<double>(qe) * ke;
+          dot += p;
+          mag += std::fabs(p);
+          single += static_cast<double>(BFloat16ToFloat(FloatToBFloat16(qe * scale))) *
+                    BFloat16ToFloat(FloatToBFloat16(ke));
+        }
+        const double want = dot * scale, bound = std::ldexp(mag * scale, -16) + 1e-6;
+        const double err = std::fabs(out[r * ldc + 1 + j] - want);
+        ASSERT_LE(err, bound) << "row " << r << " key " << j;
+        worst = std::max(worst, err / bound);
+        if (std::fabs(single - want) > bound) ++single_over;
+      }
+    }
+    // The bound is not vacuous: plain bf16 products (no lo parts) break it on most logits.
+    if (c.rows * c.n >= 256) {
+      EXPECT_GT(single_over, c.rows * c.n / 4);
+    }
+    EXPECT_LE(worst, 1.0);
+  }
+}
+
+}  // namespace
+}  // namespace kvc::cpu
