@@ -32,8 +32,10 @@ class CpuBackend final : public Backend {
   std::string_view name() const override { return "cpu"; }
 
   std::string description() const override {
+    // Which arithmetic attention scoring uses (cpu/amx_logits.h), for logs and benchmark rows.
     return absl::StrCat("cpu: ", pool_.num_threads(), " threads, ", CpuIsaDescription(),
-                        ", OpenBLAS sgemm");
+                        CpuIsaAtLeast(CpuIsa::kAmx) ? ", scoring on AMX (bf16 hi/lo tiles)"
+                                                    : ", scoring on OpenBLAS sgemm");
   }
 
   absl::StatusOr<CompactLayer> Compress(const LayerInput& in, const CompressionSpec& spec,

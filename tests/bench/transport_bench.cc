@@ -548,6 +548,10 @@ int main(int argc, char** argv) {
   co.max_message_bytes = kMaxMessage;
   auto client = kvc::Client::Create(co);
   if (!client.ok()) return 1;
+  // The compressing rows depend on the engine's instruction set (AMX scoring or sgemm).
+  if (auto info = (*client)->GetServerInfo(); info.ok()) {
+    std::printf("kvcd engine: %s\n", info->backend_description().c_str());
+  }
 
   Redis redis;
   absl::Status redis_status = absl::UnavailableError("skipped (--redis empty)");
@@ -648,6 +652,7 @@ int main(int argc, char** argv) {
                      upload});
     const std::string id_none = put_case("kvc PutCache, none", "none", 0);
     const std::string id_snap = put_case("kvc PutCache, snapkv keep 0.25", "snapkv", 0.25);
+    put_case("kvc PutCache, keyformer keep 0.25", "keyformer", 0.25);
     cases.push_back({"Redis SET (K, V, Q_obs per layer)", false,
                      [&] {
                        for (size_t t = 0; t < tensors.size(); ++t) {
