@@ -419,12 +419,8 @@ void Upload::ScoreLayer(int index) {
     absl::MutexLock lock(&mu_);
     if (aborted_ || !compress_error_.ok()) {
       dropped = true;
-    } else if (!timeout_armed_) {
-      timeout_armed_ = true;
-      cancel_->SetDeadline(
-          absl::Now() + limits_.compress_timeout,
-          absl::StrFormat("compression ran past --compress_timeout_seconds=%g: upload discarded",
-                          absl::ToDoubleSeconds(limits_.compress_timeout)));
+    } else {
+      ArmCompressTimeout();
     }
   }
   absl::StatusOr<KeyScores> out = absl::CancelledError("upload dropped");
@@ -503,12 +499,8 @@ void Upload::CompressLayer(int index) {
       --running_;
       for (auto& buf : layers_[index].tensor) buf.reset();
       MaybeFinalize();
-    } else if (!timeout_armed_) {
-      timeout_armed_ = true;
-      cancel_->SetDeadline(
-          absl::Now() + limits_.compress_timeout,
-          absl::StrFormat("compression ran past --compress_timeout_seconds=%g: upload discarded",
-                          absl::ToDoubleSeconds(limits_.compress_timeout)));
+    } else {
+      ArmCompressTimeout();
     }
   }
   if (dropped) {
@@ -565,6 +557,15 @@ void Upload::LayerDone(int index, absl::StatusOr<CompactLayer> out, std::vector<
   }
   --pending_;
   MaybeFinalize();
+}
+
+void Upload::ArmCompressTimeout() {
+  if (timeout_armed_) return;
+  timeout_armed_ = true;
+  cancel_->SetDeadline(
+      absl::Now() + limits_.compress_timeout,
+      absl::StrFormat("compression ran past --compress_timeout_seconds=%g: upload discarded",
+                      absl::ToDoubleSeconds(limits_.compress_timeout)));
 }
 
 void Upload::RecordError(int index, const absl::Status& status) {

@@ -195,6 +195,8 @@ class Upload : public std::enable_shared_from_this<Upload> {
   void LayerDone(int index, absl::StatusOr<CompactLayer> out, std::vector<uint64_t> blocks,
                  const CompressTimings& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeFinalize() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The compress timeout counts from the first job of the upload (score or compress).
+  void ArmCompressTimeout() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records a job's failure as the upload's error (the first one wins), prefixed with the layer.
   void RecordError(int index, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // INVALID_ARGUMENT naming the first non-finite entry of in.q_stats (when sent).

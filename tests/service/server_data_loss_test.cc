@@ -15,6 +15,7 @@
 #include "server/auth.h"
 #include "server/service_impl.h"
 #include "testing/kvc_rpc.h"
+#include "testing/service_on_loopback.h"
 
 namespace kvc::server {
 namespace {
@@ -25,44 +26,32 @@ class ServerDataLossTest : public ::testing::Test {
     auto backend = CreateCpuBackend(BackendOptions{});
     ASSERT_TRUE(backend.ok()) << backend.status();
     backend_ = *std::move(backend);
-    auto store = CacheStore::Create(CacheStore::Options{});
-    ASSERT_TRUE(store.ok()) << store.status();
-    store_ = *std::move(store);
     if (!Tenant().empty()) {
       auto auth = TokenAuth::Parse(std::string(kToken) + " " + Tenant() + "\n");
       ASSERT_TRUE(auth.ok()) << auth.status();
       auth_ = *std::move(auth);
-      state_.auth = auth_.get();
     }
-    state_.backend = backend_.get();
-    state_.store = store_.get();
-    state_.pool = &pool_;
-    // Chunks not aligned to the 64 KiB checksum blocks: a block may straddle two chunks.
-    state_.config.max_chunk_bytes = 96 << 10;
-    service_ = std::make_unique<KvCacheServiceImpl>(&state_);
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
-    ASSERT_NE(server_, nullptr);
-    stub_ = testing::NewStub("127.0.0.1:" + std::to_string(port), Tenant().empty() ? "" : kToken);
+    auto configure = [this](ServiceState* state) {
+      state->auth = auth_.get();
+      // Chunks not aligned to the 64 KiB checksum blocks: a block may straddle two chunks.
+      state->config.max_chunk_bytes = 96 << 10;
+    };
+    ASSERT_TRUE(loopback_.Start(backend_.get(), &pool_, configure,
+                                Tenant().empty() ? "" : kToken));
+    stub_ = loopback_.stub();
     // Two layers of 2048 tokens x 1 KV head x 64 dims fp16: each blob spans 8+ checksum blocks.
     auto cache = testing::MakeTestCache("c", testing::Shape(2, 1, 1, 64, 2048, 0),
                                         kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 1);
-    grpc::Status put = testing::PutCache(stub_.get(), cache);
+    grpc::Status put = testing::PutCache(stub_, cache);
     ASSERT_TRUE(put.ok()) << put.error_message();
     get_.set_cache_id("c");
-    ASSERT_TRUE(testing::Get(stub_.get(), get_, &good_).ok());
-  }
-  void TearDown() override {
-    if (server_) server_->Shutdown();
+    ASSERT_TRUE(testing::Get(stub_, get_, &good_).ok());
   }
 
   // The stored entry, modified behind the store's back (the store never corrupts data through
   // its API).
   CacheEntry& Stored() {
-    auto entry = store_->Peek(Tenant().empty() ? "c" : Tenant() + "/c");
+    auto entry = loopback_.store()->Peek(Tenant().empty() ? "c" : Tenant() + "/c");
     EXPECT_TRUE(entry.ok());
     return const_cast<CacheEntry&>(**entry);
   }
@@ -73,12 +62,9 @@ class ServerDataLossTest : public ::testing::Test {
 
   std::unique_ptr<TokenAuth> auth_;
   std::unique_ptr<Backend> backend_;
-  std::unique_ptr<CacheStore> store_;
   ThreadPool pool_{2};  // one compression worker
-  ServiceState state_;
-  std::unique_ptr<KvCacheServiceImpl> service_;
-  std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<kvcache::v1::KvCache::Stub> stub_;
+  testing::ServiceOnLoopback loopback_;  // declared last: stops serving first
+  kvcache::v1::KvCache::Stub* stub_ = nullptr;
   kvcache::v1::GetCacheRequest get_;
   testing::Fetched good_;
 };
@@ -91,7 +77,7 @@ TEST_F(ServerDataLossTest, CorruptBlockEndsTheStreamBeforeItsBytes) {
   ByteVector& blob = Stored().layers[1];
   blob[blob.size() / 2] ^= 0x40;
   testing::Fetched bad;
-  grpc::Status s = testing::Get(stub_.get(), get_, &bad);
+  grpc::Status s = testing::Get(stub_, get_, &bad);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
   EXPECT_THAT(s.error_message(), ::testing::HasSubstr("'c'"));
   EXPECT_THAT(s.error_message(), ::testing::HasSubstr("layer 1 block"));
@@ -106,7 +92,7 @@ TEST_F(ServerDataLossTest, CorruptBlockEndsTheStreamBeforeItsBytes) {
 TEST_F(ServerDataLossTest, CorruptFirstBlockSendsNoCacheBytes) {
   Stored().layers[0][3] ^= 1;
   testing::Fetched bad;
-  grpc::Status s = testing::Get(stub_.get(), get_, &bad);
+  grpc::Status s = testing::Get(stub_, get_, &bad);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
   EXPECT_THAT(s.error_message(), ::testing::HasSubstr("layer 0 block 0"));
   EXPECT_TRUE(bad.parts.empty());
@@ -115,7 +101,7 @@ TEST_F(ServerDataLossTest, CorruptFirstBlockSendsNoCacheBytes) {
 TEST_F(ServerDataLossTest, TamperedBlockTableIsDataLossBeforeAnything) {
   Stored().block_checksums[1][0] ^= 1;
   testing::Fetched bad;
-  grpc::Status s = testing::Get(stub_.get(), get_, &bad);
+  grpc::Status s = testing::Get(stub_, get_, &bad);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
   EXPECT_THAT(s.error_message(), ::testing::HasSubstr("block checksum table"));
   EXPECT_EQ(bad.messages, 0);
@@ -126,9 +112,9 @@ TEST_F(ServerDataLossTest, DenseExportVerifiesTheLayerFirst) {
   get_.set_format(kvcache::v1::FORMAT_DENSE);
   testing::Fetched dense_good, bad;
   Stored().layers[1][100] ^= 1;  // intact again: the reference
-  ASSERT_TRUE(testing::Get(stub_.get(), get_, &dense_good).ok());
+  ASSERT_TRUE(testing::Get(stub_, get_, &dense_good).ok());
   Stored().layers[1][100] ^= 1;
-  grpc::Status s = testing::Get(stub_.get(), get_, &bad);
+  grpc::Status s = testing::Get(stub_, get_, &bad);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
   EXPECT_THAT(s.error_message(), ::testing::HasSubstr("layer 1 block 0"));
   EXPECT_EQ(bad.part(0, kvcache::v1::PART_K), dense_good.part(0, kvcache::v1::PART_K));
@@ -148,7 +134,7 @@ TEST_F(ServerDataLossTenantTest, MidStreamDataLossQuotesTheCallersId) {
     get_.set_format(format);
     Stored().layers[1][Stored().layers[1].size() / 2] ^= 0x40;
     testing::Fetched bad;
-    grpc::Status s = testing::Get(stub_.get(), get_, &bad);
+    grpc::Status s = testing::Get(stub_, get_, &bad);
     Stored().layers[1][Stored().layers[1].size() / 2] ^= 0x40;
     EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
     EXPECT_THAT(s.error_message(), ::testing::HasSubstr("cache 'c': layer 1 block"));

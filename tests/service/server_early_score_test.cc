@@ -23,6 +23,7 @@
 #include "kvc/thread_pool.h"
 #include "server/service_impl.h"
 #include "testing/kvc_rpc.h"
+#include "testing/service_on_loopback.h"
 
 namespace kvc::server {
 namespace {
@@ -96,23 +97,8 @@ class ServerEarlyScoreTest : public ::testing::Test {
     auto cpu = CreateCpuBackend(BackendOptions{});
     ASSERT_TRUE(cpu.ok()) << cpu.status();
     backend_ = std::make_unique<CountingBackend>(*std::move(cpu));
-    auto store = CacheStore::Create(CacheStore::Options{});
-    ASSERT_TRUE(store.ok()) << store.status();
-    store_ = *std::move(store);
-    state_.backend = backend_.get();
-    state_.store = store_.get();
-    state_.pool = &pool_;
-    service_ = std::make_unique<KvCacheServiceImpl>(&state_);
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
-    ASSERT_NE(server_, nullptr);
-    stub_ = testing::NewStub("127.0.0.1:" + std::to_string(port));
-  }
-  void TearDown() override {
-    if (server_) server_->Shutdown();
+    ASSERT_TRUE(loopback_.Start(backend_.get(), &pool_));
+    stub_ = loopback_.stub();
   }
 
   static testing::TestCache Cache(const std::string& id, const pb::CompressionConfig& config) {
@@ -127,18 +113,15 @@ class ServerEarlyScoreTest : public ::testing::Test {
     pb::GetCacheRequest get;
     get.set_cache_id(id);
     testing::Fetched fetched;
-    const grpc::Status s = testing::Get(stub_.get(), get, &fetched);
+    const grpc::Status s = testing::Get(stub_, get, &fetched);
     EXPECT_TRUE(s.ok()) << s.error_message();
     return fetched;
   }
 
   std::unique_ptr<CountingBackend> backend_;
-  std::unique_ptr<CacheStore> store_;
   ThreadPool pool_{3};
-  ServiceState state_;
-  std::unique_ptr<KvCacheServiceImpl> service_;
-  std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<pb::KvCache::Stub> stub_;
+  testing::ServiceOnLoopback loopback_;  // declared last: stops serving first
+  pb::KvCache::Stub* stub_ = nullptr;
 };
 
 pb::CompressionConfig Config(const std::string& policy, double keep) {
@@ -168,7 +151,7 @@ TEST_F(ServerEarlyScoreTest, ScoredWhileVArrivesStoresTheSameBytes) {
     const testing::TestCache early = Cache("early-" + name, config);  // same seed: same tensors
     backend_->compress = backend_->score_keys = backend_->compress_scored = 0;
     pb::PutCacheResponse r1, r2;
-    grpc::Status s = testing::Put(stub_.get(), Ordered(whole, false), &r1);
+    grpc::Status s = testing::Put(stub_, Ordered(whole, false), &r1);
     ASSERT_TRUE(s.ok()) << s.error_message();
     EXPECT_EQ(backend_->score_keys.load(), 0);  // V before the queries: nothing to start early
     EXPECT_EQ(backend_->compress.load(), 3);
@@ -219,22 +202,22 @@ TEST_F(ServerEarlyScoreTest, FailuresInEarlyScoringFailTheUploadAndTheServerKeep
   const pb::CompressionConfig config = testing::FullCompression();
   backend_->mode = CountingBackend::Mode::kBadAlloc;
   pb::PutCacheResponse response;
-  grpc::Status s = testing::Put(stub_.get(), Ordered(Cache("oom", config), true), &response);
+  grpc::Status s = testing::Put(stub_, Ordered(Cache("oom", config), true), &response);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("out of memory"));
 
   backend_->mode = CountingBackend::Mode::kRefuse;
-  s = testing::Put(stub_.get(), Ordered(Cache("refused", config), true), &response);
+  s = testing::Put(stub_, Ordered(Cache("refused", config), true), &response);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("refused on purpose"));
   EXPECT_THAT(s.error_message(), HasSubstr("layer "));
-  EXPECT_EQ(testing::ViewStore(stub_.get()).entries, 0u);
+  EXPECT_EQ(testing::ViewStore(stub_).entries, 0u);
 
   backend_->mode = CountingBackend::Mode::kScore;
-  s = testing::Put(stub_.get(), Ordered(Cache("fine", config), true), &response);
+  s = testing::Put(stub_, Ordered(Cache("fine", config), true), &response);
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_EQ(Fetch("fine").info.cache_id(), "fine");
-  EXPECT_EQ(testing::ViewStore(stub_.get()).ids, std::vector<std::string>{"fine"});
+  EXPECT_EQ(testing::ViewStore(stub_).ids, std::vector<std::string>{"fine"});
 }
 
 TEST_F(ServerEarlyScoreTest, ClientLeavingWhileALayerIsScoredLeavesNothing) {
@@ -262,12 +245,12 @@ TEST_F(ServerEarlyScoreTest, ClientLeavingWhileALayerIsScoredLeavesNothing) {
   gate.Notify();  // the scoring ends; its result is dropped
   backend_->gate = nullptr;
   ASSERT_TRUE(pool_.WaitIdle(std::chrono::steady_clock::now() + std::chrono::seconds(60)));
-  EXPECT_EQ(testing::ViewStore(stub_.get()).entries, 0u);
+  EXPECT_EQ(testing::ViewStore(stub_).entries, 0u);
   EXPECT_EQ(backend_->compress_scored.load(), 0);
   // And the next upload goes through.
   pb::PutCacheResponse response;
   const grpc::Status s =
-      testing::Put(stub_.get(), Ordered(Cache("next", testing::FullCompression()), true),
+      testing::Put(stub_, Ordered(Cache("next", testing::FullCompression()), true),
                    &response);
   ASSERT_TRUE(s.ok()) << s.error_message();
 }

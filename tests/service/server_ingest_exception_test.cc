@@ -17,6 +17,7 @@
 #include "kvc/thread_pool.h"
 #include "server/service_impl.h"
 #include "testing/kvc_rpc.h"
+#include "testing/service_on_loopback.h"
 
 namespace kvc::server {
 namespace {
@@ -58,23 +59,8 @@ class ServerIngestExceptionTest : public ::testing::Test {
     auto cpu = CreateCpuBackend(BackendOptions{});
     ASSERT_TRUE(cpu.ok()) << cpu.status();
     backend_ = std::make_unique<ThrowingBackend>(*std::move(cpu));
-    auto store = CacheStore::Create(CacheStore::Options{});
-    ASSERT_TRUE(store.ok()) << store.status();
-    store_ = *std::move(store);
-    state_.backend = backend_.get();
-    state_.store = store_.get();
-    state_.pool = &pool_;
-    service_ = std::make_unique<KvCacheServiceImpl>(&state_);
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
-    ASSERT_NE(server_, nullptr);
-    stub_ = testing::NewStub("127.0.0.1:" + std::to_string(port));
-  }
-  void TearDown() override {
-    if (server_) server_->Shutdown();
+    ASSERT_TRUE(loopback_.Start(backend_.get(), &pool_));
+    stub_ = loopback_.stub();
   }
 
   // Two layers with eviction, channel pruning and quantization: each goes through Compress.
@@ -86,37 +72,34 @@ class ServerIngestExceptionTest : public ::testing::Test {
   }
 
   std::unique_ptr<ThrowingBackend> backend_;
-  std::unique_ptr<CacheStore> store_;
   ThreadPool pool_{3};  // two compression workers
-  ServiceState state_;
-  std::unique_ptr<KvCacheServiceImpl> service_;
-  std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<kvcache::v1::KvCache::Stub> stub_;
+  testing::ServiceOnLoopback loopback_;  // declared last: stops serving first
+  kvcache::v1::KvCache::Stub* stub_ = nullptr;
 };
 
 TEST_F(ServerIngestExceptionTest, ExceptionsFailTheUploadAndTheServerKeepsServing) {
   backend_->mode = ThrowingBackend::Mode::kBadAlloc;
-  grpc::Status s = testing::PutCache(stub_.get(), Cache("oom"));
+  grpc::Status s = testing::PutCache(stub_, Cache("oom"));
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("out of memory"));
 
   backend_->mode = ThrowingBackend::Mode::kRuntimeError;
-  s = testing::PutCache(stub_.get(), Cache("boom"));
+  s = testing::PutCache(stub_, Cache("boom"));
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INTERNAL) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("engine exploded"));
-  EXPECT_EQ(testing::ViewStore(stub_.get()).entries, 0u);
+  EXPECT_EQ(testing::ViewStore(stub_).entries, 0u);
 
   // The same server (and pool) compresses, stores and serves the next upload.
   backend_->mode = ThrowingBackend::Mode::kCompress;
-  s = testing::PutCache(stub_.get(), Cache("fine"));
+  s = testing::PutCache(stub_, Cache("fine"));
   ASSERT_TRUE(s.ok()) << s.error_message();
   kvcache::v1::GetCacheRequest get;
   get.set_cache_id("fine");
   testing::Fetched fetched;
-  s = testing::Get(stub_.get(), get, &fetched);
+  s = testing::Get(stub_, get, &fetched);
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_EQ(fetched.info.cache_id(), "fine");
-  EXPECT_EQ(testing::ViewStore(stub_.get()).ids, std::vector<std::string>{"fine"});
+  EXPECT_EQ(testing::ViewStore(stub_).ids, std::vector<std::string>{"fine"});
 }
 
 }  // namespace
