@@ -39,12 +39,16 @@ std::unique_ptr<KvcdProcess> StartKvcd(std::vector<std::string> flags) {
   opts.flags = {"--store_bytes=512MiB", "--stream_idle_seconds=120"};
   opts.flags.insert(opts.flags.end(), flags.begin(), flags.end());
   opts.flags.push_back("--backend=cpu");
+  // kvcd inherits the environment: no AMX scoring (see Heavy()).
+  if (std::getenv("KVC_CPU_ISA") == nullptr) setenv("KVC_CPU_ISA", "avx512vnni", 0);
   auto p = KvcdProcess::Start(opts);
   EXPECT_TRUE(p.ok()) << p.status();
   return p.ok() ? *std::move(p) : nullptr;
 }
 
-// One layer of keyformer over 16384 tokens with W = S: tens of seconds of compression.
+// One layer of keyformer over 16384 tokens with W = S: tens of seconds of compression with
+// fp32 sgemm scoring. AMX scoring (kvc/cpu_isa.h level amx) does it in a few seconds, too short for
+// these tests, so StartKvcd caps kvcd's kernels below it (unless KVC_CPU_ISA already caps them).
 const std::vector<pb::PutCacheRequest>& Heavy() {
   static const auto* const requests =
       new std::vector<pb::PutCacheRequest>(testing::HeavyRequests(1, 16384));
