@@ -191,5 +191,53 @@ TEST(PolicyTableTest, CpuBackendCompressesWithEveryRow) {
   }
 }
 
+// kvcd scores a layer before its V has arrived (Backend::ScoreKeys, V null) and finishes it with
+// CompressScored: for every row, alone, head-adaptive and value-weighted where the row allows it,
+// the bytes are those of one Compress call.
+TEST(PolicyTableTest, ScoringBeforeTheValuesStoresWhatCompressStores) {
+  FullInput full(kShape);
+  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateCpuBackend(BackendOptions{2, 0});
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  ASSERT_TRUE((*backend)->CanScoreKeys());
+  LayerInput keys_only = full.in;
+  keys_only.v = nullptr;
+  for (const PolicyInfo& row : kPolicies) {
+    for (bool adaptive : {false, true}) {
+      for (bool weighted : {false, true}) {
+        if ((adaptive && !row.scores) || (weighted && !row.value_weight)) continue;
+        SCOPED_TRACE(absl::StrCat(std::string(row.name), adaptive ? " adaptive" : "",
+                                  weighted ? " value=mul" : ""));
+        CompressionSpec spec;
+        spec.eviction = SpecFor(row, 24);
+        spec.eviction.adaptive = adaptive;
+        if (weighted) spec.eviction.value_weight = ValueWeight::kMul;
+        spec.channels.key_policy = ChannelPolicy::kThink;
+        spec.channels.key_lambda = 0.25;
+        spec.quant.bits = 4;
+        spec.quant.group_size = 16;
+        absl::StatusOr<CompactLayer> whole = (*backend)->Compress(full.in, spec, nullptr);
+        ASSERT_TRUE(whole.ok()) << whole.status();
+        absl::StatusOr<KeyScores> scores = (*backend)->ScoreKeys(keys_only, spec);
+        ASSERT_TRUE(scores.ok()) << scores.status();
+        EXPECT_EQ(scores->computed, row.scores);
+        absl::StatusOr<CompactLayer> early =
+            (*backend)->CompressScored(full.in, spec, *std::move(scores), nullptr);
+        ASSERT_TRUE(early.ok()) << early.status();
+        EXPECT_TRUE(whole->bytes == early->bytes);
+      }
+    }
+  }
+  // Scores that are not ScoreKeys' output for this input are refused, not read past their end.
+  CompressionSpec spec;
+  spec.eviction = SpecFor(kPolicies[static_cast<size_t>(EvictionPolicy::kH2O)], 24);
+  KeyScores short_scores;
+  short_scores.computed = true;
+  short_scores.scores.assign(7, 0.0f);
+  absl::StatusOr<CompactLayer> bad =
+      (*backend)->CompressScored(full.in, spec, std::move(short_scores), nullptr);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("scores"));
+}
+
 }  // namespace
 }  // namespace kvc
