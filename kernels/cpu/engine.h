@@ -119,6 +119,9 @@ inline absl::Status CancelStatus(const LayerInput& in) {
 // Converts `count` Q_obs rows of KV head h's query group, starting at group row `first`, to float
 // [count, D]; group row r is row r % W of query head h * g + r / W.
 void LoadQueryRows(const LayerInput& in, int h, int first, int count, float* dst);
+// Where token `first` of K (or V when `values`) head h starts in the input; *stride is the
+// distance in elements from one token's row to the next (HND: D, NHD: Hkv * D).
+const uint8_t* HeadRows(const LayerInput& in, bool values, int h, int first, size_t* stride);
 // Converts tokens [first, first + count) of K (or V when `values`) head h to float, [count, D].
 void LoadHeadRows(const LayerInput& in, bool values, int h, int first, int count, float* dst);
 

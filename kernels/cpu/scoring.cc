@@ -123,11 +123,9 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
       float* dst = c + 1 < chunks ? parked + c * slot : tile;
       if (use_amx) {
         // Straight from the cache's rows (no fp32 copy of the chunk).
-        const size_t offset = ElementOffset(in.layout, sh.num_kv_heads, S, D, h, c0, 0);
-        const size_t stride =
-            in.layout == Layout::kHND ? D : static_cast<size_t>(sh.num_kv_heads) * D;
-        amx::PackKeys(static_cast<const uint8_t*>(in.k) + offset * DTypeSize(in.dtype), in.dtype,
-                      stride, n, D, k_hi, k_lo);
+        size_t stride = 0;
+        const uint8_t* rows = HeadRows(in, /*values=*/false, h, c0, &stride);
+        amx::PackKeys(rows, in.dtype, stride, n, D, k_hi, k_lo);
         amx::Logits(q_hi, q_lo, nr, k_hi, k_lo, n, D, dst, static_cast<size_t>(n));
       } else {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, D, scale, q, D, k, D, 0.0f,
@@ -224,14 +222,19 @@ void LoadQueryRows(const LayerInput& in, int h, int first, int count, float* dst
   }
 }
 
-void LoadHeadRows(const LayerInput& in, bool values, int h, int first, int count, float* dst) {
+const uint8_t* HeadRows(const LayerInput& in, bool values, int h, int first, size_t* stride) {
   const LayerShape& sh = in.shape;
   const int S = sh.seq_len, D = sh.head_dim, H = sh.num_kv_heads;
-  const size_t esize = DTypeSize(in.dtype);
   const auto* base = static_cast<const uint8_t*>(values ? in.v : in.k);
   const size_t offset = ElementOffset(in.layout, H, S, D, h, first, 0);
-  const size_t stride = in.layout == Layout::kHND ? D : static_cast<size_t>(H) * D;
-  RowsToFloat(base + offset * esize, in.dtype, stride, count, D, dst);
+  *stride = in.layout == Layout::kHND ? D : static_cast<size_t>(H) * D;
+  return base + offset * DTypeSize(in.dtype);
+}
+
+void LoadHeadRows(const LayerInput& in, bool values, int h, int first, int count, float* dst) {
+  size_t stride = 0;
+  const uint8_t* rows = HeadRows(in, values, h, first, &stride);
+  RowsToFloat(rows, in.dtype, stride, count, in.shape.head_dim, dst);
 }
 
 void ObservedAttentionScores(const LayerInput& in, const EvictionSpec& spec, ThreadPool* pool,

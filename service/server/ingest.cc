@@ -520,7 +520,8 @@ void Upload::CompressLayer(int index) {
   // this upload with RESOURCE_EXHAUSTED, any other exception with INTERNAL, and kvcd carries on.
   if (compress_observer_) compress_observer_(+1);
   absl::StatusOr<CompactLayer> out = CallNoThrow([&]() -> absl::StatusOr<CompactLayer> {
-    RETURN_IF_ERROR(QueryStatsFinite(in));
+    // A layer scored early had its Q_stats checked before scoring (ScoreLayer).
+    if (!early) RETURN_IF_ERROR(QueryStatsFinite(in));
     ASSIGN_OR_RETURN(CompactLayer compact,
                      early ? backend_->CompressScored(in, spec_, *std::move(early), &t)
                            : backend_->Compress(in, spec_, &t));
