@@ -145,8 +145,10 @@ void AttentionScores(const Input& in, Sheet* s) {
   // Causal: observation row t sees S - W + t + 1 keys, W * S - W * (W - 1) / 2 for the W rows
   // of a query head. A block's GEMM runs to its last row's limit: beyond the causal count by at
   // most min(W, row_block) keys per row (a block spans at most two query heads' rows).
-  const uint64_t causal =
-      Mul({in.w, in.s}) - (in.w > 0 ? Mul({in.w, in.w - 1}) / 2 : 0);  // keys seen per head
+  // kvzip's reconstruction rows come after the context: each sees all S keys.
+  const uint64_t causal = e.policy == EvictionPolicy::kKVzip
+                              ? Mul({in.w, in.s})
+                              : Mul({in.w, in.s}) - (in.w > 0 ? Mul({in.w, in.w - 1}) / 2 : 0);
   const uint64_t logits = Mul({in.hq, causal});
   const uint64_t trimmed =
       Add(logits, Mul({in.hkv, in.rows, std::min<uint64_t>(in.w, in.row_block)}));
@@ -360,7 +362,10 @@ Input MakeInput(const LayerShape& sh, const CompressionSpec& spec, int layer_ind
   in.s = static_cast<uint64_t>(sh.seq_len);
   in.d = static_cast<uint64_t>(sh.head_dim);
   in.w = static_cast<uint64_t>(sh.obs_window);
-  const int budget = EffectiveBudget(spec.eviction, layer_index, sh.seq_len);
+  // Layer-adaptive budgets may give one layer up to all its tokens: priced at S per head.
+  const int budget = spec.eviction.layer_adaptive
+                         ? sh.seq_len
+                         : EffectiveBudget(spec.eviction, layer_index, sh.seq_len);
   in.budget = static_cast<uint64_t>(budget);
   const bool reduced = spec.channels.key_policy != ChannelPolicy::kNone ||
                        spec.channels.prune_values || spec.quant.bits > 0;
@@ -417,7 +422,30 @@ WorkCost CompressCost(const LayerShape& shape, DType dtype, const CompressionSpe
     sheet.SetRepeat(l + 1 == distinct ? static_cast<uint64_t>(std::max(1, num_layers - l)) : 1);
     AddLayer(shape, dtype, spec, l, concurrency, &sheet);
   }
-  return sheet.Finish(concurrency, static_cast<uint64_t>(shape.num_kv_heads));
+  if (spec.eviction.layer_adaptive) {
+    // Every layer's scores are held until the last layer is scored, then AllocateAcrossLayers
+    // (kvc/layer_budget.h) sorts each head's candidates and finds one threshold over a copy.
+    const uint64_t all = Mul({static_cast<uint64_t>(std::max(0, num_layers)),
+                              static_cast<uint64_t>(shape.num_kv_heads),
+                              static_cast<uint64_t>(shape.seq_len)});
+    uint64_t log_s = 1;
+    while ((uint64_t{1} << log_s) < static_cast<uint64_t>(shape.seq_len) && log_s < 63) ++log_s;
+    sheet.SetRepeat(1);
+    sheet.Flops("layer-adaptive allocation (num_layers*num_kv_heads*seq_len*(log2(seq_len)+4))",
+                Mul({all, log_s + 4}));
+  }
+  WorkCost out = sheet.Finish(concurrency, static_cast<uint64_t>(shape.num_kv_heads));
+  if (spec.eviction.layer_adaptive) {
+    const uint64_t held = Mul({static_cast<uint64_t>(std::max(0, num_layers)),
+                               static_cast<uint64_t>(shape.num_kv_heads),
+                               static_cast<uint64_t>(shape.seq_len), 3, kFloat});
+    out.scratch_bytes = Add(out.scratch_bytes, held);
+    if (held > out.scratch_term_value) {
+      out.scratch_term = "layer-adaptive scores (3*num_layers*num_kv_heads*seq_len floats)";
+      out.scratch_term_value = held;
+    }
+  }
+  return out;
 }
 
 }  // namespace kvc

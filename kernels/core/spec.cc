@@ -101,6 +101,19 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
                      absl::StrCat(FormatDouble(e.adaptive_floor), " is outside [0, 1]"));
     }
   }
+  if (e.layer_adaptive) {
+    if (!e.adaptive) {
+      return Invalid("eviction.layer_adaptive",
+                     "needs head-adaptive budgets too (adaptive; in a spec string ada=ALPHA)");
+    }
+    const ValueWeight w = EffectiveValueWeight(e);
+    if (w == ValueWeight::kMul || w == ValueWeight::kAdd) {
+      return Invalid("eviction.layer_adaptive",
+                     absl::StrCat("value weighting (", std::string(ValueWeightName(w)),
+                                  ") is not supported with layer-adaptive budgets yet; set "
+                                  "value_weight off"));
+    }
+  }
   if (row.inputs == PolicyInputs::kObservation && shape.obs_window == 0) {
     return Invalid("eviction.policy",
                    absl::StrCat(std::string(PolicyName(e.policy)),
@@ -241,6 +254,9 @@ ProtectedTokens ProtectedFor(const EvictionSpec& e, const LayerShape& shape, int
     case ProtectedWindow::kSinksAndRecent:
       p.sinks = std::min(e.sink_tokens, budget);
       p.recent = budget - p.sinks;
+      break;
+    case ProtectedWindow::kSinks:
+      p.sinks = std::min(e.sink_tokens, budget);
       break;
     case ProtectedWindow::kRecentFraction: {
       const double f = e.recent_fraction >= 0.0 ? e.recent_fraction : row.default_recent_fraction;

@@ -78,10 +78,11 @@ void KeyChannelScores(const LayerInput& in, const CompressionSpec& spec, int h, 
 }
 
 // score_v[c] = sum over the group's query rows of (P[:, old] V_old[:, c])^2, P the causal
-// softmax of Q_obs K_kept^T / sqrt(D) over all kept tokens (the decode-time attention). Query
-// rows go in blocks, so the logits stay within kScoreLogitFloats.
-void ValueChannelScores(const LayerInput& in, int h, const int32_t* pos, int budget, int m,
-                        float* score) {
+// softmax of Q_obs K_kept^T / sqrt(D) over all kept tokens (the decode-time attention; kvzip's
+// reconstruction rows come after the context and see every kept token). Query rows go in blocks,
+// so the logits stay within kScoreLogitFloats.
+void ValueChannelScores(const LayerInput& in, bool rows_after_context, int h, const int32_t* pos,
+                        int budget, int m, float* score) {
   const LayerShape& sh = in.shape;
   const int S = sh.seq_len, D = sh.head_dim, W = sh.obs_window, rows = sh.group_size() * W;
   std::fill(score, score + D, 0.0f);
@@ -104,7 +105,8 @@ void ValueChannelScores(const LayerInput& in, int h, const int32_t* pos, int bud
                 budget);
     for (int i = 0; i < nr; ++i) {
       float* row = p + static_cast<size_t>(i) * budget;
-      const int limit = S - W + (r0 + i) % W;  // causal: kept positions <= the query's position
+      // causal: kept positions <= the query's position
+      const int limit = rows_after_context ? S - 1 : S - W + (r0 + i) % W;
       const int valid = static_cast<int>(std::upper_bound(pos, pos + budget, limit) - pos);
       if (valid == 0) {
         std::fill(row, row + budget, 0.0f);
@@ -154,7 +156,7 @@ ChannelSelection SelectChannelsImpl(const LayerInput& in, const TokenSelection& 
     if (!cs.prune_values) {
       std::iota(vidx, vidx + D, 0);
     } else {
-      ValueChannelScores(in, h, pos, B, m, score);
+      ValueChannelScores(in, spec.eviction.policy == EvictionPolicy::kKVzip, h, pos, B, m, score);
       TopChannels(score, D, sel.value_channels, vidx);
     }
   });

@@ -124,7 +124,16 @@ absl::StatusOr<CompactLayer> CompressOnPool(const LayerInput& in, const Compress
       scored_here = SecondsSince(weight_start);
       t.score = early->seconds + scored_here;
       RETURN_IF_ERROR(cpu::CancelStatus(in));
-      tokens = cpu::SelectFromScoresImpl(in, spec, pool, early->computed ? &early->scores : nullptr);
+      if (!early->head_counts.empty()) {
+        if (!early->computed) {
+          return absl::InvalidArgumentError("head_counts: the layer has no scores");
+        }
+        ASSIGN_OR_RETURN(tokens, cpu::SelectCountsImpl(in, spec, pool, early->scores,
+                                                       early->head_counts));
+      } else {
+        tokens =
+            cpu::SelectFromScoresImpl(in, spec, pool, early->computed ? &early->scores : nullptr);
+      }
     }
     RETURN_IF_ERROR(cpu::CancelStatus(in));
     ChannelSelection channels = cpu::SelectChannelsImpl(in, tokens, spec, pool);

@@ -49,6 +49,12 @@ TokenSelection SelectTokensImpl(const LayerInput& in, const CompressionSpec& spe
 // budgets. `scores` may be null when the protected tokens fill the budget (no scores needed).
 TokenSelection SelectFromScoresImpl(const LayerInput& in, const CompressionSpec& spec,
                                     ThreadPool* pool, std::vector<float>* scores);
+// Layer-adaptive selection: head h keeps counts[h] tokens (its protected ones for the layer's
+// budget, then its best by score), from ScoreKeys' scores. INVALID_ARGUMENT for counts that do
+// not fit (size, below the protected tokens, above S).
+absl::StatusOr<TokenSelection> SelectCountsImpl(const LayerInput& in, const CompressionSpec& spec,
+                                                ThreadPool* pool, const std::vector<float>& scores,
+                                                const std::vector<int32_t>& counts);
 ChannelSelection SelectChannelsImpl(const LayerInput& in, const TokenSelection& tokens,
                                     const CompressionSpec& spec, ThreadPool* pool);
 

@@ -89,6 +89,7 @@ constexpr CpuScorer kCpuScorers[] = {
     {EvictionPolicy::kRandom, RandomScores},
     {EvictionPolicy::kKeyDiff, KeyDiffScores},
     {EvictionPolicy::kExpectedAttention, ExpectedScores},
+    {EvictionPolicy::kKVzip, ObservedAttentionScores},  // rows see every key, max over them
 };
 static_assert(CoversEveryPolicyInOrder(kCpuScorers),
               "every policy of kvc/policy.h needs a CPU scorer row, in order");

@@ -55,11 +55,16 @@ void Pool1D(float* x, int n, int kernel, PoolKind kind, ScratchArray& scratch) {
 }
 
 // score[j] = (1/g) * sum over the group's query heads and observation rows of softmax(a)_j, where
-// row t sees keys j <= S - W + t; keyformer adds Gumbel noise and divides by tau first.
+// row t sees keys j <= S - W + t; keyformer adds Gumbel noise and divides by tau first. kvzip:
+// the rows are reconstruction queries from after the context, each sees all S keys, and
+// score[j] = max over the group's query heads and rows of softmax(a)_j.
 void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, float* out) {
   const LayerShape& sh = in.shape;
   const int S = sh.seq_len, D = sh.head_dim, W = sh.obs_window, g = sh.group_size();
   const int rows = g * W;
+  const bool recon = spec.policy == EvictionPolicy::kKVzip;
+  // Keys [0, KeysSeen(t)) are visible to observation row t.
+  const auto keys_seen = [&](int t) { return recon ? S : S - W + t + 1; };
   Scratch& s = Scratch::ForThisThread();
   // Query rows are converted one block at a time, so neither they nor the block's logits grow
   // with W (kvc/cost.h: ScoreRowBlock).
@@ -97,7 +102,7 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
     if (use_amx) amx::PackQueries(q, nr, D, scale, q_hi, q_lo);
     // Keys past the last row's causal limit are never read: trim the GEMM to them.
     int max_len = 0;
-    for (int r = r0; r < r0 + nr; ++r) max_len = std::max(max_len, S - W + (r % W) + 1);
+    for (int r = r0; r < r0 + nr; ++r) max_len = std::max(max_len, keys_seen(r % W));
     // Online softmax over key chunks. Each chunk's GEMM writes its [nr, n] logits straight into
     // the chunk's slot of the block's buffer (chunk-major [chunks - 1][nr][kTokenChunk]; the last
     // chunk into `tile`), where each row's part is exponentiated against the row's running max
@@ -133,7 +138,7 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
       }
       for (int r = r0; r < r0 + nr; ++r) {
         const int i = r - r0, t = r % W;
-        const int valid = std::min(n, S - W + t + 1 - c0);
+        const int valid = std::min(n, keys_seen(t) - c0);
         if (valid <= 0) continue;
         float* part = dst + static_cast<size_t>(i) * n;
         const auto q_head = static_cast<uint32_t>(h * g + r / W);
@@ -165,19 +170,29 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
       int common = kTokenChunk;
       for (int r = r0; r < r0 + nr; ++r) {
         const int i = r - r0;
-        const int valid = std::min(kTokenChunk, S - W + (r % W) + 1 - c0);
+        const int valid = std::min(kTokenChunk, keys_seen(r % W) - c0);
         if (valid <= 0) continue;
         const float m_c = shift[static_cast<size_t>(i) * chunks + c];
-        coef[rows_of.size()] = inv_g * std::exp(m_c - row_max[i]) / row_sum[i];
+        coef[rows_of.size()] = (recon ? 1.0f : inv_g) * std::exp(m_c - row_max[i]) / row_sum[i];
         rows_of.push_back(last ? tile + static_cast<size_t>(i) * (max_len - c0)
                                : parked + c * slot + static_cast<size_t>(i) * kTokenChunk);
         common = std::min(common, valid);
       }
       if (rows_of.empty()) continue;
+      if (recon) {
+        // Every row sees the whole chunk: the maximum of the rows' probabilities.
+        float* o = out + c0;
+        for (size_t k = 0; k < rows_of.size(); ++k) {
+          const float a = coef[k];
+          const float* x = rows_of[k];
+          for (int j = 0; j < common; ++j) o[j] = std::max(o[j], a * x[j]);
+        }
+        continue;
+      }
       simd::AxpyRows(rows_of.data(), coef, static_cast<int>(rows_of.size()), out + c0,
                      static_cast<size_t>(common));
       for (int r = r0, k = 0; r < r0 + nr; ++r) {
-        const int valid = std::min(kTokenChunk, S - W + (r % W) + 1 - c0);
+        const int valid = std::min(kTokenChunk, keys_seen(r % W) - c0);
         if (valid <= 0) continue;
         if (valid > common) {
           simd::Axpy(coef[k], rows_of[k] + common, out + c0 + common,

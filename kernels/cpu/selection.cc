@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cpu/engine.h"
+#include "kvc/layer_budget.h"
 #include "kvc/status_macros.h"
 
 namespace kvc::cpu {
@@ -58,30 +59,6 @@ struct Better {
   }
 };
 
-// Scores made comparable across heads. Attention policies: as they are, because every head's
-// unpooled scores are attention mass summing to W (one softmax row per observation query,
-// averaged over the group), so a score already is the token's share of its head's attention;
-// snapkv's pooled scores are compared as pooled, as AdaKV does. random: as they are (uniform in
-// [0, 1) for every head). knorm (negative key norms, no common scale): softmax over the head.
-// Which is which is the policy row's cross_head (kvc/policy.h).
-void NormalizeScores(const float* scores, int H, int S, EvictionPolicy policy, float* out) {
-  for (int h = 0; h < H; ++h) {
-    const float* x = scores + static_cast<size_t>(h) * S;
-    float* y = out + static_cast<size_t>(h) * S;
-    if (Policy(policy).cross_head == CrossHeadScale::kSoftmaxPerHead) {
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int j = 0; j < S; ++j) mx = std::max(mx, x[j]);
-      double sum = 0;
-      for (int j = 0; j < S; ++j) sum += std::exp(static_cast<double>(x[j]) - mx);
-      for (int j = 0; j < S; ++j) {
-        y[j] = static_cast<float>(std::exp(static_cast<double>(x[j]) - mx) / sum);
-      }
-    } else {
-      std::copy_n(x, S, y);
-    }
-  }
-}
-
 // Head-adaptive selection (see SelectTokens in kvc/selection.h): per head the protected tokens
 // and its own top `floor` candidates, then the rest of H * B to the best normalised candidates of
 // all heads. Fills sel->positions (ragged) and sel->counts.
@@ -95,7 +72,7 @@ void SelectAdaptive(const float* scores, int H, int S, int budget, const Protect
   own = std::clamp(own, 0, budget - protected_count);
 
   std::vector<float> norm(static_cast<size_t>(H) * S);
-  NormalizeScores(scores, H, S, e.policy, norm.data());
+  CrossHeadScores(scores, H, S, e.policy, norm.data());
   // Per head: candidates in the head's order; the first `own` are kept, the rest compete.
   std::vector<std::vector<int32_t>> chosen(H);
   struct Cand {
@@ -208,6 +185,39 @@ TokenSelection SelectFromScoresImpl(const LayerInput& in, const CompressionSpec&
     ScratchTask task;
     SelectHead(need_scores ? scores.data() + static_cast<size_t>(h) * S : nullptr, S, budget, prot,
                sel.positions.data() + static_cast<size_t>(h) * budget);
+  });
+  return sel;
+}
+
+absl::StatusOr<TokenSelection> SelectCountsImpl(const LayerInput& in, const CompressionSpec& spec,
+                                                ThreadPool* pool, const std::vector<float>& scores,
+                                                const std::vector<int32_t>& counts) {
+  const EvictionSpec& e = spec.eviction;
+  const int S = in.shape.seq_len, H = in.shape.num_kv_heads;
+  const int budget = EffectiveBudget(e, in.layer_index, S);
+  const Protected prot = ProtectedFor(e, in.shape, budget);
+  if (counts.size() != static_cast<size_t>(H) || scores.size() != static_cast<size_t>(H) * S) {
+    return absl::InvalidArgumentError(absl::StrCat("head_counts: ", counts.size(), " counts and ",
+                                                   scores.size(), " scores for ", H, " heads"));
+  }
+  TokenSelection sel;
+  sel.num_kv_heads = H;
+  sel.counts.assign(counts.begin(), counts.end());
+  std::vector<size_t> offset(H + 1, 0);
+  for (int h = 0; h < H; ++h) {
+    if (counts[h] < prot.sinks + prot.recent || counts[h] > S || counts[h] < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("head_counts: head ", h, " keeps ", counts[h], ", outside [",
+                       std::max(1, prot.sinks + prot.recent), ", ", S, "]"));
+    }
+    offset[h + 1] = offset[h] + counts[h];
+    sel.budget = std::max(sel.budget, counts[h]);
+  }
+  sel.positions.resize(offset[H]);
+  pool->ParallelFor(H, [&](int h) {
+    ScratchTask task;
+    SelectHead(scores.data() + static_cast<size_t>(h) * S, S, counts[h], prot,
+               sel.positions.data() + offset[h]);
   });
   return sel;
 }

@@ -117,6 +117,8 @@ constexpr CudaScorer kCudaScorers[] = {
     {EvictionPolicy::kRandom, RandomScores, false, nullptr, false},
     {EvictionPolicy::kKeyDiff, KeyDiffScores, false, KeyDiffFloats, false},
     {EvictionPolicy::kExpectedAttention, ExpectedScores, false, ExpectedFloats, true},
+    // kvzip: no device scorer yet; the host engine compresses the layer (host_fallback.h).
+    {EvictionPolicy::kKVzip, nullptr, false, nullptr, false},
 };
 static_assert(CoversEveryPolicyInOrder(kCudaScorers),
               "every policy of kvc/policy.h needs a CUDA row, in order (a null scorer falls back "

@@ -196,6 +196,7 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
   spec.eviction.seed = e.seed();
   spec.eviction.adaptive = e.adaptive();
   if (e.has_adaptive_floor()) spec.eviction.adaptive_floor = e.adaptive_floor();
+  spec.eviction.layer_adaptive = e.layer_adaptive();
   auto value_weight = ParseValueWeight(e.value_weight());
   if (!value_weight.ok()) {
     return Invalid(field("eviction.value_weight"),
@@ -279,6 +280,7 @@ kvcache::v1::CompressionConfig SpecToProto(const CompressionSpec& spec) {
   e->set_seed(spec.eviction.seed);
   e->set_adaptive(spec.eviction.adaptive);
   e->set_adaptive_floor(spec.eviction.adaptive_floor);
+  e->set_layer_adaptive(spec.eviction.layer_adaptive);
   e->set_value_weight(std::string(ValueWeightName(spec.eviction.value_weight)));
   e->set_value_eps(spec.eviction.value_eps);
   e->set_horizon(static_cast<uint32_t>(spec.eviction.horizon));

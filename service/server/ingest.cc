@@ -1,5 +1,7 @@
 #include "server/ingest.h"
 
+#include "kvc/layer_budget.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -128,6 +130,12 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
       return Reject(RejectReason::kWork, s);
     }
   }
+  if (spec.eviction.layer_adaptive && !in_place && !backend_->CanScoreKeys()) {
+    return invalid(absl::InvalidArgumentError(absl::StrCat(
+        "header.compression.eviction.layer_adaptive: the ", backend_name_,
+        " backend cannot hold a request's scores across layers (run kvcd with the cpu backend, "
+        "or drop xlayer)")));
+  }
   if (!h.overwrite() && store_->Peek(store_id).ok()) {
     return Reject(RejectReason::kExists,
                   absl::AlreadyExistsError(absl::StrCat("header.cache_id: '", h.cache_id(),
@@ -155,6 +163,9 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
   rope_ = header->rope;
   in_place_ = in_place;
   early_scoring_ = !in_place && backend_->CanScoreKeys() && Policy(spec.eviction.policy).scores;
+  // Layer-adaptive budgets: every layer is scored whole before any is selected.
+  layer_adaptive_ = spec.eviction.layer_adaptive;
+  if (layer_adaptive_) early_scoring_ = false;
   layers_.resize(num_layers);
   {
     absl::MutexLock lock(&mu_);
@@ -514,6 +525,10 @@ void Upload::CompressLayer(int index) {
     absl::MutexLock lock(&mu_);
     early.swap(early_scores_[index]);
   }
+  if (layer_adaptive_ && !early) {
+    HoldLayerScores(index, in);  // the first pass: scores only
+    return;
+  }
   CompressTimings t;
   std::vector<uint64_t> blocks;
   // Nothing may escape a pool thread: a failed allocation in the engine (std::bad_alloc) fails
@@ -537,6 +552,71 @@ void Upload::CompressLayer(int index) {
     LayerDone(index, std::move(out), std::move(blocks), t);
   }
   StartReady();
+}
+
+void Upload::HoldLayerScores(int index, const LayerInput& in) {
+  if (compress_observer_) compress_observer_(+1);
+  absl::StatusOr<KeyScores> out = CallNoThrow([&]() -> absl::StatusOr<KeyScores> {
+    RETURN_IF_ERROR(QueryStatsFinite(in));
+    LayerInput keys = in;
+    keys.v = nullptr;  // scorers never read V (value weighting is off with layer-adaptive)
+    return backend_->ScoreKeys(keys, spec_);
+  });
+  if (compress_observer_) compress_observer_(-1);
+  std::vector<std::optional<KeyScores>> all;  // moved out to allocate without the lock
+  {
+    absl::MutexLock lock(&mu_);
+    --running_;
+    if (aborted_ || !compress_error_.ok() || !out.ok()) {
+      if (!out.ok()) RecordError(index, out.status());
+      DropHeldLayers();
+      for (auto& buf : layers_[index].tensor) buf.reset();
+      --pending_;
+    } else {
+      early_scores_[index] = *std::move(out);
+      stage_[index] = Stage::kHeld;
+      if (++held_layers_ == static_cast<int>(layers_.size())) {
+        all.swap(early_scores_);  // this layer stays pending until the allocation is done
+      } else {
+        --pending_;  // a held layer is not pending: it comes back as a compression job
+      }
+    }
+    MaybeFinalize();
+  }
+  if (!all.empty()) AllocateHeldLayers(std::move(all));
+  StartReady();
+}
+
+void Upload::AllocateHeldLayers(std::vector<std::optional<KeyScores>> all) {
+  std::vector<const std::vector<float>*> scores(all.size());
+  for (size_t l = 0; l < all.size(); ++l) scores[l] = all[l] ? &all[l]->scores : nullptr;
+  absl::StatusOr<std::vector<std::vector<int32_t>>> counts =
+      CallNoThrow([&] { return AllocateAcrossLayers(spec_.eviction, shape_, scores); });
+  absl::MutexLock lock(&mu_);
+  early_scores_.swap(all);  // back in place (Cancel may have cleared the empty vector meanwhile)
+  if (aborted_ || !compress_error_.ok() || !counts.ok()) {
+    if (!counts.ok()) RecordError(-1, counts.status());
+    DropHeldLayers();
+    --pending_;  // the last scored layer's, held for the allocation
+    MaybeFinalize();
+    return;
+  }
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    early_scores_[l]->head_counts = std::move((*counts)[l]);
+    stage_[l] = Stage::kQueued;
+    ready_.push_back(static_cast<int>(l));
+    ++pending_;
+  }
+  --pending_;  // the allocation's own (the last scored layer's); each layer is pending again
+}
+
+void Upload::DropHeldLayers() {
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    if (stage_[l] != Stage::kHeld) continue;
+    stage_[l] = Stage::kCompressing;  // never scheduled again
+    if (l < early_scores_.size()) early_scores_[l].reset();
+    for (auto& buf : layers_[l].tensor) buf.reset();
+  }
 }
 
 void Upload::LayerDone(int index, absl::StatusOr<CompactLayer> out, std::vector<uint64_t> blocks,
@@ -578,7 +658,9 @@ void Upload::RecordError(int index, const absl::Status& status) {
       code == absl::StatusCode::kDeadlineExceeded || code == absl::StatusCode::kCancelled ||
       code == absl::StatusCode::kAborted || code == absl::StatusCode::kUnavailable;
   compress_error_ = absl::Status(kept ? code : absl::StatusCode::kInternal,
-                                 absl::StrCat("layer ", index, ": ", std::string(status.message())));
+                                 absl::StrCat(index < 0 ? std::string("layer-adaptive budgets")
+                                                        : absl::StrCat("layer ", index),
+                                              ": ", std::string(status.message())));
   if (reason_ == RejectReason::kNone) reason_ = RejectReason::kCompress;
 }
 
@@ -595,6 +677,7 @@ void Upload::Cancel(absl::Status why) {
   aborted_ = true;  // layers still queued finish through their jobs, which drop them at once
   compact_.clear();
   compressed_.clear();
+  DropHeldLayers();  // layer-adaptive layers waiting for the others: nothing will run them
   for (auto& scores : early_scores_) scores.reset();
 }
 

@@ -177,6 +177,8 @@ class Upload : public std::enable_shared_from_this<Upload> {
     kScored,       // scores held, waiting for the rest of the layer
     kQueued,       // complete, in ready_
     kCompressing,  // CompressLayer queued or running
+    kHeld,         // layer-adaptive: scored whole, waiting for the other layers (no slot, not
+                   // pending); all of them go back to kQueued with their head counts at once
   };
 
   absl::Status Reject(RejectReason reason, absl::Status status);
@@ -187,6 +189,13 @@ class Upload : public std::enable_shared_from_this<Upload> {
   void StartReady() ABSL_LOCKS_EXCLUDED(mu_);
   void CompressLayer(int layer);  // on a pool thread
   void ScoreLayer(int layer);     // on a pool thread: Backend::ScoreKeys before V is complete
+  // Layer-adaptive budgets (on a pool thread, in CompressLayer's slot): scores the complete
+  // layer and holds the scores and the staging; the last layer scored allocates the budget
+  // over all of them (AllocateHeldLayers) and queues every layer for compression.
+  void HoldLayerScores(int layer, const LayerInput& in);
+  void AllocateHeldLayers(std::vector<std::optional<KeyScores>> all) ABSL_LOCKS_EXCLUDED(mu_);
+  // Frees the staging and scores of every kHeld layer (after an error or a cancellation).
+  void DropHeldLayers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hashes the blocks of an in-place layer that no single chunk covered and records its
   // finished blob (on a pool thread).
   void CompleteInPlaceLayer(int layer);
@@ -197,7 +206,8 @@ class Upload : public std::enable_shared_from_this<Upload> {
   void MaybeFinalize() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The compress timeout counts from the first job of the upload (score or compress).
   void ArmCompressTimeout() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Records a job's failure as the upload's error (the first one wins), prefixed with the layer.
+  // Records a job's failure as the upload's error (the first one wins), prefixed with the layer
+  // (index -1: the layer-adaptive allocation).
   void RecordError(int index, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // INVALID_ARGUMENT naming the first non-finite entry of in.q_stats (when sent).
   absl::Status QueryStatsFinite(const LayerInput& in) const;
@@ -224,6 +234,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
   std::optional<RopeParams> rope_;           // header.rope, when set
   bool in_place_ = false;  // no compression asked: chunks go straight into the blobs
   bool early_scoring_ = false;  // score layers from K and the queries before V is complete
+  bool layer_adaptive_ = false;  // EvictionSpec::layer_adaptive: score all layers, then select
   std::vector<LayerState> layers_;
   uint64_t payload_bytes_ = 0;
   uint64_t declared_bytes_ = 0;
@@ -248,6 +259,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
   std::vector<bool> complete_ ABSL_GUARDED_BY(mu_);  // every byte of the layer received
   std::vector<std::optional<KeyScores>> early_scores_ ABSL_GUARDED_BY(mu_);
   int running_ ABSL_GUARDED_BY(mu_) = 0;
+  int held_layers_ ABSL_GUARDED_BY(mu_) = 0;  // layer-adaptive: layers in Stage::kHeld so far
   int max_running_ ABSL_GUARDED_BY(mu_) = 1;
   bool timeout_armed_ ABSL_GUARDED_BY(mu_) = false;
   bool aborted_ ABSL_GUARDED_BY(mu_) = false;

@@ -68,7 +68,8 @@ void EngineLevel(const uint8_t* data, size_t size) {
   Check(k <= kvc::kMaxLayerElements, "ValidateShape accepted more than kMaxLayerElements");
 
   kvc::CompressionSpec spec;
-  spec.eviction.policy = static_cast<kvc::EvictionPolicy>(in.ConsumeIntegralInRange(0, 8));
+  spec.eviction.policy = static_cast<kvc::EvictionPolicy>(
+      in.ConsumeIntegralInRange(0, static_cast<int>(kvc::kNumPolicies) - 1));
   spec.eviction.budget = SomeInt(in);
   spec.eviction.keep_ratio = SomeDouble(in);
   const int n_budgets = in.ConsumeIntegralInRange(0, 4);
@@ -79,6 +80,9 @@ void EngineLevel(const uint8_t* data, size_t size) {
   spec.eviction.pool_kernel = SomeInt(in);
   spec.eviction.pool = static_cast<kvc::PoolKind>(in.ConsumeIntegralInRange(0, 2));
   spec.eviction.tau = SomeDouble(in);
+  spec.eviction.adaptive = in.ConsumeBool();
+  spec.eviction.adaptive_floor = SomeDouble(in);
+  spec.eviction.layer_adaptive = in.ConsumeBool();
   spec.channels.key_policy = static_cast<kvc::ChannelPolicy>(in.ConsumeIntegralInRange(0, 4));
   spec.channels.key_lambda = SomeDouble(in);
   spec.channels.prune_values = in.ConsumeBool();

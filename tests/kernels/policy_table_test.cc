@@ -131,6 +131,10 @@ TEST(PolicyTableTest, SelectionKeepsEachRowsProtectedWindowAndScoresAsTheRowSays
           EXPECT_EQ(prot.sinks, std::min(spec.eviction.sink_tokens, b));
           EXPECT_EQ(prot.sinks + prot.recent, b);
           break;
+        case ProtectedWindow::kSinks:
+          EXPECT_EQ(prot.sinks, std::min(spec.eviction.sink_tokens, b));
+          EXPECT_EQ(prot.recent, 0);
+          break;
         case ProtectedWindow::kRecentFraction:
           EXPECT_EQ(prot.recent, static_cast<int>(row.default_recent_fraction * b));
           break;

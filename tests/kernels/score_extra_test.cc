@@ -392,7 +392,7 @@ TEST(ScoreExtraTest, RejectsBadFieldsNamingThem) {
   spec.eviction.policy = EvictionPolicy::kH2O;
   spec.eviction.query_stats = true;
   expect(Check(spec), "eviction.query_stats");
-  spec.eviction.policy = static_cast<EvictionPolicy>(9);
+  spec.eviction.policy = static_cast<EvictionPolicy>(kNumPolicies);
   expect(Check(spec), "eviction.policy");
 
   // Inputs: expected needs the RoPE, query_stats needs the statistics, the RoPE must be valid.

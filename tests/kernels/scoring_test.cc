@@ -16,6 +16,7 @@ namespace {
 
 using testing::RandomLayer;
 using testing::ReferenceAttentionScores;
+using testing::MakeLayer;
 using testing::TestLayer;
 
 void ExpectNearReference(const TestLayer& layer, const EvictionSpec& spec) {
@@ -57,6 +58,49 @@ TEST(ScoreTokensTest, KeyformerMatchesReferenceIncludingNoiseAndTau) {
   ExpectNearReference(layer, spec);
 }
 
+// kvzip: every row sees all S keys (the rows are reconstruction queries from after the context)
+// and a key's score is the largest probability any row of the group gives it.
+TEST(ScoreTokensTest, KVzipMatchesReferenceOverShapes) {
+  struct Case {
+    int hkv, g, S, D, W;
+  };
+  for (const Case& c : std::vector<Case>{
+           {1, 1, 1, 8, 1}, {2, 4, 37, 16, 5}, {3, 3, 64, 64, 64}, {1, 2, 1500, 64, 1500}}) {
+    for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+      const LayerShape shape{c.hkv, c.hkv * c.g, c.S, c.D, c.W};
+      EvictionSpec spec;
+      spec.policy = EvictionPolicy::kKVzip;
+      ExpectNearReference(RandomLayer(shape, 5 + c.S, t), spec);
+    }
+  }
+}
+
+// What makes kvzip differ from h2o over the same queries: the first row sees the last key (h2o's
+// first row sees only S - W + 1 keys), and a key one row attends to strongly keeps a high score
+// however little the other rows give it (a maximum, not a mean).
+TEST(ScoreTokensTest, KVzipRowsSeeEveryKeyAndTakeTheMaximum) {
+  const int S = 16, D = 8, W = 4;
+  const LayerShape shape{1, 1, S, D, W};
+  std::vector<float> k(static_cast<size_t>(S) * D, 0.0f), v(k.size(), 1.0f);
+  std::vector<float> q(static_cast<size_t>(W) * D, 0.0f);
+  k[static_cast<size_t>(S - 1) * D] = 1.0f;  // the last key, along channel 0
+  q[0] = 40.0f;                              // row 0 looks at it; the other rows look at nothing
+  const TestLayer layer = MakeLayer(shape, k, v, q);
+  EvictionSpec spec;
+  spec.policy = EvictionPolicy::kKVzip;
+  absl::StatusOr<std::vector<float>> kvzip = ScoreTokens(layer.input(), spec);
+  ASSERT_TRUE(kvzip.ok()) << kvzip.status();
+  // exp(40 / sqrt(8)) / (exp(40 / sqrt(8)) + 15): row 0's probability of the last key.
+  const double p = 1.0 / (1.0 + 15.0 * std::exp(-40.0 / std::sqrt(8.0)));
+  EXPECT_NEAR((*kvzip)[S - 1], p, 1e-6);
+  for (int j = 0; j + 1 < S; ++j) EXPECT_NEAR((*kvzip)[j], 1.0 / S, 1e-6) << j;  // uniform rows
+  spec.policy = EvictionPolicy::kH2O;
+  absl::StatusOr<std::vector<float>> h2o = ScoreTokens(layer.input(), spec);
+  ASSERT_TRUE(h2o.ok()) << h2o.status();
+  EXPECT_LT((*h2o)[S - 1], 0.5);  // only the last row sees it under the causal mask
+  ExpectNearReference(layer, spec);
+}
+
 // Every instruction set this CPU has scores alike: several chunks, a causal staircase, noise.
 TEST(ScoreTokensTest, EveryInstructionSetMatchesReference) {
   const LayerShape shape{2, 8, 2200, 64, 16};
@@ -65,7 +109,8 @@ TEST(ScoreTokensTest, EveryInstructionSetMatchesReference) {
   for (CpuIsa isa : testing_isa::SupportedIsas()) {
     SCOPED_TRACE(CpuIsaName(isa));
     const testing_isa::ScopedIsaCap cap(isa);
-    for (EvictionPolicy policy : {EvictionPolicy::kH2O, EvictionPolicy::kKeyformer}) {
+    for (EvictionPolicy policy :
+         {EvictionPolicy::kH2O, EvictionPolicy::kKeyformer, EvictionPolicy::kKVzip}) {
       EvictionSpec spec;
       spec.policy = policy;
       spec.seed = 77;
@@ -86,7 +131,8 @@ TEST(ScoreTokensTest, MultiChunkRowsMatchReferenceWhateverChunkHoldsTheMax) {
     for (int r = 0; r < 8; ++r) q[r * 8] = 1.0f;  // every query row follows the ramp
     TestLayer layer = testing::MakeLayer(shape, k, k, q, DType::kF16);
     layer.layer_index = 2;
-    for (EvictionPolicy policy : {EvictionPolicy::kH2O, EvictionPolicy::kKeyformer}) {
+    for (EvictionPolicy policy :
+         {EvictionPolicy::kH2O, EvictionPolicy::kKeyformer, EvictionPolicy::kKVzip}) {
       for (double tau : {1.0, 0.5}) {
         EvictionSpec spec;
         spec.policy = policy;

@@ -99,7 +99,9 @@ std::vector<double> ReferenceAttentionScores(const TestLayer& l, const EvictionS
   for (int qh = 0; qh < Hq; ++qh) {
     const int h = qh / g;
     for (int t = 0; t < W; ++t) {
-      const int len = S - W + t + 1;
+      // kvzip's rows come after the context and see every key; the others are causal.
+      const bool kvzip = spec.policy == EvictionPolicy::kKVzip;
+      const int len = kvzip ? S : S - W + t + 1;
       double mx = -INFINITY;
       for (int j = 0; j < len; ++j) {
         double dot = 0;
@@ -114,8 +116,11 @@ std::vector<double> ReferenceAttentionScores(const TestLayer& l, const EvictionS
       }
       double sum = 0;
       for (int j = 0; j < len; ++j) sum += std::exp(a[j] - mx);
-      for (int j = 0; j < len; ++j)
-        out[static_cast<size_t>(h) * S + j] += std::exp(a[j] - mx) / sum / g;
+      for (int j = 0; j < len; ++j) {
+        const double p = std::exp(a[j] - mx) / sum;
+        double& o = out[static_cast<size_t>(h) * S + j];
+        o = kvzip ? std::max(o, p) : o + p / g;
+      }
     }
   }
   return out;

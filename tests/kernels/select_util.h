@@ -39,8 +39,8 @@ std::vector<int32_t> HeadPositions(const TokenSelection& sel, int h);
 std::vector<int32_t> HeadKeyChannels(const ChannelSelection& sel, int h);
 std::vector<int32_t> HeadValueChannels(const ChannelSelection& sel, int h);
 
-// Reference h2o/keyformer/snapkv (unpooled) score, computed naively in double from the layer's
-// (dtype-rounded) values: [Hkv, S].
+// Reference h2o/keyformer/snapkv (unpooled) and kvzip score, computed naively in double from the
+// layer's (dtype-rounded) values: [Hkv, S].
 std::vector<double> ReferenceAttentionScores(const TestLayer& layer, const EvictionSpec& spec);
 
 }  // namespace kvc::testing

@@ -53,7 +53,7 @@ TEST(ValidateSpecTest, EvictionLimits) {
   s.eviction.layer_budgets = {10, -1};
   ExpectInvalid(s, "eviction.layer_budgets[1]");
   s = {};
-  s.eviction.policy = static_cast<EvictionPolicy>(9);
+  s.eviction.policy = static_cast<EvictionPolicy>(kNumPolicies);
   ExpectInvalid(s, "eviction.policy");
   s = {};
   s.eviction.granularity = static_cast<Granularity>(2);
@@ -187,7 +187,7 @@ TEST(PolicyNamesTest, RoundTripAndUnknown) {
     ASSERT_TRUE(p.ok()) << n;
     EXPECT_EQ(PolicyName(*p), n);
   }
-  EXPECT_EQ(EvictionPolicyNames().size(), 9u);
+  EXPECT_EQ(EvictionPolicyNames().size(), kNumPolicies);
   for (const std::string& n : ChannelPolicyNames()) {
     absl::StatusOr<ChannelPolicy> p = ParseChannelPolicy(n);
     ASSERT_TRUE(p.ok()) << n;

@@ -20,6 +20,9 @@ def test_budget_options_and_alone_terms():
         "GRANULARITY_PER_LAYER"
     assert spec.parse("full") == {} and spec.parse(" none ") == {}
     assert spec.parse("vthink:0.25")["channels"] == {"prune_values": True, "value_lambda": 0.25}
+    assert spec.parse("kvzip:0.1,ada=0,xlayer=1") == {
+        "eviction": {"policy": "kvzip", "keep_ratio": 0.1, "adaptive": True,
+                     "adaptive_floor": 0.0, "layer_adaptive": True}}
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -33,6 +36,7 @@ def test_budget_options_and_alone_terms():
     ("snapkv:0.5,pool=min", "not max or avg"),
     ("snapkv:0.5,kernel", "not key=value"),
     ("snapkv:0.5,color=red", "unknown option"),
+    ("kvzip:0.5,xlayer=2", "not 0 or 1"),
     ("snapkv:0.5+knorm:0.5", "a second eviction"),
     ("q3", "not 2, 4 or 8"),
     ("q4+q8", "a second quantization"),
@@ -48,6 +52,7 @@ def test_bad_specs_name_the_term(bad, words):
 
 def test_needs_queries():
     assert spec.needs_queries(spec.parse("snapkv:0.5"))
+    assert spec.needs_queries(spec.parse("kvzip:0.5"))
     assert spec.needs_queries(spec.parse("expected:0.5"))
     assert not spec.needs_queries(spec.parse("expected:0.5,stats=1"))
     assert not spec.needs_queries(spec.parse("knorm:0.5+q4"))

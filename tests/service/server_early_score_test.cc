@@ -4,10 +4,13 @@
 // scoring fails the upload with its status and the server keeps serving; a client that leaves
 // while a layer is being scored leaves nothing behind. The CPU engine runs behind a wrapper that
 // counts the two-step calls and can hold ScoreKeys at a gate, so each test knows which path ran.
+// Layer-adaptive budgets (xlayer) go through the same two steps: every layer is scored, then one
+// allocation over all of them (AllocateAcrossLayers) gives each head its count.
 #include <atomic>
 #include <chrono>
 #include <memory>
 #include <new>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +23,8 @@
 #include "gtest/gtest.h"
 #include "kvc/backend.h"
 #include "kvc/cache_store.h"
+#include "kvc/layer_budget.h"
+#include "kvc/protocol/convert.h"
 #include "kvc/thread_pool.h"
 #include "server/service_impl.h"
 #include "testing/kvc_rpc.h"
@@ -253,6 +258,147 @@ TEST_F(ServerEarlyScoreTest, ClientLeavingWhileALayerIsScoredLeavesNothing) {
       testing::Put(stub_, Ordered(Cache("next", testing::FullCompression()), true),
                    &response);
   ASSERT_TRUE(s.ok()) << s.error_message();
+}
+
+pb::CompressionConfig LayerAdaptive(const std::string& policy, double keep, double floor) {
+  pb::CompressionConfig c = Config(policy, keep);
+  c.mutable_eviction()->set_adaptive(true);
+  c.mutable_eviction()->set_adaptive_floor(floor);
+  c.mutable_eviction()->set_layer_adaptive(true);
+  return c;
+}
+
+// What the layer-adaptive upload must store, computed with the engine directly: every layer's
+// scores, one allocation over them, then each layer compressed with its counts.
+std::vector<CompactLayer> LayerAdaptiveLocally(const testing::TestCache& cache,
+                                               const CompressionSpec& spec,
+                                               std::vector<std::vector<int32_t>>* counts) {
+  auto cpu = CreateCpuBackend(BackendOptions{});
+  EXPECT_TRUE(cpu.ok()) << cpu.status();
+  const int L = static_cast<int>(cache.k.size());
+  std::vector<LayerInput> in(L);
+  std::vector<KeyScores> scores(L);
+  std::vector<const std::vector<float>*> ptrs(L);
+  for (int l = 0; l < L; ++l) {
+    in[l].shape = cache.layer_shape();
+    in[l].dtype = cache.dtype();
+    in[l].layout = cache.layout();
+    in[l].layer_index = l;
+    in[l].k = cache.k[l].data();
+    in[l].v = cache.v[l].data();
+    in[l].q_obs = cache.q[l].data();
+    auto s = (*cpu)->ScoreKeys(in[l], spec);
+    EXPECT_TRUE(s.ok()) << s.status();
+    scores[l] = s.ok() ? *std::move(s) : KeyScores{};
+    ptrs[l] = &scores[l].scores;
+  }
+  auto alloc = AllocateAcrossLayers(spec.eviction, cache.layer_shape(), ptrs);
+  EXPECT_TRUE(alloc.ok()) << alloc.status();
+  if (!alloc.ok()) return {};
+  *counts = *alloc;
+  std::vector<CompactLayer> out;
+  for (int l = 0; l < L; ++l) {
+    scores[l].head_counts = (*alloc)[l];
+    auto layer = (*cpu)->CompressScored(in[l], spec, std::move(scores[l]), nullptr);
+    EXPECT_TRUE(layer.ok()) << layer.status();
+    out.push_back(layer.ok() ? *std::move(layer) : CompactLayer{});
+  }
+  return out;
+}
+
+TEST_F(ServerEarlyScoreTest, LayerAdaptiveBudgetsStoreTheAllocationOverAllLayers) {
+  for (const auto& [policy, floor] :
+       std::vector<std::pair<std::string, double>>{{"h2o", 0.2}, {"kvzip", 0.0}, {"knorm", 0.5}}) {
+    SCOPED_TRACE(policy);
+    const pb::CompressionConfig config = LayerAdaptive(policy, 0.25, floor);
+    const testing::TestCache cache = Cache("xlayer-" + policy, config);
+    backend_->compress = backend_->score_keys = backend_->compress_scored = 0;
+    pb::PutCacheResponse response;
+    // Layers in the old order (V before the queries): no layer is scored before it is complete.
+    const grpc::Status s = testing::Put(stub_, Ordered(cache, false), &response);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(backend_->score_keys.load(), 3);  // every layer scored, then every layer selected
+    EXPECT_EQ(backend_->compress_scored.load(), 3);
+    EXPECT_EQ(backend_->compress.load(), 0);
+
+    absl::StatusOr<CompressionSpec> spec = SpecFromProto(config, "");
+    ASSERT_TRUE(spec.ok()) << spec.status();
+    std::vector<std::vector<int32_t>> counts;
+    const std::vector<CompactLayer> want = LayerAdaptiveLocally(cache, *spec, &counts);
+    ASSERT_EQ(want.size(), 3u);
+    const testing::Fetched got = Fetch(cache.header.cache_id());
+    uint64_t stored = 0;
+    int total = 0;
+    std::set<int> per_layer;
+    for (uint32_t l = 0; l < 3; ++l) {
+      EXPECT_EQ(got.part(l, pb::PART_PACKED), std::string(want[l].bytes.begin(),
+                                                          want[l].bytes.end()))
+          << "layer " << l;
+      stored += want[l].bytes.size();
+      int layer_total = 0;
+      for (int32_t c : counts[l]) layer_total += c;
+      per_layer.insert(layer_total);
+      total += layer_total;
+    }
+    EXPECT_EQ(response.stored_bytes(), stored);
+    EXPECT_EQ(total, 3 * 2 * 24);  // the request's budget: layers * KV heads * 0.25 * 96
+    EXPECT_GT(per_layer.size(), 1u) << "every layer kept the same count: nothing moved";
+  }
+}
+
+TEST_F(ServerEarlyScoreTest, LayerAdaptiveRefusalsAndFailuresLeaveNothing) {
+  pb::PutCacheResponse response;
+  // Not head-adaptive, and value-weighted: refused at the header, naming the field.
+  pb::CompressionConfig plain = Config("h2o", 0.25);
+  plain.mutable_eviction()->set_layer_adaptive(true);
+  grpc::Status s = testing::Put(stub_, Ordered(Cache("no-ada", plain), true), &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("layer_adaptive"));
+  pb::CompressionConfig weighted = LayerAdaptive("expected", 0.25, 0.2);  // mul by default
+  s = testing::Put(stub_, Ordered(Cache("weighted", weighted), true), &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("value weighting"));
+
+  // A layer's scoring fails: the upload fails with its status, the held layers are dropped.
+  backend_->mode = CountingBackend::Mode::kRefuse;
+  s = testing::Put(stub_, Ordered(Cache("refused", LayerAdaptive("h2o", 0.25, 0.2)), false),
+                   &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("refused on purpose"));
+  backend_->mode = CountingBackend::Mode::kBadAlloc;
+  s = testing::Put(stub_, Ordered(Cache("oom", LayerAdaptive("h2o", 0.25, 0.2)), false),
+                   &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  backend_->mode = CountingBackend::Mode::kScore;
+  EXPECT_EQ(testing::ViewStore(stub_).entries, 0u);
+
+  // The client leaves with two layers scored and held, the third never sent.
+  const testing::TestCache cache = Cache("gone", LayerAdaptive("h2o", 0.25, 0.2));
+  backend_->score_keys = 0;
+  {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientWriter<pb::PutCacheRequest>> writer =
+        stub_->PutCache(&ctx, &response);
+    for (const pb::PutCacheRequest& req : Ordered(cache, false)) {
+      if (req.has_chunk() && req.chunk().layer() == 2) break;
+      ASSERT_TRUE(writer->Write(req));
+    }
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    while (backend_->score_keys.load() < 2 && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    ASSERT_EQ(backend_->score_keys.load(), 2);
+    ctx.TryCancel();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  ASSERT_TRUE(pool_.WaitIdle(std::chrono::steady_clock::now() + std::chrono::seconds(60)));
+  EXPECT_EQ(testing::ViewStore(stub_).entries, 0u);
+  EXPECT_EQ(backend_->compress_scored.load(), 0);
+  // And the server goes on: the same request completes.
+  s = testing::Put(stub_, Ordered(Cache("after", LayerAdaptive("h2o", 0.25, 0.2)), false),
+                   &response);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(testing::ViewStore(stub_).ids, std::vector<std::string>{"after"});
 }
 
 }  // namespace

@@ -8,13 +8,13 @@ dicts for kvc.Client.put:
 Terms joined by '+', each kind at most once: POLICY:KEEP[,key=value...] or POLICY@BUDGET[,...]
 (eviction), think:L | l1:L | l2:L (key channels), vthink:L (value channels), qB[gG]
 (quantization), r=N (recent tokens), or 'full' / 'none' alone. Eviction keys: sink, recent,
-kernel, pool, tau, seed, layer, lb, ada, value, veps, horizon, stats. Errors are ValueError
+kernel, pool, tau, seed, layer, lb, ada, xlayer, value, veps, horizon, stats. Errors are ValueError
 naming the term. kvcd validates the result against the cache's shape as it does for every
 request.
 """
 
 _POLICIES = ("streaming", "h2o", "snapkv", "keyformer", "knorm", "random", "keydiff",
-             "expected")
+             "expected", "kvzip")
 _CHANNELS = ("think", "l1", "l2")
 
 
@@ -49,6 +49,10 @@ def _set_eviction_option(ev, key, value):
     elif key == "ada":
         ev["adaptive"] = True
         ev["adaptive_floor"] = _number("ada", value)
+    elif key == "xlayer":
+        if value not in ("0", "1"):
+            raise ValueError(f"xlayer {value!r} is not 0 or 1")
+        ev["layer_adaptive"] = value == "1"
     elif key == "value":
         if value not in ("auto", "off", "mul", "add"):
             raise ValueError(f"value {value!r} is not auto, off, mul or add")
@@ -149,6 +153,6 @@ def needs_queries(config):
     """Whether kvcd reads Q_obs for this config (attention scores, ThinK, value channels)."""
     ev = config.get("eviction", {})
     ch = config.get("channels", {})
-    return (ev.get("policy") in ("h2o", "snapkv", "keyformer")
+    return (ev.get("policy") in ("h2o", "snapkv", "keyformer", "kvzip")
             or (ev.get("policy") == "expected" and not ev.get("query_stats"))
             or ch.get("key_policy") == "think" or bool(ch.get("prune_values")))

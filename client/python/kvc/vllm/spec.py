@@ -12,8 +12,8 @@ prompt's observation window (Q_obs):
     from a statistics file (kvc-qstats) instead of Q_obs;
   - think (ThinK key-channel pruning) scores channels with mean_t q_c^2 from the same file
     (one synthetic observation row per query head) instead of the prompt's last queries;
-  - h2o, snapkv, keyformer and value-channel pruning (vthink) need Q_obs: refused with
-    SpecError naming the alternatives.
+  - h2o, snapkv, keyformer, kvzip (queries of a pass that repeats the context) and
+    value-channel pruning (vthink) need Q_obs: refused with SpecError naming the alternatives.
 Head-adaptive budgets (ada=) and per-layer budgets (lb=) are refused: the evicted mode needs the
 same kept count K in every layer and head.
 
@@ -29,8 +29,8 @@ import re
 
 PARAMS_VERSION = 1
 EVICTION_POLICIES = ("none", "streaming", "h2o", "snapkv", "keyformer", "knorm", "random",
-                     "keydiff", "expected")
-NEEDS_QOBS = ("h2o", "snapkv", "keyformer")
+                     "keydiff", "expected", "kvzip")
+NEEDS_QOBS = ("h2o", "snapkv", "keyformer", "kvzip")
 QUERY_FREE = ("keydiff", "expected (with query statistics)", "knorm", "streaming", "random")
 CACHE_ID_RE = re.compile(r"^[A-Za-z0-9._:/-]{1,256}$")
 

@@ -36,6 +36,10 @@ struct KeyScores {
   std::vector<float> scores;
   bool computed = false;
   double seconds = 0;  // wall time of the scoring
+  // Layer-adaptive budgets (EvictionSpec::layer_adaptive): the tokens each KV head keeps, as
+  // AllocateAcrossLayers (kvc/layer_budget.h) decided over the request's layers. Empty: the
+  // spec's own selection for this layer.
+  std::vector<int32_t> head_counts;
 };
 
 struct BackendOptions {

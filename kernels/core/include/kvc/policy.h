@@ -30,12 +30,15 @@ enum class EvictionPolicy : uint8_t {
   kRandom = 6,
   kKeyDiff = 7,            // query-agnostic: -cos(k_j, mean normalised key of the head)
   kExpectedAttention = 8,  // from query statistics: see ScoreTokens in kvc/selection.h
+  kKVzip = 9,              // max attention of context-reconstruction queries (KVzip)
 };
 
 // What a policy reads besides K (and V when its scores are value-weighted).
 enum class PolicyInputs : uint8_t {
   kKeys,             // nothing more
-  kObservation,      // the observation queries Q_obs: shape.obs_window must be > 0
+  kObservation,      // the observation queries Q_obs: shape.obs_window must be > 0 (the last
+                     // W prompt positions' queries, or for kvzip the queries of a pass that
+                     // repeats the context, which come after it)
   kQueryStatistics,  // the queries' mean and covariance, from Q_obs or from the client
                      // (EvictionSpec::query_stats, the only source when obs_window is 0), and
                      // the model's RoPE (LayerInput::rope, PutCacheHeader.rope)
@@ -45,6 +48,7 @@ enum class PolicyInputs : uint8_t {
 enum class ProtectedWindow : uint8_t {
   kEverything,      // all of them (B = S)
   kSinksAndRecent,  // the first min(sink_tokens, B), then the most recent B - sinks
+  kSinks,           // the first min(sink_tokens, B) only
   kRecentFraction,  // the most recent int(f * B), f = recent_fraction, or the row's default
   kObservation,     // the observation window, or its most recent B tokens when B < W
   kNothing,
@@ -187,6 +191,17 @@ inline constexpr PolicyInfo kPolicies[] = {
      .value_weight = true,
      .value_weight_by_default = true,
      .cost = ScoreCost::kExpected},
+    {.policy = EvictionPolicy::kKVzip,
+     .name = "kvzip",
+     .summary = "KVzip: max attention of queries that reconstruct the context (sent as Q_obs)",
+     .scores = true,
+     .inputs = PolicyInputs::kObservation,
+     .window = ProtectedWindow::kSinks,
+     .default_recent_fraction = 0,
+     .cross_head = CrossHeadScale::kAsIs,
+     .value_weight = true,
+     .value_weight_by_default = false,
+     .cost = ScoreCost::kAttention},
 };
 
 inline constexpr size_t kNumPolicies = sizeof(kPolicies) / sizeof(kPolicies[0]);

@@ -42,7 +42,7 @@ struct EvictionSpec {
   std::vector<int> layer_budgets;
   Granularity granularity = Granularity::kPerHead;
 
-  int sink_tokens = 4;             // streaming: first tokens always kept
+  int sink_tokens = 4;             // streaming, kvzip: first tokens always kept
   double recent_fraction = -1.0;   // [0, 1]; h2o 0.5, keyformer 0.3 when < 0
   int pool_kernel = 7;             // snapkv: odd, in [1, kMaxPoolKernel]
   PoolKind pool = PoolKind::kMax;  // snapkv
@@ -55,6 +55,12 @@ struct EvictionSpec {
   // per-head granularity. adaptive_floor = 1 gives the uniform selection.
   bool adaptive = false;
   double adaptive_floor = 0.2;  // alpha, [0, 1]
+  // Layer-adaptive budgets (needs adaptive): the request's num_layers * H * B tokens go where the
+  // scores are highest over all its layers (AllocateAcrossLayers, kvc/layer_budget.h), each
+  // (layer, head) keeping its protected tokens plus its top floor(adaptive_floor * B). Needs every
+  // layer's scores before any selection: kvcd does it (CPU backend); the engine's per-layer
+  // Compress treats it as head-adaptive. Value weighting must be off.
+  bool layer_adaptive = false;
   // h2o, snapkv, keyformer, expected: weight scores by value norms (see ValueWeight).
   ValueWeight value_weight = ValueWeight::kAuto;
   double value_eps = 0.02;  // >= 0, finite

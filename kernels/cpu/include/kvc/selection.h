@@ -34,9 +34,12 @@ namespace kvc {
 //            positions (R = mean over p in [S, S + horizon) of RoPE(p); mu' = R mu,
 //            Sigma' = R Sigma R^T), then z_j = k_j . mu' / sqrt(D) + k_j^T Sigma' k_j / (2D),
 //            softmax over all S keys, averaged over the g query heads (Expected Attention)
+//   kvzip: the W rows are queries of a pass that repeats the context after it (KVzip's context
+//          reconstruction; the client runs that pass): every row sees all S keys, and
+//          score_j = max over the g query heads and W rows of softmax_j(a_t)
 //   streaming, none: 0.
 // Value-aware weighting (EffectiveValueWeight: mul by default for expected, off for the others;
-// only for h2o, snapkv, keyformer, expected), after pooling, with n = mean_j ||v_j|| and
+// only for h2o, snapkv, keyformer, expected, kvzip), after pooling, with n = mean_j ||v_j|| and
 // s = mean_j score_j of the head:  mul: score_j * (||v_j|| + value_eps * n);
 // add: (score_j + value_eps * s) * ||v_j||.
 // Sinks, recent windows and the snapkv window are applied by SelectTokens. INVALID_ARGUMENT
@@ -50,7 +53,7 @@ absl::StatusOr<std::vector<float>> ScoreTokens(const LayerInput& in, const Evict
 //   h2o / keyformer: the most recent int(recent_fraction * B) (defaults 0.5 / 0.3);
 //   snapkv: the observation window, or only its most recent B tokens when B < W;
 //   keydiff, expected: the most recent int(recent_fraction * B) (default 0);
-//   knorm, random: none.
+//   kvzip: the first min(sink_tokens, B);  knorm, random: none.
 // Granularity::kPerLayer selects once from the scores summed over heads and gives every head
 // that set.
 // Head-adaptive budgets (eviction.adaptive, AdaKV): the layer keeps H * B tokens in all, spread
