@@ -130,7 +130,7 @@ TEST_F(KvcdMessagesTest, TheAdaptiveErrorListsEveryScoringPolicy) {
   grpc::Status s = HeaderOnly(c.header);
   EXPECT_EQ(s.error_message(),
             "header.compression.eviction.adaptive: needs a scoring policy (h2o, snapkv, "
-            "keyformer, knorm, random, keydiff and expected), not streaming");
+            "keyformer, knorm, random, keydiff, expected and kvzip), not streaming");
 }
 
 TEST_F(KvcdMessagesTest, NonFiniteQueryStatisticsNameTheLayerOnce) {
