@@ -1,7 +1,7 @@
 """kvc rows: the path users take. A real kvcd (started here on an ephemeral loopback port), the
 kvc Python client, one PutCache per document and row (per layer K, V, the observation queries
-Q_obs of the last W positions where the spec reads them, query statistics where it asks for
-them), then GetCache as DENSE (kept keys at their original positions, per-head positions, -1 for
+Q_obs of the last W positions where the spec reads them (for `kvzip`, the S queries of the
+reconstruction pass, recon.py), query statistics where it asks for them), then GetCache as DENSE (kept keys at their original positions, per-head positions, -1 for
 padding) or CONTIGUOUS (keys turned back so the kept tokens sit in slots 0..K-1, decoding
 continues at position K), and the cache is decoded in the transformers model.
 
@@ -87,8 +87,9 @@ class Uploads:
     K and V in the upload dtype ([Hkv, S, D], contiguous), Q_obs of the last W positions and the
     query statistics (kvpress's: every position after the first `skip`)."""
 
-    def __init__(self, shadow, layers_in, dtype):
+    def __init__(self, shadow, layers_in, dtype, recon=None):
         self.shadow, self.layers_in, self.dtype = shadow, layers_in, dtype
+        self.recon = recon  # recon.Reconstruction: kvzip rows' Q_obs
         self.kv = [(x.keys[0].to(dtype).contiguous(), x.values[0].to(dtype).contiguous())
                    for x in layers_in]
         self._q, self._stats = {}, {}
@@ -99,6 +100,14 @@ class Uploads:
                 self._q[W] = [queries(self.shadow.model.layers[i].self_attn, x, W)[1]
                               .to(self.dtype).contiguous() for i, x in enumerate(self.layers_in)]
         return self._q[W]
+
+    def recon_q(self):
+        """kvzip rows' Q_obs: the reconstruction pass's queries (W = S), in the upload dtype."""
+        if self.recon is None:
+            raise ValueError("kvzip rows need the reconstruction pass (recon.Reconstruction)")
+        if "recon" not in self._q:
+            self._q["recon"] = [q.to(self.dtype).contiguous() for q in self.recon.q_obs]
+        return self._q["recon"]
 
     def q_stats(self, skip):
         if skip not in self._stats:
@@ -118,7 +127,12 @@ def compress(server, name, uploads, window, fmt="dense"):
     S = layers_in[0].keys.shape[2]
     cfg = config_for(spec, S)
     ev = cfg.get("eviction", {})
-    q = uploads.q_obs(W) if kvc_spec.needs_queries(cfg) else [None] * len(layers_in)
+    if ev.get("policy") == "kvzip":
+        q = uploads.recon_q()
+    elif kvc_spec.needs_queries(cfg):
+        q = uploads.q_obs(W)
+    else:
+        q = [None] * len(layers_in)
     st = uploads.q_stats(int(opts.get("skip", 4))) if ev.get("query_stats") else None
     layers = [(k, v, q[i]) if st is None else (k, v, q[i], st[i])
               for i, (k, v) in enumerate(uploads.kv)]
@@ -146,8 +160,8 @@ def compress(server, name, uploads, window, fmt="dense"):
     return row
 
 
-def stored_fraction_fp16(server, name, shadow, layers_in, window):
+def stored_fraction_fp16(server, name, shadow, layers_in, window, recon=None):
     """Bytes kvcd stores for this row with an fp16 upload, over the fp16 K + V bytes (the
     kvpress keep-1.0 cache in fp16)."""
-    row = compress(server, name, Uploads(shadow, layers_in, torch.float16), window)
+    row = compress(server, name, Uploads(shadow, layers_in, torch.float16, recon), window)
     return row.stored_bytes / row.input_bytes

@@ -46,6 +46,9 @@ PAIRS = [
     ("adakv-snapkv", "snapkv:{r},kernel=5,pool=avg,ada=0.2", 64),
     ("adakv-expected", "expected:{r},stats=1,horizon=512,veps=0,ada=0.2", 64),
     ("snapkv+think0.5", "snapkv:{r},kernel=5,pool=avg+think:0.5", 64),
+    # KVzip per layer (AdaKV-like selection over the layer's heads, sinks kept) against kvc's
+    # kvzip with no per-head floor; W = S (the reconstruction pass's queries, recon.py).
+    ("kvzip-layer", "kvzip:{r},ada=0", 0),
 ]
 
 
@@ -133,6 +136,29 @@ def expected_as_kvc_sets(press, model, layers_in):
     return out
 
 
+def kvzip_as_kvc_sets(recon, layers_in, keep, n_sink=4):
+    """Kept sets of KVzip per layer scored as kvcd scores it (kvc/selection.h, kvzip): the
+    maximum over the reconstruction queries (recon.q_obs, the last S of the pass) and the
+    group's heads of the softmax over the S context keys only; then KVzipPress's per-layer
+    selection (sinks kept, the layer's lowest scores over all heads dropped)."""
+    out = []
+    with torch.no_grad():
+        for q, x in zip(recon.q_obs, layers_in):
+            keys = x.keys[0].float()  # [H, S, D]
+            H, S, D = keys.shape
+            g = q.shape[0] // H
+            a = torch.einsum("hgwd,hsd->hgws", q.view(H, g, -1, D), keys) / math.sqrt(D)
+            sc = torch.softmax(a, -1).amax(dim=(1, 2))  # [H, S]
+            sc[:, :n_sink] = sc.max() + 1
+            n_pruned = int(H * S * (1 - keep))
+            drop = torch.topk(-sc.reshape(-1), n_pruned).indices
+            valid = torch.ones(H * S, dtype=torch.bool)
+            valid[drop] = False
+            valid = valid.view(H, S)
+            out.append([set(torch.nonzero(valid[h]).flatten().tolist()) for h in range(H)])
+    return out
+
+
 def compare(a, b):
     """(mean overlap, identical share, min overlap) of two per-layer per-head set lists."""
     ov, same = [], 0
@@ -197,6 +223,8 @@ def main(argv=None):
     ap.add_argument("--length", type=int, default=1000)
     ap.add_argument("--ratios", default="0.5,0.25,0.1")
     ap.add_argument("--scenarios", default="after,inside")
+    ap.add_argument("--pairs", default="", help="only these kvpress presses of the kept-set "
+                    "pairs (comma-separated; default all)")
     ap.add_argument("--equivalence", default="streaming,knorm,snapkv,keydiff,expected,tova,"
                     "adakv-snapkv,adakv-expected,criticalkv-snapkv")
     args = ap.parse_args(argv)
@@ -220,7 +248,12 @@ def main(argv=None):
                     continue
                 lin32 = P.fp32_layers(lin)
                 ids = d["prompt"][:qs] if scen == "after" else d["prompt"][:-1]
-                uploads = kvcrows.Uploads(shadow, lin, torch.float32)
+                pairs = [p for p in PAIRS if not args.pairs or p[0] in args.pairs.split(",")]
+                recon = None
+                if any(p[0] in P.RECON_PRESSES for p in pairs):
+                    from .recon import Reconstruction
+                    recon = Reconstruction(tok, shadow, ids, lin32)
+                uploads = kvcrows.Uploads(shadow, lin, torch.float32, recon)
                 for r in ratios:
                     for name in args.equivalence.split(","):
                         if name and scen == "after":
@@ -229,9 +262,15 @@ def main(argv=None):
                                           "keep": r, "kvpress": name, "kvc": "",
                                           "overlap": mean, "identical": same, "min": worst})
                     S = lin32[0].keys.shape[2]
-                    for pname, tmpl, W in PAIRS:
-                        press = P.PRESSES[pname](1 - r)
-                        prow, pkept = P.compress(press, shadow, lin32, torch.float32)
+                    for pname, tmpl, W in pairs:
+                        if pname in P.RECON_PRESSES:
+                            press = None
+                            prow = P.compress_recon(pname, recon, shadow, lin32, r, torch.float32)
+                            pkept = [None] * len(lin32)
+                            W = S
+                        else:
+                            press = P.PRESSES[pname](1 - r)
+                            prow, pkept = P.compress(press, shadow, lin32, torch.float32)
                         krow = kvcrows.compress(server, "kvc:" + tmpl.replace("{r}", f"{r:g}"),
                                                 uploads, W)
                         a, b = kept_sets_press(prow, pkept), kept_sets_kvc(krow)
@@ -241,6 +280,15 @@ def main(argv=None):
                                 "identical": same, "min": worst,
                                 "gap": score_gap(press, shadow, lin32, a, b),
                                 "edge": edge_share(a, b, S, W)}
+                        if pname == "kvzip-layer":
+                            e_mean, e_same, e_worst = compare(
+                                kvzip_as_kvc_sets(recon, lin32, r), b)
+                            lines.append({"check": "explained", "doc": d["id"],
+                                          "scenario": scen, "keep": r,
+                                          "kvpress": "kvzip-layer, scored over the context "
+                                          "keys by the last S queries", "kvc": tmpl,
+                                          "overlap": e_mean, "identical": e_same,
+                                          "min": e_worst})
                         if tmpl == "expected:{r},stats=1,horizon=512,veps=0":
                             e_mean, e_same, e_worst = compare(
                                 expected_as_kvc_sets(press, shadow, lin32), b)

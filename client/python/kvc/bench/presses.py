@@ -39,6 +39,11 @@ PRESSES = {
 }
 
 
+# Presses that score by reconstructing the context (recon.py: one extra pass per scenario):
+# name -> KVzipPress's `layerwise` (False: one selection over all layers and heads, its default).
+RECON_PRESSES = {"kvzip": False, "kvzip-layer": True}
+
+
 def _kwargs(x, hs):
     S = hs.shape[1]
     return {"hidden_states": hs, "position_embeddings": (x.cos.float(), x.sin.float()),
@@ -144,6 +149,15 @@ def compress(press, shadow, layers_in, dtype):
     row = RowCache(out)
     row.positions = positions
     return row, kept
+
+
+def compress_recon(name, recon, shadow, layers_in, keep, dtype):
+    """RowCache of a reconstruction press (RECON_PRESSES) at keep ratio `keep`."""
+    valid = recon.kvpress_valid(shadow, keep, RECON_PRESSES[name])
+    row = RowCache([(x.keys[0].to(dtype), x.values[0].to(dtype), m)
+                    for x, m in zip(layers_in, valid)])
+    row.positions = [torch.arange(m.shape[1]).expand(m.shape[0], -1) for m in valid]
+    return row
 
 
 def masked_kept(layers):

@@ -13,7 +13,8 @@ Templates with `{r}` are expanded over the ratios; kvc rows without `{r}` are fi
 from dataclasses import dataclass
 
 KVPRESS_DEFAULT = ["streaming", "knorm", "snapkv", "keydiff", "expected", "tova",
-                   "adakv-snapkv", "adakv-expected", "criticalkv-snapkv", "snapkv+think0.5"]
+                   "adakv-snapkv", "adakv-expected", "criticalkv-snapkv", "snapkv+think0.5",
+                   "kvzip", "kvzip-layer"]
 
 # kvpress-matched specs first (parity: same window 64, pooling, statistics), then kvc's own.
 KVC_DEFAULT = [
@@ -27,6 +28,8 @@ KVC_DEFAULT = [
     "h2o:{r}",
     "snapkv:{r},ada=0.2",
     "snapkv:{r},kernel=5,pool=avg+think:0.5",
+    "kvzip:{r},ada=0",
+    "kvzip:{r},ada=0.2,xlayer=1",
 ]
 
 # At most the bytes of kvpress's keep-0.25 fp16 cache (measured by kvcd on every run).
@@ -35,6 +38,8 @@ KVC_BYTES_DEFAULT = [
     "snapkv:0.9+q2g64",
     "snapkv:0.75+think:0.5+q4g64",
     "expected:0.6,stats=1+q4g64",
+    "kvzip:0.6,ada=0.2,xlayer=1+q4g64",
+    "kvzip:0.25,ada=0.2,xlayer=1+q4g64",
 ]
 
 PROTO_DEFAULT = []

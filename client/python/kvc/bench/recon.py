@@ -1,0 +1,110 @@
+"""Context reconstruction (KVzip): one extra pass per document and scenario that repeats the
+context after it, shared by kvpress's KVzipPress rows and kvc's `kvzip` rows.
+
+KVzip (Kim et al., 2025) scores a cached token by how much the model attends to it while it
+reproduces the context: the prompt "\\n\\nRepeat the previous context exactly." and the context
+itself are run on top of the cache, and a token's score is the largest attention any of those
+queries (any head of its group) gives it. kvpress's KVzipPress does this inside its pipeline;
+here the pass runs once on the fp32 shadow over the captured keys and values, with two hooks on
+every attention module:
+
+- kvpress's own `KVzipPress.forward_hook` (its `score_kvzip`), which fills the press's
+  `score_val` [layers, 1, Hkv, S]; each kvpress row then runs the press's `compress_post` (its
+  selection: across all layers and heads, or per layer with `layerwise`) on a copy of it and
+  reads back `masked_key_indices`, as its attention patch would during decoding;
+- a capture of the post-RoPE queries of the last S positions of the pass (the newline that opens
+  the answer and the copies of context tokens 0..S-2: the queries that reproduce tokens
+  0..S-1), which kvc's `kvzip` rows upload as Q_obs (W = S). kvcd's scorer
+  (kernels/cpu/scoring.cc) gives each token the maximum of those queries' softmax over the S
+  context keys.
+
+Where the two differ (the parity table in docs/fidelity-smollm2.md measures it): kvpress's
+softmax also runs over the reconstruction tokens' own keys, which kvcd does not hold, and it
+includes the ~8 queries of the instruction; kvc's denominator covers the context only.
+
+Documents are raw text without a chat template, so the press's prefix is empty and its suffix is
+"\\n" (KVzipPress's choice for a model without one). Contexts longer than the press's chunk size
+(2,048) are refused: kvc's rows would need per-chunk queries.
+"""
+
+import logging
+
+import torch
+from kvpress import KVzipPress
+from transformers import DynamicCache
+
+from .model import LayerInput, queries
+
+# KVzipPress warns about its cost on every construction; the harness states it once (run.json).
+logging.getLogger("kvpress.presses.kvzip_press").setLevel(logging.ERROR)
+
+PROMPT = "\n\nRepeat the previous context exactly."
+SUFFIX = "\n"
+
+
+class Reconstruction:
+    """The reconstruction pass of one context: kvpress scores and kvc's Q_obs per layer."""
+
+    def __init__(self, tok, shadow, context_ids, layers_in32):
+        S = len(context_ids)
+        self.length = S
+        press = KVzipPress(compression_ratio=0.5)
+        if S > press.chunk_size:
+            raise ValueError(f"kvzip rows: context of {S} tokens exceeds one chunk "
+                             f"({press.chunk_size})")
+        lm = shadow.model
+        cache = DynamicCache()
+        for i, x in enumerate(layers_in32):
+            cache.update(x.keys.clone(), x.values.clone(), i)
+        q_ids = tok(PROMPT, add_special_tokens=False)["input_ids"]
+        suffix = tok(SUFFIX, add_special_tokens=False)["input_ids"]
+        repeat = torch.tensor([q_ids + suffix + list(context_ids)])
+        # The press's internal state as its __call__ and prepare() set it for one chunk.
+        press.prefix_length = 0
+        press.context_length = S
+        press.start_idx, press.end_idx = 0, S
+        press.score_val = torch.zeros(len(lm.layers), 1, shadow.config.num_key_value_heads, S)
+        store = {}
+
+        def capture(module, args, kwargs, output):
+            cos, sin = kwargs["position_embeddings"]
+            store[module.layer_idx] = (kwargs["hidden_states"][:, -S:], cos[:, -S:], sin[:, -S:])
+            return output
+
+        hooks = []
+        for layer in lm.layers:
+            hooks.append(layer.self_attn.register_forward_hook(capture, with_kwargs=True))
+            hooks.append(layer.self_attn.register_forward_hook(press.forward_hook,
+                                                              with_kwargs=True))
+        try:
+            with torch.no_grad():
+                lm(input_ids=repeat, past_key_values=cache)
+        finally:
+            for h in hooks:
+                h.remove()
+        self.scores = press.score_val.clone()  # [L, 1, Hkv, S]
+        self.q_obs = []
+        with torch.no_grad():
+            for i, layer in enumerate(lm.layers):
+                h, cos, sin = store[i]
+                x = LayerInput(h, None, None, cos, sin)
+                self.q_obs.append(queries(layer.self_attn, x, S)[1])  # [Hq, S, D] fp32
+
+    def kvpress_valid(self, shadow, keep, layerwise):
+        """Per layer [Hkv, S] kept masks of KVzipPress(compression_ratio=1-keep, layerwise)."""
+        press = KVzipPress(compression_ratio=1.0 - keep, layerwise=layerwise)
+        press.score_val = self.scores.clone()
+        lm = shadow.model
+        for layer in lm.layers:
+            layer.self_attn.masked_key_indices = None
+        press.compress_post(shadow)
+        out = []
+        for layer in lm.layers:
+            valid = torch.ones(self.scores.shape[2], self.length, dtype=torch.bool)
+            m = layer.self_attn.masked_key_indices
+            layer.self_attn.masked_key_indices = None
+            if m is not None:
+                _, h_idx, s_idx = m
+                valid[h_idx, s_idx] = False
+            out.append(valid)
+        return out
