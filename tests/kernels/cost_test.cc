@@ -141,6 +141,23 @@ TEST(CostTest, FlopsGrowWithLayersAndKeyformerWindow) {
   EXPECT_EQ(three.flops, l0 + l1 + l2);
 }
 
+// kvzip's reconstruction rows see every key (W * S logits, not the causal count), and
+// layer-adaptive budgets price a layer as if it kept all its tokens and hold every layer's scores
+// (three copies) until the last layer is scored.
+TEST(CostTest, KVzipRowsAndLayerAdaptiveHoldingArePriced) {
+  const LayerShape sh = Shape(2, 8, 1024, 64, 1024);
+  const WorkCost h2o = CompressCost(sh, DType::kF16, Spec("h2o:0.25"), 1, {});
+  const WorkCost kvzip = CompressCost(sh, DType::kF16, Spec("kvzip:0.25"), 1, {});
+  const uint64_t full_square = 8ull * 1024 * 1024 * 64 * 2;  // Hq * W * S * D * 2
+  // The causal rows skip about half the square (W (W - 1) / 2 keys a query head); kvzip's don't.
+  ASSERT_GT(kvzip.flops, h2o.flops);
+  EXPECT_GE(kvzip.flops - h2o.flops, full_square / 4);
+  const WorkCost ada = CompressCost(sh, DType::kF16, Spec("kvzip:0.25,ada=0"), 30, {});
+  const WorkCost xl = CompressCost(sh, DType::kF16, Spec("kvzip:0.25,ada=0,xlayer=1"), 30, {});
+  EXPECT_GE(xl.scratch_bytes, ada.scratch_bytes + 3ull * 30 * 2 * 1024 * 4);
+  EXPECT_GT(xl.flops, ada.flops);
+}
+
 TEST(CostTest, TheHostileShapesOfTheReviewAreOverBudget) {
   // Expected attention with 16384 query heads per KV head, S = 16384, D = 8, W = 1, 2 layers:
   // a 1.5 MiB upload asking for about 1e11 flops.
