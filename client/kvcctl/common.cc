@@ -59,6 +59,7 @@ void AddCompressionFlags(FlagSet* flags) {
   flags->Use("recent");
   flags->Use("seed");
   flags->Use("ada");
+  flags->Use("xlayer");
   flags->Use("value_weight");
   flags->Use("value_eps");
   flags->Use("horizon");
@@ -84,6 +85,7 @@ absl::StatusOr<pb::CompressionConfig> CompressionFromFlags(const FlagSet& flags)
   if (const double ada = flags.GetDouble("ada"); ada != -1) {
     options.push_back(absl::StrCat("ada=", exact(ada)));
   }
+  if (flags.GetBool("xlayer")) options.push_back("xlayer=1");
   if (const std::string w = flags.GetString("value_weight"); !w.empty()) {
     options.push_back(absl::StrCat("value=", w));
   }

@@ -35,6 +35,9 @@ ABSL_FLAG(int64_t, seed, 0, "noise seed (keyformer, random)");
 ABSL_FLAG(double, ada, -1,
           "head-adaptive budgets (AdaKV) with per-head floor ALPHA in [0, 1] (each head keeps its "
           "top ALPHA * budget, the rest of the layer's budget goes to the best heads); -1 = off");
+ABSL_FLAG(bool, xlayer, false,
+          "layer-adaptive budgets (with --ada): the cache's layers * heads * budget tokens go "
+          "where the scores are highest over all layers (kvcd on the cpu backend)");
 ABSL_FLAG(std::string, id, "", "cache id (default: the file name without directory and extension)");
 ABSL_FLAG(int64_t, ttl, 0, "seconds until the cache expires; 0 = the server's default");
 ABSL_FLAG(bool, overwrite, false, "replace an existing cache with the same id");

@@ -182,6 +182,29 @@ TEST_F(KvcctlTest, AdaptiveBudgetsPadDensePositions) {
     EXPECT_EQ(real, heads * budget);
   }
   EXPECT_EQ(Kvcctl("put " + in + " --id=ctl4 --policy=h2o --ada=1.5").code, 2);
+
+  // --xlayer: one budget over both layers (the request keeps layers * heads * budget tokens);
+  // without --ada kvcd refuses it, naming the field.
+  r = Kvcctl("put " + in + " --id=ctl5 --policy=h2o --ratio=0.5 --ada=0 --xlayer");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = Kvcctl("get ctl5 " + dense + " --format=dense");
+  ASSERT_EQ(r.code, 0) << r.out;
+  f = ReadSafetensors(dense);
+  ASSERT_TRUE(f.ok()) << f.status();
+  int real = 0;
+  for (int l = 0; l < 2; ++l) {
+    const StTensor* t = f->Find(absl::StrCat("layer.", l, ".positions"));
+    ASSERT_NE(t, nullptr);
+    for (size_t i = 0; i < t->data.size() / 4; ++i) {
+      int32_t p;
+      std::memcpy(&p, t->data.data() + 4 * i, 4);
+      real += p >= 0;
+    }
+  }
+  EXPECT_EQ(real, 2 * heads * budget);
+  r = Kvcctl("put " + in + " --id=ctl6 --policy=h2o --ratio=0.5 --xlayer");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("layer_adaptive"), std::string::npos) << r.out;
 }
 
 // No observation queries: keydiff from K alone, expected attention from layer.{l}.q_stats with

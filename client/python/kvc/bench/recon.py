@@ -12,9 +12,10 @@ every attention module:
   `score_val` [layers, 1, Hkv, S]; each kvpress row then runs the press's `compress_post` (its
   selection: across all layers and heads, or per layer with `layerwise`) on a copy of it and
   reads back `masked_key_indices`, as its attention patch would during decoding;
-- a capture of the post-RoPE queries of the last S positions of the pass (the newline that opens
-  the answer and the copies of context tokens 0..S-2: the queries that reproduce tokens
-  0..S-1), which kvc's `kvzip` rows upload as Q_obs (W = S). kvcd's scorer
+- kvc.recon's capture of the post-RoPE queries of the last S positions of the pass (the
+  newline that opens the answer and the copies of context tokens 0..S-2: the queries that
+  reproduce tokens 0..S-1; what a user's prefill node runs), which kvc's `kvzip` rows upload as
+  Q_obs (W = S). kvcd's scorer
   (kernels/cpu/scoring.cc) gives each token the maximum of those queries' softmax over the S
   context keys.
 
@@ -33,13 +34,11 @@ import torch
 from kvpress import KVzipPress
 from transformers import DynamicCache
 
-from .model import LayerInput, queries
+from kvc.recon import capture_last, post_rope_queries, repeat_ids
 
 # KVzipPress warns about its cost on every construction; the harness states it once (run.json).
 logging.getLogger("kvpress.presses.kvzip_press").setLevel(logging.ERROR)
 
-PROMPT = "\n\nRepeat the previous context exactly."
-SUFFIX = "\n"
 
 
 class Reconstruction:
@@ -56,39 +55,26 @@ class Reconstruction:
         cache = DynamicCache()
         for i, x in enumerate(layers_in32):
             cache.update(x.keys.clone(), x.values.clone(), i)
-        q_ids = tok(PROMPT, add_special_tokens=False)["input_ids"]
-        suffix = tok(SUFFIX, add_special_tokens=False)["input_ids"]
-        repeat = torch.tensor([q_ids + suffix + list(context_ids)])
+        repeat = torch.tensor([repeat_ids(tok, context_ids)])
         # The press's internal state as its __call__ and prepare() set it for one chunk.
         press.prefix_length = 0
         press.context_length = S
         press.start_idx, press.end_idx = 0, S
         press.score_val = torch.zeros(len(lm.layers), 1, shadow.config.num_key_value_heads, S)
-        store = {}
-
-        def capture(module, args, kwargs, output):
-            cos, sin = kwargs["position_embeddings"]
-            store[module.layer_idx] = (kwargs["hidden_states"][:, -S:], cos[:, -S:], sin[:, -S:])
-            return output
-
-        hooks = []
-        for layer in lm.layers:
-            hooks.append(layer.self_attn.register_forward_hook(capture, with_kwargs=True))
-            hooks.append(layer.self_attn.register_forward_hook(press.forward_hook,
-                                                              with_kwargs=True))
-        try:
-            with torch.no_grad():
-                lm(input_ids=repeat, past_key_values=cache)
-        finally:
-            for h in hooks:
-                h.remove()
+        # kvc's capture (kvc.recon, what users run) first, then kvpress's own scoring hook.
+        with capture_last(shadow, S) as store:
+            hooks = [layer.self_attn.register_forward_hook(press.forward_hook, with_kwargs=True)
+                     for layer in lm.layers]
+            try:
+                with torch.no_grad():
+                    lm(input_ids=repeat, past_key_values=cache)
+            finally:
+                for h in hooks:
+                    h.remove()
         self.scores = press.score_val.clone()  # [L, 1, Hkv, S]
-        self.q_obs = []
         with torch.no_grad():
-            for i, layer in enumerate(lm.layers):
-                h, cos, sin = store[i]
-                x = LayerInput(h, None, None, cos, sin)
-                self.q_obs.append(queries(layer.self_attn, x, S)[1])  # [Hq, S, D] fp32
+            self.q_obs = [post_rope_queries(layer.self_attn, *store[i])  # [Hq, S, D] fp32
+                          for i, layer in enumerate(lm.layers)]
 
     def kvpress_valid(self, shadow, keep, layerwise):
         """Per layer [Hkv, S] kept masks of KVzipPress(compression_ratio=1-keep, layerwise)."""

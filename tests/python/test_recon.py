@@ -1,0 +1,69 @@
+"""kvc.recon: kvzip's reconstruction queries are the queries the model itself attends with.
+
+A small random Llama (transformers) stands in for the prefill node's model; the SmolLM2 run with
+its own tokenizer is python_sidebyside_venv_test's. Skipped where torch or transformers is not
+installed (Debian's Python)."""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kvc import recon  # noqa: E402
+
+
+class CharTokenizer:
+    """Characters to ids, as a tokenizer's __call__ returns them."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 60 for c in text]}
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=512,
+                                   rope_theta=10000.0)
+    cfg._attn_implementation = "eager"  # attention probabilities come back with the output
+    return transformers.LlamaForCausalLM(cfg).eval().float()
+
+
+def test_queries_are_the_models_own_and_both_paths_agree():
+    model, tok = tiny_llama(), CharTokenizer()
+    context = [5 + (7 * i) % 50 for i in range(40)]
+    S = len(context)
+    q = recon.reconstruction_queries(model, tok, context)
+    assert len(q) == 2 and tuple(q[0].shape) == (4, S, 16)
+
+    # With the context's cache the pass runs over the repetition only: the same queries.
+    cache = transformers.DynamicCache()
+    with torch.no_grad():
+        model.model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True)
+    q2 = recon.reconstruction_queries(model, tok, context, past_key_values=cache)
+    for a, b in zip(q, q2):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+    # The model's own attention of those rows over the context keys: log p_ij - log p_i0 equals
+    # (q_i . (k_j - k_0)) / sqrt(D) for our queries and the model's keys.
+    ids = context + recon.repeat_ids(tok, context)
+    cache = transformers.DynamicCache()
+    with torch.no_grad():
+        out = model.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True,
+                          output_attentions=True)
+    for layer, (qa, att) in enumerate(zip(q, out.attentions)):
+        keys = cache.layers[layer].keys[0, :, :S].float()  # [Hkv, S, D], post-RoPE
+        p = att[0, :, -S:, :S].float()  # [Hq, S rows, S context keys]
+        for h in range(4):
+            k = keys[h // 2]
+            logits = qa[h] @ k.T / math.sqrt(16)
+            want = logits - logits[:, :1]
+            got = torch.log(p[h]) - torch.log(p[h][:, :1])
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_empty_context_is_refused():
+    with pytest.raises(ValueError, match="empty context"):
+        recon.reconstruction_queries(tiny_llama(), CharTokenizer(), [])
