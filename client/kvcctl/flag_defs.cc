@@ -18,7 +18,7 @@ ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, policy, "none",
           "token eviction policy, listed below (put: expected needs --rope_pairs)");
 ABSL_FLAG(std::string, value_weight, "",
-          "value-aware scores for h2o, snapkv, keyformer, expected: auto (mul for expected), off, "
+          "value-aware scores for h2o, snapkv, keyformer, expected, kvzip: auto (mul for expected), off, "
           "mul, add");
 ABSL_FLAG(double, value_eps, -1, "value weighting floor, >= 0; -1 = server default (0.02)");
 ABSL_FLAG(int64_t, horizon, 0,
