@@ -1,0 +1,105 @@
+"""Issue 19's goals read off one side-by-side run (its results.csv), as a markdown table.
+
+    python -m kvc.bench.goals DIR [--scenario after]
+
+Per retrieval task and keep ratio: the best kvpress press and the best kvc spec by mean accuracy,
+and kvc's best minus every press's (paired over the same documents, percentile bootstrap 95%);
+equal bytes: every fixed-size kvc row (--kvc-bytes) storing at most kvpress's keep-0.25 fp16
+bytes (0.25 of the fp16 cache, as kvcd measured it) against the full cache; continuation at keep 0.5: the lowest mean KL of each side and their paired
+difference. Only rows in the run take part: the table says which rows those were.
+"""
+
+import argparse
+import csv
+import os
+import random
+from collections import defaultdict
+
+
+def paired(a, b, reps=2000, seed=7):
+    """Mean of a - b over the documents both have, and its 95% bootstrap interval."""
+    docs = sorted(set(a) & set(b))
+    d = [a[k] - b[k] for k in docs]
+    if not d:
+        return float("nan"), (float("nan"), float("nan")), 0
+    rng = random.Random(seed)
+    means = sorted(sum(d[rng.randrange(len(d))] for _ in d) / len(d) for _ in range(reps))
+    return sum(d) / len(d), (means[int(0.025 * reps)], means[int(0.975 * reps) - 1]), len(d)
+
+
+def load(path, scenario):
+    """{(task, row): {doc: value}} (acc for retrieval, kl for continuation), {row: meta}."""
+    vals, meta = defaultdict(dict), {}
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            if r["scenario"] not in (scenario, "prefix"):
+                continue
+            metric = "kl" if r["task"] == "continuation" else "acc"
+            if r[metric] == "":
+                continue
+            vals[(r["task"], r["row"])][r["doc"]] = float(r[metric])
+            meta[r["row"]] = {"family": r["family"], "keep": r["keep"],
+                              "stored": float(r["stored"])}
+    return vals, meta
+
+
+def mean(d):
+    return sum(d.values()) / len(d) if d else float("nan")
+
+
+def table(vals, meta):
+    lines = ["| task | keep | best kvpress | best kvc | kvc - kvpress (paired, 95%) | n |",
+             "|---|---|---|---|---|---|"]
+    tasks = sorted({t for t, _ in vals if t != "continuation"})
+    for task in tasks:
+        keeps = sorted({meta[r]["keep"] for t, r in vals if t == task and meta[r]["keep"]},
+                       key=float, reverse=True)
+        for keep in keeps:
+            side = {fam: [r for t, r in vals if t == task and meta[r]["keep"] == keep
+                          and meta[r]["family"] == fam] for fam in ("kvpress", "kvc")}
+            if not side["kvpress"] or not side["kvc"]:
+                continue
+            bp = max(side["kvpress"], key=lambda r: mean(vals[(task, r)]))
+            bk = max(side["kvc"], key=lambda r: mean(vals[(task, r)]))
+            d, (lo, hi), n = paired(vals[(task, bk)], vals[(task, bp)])
+            lines.append(f"| {task} | {keep} | `{bp}` {mean(vals[(task, bp)]):.2f} | `{bk}` "
+                         f"{mean(vals[(task, bk)]):.2f} | {d:+.2f} [{lo:+.2f}, {hi:+.2f}] | {n} |")
+    lines += ["", "| task | equal-bytes row (stored <= 0.25 of fp16) | stored | accuracy | "
+              "minus full (paired, 95%) | n |", "|---|---|---|---|---|---|"]
+    for task in tasks:
+        full = vals.get((task, "full"), {})
+        for t, r in sorted(vals):
+            if t != task or meta[r]["family"] != "kvc-bytes" or not meta[r]["stored"] <= 0.25:
+                continue
+            d, (lo, hi), n = paired(vals[(t, r)], full)
+            lines.append(f"| {task} | `{r}` | {meta[r]['stored']:.3f} | {mean(vals[(t, r)]):.2f} | "
+                         f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}] | {n} |")
+    cont = [(r, v) for (t, r), v in vals.items() if t == "continuation" and meta[r]["keep"] == "0.5"]
+    if cont:
+        side = {fam: [(r, v) for r, v in cont if meta[r]["family"] == fam]
+                for fam in ("kvpress", "kvc")}
+        if side["kvpress"] and side["kvc"]:
+            bp, vp = min(side["kvpress"], key=lambda x: mean(x[1]))
+            bk, vk = min(side["kvc"], key=lambda x: mean(x[1]))
+            d, (lo, hi), n = paired(vk, vp)
+            lines += ["", "| continuation, keep 0.5 | lowest mean KL | kvc - kvpress (paired, "
+                      "95%) | n |", "|---|---|---|---|",
+                      f"| kvpress | `{bp}` {mean(vp):.4f} | | |",
+                      f"| kvc | `{bk}` {mean(vk):.4f} | {d:+.4f} [{lo:+.4f}, {hi:+.4f}] | {n} |"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m kvc.bench.goals")
+    ap.add_argument("dir", help="a sidebyside --out folder (reads results.csv)")
+    ap.add_argument("--scenario", default="after")
+    args = ap.parse_args(argv)
+    vals, meta = load(os.path.join(args.dir, "results.csv"), args.scenario)
+    out = table(vals, meta)
+    with open(os.path.join(args.dir, "goals.md"), "w") as f:
+        f.write(out)
+    print(out, end="")
+
+
+if __name__ == "__main__":
+    main()
