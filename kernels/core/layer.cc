@@ -97,7 +97,8 @@ absl::Status ValidateInput(const LayerInput& in, bool allow_device) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& s, DType dtype, bool query_stats) {
+absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& s, DType dtype, bool query_stats,
+                                            bool row_log_mass) {
   const uint64_t es = DTypeSize(dtype);
   LayerBytes b;
   ASSIGN_OR_RETURN(b.k,
@@ -111,7 +112,12 @@ absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& s, DType dtype, bo
                                             {"obs_window", static_cast<uint64_t>(s.obs_window)},
                                             {"head_dim", static_cast<uint64_t>(s.head_dim)},
                                             {"dtype_bytes", es}}));
-  if (query_stats) {
+  if (query_stats && row_log_mass) {
+    ASSIGN_OR_RETURN(b.q_stats,
+                     CheckedProduct("shape", {{"num_q_heads", static_cast<uint64_t>(s.num_q_heads)},
+                                              {"obs_window", static_cast<uint64_t>(s.obs_window)},
+                                              {"float_bytes", 4}}));
+  } else if (query_stats) {
     const uint64_t d = static_cast<uint64_t>(s.head_dim);
     ASSIGN_OR_RETURN(b.q_stats,
                      CheckedProduct("shape", {{"num_q_heads", static_cast<uint64_t>(s.num_q_heads)},
@@ -122,8 +128,8 @@ absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& s, DType dtype, bo
 }
 
 absl::StatusOr<uint64_t> UploadBytes(const LayerShape& s, DType dtype, int num_layers,
-                                     bool query_stats) {
-  ASSIGN_OR_RETURN(const LayerBytes lb, LayerTensorBytes(s, dtype, query_stats));
+                                     bool query_stats, bool row_log_mass) {
+  ASSIGN_OR_RETURN(const LayerBytes lb, LayerTensorBytes(s, dtype, query_stats, row_log_mass));
   const std::optional<uint64_t> kv = CheckedAdd(lb.k, lb.v);
   const std::optional<uint64_t> kvq = kv ? CheckedAdd(*kv, lb.q_obs) : std::nullopt;
   const std::optional<uint64_t> layer = kvq ? CheckedAdd(*kvq, lb.q_stats) : std::nullopt;

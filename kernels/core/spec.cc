@@ -140,8 +140,9 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
                    absl::StrCat(e.horizon, " exceeds ", kMaxHorizon,
                                 " (future positions the statistics are averaged over)"));
   }
+  // kvzip reads Q_stats as its rows' log-masses (EvictionSpec::query_stats).
   auto reads_query_stats = [](const PolicyInfo& r) {
-    return r.inputs == PolicyInputs::kQueryStatistics;
+    return r.inputs == PolicyInputs::kQueryStatistics || r.policy == EvictionPolicy::kKVzip;
   };
   const bool reads_stats = reads_query_stats(row);
   if (e.query_stats && !reads_stats) {
@@ -149,7 +150,7 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
                    absl::StrCat("query statistics are read only by ", PolicyList(reads_query_stats),
                                 ", not ", std::string(row.name)));
   }
-  if (reads_stats && shape.obs_window == 0 && !e.query_stats) {
+  if (row.inputs == PolicyInputs::kQueryStatistics && shape.obs_window == 0 && !e.query_stats) {
     return Invalid("eviction.query_stats",
                    absl::StrCat(std::string(row.name),
                                 " needs query statistics from the client when shape.obs_window "

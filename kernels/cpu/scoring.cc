@@ -57,7 +57,8 @@ void Pool1D(float* x, int n, int kernel, PoolKind kind, ScratchArray& scratch) {
 // score[j] = (1/g) * sum over the group's query heads and observation rows of softmax(a)_j, where
 // row t sees keys j <= S - W + t; keyformer adds Gumbel noise and divides by tau first. kvzip:
 // the rows are reconstruction queries from after the context, each sees all S keys, and
-// score[j] = max over the group's query heads and rows of softmax(a)_j.
+// score[j] = max over the group's query heads and rows of softmax(a)_j, whose denominator also
+// holds exp(in.q_stats[row]) when the client sent the rows' log-masses (spec.query_stats).
 void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, float* out) {
   const LayerShape& sh = in.shape;
   const int S = sh.seq_len, D = sh.head_dim, W = sh.obs_window, g = sh.group_size();
@@ -119,6 +120,14 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
     float* shift = stats + 2 * static_cast<size_t>(nr);  // [nr, chunks]: m_c per chunk
     std::fill(row_max, row_max + nr, -std::numeric_limits<float>::infinity());
     std::fill(row_sum, row_sum + nr, 0.0f);
+    if (recon && in.q_stats != nullptr) {
+      // kvzip with the rows' log-masses over keys not uploaded (their own reconstruction
+      // tokens): that mass starts the softmax's denominator, exp(lse - m) with m = lse.
+      for (int r = r0; r < r0 + nr; ++r) {
+        row_max[r - r0] = in.q_stats[static_cast<size_t>(h * g + r / W) * W + r % W];
+        row_sum[r - r0] = 1.0f;
+      }
+    }
     for (int c0 = 0, c = 0; c0 < max_len; c0 += kTokenChunk, ++c) {
       if (Cancelled(in)) return;
       const int n = std::min(kTokenChunk, max_len - c0);

@@ -102,9 +102,10 @@ absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::s
     return absl::Status(s.code(), absl::StrCat("header.", s.message()));
   };
   const bool query_stats = spec.eviction.query_stats;
-  auto lb = LayerTensorBytes(shape, dtype, query_stats);
+  const bool row_log_mass = spec.eviction.policy == EvictionPolicy::kKVzip;
+  auto lb = LayerTensorBytes(shape, dtype, query_stats, row_log_mass);
   if (!lb.ok()) return invalid(in_header(lb.status()));
-  auto upload_bytes = UploadBytes(shape, dtype, num_layers, query_stats);
+  auto upload_bytes = UploadBytes(shape, dtype, num_layers, query_stats, row_log_mass);
   if (!upload_bytes.ok()) return invalid(in_header(upload_bytes.status()));
   const uint64_t total = *upload_bytes;
   if (total > limits_.max_cache_bytes) {

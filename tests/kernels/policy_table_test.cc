@@ -91,6 +91,12 @@ TEST(PolicyTableTest, ValidationFollowsEachRow) {
       spec.eviction.query_stats = true;
       EXPECT_TRUE(ValidateSpec(spec, no_window, 0).ok());
       spec.eviction.query_stats = false;
+    } else if (row.policy == EvictionPolicy::kKVzip) {
+      // kvzip's Q_stats are its rows' log-masses: with its queries, never instead of them.
+      spec.eviction.query_stats = true;
+      EXPECT_TRUE(ValidateSpec(spec, kShape, 0).ok());
+      EXPECT_FALSE(ValidateSpec(spec, no_window, 0).ok());
+      spec.eviction.query_stats = false;
     } else {
       spec.eviction.query_stats = true;
       EXPECT_THAT(ValidateSpec(spec, kShape, 0).message(), HasSubstr("eviction.query_stats"));

@@ -101,6 +101,69 @@ TEST(ScoreTokensTest, KVzipRowsSeeEveryKeyAndTakeTheMaximum) {
   ExpectNearReference(layer, spec);
 }
 
+// kvzip with the rows' log-masses (q_stats [Hq, W]): each row's softmax denominator also holds
+// exp(lse), the mass of the keys the upload does not hold; a very negative lse changes nothing.
+TEST(ScoreTokensTest, KVzipRowLogMassJoinsTheDenominator) {
+  const LayerShape shape{2, 6, 1300, 32, 40};  // two key chunks
+  const TestLayer layer = RandomLayer(shape, 8, DType::kF32);
+  std::vector<float> lse(static_cast<size_t>(shape.num_q_heads) * shape.obs_window);
+  for (size_t i = 0; i < lse.size(); ++i) lse[i] = -2.0f + 0.37f * static_cast<float>(i % 23);
+  EvictionSpec spec;
+  spec.policy = EvictionPolicy::kKVzip;
+  spec.query_stats = true;
+  LayerInput in = layer.input();
+  in.q_stats = lse.data();
+  const int S = shape.seq_len, D = shape.head_dim, W = shape.obs_window;
+  const int g = shape.group_size();
+  const auto* k = reinterpret_cast<const float*>(layer.k.data());  // f32 HND
+  const auto* q = reinterpret_cast<const float*>(layer.q.data());
+  std::vector<double> want(static_cast<size_t>(shape.num_kv_heads) * S, 0.0);
+  std::vector<double> a(S);
+  for (int qh = 0; qh < shape.num_q_heads; ++qh) {
+    const int h = qh / g;
+    for (int t = 0; t < W; ++t) {
+      double den = std::exp(static_cast<double>(lse[static_cast<size_t>(qh) * W + t]));
+      for (int j = 0; j < S; ++j) {
+        double dot = 0;
+        for (int c = 0; c < D; ++c) {
+          dot += static_cast<double>(q[(static_cast<size_t>(qh) * W + t) * D + c]) *
+                 k[(static_cast<size_t>(h) * S + j) * D + c];
+        }
+        a[j] = std::exp(dot / std::sqrt(static_cast<double>(D)));
+        den += a[j];
+      }
+      for (int j = 0; j < S; ++j) {
+        double& o = want[static_cast<size_t>(h) * S + j];
+        o = std::max(o, a[j] / den);
+      }
+    }
+  }
+  for (CpuIsa isa : testing_isa::SupportedIsas()) {
+    SCOPED_TRACE(CpuIsaName(isa));
+    const testing_isa::ScopedIsaCap cap(isa);
+    absl::StatusOr<std::vector<float>> got = ScoreTokens(in, spec);
+    ASSERT_TRUE(got.ok()) << got.status();
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_NEAR((*got)[i], want[i], 1e-5 + 1e-4 * want[i]) << "index " << i;
+    }
+  }
+  // The log-mass matters: without it the same rows give larger probabilities.
+  EvictionSpec plain = spec;
+  plain.query_stats = false;
+  absl::StatusOr<std::vector<float>> without = ScoreTokens(layer.input(), plain);
+  ASSERT_TRUE(without.ok()) << without.status();
+  double gap = 0;
+  for (size_t i = 0; i < want.size(); ++i) gap = std::max(gap, (*without)[i] - want[i]);
+  EXPECT_GT(gap, 1e-3);
+  std::fill(lse.begin(), lse.end(), -1e30f);
+  absl::StatusOr<std::vector<float>> tiny = ScoreTokens(in, spec);
+  ASSERT_TRUE(tiny.ok()) << tiny.status();
+  for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR((*tiny)[i], (*without)[i], 1e-6);
+  // Without the pointer the spec is refused, naming the input.
+  in.q_stats = nullptr;
+  EXPECT_THAT(std::string(ScoreTokens(in, spec).status().message()), ::testing::HasSubstr("q_stats"));
+}
+
 // Every instruction set this CPU has scores alike: several chunks, a causal staircase, noise.
 TEST(ScoreTokensTest, EveryInstructionSetMatchesReference) {
   const LayerShape shape{2, 8, 2200, 64, 16};

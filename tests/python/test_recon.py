@@ -64,6 +64,27 @@ def test_queries_are_the_models_own_and_both_paths_agree():
             torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
+def test_row_log_mass_is_the_attention_the_model_gives_its_own_tokens():
+    model, tok = tiny_llama(), CharTokenizer()
+    context = [5 + (11 * i) % 50 for i in range(30)]
+    S = len(context)
+    q, lse = recon.reconstruction_inputs(model, tok, context)
+    assert tuple(lse[0].shape) == (4, S)
+    ids = context + recon.repeat_ids(tok, context)
+    cache = transformers.DynamicCache()
+    with torch.no_grad():
+        out = model.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True,
+                          output_attentions=True)
+    for layer, (qa, m, att) in enumerate(zip(q, lse, out.attentions)):
+        keys = cache.layers[layer].keys[0, :, :S].float()
+        p = att[0, :, -S:, :].float()  # [Hq, S rows, all keys]
+        for h in range(4):
+            ctx = torch.logsumexp(qa[h] @ keys[h // 2].T / math.sqrt(16), dim=-1)
+            # mass on the pass's own tokens over mass on the context, as the model computed it
+            want = torch.log(p[h][:, S:].sum(-1)) - torch.log(p[h][:, :S].sum(-1))
+            torch.testing.assert_close(m[h] - ctx, want, rtol=1e-3, atol=1e-3)
+
+
 def test_empty_context_is_refused():
     with pytest.raises(ValueError, match="empty context"):
         recon.reconstruction_queries(tiny_llama(), CharTokenizer(), [])

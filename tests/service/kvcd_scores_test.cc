@@ -55,6 +55,16 @@ std::vector<std::vector<float>> Stats(uint32_t hq, uint32_t d) {
   return out;
 }
 
+// Per layer, float32 [Hq, W]: kvzip's row log-masses over keys not uploaded.
+std::vector<std::vector<float>> Masses(uint32_t hq, uint32_t w) {
+  std::vector<std::vector<float>> out(kLayers);
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    out[l].resize(static_cast<size_t>(hq) * w);
+    for (size_t i = 0; i < out[l].size(); ++i) out[l][i] = 1.5f * std::sin(0.7f * i + l);
+  }
+  return out;
+}
+
 std::vector<pb::PutCacheRequest> Requests(const TestCache& cache,
                                           const std::vector<std::vector<float>>* stats) {
   std::vector<pb::PutCacheRequest> r = testing::MakeRequests(cache, 8 << 10);
@@ -120,6 +130,13 @@ TEST_F(KvcdScoresTest, RoundTripsMatchTheEngineIncludingObsWindowZero) {
     cases.push_back(c);
   }
   {
+    // kvzip with its rows' log-masses in TENSOR_Q_STATS ([Hq, W], not [Hq, D + D * D]).
+    Case c{"kvzip-masses", 8, "kvzip", {}, false, true};
+    c.spec.eviction.policy = EvictionPolicy::kKVzip;
+    c.spec.eviction.query_stats = true;
+    cases.push_back(c);
+  }
+  {
     Case c{"h2o-value-add", 8, "h2o", {}, false, false, "add"};
     c.spec.eviction.policy = EvictionPolicy::kH2O;
     c.spec.eviction.value_weight = ValueWeight::kAdd;
@@ -127,9 +144,10 @@ TEST_F(KvcdScoresTest, RoundTripsMatchTheEngineIncludingObsWindowZero) {
   }
   auto stub = testing::NewStub(kvcd_->address());
   const RopeParams rope{10000.0, 0, /*half_split=*/true, 1.0};
-  const std::vector<std::vector<float>> stats = Stats(kHq, kD);
+  const std::vector<std::vector<float>> moments = Stats(kHq, kD), masses = Masses(kHq, 8);
   for (Case& c : cases) {
     SCOPED_TRACE(c.name);
+    const std::vector<std::vector<float>>& stats = c.policy == "kvzip" ? masses : moments;
     TestCache cache = testing::MakeTestCache("scores/" + c.name,
                                              testing::Shape(kLayers, kHkv, kHq, kD, kS, c.window),
                                              pb::DTYPE_F16, pb::LAYOUT_HND, 17);
@@ -305,6 +323,28 @@ TEST_F(KvcdScoresTest, QueryStatsChunksAreChecked) {
   }
   // And the same upload with good statistics is stored.
   grpc::Status s = testing::Put(stub.get(), Requests(make("q/good", true), &stats), nullptr);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+
+  // kvzip's Q_stats are its rows' log-masses, [Hq, W]: the moments' size is refused, a NaN too.
+  auto kvzip = [](const std::string& id) {
+    TestCache cache = testing::MakeTestCache(id, testing::Shape(kLayers, kHkv, kHq, kD, kS, 8),
+                                             pb::DTYPE_F16, pb::LAYOUT_HND, 6);
+    auto* e = cache.header.mutable_compression()->mutable_eviction();
+    e->set_policy("kvzip");
+    e->set_keep_ratio(0.5);
+    e->set_query_stats(true);
+    return cache;
+  };
+  s = testing::Put(stub.get(), Requests(kvzip("q/kvzip-moments"), &stats), nullptr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("tensor Q_stats"));
+  std::vector<std::vector<float>> masses = Masses(kHq, 8);
+  masses[1][3] = std::nanf("");
+  s = testing::Put(stub.get(), Requests(kvzip("q/kvzip-nan"), &masses), nullptr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("entry 3"));
+  masses = Masses(kHq, 8);
+  s = testing::Put(stub.get(), Requests(kvzip("q/kvzip-good"), &masses), nullptr);
   EXPECT_TRUE(s.ok()) << s.error_message();
 }
 

@@ -222,10 +222,11 @@ class PutPlan:
         if len(ks) != 3:
             raise invalid(f"layers[0].k: shape {ks} is not 3-d ({layout})")
         hkv, s, d = (ks[0], ks[1], ks[2]) if layout == "HND" else (ks[1], ks[0], ks[2])
-        # q_stats: float32 [Hq, D + D*D] per layer (TENSOR_Q_STATS, for the "expected" policy).
+        # q_stats: float32 per layer (TENSOR_Q_STATS): [Hq, D + D*D] for the "expected" policy,
+        # [Hq, W] (each query row's log-mass over keys not uploaded) for "kvzip".
         self.stats_shape = None if st is None else tensors.shape_of(st)
-        if st is not None and (len(self.stats_shape) != 2 or self.stats_shape[1] != d + d * d):
-            raise invalid(f"layers[0].q_stats: shape {self.stats_shape} is not [Hq, {d + d * d}]")
+        if st is not None and len(self.stats_shape) != 2:
+            raise invalid(f"layers[0].q_stats: shape {self.stats_shape} is not 2-d")
         if q is None:
             hq, w = (hkv if st is None else self.stats_shape[0]), 0
         else:
@@ -235,11 +236,17 @@ class PutPlan:
             hq, w = (qs[0], qs[1]) if layout == "HND" else (qs[1], qs[0])
         self.kv_shape = ks
         self.q_shape = None if q is None else tensors.shape_of(q)
+        comp = message(pb.CompressionConfig, compression, "compression")
+        if st is not None:
+            cols, what = ((w, "W") if comp.eviction.policy == "kvzip" else (d + d * d, "D + D*D"))
+            if self.stats_shape != (hq, cols):
+                raise invalid(f"layers[0].q_stats: shape {self.stats_shape} is not [Hq, {what}] "
+                              f"= [{hq}, {cols}]")
         h = pb.PutCacheHeader(cache_id=cache_id, dtype=self.dtype, layout=LAYOUTS[layout],
                               ttl_seconds=int(ttl_seconds), overwrite=bool(overwrite))
         h.shape.CopyFrom(pb.ModelShape(num_layers=num_layers, num_kv_heads=hkv, num_q_heads=hq,
                                        head_dim=d, seq_len=s, obs_window=w))
-        h.compression.CopyFrom(message(pb.CompressionConfig, compression, "compression"))
+        h.compression.CopyFrom(comp)
         if st is not None:
             h.compression.eviction.query_stats = True
         if rope is not None:

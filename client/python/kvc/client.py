@@ -54,8 +54,10 @@ class Client(_common.ClientBase):
         everywhere in the client). compression: CompressionConfig or
         its dict form, e.g. {"eviction": {"policy": "snapkv", "budget": 64}}. A layer may add
         q_stats (4th item or dict key): float32 [Hq, D + D*D], the mean and covariance of the
-        un-rotated queries, for {"eviction": {"policy": "expected"}} without q_obs (query_stats
-        is then set; float16/32/64, converted to float32). rope: the model's RopeSpec or its
+        un-rotated queries, for {"eviction": {"policy": "expected"}} without q_obs, or for
+        "kvzip" float32 [Hq, W], each query row's log-mass over keys not uploaded
+        (kvc.recon.reconstruction_inputs) (query_stats is then set; float16/32/64, converted to
+        float32). rope: the model's RopeSpec or its
         dict form (needed by "expected"). An exception the layers raise (any BaseException)
         cancels the upload at once and is re-raised here.
         """

@@ -6,9 +6,15 @@ a newline, then the context itself. A prefill node that runs a Hugging Face Llam
 (q_proj, RoPE, no query norm) gets those queries with one more forward pass:
 
     from kvc.recon import reconstruction_queries
-    q = reconstruction_queries(model, tokenizer, context_ids)  # per layer [Hq, S, D], post-RoPE
-    client.put(cache_id, [(k[l], v[l], q[l]) for l in range(L)],
-               compression="kvzip:0.1,ada=0.2,xlayer=1")
+    q, lse = reconstruction_inputs(model, tokenizer, context_ids)  # [Hq, S, D], [Hq, S]
+    client.put(cache_id, [(k[l], v[l], q[l], lse[l]) for l in range(L)],
+               compression="kvzip:0.1,stats=1,ada=0.2,xlayer=1")
+
+`lse` (sent as the layer's q_stats with `stats=1`) is each query row's log-sum-exp over the keys
+of the pass's own tokens up to it, which kvcd does not hold: KVzip's softmax runs over them too,
+and kvcd adds that mass to each row's denominator. Without it (`reconstruction_queries` alone)
+kvcd normalises over the context's keys only, which keeps a different set (docs/fidelity-smollm2.md
+measures both).
 
 The queries are those of the last S positions of the pass (the newline that starts the answer and
 the copies of context tokens 0..S-2, i.e. the queries that reproduce tokens 0..S-1), so W = S.
@@ -45,15 +51,21 @@ def post_rope_queries(attn, hidden, cos, sin):
 
 
 @contextlib.contextmanager
-def capture_last(model, n):
+def capture_last(model, n, keys=0):
     """Hooks every attention module of `model` for one forward pass and yields a dict that then
-    holds, per layer index, (hidden_states, cos, sin) of the pass's last `n` positions."""
+    holds, per layer index, (hidden_states, cos, sin) of the pass's last `n` positions, and with
+    `keys` > 0 a fourth item: the post-RoPE keys [Hkv, keys, D] of the cache's last `keys`
+    entries right after the layer ran (the pass needs a cache)."""
     store = {}
 
     def hook(module, args, kwargs, output):
         cos, sin = kwargs["position_embeddings"]
-        store[module.layer_idx] = (kwargs["hidden_states"][:, -n:].detach(),
-                                   cos[:, -n:].detach(), sin[:, -n:].detach())
+        item = (kwargs["hidden_states"][:, -n:].detach(), cos[:, -n:].detach(),
+                sin[:, -n:].detach())
+        if keys:
+            cache = kwargs.get("past_key_values") or kwargs.get("past_key_value")
+            item += (cache.layers[module.layer_idx].keys[0, :, -keys:].detach(),)
+        store[module.layer_idx] = item
         return output
 
     layers = model.model.layers
@@ -65,23 +77,51 @@ def capture_last(model, n):
             h.remove()
 
 
-def reconstruction_queries(model, tokenizer, context_ids, past_key_values=None):
-    """kvzip's Q_obs: per layer the post-RoPE queries [Hq, S, D] (float32) of the reconstruction
-    pass over `context_ids` (S tokens). Without `past_key_values` the pass runs over the context
-    and the repetition together; with it (the context's cache, S entries a layer) only the
-    repetition runs."""
+def row_log_mass(queries, repeat_keys):
+    """Per query row, the log-sum-exp of q . k / sqrt(D) over the pass's own keys up to the
+    row: queries [Hq, S, D] are the pass's last S rows, repeat_keys [Hkv, n, D] all n of its
+    keys (n >= S); float32 [Hq, S]."""
     import torch
+    hq, S, D = queries.shape
+    hkv, n, _ = repeat_keys.shape
+    k = repeat_keys.float().repeat_interleave(hq // hkv, dim=0)  # [Hq, n, D]
+    a = queries.float() @ k.transpose(1, 2) / (D ** 0.5)  # [Hq, S, n]
+    pos = torch.arange(n - S, n).unsqueeze(1)  # row r sits at pass position n - S + r
+    a = a.masked_fill(torch.arange(n).unsqueeze(0) > pos, float("-inf"))
+    return torch.logsumexp(a, dim=-1).contiguous()
+
+
+def _run(model, tokenizer, context_ids, past_key_values):
+    import torch
+    from transformers import DynamicCache
     S = len(context_ids)
     if S < 1:
         raise ValueError("reconstruction_queries: empty context")
     rep = repeat_ids(tokenizer, context_ids)
     ids = rep if past_key_values is not None else [int(t) for t in context_ids] + rep
-    with torch.no_grad(), capture_last(model, S) as store:
-        model.model(input_ids=torch.tensor([ids]), past_key_values=past_key_values,
-                    use_cache=past_key_values is not None)
-    out = []
+    cache = past_key_values if past_key_values is not None else DynamicCache()
+    with torch.no_grad(), capture_last(model, S, keys=len(rep)) as store:
+        model.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    queries, masses = [], []
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
-            h, cos, sin = store[i]
-            out.append(post_rope_queries(layer.self_attn, h, cos, sin))
-    return out
+            h, cos, sin, keys = store[i]
+            q = post_rope_queries(layer.self_attn, h, cos, sin)
+            queries.append(q)
+            masses.append(row_log_mass(q, keys))
+    return queries, masses
+
+
+def reconstruction_queries(model, tokenizer, context_ids, past_key_values=None):
+    """kvzip's Q_obs: per layer the post-RoPE queries [Hq, S, D] (float32) of the reconstruction
+    pass over `context_ids` (S tokens). Without `past_key_values` the pass runs over the context
+    and the repetition together; with it (the context's cache, S entries a layer) only the
+    repetition runs."""
+    return _run(model, tokenizer, context_ids, past_key_values)[0]
+
+
+def reconstruction_inputs(model, tokenizer, context_ids, past_key_values=None):
+    """(queries, log-masses): kvzip's Q_obs as reconstruction_queries returns them and, per
+    layer, each row's log-sum-exp over the pass's own keys (float32 [Hq, S]), sent as the
+    layer's q_stats with `stats=1`."""
+    return _run(model, tokenizer, context_ids, past_key_values)

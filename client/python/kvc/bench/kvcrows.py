@@ -109,6 +109,12 @@ class Uploads:
             self._q["recon"] = [q.to(self.dtype).contiguous() for q in self.recon.q_obs]
         return self._q["recon"]
 
+    def recon_lse(self):
+        """kvzip rows' q_stats with stats=1: each reconstruction row's log-mass [Hq, S]."""
+        if self.recon is None:
+            raise ValueError("kvzip rows need the reconstruction pass (recon.Reconstruction)")
+        return [x.float().contiguous() for x in self.recon.lse]
+
     def q_stats(self, skip):
         if skip not in self._stats:
             with torch.no_grad():
@@ -133,7 +139,12 @@ def compress(server, name, uploads, window, fmt="dense"):
         q = uploads.q_obs(W)
     else:
         q = [None] * len(layers_in)
-    st = uploads.q_stats(int(opts.get("skip", 4))) if ev.get("query_stats") else None
+    if not ev.get("query_stats"):
+        st = None
+    elif ev.get("policy") == "kvzip":
+        st = uploads.recon_lse()
+    else:
+        st = uploads.q_stats(int(opts.get("skip", 4)))
     layers = [(k, v, q[i]) if st is None else (k, v, q[i], st[i])
               for i, (k, v) in enumerate(uploads.kv)]
     rope = rope_spec(uploads.shadow.config)

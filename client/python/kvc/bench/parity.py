@@ -47,7 +47,9 @@ PAIRS = [
     ("adakv-expected", "expected:{r},stats=1,horizon=512,veps=0,ada=0.2", 64),
     ("snapkv+think0.5", "snapkv:{r},kernel=5,pool=avg+think:0.5", 64),
     # KVzip per layer (AdaKV-like selection over the layer's heads, sinks kept) against kvc's
-    # kvzip with no per-head floor; W = S (the reconstruction pass's queries, recon.py).
+    # kvzip with no per-head floor; W = S (the reconstruction pass's queries, recon.py), with
+    # and without the rows' log-masses over the pass's own keys (stats=1).
+    ("kvzip-layer", "kvzip:{r},ada=0,stats=1", 0),
     ("kvzip-layer", "kvzip:{r},ada=0", 0),
 ]
 
@@ -136,19 +138,25 @@ def expected_as_kvc_sets(press, model, layers_in):
     return out
 
 
-def kvzip_as_kvc_sets(recon, layers_in, keep, n_sink=4):
+def kvzip_as_kvc_sets(recon, layers_in, keep, n_sink=4, lse=False):
     """Kept sets of KVzip per layer scored as kvcd scores it (kvc/selection.h, kvzip): the
     maximum over the reconstruction queries (recon.q_obs, the last S of the pass) and the
-    group's heads of the softmax over the S context keys only; then KVzipPress's per-layer
+    group's heads of the softmax over the S context keys (with `lse`, plus each row's log-mass
+    recon.lse in the denominator, as kvcd does with stats=1); then KVzipPress's per-layer
     selection (sinks kept, the layer's lowest scores over all heads dropped)."""
     out = []
     with torch.no_grad():
-        for q, x in zip(recon.q_obs, layers_in):
+        for li, (q, x) in enumerate(zip(recon.q_obs, layers_in)):
             keys = x.keys[0].float()  # [H, S, D]
             H, S, D = keys.shape
             g = q.shape[0] // H
             a = torch.einsum("hgwd,hsd->hgws", q.view(H, g, -1, D), keys) / math.sqrt(D)
-            sc = torch.softmax(a, -1).amax(dim=(1, 2))  # [H, S]
+            if lse:
+                extra = recon.lse[li].view(H, g, -1, 1)
+                den = torch.logaddexp(torch.logsumexp(a, -1, keepdim=True), extra)
+                sc = torch.exp(a - den).amax(dim=(1, 2))
+            else:
+                sc = torch.softmax(a, -1).amax(dim=(1, 2))  # [H, S]
             sc[:, :n_sink] = sc.max() + 1
             n_pruned = int(H * S * (1 - keep))
             drop = torch.topk(-sc.reshape(-1), n_pruned).indices
@@ -280,13 +288,15 @@ def main(argv=None):
                                 "identical": same, "min": worst,
                                 "gap": score_gap(press, shadow, lin32, a, b),
                                 "edge": edge_share(a, b, S, W)}
-                        if pname == "kvzip-layer":
+                        if tmpl.startswith("kvzip:{r},ada=0"):
+                            with_lse = "stats=1" in tmpl
                             e_mean, e_same, e_worst = compare(
-                                kvzip_as_kvc_sets(recon, lin32, r), b)
+                                kvzip_as_kvc_sets(recon, lin32, r, lse=with_lse), b)
                             lines.append({"check": "explained", "doc": d["id"],
                                           "scenario": scen, "keep": r,
-                                          "kvpress": "kvzip-layer, scored over the context "
-                                          "keys by the last S queries", "kvc": tmpl,
+                                          "kvpress": "kvzip-layer, scored by the last S queries "
+                                          + ("with their log-masses" if with_lse else
+                                             "over the context keys only"), "kvc": tmpl,
                                           "overlap": e_mean, "identical": e_same,
                                           "min": e_worst})
                         if tmpl == "expected:{r},stats=1,horizon=512,veps=0":

@@ -20,8 +20,10 @@ every attention module:
   context keys.
 
 Where the two differ (the parity table in docs/fidelity-smollm2.md measures it): kvpress's
-softmax also runs over the reconstruction tokens' own keys, which kvcd does not hold, and it
-includes the ~8 queries of the instruction; kvc's denominator covers the context only.
+softmax also runs over the reconstruction tokens' own keys, which kvcd does not hold; kvc's rows
+with `stats=1` send each row's log-mass over them (`lse`, kvc.recon.row_log_mass) and kvcd adds
+it to the denominator, without it kvcd normalises over the context only. kvpress also takes the
+~9 queries of the instruction, which do not fit kvc's W <= S.
 
 Documents are raw text without a chat template, so the press's prefix is empty and its suffix is
 "\\n" (KVzipPress's choice for a model without one). Contexts longer than the press's chunk size
@@ -34,7 +36,7 @@ import torch
 from kvpress import KVzipPress
 from transformers import DynamicCache
 
-from kvc.recon import capture_last, post_rope_queries, repeat_ids
+from kvc.recon import capture_last, post_rope_queries, repeat_ids, row_log_mass
 
 # KVzipPress warns about its cost on every construction; the harness states it once (run.json).
 logging.getLogger("kvpress.presses.kvzip_press").setLevel(logging.ERROR)
@@ -62,7 +64,7 @@ class Reconstruction:
         press.start_idx, press.end_idx = 0, S
         press.score_val = torch.zeros(len(lm.layers), 1, shadow.config.num_key_value_heads, S)
         # kvc's capture (kvc.recon, what users run) first, then kvpress's own scoring hook.
-        with capture_last(shadow, S) as store:
+        with capture_last(shadow, S, keys=repeat.shape[1]) as store:
             hooks = [layer.self_attn.register_forward_hook(press.forward_hook, with_kwargs=True)
                      for layer in lm.layers]
             try:
@@ -72,9 +74,13 @@ class Reconstruction:
                 for h in hooks:
                     h.remove()
         self.scores = press.score_val.clone()  # [L, 1, Hkv, S]
+        self.q_obs, self.lse = [], []
         with torch.no_grad():
-            self.q_obs = [post_rope_queries(layer.self_attn, *store[i])  # [Hq, S, D] fp32
-                          for i, layer in enumerate(lm.layers)]
+            for i, layer in enumerate(lm.layers):
+                h, cos, sin, keys = store[i]
+                q = post_rope_queries(layer.self_attn, h, cos, sin)  # [Hq, S, D] fp32
+                self.q_obs.append(q)
+                self.lse.append(row_log_mass(q, keys))  # [Hq, S]: kvc's rows with stats=1
 
     def kvpress_valid(self, shadow, keep, layerwise):
         """Per layer [Hkv, S] kept masks of KVzipPress(compression_ratio=1-keep, layerwise)."""

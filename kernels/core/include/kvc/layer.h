@@ -53,7 +53,7 @@ struct LayerInput {
   const void* v = nullptr;
   const void* q_obs = nullptr;
   const RopeParams* rope = nullptr;         // null: not known
-  const float* q_stats = nullptr;           // null: none sent
+  const float* q_stats = nullptr;           // null: none sent (kvzip: [Hq, W] row log-masses)
   MemorySpace memory = MemorySpace::kHost;  // where k, v and q_obs are
   // Checked by the engine between row blocks and chunks: once it reads as cancelled, Compress
   // (and the scoring and selection stages) stop within one block and return its status. null:
@@ -61,24 +61,26 @@ struct LayerInput {
   const CancelToken* cancel = nullptr;
 };
 
-// Floats of q_stats per layer: Hq * (D + D * D).
-inline size_t QueryStatsFloats(const LayerShape& s) {
+// Floats of q_stats per layer: Hq * (D + D * D) (the queries' moments, expected attention), or
+// with `row_log_mass` Hq * W (kvzip: each observation row's log-mass over keys not uploaded).
+inline size_t QueryStatsFloats(const LayerShape& s, bool row_log_mass = false) {
+  if (row_log_mass) return static_cast<size_t>(s.num_q_heads) * s.obs_window;
   return static_cast<size_t>(s.num_q_heads) *
          (s.head_dim + static_cast<size_t>(s.head_dim) * s.head_dim);
 }
 
-// Byte sizes of one layer's tensors as uploaded: K, V and Q_obs in `dtype`, and Q_stats (float32
-// [Hq, D + D * D], QueryStatsFloats) when `query_stats`, else 0. Overflow-checked
+// Byte sizes of one layer's tensors as uploaded: K, V and Q_obs in `dtype`, and Q_stats (float32,
+// QueryStatsFloats(shape, row_log_mass)) when `query_stats`, else 0. Overflow-checked
 // (kvc/checked_math.h): INVALID_ARGUMENT naming the product, e.g. "shape: num_kv_heads*seq_len*
 // head_dim*dtype_bytes = ... overflows 64 bits" (never for a shape ValidateShape accepts).
 struct LayerBytes {
   uint64_t k = 0, v = 0, q_obs = 0, q_stats = 0;
 };
 absl::StatusOr<LayerBytes> LayerTensorBytes(const LayerShape& shape, DType dtype,
-                                            bool query_stats = false);
+                                            bool query_stats = false, bool row_log_mass = false);
 // K + V + Q_obs (+ Q_stats) bytes of all `num_layers` layers, overflow-checked likewise.
 absl::StatusOr<uint64_t> UploadBytes(const LayerShape& shape, DType dtype, int num_layers,
-                                     bool query_stats = false);
+                                     bool query_stats = false, bool row_log_mass = false);
 
 // Checks shape limits and pointers; the message names the offending field, e.g.
 // "shape.head_dim: 300 is outside [8, 256]". ValidateShape: Hkv >= 1, Hq a multiple of Hkv, S >= 1,

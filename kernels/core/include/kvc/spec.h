@@ -71,7 +71,10 @@ struct EvictionSpec {
   // pairs.
   int horizon = 1;
   // expected: query statistics come from the client (LayerInput::q_stats) instead of Q_obs; the
-  // only source when obs_window is 0.
+  // only source when obs_window is 0. kvzip: q_stats holds, per query head and observation row,
+  // the log of sum_j exp(q . k_j / sqrt(D)) over the keys the row attends to that the upload does
+  // not hold (its reconstruction pass's own tokens), added to the softmax's denominator (KVzip's
+  // normalisation); float32 [Hq, W].
   bool query_stats = false;
 };
 

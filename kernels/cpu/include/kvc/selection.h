@@ -36,7 +36,10 @@ namespace kvc {
 //            softmax over all S keys, averaged over the g query heads (Expected Attention)
 //   kvzip: the W rows are queries of a pass that repeats the context after it (KVzip's context
 //          reconstruction; the client runs that pass): every row sees all S keys, and
-//          score_j = max over the g query heads and W rows of softmax_j(a_t)
+//          score_j = max over the g query heads and W rows of softmax_j(a_t); with
+//          spec.query_stats the denominator of row t of query head i also holds
+//          exp(q_stats[i * W + t]), the row's mass over keys not uploaded (KVzip's softmax runs
+//          over the reconstruction tokens' own keys too)
 //   streaming, none: 0.
 // Value-aware weighting (EffectiveValueWeight: mul by default for expected, off for the others;
 // only for h2o, snapkv, keyformer, expected, kvzip), after pooling, with n = mean_j ||v_j|| and
