@@ -81,8 +81,9 @@ absl::Status RopeFromFlags(const FlagSet& flags, pb::RopeSpec* rope) {
 }
 
 // Maps the safetensors file onto a PutCache header and per-layer views of its tensors.
+// `row_log_mass`: the policy is kvzip, whose q_stats are [Hq, W].
 absl::Status BuildUpload(const StFile& file, pb::PutCacheHeader* header,
-                         std::vector<LayerTensors>* layers) {
+                         std::vector<LayerTensors>* layers, bool row_log_mass) {
   const StTensor* k0 = file.Find("layer.0.k");
   if (k0 == nullptr) return absl::InvalidArgumentError("file: no tensor named layer.0.k");
   std::set<std::string> used;
@@ -111,7 +112,8 @@ absl::Status BuildUpload(const StFile& file, pb::PutCacheHeader* header,
       return absl::InvalidArgumentError(absl::StrCat(
           "file: ", p, "q_obs must be [Hq, W, D] with layer.0.k's D and dtype, same every layer"));
     }
-    // Optional query statistics for --policy=expected: F32 [Hq, D + D*D] (TENSOR_Q_STATS).
+    // Optional query statistics for --policy=expected: F32 [Hq, D + D*D] (TENSOR_Q_STATS); for
+    // --policy=kvzip the rows' log-masses, F32 [Hq, W].
     const StTensor* st = file.Find(p + "q_stats");
     const StTensor* st0 = file.Find("layer.0.q_stats");
     if ((st == nullptr) != (st0 == nullptr)) {
@@ -120,10 +122,14 @@ absl::Status BuildUpload(const StFile& file, pb::PutCacheHeader* header,
     }
     if (st != nullptr) {
       const int64_t d = k0->shape[2];
+      const bool masses = row_log_mass;
+      const int64_t cols = masses ? (q0 != nullptr ? q0->shape[1] : -1) : d + d * d;
       if (st->dtype != StDType::kF32 || st->shape.size() != 2 || st->shape != st0->shape ||
-          st->shape[1] != d + d * d || (q0 != nullptr && st->shape[0] != q0->shape[0])) {
+          st->shape[1] != cols || (q0 != nullptr && st->shape[0] != q0->shape[0])) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "file: ", p, "q_stats must be F32 [Hq, D + D*D] (mean, covariance), same every layer"));
+            "file: ", p, "q_stats must be F32 ",
+            masses ? "[Hq, W] (each query row's log-mass)" : "[Hq, D + D*D] (mean, covariance)",
+            ", same every layer"));
       }
     }
     layers->push_back({k->data.data(), v->data.data(), q ? q->data.data() : nullptr,
@@ -191,7 +197,11 @@ int RunPut(const std::vector<std::string>& args) {
   if (!file.ok()) return Fail("put", file.status());
   pb::PutCacheHeader header;
   std::vector<LayerTensors> layers;
-  if (absl::Status s = BuildUpload(*file, &header, &layers); !s.ok()) return Fail("put", s);
+  if (absl::Status s = BuildUpload(*file, &header, &layers,
+                                   compression.ok() && compression->eviction().policy() == "kvzip");
+      !s.ok()) {
+    return Fail("put", s);
+  }
   header.set_cache_id(id);
   const bool query_stats = header.compression().eviction().query_stats();
   *header.mutable_compression() = *compression;

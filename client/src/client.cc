@@ -167,7 +167,12 @@ absl::StatusOr<TensorSizes> SizesFromHeader(const PutHeader& h) {
                                                    " bytes is over the limit of ", kLimit));
   }
   uint64_t stats = 0;
-  if (h.compression().eviction().query_stats()) {
+  if (h.compression().eviction().query_stats() && h.compression().eviction().policy() == "kvzip") {
+    // kvzip: each observation row's log-mass over keys not uploaded, [Hq, W].
+    ASSIGN_OR_RETURN(stats, CheckedProduct("header.shape", {{"num_q_heads", s.num_q_heads()},
+                                                            {"obs_window", s.obs_window()},
+                                                            {"float_bytes", 4}}));
+  } else if (h.compression().eviction().query_stats()) {
     const uint64_t d = s.head_dim();
     ASSIGN_OR_RETURN(stats, CheckedProduct("header.shape", {{"num_q_heads", s.num_q_heads()},
                                                             {"head_dim+head_dim^2", d + d * d},

@@ -250,6 +250,34 @@ TEST_F(KvcctlTest, PutWithoutQueriesKeyDiffAndExpectedFromStatistics) {
   EXPECT_EQ(Kvcctl("put " + kv_path + " --id=x --policy=expected --rope_pairs=diagonal").code, 2);
 }
 
+// kvzip's q_stats are its query rows' log-masses, F32 [Hq, W]; the moments' shape is refused.
+TEST_F(KvcctlTest, PutKVzipWithRowLogMasses) {
+  testing::TestCache cache = testing::MakeTestCache("ctl-kvzip", testing::Shape(2, 2, 4, 64, 96, 96),
+                                                    pb::DTYPE_F16, pb::LAYOUT_HND, 9);
+  StFile good, bad;
+  std::vector<uint8_t> masses(4 * 96 * sizeof(float), 0), moments(4 * (64 + 64 * 64) * 4, 0);
+  for (int l = 0; l < 2; ++l) {
+    const std::string p = absl::StrCat("layer.", l, ".");
+    for (StFile* f : {&good, &bad}) {
+      f->tensors.push_back({p + "k", StDType::kF16, {2, 96, 64}, cache.k[l]});
+      f->tensors.push_back({p + "v", StDType::kF16, {2, 96, 64}, cache.v[l]});
+      f->tensors.push_back({p + "q_obs", StDType::kF16, {4, 96, 64}, cache.q[l]});
+    }
+    good.tensors.push_back({p + "q_stats", StDType::kF32, {4, 96}, masses});
+    bad.tensors.push_back({p + "q_stats", StDType::kF32, {4, 64 + 64 * 64}, moments});
+  }
+  const std::string good_path = *dir_ + "/kz.safetensors", bad_path = *dir_ + "/kzb.safetensors";
+  ASSERT_TRUE(WriteSafetensors(good_path, good).ok());
+  ASSERT_TRUE(WriteSafetensors(bad_path, bad).ok());
+  CtlRun r = Kvcctl("put " + good_path + " --id=kz --policy=kvzip --ratio=0.25 --ada=0 --xlayer");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = Kvcctl("stat kz");
+  EXPECT_NE(r.out.find("query_stats: true"), std::string::npos) << r.out;
+  r = Kvcctl("put " + bad_path + " --id=kzb --policy=kvzip --ratio=0.25");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("[Hq, W]"), std::string::npos) << r.out;
+}
+
 TEST_F(KvcctlTest, ExitCodes) {
   EXPECT_EQ(Kvcctl("", false).code, 2);
   EXPECT_EQ(Kvcctl("frobnicate", false).code, 2);
