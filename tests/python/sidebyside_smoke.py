@@ -51,14 +51,14 @@ def main():
                      "--tasks", "passkey:3", "--length", "600", "--scenarios", "after",
                      "--ratios", "0.25",
                      "--kvpress", "streaming,snapkv,kvzip",
-                     "--kvc", "streaming:{r};snapkv:{r};kvzip:{r},ada=0.2,xlayer=1",
+                     "--kvc", "streaming:{r};snapkv:{r};kvzip:{r},ada=0.2,stats=1,xlayer=1",
                      "--kvc-bytes", "", "--workers", "1"])
     rows = list(csv.DictReader(open(os.path.join(out, "results.csv"))))
     by = {}
     for r in rows:
         by.setdefault(r["row"], []).append(r)
     want = {"full", "kvpress:streaming@0.25", "kvpress:snapkv@0.25", "kvpress:kvzip@0.25",
-            "kvc:streaming:0.25", "kvc:snapkv:0.25", "kvc:kvzip:0.25,ada=0.2,xlayer=1"}
+            "kvc:streaming:0.25", "kvc:snapkv:0.25", "kvc:kvzip:0.25,ada=0.2,stats=1,xlayer=1"}
     assert set(by) == want, f"rows {sorted(by)}"
     assert all(len(v) == 3 for v in by.values()), {k: len(v) for k, v in by.items()}
 
@@ -66,7 +66,7 @@ def main():
     assert full_acc >= 0.9, f"full cache pass-key accuracy {full_acc:.2f}: {by['full']}"
     # kvzip with layer-adaptive budgets: heads and layers keep different counts, the request as a
     # whole keeps kvpress's count per (layer, head) on average.
-    for name in ("kvc:streaming:0.25", "kvc:snapkv:0.25", "kvc:kvzip:0.25,ada=0.2,xlayer=1"):
+    for name in ("kvc:streaming:0.25", "kvc:snapkv:0.25", "kvc:kvzip:0.25,ada=0.2,stats=1,xlayer=1"):
         for r in by[name]:
             S, kept, stored = int(r["tokens"]), float(r["kept"]), float(r["stored"])
             want = P.compute_n_kept(S, 0.75)

@@ -28,8 +28,9 @@ KVC_DEFAULT = [
     "h2o:{r}",
     "snapkv:{r},ada=0.2",
     "snapkv:{r},kernel=5,pool=avg+think:0.5",
-    "kvzip:{r},ada=0",
-    "kvzip:{r},ada=0.2,xlayer=1",
+    "kvzip:{r},ada=0,stats=1",
+    "kvzip:{r},ada=0,stats=1,xlayer=1",
+    "kvzip:{r},ada=0.2,stats=1,xlayer=1",
 ]
 
 # At most the bytes of kvpress's keep-0.25 fp16 cache (measured by kvcd on every run).
@@ -38,8 +39,8 @@ KVC_BYTES_DEFAULT = [
     "snapkv:0.9+q2g64",
     "snapkv:0.75+think:0.5+q4g64",
     "expected:0.6,stats=1+q4g64",
-    "kvzip:0.6,ada=0.2,xlayer=1+q4g64",
-    "kvzip:0.25,ada=0.2,xlayer=1+q4g64",
+    "kvzip:0.6,ada=0.2,stats=1,xlayer=1+q4g64",
+    "kvzip:0.25,ada=0.2,stats=1,xlayer=1+q4g64",
 ]
 
 PROTO_DEFAULT = []
