@@ -66,7 +66,8 @@ def main():
     assert full_acc >= 0.9, f"full cache pass-key accuracy {full_acc:.2f}: {by['full']}"
     # kvzip with layer-adaptive budgets: heads and layers keep different counts, the request as a
     # whole keeps kvpress's count per (layer, head) on average.
-    for name in ("kvc:streaming:0.25", "kvc:snapkv:0.25", "kvc:kvzip:0.25,ada=0.2,stats=1,xlayer=1"):
+    for name in ("kvc:streaming:0.25", "kvc:snapkv:0.25",
+                 "kvc:kvzip:0.25,ada=0.2,stats=1,xlayer=1"):
         for r in by[name]:
             S, kept, stored = int(r["tokens"]), float(r["kept"]), float(r["stored"])
             want = P.compute_n_kept(S, 0.75)
