@@ -5,10 +5,11 @@ which the model repeats the context: the prompt "\\n\\nRepeat the previous conte
 a newline, then the context itself. A prefill node that runs a Hugging Face Llama-family model
 (q_proj, RoPE, no query norm) gets those queries with one more forward pass:
 
-    from kvc.recon import reconstruction_queries
+    import kvc.spec
+    from kvc.recon import reconstruction_inputs
     q, lse = reconstruction_inputs(model, tokenizer, context_ids)  # [Hq, S, D], [Hq, S]
     client.put(cache_id, [(k[l], v[l], q[l], lse[l]) for l in range(L)],
-               compression="kvzip:0.1,stats=1,ada=0.2,xlayer=1")
+               compression=kvc.spec.parse("kvzip:0.1,stats=1,ada=0.2,xlayer=1"))
 
 `lse` (sent as the layer's q_stats with `stats=1`) is each query row's log-sum-exp over the keys
 of the pass's own tokens up to it, which kvcd does not hold: KVzip's softmax runs over them too,
