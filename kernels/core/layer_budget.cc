@@ -59,9 +59,7 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> AllocateAcrossLayers(
     const int B = EffectiveBudget(spec, l, S);
     const ProtectedTokens p = ProtectedFor(spec, shape, B);
     const int first = p.sinks, last = S - p.recent, prot = p.sinks + p.recent;
-    int own = static_cast<int>(std::floor(spec.adaptive_floor * B));
-    if (prot == 0) own = std::max(own, 1);
-    own = std::clamp(own, 0, B - prot);
+    const int own = OwnCandidates(spec.adaptive_floor, B, prot);
     extra += static_cast<uint64_t>(H) * static_cast<uint64_t>(B - prot - own);
     CrossHeadScores(scores[l]->data(), H, S, spec.policy, norm.data());
     for (int h = 0; h < H; ++h) {
@@ -69,16 +67,9 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> AllocateAcrossLayers(
       const float* nh = norm.data() + static_cast<size_t>(h) * S;
       cand.resize(static_cast<size_t>(last - first));
       std::iota(cand.begin(), cand.end(), first);
-      // The head's own picks: its top `own` by raw score (strict order: score, then position).
-      auto better = [raw](int32_t a, int32_t b) {
-        const float sa = raw[a], sb = raw[b];
-        const bool na = std::isnan(sa), nb = std::isnan(sb);
-        if (na != nb) return nb;
-        if (!na && sa != sb) return sa > sb;
-        return a < b;
-      };
+      // The head's own picks: its top `own` by raw score.
       if (own < static_cast<int>(cand.size())) {
-        std::nth_element(cand.begin(), cand.begin() + own, cand.end(), better);
+        std::nth_element(cand.begin(), cand.begin() + own, cand.end(), HigherScoreFirst{raw});
       }
       // The rest compete, in position order (so ties at the threshold go to lower positions).
       std::sort(cand.begin() + own, cand.end());

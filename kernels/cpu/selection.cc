@@ -27,13 +27,7 @@ void SelectHead(const float* score, int S, int budget, const Protected& p, int32
       Scratch::ForThisThread().cand.Get<int32_t>(static_cast<size_t>(std::max(last - first, 1)));
   int32_t* cand_end = cand_begin + (last - first);
   std::iota(cand_begin, cand_end, first);
-  auto better = [score](int32_t a, int32_t b) {
-    const float sa = score[a], sb = score[b];
-    const bool na = std::isnan(sa), nb = std::isnan(sb);
-    if (na != nb) return nb;  // a non-NaN score beats NaN
-    if (!na && sa != sb) return sa > sb;
-    return a < b;
-  };
+  const HigherScoreFirst better{score};
   if (want <= 0) {
     cand_end = cand_begin;
   } else if (want < cand_end - cand_begin) {
@@ -47,17 +41,6 @@ void SelectHead(const float* score, int S, int budget, const Protected& p, int32
   for (int i = last; i < S; ++i) out[n++] = i;
 }
 
-// Strict total order on candidates of one head: higher score first, NaN last, then lower position.
-struct Better {
-  const float* score;
-  bool operator()(int32_t a, int32_t b) const {
-    const float sa = score[a], sb = score[b];
-    const bool na = std::isnan(sa), nb = std::isnan(sb);
-    if (na != nb) return nb;
-    if (!na && sa != sb) return sa > sb;
-    return a < b;
-  }
-};
 
 // Head-adaptive selection (see SelectTokens in kvc/selection.h): per head the protected tokens
 // and its own top `floor` candidates, then the rest of H * B to the best normalised candidates of
@@ -67,9 +50,7 @@ void SelectAdaptive(const float* scores, int H, int S, int budget, const Protect
   const int first = p.sinks, last = S - p.recent;  // candidates: [first, last) of every head
   const int n_cand = last - first;
   const int protected_count = p.sinks + p.recent;
-  int own = static_cast<int>(std::floor(e.adaptive_floor * budget));
-  if (protected_count == 0) own = std::max(own, 1);  // every head keeps at least one token
-  own = std::clamp(own, 0, budget - protected_count);
+  const int own = OwnCandidates(e.adaptive_floor, budget, protected_count);
 
   std::vector<float> norm(static_cast<size_t>(H) * S);
   CrossHeadScores(scores, H, S, e.policy, norm.data());
@@ -83,7 +64,7 @@ void SelectAdaptive(const float* scores, int H, int S, int budget, const Protect
   pool.reserve(static_cast<size_t>(H) * std::max(0, n_cand - own));
   std::vector<int32_t> cand(static_cast<size_t>(n_cand));
   for (int h = 0; h < H; ++h) {
-    const Better better{scores + static_cast<size_t>(h) * S};
+    const HigherScoreFirst better{scores + static_cast<size_t>(h) * S};
     std::iota(cand.begin(), cand.end(), first);
     if (own < n_cand) std::nth_element(cand.begin(), cand.begin() + own, cand.end(), better);
     chosen[h].assign(cand.begin(), cand.begin() + own);

@@ -5,6 +5,8 @@
 #ifndef KVC_LAYER_BUDGET_H_
 #define KVC_LAYER_BUDGET_H_
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -13,6 +15,28 @@
 #include "kvc/spec.h"
 
 namespace kvc {
+
+// The strict order of one head's candidates: higher score first, NaN scores last, then the lower
+// position (so every selection is deterministic whatever nth_element does internally).
+struct HigherScoreFirst {
+  const float* score;  // the head's [S] scores
+  bool operator()(int32_t a, int32_t b) const {
+    const float sa = score[a], sb = score[b];
+    const bool na = std::isnan(sa), nb = std::isnan(sb);
+    if (na != nb) return nb;
+    if (!na && sa != sb) return sa > sb;
+    return a < b;
+  }
+};
+
+// Head-adaptive budgets: the candidates a head keeps of its own besides its `protected_count`
+// protected tokens, for a budget of B: floor(adaptive_floor * B), at least one token per head,
+// at most B - protected_count.
+inline int OwnCandidates(double adaptive_floor, int budget, int protected_count) {
+  int own = static_cast<int>(std::floor(adaptive_floor * budget));
+  if (protected_count == 0) own = std::max(own, 1);
+  return std::clamp(own, 0, budget - protected_count);
+}
 
 // Scores [H, S] made comparable across heads (and layers), by the policy row's cross_head:
 // attention-based and random scores as they are (attention mass or uniform draws mean the same
