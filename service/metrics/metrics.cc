@@ -151,6 +151,8 @@ struct Metrics::Impl {
   Counter* pool_mapped = nullptr;
   uint64_t pool_reused_seen ABSL_GUARDED_BY(mu) = 0;  // totals already added to the counters
   uint64_t pool_mapped_seen ABSL_GUARDED_BY(mu) = 0;
+  Gauge* staging_reserved = nullptr;
+  Gauge* staging_capacity = nullptr;
   Gauge* active_streams = nullptr;
   Gauge* compressions_running = nullptr;
   Family<Gauge>* build_info_family = nullptr;
@@ -282,6 +284,18 @@ struct Metrics::Impl {
                             .Register(r);
     pool_reused = &pool_family.Add({{"result", "reused"}});
     pool_mapped = &pool_family.Add({{"result", "mapped"}});
+    staging_reserved = &prometheus::BuildGauge()
+                            .Name("kvc_staging_reserved_bytes")
+                            .Help(
+                                "Staging reserved by uploads in flight (their declared bytes "
+                                "and engine scratch), at most --staging_bytes.")
+                            .Register(r)
+                            .Add({});
+    staging_capacity = &prometheus::BuildGauge()
+                            .Name("kvc_staging_capacity_bytes")
+                            .Help("The staging budget of uploads in flight (--staging_bytes).")
+                            .Register(r)
+                            .Add({});
     active_streams = &prometheus::BuildGauge()
                           .Name("kvc_active_streams")
                           .Help("PutCache and GetCache streams in progress.")
@@ -393,6 +407,11 @@ void Metrics::SetBufferPoolStats(uint64_t idle_bytes, uint64_t cap_bytes, uint64
     impl_->pool_mapped->Increment(double(mapped - impl_->pool_mapped_seen));
     impl_->pool_mapped_seen = mapped;
   }
+}
+
+void Metrics::SetStagingStats(uint64_t reserved_bytes, uint64_t capacity_bytes) {
+  impl_->staging_reserved->Set(double(reserved_bytes));
+  impl_->staging_capacity->Set(double(capacity_bytes));
 }
 
 void Metrics::StreamStarted() { impl_->active_streams->Increment(); }

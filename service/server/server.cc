@@ -92,7 +92,12 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
   const absl::Duration idle = absl::Seconds(config.stream_idle_seconds);
   s->reaper_ = std::make_unique<StreamReaper>(idle, std::min(idle / 4, absl::Milliseconds(250)));
   s->peer_streams_ = std::make_unique<PeerStreams>(EffectiveStreamsPerPeer(config));
-  s->staging_budget_ = std::make_unique<StagingBudget>(EffectiveStagingBytes(config));
+  const uint64_t staging_bytes = EffectiveStagingBytes(config);
+  s->staging_budget_ = std::make_unique<StagingBudget>(
+      staging_bytes, [metrics, staging_bytes](uint64_t reserved) {
+        metrics->SetStagingStats(reserved, staging_bytes);  // metrics_ outlives every upload
+      });
+  metrics->SetStagingStats(0, staging_bytes);
 
   s->state_ = std::make_unique<ServiceState>();
   s->state_->auth = s->auth_.get();

@@ -128,8 +128,9 @@ std::string PeerKey(absl::string_view grpc_peer, const std::string& tenant_names
 }
 
 struct StagingBudget::Reservation::State {
-  explicit State(uint64_t c) : capacity(c) {}
+  State(uint64_t c, std::function<void(uint64_t)> f) : capacity(c), on_change(std::move(f)) {}
   const uint64_t capacity;
+  const std::function<void(uint64_t)> on_change;
   absl::Mutex mu;
   uint64_t reserved ABSL_GUARDED_BY(mu) = 0;
 };
@@ -148,13 +149,14 @@ void StagingBudget::Reservation::Release() {
   {
     absl::MutexLock lock(&state_->mu);
     state_->reserved -= bytes_;
+    if (state_->on_change) state_->on_change(state_->reserved);
   }
   state_.reset();
   bytes_ = 0;
 }
 
-StagingBudget::StagingBudget(uint64_t capacity)
-    : state_(std::make_shared<Reservation::State>(capacity)) {}
+StagingBudget::StagingBudget(uint64_t capacity, std::function<void(uint64_t)> on_change)
+    : state_(std::make_shared<Reservation::State>(capacity, std::move(on_change))) {}
 
 absl::StatusOr<StagingBudget::Reservation> StagingBudget::Reserve(uint64_t bytes) {
   absl::MutexLock lock(&state_->mu);
@@ -165,6 +167,7 @@ absl::StatusOr<StagingBudget::Reservation> StagingBudget::Reserve(uint64_t bytes
         state_->reserved, " of --staging_bytes=", state_->capacity, "; retry later"));
   }
   state_->reserved += bytes;
+  if (state_->on_change) state_->on_change(state_->reserved);
   Reservation r;
   r.state_ = state_;
   r.bytes_ = bytes;

@@ -131,10 +131,12 @@ class PeerStreams {
 std::string PeerKey(absl::string_view grpc_peer, const std::string& tenant_namespace);
 
 // Bytes reserved by uploads in flight, at most capacity(). A Reservation gives its bytes back
-// when destroyed; it may outlive the budget object.
+// when destroyed; it may outlive the budget object. `on_change`, when set, is told the reserved
+// total after every change (under the budget's lock, so calls arrive in order; keep it cheap).
 class StagingBudget {
  public:
-  explicit StagingBudget(uint64_t capacity);
+  explicit StagingBudget(uint64_t capacity,
+                         std::function<void(uint64_t reserved)> on_change = nullptr);
 
   class Reservation {
    public:

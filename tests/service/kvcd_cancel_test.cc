@@ -36,7 +36,10 @@ std::unique_ptr<KvcdProcess> StartKvcd(std::vector<std::string> flags) {
   KvcdProcess::Options opts;
   // $KVCD_PATH runs the test against another kvcd (e.g. an older one, to measure it).
   opts.binary = std::getenv("KVCD_PATH") != nullptr ? std::getenv("KVCD_PATH") : KVCD_PATH;
-  opts.flags = {"--store_bytes=512MiB", "--stream_idle_seconds=120"};
+  // One compression thread and a work budget that admits Heavy(): its scoring then takes
+  // several seconds, whatever the machine's core count, so a 4 s deadline passes during it.
+  opts.flags = {"--store_bytes=512MiB", "--stream_idle_seconds=120", "--threads=1",
+                "--work_flops_per_byte=65536"};
   opts.flags.insert(opts.flags.end(), flags.begin(), flags.end());
   opts.flags.push_back("--backend=cpu");
   // kvcd inherits the environment: no AMX scoring (see Heavy()).
@@ -46,12 +49,13 @@ std::unique_ptr<KvcdProcess> StartKvcd(std::vector<std::string> flags) {
   return p.ok() ? *std::move(p) : nullptr;
 }
 
-// One layer of keyformer over 16384 tokens with W = S: tens of seconds of compression with
-// fp32 sgemm scoring. AMX scoring (kvc/cpu_isa.h level amx) does it in a few seconds, too short for
-// these tests, so StartKvcd caps kvcd's kernels below it (unless KVC_CPU_ISA already caps them).
+// One layer of kvzip over 32768 tokens with 8192 rows that each see every key: 9 s of compression
+// on kvcd's one thread with fp32 sgemm scoring on an AVX-512 core. AMX scoring (kvc/cpu_isa.h
+// level amx) is several times faster, so StartKvcd caps kvcd's kernels below it (unless
+// KVC_CPU_ISA already caps them).
 const std::vector<pb::PutCacheRequest>& Heavy() {
   static const auto* const requests =
-      new std::vector<pb::PutCacheRequest>(testing::HeavyRequests(1, 16384));
+      new std::vector<pb::PutCacheRequest>(testing::HeavyRequests(32768, 8192));
   return *requests;
 }
 
@@ -99,7 +103,7 @@ TEST_F(KvcdCancelTest, ClientGoneStopsItsCompression) {
 
 TEST_F(KvcdCancelTest, DeadlinePassedStopsItsCompression) {
   StartLoaded();
-  // The bytes take well under a second; the deadline passes while compressing.
+  // The bytes take about a second; the deadline passes while compressing (9 s on one AVX-512 core).
   auto up = Compressing("late", absl::Seconds(4));
   EXPECT_EQ(up->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   const double stopped = SecondsUntilStopped(*kvcd_, absl::Seconds(30));
@@ -145,7 +149,7 @@ TEST_F(KvcdCancelTest, CompressionPastItsTimeoutIsStopped) {
 // --drain_seconds, abandons the compressions and exits within the drain + 5 s.
 TEST_F(KvcdCancelTest, SigtermEndsKvcdWithinTheDrainDeadline) {
   constexpr double kDrain = 1;
-  StartLoaded({"--drain_seconds=1", "--staging_bytes=512MiB"});
+  StartLoaded({"--drain_seconds=1", "--staging_bytes=512MiB", "--threads=2"});
   // Two compress (one job per pool worker, --threads=2), the third waits in the pool's queue.
   std::vector<std::unique_ptr<testing::HeavyUpload>> ups;
   ups.push_back(Compressing("term/0"));

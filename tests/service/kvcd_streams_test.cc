@@ -382,7 +382,13 @@ TEST(KvcdStreamsTest, StalledUploadsCannotStageMoreThanTheBudget) {
   EXPECT_EQ(idle, 2);
   EXPECT_EQ(refused, kUploads - 2);
   EXPECT_EQ(Metric(*kvcd, "kvc_rejected_requests_total{reason=\"staging\"}"), kUploads - 2);
-  // The staging came back: an upload of the same size is accepted and stored.
+  EXPECT_EQ(Metric(*kvcd, "kvc_staging_capacity_bytes"), kStaging);
+  // The staging comes back once kvcd has dropped the ended uploads (just after their clients saw
+  // the end): then an upload of the same size is accepted and stored.
+  EXPECT_TRUE(testing::WaitForMetric(kvcd->metrics_address(), "kvc_staging_reserved_bytes", 0,
+                                     absl::Seconds(60))
+                  .ok())
+      << "staging still reserved: " << Metric(*kvcd, "kvc_staging_reserved_bytes");
   auto stub = testing::NewStub(kvcd->address());
   cache.header.set_cache_id("after");
   grpc::Status s = testing::Put(stub.get(), testing::MakeRequests(cache, 1 << 20), nullptr);

@@ -111,6 +111,8 @@ TEST(MetricsTest, EveryFamilyExistsWithItsTypeAndHelp) {
       {"kvc_build_info", "gauge"},
       {"kvc_active_streams", "gauge"},
       {"kvc_compressions_running", "gauge"},
+      {"kvc_staging_reserved_bytes", "gauge"},
+      {"kvc_staging_capacity_bytes", "gauge"},
   };
   for (const auto& [name, type] : families) {
     EXPECT_EQ(TypeOf(text, name), type) << name;
@@ -146,6 +148,7 @@ TEST(MetricsTest, KnownSeriesExistFromStartAtZero) {
   EXPECT_EQ(Sample(text, "kvc_ingest_bytes_total"), 0);
   EXPECT_EQ(Sample(text, "kvc_active_streams"), 0);
   EXPECT_EQ(Sample(text, "kvc_compressions_running"), 0);
+  EXPECT_EQ(Sample(text, "kvc_staging_reserved_bytes"), 0);
   // Histogram buckets: 100us first, 60s last, then +Inf.
   EXPECT_EQ(Sample(text, "grpc_server_handling_seconds_bucket",
                    {{"grpc_method", "PutCache"}, {"le", "0.0001"}}),

@@ -122,5 +122,21 @@ TEST(StagingBudgetTest, ReservesUpToCapacityAndGivesBack) {
   r->Release();
 }
 
+// The observer (kvcd's kvc_staging_reserved_bytes) sees every change in order, and a refused
+// reservation changes nothing.
+TEST(StagingBudgetTest, TellsTheObserverEveryChange) {
+  std::vector<uint64_t> seen;
+  StagingBudget budget(100, [&seen](uint64_t reserved) { seen.push_back(reserved); });
+  auto a = budget.Reserve(60);
+  ASSERT_TRUE(a.ok());
+  EXPECT_FALSE(budget.Reserve(41).ok());
+  auto b = budget.Reserve(30);
+  ASSERT_TRUE(b.ok());
+  a->Release();
+  a->Release();
+  b->Release();
+  EXPECT_THAT(seen, ::testing::ElementsAre(60u, 90u, 30u, 0u));
+}
+
 }  // namespace
 }  // namespace kvc::server

@@ -62,12 +62,12 @@ bool WaitForCpu(pid_t pid, double cores, absl::Duration timeout) {
   return false;
 }
 
-std::vector<kvcache::v1::PutCacheRequest> HeavyRequests(int layers, int seq_len) {
+std::vector<kvcache::v1::PutCacheRequest> HeavyRequests(int seq_len, int window) {
   TestCache cache =
-      MakeTestCache("heavy", Shape(layers, 2, 16, 128, static_cast<uint32_t>(seq_len), seq_len),
+      MakeTestCache("heavy", Shape(1, 2, 16, 128, static_cast<uint32_t>(seq_len), window),
                     kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 17);
   auto* e = cache.header.mutable_compression()->mutable_eviction();
-  e->set_policy("keyformer");
+  e->set_policy("kvzip");
   e->set_keep_ratio(0.5);
   return MakeRequests(cache, 1 << 20);
 }

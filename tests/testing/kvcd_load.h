@@ -34,11 +34,14 @@ double CpuCores(pid_t pid, absl::Duration window);
 // returns whether it did.
 bool WaitForCpu(pid_t pid, double cores, absl::Duration timeout);
 
-// A keyformer upload with W = S = `seq_len` over `layers` layers of 2 KV heads, 16 query heads,
-// D = 128, fp16: 84 MB per layer at 16384 tokens and about 5.5e11 flops of compression per layer
-// (tens of seconds on two cores), within kvcd's default work budget. The requests are built once
-// and reused for every Start (the header's id and overwrite are set per upload).
-std::vector<kvcache::v1::PutCacheRequest> HeavyRequests(int layers, int seq_len);
+// A kvzip upload (every one of the `window` reconstruction rows sees all `seq_len` keys) over one
+// layer of 2 KV heads, 16 query heads, D = 128, fp16: at 32768 tokens and 8192 rows, 64 MiB and
+// about 1.1e12 flops of scoring (9 s on one AVX-512 core without AMX), more than kvcd's
+// default work budget allows: the kvcd it goes to needs --work_flops_per_byte=65536. A test that
+// needs compression to outlast a deadline runs kvcd with --threads=1, so the time is the
+// sequential scorer's. Built once by the caller and reused (the header's id and overwrite are set
+// per upload).
+std::vector<kvcache::v1::PutCacheRequest> HeavyRequests(int seq_len, int window);
 
 // A compute-bound heavy upload: expected attention over `seq_len` tokens of 2 KV heads with 64
 // query heads of D = 256 (W = 64), one layer, fp16: about 1.2 MB per 1K tokens and 8.6 Mflop

@@ -7,11 +7,15 @@
 //   grpc_server_handled_total{grpc_method,grpc_code}      counter
 //   grpc_server_handling_seconds{grpc_method}             histogram, 100us .. 60s
 //   kvc_ingest_bytes_total, kvc_served_bytes_total        counters
-//   kvc_compress_duration_seconds{stage}                  histogram;
-//   score|select|pack|quantize|total kvc_compression_ratio histogram, 1 .. 64 kvc_store_used_bytes,
-//   kvc_store_capacity_bytes, kvc_store_entries   gauges kvc_evictions_total{reason} counter;
-//   capacity|ttl|overwrite|deleted kvc_rejected_requests_total{reason}                   counter;
-//   see RejectionReasonName kvc_gpu_memory_used_bytes, kvc_active_streams         gauges
+//   kvc_compress_duration_seconds{stage}                  histogram; score|select|pack|quantize|total
+//   kvc_compression_ratio                                 histogram, 1 .. 64
+//   kvc_store_used_bytes, kvc_store_capacity_bytes, kvc_store_entries     gauges
+//   kvc_evictions_total{reason}                           counter; capacity|ttl|overwrite|deleted
+//   kvc_rejected_requests_total{reason}                   counter; see RejectionReasonName
+//   kvc_gpu_memory_used_bytes, kvc_active_streams          gauges
+//   kvc_buffer_pool_idle_bytes, kvc_buffer_pool_capacity_bytes  gauges;
+//   kvc_buffer_pool_requests_total{result}                counter; reused|mapped
+//   kvc_staging_reserved_bytes, kvc_staging_capacity_bytes  gauges: the --staging_bytes budget
 //   kvc_compressions_running                              gauge: layer compressions in progress
 //   kvc_build_info{version,backend}                       gauge, always 1
 // Series for the KvCache service's methods (with every gRPC code), the stages and the reasons
@@ -98,6 +102,8 @@ class Metrics {
   // the pool's running totals of requests, exported as kvc_buffer_pool_requests_total{result}.
   void SetBufferPoolStats(uint64_t idle_bytes, uint64_t cap_bytes, uint64_t reused,
                           uint64_t mapped);
+  // The upload staging budget (--staging_bytes): bytes reserved by uploads in flight and the cap.
+  void SetStagingStats(uint64_t reserved_bytes, uint64_t capacity_bytes);
   void StreamStarted();   // kvc_active_streams + 1
   void StreamFinished();  // kvc_active_streams - 1
   // kvc_compressions_running + delta: layer compression jobs running in the engine.
