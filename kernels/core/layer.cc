@@ -17,7 +17,7 @@ absl::Status Invalid(const char* field, const std::string& what) {
 
 }  // namespace
 
-absl::Status ValidateShape(const LayerShape& shape) {
+absl::Status ValidateShape(const LayerShape& shape, bool rows_after_context) {
   if (shape.num_kv_heads < 1) {
     return Invalid("shape.num_kv_heads", absl::StrCat(shape.num_kv_heads, " must be >= 1"));
   }
@@ -36,9 +36,13 @@ absl::Status ValidateShape(const LayerShape& shape) {
     return Invalid("shape.head_dim", absl::StrCat(shape.head_dim, " is outside [", kMinHeadDim,
                                                   ", ", kMaxHeadDim, "]"));
   }
-  if (shape.obs_window < 0 || shape.obs_window > shape.seq_len) {
+  if (shape.obs_window < 0) {
+    return Invalid("shape.obs_window", absl::StrCat(shape.obs_window, " must be >= 0"));
+  }
+  if (shape.obs_window > shape.seq_len && !rows_after_context) {
     return Invalid("shape.obs_window",
-                   absl::StrCat(shape.obs_window, " is outside [0, seq_len ", shape.seq_len, "]"));
+                   absl::StrCat(shape.obs_window, " is outside [0, seq_len ", shape.seq_len,
+                                "] (only kvzip's reconstruction rows may outnumber the tokens)"));
   }
   // The element counts are checked products: each field may be up to INT32_MAX, so the exact
   // product can exceed 64 bits, and a wrapped count would pass the limit below. Within the limit,
@@ -65,7 +69,8 @@ absl::Status ValidateShape(const LayerShape& shape) {
 }
 
 absl::Status ValidateInput(const LayerInput& in, bool allow_device) {
-  if (absl::Status s = ValidateShape(in.shape); !s.ok()) return s;
+  // The spec decides whether W may exceed S (ValidateSpec); every engine entry checks both.
+  if (absl::Status s = ValidateShape(in.shape, /*rows_after_context=*/true); !s.ok()) return s;
   const auto dtype = static_cast<uint8_t>(in.dtype);
   if (dtype > static_cast<uint8_t>(DType::kBF16)) {
     return Invalid("dtype", absl::StrCat("unknown value ", dtype));

@@ -53,7 +53,10 @@ absl::StatusOr<UploadHeader> HeaderFromProto(const kvcache::v1::PutCacheHeader& 
   }
   UploadHeader out;
   out.num_layers = static_cast<int>(h.shape().num_layers());
-  ASSIGN_OR_RETURN(out.shape, ShapeFromProto(h.shape()));
+  // kvzip's rows come from a reconstruction pass after the prompt: they may outnumber its tokens.
+  const auto policy = ParseEvictionPolicy(h.compression().eviction().policy());
+  ASSIGN_OR_RETURN(out.shape,
+                   ShapeFromProto(h.shape(), policy.ok() && *policy == EvictionPolicy::kKVzip));
   ASSIGN_OR_RETURN(out.dtype, FromProto(h.dtype()));
   ASSIGN_OR_RETURN(out.layout, FromProto(h.layout()));
   ASSIGN_OR_RETURN(out.spec, SpecFromProto(h.compression(), out.shape, out.num_layers));
@@ -115,7 +118,8 @@ kvcache::v1::Layout ToProto(Layout layout) {
   return layout == Layout::kNHD ? kvcache::v1::LAYOUT_NHD : kvcache::v1::LAYOUT_HND;
 }
 
-absl::StatusOr<LayerShape> ShapeFromProto(const kvcache::v1::ModelShape& p) {
+absl::StatusOr<LayerShape> ShapeFromProto(const kvcache::v1::ModelShape& p,
+                                          bool rows_after_context) {
   // Values above INT32_MAX would wrap in the engine's int fields.
   const uint32_t fields[] = {p.num_kv_heads(), p.num_q_heads(), p.head_dim(), p.seq_len(),
                              p.obs_window()};
@@ -129,7 +133,7 @@ absl::StatusOr<LayerShape> ShapeFromProto(const kvcache::v1::ModelShape& p) {
   s.head_dim = static_cast<int>(p.head_dim());
   s.seq_len = static_cast<int>(p.seq_len());
   s.obs_window = static_cast<int>(p.obs_window());
-  RETURN_IF_ERROR(Qualify(ValidateShape(s), "header."));
+  RETURN_IF_ERROR(Qualify(ValidateShape(s, rows_after_context), "header."));
   return s;
 }
 

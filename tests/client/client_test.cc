@@ -193,6 +193,13 @@ TEST(Client, PutCacheValidatesBeforeSending) {
   expect_invalid(h, bad, "layers[0]");
   // A valid request does reach the network.
   EXPECT_EQ(c->PutCache(SmallHeader(), layers).status().code(), absl::StatusCode::kUnavailable);
+  // kvzip's reconstruction rows may outnumber the tokens (W = 17 > S = 16).
+  std::vector<uint16_t> q17(4 * 17 * 8);
+  const LayerTensors rows{kv.data(), kv.data(), q17.data()};
+  h = SmallHeader();
+  h.mutable_shape()->set_obs_window(17);
+  h.mutable_compression()->mutable_eviction()->set_policy("kvzip");
+  EXPECT_EQ(c->PutCache(h, {rows, rows}).status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST(Client, GetCacheValidatesOptions) {

@@ -60,6 +60,23 @@ TEST(ValidateShapeTest, RejectsEachBadField) {
   ExpectInvalid(s, "shape.obs_window");
   s.obs_window = -1;
   ExpectInvalid(s, "shape.obs_window");
+  EXPECT_FALSE(ValidateShape(s, /*rows_after_context=*/true).ok());
+}
+
+// kvzip's reconstruction rows may outnumber the tokens; the element limit still holds for them.
+TEST(ValidateShapeTest, RowsAfterTheContextMayExceedSeqLen) {
+  LayerShape s = GoodShape();
+  s.obs_window = s.seq_len + 1;
+  EXPECT_TRUE(ValidateShape(s, /*rows_after_context=*/true).ok());
+  s.obs_window = 10 * s.seq_len;
+  EXPECT_TRUE(ValidateShape(s, /*rows_after_context=*/true).ok());
+  s = {.num_kv_heads = 1, .num_q_heads = 1024, .seq_len = 1, .head_dim = 256,
+       .obs_window = 1 << 18};  // Q_obs at 2^36 elements: the limit
+  EXPECT_TRUE(ValidateShape(s, /*rows_after_context=*/true).ok());
+  s.obs_window += 1;
+  const absl::Status st = ValidateShape(s, /*rows_after_context=*/true);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("Q_obs has"));
 }
 
 TEST(ValidateShapeTest, RejectsElementCountsAboveTheLimit) {

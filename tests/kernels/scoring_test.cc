@@ -65,7 +65,9 @@ TEST(ScoreTokensTest, KVzipMatchesReferenceOverShapes) {
     int hkv, g, S, D, W;
   };
   for (const Case& c : std::vector<Case>{
-           {1, 1, 1, 8, 1}, {2, 4, 37, 16, 5}, {3, 3, 64, 64, 64}, {1, 2, 1500, 64, 1500}}) {
+           {1, 1, 1, 8, 1}, {2, 4, 37, 16, 5}, {3, 3, 64, 64, 64}, {1, 2, 1500, 64, 1500},
+           // more rows than tokens (the reconstruction prompt's own queries come first)
+           {1, 1, 1, 8, 9}, {2, 3, 40, 64, 49}}) {
     for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
       const LayerShape shape{c.hkv, c.hkv * c.g, c.S, c.D, c.W};
       EvictionSpec spec;

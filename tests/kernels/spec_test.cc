@@ -27,6 +27,25 @@ TEST(ValidateSpecTest, DefaultsAreValid) {
   EXPECT_TRUE(ValidateSpec(CompressionSpec(), Shape(0), 0).ok());
 }
 
+// Only kvzip's rows (a reconstruction pass after the prompt) may outnumber the prompt's tokens;
+// every other reader of Q_obs takes row t as prompt position S - W + t.
+TEST(ValidateSpecTest, ObsWindowPastSeqLenOnlyForKVzip) {
+  CompressionSpec s;
+  s.eviction.policy = EvictionPolicy::kKVzip;
+  EXPECT_TRUE(ValidateSpec(s, Shape(109), 0).ok());
+  s.channels.key_policy = ChannelPolicy::kThink;
+  s.channels.key_lambda = 0.5;
+  s.channels.prune_values = true;
+  s.channels.value_lambda = 0.5;
+  EXPECT_TRUE(ValidateSpec(s, Shape(109), 0).ok());
+  for (EvictionPolicy p : {EvictionPolicy::kNone, EvictionPolicy::kH2O, EvictionPolicy::kSnapKV,
+                           EvictionPolicy::kKeyformer, EvictionPolicy::kExpectedAttention}) {
+    s = {};
+    s.eviction.policy = p;
+    ExpectInvalid(s, "shape.obs_window: 109 exceeds seq_len 100", 109);
+  }
+}
+
 TEST(ValidateSpecTest, EvictionLimits) {
   CompressionSpec s;
   s.eviction.policy = EvictionPolicy::kH2O;

@@ -35,8 +35,15 @@ def test_queries_are_the_models_own_and_both_paths_agree():
     model, tok = tiny_llama(), CharTokenizer()
     context = [5 + (7 * i) % 50 for i in range(40)]
     S = len(context)
+    W = len(recon.repeat_ids(tok, context))  # every row of the pass: more than S
+    assert W > S
     q = recon.reconstruction_queries(model, tok, context)
-    assert len(q) == 2 and tuple(q[0].shape) == (4, S, 16)
+    assert len(q) == 2 and tuple(q[0].shape) == (4, W, 16)
+    # rows="context": the last S of the same rows
+    qc = recon.reconstruction_queries(model, tok, context, rows="context")
+    assert tuple(qc[0].shape) == (4, S, 16)
+    for a, b in zip(q, qc):
+        torch.testing.assert_close(a[:, -S:], b, rtol=1e-5, atol=1e-5)
 
     # With the context's cache the pass runs over the repetition only: the same queries.
     cache = transformers.DynamicCache()
@@ -55,7 +62,7 @@ def test_queries_are_the_models_own_and_both_paths_agree():
                           output_attentions=True)
     for layer, (qa, att) in enumerate(zip(q, out.attentions)):
         keys = cache.layers[layer].keys[0, :, :S].float()  # [Hkv, S, D], post-RoPE
-        p = att[0, :, -S:, :S].float()  # [Hq, S rows, S context keys]
+        p = att[0, :, -W:, :S].float()  # [Hq, W rows, S context keys]
         for h in range(4):
             k = keys[h // 2]
             logits = qa[h] @ k.T / math.sqrt(16)
@@ -69,7 +76,8 @@ def test_row_log_mass_is_the_attention_the_model_gives_its_own_tokens():
     context = [5 + (11 * i) % 50 for i in range(30)]
     S = len(context)
     q, lse = recon.reconstruction_inputs(model, tok, context)
-    assert tuple(lse[0].shape) == (4, S)
+    W = len(recon.repeat_ids(tok, context))
+    assert tuple(lse[0].shape) == (4, W)
     ids = context + recon.repeat_ids(tok, context)
     cache = transformers.DynamicCache()
     with torch.no_grad():
@@ -77,7 +85,7 @@ def test_row_log_mass_is_the_attention_the_model_gives_its_own_tokens():
                           output_attentions=True)
     for layer, (qa, m, att) in enumerate(zip(q, lse, out.attentions)):
         keys = cache.layers[layer].keys[0, :, :S].float()
-        p = att[0, :, -S:, :].float()  # [Hq, S rows, all keys]
+        p = att[0, :, -W:, :].float()  # [Hq, W rows, all keys]
         for h in range(4):
             ctx = torch.logsumexp(qa[h] @ keys[h // 2].T / math.sqrt(16), dim=-1)
             # mass on the pass's own tokens over mass on the context, as the model computed it
@@ -85,6 +93,8 @@ def test_row_log_mass_is_the_attention_the_model_gives_its_own_tokens():
             torch.testing.assert_close(m[h] - ctx, want, rtol=1e-3, atol=1e-3)
 
 
-def test_empty_context_is_refused():
+def test_empty_context_and_unknown_rows_are_refused():
     with pytest.raises(ValueError, match="empty context"):
         recon.reconstruction_queries(tiny_llama(), CharTokenizer(), [])
+    with pytest.raises(ValueError, match="rows='last'"):
+        recon.reconstruction_queries(tiny_llama(), CharTokenizer(), [5, 6], rows="last")

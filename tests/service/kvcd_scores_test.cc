@@ -137,6 +137,14 @@ TEST_F(KvcdScoresTest, RoundTripsMatchTheEngineIncludingObsWindowZero) {
     cases.push_back(c);
   }
   {
+    // kvzip's reconstruction pass has more rows than the context has tokens (its instruction's
+    // queries come first): W = S + 12.
+    Case c{"kvzip-rows-past-s", kS + 12, "kvzip", {}, false, true};
+    c.spec.eviction.policy = EvictionPolicy::kKVzip;
+    c.spec.eviction.query_stats = true;
+    cases.push_back(c);
+  }
+  {
     Case c{"h2o-value-add", 8, "h2o", {}, false, false, "add"};
     c.spec.eviction.policy = EvictionPolicy::kH2O;
     c.spec.eviction.value_weight = ValueWeight::kAdd;
@@ -144,10 +152,11 @@ TEST_F(KvcdScoresTest, RoundTripsMatchTheEngineIncludingObsWindowZero) {
   }
   auto stub = testing::NewStub(kvcd_->address());
   const RopeParams rope{10000.0, 0, /*half_split=*/true, 1.0};
-  const std::vector<std::vector<float>> moments = Stats(kHq, kD), masses = Masses(kHq, 8);
+  const std::vector<std::vector<float>> moments = Stats(kHq, kD);
   for (Case& c : cases) {
     SCOPED_TRACE(c.name);
-    const std::vector<std::vector<float>>& stats = c.policy == "kvzip" ? masses : moments;
+    const std::vector<std::vector<float>> stats =
+        c.policy == "kvzip" ? Masses(kHq, c.window) : moments;
     TestCache cache = testing::MakeTestCache("scores/" + c.name,
                                              testing::Shape(kLayers, kHkv, kHq, kD, kS, c.window),
                                              pb::DTYPE_F16, pb::LAYOUT_HND, 17);
@@ -189,6 +198,9 @@ TEST_F(KvcdScoresTest, BadFieldsAreInvalidArgumentNamingThem) {
       {"h2o-w0", "obs_window", 0,
        [](auto& h) { h.mutable_compression()->mutable_eviction()->set_policy("h2o"); }},
       {"snapkv-w0", "obs_window", 0,
+       [](auto& h) { h.mutable_compression()->mutable_eviction()->set_policy("snapkv"); }},
+      // Only kvzip's rows may outnumber the tokens: snapkv's are the prompt's last W positions.
+      {"snapkv-w-past-s", "header.shape.obs_window: 97 is outside [0, seq_len 96]", kS + 1,
        [](auto& h) { h.mutable_compression()->mutable_eviction()->set_policy("snapkv"); }},
       {"expected-no-rope", "header.rope", 8,
        [](auto& h) { h.mutable_compression()->mutable_eviction()->set_policy("expected"); }},

@@ -7,7 +7,7 @@ a newline, then the context itself. A prefill node that runs a Hugging Face Llam
 
     import kvc.spec
     from kvc.recon import reconstruction_inputs
-    q, lse = reconstruction_inputs(model, tokenizer, context_ids)  # [Hq, S, D], [Hq, S]
+    q, lse = reconstruction_inputs(model, tokenizer, context_ids)  # [Hq, W, D], [Hq, W]
     client.put(cache_id, [(k[l], v[l], q[l], lse[l]) for l in range(L)],
                compression=kvc.spec.parse("kvzip:0.1,stats=1,ada=0.2,xlayer=1"))
 
@@ -17,10 +17,12 @@ and kvcd adds that mass to each row's denominator. Without it (`reconstruction_q
 kvcd normalises over the context's keys only, which keeps a different set (docs/fidelity-smollm2.md
 measures both).
 
-The queries are those of the last S positions of the pass (the newline that starts the answer and
-the copies of context tokens 0..S-2, i.e. the queries that reproduce tokens 0..S-1), so W = S.
-The pass costs about twice the prefill of the context (it attends over the context and itself);
-with `past_key_values` holding the context's cache it costs one prefill of S + 9 tokens (the cache
+By default (`rows="all"`) the queries are those of every position of the pass, as KVzip scores:
+the prompt's and the newline's tokens (9 with SmolLM2's tokenizer) and the S copied context
+tokens, so W = len(repeat_ids(...)) = S + 9: more rows than the context has tokens, which kvcd
+accepts for kvzip only. `rows="context"` keeps the last S (those of the copied context tokens;
+W = S), for a kvcd older than that. The pass costs about twice the prefill of the context (it
+attends over the context and itself); with `past_key_values` holding the context's cache it costs one prefill of S + 9 tokens (the cache
 grows by those tokens; pass a copy if it is needed afterwards). Needs torch and transformers,
 imported here only.
 """
@@ -80,28 +82,34 @@ def capture_last(model, n, keys=0):
 
 def row_log_mass(queries, repeat_keys):
     """Per query row, the log-sum-exp of q . k / sqrt(D) over the pass's own keys up to the
-    row: queries [Hq, S, D] are the pass's last S rows, repeat_keys [Hkv, n, D] all n of its
-    keys (n >= S); float32 [Hq, S]."""
+    row: queries [Hq, W, D] are the pass's last W rows, repeat_keys [Hkv, n, D] all n of its
+    keys (n >= W); float32 [Hq, W]."""
     import torch
-    hq, S, D = queries.shape
+    hq, W, D = queries.shape
     hkv, n, _ = repeat_keys.shape
     k = repeat_keys.float().repeat_interleave(hq // hkv, dim=0)  # [Hq, n, D]
-    a = queries.float() @ k.transpose(1, 2) / (D ** 0.5)  # [Hq, S, n]
-    pos = torch.arange(n - S, n).unsqueeze(1)  # row r sits at pass position n - S + r
+    a = queries.float() @ k.transpose(1, 2) / (D ** 0.5)  # [Hq, W, n]
+    pos = torch.arange(n - W, n).unsqueeze(1)  # row r sits at pass position n - W + r
     a = a.masked_fill(torch.arange(n).unsqueeze(0) > pos, float("-inf"))
     return torch.logsumexp(a, dim=-1).contiguous()
 
 
-def _run(model, tokenizer, context_ids, past_key_values):
+ROWS = ("all", "context")
+
+
+def _run(model, tokenizer, context_ids, past_key_values, rows):
     import torch
     from transformers import DynamicCache
+    if rows not in ROWS:
+        raise ValueError(f"reconstruction_queries: rows={rows!r} is not one of {ROWS}")
     S = len(context_ids)
     if S < 1:
         raise ValueError("reconstruction_queries: empty context")
     rep = repeat_ids(tokenizer, context_ids)
     ids = rep if past_key_values is not None else [int(t) for t in context_ids] + rep
     cache = past_key_values if past_key_values is not None else DynamicCache()
-    with torch.no_grad(), capture_last(model, S, keys=len(rep)) as store:
+    W = len(rep) if rows == "all" else S
+    with torch.no_grad(), capture_last(model, W, keys=len(rep)) as store:
         model.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
     queries, masses = [], []
     with torch.no_grad():
@@ -113,16 +121,17 @@ def _run(model, tokenizer, context_ids, past_key_values):
     return queries, masses
 
 
-def reconstruction_queries(model, tokenizer, context_ids, past_key_values=None):
-    """kvzip's Q_obs: per layer the post-RoPE queries [Hq, S, D] (float32) of the reconstruction
-    pass over `context_ids` (S tokens). Without `past_key_values` the pass runs over the context
-    and the repetition together; with it (the context's cache, S entries a layer) only the
-    repetition runs."""
-    return _run(model, tokenizer, context_ids, past_key_values)[0]
+def reconstruction_queries(model, tokenizer, context_ids, past_key_values=None, rows="all"):
+    """kvzip's Q_obs: per layer the post-RoPE queries [Hq, W, D] (float32) of the reconstruction
+    pass over `context_ids` (S tokens): all W = len(repeat_ids(...)) rows of the pass, or with
+    rows="context" its last W = S. Without `past_key_values` the pass runs over the context and
+    the repetition together; with it (the context's cache, S entries a layer) only the repetition
+    runs."""
+    return _run(model, tokenizer, context_ids, past_key_values, rows)[0]
 
 
-def reconstruction_inputs(model, tokenizer, context_ids, past_key_values=None):
+def reconstruction_inputs(model, tokenizer, context_ids, past_key_values=None, rows="all"):
     """(queries, log-masses): kvzip's Q_obs as reconstruction_queries returns them and, per
-    layer, each row's log-sum-exp over the pass's own keys (float32 [Hq, S]), sent as the
-    layer's q_stats with `stats=1`."""
-    return _run(model, tokenizer, context_ids, past_key_values)
+    layer, each row's log-sum-exp over the pass's own keys up to it (float32 [Hq, W]), sent as
+    the layer's q_stats with `stats=1`."""
+    return _run(model, tokenizer, context_ids, past_key_values, rows)

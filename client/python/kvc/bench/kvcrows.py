@@ -102,7 +102,8 @@ class Uploads:
         return self._q[W]
 
     def recon_q(self):
-        """kvzip rows' Q_obs: the reconstruction pass's queries (W = S), in the upload dtype."""
+        """kvzip rows' Q_obs: the reconstruction pass's queries (all of them: W = S + 9 with
+        SmolLM2), in the upload dtype."""
         if self.recon is None:
             raise ValueError("kvzip rows need the reconstruction pass (recon.Reconstruction)")
         if "recon" not in self._q:
@@ -110,7 +111,7 @@ class Uploads:
         return self._q["recon"]
 
     def recon_lse(self):
-        """kvzip rows' q_stats with stats=1: each reconstruction row's log-mass [Hq, S]."""
+        """kvzip rows' q_stats with stats=1: each reconstruction row's log-mass [Hq, W]."""
         if self.recon is None:
             raise ValueError("kvzip rows need the reconstruction pass (recon.Reconstruction)")
         return [x.float().contiguous() for x in self.recon.lse]
@@ -133,8 +134,11 @@ def compress(server, name, uploads, window, fmt="dense"):
     S = layers_in[0].keys.shape[2]
     cfg = config_for(spec, S)
     ev = cfg.get("eviction", {})
+    # kvzip's rows: every row of the reconstruction pass, or with `|rows=context` its last S
+    # (the copied context tokens only, W = S: what kvc sent before kvcd took W > S for kvzip).
+    last = S if opts.get("rows") == "context" else None
     if ev.get("policy") == "kvzip":
-        q = uploads.recon_q()
+        q = [x if last is None else x[:, -last:].contiguous() for x in uploads.recon_q()]
     elif kvc_spec.needs_queries(cfg):
         q = uploads.q_obs(W)
     else:
@@ -142,7 +146,7 @@ def compress(server, name, uploads, window, fmt="dense"):
     if not ev.get("query_stats"):
         st = None
     elif ev.get("policy") == "kvzip":
-        st = uploads.recon_lse()
+        st = [x if last is None else x[:, -last:].contiguous() for x in uploads.recon_lse()]
     else:
         st = uploads.q_stats(int(opts.get("skip", 4)))
     layers = [(k, v, q[i]) if st is None else (k, v, q[i], st[i])

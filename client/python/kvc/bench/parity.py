@@ -47,7 +47,7 @@ PAIRS = [
     ("adakv-expected", "expected:{r},stats=1,horizon=512,veps=0,ada=0.2", 64),
     ("snapkv+think0.5", "snapkv:{r},kernel=5,pool=avg+think:0.5", 64),
     # KVzip per layer (AdaKV-like selection over the layer's heads, sinks kept) against kvc's
-    # kvzip with no per-head floor; W = S (the reconstruction pass's queries, recon.py), with
+    # kvzip with no per-head floor; W = S + 9 (all the reconstruction pass's queries, recon.py), with
     # and without the rows' log-masses over the pass's own keys (stats=1).
     ("kvzip-layer", "kvzip:{r},ada=0,stats=1", 0),
     ("kvzip-layer", "kvzip:{r},ada=0", 0),
@@ -140,7 +140,7 @@ def expected_as_kvc_sets(press, model, layers_in):
 
 def kvzip_as_kvc_sets(recon, layers_in, keep, n_sink=4, lse=False):
     """Kept sets of KVzip per layer scored as kvcd scores it (kvc/selection.h, kvzip): the
-    maximum over the reconstruction queries (recon.q_obs, the last S of the pass) and the
+    maximum over the reconstruction queries (recon.q_obs, every row of the pass) and the
     group's heads of the softmax over the S context keys (with `lse`, plus each row's log-mass
     recon.lse in the denominator, as kvcd does with stats=1); then KVzipPress's per-layer
     selection (sinks kept, the layer's lowest scores over all heads dropped)."""

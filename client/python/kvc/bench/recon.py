@@ -12,18 +12,17 @@ every attention module:
   `score_val` [layers, 1, Hkv, S]; each kvpress row then runs the press's `compress_post` (its
   selection: across all layers and heads, or per layer with `layerwise`) on a copy of it and
   reads back `masked_key_indices`, as its attention patch would during decoding;
-- kvc.recon's capture of the post-RoPE queries of the last S positions of the pass (the
-  newline that opens the answer and the copies of context tokens 0..S-2: the queries that
-  reproduce tokens 0..S-1; what a user's prefill node runs), which kvc's `kvzip` rows upload as
-  Q_obs (W = S). kvcd's scorer
+- kvc.recon's capture of the post-RoPE queries of every position of the pass (the instruction's
+  and the newline's 9 tokens, then the S copied context tokens; what a user's prefill node runs
+  with kvc.recon), which kvc's `kvzip` rows upload as Q_obs (W = S + 9). kvcd's scorer
   (kernels/cpu/scoring.cc) gives each token the maximum of those queries' softmax over the S
   context keys.
 
 Where the two differ (the parity table in docs/fidelity-smollm2.md measures it): kvpress's
 softmax also runs over the reconstruction tokens' own keys, which kvcd does not hold; kvc's rows
 with `stats=1` send each row's log-mass over them (`lse`, kvc.recon.row_log_mass) and kvcd adds
-it to the denominator, without it kvcd normalises over the context only. kvpress also takes the
-~9 queries of the instruction, which do not fit kvc's W <= S.
+it to the denominator, without it kvcd normalises over the context only. (Before kvcd took more
+rows than tokens for kvzip, kvc's rows were the last S only, leaving out the instruction's.)
 
 Documents are raw text without a chat template, so the press's prefix is empty and its suffix is
 "\\n" (KVzipPress's choice for a model without one). Contexts longer than the press's chunk size
@@ -64,7 +63,8 @@ class Reconstruction:
         press.start_idx, press.end_idx = 0, S
         press.score_val = torch.zeros(len(lm.layers), 1, shadow.config.num_key_value_heads, S)
         # kvc's capture (kvc.recon, what users run) first, then kvpress's own scoring hook.
-        with capture_last(shadow, S, keys=repeat.shape[1]) as store:
+        n = repeat.shape[1]
+        with capture_last(shadow, n, keys=n) as store:
             hooks = [layer.self_attn.register_forward_hook(press.forward_hook, with_kwargs=True)
                      for layer in lm.layers]
             try:
@@ -78,9 +78,9 @@ class Reconstruction:
         with torch.no_grad():
             for i, layer in enumerate(lm.layers):
                 h, cos, sin, keys = store[i]
-                q = post_rope_queries(layer.self_attn, h, cos, sin)  # [Hq, S, D] fp32
+                q = post_rope_queries(layer.self_attn, h, cos, sin)  # [Hq, n, D] fp32
                 self.q_obs.append(q)
-                self.lse.append(row_log_mass(q, keys))  # [Hq, S]: kvc's rows with stats=1
+                self.lse.append(row_log_mass(q, keys))  # [Hq, n]: kvc's rows with stats=1
 
     def kvpress_valid(self, shadow, keep, layerwise):
         """Per layer [Hkv, S] kept masks of KVzipPress(compression_ratio=1-keep, layerwise)."""

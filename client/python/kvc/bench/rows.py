@@ -3,7 +3,8 @@
     full                        the uncompressed cache
     kvpress:NAME@R              a kvpress press (presses.PRESSES) at keep ratio R
     kvc:SPEC                    a kvc spec through kvcd (kvcrows); `{r}` in a template is the
-                                keep ratio; `|w=N` sets its observation window
+                                keep ratio; `|w=N` sets its observation window; `|rows=context`
+                                sends a kvzip row only the last S reconstruction queries
     proto:NAME:R[,k=v]          a Python prototype (reference.PROTOTYPES) at keep ratio R
 
 Templates with `{r}` are expanded over the ratios; kvc rows without `{r}` are fixed-size rows

@@ -38,7 +38,8 @@ enum class MemorySpace : uint8_t { kHost = 0, kDevice = 1 };
 // them to the device itself) or, with `memory` = kDevice, in device memory (k, v and q_obs; rope
 // and q_stats are always host memory). Element type `dtype`, layout `layout` for all three tensors:
 //   HND: K, V [Hkv, S, D], Q_obs [Hq, W, D]      NHD: K, V [S, Hkv, D], Q_obs [W, Hq, D]
-// Q_obs row t is the query of prompt position S - W + t. q_obs may be null only when W == 0.
+// Q_obs row t is the query of prompt position S - W + t (kvzip: of the reconstruction pass after
+// the prompt, whose W rows may outnumber the S tokens). q_obs may be null only when W == 0.
 // Expected attention also reads `rope` (the model's RoPE, to un-rotate Q_obs and to rotate the
 // statistics to future positions) and, with EvictionSpec::query_stats, `q_stats`: float32
 // [Hq, D + D * D] per layer, for each query head the mean of its un-rotated (pre-RoPE) queries
@@ -84,16 +85,19 @@ absl::StatusOr<uint64_t> UploadBytes(const LayerShape& shape, DType dtype, int n
 
 // Checks shape limits and pointers; the message names the offending field, e.g.
 // "shape.head_dim: 300 is outside [8, 256]". ValidateShape: Hkv >= 1, Hq a multiple of Hkv, S >= 1,
-// D in [kMinHeadDim, kMaxHeadDim], W in [0, S], element counts within kMaxLayerElements. The counts
+// D in [kMinHeadDim, kMaxHeadDim], W in [0, S] (any W >= 0 with `rows_after_context`: kvzip's
+// reconstruction pass, whose rows are not prompt positions), element counts within
+// kMaxLayerElements. The counts
 // are overflow-checked: a product past 64 bits is reported naming its factors, e.g.
 // "shape: num_kv_heads*seq_len*head_dim = 901467965*213156309*96 overflows 64 bits". A shape that
 // passes keeps every byte size and offset derived from it far below 2^64.
-// ValidateInput also checks dtype/layout/memory values, layer_index >= 0 and that k, v (and q_obs
+// ValidateInput leaves W > S to ValidateSpec (which knows the policy) and also checks
+// dtype/layout/memory values, layer_index >= 0 and that k, v (and q_obs
 // when W > 0) are non-null, and rope (when set) with ValidateRope; it cannot check that the
 // buffers are large enough. Device memory is INVALID_ARGUMENT ("memory: ...") unless
 // `allow_device` (the CUDA backend, which checks the pointers itself): every host-side consumer
 // reads host memory.
-absl::Status ValidateShape(const LayerShape& shape);
+absl::Status ValidateShape(const LayerShape& shape, bool rows_after_context = false);
 absl::Status ValidateInput(const LayerInput& in, bool allow_device = false);
 
 // Element offset of (head, token, channel) in a tensor of `heads` heads and `tokens` tokens.

@@ -111,7 +111,8 @@ struct CompressionSpec {
 // quant.bits not in {0, 2, 4, 8}; recent_tokens < 0; layer_index < 0; value_weight unknown, or on
 // (mul/add) for a policy whose row does not compose with it; value_eps negative or not finite;
 // horizon < 1 or above kMaxHorizon; query_stats with a policy that reads no query statistics;
-// such a policy (expected) with obs_window 0 and no query_stats.
+// such a policy (expected) with obs_window 0 and no query_stats; obs_window > seq_len unless the
+// policy is kvzip ("shape.obs_window: ...").
 absl::Status ValidateSpec(const CompressionSpec& spec, const LayerShape& shape, int layer_index);
 // The inputs a valid spec reads beyond K, V and Q_obs: a policy reading query statistics
 // (expected) needs in.rope ("rope: ..."), query_stats needs in.q_stats ("q_stats: ...").

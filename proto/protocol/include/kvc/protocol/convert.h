@@ -46,8 +46,10 @@ kvcache::v1::DType ToProto(DType dtype);
 absl::StatusOr<Layout> FromProto(kvcache::v1::Layout layout);  // unspecified = HND
 kvcache::v1::Layout ToProto(Layout layout);
 
-// The per-layer shape; num_layers is checked separately. Runs kvc::ValidateShape.
-absl::StatusOr<LayerShape> ShapeFromProto(const kvcache::v1::ModelShape& shape);
+// The per-layer shape; num_layers is checked separately. Runs kvc::ValidateShape (obs_window may
+// exceed seq_len only with `rows_after_context`: the kvzip policy).
+absl::StatusOr<LayerShape> ShapeFromProto(const kvcache::v1::ModelShape& shape,
+                                          bool rows_after_context = false);
 kvcache::v1::ModelShape ShapeToProto(const LayerShape& shape, int num_layers);
 
 // Maps the proto config onto kvc::CompressionSpec, unset optional fields keeping the engine's
