@@ -294,7 +294,7 @@ def main(argv=None):
                                 kvzip_as_kvc_sets(recon, lin32, r, lse=with_lse), b)
                             lines.append({"check": "explained", "doc": d["id"],
                                           "scenario": scen, "keep": r,
-                                          "kvpress": "kvzip-layer, scored by the last S queries "
+                                          "kvpress": "kvzip-layer, scored by every query of the pass "
                                           + ("with their log-masses" if with_lse else
                                              "over the context keys only"), "kvc": tmpl,
                                           "overlap": e_mean, "identical": e_same,
