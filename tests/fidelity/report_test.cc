@@ -104,7 +104,10 @@ std::vector<SweepResult> SampleResults() {
     m.attn_rel_err = {0.1, 0.2};
     m.mean_attn_rel_err = 0.15;
     m.size_ratio = 0.9 * sweep[i].keep_ratio + 0.01 * static_cast<double>(i % 3);
-    r.push_back({sweep[i], m});
+    SweepResult row;
+    row.entry = sweep[i];
+    row.metrics = m;
+    r.push_back(row);
   }
   return r;
 }

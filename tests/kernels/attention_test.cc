@@ -242,7 +242,7 @@ TEST(PackedAttentionTest, TwoTokenHandCase) {
   }
   k[8 + 0] = std::sqrt(8.0f) * std::log(3.0f);  // token 1: score ln 3 for q = e0
   v[8 + 1] = 1.0f;
-  TokenSelection tokens{1, 1, {1}};
+  TokenSelection tokens{1, 1, {1}, {}};
   ChannelSelection channels{8, 8, {}, {}};
   absl::StatusOr<CompactLayer> p = PackLayer(layer.input(), tokens, channels, CompressionSpec{});
   ASSERT_TRUE(p.ok());

@@ -167,7 +167,7 @@ TEST(CompactTest, TinyHandCaseBytes) {
       reinterpret_cast<float*>(layer.v.data())[t * 8 + c] = vv;
     }
   }
-  TokenSelection tokens{1, 3, {0, 2, 3}};
+  TokenSelection tokens{1, 3, {0, 2, 3}, {}};
   ChannelSelection channels;
   channels.key_channels = 4;
   channels.value_channels = 8;
@@ -235,7 +235,7 @@ TEST(CompactTest, TinyQuantizedBytes) {
       v[t * 8 + c] = static_cast<float>(c);  // values per token: range 0..7 in one group of 8
     }
   }
-  TokenSelection tokens{1, 3, {0, 1, 2}};
+  TokenSelection tokens{1, 3, {0, 1, 2}, {}};
   ChannelSelection channels{8, 8, {}, {}};  // identity channels given as empty lists
   absl::StatusOr<CompactLayer> packed = PackLayer(layer.input(), tokens, channels, Spec(4, 0, 2));
   ASSERT_TRUE(packed.ok()) << packed.status();

@@ -206,7 +206,9 @@ TEST(LayerBudgetTest, CompressScoredKeepsTheGivenCountsPerHead) {
     float low = std::numeric_limits<float>::infinity();
     for (size_t i = 4; i < kept.size(); ++i) low = std::min(low, raw[h * 40 + kept[i]]);
     for (int j = 4; j < 40; ++j) {
-      if (!std::binary_search(kept.begin(), kept.end(), j)) EXPECT_LE(raw[h * 40 + j], low);
+      if (!std::binary_search(kept.begin(), kept.end(), j)) {
+        EXPECT_LE(raw[h * 40 + j], low);
+      }
     }
   }
   scores->head_counts = {3, 17};  // below the 4 sinks

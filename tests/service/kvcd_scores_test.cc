@@ -114,24 +114,24 @@ struct Case {
 TEST_F(KvcdScoresTest, RoundTripsMatchTheEngineIncludingObsWindowZero) {
   std::vector<Case> cases;
   for (const char* p : {"knorm", "streaming", "random", "keydiff"}) {
-    Case c{std::string(p) + "-w0", 0, p, {}};
+    Case c{std::string(p) + "-w0", 0, p, {}, false, false, ""};
     c.spec.eviction.policy = *ParseEvictionPolicy(p);
     cases.push_back(c);
   }
   {
-    Case c{"expected-stats-w0", 0, "expected", {}, true, true};
+    Case c{"expected-stats-w0", 0, "expected", {}, true, true, ""};
     c.spec.eviction.policy = EvictionPolicy::kExpectedAttention;
     c.spec.eviction.query_stats = true;
     cases.push_back(c);
   }
   {
-    Case c{"expected-qobs", 8, "expected", {}, true, false};
+    Case c{"expected-qobs", 8, "expected", {}, true, false, ""};
     c.spec.eviction.policy = EvictionPolicy::kExpectedAttention;
     cases.push_back(c);
   }
   {
     // kvzip with its rows' log-masses in TENSOR_Q_STATS ([Hq, W], not [Hq, D + D * D]).
-    Case c{"kvzip-masses", 8, "kvzip", {}, false, true};
+    Case c{"kvzip-masses", 8, "kvzip", {}, false, true, ""};
     c.spec.eviction.policy = EvictionPolicy::kKVzip;
     c.spec.eviction.query_stats = true;
     cases.push_back(c);
@@ -139,7 +139,7 @@ TEST_F(KvcdScoresTest, RoundTripsMatchTheEngineIncludingObsWindowZero) {
   {
     // kvzip's reconstruction pass has more rows than the context has tokens (its instruction's
     // queries come first): W = S + 12.
-    Case c{"kvzip-rows-past-s", kS + 12, "kvzip", {}, false, true};
+    Case c{"kvzip-rows-past-s", kS + 12, "kvzip", {}, false, true, ""};
     c.spec.eviction.policy = EvictionPolicy::kKVzip;
     c.spec.eviction.query_stats = true;
     cases.push_back(c);

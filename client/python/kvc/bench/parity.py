@@ -143,7 +143,9 @@ def kvzip_as_kvc_sets(recon, layers_in, keep, n_sink=4, lse=False):
     maximum over the reconstruction queries (recon.q_obs, every row of the pass) and the
     group's heads of the softmax over the S context keys (with `lse`, plus each row's log-mass
     recon.lse in the denominator, as kvcd does with stats=1); then KVzipPress's per-layer
-    selection (sinks kept, the layer's lowest scores over all heads dropped)."""
+    selection (sinks kept, the layer's lowest scores over all heads dropped) keeping kvc's count,
+    H * floor(S * keep) a layer (kvpress keeps H * S - floor(H * S * (1 - keep)): up to H - 1
+    more)."""
     out = []
     with torch.no_grad():
         for li, (q, x) in enumerate(zip(recon.q_obs, layers_in)):
@@ -158,7 +160,7 @@ def kvzip_as_kvc_sets(recon, layers_in, keep, n_sink=4, lse=False):
             else:
                 sc = torch.softmax(a, -1).amax(dim=(1, 2))  # [H, S]
             sc[:, :n_sink] = sc.max() + 1
-            n_pruned = int(H * S * (1 - keep))
+            n_pruned = H * S - H * int(S * (1.0 - (1.0 - keep)))  # kvcrows.config_for's budget
             drop = torch.topk(-sc.reshape(-1), n_pruned).indices
             valid = torch.ones(H * S, dtype=torch.bool)
             valid[drop] = False
@@ -294,9 +296,10 @@ def main(argv=None):
                                 kvzip_as_kvc_sets(recon, lin32, r, lse=with_lse), b)
                             lines.append({"check": "explained", "doc": d["id"],
                                           "scenario": scen, "keep": r,
-                                          "kvpress": "kvzip-layer, scored by every query of the pass "
-                                          + ("with their log-masses" if with_lse else
-                                             "over the context keys only"), "kvc": tmpl,
+                                          "kvpress": "kvzip-layer with kvc's count, every query "
+                                          "of the pass " + ("with their log-masses" if with_lse
+                                                            else "over the context keys only"),
+                                          "kvc": tmpl,
                                           "overlap": e_mean, "identical": e_same,
                                           "min": e_worst})
                         if tmpl == "expected:{r},stats=1,horizon=512,veps=0":
