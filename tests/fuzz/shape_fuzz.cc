@@ -61,7 +61,8 @@ void EngineLevel(const uint8_t* data, size_t size) {
   shape.seq_len = SomeInt(in);
   shape.head_dim = SomeInt(in);
   shape.obs_window = SomeInt(in);
-  if (!kvc::ValidateShape(shape).ok()) return;
+  // As the engine checks it: the shape alone (W may exceed S), then the spec decides.
+  if (!kvc::ValidateShape(shape, /*rows_after_context=*/true).ok()) return;
   const unsigned __int128 k = static_cast<unsigned __int128>(shape.num_kv_heads) *
                               static_cast<unsigned>(shape.seq_len) *
                               static_cast<unsigned>(shape.head_dim);
@@ -92,6 +93,8 @@ void EngineLevel(const uint8_t* data, size_t size) {
   spec.recent_tokens = SomeInt(in);
   const int layer = in.ConsumeIntegralInRange(-1, 5);
   if (!kvc::ValidateSpec(spec, shape, layer).ok()) return;
+  Check(shape.obs_window <= shape.seq_len || spec.eviction.policy == kvc::EvictionPolicy::kKVzip,
+        "ValidateSpec accepted W > S for a policy other than kvzip");
   CheckDerived(spec, shape, layer);
 }
 
@@ -100,7 +103,10 @@ void WireLevel(const uint8_t* data, size_t size) {
   if (!h.ParseFromArray(data, static_cast<int>(size))) return;
   // As the upload checks it (service/server/ingest.cc).
   if (h.shape().num_layers() < 1 || h.shape().num_layers() > 4096) return;
-  absl::StatusOr<kvc::LayerShape> shape = kvc::server::ShapeFromProto(h.shape());
+  absl::StatusOr<kvc::UploadHeader> header = kvc::HeaderFromProto(h);
+  absl::StatusOr<kvc::LayerShape> shape =
+      header.ok() ? absl::StatusOr<kvc::LayerShape>(header->shape)
+                  : kvc::server::ShapeFromProto(h.shape());
   if (!shape.ok()) return;
   absl::StatusOr<kvc::DType> dtype = kvc::server::FromProto(h.dtype());
   if (!dtype.ok()) return;
