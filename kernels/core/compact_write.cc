@@ -51,7 +51,8 @@ bool InPlaceLayer::KeepsEverything(const CompressionSpec& spec) {
 absl::StatusOr<InPlaceLayer> InPlaceLayer::Create(const LayerShape& shape, DType dtype,
                                                   Layout layout, int layer_index,
                                                   const CompressionSpec& spec) {
-  RETURN_IF_ERROR(ValidateShape(shape, spec.eviction.policy == EvictionPolicy::kKVzip));
+  RETURN_IF_ERROR(ValidateShape(shape, IsKnownPolicy(spec.eviction.policy) &&
+                                           Policy(spec.eviction.policy).rows_after_context));
   if (static_cast<int>(dtype) > static_cast<int>(DType::kBF16)) {
     return absl::InvalidArgumentError(
         absl::StrCat("dtype: ", static_cast<int>(dtype), " is not a known dtype"));

@@ -146,7 +146,7 @@ void AttentionScores(const Input& in, Sheet* s) {
   // of a query head. A block's GEMM runs to its last row's limit: beyond the causal count by at
   // most min(W, row_block) keys per row (a block spans at most two query heads' rows).
   // kvzip's reconstruction rows come after the context: each sees all S keys.
-  const uint64_t causal = e.policy == EvictionPolicy::kKVzip
+  const uint64_t causal = Policy(e.policy).rows_after_context
                               ? Mul({in.w, in.s})
                               : Mul({in.w, in.s}) - (in.w > 0 ? Mul({in.w, in.w - 1}) / 2 : 0);
   const uint64_t logits = Mul({in.hq, causal});

@@ -206,13 +206,13 @@ absl::Status ValidateSpec(const CompressionSpec& spec, const LayerShape& shape, 
   if (layer_index < 0) {
     return Invalid("layer_index", absl::StrCat(layer_index, " must be >= 0"));
   }
-  if (shape.obs_window > shape.seq_len && spec.eviction.policy != EvictionPolicy::kKVzip) {
+  if (absl::Status s = ValidateEviction(spec.eviction, shape); !s.ok()) return s;
+  if (shape.obs_window > shape.seq_len && !Policy(spec.eviction.policy).rows_after_context) {
     // The observation rows are the prompt's last W positions: there are only S of them.
     return Invalid("shape.obs_window",
                    absl::StrCat(shape.obs_window, " exceeds seq_len ", shape.seq_len,
                                 " (only kvzip's reconstruction rows may outnumber the tokens)"));
   }
-  if (absl::Status s = ValidateEviction(spec.eviction, shape); !s.ok()) return s;
   if (absl::Status s = ValidateChannels(spec.channels, shape); !s.ok()) return s;
   if (absl::Status s = ValidateQuant(spec.quant, shape); !s.ok()) return s;
   if (spec.recent_tokens < 0) {

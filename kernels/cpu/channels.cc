@@ -156,7 +156,7 @@ ChannelSelection SelectChannelsImpl(const LayerInput& in, const TokenSelection& 
     if (!cs.prune_values) {
       std::iota(vidx, vidx + D, 0);
     } else {
-      ValueChannelScores(in, spec.eviction.policy == EvictionPolicy::kKVzip, h, pos, B, m, score);
+      ValueChannelScores(in, Policy(spec.eviction.policy).rows_after_context, h, pos, B, m, score);
       TopChannels(score, D, sel.value_channels, vidx);
     }
   });

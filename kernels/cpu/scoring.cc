@@ -63,7 +63,7 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
   const LayerShape& sh = in.shape;
   const int S = sh.seq_len, D = sh.head_dim, W = sh.obs_window, g = sh.group_size();
   const int rows = g * W;
-  const bool recon = spec.policy == EvictionPolicy::kKVzip;
+  const bool recon = Policy(spec.policy).rows_after_context;
   // Keys [0, KeysSeen(t)) are visible to observation row t.
   const auto keys_seen = [&](int t) { return recon ? S : S - W + t + 1; };
   Scratch& s = Scratch::ForThisThread();

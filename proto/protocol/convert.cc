@@ -56,7 +56,7 @@ absl::StatusOr<UploadHeader> HeaderFromProto(const kvcache::v1::PutCacheHeader& 
   // kvzip's rows come from a reconstruction pass after the prompt: they may outnumber its tokens.
   const auto policy = ParseEvictionPolicy(h.compression().eviction().policy());
   ASSIGN_OR_RETURN(out.shape,
-                   ShapeFromProto(h.shape(), policy.ok() && *policy == EvictionPolicy::kKVzip));
+                   ShapeFromProto(h.shape(), policy.ok() && Policy(*policy).rows_after_context));
   ASSIGN_OR_RETURN(out.dtype, FromProto(h.dtype()));
   ASSIGN_OR_RETURN(out.layout, FromProto(h.layout()));
   ASSIGN_OR_RETURN(out.spec, SpecFromProto(h.compression(), out.shape, out.num_layers));

@@ -22,9 +22,9 @@ the prompt's and the newline's tokens (9 with SmolLM2's tokenizer) and the S cop
 tokens, so W = len(repeat_ids(...)) = S + 9: more rows than the context has tokens, which kvcd
 accepts for kvzip only. `rows="context"` keeps the last S (those of the copied context tokens;
 W = S), for a kvcd older than that. The pass costs about twice the prefill of the context (it
-attends over the context and itself); with `past_key_values` holding the context's cache it costs one prefill of S + 9 tokens (the cache
-grows by those tokens; pass a copy if it is needed afterwards). Needs torch and transformers,
-imported here only.
+attends over the context and itself); with `past_key_values` holding the context's cache it
+costs one prefill of S + 9 tokens (the cache grows by those tokens; pass a copy if it is needed
+afterwards). Needs torch and transformers, imported here only.
 """
 
 import contextlib

@@ -68,14 +68,19 @@ def parse_row(name):
     return spec, options
 
 
+def budget_for(S, keep):
+    """Tokens a head keeps of S at keep ratio `keep`: kvpress's compute_n_kept of the press
+    built with compression_ratio = 1 - keep, in the same floating point (int(1000 * 0.1) is 100
+    but int(1000 * (1 - 0.9)) is 99)."""
+    return max(1, int(S * (1.0 - (1.0 - keep))))
+
+
 def config_for(spec, S):
     """The CompressionConfig dict of a spec for a context of S tokens (keep ratio -> budget)."""
     cfg = kvc_spec.parse(spec)
     ev = cfg.get("eviction")
     if ev and "keep_ratio" in ev:
-        # kvpress's compute_n_kept of the press built with compression_ratio = 1 - R, in the
-        # same floating point: int(1000 * 0.1) is 100 but int(1000 * (1 - 0.9)) is 99.
-        ev["budget"] = max(1, int(S * (1.0 - (1.0 - ev.pop("keep_ratio")))))
+        ev["budget"] = budget_for(S, ev.pop("keep_ratio"))
     return cfg
 
 
@@ -136,9 +141,11 @@ def compress(server, name, uploads, window, fmt="dense"):
     ev = cfg.get("eviction", {})
     # kvzip's rows: every row of the reconstruction pass, or with `|rows=context` its last S
     # (the copied context tokens only, W = S: what kvc sent before kvcd took W > S for kvzip).
-    last = S if opts.get("rows") == "context" else None
+    def recon_rows(xs):
+        return xs if opts.get("rows") != "context" else [x[:, -S:].contiguous() for x in xs]
+
     if ev.get("policy") == "kvzip":
-        q = [x if last is None else x[:, -last:].contiguous() for x in uploads.recon_q()]
+        q = recon_rows(uploads.recon_q())
     elif kvc_spec.needs_queries(cfg):
         q = uploads.q_obs(W)
     else:
@@ -146,7 +153,7 @@ def compress(server, name, uploads, window, fmt="dense"):
     if not ev.get("query_stats"):
         st = None
     elif ev.get("policy") == "kvzip":
-        st = [x if last is None else x[:, -last:].contiguous() for x in uploads.recon_lse()]
+        st = recon_rows(uploads.recon_lse())
     else:
         st = uploads.q_stats(int(opts.get("skip", 4)))
     layers = [(k, v, q[i]) if st is None else (k, v, q[i], st[i])

@@ -47,8 +47,8 @@ PAIRS = [
     ("adakv-expected", "expected:{r},stats=1,horizon=512,veps=0,ada=0.2", 64),
     ("snapkv+think0.5", "snapkv:{r},kernel=5,pool=avg+think:0.5", 64),
     # KVzip per layer (AdaKV-like selection over the layer's heads, sinks kept) against kvc's
-    # kvzip with no per-head floor; W = S + 9 (all the reconstruction pass's queries, recon.py), with
-    # and without the rows' log-masses over the pass's own keys (stats=1).
+    # kvzip with no per-head floor; W = S + 9 (every query of the reconstruction pass, recon.py),
+    # with and without the rows' log-masses over the pass's own keys (stats=1).
     ("kvzip-layer", "kvzip:{r},ada=0,stats=1", 0),
     ("kvzip-layer", "kvzip:{r},ada=0", 0),
 ]
@@ -160,7 +160,7 @@ def kvzip_as_kvc_sets(recon, layers_in, keep, n_sink=4, lse=False):
             else:
                 sc = torch.softmax(a, -1).amax(dim=(1, 2))  # [H, S]
             sc[:, :n_sink] = sc.max() + 1
-            n_pruned = H * S - H * int(S * (1.0 - (1.0 - keep)))  # kvcrows.config_for's budget
+            n_pruned = H * S - H * kvcrows.budget_for(S, keep)
             drop = torch.topk(-sc.reshape(-1), n_pruned).indices
             valid = torch.ones(H * S, dtype=torch.bool)
             valid[drop] = False

@@ -87,16 +87,14 @@ absl::StatusOr<uint64_t> UploadBytes(const LayerShape& shape, DType dtype, int n
 // "shape.head_dim: 300 is outside [8, 256]". ValidateShape: Hkv >= 1, Hq a multiple of Hkv, S >= 1,
 // D in [kMinHeadDim, kMaxHeadDim], W in [0, S] (any W >= 0 with `rows_after_context`: kvzip's
 // reconstruction pass, whose rows are not prompt positions), element counts within
-// kMaxLayerElements. The counts
-// are overflow-checked: a product past 64 bits is reported naming its factors, e.g.
-// "shape: num_kv_heads*seq_len*head_dim = 901467965*213156309*96 overflows 64 bits". A shape that
-// passes keeps every byte size and offset derived from it far below 2^64.
+// kMaxLayerElements. The counts are overflow-checked: a product past 64 bits is reported naming
+// its factors, e.g. "shape: num_kv_heads*seq_len*head_dim = 901467965*213156309*96 overflows 64
+// bits". A shape that passes keeps every byte size and offset derived from it far below 2^64.
 // ValidateInput leaves W > S to ValidateSpec (which knows the policy) and also checks
-// dtype/layout/memory values, layer_index >= 0 and that k, v (and q_obs
-// when W > 0) are non-null, and rope (when set) with ValidateRope; it cannot check that the
-// buffers are large enough. Device memory is INVALID_ARGUMENT ("memory: ...") unless
-// `allow_device` (the CUDA backend, which checks the pointers itself): every host-side consumer
-// reads host memory.
+// dtype/layout/memory values, layer_index >= 0 and that k, v (and q_obs when W > 0) are non-null,
+// and rope (when set) with ValidateRope; it cannot check that the buffers are large enough.
+// Device memory is INVALID_ARGUMENT ("memory: ...") unless `allow_device` (the CUDA backend,
+// which checks the pointers itself): every host-side consumer reads host memory.
 absl::Status ValidateShape(const LayerShape& shape, bool rows_after_context = false);
 absl::Status ValidateInput(const LayerInput& in, bool allow_device = false);
 

@@ -89,6 +89,9 @@ struct PolicyInfo {
   bool value_weight;
   bool value_weight_by_default;
   ScoreCost cost;  // its scoring's formula in the per-request cost model
+  // The observation rows come from a pass after the prompt (kvzip's context reconstruction), not
+  // from its last W positions: every row sees every key, and W may exceed S (ValidateSpec).
+  bool rows_after_context = false;
 };
 
 inline constexpr PolicyInfo kPolicies[] = {
@@ -201,7 +204,8 @@ inline constexpr PolicyInfo kPolicies[] = {
      .cross_head = CrossHeadScale::kAsIs,
      .value_weight = true,
      .value_weight_by_default = false,
-     .cost = ScoreCost::kAttention},
+     .cost = ScoreCost::kAttention,
+     .rows_after_context = true},
 };
 
 inline constexpr size_t kNumPolicies = sizeof(kPolicies) / sizeof(kPolicies[0]);
