@@ -181,6 +181,111 @@ void PrepareKeys(const KeyQueryArgs& A) {
   }
 }
 
+// The max of each of eight vectors, as the lanes of one: lane i = max over v[i]'s eight lanes.
+inline __m256 Max8x8(const __m256* v) {
+  __m256 t[4];
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm256_max_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  __m256 u[2];
+  for (int i = 0; i < 2; ++i) {
+    u[i] = _mm256_max_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                         _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  }
+  return _mm256_max_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20),
+                       _mm256_permute2f128_ps(u[0], u[1], 0x31));
+}
+
+// PrepareKeys for 2- and 4-bit codes (blocks of 8 or 16 channels: one or two 8-channel chunks),
+// with the same arithmetic in a cheaper order: the magnitudes of eight chunks are reduced together
+// (one transpose instead of eight), and the two divisions run once per eight chunks instead of
+// once per chunk. Every value (qi, alpha, qz) equals PrepareKeys<1>'s arithmetic (attention_int.h).
+template <int P>
+void PrepareKeysWide(const KeyQueryArgs& A) {
+  static_assert(P == 2 || P == 4);
+  const int n = A.n;
+  const int rb = static_cast<int>(A.row_bytes);
+  const int pb = rb % 32 == 0 ? 32 : 16;
+  const size_t per_query = static_cast<size_t>(rb / pb) * P * 32;
+  const float mid = static_cast<float>((1 << (8 / P)) - 1) / 2.0f;
+  const int chunks = (n + 7) / 8;         // of 8 channels, <= 32
+  const int padded = (chunks + 3) / 4 * 4;  // to whole 32-channel vectors of int8
+  alignas(32) float qs[256];
+  alignas(32) float inv[32], al[32];
+  alignas(32) int8_t qi[256];
+  alignas(32) float part[16];
+  alignas(32) int8_t grouped[32];
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int a = 0; a < A.nq; ++a) {
+    const float* q = A.qm + static_cast<size_t>(a) * n;
+    __m256 zp[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 mag[32];
+    for (int i = 0; i < chunks; ++i) {
+      const int c0 = 8 * i;
+      const __m256i m = LaneMask(n - c0);
+      const __m256 x = _mm256_maskload_ps(q + c0, m);
+      const __m256 y = _mm256_mul_ps(x, _mm256_maskload_ps(A.scale + c0, m));
+      _mm256_store_ps(qs + c0, y);
+      zp[i % 2] = _mm256_fmadd_ps(x, _mm256_maskload_ps(A.zero + c0, m), zp[i % 2]);
+      mag[i] = _mm256_andnot_ps(sign, y);
+    }
+    for (int i = chunks; i < (chunks + 7) / 8 * 8; ++i) mag[i] = _mm256_setzero_ps();
+    _mm256_store_ps(part, zp[0]);
+    _mm256_store_ps(part + 8, zp[1]);
+    const float qz = Tree16(part);
+    for (int i = 0; i < chunks; i += 8) {
+      __m256 amax = Max8x8(mag + i);
+      // 4 bits per code: a block is two chunks (lanes 2b, 2b + 1).
+      if constexpr (P == 4) amax = _mm256_max_ps(amax, _mm256_permute_ps(amax, 0xB1));
+      const __m256 live = _mm256_cmp_ps(amax, _mm256_set1_ps(0x1p-100f), _CMP_GE_OQ);
+      _mm256_store_ps(inv + i, _mm256_and_ps(live, _mm256_div_ps(_mm256_set1_ps(127.0f), amax)));
+      _mm256_store_ps(al + i, _mm256_and_ps(live, _mm256_div_ps(amax, _mm256_set1_ps(127.0f))));
+    }
+    float* alpha = A.alpha + static_cast<size_t>(a) * 64;
+    for (int b = 0; b < (chunks * 2 + P - 1) / P; ++b) alpha[b] = al[b * P / 2];
+    __m256 cp[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int v = 0; v < padded; v += 4) {
+      __m256i i32[4];
+      for (int h = 0; h < 4; ++h) {
+        const int i = v + h;
+        if (i >= chunks) {
+          i32[h] = _mm256_setzero_si256();
+          continue;
+        }
+        const __m256 y = _mm256_load_ps(qs + 8 * i);
+        const __m256 x = _mm256_min_ps(
+            _mm256_max_ps(_mm256_mul_ps(y, _mm256_broadcast_ss(inv + i)), _mm256_set1_ps(-127.0f)),
+            _mm256_set1_ps(127.0f));
+        i32[h] = _mm256_cvtps_epi32(x);
+        // The rounding errors' sum (centring, attention_int.h): qs - alpha * qi, lane c mod 16.
+        cp[i % 2] = _mm256_add_ps(
+            cp[i % 2],
+            _mm256_fnmadd_ps(_mm256_broadcast_ss(al + i), _mm256_cvtepi32_ps(i32[h]), y));
+      }
+      const __m256i i8 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]),
+                                            _mm256_packs_epi32(i32[2], i32[3]));
+      _mm256_store_si256(
+          reinterpret_cast<__m256i*>(qi + 8 * v),
+          _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+    _mm256_store_ps(part, cp[0]);
+    _mm256_store_ps(part + 8, cp[1]);
+    A.qz[a] = __builtin_fmaf(mid, Tree16(part), qz);
+    auto* out = static_cast<int8_t*>(A.planes) + per_query * a;
+    for (int c0 = 0; c0 < n; c0 += 32) {
+      _mm256_store_si256(
+          reinterpret_cast<__m256i*>(grouped),
+          GroupPlanes<P>(_mm256_load_si256(reinterpret_cast<const __m256i*>(qi + c0))));
+      const int b0 = c0 / P;
+      for (int s = 0; s < P; ++s) {
+        int8_t* dst = out + (static_cast<size_t>(b0 / pb) * P + s) * 32 + b0 % pb;
+        __builtin_memcpy(dst, grouped + s * (32 / P), 32 / P);
+      }
+    }
+  }
+}
+
 // Queries a0 .. a0 + NQ against every row. 2/4-bit codes: pieces of 16 or 32 bytes, the query as
 // int8 planes [piece][plane][32]; R = 2 (rows of 16 bytes): two rows per vector, the query's 16
 // bytes repeated. 8-bit codes: pieces of 16 bytes widened to int16, the query as int16
@@ -398,7 +503,9 @@ inline __m256i LoadRow(const ValueArgs& A, int row, int k, int bytes, int s) {
 }
 
 // The integer sums of piece k, plane s over the rows [b0, b0 + nb) of a block, for queries
-// a0 .. a0 + QB, scaled by beta into accf.
+// a0 .. a0 + QB, scaled by beta into accf. The block's rows are interleaved once into `buf`
+// (2 KiB, in L1), then each query runs over them alone: its 16-bit and 32-bit sums take eight
+// registers, where all queries at once would need 32 and spill every step (AVX2 has 16).
 template <int Bits, int QB, bool Uniform>
 void BlockSums(const ValueArgs& A, const ValueLanes& L, int b0, int nb, int k, int s,
                const int32_t (*w4)[16], const float* beta16, float (*accf)[32][8]) {
@@ -409,52 +516,43 @@ void BlockSums(const ValueArgs& A, const ValueLanes& L, int b0, int nb, int k, i
   const int ng = A.groups;
   const int v0 = (k * P + s) * 4;
   const int bytes = Min(32, static_cast<int>(A.row_bytes) - 32 * k);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i idx[QB][NU];
-  for (int a = 0; a < QB; ++a) {
-    for (int u = 0; u < NU; ++u) {
-      idx[a][u] =
-          _mm256_add_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(L.group[v0 + u])),
-                           _mm256_set1_epi32((a * ng) % 8));
-    }
-  }
-  __m256i acc[QB][4], t16[QB][4];
-  for (int a = 0; a < QB; ++a) {
-    for (int u = 0; u < 4; ++u) acc[a][u] = t16[a][u] = _mm256_setzero_si256();
-  }
   const int steps = (nb + 3) / 4;
+  alignas(32) __m256i buf[kValueBlock / 4][4];
   for (int q = 0; q < steps; ++q) {
     const int row = b0 + 4 * q;
-    __m256i v[4];
     Interleave4(LoadRow<Bits>(A, row, k, bytes, s), LoadRow<Bits>(A, row + 1, k, bytes, s),
-                LoadRow<Bits>(A, row + 2, k, bytes, s), LoadRow<Bits>(A, row + 3, k, bytes, s), v);
-    const __m256i wlo = _mm256_load_si256(reinterpret_cast<const __m256i*>(w4[q]));
-    const __m256i whi = _mm256_load_si256(reinterpret_cast<const __m256i*>(w4[q] + 8));
-    for (int a = 0; a < QB; ++a) {
-      const __m256i w = (a * ng) / 8 == 0 ? wlo : whi;
-      for (int u = 0; u < 4; ++u) {
-        const __m256i wv = _mm256_permutevar8x32_epi32(w, idx[a][Uniform ? 0 : u]);
-        t16[a][u] = _mm256_add_epi16(t16[a][u], _mm256_maddubs_epi16(wv, v[u]));
-      }
+                LoadRow<Bits>(A, row + 2, k, bytes, s), LoadRow<Bits>(A, row + 3, k, bytes, s),
+                buf[q]);
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int a = 0; a < QB; ++a) {
+    const int half = (a * ng) / 8;  // which 8 of the 16 lanes (a, g) hold this query's weights
+    __m256i idx[NU];
+    for (int u = 0; u < NU; ++u) {
+      idx[u] = _mm256_add_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(L.group[v0 + u])),
+                                _mm256_set1_epi32((a * ng) % 8));
     }
-    if ((q + 1) % kSteps16 == 0 || q + 1 == steps) {
-      for (int a = 0; a < QB; ++a) {
+    __m256i acc[4], t16[4];
+    for (int u = 0; u < 4; ++u) acc[u] = t16[u] = _mm256_setzero_si256();
+    for (int q = 0; q < steps; ++q) {
+      const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(w4[q] + 8 * half));
+      for (int u = 0; u < 4; ++u) {
+        const __m256i wv = _mm256_permutevar8x32_epi32(w, idx[Uniform ? 0 : u]);
+        t16[u] = _mm256_add_epi16(t16[u], _mm256_maddubs_epi16(wv, buf[q][u]));
+      }
+      if ((q + 1) % kSteps16 == 0 || q + 1 == steps) {
         for (int u = 0; u < 4; ++u) {
-          acc[a][u] = _mm256_add_epi32(acc[a][u], _mm256_madd_epi16(t16[a][u], ones));
-          t16[a][u] = _mm256_setzero_si256();
+          acc[u] = _mm256_add_epi32(acc[u], _mm256_madd_epi16(t16[u], ones));
+          t16[u] = _mm256_setzero_si256();
         }
       }
     }
-  }
-  for (int a = 0; a < QB; ++a) {
-    const __m256 beta = _mm256_load_ps(beta16 + ((a * ng) / 8) * 8);
+    const __m256 beta = _mm256_load_ps(beta16 + half * 8);
     for (int u = 0; u < 4; ++u) {
-      const __m256i gi =
-          _mm256_add_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(L.group[v0 + u])),
-                           _mm256_set1_epi32((a * ng) % 8));
       float* f = accf[a][v0 + u];
-      _mm256_store_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[a][u]),
-                                         _mm256_permutevar8x32_ps(beta, gi), _mm256_load_ps(f)));
+      _mm256_store_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[u]),
+                                         _mm256_permutevar8x32_ps(beta, idx[Uniform ? 0 : u]),
+                                         _mm256_load_ps(f)));
     }
   }
 }
@@ -653,10 +751,10 @@ void ScoreKeysAvx2(const KeyChunkArgs& C) {
       k.s = C.s + static_cast<size_t>(a0) * C.ss + (r0 - C.j0);
       k.ss = C.ss;
       if (C.bits == 4) {
-        PrepareKeys<2>(q);
+        PrepareKeysWide<2>(q);
         KeyQueries<4>(k);
       } else if (C.bits == 2) {
-        PrepareKeys<4>(q);
+        PrepareKeysWide<4>(q);
         KeyQueries<2>(k);
       } else {
         PrepareKeys<1>(q);
