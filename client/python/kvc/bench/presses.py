@@ -40,8 +40,12 @@ PRESSES = {
 
 
 # Presses that score by reconstructing the context (recon.py: one extra pass per scenario):
-# name -> KVzipPress's `layerwise` (False: one selection over all layers and heads, its default).
-RECON_PRESSES = {"kvzip": False, "kvzip-layer": True}
+# name -> (KVzipPress's `layerwise` (False: one selection over all layers and heads, its default),
+# a max-pooling kernel over each head's scores before selection (1: none, as KVzip)). The pooled
+# rows are an experiment (docs/fidelity-smollm2.md, "Pooling KVzip's scores"): SnapKV's pooling
+# applied to KVzip's scores.
+RECON_PRESSES = {"kvzip": (False, 1), "kvzip-layer": (True, 1), "kvzip-pool3": (False, 3),
+                 "kvzip-pool7": (False, 7), "kvzip-pool11": (False, 11)}
 
 
 def _kwargs(x, hs):
@@ -153,7 +157,8 @@ def compress(press, shadow, layers_in, dtype):
 
 def compress_recon(name, recon, shadow, layers_in, keep, dtype):
     """RowCache of a reconstruction press (RECON_PRESSES) at keep ratio `keep`."""
-    valid = recon.kvpress_valid(shadow, keep, RECON_PRESSES[name])
+    layerwise, pool = RECON_PRESSES[name]
+    valid = recon.kvpress_valid(shadow, keep, layerwise, pool)
     row = RowCache([(x.keys[0].to(dtype), x.values[0].to(dtype), m)
                     for x, m in zip(layers_in, valid)])
     row.positions = [torch.arange(m.shape[1]).expand(m.shape[0], -1) for m in valid]

@@ -82,10 +82,17 @@ class Reconstruction:
                 self.q_obs.append(q)
                 self.lse.append(row_log_mass(q, keys))  # [Hq, n]: kvc's rows with stats=1
 
-    def kvpress_valid(self, shadow, keep, layerwise):
-        """Per layer [Hkv, S] kept masks of KVzipPress(compression_ratio=1-keep, layerwise)."""
+    def kvpress_valid(self, shadow, keep, layerwise, pool=1):
+        """Per layer [Hkv, S] kept masks of KVzipPress(compression_ratio=1-keep, layerwise); with
+        pool > 1 (odd), each head's scores are max-pooled over `pool` neighbouring tokens first
+        (the sinks are still set by the press afterwards)."""
         press = KVzipPress(compression_ratio=1.0 - keep, layerwise=layerwise)
         press.score_val = self.scores.clone()
+        if pool > 1:
+            sv = press.score_val
+            pooled = torch.nn.functional.max_pool1d(sv.reshape(-1, 1, sv.shape[-1]).float(), pool,
+                                                    stride=1, padding=pool // 2)
+            press.score_val = pooled.reshape(sv.shape).to(sv.dtype)
         lm = shadow.model
         for layer in lm.layers:
             layer.self_attn.masked_key_indices = None
