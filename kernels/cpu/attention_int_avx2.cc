@@ -181,6 +181,15 @@ void PrepareKeys(const KeyQueryArgs& A) {
   }
 }
 
+// Tree16 of the 16 partial sums held as lo (0..7) and hi (8..15), in vector registers with the
+// same additions in the same order.
+inline float Tree16v(__m256 lo, __m256 hi) {
+  const __m256 t = _mm256_add_ps(lo, hi);  // t[i] = p[i] + p[i + 8]
+  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));  // u[i] + u[i + 2]
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)));
+}
+
 // The max of each of eight vectors, as the lanes of one: lane i = max over v[i]'s eight lanes.
 inline __m256 Max8x8(const __m256* v) {
   __m256 t[4];
@@ -197,24 +206,22 @@ inline __m256 Max8x8(const __m256* v) {
                        _mm256_permute2f128_ps(u[0], u[1], 0x31));
 }
 
-// PrepareKeys for 2- and 4-bit codes (blocks of 8 or 16 channels: one or two 8-channel chunks),
-// with the same arithmetic in a cheaper order: the magnitudes of eight chunks are reduced together
-// (one transpose instead of eight), and the two divisions run once per eight chunks instead of
-// once per chunk. Every value (qi, alpha, qz) equals PrepareKeys<1>'s arithmetic (attention_int.h).
+// The preparation for 2- and 4-bit codes (blocks of 8 or 16 channels: one or two 8-channel
+// chunks), the arithmetic of PrepareKeys in a cheaper order: the magnitudes of eight chunks are
+// reduced together (one transpose instead of eight) and the two divisions run once per eight
+// chunks. The int8 query goes out as int32 [query][block][plane]: the four query bytes that
+// block k of a row (its code bytes 4k .. 4k + 3) meets in plane s, for KeyTiles to broadcast.
 template <int P>
 void PrepareKeysWide(const KeyQueryArgs& A) {
   static_assert(P == 2 || P == 4);
   const int n = A.n;
-  const int rb = static_cast<int>(A.row_bytes);
-  const int pb = rb % 32 == 0 ? 32 : 16;
-  const size_t per_query = static_cast<size_t>(rb / pb) * P * 32;
+  const int blocks = static_cast<int>(A.row_bytes) / 4;  // of 4 code bytes
   const float mid = static_cast<float>((1 << (8 / P)) - 1) / 2.0f;
   const int chunks = (n + 7) / 8;         // of 8 channels, <= 32
   const int padded = (chunks + 3) / 4 * 4;  // to whole 32-channel vectors of int8
   alignas(32) float qs[256];
   alignas(32) float inv[32], al[32];
   alignas(32) int8_t qi[256];
-  alignas(32) float part[16];
   alignas(32) int8_t grouped[32];
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int a = 0; a < A.nq; ++a) {
@@ -223,17 +230,24 @@ void PrepareKeysWide(const KeyQueryArgs& A) {
     __m256 mag[32];
     for (int i = 0; i < chunks; ++i) {
       const int c0 = 8 * i;
-      const __m256i m = LaneMask(n - c0);
-      const __m256 x = _mm256_maskload_ps(q + c0, m);
-      const __m256 y = _mm256_mul_ps(x, _mm256_maskload_ps(A.scale + c0, m));
+      __m256 x, sc, z;
+      if (c0 + 8 <= n) {
+        x = _mm256_loadu_ps(q + c0);
+        sc = _mm256_loadu_ps(A.scale + c0);
+        z = _mm256_loadu_ps(A.zero + c0);
+      } else {
+        const __m256i m = LaneMask(n - c0);
+        x = _mm256_maskload_ps(q + c0, m);
+        sc = _mm256_maskload_ps(A.scale + c0, m);
+        z = _mm256_maskload_ps(A.zero + c0, m);
+      }
+      const __m256 y = _mm256_mul_ps(x, sc);
       _mm256_store_ps(qs + c0, y);
-      zp[i % 2] = _mm256_fmadd_ps(x, _mm256_maskload_ps(A.zero + c0, m), zp[i % 2]);
+      zp[i % 2] = _mm256_fmadd_ps(x, z, zp[i % 2]);
       mag[i] = _mm256_andnot_ps(sign, y);
     }
     for (int i = chunks; i < (chunks + 7) / 8 * 8; ++i) mag[i] = _mm256_setzero_ps();
-    _mm256_store_ps(part, zp[0]);
-    _mm256_store_ps(part + 8, zp[1]);
-    const float qz = Tree16(part);
+    const float qz = Tree16v(zp[0], zp[1]);
     for (int i = 0; i < chunks; i += 8) {
       __m256 amax = Max8x8(mag + i);
       // 4 bits per code: a block is two chunks (lanes 2b, 2b + 1).
@@ -254,9 +268,10 @@ void PrepareKeysWide(const KeyQueryArgs& A) {
           continue;
         }
         const __m256 y = _mm256_load_ps(qs + 8 * i);
-        const __m256 x = _mm256_min_ps(
-            _mm256_max_ps(_mm256_mul_ps(y, _mm256_broadcast_ss(inv + i)), _mm256_set1_ps(-127.0f)),
-            _mm256_set1_ps(127.0f));
+        // |y * inv| <= 127 (1 + 2^-23) rounds to at most 127: no upper clamp; the lower one maps
+        // NaN to -127 as the portable kernel does.
+        const __m256 x =
+            _mm256_max_ps(_mm256_mul_ps(y, _mm256_broadcast_ss(inv + i)), _mm256_set1_ps(-127.0f));
         i32[h] = _mm256_cvtps_epi32(x);
         // The rounding errors' sum (centring, attention_int.h): qs - alpha * qi, lane c mod 16.
         cp[i % 2] = _mm256_add_ps(
@@ -269,18 +284,18 @@ void PrepareKeysWide(const KeyQueryArgs& A) {
           reinterpret_cast<__m256i*>(qi + 8 * v),
           _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     }
-    _mm256_store_ps(part, cp[0]);
-    _mm256_store_ps(part + 8, cp[1]);
-    A.qz[a] = __builtin_fmaf(mid, Tree16(part), qz);
-    auto* out = static_cast<int8_t*>(A.planes) + per_query * a;
-    for (int c0 = 0; c0 < n; c0 += 32) {
+    A.qz[a] = __builtin_fmaf(mid, Tree16v(cp[0], cp[1]), qz);
+    // Block k of the row (code bytes 4k .. 4k + 3) meets dword [k][s] in plane s.
+    int32_t* out = static_cast<int32_t*>(A.planes) + static_cast<size_t>(a) * blocks * P;
+    for (int c0 = 0; c0 < padded * 8; c0 += 32) {
       _mm256_store_si256(
           reinterpret_cast<__m256i*>(grouped),
           GroupPlanes<P>(_mm256_load_si256(reinterpret_cast<const __m256i*>(qi + c0))));
-      const int b0 = c0 / P;
+      const int k0 = c0 / P / 4;  // 32 channels: 8 / P blocks
       for (int s = 0; s < P; ++s) {
-        int8_t* dst = out + (static_cast<size_t>(b0 / pb) * P + s) * 32 + b0 % pb;
-        __builtin_memcpy(dst, grouped + s * (32 / P), 32 / P);
+        for (int k = 0; k < 8 / P && k0 + k < blocks; ++k) {
+          __builtin_memcpy(out + (k0 + k) * P + s, grouped + s * (32 / P) + 4 * k, 4);
+        }
       }
     }
   }
@@ -403,6 +418,108 @@ void KeyRows(const KeyArgs& A, int a0) {
   }
 }
 
+// 2/4-bit codes, queries a0 .. a0 + NQ: eight rows at a time, transposed so that a lane is a
+// row and a vector one block (4 code bytes) of the eight rows. A block's integer sums for all
+// eight rows then take P vpmaddubsw + one vpmaddwd against the query's broadcast dwords, and its
+// alpha is one broadcast: no horizontal sums, and eight scores are stored at once.
+template <int Bits>
+inline __m256i PlaneOf(__m256i x, int s) {
+  return Plane<Bits>(x, s);
+}
+
+template <int Bits, int NQ>
+inline void TileBlock(__m256i t, const int32_t* qd, const float* al, int k, int blocks,
+                      __m256* acc) {
+  constexpr int P = 8 / Bits;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i xs[P];
+  for (int s = 0; s < P; ++s) xs[s] = PlaneOf<Bits>(t, s);
+  for (int a = 0; a < NQ; ++a) {
+    const int32_t* q = qd + (static_cast<size_t>(a) * blocks + k) * P;
+    // |sum| <= P * 2 * 15 * 127 < 2^15: no saturation before widening.
+    __m256i sum = _mm256_maddubs_epi16(xs[0], _mm256_set1_epi32(q[0]));
+    for (int s = 1; s < P; ++s) {
+      sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(xs[s], _mm256_set1_epi32(q[s])));
+    }
+    acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones)),
+                             _mm256_broadcast_ss(al + a * 64 + k), acc[a]);
+  }
+}
+
+template <int Bits, int NQ>
+void KeyTiles(const KeyArgs& A, int a0) {
+  constexpr int P = 8 / Bits;
+  const int rb = static_cast<int>(A.row_bytes);
+  const int blocks = rb / 4;
+  const int32_t* qd = static_cast<const int32_t*>(A.planes) + static_cast<size_t>(a0) * blocks * P;
+  const float* al = A.alpha + static_cast<size_t>(a0) * 64;
+  alignas(32) uint8_t tail[8 * 256];  // a last tile of fewer than 8 rows, zero below
+  alignas(32) float out[8];
+  for (int j0 = 0; j0 < A.rows; j0 += 8) {
+    const int nr = Min(8, A.rows - j0);
+    const uint8_t* base = A.codes + static_cast<size_t>(j0) * rb;
+    if (nr < 8) {
+      __builtin_memset(tail, 0, static_cast<size_t>(8) * rb);
+      __builtin_memcpy(tail, base, static_cast<size_t>(nr) * rb);
+      base = tail;
+    }
+    __m256 acc[NQ];
+    for (int a = 0; a < NQ; ++a) acc[a] = _mm256_setzero_ps();
+    int off = 0;
+    for (; off + 32 <= rb; off += 32) {  // 8 blocks: an 8x8 dword transpose
+      __m256i r[8], h[8];
+      for (int i = 0; i < 8; ++i) {
+        r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + i * rb + off));
+      }
+      for (int g = 0; g < 8; g += 4) {  // rows g .. g + 3 within each 128-bit half
+        const __m256i t0 = _mm256_unpacklo_epi32(r[g], r[g + 1]);
+        const __m256i t1 = _mm256_unpackhi_epi32(r[g], r[g + 1]);
+        const __m256i t2 = _mm256_unpacklo_epi32(r[g + 2], r[g + 3]);
+        const __m256i t3 = _mm256_unpackhi_epi32(r[g + 2], r[g + 3]);
+        h[g] = _mm256_unpacklo_epi64(t0, t2);      // blocks 0 | 4
+        h[g + 1] = _mm256_unpackhi_epi64(t0, t2);  // 1 | 5
+        h[g + 2] = _mm256_unpacklo_epi64(t1, t3);  // 2 | 6
+        h[g + 3] = _mm256_unpackhi_epi64(t1, t3);  // 3 | 7
+      }
+      const int k0 = off / 4;
+      for (int i = 0; i < 4; ++i) {
+        TileBlock<Bits, NQ>(_mm256_permute2x128_si256(h[i], h[4 + i], 0x20), qd, al, k0 + i,
+                            blocks, acc);
+        TileBlock<Bits, NQ>(_mm256_permute2x128_si256(h[i], h[4 + i], 0x31), qd, al, k0 + 4 + i,
+                            blocks, acc);
+      }
+    }
+    if (off < rb) {  // 16 bytes left, 4 blocks: rows i and i + 4 share a vector
+      __m256i y[4];
+      for (int i = 0; i < 4; ++i) {
+        y[i] = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + i * rb + off))),
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (i + 4) * rb + off)), 1);
+      }
+      const __m256i t0 = _mm256_unpacklo_epi32(y[0], y[1]);
+      const __m256i t1 = _mm256_unpackhi_epi32(y[0], y[1]);
+      const __m256i t2 = _mm256_unpacklo_epi32(y[2], y[3]);
+      const __m256i t3 = _mm256_unpackhi_epi32(y[2], y[3]);
+      const int k0 = off / 4;
+      TileBlock<Bits, NQ>(_mm256_unpacklo_epi64(t0, t2), qd, al, k0, blocks, acc);
+      TileBlock<Bits, NQ>(_mm256_unpackhi_epi64(t0, t2), qd, al, k0 + 1, blocks, acc);
+      TileBlock<Bits, NQ>(_mm256_unpacklo_epi64(t1, t3), qd, al, k0 + 2, blocks, acc);
+      TileBlock<Bits, NQ>(_mm256_unpackhi_epi64(t1, t3), qd, al, k0 + 3, blocks, acc);
+    }
+    for (int a = 0; a < NQ; ++a) {
+      const __m256 sc = _mm256_add_ps(acc[a], _mm256_set1_ps(A.qz[a0 + a]));
+      float* s = A.s + static_cast<size_t>(a0 + a) * A.ss + j0;
+      if (nr == 8) {
+        _mm256_storeu_ps(s, sc);
+      } else {
+        _mm256_store_ps(out, sc);
+        for (int r = 0; r < nr; ++r) s[r] = out[r];
+      }
+    }
+  }
+}
+
 template <int Bits, int R>
 void KeyQueriesR(const KeyArgs& A) {
   int a = 0;
@@ -421,8 +538,22 @@ void KeyQueriesR(const KeyArgs& A) {
 
 template <int Bits>
 void KeyQueries(const KeyArgs& A) {
-  if (Bits != 8 && A.row_bytes == 16) return KeyQueriesR<Bits, 2>(A);
-  KeyQueriesR<Bits, 1>(A);
+  if constexpr (Bits == 8) {
+    KeyQueriesR<8, 1>(A);
+  } else {
+    int a = 0;
+    for (; a + 4 <= A.nq; a += 4) KeyTiles<Bits, 4>(A, a);
+    switch (A.nq - a) {
+      case 3:
+        return KeyTiles<Bits, 3>(A, a);
+      case 2:
+        return KeyTiles<Bits, 2>(A, a);
+      case 1:
+        return KeyTiles<Bits, 1>(A, a);
+      default:
+        return;
+    }
+  }
 }
 
 // ---- Values -----------------------------------------------------------------------------------
@@ -495,35 +626,41 @@ inline __m256 GroupLanes(const float* row, int ng) {
   }
 }
 
-template <int Bits>
-inline __m256i LoadRow(const ValueArgs& A, int row, int k, int bytes, int s) {
+// Bytes [32k, 32k + bytes) of a row, zero past them and past the last row.
+inline __m256i LoadRow(const ValueArgs& A, int row, int k, int bytes) {
   if (row >= A.rows) return _mm256_setzero_si256();
-  return Plane<Bits>(LoadPiece(A.codes + static_cast<size_t>(row) * A.row_bytes + 32 * k, bytes),
-                     s);
+  return LoadPiece(A.codes + static_cast<size_t>(row) * A.row_bytes + 32 * k, bytes);
 }
 
-// The integer sums of piece k, plane s over the rows [b0, b0 + nb) of a block, for queries
-// a0 .. a0 + QB, scaled by beta into accf. The block's rows are interleaved once into `buf`
-// (2 KiB, in L1), then each query runs over them alone: its 16-bit and 32-bit sums take eight
-// registers, where all queries at once would need 32 and spill every step (AVX2 has 16).
-template <int Bits, int QB, bool Uniform>
-void BlockSums(const ValueArgs& A, const ValueLanes& L, int b0, int nb, int k, int s,
-               const int32_t (*w4)[16], const float* beta16, float (*accf)[32][8]) {
+// Piece k of the rows [b0, b0 + nb) of a block, interleaved four rows to a 32-bit lane, as the
+// P planes of its codes: buf[s][q][u] for step q (rows b0 + 4q ..) and vector u (Interleave4).
+// The bytes are interleaved once and the planes taken after (both act byte by byte).
+template <int Bits>
+void InterleaveBlock(const ValueArgs& A, int b0, int nb, int k,
+                     __m256i (*buf)[kValueBlock / 4][4]) {
   constexpr int P = 8 / Bits;
+  const int bytes = Min(32, static_cast<int>(A.row_bytes) - 32 * k);
+  for (int q = 0; q < (nb + 3) / 4; ++q) {
+    const int row = b0 + 4 * q;
+    __m256i v[4];
+    Interleave4(LoadRow(A, row, k, bytes), LoadRow(A, row + 1, k, bytes),
+                LoadRow(A, row + 2, k, bytes), LoadRow(A, row + 3, k, bytes), v);
+    for (int s = 0; s < P; ++s) {
+      for (int u = 0; u < 4; ++u) buf[s][q][u] = Plane<Bits>(v[u], s);
+    }
+  }
+}
+
+// The integer sums of one plane of a block's piece (`buf`: InterleaveBlock's, steps of four
+// rows) for queries a0 .. a0 + QB, scaled by beta into accf's vectors v0 .. v0 + 3. Each query
+// runs over the block alone: its 16-bit and 32-bit sums take eight registers, where all queries
+// at once would need 32 and spill every step (AVX2 has 16).
+template <int Bits, int QB, bool Uniform>
+void BlockSums(const ValueLanes& L, int ng, int steps, int v0, const __m256i (*buf)[4],
+               const int32_t (*w4)[16], const float* beta16, float (*accf)[32][8]) {
   constexpr int NU = Uniform ? 1 : 4;
   // Steps of 16-bit sums before widening: 2 * 255 * (2^Bits - 1) per step stays below 2^15.
   constexpr int kSteps16 = Bits == 4 ? 4 : 16;
-  const int ng = A.groups;
-  const int v0 = (k * P + s) * 4;
-  const int bytes = Min(32, static_cast<int>(A.row_bytes) - 32 * k);
-  const int steps = (nb + 3) / 4;
-  alignas(32) __m256i buf[kValueBlock / 4][4];
-  for (int q = 0; q < steps; ++q) {
-    const int row = b0 + 4 * q;
-    Interleave4(LoadRow<Bits>(A, row, k, bytes, s), LoadRow<Bits>(A, row + 1, k, bytes, s),
-                LoadRow<Bits>(A, row + 2, k, bytes, s), LoadRow<Bits>(A, row + 3, k, bytes, s),
-                buf[q]);
-  }
   const __m256i ones = _mm256_set1_epi16(1);
   for (int a = 0; a < QB; ++a) {
     const int half = (a * ng) / 8;  // which 8 of the 16 lanes (a, g) hold this query's weights
@@ -581,6 +718,7 @@ void ValueQueries(const ValueArgs& A, const ValueLanes& L, int a0) {
   alignas(32) float w[kValueBlock][16];
   alignas(32) int32_t w4[kValueBlock / 4][16];
   alignas(32) float beta16[16];
+  alignas(32) __m256i buf[P][kValueBlock / 4][4];  // one piece of a block, by plane (8 KiB at most)
   for (int b0 = 0; b0 < A.rows; b0 += kValueBlock) {
     const int nb = Min(kValueBlock, A.rows - b0);
     __m256 wmax[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -648,12 +786,15 @@ void ValueQueries(const ValueArgs& A, const ValueLanes& L, int a0) {
           _mm256_fmadd_ps(_mm256_set1_ps(kMid),
                           _mm256_fnmadd_ps(beta[h], _mm256_cvtepi32_ps(wisum), wsum[h]), zacc[h]);
     }
+    const int steps = (nb + 3) / 4;
     for (int k = 0; k < pieces; ++k) {
+      InterleaveBlock<Bits>(A, b0, nb, k, buf);
       for (int s = 0; s < P; ++s) {
+        const int v0 = (k * P + s) * 4;
         if (L.uniform[k * P + s]) {
-          BlockSums<Bits, QB, true>(A, L, b0, nb, k, s, w4, beta16, accf);
+          BlockSums<Bits, QB, true>(L, ng, steps, v0, buf[s], w4, beta16, accf);
         } else {
-          BlockSums<Bits, QB, false>(A, L, b0, nb, k, s, w4, beta16, accf);
+          BlockSums<Bits, QB, false>(L, ng, steps, v0, buf[s], w4, beta16, accf);
         }
       }
     }
