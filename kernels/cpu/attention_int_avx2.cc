@@ -37,7 +37,9 @@ struct KeyQueryArgs {
   size_t row_bytes = 0;
   float* alpha = nullptr;  // [nq, 64]: per block of 32 / bits channels (4 code bytes)
   float* qz = nullptr;     // [nq]
-  void* planes = nullptr;  // the kernels' query layout
+  // The int8 query as the row kernels read it: 2/4-bit codes int32 [nq][block][plane]
+  // (PrepareKeysWide), 8-bit codes int16 [nq][16 * pieces] (PrepareKeys8).
+  void* planes = nullptr;
 };
 
 // Rows of one token group against its prepared queries.
@@ -46,7 +48,6 @@ struct KeyArgs {
   size_t row_bytes = 0;
   int rows = 0, bits = 0, nq = 0;
   const void* planes = nullptr;
-  int pieces = 1;
   const float* alpha = nullptr;  // [nq, 64]
   const float* qz = nullptr;
   float* s = nullptr;  // s[a * ss + j]
@@ -54,14 +55,6 @@ struct KeyArgs {
 };
 
 // ---- Keys -------------------------------------------------------------------------------------
-
-inline __attribute__((always_inline)) float Tree16(const float* p) {
-  float t[8];
-  for (int i = 0; i < 8; ++i) t[i] = p[i] + p[i + 8];
-  for (int i = 0; i < 4; ++i) t[i] = t[i] + t[i + 4];
-  for (int i = 0; i < 2; ++i) t[i] = t[i] + t[i + 2];
-  return t[0] + t[1];
-}
 
 inline __m256i LaneMask(int n) {  // the first n of 8 int32 lanes set
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -92,21 +85,24 @@ inline __m256 LanesMax(__m256 a) {
   return _mm256_max_ps(a, _mm256_permute_ps(a, 0xB1));
 }
 
-// Layouts: 2/4-bit codes int8 [piece][plane][32] (pieces of pb = 32 bytes, or 16 when the row is
-// not a multiple of 32); 8-bit codes int16 [piece of 16][16]. alpha: one per block of kB = 4P
-// channels.
-template <int P>
-void PrepareKeys(const KeyQueryArgs& A) {
-  constexpr int kB = 4 * P;
+// Tree16 of the 16 partial sums held as lo (0..7) and hi (8..15), in vector registers with the
+// same additions in the same order.
+inline float Tree16v(__m256 lo, __m256 hi) {
+  const __m256 t = _mm256_add_ps(lo, hi);  // t[i] = p[i] + p[i + 8]
+  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));  // u[i] + u[i + 2]
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)));
+}
+
+// The preparation for 8-bit codes (blocks of 4 channels, two to a vector): qi widened to int16
+// [piece of 16][16] for vpmaddwd, alpha one per block.
+void PrepareKeys8(const KeyQueryArgs& A) {
   const int n = A.n;
-  const int rb = static_cast<int>(A.row_bytes);
-  const int pb = P == 1 ? 16 : (rb % 32 == 0 ? 32 : 16);
-  const size_t per_query = static_cast<size_t>(rb / pb) * P * 32;
-  const float mid = static_cast<float>((1 << (8 / P)) - 1) / 2.0f;
+  const float mid = 255.0f / 2.0f;
   alignas(32) float qs[256 + 32];
   alignas(32) int8_t qi[256 + 32];
-  alignas(32) float part[16], al8[8];
-  alignas(32) int8_t grouped[32];
+  alignas(32) float al8[8];
+  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int a = 0; a < A.nq; ++a) {
     const float* q = A.qm + static_cast<size_t>(a) * n;
     __m256 zp[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -117,77 +113,44 @@ void PrepareKeys(const KeyQueryArgs& A) {
       __m256& z = zp[(c0 / 8) % 2];  // lanes c mod 16
       z = _mm256_fmadd_ps(x, _mm256_maskload_ps(A.zero + c0, m), z);
     }
-    _mm256_store_ps(part, zp[0]);
-    _mm256_store_ps(part + 8, zp[1]);
-    const float qz = Tree16(part);
+    const float qz = Tree16v(zp[0], zp[1]);
     float* alpha = A.alpha + static_cast<size_t>(a) * 64;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 cp[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     const int padded = (n + 31) / 32 * 32;
     for (int c0 = 0; c0 < padded; c0 += 16) {
-      __m256 y[2], amax[2];
-      for (int h = 0; h < 2; ++h) {
-        y[h] = _mm256_and_ps(_mm256_load_ps(qs + c0 + 8 * h),
-                             _mm256_castsi256_ps(LaneMask(n - c0 - 8 * h)));
-        amax[h] = LanesMax<P == 1>(_mm256_andnot_ps(sign, y[h]));
-      }
-      if constexpr (P == 4) amax[0] = amax[1] = _mm256_max_ps(amax[0], amax[1]);
       __m256i i32[2];
       for (int h = 0; h < 2; ++h) {
-        const __m256 live = _mm256_cmp_ps(amax[h], _mm256_set1_ps(0x1p-100f), _CMP_GE_OQ);
-        const __m256 inv = _mm256_and_ps(live, _mm256_div_ps(_mm256_set1_ps(127.0f), amax[h]));
-        const __m256 al = _mm256_and_ps(live, _mm256_div_ps(amax[h], _mm256_set1_ps(127.0f)));
+        const __m256 y = _mm256_and_ps(_mm256_load_ps(qs + c0 + 8 * h),
+                                       _mm256_castsi256_ps(LaneMask(n - c0 - 8 * h)));
+        const __m256 amax = LanesMax<true>(_mm256_andnot_ps(sign, y));  // per 4 lanes
+        const __m256 live = _mm256_cmp_ps(amax, _mm256_set1_ps(0x1p-100f), _CMP_GE_OQ);
+        const __m256 inv = _mm256_and_ps(live, _mm256_div_ps(_mm256_set1_ps(127.0f), amax));
+        const __m256 al = _mm256_and_ps(live, _mm256_div_ps(amax, _mm256_set1_ps(127.0f)));
         const __m256 x =
-            _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(y[h], inv), _mm256_set1_ps(-127.0f)),
+            _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(y, inv), _mm256_set1_ps(-127.0f)),
                           _mm256_set1_ps(127.0f));
         i32[h] = _mm256_cvtps_epi32(x);
         // The rounding errors' sum (centring, attention_int.h): qs - alpha * qi, lane c mod 16.
-        cp[h] = _mm256_add_ps(cp[h], _mm256_fnmadd_ps(al, _mm256_cvtepi32_ps(i32[h]), y[h]));
+        cp[h] = _mm256_add_ps(cp[h], _mm256_fnmadd_ps(al, _mm256_cvtepi32_ps(i32[h]), y));
         _mm256_store_ps(al8, al);
         const int c = c0 + 8 * h;
         if (c < n) {
-          for (int l = 0; l < 8; l += kB < 8 ? kB : 8) {
-            if (kB <= 8 || h == 0) alpha[(c + l) / kB] = al8[l];
-          }
+          alpha[c / 4] = al8[0];
+          alpha[c / 4 + 1] = al8[4];
         }
       }
       const __m256i i16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i32[0], i32[1]), 0xD8);
       const __m256i i8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(i16, i16), 0x08);
       _mm_store_si128(reinterpret_cast<__m128i*>(qi + c0), _mm256_castsi256_si128(i8));
     }
-    _mm256_store_ps(part, cp[0]);
-    _mm256_store_ps(part + 8, cp[1]);
-    A.qz[a] = __builtin_fmaf(mid, Tree16(part), qz);
-    if constexpr (P == 1) {
-      auto* out = reinterpret_cast<int16_t*>(static_cast<uint8_t*>(A.planes) + per_query * a);
-      for (int c0 = 0; c0 < n; c0 += 16) {
-        _mm256_storeu_si256(
-            reinterpret_cast<__m256i*>(out + c0),
-            _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(qi + c0))));
-      }
-    } else {
-      auto* out = static_cast<int8_t*>(A.planes) + per_query * a;
-      for (int c0 = 0; c0 < n; c0 += 32) {
-        _mm256_store_si256(
-            reinterpret_cast<__m256i*>(grouped),
-            GroupPlanes<P>(_mm256_load_si256(reinterpret_cast<const __m256i*>(qi + c0))));
-        const int b0 = c0 / P;
-        for (int s = 0; s < P; ++s) {
-          int8_t* dst = out + (static_cast<size_t>(b0 / pb) * P + s) * 32 + b0 % pb;
-          __builtin_memcpy(dst, grouped + s * (32 / P), 32 / P);
-        }
-      }
+    A.qz[a] = __builtin_fmaf(mid, Tree16v(cp[0], cp[1]), qz);
+    auto* out = static_cast<int16_t*>(A.planes) + static_cast<size_t>(a) * ((n + 15) / 16 * 16);
+    for (int c0 = 0; c0 < n; c0 += 16) {
+      _mm256_storeu_si256(
+          reinterpret_cast<__m256i*>(out + c0),
+          _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(qi + c0))));
     }
   }
-}
-
-// Tree16 of the 16 partial sums held as lo (0..7) and hi (8..15), in vector registers with the
-// same additions in the same order.
-inline float Tree16v(__m256 lo, __m256 hi) {
-  const __m256 t = _mm256_add_ps(lo, hi);  // t[i] = p[i] + p[i + 8]
-  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-  const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));  // u[i] + u[i + 2]
-  return _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)));
 }
 
 // The max of each of eight vectors, as the lanes of one: lane i = max over v[i]'s eight lanes.
@@ -301,139 +264,70 @@ void PrepareKeysWide(const KeyQueryArgs& A) {
   }
 }
 
-// Queries a0 .. a0 + NQ against every row. 2/4-bit codes: pieces of 16 or 32 bytes, the query as
-// int8 planes [piece][plane][32]; R = 2 (rows of 16 bytes): two rows per vector, the query's 16
-// bytes repeated. 8-bit codes: pieces of 16 bytes widened to int16, the query as int16
-// [piece][16]. Each 32-bit lane's integer sum is scaled by its block's alpha.
-template <int Bits, int R, int NQ>
-void KeyRows(const KeyArgs& A, int a0) {
-  constexpr int P = Bits == 8 ? 1 : 8 / Bits;
+// 8-bit codes, queries a0 .. a0 + NQ against every row: pieces of 16 bytes widened to int16 against
+// the query's int16 [piece][16]; lane l of piece k holds channels 16k + 2l, 2l + 1 (block 4k + l/2),
+// and each lane's integer sum is scaled by its block's alpha.
+template <int NQ>
+void KeyRows8(const KeyArgs& A, int a0) {
   const int rb = static_cast<int>(A.row_bytes);
-  const int pieces = R == 2 ? 1 : A.pieces;
-  const int pb = Bits == 8 ? 16 : (rb % 32 == 0 ? 32 : 16);
-  const size_t per_query = static_cast<size_t>(A.pieces) * P * 32;  // bytes
-  const auto* planes = static_cast<const uint8_t*>(A.planes);
-  const __m256i ones = _mm256_set1_epi16(1);
+  const int pieces = rb / 16;
+  const auto* planes = static_cast<const int16_t*>(A.planes);
   const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
   // The block scales of each (query, piece) in lane order, computed once.
   alignas(32) float alpha[NQ][16][8];
   for (int a = 0; a < NQ; ++a) {
     const float* al = A.alpha + static_cast<size_t>(a0 + a) * 64;
     for (int k = 0; k < pieces; ++k) {
-      __m256 v;
-      if constexpr (Bits == 8) {  // lane l: channels 16k + 2l, 2l + 1, block 4k + l / 2
-        v = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(al + 4 * k)), pairs);
-      } else if constexpr (R == 2) {  // lanes 0-3 and 4-7: blocks 0-3 of two rows
-        v = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(al));
-      } else {  // lane l: bytes 4l..4l+3 of the piece (past a 16-byte piece: zero codes)
-        v = _mm256_loadu_ps(al + pb / 4 * k);
-      }
-      _mm256_store_ps(alpha[a][k], v);
-    }
-  }
-  // R = 2: the query planes repeated for the second row of each vector.
-  alignas(32) uint8_t q2[R == 2 ? NQ : 1][P][32];
-  if constexpr (R == 2) {
-    for (int a = 0; a < NQ; ++a) {
-      for (int s = 0; s < P; ++s) {
-        const uint8_t* qa = planes + static_cast<size_t>(a0 + a) * per_query + s * 32;
-        __builtin_memcpy(q2[a][s], qa, 16);
-        __builtin_memcpy(q2[a][s] + 16, qa, 16);
-      }
+      _mm256_store_ps(alpha[a][k], _mm256_permutevar8x32_ps(
+                                       _mm256_castps128_ps256(_mm_loadu_ps(al + 4 * k)), pairs));
     }
   }
   alignas(32) float qz8[8], out[8];
   for (int i = 0; i < 8; ++i) qz8[i] = i % 4 < NQ ? A.qz[a0 + i % 4] : 0.0f;
   const __m256 qz = _mm256_load_ps(qz8);
-  constexpr int kStep = 2 * R;
-  for (int j = 0; j < A.rows; j += kStep) {
+  for (int j = 0; j < A.rows; j += 2) {
     _mm_prefetch(reinterpret_cast<const char*>(A.codes + static_cast<size_t>(j + 16) * rb),
                  _MM_HINT_T0);
     __m256 acc[4][2];
     for (int a = 0; a < 4; ++a) acc[a][0] = acc[a][1] = _mm256_setzero_ps();
-    for (int v = 0; v < 2; ++v) {
-      const int first = j + v * R;
-      if (first >= A.rows) break;
-      const uint8_t* row = A.codes + static_cast<size_t>(first) * rb;
+    for (int v = 0; v < 2 && j + v < A.rows; ++v) {
+      const uint8_t* row = A.codes + static_cast<size_t>(j + v) * rb;
       for (int k = 0; k < pieces; ++k) {
-        if constexpr (Bits == 8) {
-          const __m256i x =
-              _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * k)));
-          for (int a = 0; a < NQ; ++a) {
-            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                planes + static_cast<size_t>(a0 + a) * per_query + 32 * k));
-            acc[a][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(x, q)),
-                                        _mm256_load_ps(alpha[a][k]), acc[a][v]);
-          }
-        } else {
-          __m256i x;
-          if constexpr (R == 2) {  // rows first and first + 1 (zero past the end)
-            x = first + 1 < A.rows ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row))
-                                   : _mm256_zextsi128_si256(
-                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
-          } else {
-            x = LoadPiece(row + pb * k, pb);
-          }
-          __m256i xs[P];
-          for (int s = 0; s < P; ++s) xs[s] = Plane<Bits>(x, s);
-          for (int a = 0; a < NQ; ++a) {
-            const uint8_t* qa =
-                R == 2 ? q2[a][0] : planes + static_cast<size_t>(a0 + a) * per_query + k * P * 32;
-            // |sum| <= P * 2 * 15 * 127 < 2^15: no saturation before widening.
-            __m256i t = _mm256_maddubs_epi16(
-                xs[0], _mm256_load_si256(reinterpret_cast<const __m256i*>(qa)));
-            for (int s = 1; s < P; ++s) {
-              t = _mm256_add_epi16(
-                  t, _mm256_maddubs_epi16(
-                         xs[s], _mm256_load_si256(reinterpret_cast<const __m256i*>(qa + 32 * s))));
-            }
-            acc[a][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t, ones)),
-                                        _mm256_load_ps(alpha[a][k]), acc[a][v]);
-          }
+        const __m256i x =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * k)));
+        for (int a = 0; a < NQ; ++a) {
+          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+              planes + static_cast<size_t>(a0 + a) * rb + 16 * k));
+          acc[a][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(x, q)),
+                                      _mm256_load_ps(alpha[a][k]), acc[a][v]);
         }
       }
     }
+    // [row j: q0..q3 | row j + 1: q0..q3]
     const __m256 x =
         _mm256_hadd_ps(_mm256_hadd_ps(acc[0][0], acc[1][0]), _mm256_hadd_ps(acc[2][0], acc[3][0]));
     const __m256 y =
         _mm256_hadd_ps(_mm256_hadd_ps(acc[0][1], acc[1][1]), _mm256_hadd_ps(acc[2][1], acc[3][1]));
-    const int n = Min(kStep, A.rows - j);
-    if constexpr (R == 2) {  // x: [row j | row j + 1], y: [row j + 2 | row j + 3], q0..q3 each
-      alignas(32) float out2[16];
-      _mm256_store_ps(out2, _mm256_add_ps(x, qz));
-      _mm256_store_ps(out2 + 8, _mm256_add_ps(y, qz));
-      for (int a = 0; a < NQ; ++a) {
-        float* s = A.s + static_cast<size_t>(a0 + a) * A.ss + j;
-        for (int r = 0; r < n; ++r) s[r] = out2[4 * r + a];
-      }
-    } else {  // [row j: q0..q3 | row j + 1: q0..q3]
-      const __m256 sum =
-          _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
-      _mm256_store_ps(out, _mm256_add_ps(sum, qz));
-      for (int a = 0; a < NQ; ++a) {
-        float* s = A.s + static_cast<size_t>(a0 + a) * A.ss + j;
-        for (int r = 0; r < n; ++r) s[r] = out[4 * r + a];
-      }
+    const __m256 sum =
+        _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+    _mm256_store_ps(out, _mm256_add_ps(sum, qz));
+    const int n = Min(2, A.rows - j);
+    for (int a = 0; a < NQ; ++a) {
+      float* s = A.s + static_cast<size_t>(a0 + a) * A.ss + j;
+      for (int r = 0; r < n; ++r) s[r] = out[4 * r + a];
     }
   }
 }
 
-// 2/4-bit codes, queries a0 .. a0 + NQ: eight rows at a time, transposed so that a lane is a
-// row and a vector one block (4 code bytes) of the eight rows. A block's integer sums for all
-// eight rows then take P vpmaddubsw + one vpmaddwd against the query's broadcast dwords, and its
-// alpha is one broadcast: no horizontal sums, and eight scores are stored at once.
-template <int Bits>
-inline __m256i PlaneOf(__m256i x, int s) {
-  return Plane<Bits>(x, s);
-}
-
+// One block (4 code bytes) of eight rows, a row to a 32-bit lane, into the queries' scores:
+// P vpmaddubsw against the query's broadcast dwords, one vpmaddwd, the block's alpha broadcast.
 template <int Bits, int NQ>
 inline void TileBlock(__m256i t, const int32_t* qd, const float* al, int k, int blocks,
                       __m256* acc) {
   constexpr int P = 8 / Bits;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i xs[P];
-  for (int s = 0; s < P; ++s) xs[s] = PlaneOf<Bits>(t, s);
+  for (int s = 0; s < P; ++s) xs[s] = Plane<Bits>(t, s);
   for (int a = 0; a < NQ; ++a) {
     const int32_t* q = qd + (static_cast<size_t>(a) * blocks + k) * P;
     // |sum| <= P * 2 * 15 * 127 < 2^15: no saturation before widening.
@@ -446,6 +340,8 @@ inline void TileBlock(__m256i t, const int32_t* qd, const float* al, int k, int 
   }
 }
 
+// 2/4-bit codes, queries a0 .. a0 + NQ: eight rows at a time, transposed so that a lane is a row
+// and a vector one block of the eight rows; no horizontal sums, and eight scores stored at once.
 template <int Bits, int NQ>
 void KeyTiles(const KeyArgs& A, int a0) {
   constexpr int P = 8 / Bits;
@@ -520,39 +416,20 @@ void KeyTiles(const KeyArgs& A, int a0) {
   }
 }
 
-template <int Bits, int R>
-void KeyQueriesR(const KeyArgs& A) {
-  int a = 0;
-  for (; a + 4 <= A.nq; a += 4) KeyRows<Bits, R, 4>(A, a);
-  switch (A.nq - a) {
-    case 3:
-      return KeyRows<Bits, R, 3>(A, a);
-    case 2:
-      return KeyRows<Bits, R, 2>(A, a);
-    case 1:
-      return KeyRows<Bits, R, 1>(A, a);
-    default:
-      return;
-  }
-}
-
 template <int Bits>
 void KeyQueries(const KeyArgs& A) {
-  if constexpr (Bits == 8) {
-    KeyQueriesR<8, 1>(A);
-  } else {
-    int a = 0;
-    for (; a + 4 <= A.nq; a += 4) KeyTiles<Bits, 4>(A, a);
-    switch (A.nq - a) {
-      case 3:
-        return KeyTiles<Bits, 3>(A, a);
-      case 2:
-        return KeyTiles<Bits, 2>(A, a);
-      case 1:
-        return KeyTiles<Bits, 1>(A, a);
-      default:
-        return;
-    }
+  // Queries in fours (the caller passes at most four).
+  switch (A.nq) {
+    case 4:
+      return Bits == 8 ? KeyRows8<4>(A, 0) : KeyTiles<Bits, 4>(A, 0);
+    case 3:
+      return Bits == 8 ? KeyRows8<3>(A, 0) : KeyTiles<Bits, 3>(A, 0);
+    case 2:
+      return Bits == 8 ? KeyRows8<2>(A, 0) : KeyTiles<Bits, 2>(A, 0);
+    case 1:
+      return Bits == 8 ? KeyRows8<1>(A, 0) : KeyTiles<Bits, 1>(A, 0);
+    default:
+      return;
   }
 }
 
@@ -855,9 +732,8 @@ void Prefetch(const KeyChunkArgs& C, int64_t next, int r1) {
 
 void ScoreKeysAvx2(const KeyChunkArgs& C) {
   const int rb = static_cast<int>(C.row_bytes);
-  const int pb = C.bits == 8 ? 16 : (rb % 32 == 0 ? 32 : 16);
-  // Piece bytes past pb multiply zero codes, so the layout needs no clearing; it starts zeroed
-  // only so that nothing uninitialized is ever read.
+  // Written in full for every block the rows have; zeroed only so that nothing uninitialized is
+  // ever read.
   alignas(32) int8_t planes[4 * 512] = {};
   alignas(32) float alpha[4 * 64 + 8] = {};  // per query, <= 64 blocks (zero past the last)
   float qz[4];
@@ -886,7 +762,6 @@ void ScoreKeysAvx2(const KeyChunkArgs& C) {
       k.bits = C.bits;
       k.nq = q.nq;
       k.planes = planes;
-      k.pieces = rb / pb;
       k.alpha = alpha;
       k.qz = qz;
       k.s = C.s + static_cast<size_t>(a0) * C.ss + (r0 - C.j0);
@@ -898,7 +773,7 @@ void ScoreKeysAvx2(const KeyChunkArgs& C) {
         PrepareKeysWide<4>(q);
         KeyQueries<2>(k);
       } else {
-        PrepareKeys<1>(q);
+        PrepareKeys8(q);
         KeyQueries<8>(k);
       }
     }
