@@ -686,7 +686,10 @@ void ValueQueries(const ValueArgs& A, const ValueLanes& L, int a0) {
         if ((L.valid[v] >> l) & 1) acc[L.channel[v][l]] += accf[a][v][l];
       }
     }
-    for (int c = 0; c < A.n; ++c) acc[c] += z[a * ng + c / A.group];
+    for (int g = 0; g < ng; ++g) {  // channel by channel, without a division each
+      const float zg = z[a * ng + g];
+      for (int c = g * A.group; c < Min(A.n, (g + 1) * A.group); ++c) acc[c] += zg;
+    }
   }
 }
 

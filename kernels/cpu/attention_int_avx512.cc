@@ -606,9 +606,12 @@ void ValueQueries(const ValueArgs& A, const ValueLanes& L, int a0) {
                                 _mm512_load_ps(accf[a][v]), 4);
     }
     float* acc = A.acc + static_cast<size_t>(a0 + a) * A.n;
-    for (int c = 0; c < A.n; ++c) {
-      acc[c] += sum[c];
-      acc[c] += z[a * ng + c / A.group];
+    for (int g = 0; g < ng; ++g) {  // channel by channel, without a division each
+      const float zg = z[a * ng + g];
+      for (int c = g * A.group; c < Min(A.n, (g + 1) * A.group); ++c) {
+        acc[c] += sum[c];
+        acc[c] += zg;
+      }
     }
   }
 }
