@@ -448,7 +448,9 @@ struct ValueLanes {
   alignas(32) int32_t group[32][8];
   alignas(32) int32_t channel[32][8];  // 0 where none
   uint8_t valid[32];
-  bool uniform[8];
+  // Per (piece, plane): how many distinct group patterns its four vectors have: 1 (all the same),
+  // 2 (u = 0, 1 share one and u = 2, 3 another) or 4. The weights are permuted once per pattern.
+  uint8_t patterns[8];
 };
 
 void MakeLanes(int bits, int rb, int n, int group, ValueLanes* L) {
@@ -469,13 +471,13 @@ void MakeLanes(int bits, int rb, int n, int group, ValueLanes* L) {
           if (ok) L->valid[vi] |= static_cast<uint8_t>(1u << l);
         }
       }
-      bool same = true;
-      for (int u = 1; u < 4; ++u) {
+      const auto same = [&](int u, int w) {
         for (int l = 0; l < 8; ++l) {
-          same = same && L->group[(k * P + s) * 4 + u][l] == L->group[(k * P + s) * 4][l];
+          if (L->group[(k * P + s) * 4 + u][l] != L->group[(k * P + s) * 4 + w][l]) return false;
         }
-      }
-      L->uniform[k * P + s] = same;
+        return true;
+      };
+      L->patterns[k * P + s] = same(0, 1) && same(2, 3) ? (same(0, 2) ? 1 : 2) : 4;
     }
   }
 }
@@ -532,27 +534,28 @@ void InterleaveBlock(const ValueArgs& A, int b0, int nb, int k,
 // rows) for queries a0 .. a0 + QB, scaled by beta into accf's vectors v0 .. v0 + 3. Each query
 // runs over the block alone: its 16-bit and 32-bit sums take eight registers, where all queries
 // at once would need 32 and spill every step (AVX2 has 16).
-template <int Bits, int QB, bool Uniform>
+template <int Bits, int QB, int NU>
 void BlockSums(const ValueLanes& L, int ng, int steps, int v0, const __m256i (*buf)[4],
                const int32_t (*w4)[16], const float* beta16, float (*accf)[32][8]) {
-  constexpr int NU = Uniform ? 1 : 4;
   // Steps of 16-bit sums before widening: 2 * 255 * (2^Bits - 1) per step stays below 2^15.
   constexpr int kSteps16 = Bits == 4 ? 4 : 16;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int a = 0; a < QB; ++a) {
     const int half = (a * ng) / 8;  // which 8 of the 16 lanes (a, g) hold this query's weights
-    __m256i idx[NU];
-    for (int u = 0; u < NU; ++u) {
-      idx[u] = _mm256_add_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(L.group[v0 + u])),
-                                _mm256_set1_epi32((a * ng) % 8));
+    __m256i idx[NU];  // pattern d: that of vector u = 4d / NU (ValueLanes::patterns)
+    for (int d = 0; d < NU; ++d) {
+      idx[d] = _mm256_add_epi32(
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(L.group[v0 + d * 4 / NU])),
+          _mm256_set1_epi32((a * ng) % 8));
     }
     __m256i acc[4], t16[4];
     for (int u = 0; u < 4; ++u) acc[u] = t16[u] = _mm256_setzero_si256();
     for (int q = 0; q < steps; ++q) {
       const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(w4[q] + 8 * half));
+      __m256i wv[NU];
+      for (int d = 0; d < NU; ++d) wv[d] = _mm256_permutevar8x32_epi32(w, idx[d]);
       for (int u = 0; u < 4; ++u) {
-        const __m256i wv = _mm256_permutevar8x32_epi32(w, idx[Uniform ? 0 : u]);
-        t16[u] = _mm256_add_epi16(t16[u], _mm256_maddubs_epi16(wv, buf[q][u]));
+        t16[u] = _mm256_add_epi16(t16[u], _mm256_maddubs_epi16(wv[u * NU / 4], buf[q][u]));
       }
       if ((q + 1) % kSteps16 == 0 || q + 1 == steps) {
         for (int u = 0; u < 4; ++u) {
@@ -565,7 +568,7 @@ void BlockSums(const ValueLanes& L, int ng, int steps, int v0, const __m256i (*b
     for (int u = 0; u < 4; ++u) {
       float* f = accf[a][v0 + u];
       _mm256_store_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[u]),
-                                         _mm256_permutevar8x32_ps(beta, idx[Uniform ? 0 : u]),
+                                         _mm256_permutevar8x32_ps(beta, idx[u * NU / 4]),
                                          _mm256_load_ps(f)));
     }
   }
@@ -668,10 +671,16 @@ void ValueQueries(const ValueArgs& A, const ValueLanes& L, int a0) {
       InterleaveBlock<Bits>(A, b0, nb, k, buf);
       for (int s = 0; s < P; ++s) {
         const int v0 = (k * P + s) * 4;
-        if (L.uniform[k * P + s]) {
-          BlockSums<Bits, QB, true>(L, ng, steps, v0, buf[s], w4, beta16, accf);
-        } else {
-          BlockSums<Bits, QB, false>(L, ng, steps, v0, buf[s], w4, beta16, accf);
+        switch (L.patterns[k * P + s]) {
+          case 1:
+            BlockSums<Bits, QB, 1>(L, ng, steps, v0, buf[s], w4, beta16, accf);
+            break;
+          case 2:
+            BlockSums<Bits, QB, 2>(L, ng, steps, v0, buf[s], w4, beta16, accf);
+            break;
+          default:
+            BlockSums<Bits, QB, 4>(L, ng, steps, v0, buf[s], w4, beta16, accf);
+            break;
         }
       }
     }
