@@ -5,8 +5,12 @@
 Per retrieval task and keep ratio: the best kvpress press and the best kvc spec by mean accuracy,
 and kvc's best minus every press's (paired over the same documents, percentile bootstrap 95%);
 equal bytes: every fixed-size kvc row (--kvc-bytes) storing at most kvpress's keep-0.25 fp16
-bytes (0.25 of the fp16 cache, as kvcd measured it) against the full cache; continuation at keep 0.5: the lowest mean KL of each side and their paired
-difference. Only rows in the run take part: the table says which rows those were.
+bytes (0.25 of the fp16 cache, as kvcd measured it) against the full cache; equal memory: per
+kvpress keep ratio r, its best press against the best kvc row of any kind (kept tokens,
+quantization, ThinK) that kvcd stored in at most r of the fp16 cache's bytes; continuation at
+keep 0.5: the lowest mean KL of each side and their paired difference. "Best" is chosen by mean
+on the same documents it is then compared on. Only rows in the run take part: the table says
+which rows those were.
 """
 
 import argparse
@@ -28,8 +32,10 @@ def paired(a, b, reps=2000, seed=7):
 
 
 def load(path, scenario):
-    """{(task, row): {doc: value}} (acc for retrieval, kl for continuation), {row: meta}."""
-    vals, meta = defaultdict(dict), {}
+    """{(task, row): {doc: value}} (acc for retrieval, kl for continuation), {row: meta} and
+    {(task, row): stored}: the largest fraction of the fp16 bytes the row stored on any document
+    (meta's "stored": over every task)."""
+    vals, meta, stored_in = defaultdict(dict), {}, {}
     with open(path) as f:
         for r in csv.DictReader(f):
             if r["scenario"] not in (scenario, "prefix"):
@@ -38,16 +44,20 @@ def load(path, scenario):
             if r[metric] == "":
                 continue
             vals[(r["task"], r["row"])][r["doc"]] = float(r[metric])
-            meta[r["row"]] = {"family": r["family"], "keep": r["keep"],
-                              "stored": float(r["stored"])}
-    return vals, meta
+            stored = float(r["stored"])
+            key = (r["task"], r["row"])
+            stored_in[key] = max(stored_in.get(key, stored), stored)
+            m = meta.setdefault(r["row"], {"family": r["family"], "keep": r["keep"],
+                                           "stored": stored})
+            m["stored"] = max(m["stored"], stored)
+    return vals, meta, stored_in
 
 
 def mean(d):
     return sum(d.values()) / len(d) if d else float("nan")
 
 
-def table(vals, meta):
+def table(vals, meta, stored_in):
     lines = ["| task | keep | best kvpress | best kvc | kvc - kvpress (paired, 95%) | n |",
              "|---|---|---|---|---|---|"]
     tasks = sorted({t for t, _ in vals if t != "continuation"})
@@ -74,6 +84,7 @@ def table(vals, meta):
             d, (lo, hi), n = paired(vals[(t, r)], full)
             lines.append(f"| {task} | `{r}` | {meta[r]['stored']:.3f} | {mean(vals[(t, r)]):.2f} | "
                          f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}] | {n} |")
+    lines += memory_table(vals, meta, stored_in, tasks)
     cont = [(r, v) for (t, r), v in vals.items() if t == "continuation" and meta[r]["keep"] == "0.5"]
     if cont:
         side = {fam: [(r, v) for r, v in cont if meta[r]["family"] == fam]
@@ -89,13 +100,35 @@ def table(vals, meta):
     return "\n".join(lines) + "\n"
 
 
+def memory_table(vals, meta, stored_in, tasks):
+    """Lines of the equal-memory table: per task and kvpress keep ratio r, the best press at r
+    against the best kvc row (kvc or kvc-bytes) that stored at most r of the fp16 bytes."""
+    lines = ["", "| task | memory (of fp16) | best kvpress | best kvc in no more bytes | stored | "
+             "kvc - kvpress (paired, 95%) | n |", "|---|---|---|---|---|---|---|"]
+    for task in tasks:
+        presses = [r for t, r in vals if t == task and meta[r]["family"] == "kvpress"]
+        for keep in sorted({meta[r]["keep"] for r in presses}, key=float, reverse=True):
+            budget = float(keep)
+            at = [r for r in presses if meta[r]["keep"] == keep]
+            kvc = [r for t, r in vals if t == task and meta[r]["family"] in ("kvc", "kvc-bytes")
+                   and stored_in[(t, r)] <= budget]
+            if not kvc:
+                continue
+            bp = max(at, key=lambda r: mean(vals[(task, r)]))
+            bk = max(kvc, key=lambda r: mean(vals[(task, r)]))
+            d, (lo, hi), n = paired(vals[(task, bk)], vals[(task, bp)])
+            lines.append(f"| {task} | {keep} | `{bp}` {mean(vals[(task, bp)]):.2f} | `{bk}` "
+                         f"{mean(vals[(task, bk)]):.2f} | {stored_in[(task, bk)]:.3f} | "
+                         f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}] | {n} |")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m kvc.bench.goals")
     ap.add_argument("dir", help="a sidebyside --out folder (reads results.csv)")
     ap.add_argument("--scenario", default="after")
     args = ap.parse_args(argv)
-    vals, meta = load(os.path.join(args.dir, "results.csv"), args.scenario)
-    out = table(vals, meta)
+    out = table(*load(os.path.join(args.dir, "results.csv"), args.scenario))
     with open(os.path.join(args.dir, "goals.md"), "w") as f:
         f.write(out)
     print(out, end="")
