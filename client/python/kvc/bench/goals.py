@@ -34,7 +34,7 @@ def paired(a, b, reps=2000, seed=7):
 def load(path, scenario):
     """{(task, row): {doc: value}} (acc for retrieval, kl for continuation), {row: meta} and
     {(task, row): stored}: the largest fraction of the fp16 bytes the row stored on any document
-    (meta's "stored": over every task)."""
+    of the task."""
     vals, meta, stored_in = defaultdict(dict), {}, {}
     with open(path) as f:
         for r in csv.DictReader(f):
@@ -47,9 +47,7 @@ def load(path, scenario):
             stored = float(r["stored"])
             key = (r["task"], r["row"])
             stored_in[key] = max(stored_in.get(key, stored), stored)
-            m = meta.setdefault(r["row"], {"family": r["family"], "keep": r["keep"],
-                                           "stored": stored})
-            m["stored"] = max(m["stored"], stored)
+            meta[r["row"]] = {"family": r["family"], "keep": r["keep"]}
     return vals, meta, stored_in
 
 
@@ -79,10 +77,10 @@ def table(vals, meta, stored_in):
     for task in tasks:
         full = vals.get((task, "full"), {})
         for t, r in sorted(vals):
-            if t != task or meta[r]["family"] != "kvc-bytes" or not meta[r]["stored"] <= 0.25:
+            if t != task or meta[r]["family"] != "kvc-bytes" or not stored_in[(t, r)] <= 0.25:
                 continue
             d, (lo, hi), n = paired(vals[(t, r)], full)
-            lines.append(f"| {task} | `{r}` | {meta[r]['stored']:.3f} | {mean(vals[(t, r)]):.2f} | "
+            lines.append(f"| {task} | `{r}` | {stored_in[(t, r)]:.3f} | {mean(vals[(t, r)]):.2f} | "
                          f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}] | {n} |")
     lines += memory_table(vals, meta, stored_in, tasks)
     cont = [(r, v) for (t, r), v in vals.items() if t == "continuation" and meta[r]["keep"] == "0.5"]
