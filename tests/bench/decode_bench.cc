@@ -25,6 +25,13 @@
 //                        kvc::model's own full fp32 cache (`speedup_vs_model_full`), alternating
 //                        in one loop; byte_ratio = keep-everything blob bytes / the spec's.
 //
+// Kernel rows (one thread, no memory traffic to speak of: 8,192 rows that stay in L2):
+//   BM_IntKernel/keys|values/bits/isa  the integer decode kernels alone (kernels/cpu/
+//                             attention_int.h) on the ×8 rows' shape of one head: 64 key channels
+//                             (ThinK 0.5 of 128) in token groups of 32, 128 value channels in
+//                             groups of 32, four queries, 1,024-row calls as the decode makes
+//                             them; ns_per_row. Each instruction set the CPU has (and the cap
+//                             allows) gets its own row.
 // A summary table at the end repeats the ratios and the share of memcpy bandwidth.
 // Run: decode_bench [--model=PATH] [--benchmark_filter=...]
 #include <cblas.h>
@@ -39,6 +46,7 @@
 #include <string>
 #include <vector>
 
+#include "../../kernels/cpu/attention_int.h"
 #include "../../kernels/cpu/attention_internal.h"
 #include "../../kernels/cpu/simd.h"
 #include "absl/strings/str_cat.h"
@@ -367,6 +375,82 @@ void BM_DecodeMemcpy(benchmark::State& state, int seq_len, int batch) {
          0, 0, batch);
 }
 
+// ---- Kernel rows --------------------------------------------------------------------------------
+
+// The integer kernels alone on one head's rows (see the header comment).
+void BM_IntKernel(benchmark::State& state, bool keys, int bits, bool vnni) {
+  constexpr int kRows = 8192, kCall = 1024, kNq = 4, kKeyN = 64, kValueN = 128, kG = 32;
+  const size_t krb = kKeyN * bits / 8, vrb = kValueN * bits / 8;
+  std::vector<uint16_t> h(kRows * std::max(krb, vrb));
+  Fill(h.data(), h.size(), 21, 4.0f);  // random bits for the codes
+  const auto* bytes = reinterpret_cast<const uint8_t*>(h.data());
+  const std::vector<uint8_t> codes(bytes, bytes + kRows * (keys ? krb : vrb));
+  const std::vector<float> scale = RandomFloats(kRows * kKeyN, 22, 0.1f);
+  const std::vector<float> zero = RandomFloats(kRows * kKeyN, 23, 2.0f);
+  const std::vector<float> q = RandomFloats(kNq * kKeyN, 24, 2.0f);
+  std::vector<float> p = RandomFloats(static_cast<size_t>(kNq) * kRows, 25, 1.0f);
+  for (float& x : p) x = std::fabs(x) + 0.01f;
+  std::vector<float> s(static_cast<size_t>(kNq) * kRows), acc(kNq * kValueN);
+  for (auto _ : state) {
+    for (int j0 = 0; j0 < kRows; j0 += kCall) {
+      if (keys) {
+        cpu::attn::isa::KeyChunkArgs a;
+        a.codes = codes.data();
+        a.row_bytes = krb;
+        a.bits = bits;
+        a.n = kKeyN;
+        a.group = kG;
+        a.scale = scale.data();
+        a.zero = zero.data();
+        a.j0 = j0;
+        a.j1 = j0 + kCall;
+        a.qm = q.data();
+        a.nq = kNq;
+        a.s = s.data() + j0;
+        a.ss = kRows;
+        vnni ? cpu::attn::isa::ScoreKeysVnni(a) : cpu::attn::isa::ScoreKeysAvx2(a);
+      } else {
+        cpu::attn::isa::ValueArgs a;
+        a.codes = codes.data() + j0 * vrb;
+        a.row_bytes = vrb;
+        a.rows = kCall;
+        a.bits = bits;
+        a.n = kValueN;
+        a.group = kG;
+        a.groups = kValueN / kG;
+        a.scale = scale.data() + j0 * a.groups;
+        a.zero = zero.data() + j0 * a.groups;
+        a.p = p.data() + j0;
+        a.ps = kRows;
+        a.nq = kNq;
+        a.acc = acc.data();
+        vnni ? cpu::attn::isa::AccumulateValuesVnni(a) : cpu::attn::isa::AccumulateValuesAvx2(a);
+      }
+    }
+    benchmark::DoNotOptimize(s.data());
+    benchmark::DoNotOptimize(acc.data());
+  }
+  state.counters["ns_per_row"] = benchmark::Counter(
+      static_cast<double>(kRows) * state.iterations(),
+      benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  state.SetLabel(vnni ? "avx512vnni" : "avx2");
+}
+
+void RegisterKernelRows() {
+  for (bool vnni : {false, true}) {
+    if (!CpuIsaAtLeast(vnni ? CpuIsa::kAvx512Vnni : CpuIsa::kAvx2)) continue;
+    for (bool keys : {true, false}) {
+      for (int bits : {4, 2}) {
+        benchmark::RegisterBenchmark(absl::StrCat("BM_IntKernel/", keys ? "keys" : "values", "/",
+                                                  bits, "/", vnni ? "avx512vnni" : "avx2")
+                                         .c_str(),
+                                     BM_IntKernel, keys, bits, vnni)
+            ->Unit(benchmark::kMicrosecond);
+      }
+    }
+  }
+}
+
 void RegisterAttentionRows() {
   for (int seq_len : {4096, 32768}) {
     for (int batch : {1, 8}) {
@@ -559,6 +643,7 @@ int main(int argc, char** argv) {
   }
   argc = out;
   kvc::RegisterAttentionRows();
+  kvc::RegisterKernelRows();
   if (model_path.empty()) {
     std::fprintf(stderr, "decode_bench: no --model=PATH given; the model rows are skipped\n");
   } else if (absl::Status st = kvc::LoadModel(model_path); !st.ok()) {
