@@ -60,12 +60,11 @@ inline __m256i LaneMask(int n) {  // the first n of 8 int32 lanes set
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// 32 query bytes as [plane 0 | plane 1 | ...], 32 / P bytes each.
+// 32 query bytes as [plane 0 | plane 1 | ...], 32 / P bytes each (2- and 4-bit codes).
 template <int P>
 inline __m256i GroupPlanes(__m256i v) {
-  if constexpr (P == 1) {
-    return v;
-  } else if constexpr (P == 2) {
+  static_assert(P == 2 || P == 4);
+  if constexpr (P == 2) {
     const __m256i ctl = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2,
                                          4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     return _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, ctl), 0xD8);
@@ -77,10 +76,8 @@ inline __m256i GroupPlanes(__m256i v) {
   }
 }
 
-// The max over all eight lanes, or (Within4) over each 128-bit lane, in every lane.
-template <bool Within4>
-inline __m256 LanesMax(__m256 a) {
-  if constexpr (!Within4) a = _mm256_max_ps(a, _mm256_permute2f128_ps(a, a, 0x01));
+// The max over each 128-bit lane (four lanes), in every lane of it.
+inline __m256 LanesMax4(__m256 a) {
   a = _mm256_max_ps(a, _mm256_permute_ps(a, 0x4E));
   return _mm256_max_ps(a, _mm256_permute_ps(a, 0xB1));
 }
@@ -122,7 +119,7 @@ void PrepareKeys8(const KeyQueryArgs& A) {
       for (int h = 0; h < 2; ++h) {
         const __m256 y = _mm256_and_ps(_mm256_load_ps(qs + c0 + 8 * h),
                                        _mm256_castsi256_ps(LaneMask(n - c0 - 8 * h)));
-        const __m256 amax = LanesMax<true>(_mm256_andnot_ps(sign, y));  // per 4 lanes
+        const __m256 amax = LanesMax4(_mm256_andnot_ps(sign, y));
         const __m256 live = _mm256_cmp_ps(amax, _mm256_set1_ps(0x1p-100f), _CMP_GE_OQ);
         const __m256 inv = _mm256_and_ps(live, _mm256_div_ps(_mm256_set1_ps(127.0f), amax));
         const __m256 al = _mm256_and_ps(live, _mm256_div_ps(amax, _mm256_set1_ps(127.0f)));

@@ -26,8 +26,9 @@
 //                        in one loop; byte_ratio = keep-everything blob bytes / the spec's.
 //
 // Kernel rows (one thread, no memory traffic to speak of: 8,192 rows that stay in L2):
-//   BM_IntKernel/keys|values/bits/isa  the integer decode kernels alone (kernels/cpu/
-//                             attention_int.h) on the ×8 rows' shape of one head: 64 key channels
+//   BM_IntKernel/keys|values/bits/isa  the integer decode kernels alone, through the decode's
+//                             entry points (kernels/cpu/attention_int_rows.h) with the kernels
+//                             capped at isa, on the ×8 rows' shape of one head: 64 key channels
 //                             (ThinK 0.5 of 128) in token groups of 32, 128 value channels in
 //                             groups of 32, four queries, 1,024-row calls as the decode makes
 //                             them; ns_per_row. Each instruction set the CPU has (and the cap
@@ -46,7 +47,7 @@
 #include <string>
 #include <vector>
 
-#include "../../kernels/cpu/attention_int.h"
+#include "../../kernels/cpu/attention_int_rows.h"
 #include "../../kernels/cpu/attention_internal.h"
 #include "../../kernels/cpu/simd.h"
 #include "absl/strings/str_cat.h"
@@ -377,74 +378,56 @@ void BM_DecodeMemcpy(benchmark::State& state, int seq_len, int batch) {
 
 // ---- Kernel rows --------------------------------------------------------------------------------
 
-// The integer kernels alone on one head's rows (see the header comment).
-void BM_IntKernel(benchmark::State& state, bool keys, int bits, bool vnni) {
+// The integer kernels alone on one head's rows (see the header comment), through the decode's own
+// entry points (ScoreKeyCodesInt, AccumulateValueCodesInt) with the kernels capped at `isa`.
+void BM_IntKernel(benchmark::State& state, bool keys, int bits, CpuIsa isa) {
   constexpr int kRows = 8192, kCall = 1024, kNq = 4, kKeyN = 64, kValueN = 128, kG = 32;
-  const size_t krb = kKeyN * bits / 8, vrb = kValueN * bits / 8;
-  std::vector<uint16_t> h(kRows * std::max(krb, vrb));
+  cpu::attn::Rows R;
+  R.kind = keys ? cpu::attn::Rows::kKeyCodes : cpu::attn::Rows::kValueCodes;
+  R.n = keys ? kKeyN : kValueN;
+  R.row_bytes = static_cast<size_t>(R.n) * bits / 8;
+  R.bits = bits;
+  R.group = kG;
+  std::vector<uint16_t> h(kRows * R.row_bytes / 2);
   Fill(h.data(), h.size(), 21, 4.0f);  // random bits for the codes
-  const auto* bytes = reinterpret_cast<const uint8_t*>(h.data());
-  const std::vector<uint8_t> codes(bytes, bytes + kRows * (keys ? krb : vrb));
   const std::vector<float> scale = RandomFloats(kRows * kKeyN, 22, 0.1f);
   const std::vector<float> zero = RandomFloats(kRows * kKeyN, 23, 2.0f);
+  R.base = reinterpret_cast<const uint8_t*>(h.data());
+  R.scale = scale.data();
+  R.zero = zero.data();
   const std::vector<float> q = RandomFloats(kNq * kKeyN, 24, 2.0f);
   std::vector<float> p = RandomFloats(static_cast<size_t>(kNq) * kRows, 25, 1.0f);
   for (float& x : p) x = std::fabs(x) + 0.01f;
   std::vector<float> s(static_cast<size_t>(kNq) * kRows), acc(kNq * kValueN);
+  const CpuIsa previous = SetCpuIsaCap(isa);
   for (auto _ : state) {
     for (int j0 = 0; j0 < kRows; j0 += kCall) {
       if (keys) {
-        cpu::attn::isa::KeyChunkArgs a;
-        a.codes = codes.data();
-        a.row_bytes = krb;
-        a.bits = bits;
-        a.n = kKeyN;
-        a.group = kG;
-        a.scale = scale.data();
-        a.zero = zero.data();
-        a.j0 = j0;
-        a.j1 = j0 + kCall;
-        a.qm = q.data();
-        a.nq = kNq;
-        a.s = s.data() + j0;
-        a.ss = kRows;
-        vnni ? cpu::attn::isa::ScoreKeysVnni(a) : cpu::attn::isa::ScoreKeysAvx2(a);
+        cpu::attn::ScoreKeyCodesInt(R, j0, j0 + kCall, q.data(), kNq, s.data() + j0, kRows);
       } else {
-        cpu::attn::isa::ValueArgs a;
-        a.codes = codes.data() + j0 * vrb;
-        a.row_bytes = vrb;
-        a.rows = kCall;
-        a.bits = bits;
-        a.n = kValueN;
-        a.group = kG;
-        a.groups = kValueN / kG;
-        a.scale = scale.data() + j0 * a.groups;
-        a.zero = zero.data() + j0 * a.groups;
-        a.p = p.data() + j0;
-        a.ps = kRows;
-        a.nq = kNq;
-        a.acc = acc.data();
-        vnni ? cpu::attn::isa::AccumulateValuesVnni(a) : cpu::attn::isa::AccumulateValuesAvx2(a);
+        cpu::attn::AccumulateValueCodesInt(R, j0, j0 + kCall, p.data() + j0, kRows, kNq,
+                                           acc.data());
       }
     }
     benchmark::DoNotOptimize(s.data());
     benchmark::DoNotOptimize(acc.data());
   }
+  SetCpuIsaCap(previous);
   state.counters["ns_per_row"] = benchmark::Counter(
       static_cast<double>(kRows) * state.iterations(),
       benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
-  state.SetLabel(vnni ? "avx512vnni" : "avx2");
+  state.SetLabel(std::string(CpuIsaName(isa)));
 }
 
 void RegisterKernelRows() {
-  for (bool vnni : {false, true}) {
-    if (!CpuIsaAtLeast(vnni ? CpuIsa::kAvx512Vnni : CpuIsa::kAvx2)) continue;
+  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512Vnni}) {
+    if (!CpuIsaAtLeast(isa)) continue;
     for (bool keys : {true, false}) {
       for (int bits : {4, 2}) {
         benchmark::RegisterBenchmark(absl::StrCat("BM_IntKernel/", keys ? "keys" : "values", "/",
-                                                  bits, "/", vnni ? "avx512vnni" : "avx2")
+                                                  bits, "/", std::string(CpuIsaName(isa)))
                                          .c_str(),
-                                     BM_IntKernel, keys, bits, vnni)
+                                     BM_IntKernel, keys, bits, isa)
             ->Unit(benchmark::kMicrosecond);
       }
     }

@@ -43,9 +43,9 @@ def load(path, scenario):
             metric = "kl" if r["task"] == "continuation" else "acc"
             if r[metric] == "":
                 continue
-            vals[(r["task"], r["row"])][r["doc"]] = float(r[metric])
-            stored = float(r["stored"])
             key = (r["task"], r["row"])
+            vals[key][r["doc"]] = float(r[metric])
+            stored = float(r["stored"])
             stored_in[key] = max(stored_in.get(key, stored), stored)
             meta[r["row"]] = {"family": r["family"], "keep": r["keep"]}
     return vals, meta, stored_in
