@@ -15,6 +15,7 @@
 #include "kvc/checked_math.h"
 #include "kvc/compact.h"
 #include "kvc/status_macros.h"
+#include "kvc/stream_copy.h"
 
 namespace kvc {
 
@@ -104,7 +105,7 @@ absl::StatusOr<InPlaceLayer> InPlaceLayer::Create(const LayerShape& shape, DType
 }
 
 void InPlaceLayer::Write(bool values, uint64_t offset, const uint8_t* data, size_t size,
-                         absl::FunctionRef<void(size_t, size_t)> placed) {
+                         absl::FunctionRef<void(size_t, const uint8_t*, size_t)> placed) {
   uint8_t* const base = layer_.bytes.data();
   uint8_t* const blob = base + sections_ + (values ? values_at_ : keys_at_);
   while (size > 0) {
@@ -123,8 +124,8 @@ void InPlaceLayer::Write(bool values, uint64_t offset, const uint8_t* data, size
     }
     const size_t at = static_cast<size_t>(dst - base);
     take = std::min(take, kPieceBytes - at % kPieceBytes);  // pieces end on kPieceBytes multiples
-    std::memcpy(dst, data, take);
-    placed(at, take);
+    StreamCopy(dst, data, take);
+    placed(at, data, take);
     data += take;
     offset += take;
     size -= take;

@@ -37,6 +37,45 @@ bool Xxh3Avx512(const void* data, size_t size, uint64_t seed, uint64_t* hash) {
 
 }  // namespace internal
 
+static_assert(sizeof(XXH3_state_t) <= Xxh3Stream::kStateBytes && alignof(XXH3_state_t) <= 64);
+
+void Xxh3Stream::Reset(uint64_t seed) {
+  if (internal::Avx512Usable()) {
+    build_ = Build::kAvx512;
+    internal::Xxh3Avx512Reset(state_, seed);
+  } else if (internal::Avx2Usable()) {
+    build_ = Build::kAvx2;
+    internal::Xxh3Avx2Reset(state_, seed);
+  } else {
+    build_ = Build::kBaseline;
+    (void)XXH3_64bits_reset_withSeed(reinterpret_cast<XXH3_state_t*>(state_), seed);
+  }
+}
+
+void Xxh3Stream::Update(const void* data, size_t size) {
+  switch (build_) {
+    case Build::kAvx512:
+      return internal::Xxh3Avx512Update(state_, data, size);
+    case Build::kAvx2:
+      return internal::Xxh3Avx2Update(state_, data, size);
+    case Build::kBaseline:
+      (void)XXH3_64bits_update(reinterpret_cast<XXH3_state_t*>(state_), data, size);
+      return;
+  }
+}
+
+uint64_t Xxh3Stream::Digest() const {
+  switch (build_) {
+    case Build::kAvx512:
+      return internal::Xxh3Avx512Digest(state_);
+    case Build::kAvx2:
+      return internal::Xxh3Avx2Digest(state_);
+    case Build::kBaseline:
+      break;
+  }
+  return XXH3_64bits_digest(reinterpret_cast<const XXH3_state_t*>(state_));
+}
+
 uint64_t Xxh3(const void* data, size_t size, uint64_t seed) {
   if (internal::Avx512Usable()) return internal::Xxh3Avx512Unchecked(data, size, seed);
   if (internal::Avx2Usable()) return internal::Xxh3Avx2Unchecked(data, size, seed);

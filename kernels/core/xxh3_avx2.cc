@@ -13,9 +13,21 @@ bool Xxh3Avx2Built() { return true; }
 uint64_t Xxh3Avx2Unchecked(const void* data, size_t size, uint64_t seed) {
   return XXH3_64bits_withSeed(data, size, seed);
 }
+void Xxh3Avx2Reset(void* state, uint64_t seed) {
+  (void)XXH3_64bits_reset_withSeed(static_cast<XXH3_state_t*>(state), seed);
+}
+void Xxh3Avx2Update(void* state, const void* data, size_t size) {
+  (void)XXH3_64bits_update(static_cast<XXH3_state_t*>(state), data, size);
+}
+uint64_t Xxh3Avx2Digest(const void* state) {
+  return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state));
+}
 #else
 bool Xxh3Avx2Built() { return false; }
 uint64_t Xxh3Avx2Unchecked(const void*, size_t, uint64_t) { return 0; }
+void Xxh3Avx2Reset(void*, uint64_t) {}
+void Xxh3Avx2Update(void*, const void*, size_t) {}
+uint64_t Xxh3Avx2Digest(const void*) { return 0; }
 #endif
 
 }  // namespace kvc::internal

@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "kvc/compact.h"
 #include "kvc/status_macros.h"
+#include "kvc/xxh3.h"
 #include "server/convert.h"
 #include "server/work_budget.h"
 
@@ -281,22 +282,46 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
         layer.hashing->blocks.assign(blocks, 0);
         layer.hashing->done.assign(blocks, 0);
       }
-      // Each piece is hashed right after it lands, while it is still in this core's cache:
-      // every checksum block lying wholly inside the contiguous blob range this chunk has
-      // written so far. Blocks cut by a chunk boundary wait for the layer's completion.
+      // Each checksum block lying wholly inside the contiguous blob range this chunk writes is
+      // hashed from the received bytes as they are placed, while they are still in this core's
+      // cache (the blob is written around the cache: kvc/stream_copy.h). Blocks straddle the
+      // received pieces, so each is hashed as a stream. Blocks cut by a chunk boundary wait for
+      // the layer's completion.
       const absl::Time start = absl::Now();
-      const absl::Span<const uint8_t> blob(layer.in_place->blob(), layer.in_place->blob_bytes());
+      const size_t blob_size = layer.in_place->blob_bytes();
       LayerState::Hashing& hashing = *layer.hashing;
       const uint32_t index = c.layer();
-      size_t run_end = SIZE_MAX;  // end of the contiguous range written so far
-      uint64_t next = 0;          // its first block not hashed yet
-      auto placed = [&](size_t at, size_t n) {
-        if (at != run_end) next = (at + kChecksumBlockBytes - 1) / kChecksumBlockBytes;
+      size_t run_end = SIZE_MAX;    // end of the contiguous range written so far
+      bool streaming = false;       // a block is being hashed: `block`, ending at `block_end`
+      uint64_t block = 0;
+      size_t block_end = 0;
+      Xxh3Stream stream;
+      auto placed = [&](size_t at, const uint8_t* src, size_t n) {
+        if (at != run_end) streaming = false;  // a partial block stays for the completion
         run_end = at + n;
-        for (; next < hashing.blocks.size(); ++next) {
-          if (std::min((next + 1) * kChecksumBlockBytes, blob.size()) > run_end) break;
-          hashing.blocks[next] = ChecksumBlock(index, blob, next);
-          hashing.done[next] = 1;
+        while (n > 0) {
+          if (!streaming) {
+            const size_t skip = std::min(n, (kChecksumBlockBytes - at % kChecksumBlockBytes) %
+                                                kChecksumBlockBytes);
+            at += skip;
+            src += skip;
+            n -= skip;
+            if (n == 0) break;
+            block = at / kChecksumBlockBytes;
+            block_end = std::min(at + kChecksumBlockBytes, blob_size);
+            stream.Reset(ChecksumSeed(index, block));
+            streaming = true;
+          }
+          const size_t take = std::min(n, block_end - at);
+          stream.Update(src, take);
+          at += take;
+          src += take;
+          n -= take;
+          if (at == block_end) {
+            hashing.blocks[block] = stream.Digest();
+            hashing.done[block] = 1;
+            streaming = false;
+          }
         }
       };
       uint64_t offset = c.offset();

@@ -7,12 +7,13 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kvc/stream_copy.h"
 
 namespace kvc::server {
 
 void RawPutRequest::CopyDataTo(uint8_t* dst) const {
   for (const auto& s : data) {
-    std::memcpy(dst, s.ptr, s.size);
+    StreamCopy(dst, s.ptr, s.size);
     dst += s.size;
   }
 }

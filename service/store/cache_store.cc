@@ -42,7 +42,7 @@ uint64_t CacheEntry::ChargedBytes() const {
 uint64_t ChecksumBlock(uint32_t layer, absl::Span<const uint8_t> blob, uint64_t block) {
   const size_t at = block * kChecksumBlockBytes;
   return Xxh3(blob.data() + at, std::min(kChecksumBlockBytes, blob.size() - at),
-              (uint64_t{layer} << 32) + block);
+              ChecksumSeed(layer, block));
 }
 
 std::vector<uint64_t> ChecksumLayerBlocks(uint32_t layer, absl::Span<const uint8_t> blob) {

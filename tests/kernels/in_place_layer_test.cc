@@ -2,6 +2,7 @@
 // PackLayer's (and the CPU backend's) output byte for byte, whatever the dtype, layout, shape and
 // chunking; and it refuses what it cannot build.
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -76,8 +77,8 @@ TEST(InPlaceLayerTest, EqualsPackLayerAndTheCpuBackendForEveryDtypeLayoutAndChun
   }
 }
 
-// Every byte written is reported exactly once, as pieces that hold the bytes just written and
-// never cross a kPieceBytes boundary of the blob.
+// Every byte written is reported exactly once, as pieces that hold the bytes just written, point
+// at those bytes in the input, and never cross a kPieceBytes boundary of the blob.
 TEST(InPlaceLayerTest, ReportsEachPlacedPiece) {
   std::mt19937 rng(5);
   for (Layout layout : {Layout::kHND, Layout::kNHD}) {
@@ -90,9 +91,14 @@ TEST(InPlaceLayerTest, ReportsEachPlacedPiece) {
       const std::vector<uint8_t>& src = values ? data.v : data.k;
       for (size_t at = 0; at < src.size();) {
         const size_t n = std::min<size_t>(1 + rng() % (700 << 10), src.size() - at);
-        placed->Write(values, at, src.data() + at, n, [&](size_t off, size_t len) {
+        const uint8_t* next = src.data() + at;  // pieces come in input order
+        placed->Write(values, at, src.data() + at, n,
+                      [&](size_t off, const uint8_t* from, size_t len) {
           ++pieces;
           ASSERT_LE(off + len, seen.size());
+          EXPECT_EQ(from, next);
+          next += len;
+          EXPECT_EQ(std::memcmp(placed->blob() + off, from, len), 0);
           EXPECT_EQ(off / InPlaceLayer::kPieceBytes, (off + len - 1) / InPlaceLayer::kPieceBytes);
           for (size_t i = off; i < off + len; ++i) ++seen[i];
         });

@@ -5,11 +5,14 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
+
 #include <cstdint>
 #include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kvc/cpu_isa.h"
 
 namespace kvc {
 namespace {
@@ -67,6 +70,39 @@ TEST(Xxh3Test, EachBuildEqualsLibxxhash) {
   }
   if (!avx2) std::printf("note: no AVX2 on this CPU; that build was not exercised\n");
   if (!avx512) std::printf("note: no AVX-512F on this CPU; that build was not exercised\n");
+}
+
+// Xxh3Stream fed in pieces equals the one-shot hash of the whole, for every split tried (pieces
+// of 1 byte to past XXH3's internal 256-byte buffer and 1 KiB stripes block, at odd offsets), on
+// each build the CPU has (capped in turn), including the 64 KiB blocks kvcd hashes as they arrive.
+TEST(Xxh3Test, StreamEqualsOneShotForEverySplitAndBuild) {
+  const std::vector<uint8_t> data = RandomBytes((1 << 18) + 64);
+  std::mt19937 rng(3);
+  const CpuIsa saved = CpuIsaCap();
+  for (CpuIsa cap : {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    SetCpuIsaCap(cap);
+    for (size_t n : {size_t{0}, size_t{1}, size_t{17}, size_t{240}, size_t{241}, size_t{4097},
+                     size_t{65536}, size_t{65536 + 3}, size_t{1} << 18}) {
+      for (uint64_t seed : kSeeds) {
+        for (size_t max_piece : {size_t{1}, size_t{100}, size_t{300}, size_t{5000},
+                                 size_t{70000}}) {
+          if (max_piece == 1 && n > 5000) continue;  // byte by byte only on the short inputs
+          const uint8_t* p = data.data() + 3;
+          Xxh3Stream stream;
+          stream.Reset(seed);
+          for (size_t at = 0; at < n;) {
+            const size_t take = std::min<size_t>(n - at, 1 + rng() % max_piece);
+            stream.Update(p + at, take);
+            at += take;
+          }
+          ASSERT_EQ(stream.Digest(), XXH3_64bits_withSeed(p, n, seed))
+              << "cap=" << CpuIsaName(cap) << " n=" << n << " seed=" << seed
+              << " pieces up to " << max_piece;
+        }
+      }
+    }
+  }
+  SetCpuIsaCap(saved);
 }
 
 TEST(Xxh3Test, ChangesWithAnyFlippedBit) {

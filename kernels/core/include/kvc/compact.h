@@ -193,14 +193,17 @@ class InPlaceLayer {
 
   // Copies `size` bytes of tensor K (values == false) or V starting at byte `offset` of that
   // tensor. Requires offset + size <= tensor_bytes() (callers validate chunk ranges first).
-  // `placed(blob_offset, n)` runs after each contiguous piece lands in the blob, while it is still
-  // in cache (ingest hashes it there); pieces never cross a multiple of kPieceBytes in the blob,
-  // so fixed blocks that divide kPieceBytes are cut only where a run of the input ends.
+  // `placed(blob_offset, src, n)` runs after each contiguous piece lands in the blob, with `src`
+  // the piece's bytes in `data`: pieces of 4 KiB or more are written with non-temporal stores
+  // (kvc/stream_copy.h; a stored layer is not read again soon), so a caller that hashes them
+  // (ingest) reads `src`, which is still in cache. Pieces never cross a multiple of kPieceBytes
+  // in the blob, so fixed blocks that divide kPieceBytes are cut only where a run of the input
+  // ends.
   static constexpr size_t kPieceBytes = size_t{256} << 10;
   void Write(bool values, uint64_t offset, const uint8_t* data, size_t size,
-             absl::FunctionRef<void(size_t blob_offset, size_t n)> placed);
+             absl::FunctionRef<void(size_t blob_offset, const uint8_t* src, size_t n)> placed);
   void Write(bool values, uint64_t offset, const uint8_t* data, size_t size) {
-    Write(values, offset, data, size, [](size_t, size_t) {});
+    Write(values, offset, data, size, [](size_t, const uint8_t*, size_t) {});
   }
   const uint8_t* blob() const { return layer_.bytes.data(); }
   size_t blob_bytes() const { return layer_.bytes.size(); }
