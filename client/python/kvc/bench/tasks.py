@@ -237,8 +237,8 @@ def vartrack_docs(builder, n, n_tokens, seed, lines, hops=2):
         if sorted(depths) != depths:  # keep the chain in reading order
             continue
         d = builder.make("vartrack", f"vartrack-{seed}-{len(docs)}", ctx,
-                         f"Question: what is the value of VAR {names[-1]}? Answer: VAR "
-                         f"{names[-1]} =", " " + value,
+                         f"Question: VAR {names[-1]} holds which number? Answer: The number "
+                         f"VAR {names[-1]} holds is", " " + value,
                          {"chain": names, "value": value, "depths": depths})
         if d:
             docs.append(d)
