@@ -31,7 +31,8 @@ class Xxh3Stream {
 
  private:
   enum class Build : uint8_t { kBaseline, kAvx2, kAvx512 };
-  alignas(64) unsigned char state_[kStateBytes];
+  // Zeroed: XXH3's reset reads the previous seed and secret pointer (XXH3_INITSTATE's zeros).
+  alignas(64) unsigned char state_[kStateBytes] = {};
   Build build_ = Build::kBaseline;
 };
 
