@@ -41,6 +41,7 @@ KVC_BYTES_DEFAULT = [
     "snapkv:0.75+think:0.5+q4g64",
     "expected:0.6,stats=1+q4g64",
     "kvzip:0.6,ada=0.2,stats=1,xlayer=1+q4g64",
+    "kvzip:0.55,ada=0,stats=1,xlayer=1+q4g32",
     "kvzip:0.25,ada=0.2,stats=1,xlayer=1+q4g64",
 ]
 
