@@ -55,7 +55,9 @@ struct CacheEntry {
 // cache, and layers that finish out of order need not wait for each other.
 inline constexpr size_t kChecksumBlockBytes = size_t{64} << 10;
 // The seed of block `block` of layer `layer`.
-inline uint64_t ChecksumSeed(uint32_t layer, uint64_t block) { return (uint64_t{layer} << 32) + block; }
+inline uint64_t ChecksumSeed(uint32_t layer, uint64_t block) {
+  return (uint64_t{layer} << 32) + block;
+}
 // The hash of block `block` of `blob` (layer `layer`); requires block * kChecksumBlockBytes <
 // blob.size().
 uint64_t ChecksumBlock(uint32_t layer, absl::Span<const uint8_t> blob, uint64_t block);

@@ -2,8 +2,8 @@
 // blob or its staging buffer). An ordinary memcpy into a destination that is not in cache first
 // reads every destination line (read-for-ownership), then writes it back: three memory passes for
 // each byte. Non-temporal stores skip the read; on these machines that copies 64 KiB pieces into a
-// 128 MiB buffer about twice as fast. The bytes are not left in cache, so a caller that needs to
-// read them (to hash them, say) reads the source instead.
+// 128 MiB buffer about 1.4x as fast (engine_bench's BM_ReceiveCopy). The bytes are not left in
+// cache, so a caller that needs to read them (to hash them, say) reads the source instead.
 #ifndef KVC_STREAM_COPY_H_
 #define KVC_STREAM_COPY_H_
 
