@@ -6,10 +6,18 @@
 #include <cstdlib>
 #include <cstring>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// GCC spells the AMX macros __AMX_TILE__ / __AMX_BF16__, clang up to 16 __AMXTILE__ / __AMXBF16__.
+#if (defined(__AMX_TILE__) || defined(__AMXTILE__)) && \
+    (defined(__AMX_BF16__) || defined(__AMXBF16__)) && defined(__AVX512BF16__)
+#define KVC_AMX_BUILT 1
+#endif
+
+#if KVC_AMX_BUILT
 #include <immintrin.h>
 
 namespace kvc::cpu::amx {
+
+bool Built() { return true; }
 namespace {
 
 // The tile configuration (palette 1): eight tiles of 16 rows x 64 bytes.
@@ -216,9 +224,10 @@ void Logits(const uint16_t* q_hi, const uint16_t* q_lo, int rows, const uint16_t
 
 }  // namespace kvc::cpu::amx
 
-#else  // built without AMX (not x86-64): Usable() is false, so nothing here is ever called.
+#else  // built without AMX: Built() and so Usable() are false; nothing below is ever called.
 
 namespace kvc::cpu::amx {
+bool Built() { return false; }
 void PackQueries(const float*, int, int, float, uint16_t*, uint16_t*) { std::abort(); }
 void PackKeys(const void*, DType, size_t, int, int, uint16_t*, uint16_t*) { std::abort(); }
 void Logits(const uint16_t*, const uint16_t*, int, const uint16_t*, const uint16_t*, int, int,

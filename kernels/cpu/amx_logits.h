@@ -28,10 +28,14 @@
 
 namespace kvc::cpu::amx {
 
+// Whether amx_logits.cc was compiled with the AMX instructions (it is on x86-64 with GCC and
+// clang); without them its functions abort, so a CPU with AMX must not reach them.
+bool Built();
+
 // (Inline: amx_logits.cc is compiled for AMX and must only run on a CPU that has it.)
-// True when the AMX path runs now (the active level is kAmx) for this head_dim.
+// True when the AMX path runs now (the active level is kAmx) for this head_dim, in this build.
 inline bool Usable(int head_dim) {
-  return head_dim > 0 && head_dim % 32 == 0 && CpuIsaAtLeast(CpuIsa::kAmx);
+  return head_dim > 0 && head_dim % 32 == 0 && CpuIsaAtLeast(CpuIsa::kAmx) && Built();
 }
 
 // bf16 elements of one part (hi or lo) of packed queries / keys.

@@ -43,6 +43,18 @@ void RoundTo(DType t, std::vector<float>* v) {
   ToFloat(raw.data(), t, v->size(), v->data());
 }
 
+// The AMX build is selected by the compiler's macros, which GCC and clang spell differently; a
+// build without it must not be what an x86-64 compiler produces (clang builds once lacked it and
+// aborted on CPUs with AMX; now such a build would quietly score without AMX).
+TEST(AmxLogitsTest, BuiltWithAmxOnX86) {
+#if defined(__x86_64__)
+  EXPECT_TRUE(amx::Built());
+#else
+  EXPECT_FALSE(amx::Built());
+  EXPECT_FALSE(amx::Usable(32));
+#endif
+}
+
 TEST(AmxLogitsTest, KeysArePackedPairInterleavedPerTile) {
   SKIP_WITHOUT_AMX();
   const int n = 37, d = 64;
