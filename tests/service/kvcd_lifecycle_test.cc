@@ -1,6 +1,6 @@
 // kvcd as a process: start-up output and --port_file, health on both ports, flag validation
 // (exit code 2), and SIGTERM/SIGINT drain: NOT_SERVING, UNAVAILABLE for new calls, in-flight
-// uploads complete, bounded shutdown, exit 0.
+// uploads complete, bounded shutdown, exit 0; a fault prints a stack trace.
 #include <signal.h>
 
 #include <cstdio>
@@ -275,6 +275,27 @@ TEST(KvcdLifecycleTest, SigtermRightAfterStartUpAlwaysDrainsAndExitsZero) {
     EXPECT_THAT(kvcd->output(), HasSubstr("stopped after")) << "run " << i;
   }
   std::remove(port_file.c_str());
+}
+
+// A fault leaves evidence: the signal and a stack trace on stderr, then death by that signal (so
+// a supervisor still sees a crash). Sent from outside here; a real fault takes the same handler.
+TEST(KvcdLifecycleTest, AFaultPrintsTheSignalAndAStackTraceThenDiesOfIt) {
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  GTEST_SKIP() << "under AddressSanitizer kvcd keeps ASan's own fault report";
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "under AddressSanitizer kvcd keeps ASan's own fault report";
+#endif
+  auto kvcd = StartKvcd({"--health_listen=", "--metrics_listen="});
+  ASSERT_NE(kvcd, nullptr);
+  ASSERT_TRUE(kvcd->Signal(SIGSEGV).ok());
+  auto code = kvcd->Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 128 + SIGSEGV) << kvcd->output();
+  EXPECT_THAT(kvcd->output(), HasSubstr("*** SIGSEGV received"));
+  EXPECT_THAT(kvcd->output(), HasSubstr("PC: @"));
 }
 
 TEST(KvcdLifecycleTest, ShutdownIsBoundedWhenAStreamNeverEnds) {
