@@ -432,7 +432,7 @@ void Upload::StartReady() {
   }
 }
 
-LayerInput Upload::InputOf(int index) const {
+LayerInput Upload::InputOf(int index, bool values) const {
   const LayerState& layer = layers_[index];
   LayerInput in;
   in.shape = shape_;
@@ -440,7 +440,8 @@ LayerInput Upload::InputOf(int index) const {
   in.layout = layout_;
   in.layer_index = index;
   in.k = layer.tensor[0].get();
-  in.v = layer.tensor[1].get();
+  // V's staging may still be acquired by OnChunk when the keys are scored early: not read then.
+  in.v = values ? layer.tensor[1].get() : nullptr;
   in.q_obs = shape_.obs_window > 0 ? layer.tensor[2].get() : nullptr;
   in.rope = rope_ ? &*rope_ : nullptr;
   in.cancel = cancel_.get();
@@ -463,8 +464,7 @@ void Upload::ScoreLayer(int index) {
   absl::StatusOr<KeyScores> out = absl::CancelledError("upload dropped");
   if (!dropped) {
     // Only K, Q_obs and Q_stats are complete (and no longer written): V is not passed.
-    LayerInput in = InputOf(index);
-    in.v = nullptr;
+    const LayerInput in = InputOf(index, /*values=*/false);
     if (compress_observer_) compress_observer_(+1);
     out = CallNoThrow([&]() -> absl::StatusOr<KeyScores> {
       RETURN_IF_ERROR(QueryStatsFinite(in));

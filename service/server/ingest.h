@@ -184,7 +184,9 @@ class Upload : public std::enable_shared_from_this<Upload> {
   absl::Status Reject(RejectReason reason, absl::Status status);
   bool LayerComplete(const LayerState& layer) const;
   bool KeysComplete(const LayerState& layer) const;  // K, Q_obs and Q_stats
-  LayerInput InputOf(int index) const;                // the layer's staging as engine input
+  // The layer's staging as engine input; V only with `values` (its staging is the receiving
+  // thread's while keys are scored early).
+  LayerInput InputOf(int index, bool values = true) const;
   // Schedules ready layers while fewer than max_running_ of this upload are compressing.
   void StartReady() ABSL_LOCKS_EXCLUDED(mu_);
   void CompressLayer(int layer);  // on a pool thread
