@@ -118,13 +118,15 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
         absl::UnknownError("not exported");
   };
 
-  // Starts exporting layer `index` on the pool. The job holds the lease (the blob stays valid);
-  // the reactor outlives it because it cannot finish while parked on this export.
+  // Starts exporting layer `index` on the pool. The job holds the lease (the blob stays valid)
+  // and its own copy of everything else it reads: the reactor may finish and be deleted while
+  // the job runs (the client cancels while the layer before streams). It touches the reactor
+  // only to resume it when parked on this export, and a parked reactor cannot finish.
   std::shared_ptr<Export> StartExport(uint32_t index) {
     auto ex = std::make_shared<Export>();
     // On the I/O pool: a download never waits behind compressions.
     ThreadPool* pool = state_->io_pool != nullptr ? state_->io_pool : state_->pool;
-    pool->Schedule([this, ex, keep = keep_, index] {
+    pool->Schedule([this, ex, keep = keep_, index, rope = rope_] {
       absl::StatusOr<std::shared_ptr<const DenseLayer>> result;
       const CacheEntry& entry = keep->lease.entry();
       absl::StatusOr<CompactLayerView> view = absl::UnknownError("not parsed");
@@ -135,7 +137,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       } else if (view = CompactLayerView::Parse(entry.layers[index]); !view.ok()) {
         result = absl::DataLossError(
             absl::StrCat("layer ", index, ": ", std::string(view.status().message())));
-      } else if (auto dense = rope_ ? ExportDenseContiguous(*view, *rope_) : ExportDense(*view);
+      } else if (auto dense = rope ? ExportDenseContiguous(*view, *rope) : ExportDense(*view);
                  !dense.ok()) {
         result = dense.status();
       } else {

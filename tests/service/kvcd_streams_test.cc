@@ -230,6 +230,57 @@ TEST(KvcdStreamsTest, ReapingRacesWithTrafficSafely) {
   EXPECT_TRUE(s.ok()) << s.error_message();
 }
 
+// A DENSE reader that cancels early: kvcd is already exporting the first layer on its I/O pool
+// (or the next one, while a layer streams), and the stream's reactor is deleted before that
+// export ends. The export must not
+// read the deleted reactor (it once read its RoPE setting: a use after free, which the
+// sanitizer stage's kvcd reports as a crash and a release kvcd may crash on).
+TEST(KvcdStreamsTest, ADenseReaderCancellingMidLayerLeavesTheNextExportSafe) {
+  auto kvcd = StartKvcd({"--store_bytes=64MiB", "--max_cache_bytes=32MiB",
+                         "--max_chunk_bytes=64KiB"});
+  ASSERT_NE(kvcd, nullptr);
+  auto stub = testing::NewStub(kvcd->address());
+  // 4 layers of 8 MiB (K + V, f16): each export takes long enough to outlive the stream.
+  const TestCache cache = testing::MakeTestCache(
+      "dense", testing::Shape(4, 4, 4, 128, 4096, 0), kvcache::v1::DTYPE_F16,
+      kvcache::v1::LAYOUT_HND, 11);
+  ASSERT_TRUE(testing::PutCache(stub.get(), cache).ok());
+  constexpr int kRounds = 30;
+  for (int round = 0; round < kRounds; ++round) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    kvcache::v1::GetCacheRequest get;
+    get.set_cache_id("dense");
+    get.set_format(kvcache::v1::FORMAT_DENSE);
+    auto reader = stub->GetCache(&ctx, get);
+    kvcache::v1::GetCacheResponse msg;
+    // Nothing, the info message (layer 0 is exporting), or data of layer 0 (layer 1 is).
+    for (int n = 0; n < round % 3 && reader->Read(&msg); ++n) {
+    }
+    ctx.TryCancel();
+    while (reader->Read(&msg)) {
+    }
+    const grpc::Status cancelled = reader->Finish();
+    ASSERT_EQ(cancelled.error_code(), grpc::StatusCode::CANCELLED)
+        << "round " << round << ": " << cancelled.error_message() << "\nkvcd:\n"
+        << kvcd->OutputTail(4096);
+  }
+  // Every abandoned export has run to its end by the time a full read is done (same pool).
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  kvcache::v1::GetCacheRequest get;
+  get.set_cache_id("dense");
+  get.set_format(kvcache::v1::FORMAT_DENSE);
+  auto reader = stub->GetCache(&ctx, get);
+  kvcache::v1::GetCacheResponse msg;
+  int messages = 0;
+  while (reader->Read(&msg)) ++messages;
+  const grpc::Status s = reader->Finish();
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_GT(messages, 4);
+  EXPECT_TRUE(kvcd->CheckAlive().ok()) << kvcd->output();
+}
+
 class KvcdPeerShareTest : public ::testing::Test {
  protected:
   static constexpr char kTokenA[] = "token-alpha-0123456789";
