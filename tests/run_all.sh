@@ -5,8 +5,9 @@
 #   main      Release build of everything (CUDA code included when nvcc is present), whole ctest
 #   notests   the container's configure line (-DKVC_BUILD_TESTS=OFF -DKVC_BUILD_BENCHMARKS=OFF)
 #   sanitize  clang ASan + UBSan build (no CUDA) of the engine, kvcd, kvcctl and the fuzzers; the
-#             service and client integration tests (real kvcd or in-process server) run in it,
-#             with the CPU kernels capped at AVX2 (KVC_CPU_ISA; KVC_SANITIZE_CPU_ISA overrides)
+#             service and client integration tests (real kvcd or in-process server) and a 30 s
+#             soak run in it, with the CPU kernels capped at AVX2 (KVC_CPU_ISA;
+#             KVC_SANITIZE_CPU_ISA overrides)
 #   fuzz      each libFuzzer harness (tests/fuzz) for KVC_FUZZ_SECONDS (15) seconds, uncapped, so
 #             that the widest kernels run under the sanitizers too
 # The main stage's kernel tests run every kernel under each instruction-set level the machine has
@@ -86,7 +87,7 @@ sanitize() {
   # own tests, fidelity tools, benchmarks and deploy checks run in the main stage only; here the
   # fuzzers and the kvcd tests drive the engine. The Python client's tests also stay in the main
   # stage (their stubs are not built here).
-  local tests='service_(kvcd|server|transfer_[a-z_]*kvcd)_[a-z0-9_]*test|client_(client_kvcd|multi_replica|kvcctl)_test'
+  local tests='service_(kvcd|server|transfer_[a-z_]*kvcd)_[a-z0-9_]*test|client_(client_kvcd|multi_replica|kvcctl)_test|kvcctl_soak_sanitized'
   local targets
   targets=$(cmake --build "$SAN" --target help |
     sed -En "s/^\.\.\. (kvcd|kvcctl|${tests}|[a-z0-9_]*_fuzz)$/\1/p")
