@@ -245,8 +245,9 @@ TEST(KvcdStreamsTest, ADenseReaderCancellingMidLayerLeavesTheNextExportSafe) {
       "dense", testing::Shape(4, 4, 4, 128, 4096, 0), kvcache::v1::DTYPE_F16,
       kvcache::v1::LAYOUT_HND, 11);
   ASSERT_TRUE(testing::PutCache(stub.get(), cache).ok());
-  constexpr int kRounds = 30;
-  for (int round = 0; round < kRounds; ++round) {
+  // Reads a DENSE copy of the cache: `take` messages then a cancel, or (take < 0) all of it.
+  // Returns the stream's status; *messages counts what was read.
+  auto read_dense = [&](int take, int* messages) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
     kvcache::v1::GetCacheRequest get;
@@ -254,28 +255,24 @@ TEST(KvcdStreamsTest, ADenseReaderCancellingMidLayerLeavesTheNextExportSafe) {
     get.set_format(kvcache::v1::FORMAT_DENSE);
     auto reader = stub->GetCache(&ctx, get);
     kvcache::v1::GetCacheResponse msg;
-    // Nothing, the info message (layer 0 is exporting), or data of layer 0 (layer 1 is).
-    for (int n = 0; n < round % 3 && reader->Read(&msg); ++n) {
-    }
-    ctx.TryCancel();
+    *messages = 0;
+    while ((take < 0 || *messages < take) && reader->Read(&msg)) ++*messages;
+    if (take >= 0) ctx.TryCancel();
     while (reader->Read(&msg)) {
     }
-    const grpc::Status cancelled = reader->Finish();
+    return reader->Finish();
+  };
+  constexpr int kRounds = 30;
+  int messages = 0;
+  for (int round = 0; round < kRounds; ++round) {
+    // Nothing, the info message (layer 0 is exporting), or data of layer 0 (layer 1 is).
+    const grpc::Status cancelled = read_dense(round % 3, &messages);
     ASSERT_EQ(cancelled.error_code(), grpc::StatusCode::CANCELLED)
         << "round " << round << ": " << cancelled.error_message() << "\nkvcd:\n"
         << kvcd->OutputTail(4096);
   }
   // Every abandoned export has run to its end by the time a full read is done (same pool).
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  kvcache::v1::GetCacheRequest get;
-  get.set_cache_id("dense");
-  get.set_format(kvcache::v1::FORMAT_DENSE);
-  auto reader = stub->GetCache(&ctx, get);
-  kvcache::v1::GetCacheResponse msg;
-  int messages = 0;
-  while (reader->Read(&msg)) ++messages;
-  const grpc::Status s = reader->Finish();
+  const grpc::Status s = read_dense(-1, &messages);
   EXPECT_TRUE(s.ok()) << s.error_message();
   EXPECT_GT(messages, 4);
   EXPECT_TRUE(kvcd->CheckAlive().ok()) << kvcd->output();
