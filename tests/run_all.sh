@@ -5,9 +5,9 @@
 #   main      Release build of everything (CUDA code included when nvcc is present), whole ctest
 #   notests   the container's configure line (-DKVC_BUILD_TESTS=OFF -DKVC_BUILD_BENCHMARKS=OFF)
 #   sanitize  clang ASan + UBSan build (no CUDA) of the engine, kvcd, kvcctl and the fuzzers; the
-#             service and client integration tests (real kvcd or in-process server) and a 30 s
-#             soak run in it, with the CPU kernels capped at AVX2 (KVC_CPU_ISA;
-#             KVC_SANITIZE_CPU_ISA overrides)
+#             service and client integration tests (real kvcd or in-process server) run in it
+#             with the CPU kernels capped at AVX2 (KVC_CPU_ISA; KVC_SANITIZE_CPU_ISA overrides),
+#             and a 30 s soak uncapped
 #   fuzz      each libFuzzer harness (tests/fuzz) for KVC_FUZZ_SECONDS (15) seconds, uncapped, so
 #             that the widest kernels run under the sanitizers too
 # The main stage's kernel tests run every kernel under each instruction-set level the machine has
