@@ -105,18 +105,21 @@ ABSL_FLAG(uint32_t, transfer_session_idle_seconds, 300,
 ABSL_FLAG(uint32_t, transfer_max_sessions, 64,
           "open transfer sessions across all clients; more are RESOURCE_EXHAUSTED");
 
+// Under AddressSanitizer (clang's or GCC's spelling): the leak check at exit, and ASan's own fault
+// reports instead of the failure signal handler.
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
+#define KVC_UNDER_ASAN 1
+#endif
+#endif
+#if !defined(KVC_UNDER_ASAN) && defined(__SANITIZE_ADDRESS__)
+#define KVC_UNDER_ASAN 1
+#endif
+#ifndef KVC_UNDER_ASAN
+#define KVC_UNDER_ASAN 0
+#endif
+#if KVC_UNDER_ASAN
 #include <sanitizer/lsan_interface.h>
-#define KVC_LEAK_CHECK_AT_EXIT 1
-#endif
-#endif
-#if !defined(KVC_LEAK_CHECK_AT_EXIT) && defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/lsan_interface.h>
-#define KVC_LEAK_CHECK_AT_EXIT 1
-#endif
-#ifndef KVC_LEAK_CHECK_AT_EXIT
-#define KVC_LEAK_CHECK_AT_EXIT 0
 #endif
 
 namespace {
@@ -247,21 +250,12 @@ absl::StatusOr<kvc::server::ServerConfig> ConfigFromFlags() {
 
 }  // namespace
 
-// AddressSanitizer reports faults itself, better than a stack trace; its handler stays.
-#if defined(__SANITIZE_ADDRESS__)
-#define KVC_KVCD_UNDER_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define KVC_KVCD_UNDER_ASAN 1
-#endif
-#endif
-
 int main(int argc, char** argv) {
   // A fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) prints the signal and a symbolized stack
   // trace to stderr before kvcd dies of it, so a crash in production or a soak leaves evidence in
   // the log. Installed before the shutdown handlers, which then take SIGTERM and SIGINT back.
   absl::InitializeSymbolizer(argv[0]);
-#if !defined(KVC_KVCD_UNDER_ASAN)
+#if !KVC_UNDER_ASAN  // AddressSanitizer reports faults itself, better; its handler stays
   absl::InstallFailureSignalHandler(absl::FailureSignalHandlerOptions());
 #endif
   kvc::ReuseLargeMallocs();  // gRPC's multi-MiB message buffers: reused, not remapped each time
@@ -383,7 +377,7 @@ int main(int argc, char** argv) {
   // timer; and after an abandoned shutdown (server->abandoned()) jobs still run on the leaked
   // pools, under which no destructor may run.
   std::fflush(stderr);
-#if KVC_LEAK_CHECK_AT_EXIT
+#if KVC_UNDER_ASAN
   __lsan_do_leak_check();  // what exit() would have run under LeakSanitizer
 #endif
   std::_Exit(0);

@@ -232,9 +232,9 @@ TEST(KvcdStreamsTest, ReapingRacesWithTrafficSafely) {
 
 // A DENSE reader that cancels early: kvcd is already exporting the first layer on its I/O pool
 // (or the next one, while a layer streams), and the stream's reactor is deleted before that
-// export ends. The export must not
-// read the deleted reactor (it once read its RoPE setting: a use after free, which the
-// sanitizer stage's kvcd reports as a crash and a release kvcd may crash on).
+// export ends. The export must not read the deleted reactor (it once read its RoPE setting: a use
+// after free, which the sanitizer stage's kvcd reports as a crash and a release kvcd may crash
+// on).
 TEST(KvcdStreamsTest, ADenseReaderCancellingMidLayerLeavesTheNextExportSafe) {
   auto kvcd = StartKvcd({"--store_bytes=64MiB", "--max_cache_bytes=32MiB",
                          "--max_chunk_bytes=64KiB"});
