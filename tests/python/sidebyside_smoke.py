@@ -25,6 +25,31 @@ import tempfile
 import time
 
 
+def check_qa_documents(model_dir):
+    """The QA task's documents (tokenizer only): every fact stated once in the context, the
+    asked person's same relation absent from the other people's facts only by value (so the
+    answer needs the right person), the question in other words than the statement, and the
+    answer ids the asked value."""
+    from transformers import AutoTokenizer
+    from kvc.bench import sidebyside, tasks
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    docs = sidebyside.build_docs(tok, "qa:6", 600, 3, 64)
+    assert len(docs) == 6 and all(d["task"] == "qa" for d in docs)
+    rel = {r[0]: r for r in tasks.RELATIONS}
+    for d in docs:
+        m = d["meta"]
+        context = tok.decode(d["prompt"][:d["question_start"]])
+        question = tok.decode(d["prompt"][d["question_start"]:])
+        statement = rel[m["relation"]][1].format(n=m["person"], v=m["value"])
+        assert context.count(statement) == 1, f"{d['id']}: {statement!r} not once in the context"
+        assert m["facts"] == 4, m
+        others = [n for n in tasks.NAMES if n != m["person"] and
+                  rel[m["relation"]][1].format(n=n, v="")[:-1] in context]
+        assert len(others) == 1, f"{d['id']}: {len(others)} other people with that relation"
+        assert statement not in question and m["person"] in question, question
+        assert tok.decode(d["answer"]) == " " + m["value"], (tok.decode(d["answer"]), m)
+
+
 def main():
     t0 = time.time()
     from kvc.models import smollm2
@@ -45,6 +70,8 @@ def main():
         for keep in (0.5, 0.25, 0.1):
             got = kvcrows.config_for(f"snapkv:{keep}", S)["eviction"]["budget"]
             assert got == P.compute_n_kept(S, 1 - keep), f"S={S} keep={keep}: budget {got}"
+
+    check_qa_documents(model_dir)
 
     out = tempfile.mkdtemp(prefix="kvc_sbs_test_")
     sidebyside.main(["--out", out, "--model", str(model_dir), "--kvcd", kvcd,

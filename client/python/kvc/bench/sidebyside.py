@@ -27,7 +27,8 @@ from . import kvcrows, model as M, presses as P, recon as R, reference, report, 
 from .rows import (KVC_BYTES_DEFAULT, KVC_DEFAULT, KVPRESS_DEFAULT, PROTO_DEFAULT, expand,
                    split_list)
 
-TASKS = ("passkey", "multikey", "multivalue", "multiquery", "vartrack", "continuation")
+TASKS = ("passkey", "multikey", "multivalue", "multiquery", "vartrack", "kvlist", "qa",
+         "continuation")
 
 
 def build_docs(tok, spec, length, seed, cont_len):
@@ -47,6 +48,10 @@ def build_docs(tok, spec, length, seed, cont_len):
             out += tasks.multiquery_docs(b, n, length, seed + 3, lines, keys=4)
         elif name == "vartrack":
             out += tasks.vartrack_docs(b, n, length, seed + 5, lines, hops=2)
+        elif name == "kvlist":
+            out += tasks.kvlist_docs(b, n, length, seed + 6)
+        elif name == "qa":
+            out += tasks.qa_docs(b, n, length, seed + 7, lines)
         elif name == "continuation":
             out += tasks.continuation_docs(b, n, length, cont_len, seed + 4,
                                            tasks.text_sources())
@@ -216,7 +221,7 @@ def parse_args(argv):
     ap.add_argument("--tasks", default="passkey:100,multikey:100,multivalue:100,"
                     "multiquery:100,continuation:100",
                     help="TASK:N,... (passkey, multikey, multivalue, multiquery, vartrack, "
-                         "continuation)")
+                         "kvlist, qa, continuation)")
     ap.add_argument("--length", type=int, default=1000, help="context tokens (about)")
     ap.add_argument("--continuation", type=int, default=64, help="continuation tokens")
     ap.add_argument("--ratios", default="0.5,0.25,0.1")

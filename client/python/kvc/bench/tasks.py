@@ -245,6 +245,60 @@ def vartrack_docs(builder, n, n_tokens, seed, lines, hops=2):
     return docs
 
 
+# QA over the context: facts about people, each relation asked in other words than stated.
+NAMES = """
+Alice Bruno Clara Daniel Elena Felix Greta Hugo Irene Jonas Karen Leo Maria Nadia Oscar Paula
+Quentin Rosa Simon Tanya Victor Wanda Xavier Yvonne
+""".split()
+CITIES = """
+Paris Berlin Madrid Lisbon Vienna Prague Dublin Oslo Warsaw Athens Rome Helsinki Budapest
+Brussels Amsterdam Zurich Geneva Milan Munich Seville Naples Krakow Lyon Porto
+""".split()
+JOBS = "baker dentist farmer painter pilot plumber nurse teacher lawyer chef tailor banker".split()
+INSTRUMENTS = "piano violin guitar flute trumpet drums cello harp clarinet saxophone".split()
+MONTHS = ("January February March April May June July August September October November "
+          "December").split()
+# (relation, statement template, question, answer prefix the model continues, values)
+RELATIONS = (
+    ("city", "Since childhood {n} lives in {v}.", "In which city does {n} live?",
+     "{n} lives in", CITIES),
+    ("job", "For ten years now {n} works as a {v}.", "What is {n}'s job?",
+     "{n} works as a", JOBS),
+    ("instrument", "In the town band {n} plays the {v}.", "Which instrument does {n} play?",
+     "{n} plays the", INSTRUMENTS),
+    ("month", "As the family knows, {n} was born in {v}.", "In which month was {n} born?",
+     "{n} was born in", MONTHS),
+)
+
+
+def qa_docs(builder, n, n_tokens, seed, lines, people=2, relations=2):
+    """QA over the context: `people` people with `relations` facts each, every fact its own
+    sentence at a random depth ("Clara earns a living working as a pilot."); one fact asked in
+    other words than it was stated ("What is Clara's job? Clara works as a"), answer one word.
+    Every person has the same relations, so the answer needs the right person and relation."""
+    rng = random.Random(seed)
+    docs = []
+    while len(docs) < n:
+        names = rng.sample(NAMES, people)
+        rels = rng.sample(RELATIONS, relations)
+        facts, needles = [], []
+        for name in names:
+            for rel in rels:
+                v = rng.choice(rel[4])
+                facts.append((name, rel, v))
+                needles.append(rel[1].format(n=name, v=v))
+        ctx, depths = _haystack(rng, lines, lambda s: len(builder.ids(s)), n_tokens, needles)
+        i = rng.randrange(len(facts))
+        name, rel, v = facts[i]
+        d = builder.make("qa", f"qa-{seed}-{len(docs)}", ctx,
+                         f"{rel[2].format(n=name)} {rel[3].format(n=name)}",
+                         " " + v, {"person": name, "relation": rel[0], "value": v,
+                                   "facts": len(facts), "depth": round(depths[i], 3)})
+        if d:
+            docs.append(d)
+    return docs
+
+
 def continuation_docs(builder, n, prefix, cont, seed, files):
     """Non-overlapping windows of prefix + cont tokens of natural text (the files in order,
     whitespace runs normalised), n of them spread evenly over the stream."""
