@@ -245,7 +245,9 @@ def vartrack_docs(builder, n, n_tokens, seed, lines, hops=2):
     return docs
 
 
-# QA over the context: facts about people, each relation asked in other words than stated.
+# QA over the context: facts about people. The question names the relation in its own words; the
+# answer starts by repeating the statement's verb phrase (SmolLM2-135M fails the task when the
+# statement is worded differently too: docs/fidelity-smollm2.md).
 NAMES = """
 Alice Bruno Clara Daniel Elena Felix Greta Hugo Irene Jonas Karen Leo Maria Nadia Oscar Paula
 Quentin Rosa Simon Tanya Victor Wanda Xavier Yvonne
@@ -273,9 +275,9 @@ RELATIONS = (
 
 def qa_docs(builder, n, n_tokens, seed, lines, people=2, relations=2):
     """QA over the context: `people` people with `relations` facts each, every fact its own
-    sentence at a random depth ("Clara earns a living working as a pilot."); one fact asked in
-    other words than it was stated ("What is Clara's job? Clara works as a"), answer one word.
-    Every person has the same relations, so the answer needs the right person and relation."""
+    sentence at a random depth ("For ten years now Clara works as a pilot."); one fact asked
+    ("What is Clara's job? Clara works as a"), answer one word. Every person has the same
+    relations, so the answer needs the right person as well as the right relation."""
     rng = random.Random(seed)
     docs = []
     while len(docs) < n:
