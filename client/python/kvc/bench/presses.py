@@ -41,11 +41,13 @@ PRESSES = {
 
 # Presses that score by reconstructing the context (recon.py: one extra pass per scenario):
 # name -> (KVzipPress's `layerwise` (False: one selection over all layers and heads, its default),
-# a max-pooling kernel over each head's scores before selection (1: none, as KVzip)). The pooled
-# rows are an experiment (docs/fidelity-smollm2.md, "Pooling KVzip's scores"): SnapKV's pooling
-# applied to KVzip's scores.
-RECON_PRESSES = {"kvzip": (False, 1), "kvzip-layer": (True, 1), "kvzip-pool3": (False, 3),
-                 "kvzip-pool7": (False, 7), "kvzip-pool11": (False, 11)}
+# a max-pooling kernel over each head's scores before selection (1: none, as KVzip), whether each
+# score is weighted by its token's value norm first). The pooled and weighted rows are
+# experiments (docs/fidelity-smollm2.md, "Pooling KVzip's scores"): SnapKV's pooling, and the
+# value-norm weighting of VATP (Guo et al., 2024), applied to KVzip's scores.
+RECON_PRESSES = {"kvzip": (False, 1, False), "kvzip-layer": (True, 1, False),
+                 "kvzip-pool3": (False, 3, False), "kvzip-pool7": (False, 7, False),
+                 "kvzip-pool11": (False, 11, False), "kvzip-vnorm": (False, 1, True)}
 
 
 def _kwargs(x, hs):
@@ -157,8 +159,9 @@ def compress(press, shadow, layers_in, dtype):
 
 def compress_recon(name, recon, shadow, layers_in, keep, dtype):
     """RowCache of a reconstruction press (RECON_PRESSES) at keep ratio `keep`."""
-    layerwise, pool = RECON_PRESSES[name]
-    valid = recon.kvpress_valid(shadow, keep, layerwise, pool)
+    layerwise, pool, vnorm = RECON_PRESSES[name]
+    weights = [x.values[0].float().norm(dim=-1) for x in layers_in] if vnorm else None
+    valid = recon.kvpress_valid(shadow, keep, layerwise, pool, weights)
     row = RowCache([(x.keys[0].to(dtype), x.values[0].to(dtype), m)
                     for x, m in zip(layers_in, valid)])
     row.positions = [torch.arange(m.shape[1]).expand(m.shape[0], -1) for m in valid]

@@ -82,12 +82,16 @@ class Reconstruction:
                 self.q_obs.append(q)
                 self.lse.append(row_log_mass(q, keys))  # [Hq, n]: kvc's rows with stats=1
 
-    def kvpress_valid(self, shadow, keep, layerwise, pool=1):
+    def kvpress_valid(self, shadow, keep, layerwise, pool=1, weights=None):
         """Per layer [Hkv, S] kept masks of KVzipPress(compression_ratio=1-keep, layerwise); with
-        pool > 1 (odd), each head's scores are max-pooled over `pool` neighbouring tokens first
-        (the sinks are still set by the press afterwards)."""
+        pool > 1 (odd), each head's scores are max-pooled over `pool` neighbouring tokens first;
+        with `weights` (per layer [Hkv, S]), each score is multiplied by its weight first (the
+        sinks are still set by the press afterwards)."""
         press = KVzipPress(compression_ratio=1.0 - keep, layerwise=layerwise)
         press.score_val = self.scores.clone()
+        if weights is not None:
+            w = torch.stack([x.to(press.score_val.dtype) for x in weights])  # [L, Hkv, S]
+            press.score_val = press.score_val * w[:, None]
         if pool > 1:
             sv = press.score_val
             pooled = torch.nn.functional.max_pool1d(sv.reshape(-1, 1, sv.shape[-1]).float(), pool,
