@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/notification.h"
 #include "kvc/buffer_pool.h"
 #include "kvc/checked_math.h"
 #include "kvc/client_wire.h"
@@ -288,12 +289,20 @@ absl::StatusOr<PutResult> ClientImpl::PutCache(const PutHeader& header,
     }
   }
   const Replica& r = replicas_[ReplicaFor(header.cache_id())];
-  grpc::ClientContext ctx;
-  Prepare(&ctx, absl::Now() + options_.stream_timeout);
+  // The chunks' slices point into the caller's tensors (no copy). gRPC's transport may still hold
+  // one after Finish() returns (a write being flushed when the stream broke: a use after free of
+  // the caller's tensors, found by the sanitized soak), so every slice holds a copy of `lease`,
+  // and PutCache returns only after the call is destroyed and the transport let go of them all.
+  absl::Notification released;
+  std::shared_ptr<const void> lease(&released, [](const void* n) {
+    static_cast<absl::Notification*>(const_cast<void*>(n))->Notify();
+  });
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  Prepare(ctx.get(), absl::Now() + options_.stream_timeout);
   PutResult result;
   std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
       grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(r.channel.get(), *r.put_method,
-                                                                    &ctx, &result));
+                                                                    ctx.get(), &result));
   pb::PutCacheRequest first;
   *first.mutable_header() = header;
   // A failed Write means the stream is broken; Finish() then reports the server's status.
@@ -319,13 +328,20 @@ absl::StatusOr<PutResult> ClientImpl::PutCache(const PutHeader& header,
       for (const ChunkSpan& c : spans) {
         chunk.set_offset(c.offset);
         const uint8_t* data = static_cast<const uint8_t*>(base) + c.offset;
-        if (!(ok = writer->Write(FramePutChunk(chunk, data, c.size)))) break;
+        if (!(ok = writer->Write(FramePutChunk(chunk, data, c.size, lease)))) break;
       }
       if (!ok) break;
     }
   }
   if (ok) writer->WritesDone();
-  RETURN_IF_ERROR(FromGrpcStatus(writer->Finish()));
+  const grpc::Status status = writer->Finish();
+  writer.reset();
+  ctx.reset();
+  lease.reset();
+  // The call is gone, so the transport drops its queued writes; one already on the socket ends
+  // when it is written or the connection fails.
+  released.WaitForNotification();
+  RETURN_IF_ERROR(FromGrpcStatus(status));
   return result;
 }
 

@@ -1,6 +1,7 @@
 #include "kvc/client_wire.h"
 
 #include <algorithm>
+#include <utility>
 
 namespace kvc {
 
@@ -15,10 +16,10 @@ std::vector<ChunkSpan> SplitChunks(uint64_t total, uint64_t max_chunk) {
 }
 
 grpc::ByteBuffer FramePutChunk(const kvcache::v1::ChunkHeader& chunk, const void* data,
-                               size_t size) {
+                               size_t size, std::shared_ptr<const void> keepalive) {
   kvcache::v1::PutCacheRequest req;
   *req.mutable_chunk() = chunk;
-  return FrameWithData(req, data, size);
+  return FrameWithData(req, data, size, std::move(keepalive));
 }
 
 }  // namespace kvc

@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -30,9 +31,12 @@ struct ChunkSpan {
 std::vector<ChunkSpan> SplitChunks(uint64_t total, uint64_t max_chunk);
 
 // A PutCacheRequest carrying `chunk` and the `size` bytes at `data` as its data field. The bytes
-// are not copied: `data` must stay valid until the message has been sent (the call has ended).
+// are not copied: `data` must stay valid until gRPC's transport has released the message, which
+// can be after Write() and Finish() return (a write still being flushed when the stream broke).
+// With `keepalive`, the message's slice holds a copy of it until that release, so a caller can
+// wait for the last copy to go before it frees `data`.
 grpc::ByteBuffer FramePutChunk(const kvcache::v1::ChunkHeader& chunk, const void* data,
-                               size_t size);
+                               size_t size, std::shared_ptr<const void> keepalive = nullptr);
 
 }  // namespace kvc
 
