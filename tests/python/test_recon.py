@@ -98,3 +98,17 @@ def test_empty_context_and_unknown_rows_are_refused():
         recon.reconstruction_queries(tiny_llama(), CharTokenizer(), [])
     with pytest.raises(ValueError, match="rows='last'"):
         recon.reconstruction_queries(tiny_llama(), CharTokenizer(), [5, 6], rows="last")
+
+
+def test_row_log_mass_blocks_match_the_whole_causal_product():
+    # Several row blocks, a partial last one, and rows that start after the pass's first keys
+    # (rows="context": W < n), against the plain [Hq, W, n] formula.
+    g = torch.Generator().manual_seed(7)
+    for W, n, block in ((150, 150, 64), (150, 170, 64), (5, 9, 2), (64, 64, 64)):
+        q = torch.randn(6, W, 16, generator=g) * 2
+        k = torch.randn(2, n, 16, generator=g)
+        a = q @ k.repeat_interleave(3, dim=0).transpose(1, 2) / 4.0
+        late = torch.arange(n).unsqueeze(0) > torch.arange(n - W, n).unsqueeze(1)
+        want = torch.logsumexp(a.masked_fill(late, float("-inf")), dim=-1)
+        got = recon.row_log_mass(q, k, block=block)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
