@@ -48,6 +48,15 @@ absl::Status ValidateOptions(const ClientOptions& o) {
   if (o.initial_backoff < absl::ZeroDuration() || o.max_backoff < o.initial_backoff) {
     return absl::InvalidArgumentError("initial_backoff/max_backoff: need 0 <= initial <= max");
   }
+  if (o.keepalive_time < absl::Seconds(10) || o.keepalive_time > absl::Hours(2)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "keepalive_time: ", absl::FormatDuration(o.keepalive_time), " is outside [10s, 2h]"));
+  }
+  if (o.keepalive_timeout < absl::Seconds(1) || o.keepalive_timeout > absl::Minutes(10)) {
+    return absl::InvalidArgumentError(absl::StrCat("keepalive_timeout: ",
+                                                   absl::FormatDuration(o.keepalive_timeout),
+                                                   " is outside [1s, 10m]"));
+  }
   if (o.max_chunk_bytes < kMinChunkBytes || o.max_chunk_bytes > kMaxChunkBytes) {
     return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes: ", o.max_chunk_bytes,
                                                    " is outside [", kMinChunkBytes, ", ",
@@ -196,6 +205,13 @@ class ClientImpl final : public Client {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(options.max_message_bytes);
     args.SetMaxSendMessageSize(options.max_message_bytes);
+    // Setting the keepalive time also makes gRPC set TCP_USER_TIMEOUT = keepalive_timeout on the
+    // socket: written data that stays unacknowledged (a vanished peer) or unsent (a peer that
+    // stopped reading: a zero window) that long fails the connection.
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,
+                static_cast<int>(absl::ToInt64Milliseconds(options.keepalive_time)));
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                static_cast<int>(absl::ToInt64Milliseconds(options.keepalive_timeout)));
     if (!options.tls_server_name_override.empty()) {
       args.SetSslTargetNameOverride(options.tls_server_name_override);
     }
@@ -339,7 +355,11 @@ absl::StatusOr<PutResult> ClientImpl::PutCache(const PutHeader& header,
   ctx.reset();
   lease.reset();
   // The call is gone, so the transport drops its queued writes; one already on the socket ends
-  // when it is written or the connection fails.
+  // when it is written or the connection fails, and the connection fails when that write makes
+  // no progress for keepalive_timeout (TCP_USER_TIMEOUT, set with the channel): PutCache returns
+  // at most about keepalive_timeout after the stream ended, however the server stalls
+  // (stalled_peer_test holds it). Returning earlier would hand the caller memory the transport
+  // still reads.
   released.WaitForNotification();
   RETURN_IF_ERROR(FromGrpcStatus(status));
   return result;

@@ -137,6 +137,23 @@ def test_timeouts_must_be_finite(server, field, value):
     invalid(e, field)
 
 
+@pytest.mark.parametrize("field,value", [("keepalive_time", 9.9), ("keepalive_time", 7201),
+                                         ("keepalive_timeout", 0.5), ("keepalive_timeout", 601),
+                                         ("keepalive_time", float("nan"))])
+def test_keepalive_limits(server, field, value):
+    with pytest.raises(kvc.KvcError) as e:
+        kvc.Client(server.address, **{field: value})
+    invalid(e, field)
+
+
+def test_keepalive_reaches_the_channel(server):
+    with kvc.Client(server.address, keepalive_time=10, keepalive_timeout=1) as c:
+        c.list("py/v/keepalive")  # a call on a channel that carries the options
+    opts = dict(kvc._common.Options(keepalive_time=10, keepalive_timeout=1).channel_options())
+    assert opts["grpc.keepalive_time_ms"] == 10000
+    assert opts["grpc.keepalive_timeout_ms"] == 1000
+
+
 def test_bytes_ids_are_accepted_everywhere(client):
     client.put(b"py/v/bytes", layers(5), overwrite=True)
     assert client.get(b"py/v/bytes", format="dense").info.cache_id == "py/v/bytes"

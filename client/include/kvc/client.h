@@ -70,6 +70,15 @@ struct ClientOptions {
   int max_attempts = 3;  // idempotent unary calls; 1 = no retry; [1, 10]
   absl::Duration initial_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(1);
+  // Keepalive of every channel: during a call the client pings a connection silent for
+  // keepalive_time, and the connection is dropped when a ping, or data already written to the
+  // socket, stays unacknowledged for keepalive_timeout (gRPC sets the socket's TCP_USER_TIMEOUT
+  // to it). A server that vanished or stopped reading is found within keepalive_timeout, which
+  // also bounds how long PutCache waits after its stream ended for the transport to let go of the
+  // caller's tensors. keepalive_time in [10 s, 2 h] (kvcd answers pings more frequent than every
+  // 10 s with GOAWAY), keepalive_timeout in [1 s, 10 min].
+  absl::Duration keepalive_time = absl::Seconds(30);
+  absl::Duration keepalive_timeout = absl::Seconds(20);
   // Largest `data` payload per PutCache message, in [kMinChunkBytes, kMaxChunkBytes]. It must not
   // exceed the server's Limits.max_chunk_bytes (GetServerInfo).
   size_t max_chunk_bytes = kDefaultChunkBytes;

@@ -33,6 +33,11 @@ class Options:
     max_attempts: int = 3          # idempotent unary calls (stat, delete, list, server_info)
     initial_backoff: float = 0.05
     max_backoff: float = 1.0
+    # Seconds. During a call, ping a connection silent for keepalive_time; drop it when a ping or
+    # written data stays unacknowledged for keepalive_timeout (also the socket's TCP_USER_TIMEOUT):
+    # a server that vanished or stopped reading fails the call then instead of at its deadline.
+    keepalive_time: float = 30.0     # [10, 7200]: kvcd answers more frequent pings with GOAWAY
+    keepalive_timeout: float = 20.0  # [1, 600]
     max_chunk_bytes: int = 4 << 20   # must not exceed the server's limits.max_chunk_bytes
     max_message_bytes: int = 16 << 20
     token: str = ""                # sent as "authorization: Bearer <token>"
@@ -55,6 +60,10 @@ class Options:
         _validate.seconds(self.max_backoff, "max_backoff", positive=False)
         if self.max_backoff < self.initial_backoff:
             raise invalid("initial_backoff/max_backoff: need 0 <= initial <= max")
+        for field, lo, hi in (("keepalive_time", 10, 7200), ("keepalive_timeout", 1, 600)):
+            value = _validate.seconds(getattr(self, field), field)
+            if not lo <= value <= hi:
+                raise invalid(f"{field}: {value} s is outside [{lo}, {hi}]")
         if not 4096 <= self.max_chunk_bytes <= (64 << 20):
             raise invalid(f"max_chunk_bytes: {self.max_chunk_bytes} is outside [4096, 64 MiB]")
         if not self.max_chunk_bytes + 4096 <= self.max_message_bytes <= (1 << 30):
@@ -74,7 +83,9 @@ class Options:
 
     def channel_options(self):
         opts = [("grpc.max_receive_message_length", self.max_message_bytes),
-                ("grpc.max_send_message_length", self.max_message_bytes)]
+                ("grpc.max_send_message_length", self.max_message_bytes),
+                ("grpc.keepalive_time_ms", int(self.keepalive_time * 1000)),
+                ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout * 1000))]
         if self.server_name_override:
             opts.append(("grpc.ssl_target_name_override", self.server_name_override))
         return opts
