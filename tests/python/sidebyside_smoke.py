@@ -103,6 +103,31 @@ def main():
     for r in by["kvc:streaming:0.25"]:
         assert r["same_as"] == "kvpress:streaming@0.25", \
             f"kvc streaming differs from kvpress's StreamingLLM on {r['doc']}: {r['same_as']!r}"
+    # --resume: a run that lost its last document runs that one only, and refuses other options.
+    args = ["--out", out, "--model", str(model_dir), "--kvcd", kvcd, "--tasks", "passkey:3",
+            "--length", "600", "--scenarios", "after", "--ratios", "0.25",
+            "--kvpress", "streaming,snapkv,kvzip",
+            "--kvc", "streaming:{r};snapkv:{r};kvzip:{r},ada=0.2,stats=1,xlayer=1",
+            "--kvc-bytes", "", "--workers", "1", "--resume"]
+    last = rows[-1]["doc"]
+    with open(os.path.join(out, "results.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        w.writerows(r for r in rows if r["doc"] != last)
+    try:
+        sidebyside.main(args[:-5] + ["--ratios", "0.1"] + args[-5:])
+        raise AssertionError("--resume with other --ratios was accepted")
+    except SystemExit as e:
+        assert "--ratios" in str(e), e
+    sidebyside.main(args)
+    again = list(csv.DictReader(open(os.path.join(out, "results.csv"))))
+    assert sorted((r["doc"], r["row"]) for r in again) == sorted((r["doc"], r["row"]) for r in rows)
+    redone = {r["row"]: r["acc"] for r in again if r["doc"] == last}
+    assert redone == {r["row"]: r["acc"] for r in rows if r["doc"] == last}, redone
+    import json
+    segments = json.load(open(os.path.join(out, "run.json")))["segments"]
+    assert [g["documents"] for g in segments] == [3, 1], segments
+
     print(f"sidebyside: full acc {full_acc:.2f}; kvc rows from kvcd keep 0.25; kvc streaming "
           f"== kvpress StreamingLLM ({time.time() - t0:.0f}s)", flush=True)
 
