@@ -112,3 +112,76 @@ def test_row_log_mass_blocks_match_the_whole_causal_product():
         want = torch.logsumexp(a.masked_fill(late, float("-inf")), dim=-1)
         got = recon.row_log_mass(q, k, block=block)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_repeat_passes_split_the_context_into_chunks():
+    tok = CharTokenizer()
+    context = list(range(5, 45))  # 40 tokens
+    assert recon.repeat_passes(tok, context, 40) == [(0, 40, recon.repeat_ids(tok, context))]
+    passes = recon.repeat_passes(tok, context, 16)
+    assert [(a, b) for a, b, _ in passes] == [(0, 16), (16, 32), (32, 40)]
+    suffix = tok(recon.SUFFIX)["input_ids"]
+    assert passes[0][2] == recon.repeat_ids(tok, context[:16])
+    part = tok(recon.PART_PROMPT)["input_ids"]
+    for start, end, ids in passes[1:]:
+        # the later instruction, the previous chunk's last 8 tokens, the newline, the chunk
+        assert ids == part + context[start - 8:start] + suffix + context[start:end]
+    for bad in (0, -1, 2.5, None):
+        with pytest.raises(ValueError, match="chunk_size"):
+            recon.repeat_passes(tok, context, bad)
+
+
+def test_chunked_passes_are_the_models_own_queries_and_masses():
+    # Three chunks: every pass's rows are the queries the model attends with when it runs that
+    # pass on the context's cache, and each row's mass is over that pass's own tokens only.
+    model, tok = tiny_llama(), CharTokenizer()
+    context = [5 + (13 * i) % 50 for i in range(40)]
+    S = len(context)
+    passes = recon.repeat_passes(tok, context, 16)
+    q, lse = recon.reconstruction_inputs(model, tok, context, chunk_size=16)
+    W = sum(len(ids) for _, _, ids in passes)
+    assert tuple(q[0].shape) == (4, W, 16) and tuple(lse[0].shape) == (4, W)
+
+    # From the context's cache: the same rows, and the cache holds the context only afterwards.
+    cache = transformers.DynamicCache()
+    with torch.no_grad():
+        model.model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True)
+    keys0 = [cache.layers[i].keys.clone() for i in range(2)]
+    q2, lse2 = recon.reconstruction_inputs(model, tok, context, past_key_values=cache,
+                                           chunk_size=16)
+    assert cache.get_seq_length() == S
+    for i in range(2):
+        torch.testing.assert_close(cache.layers[i].keys, keys0[i])
+        torch.testing.assert_close(q2[i], q[i], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lse2[i], lse[i], rtol=1e-4, atol=1e-4)
+
+    row = 0
+    for start, end, ids in passes:
+        n = len(ids)
+        c = transformers.DynamicCache()
+        with torch.no_grad():
+            out = model.model(input_ids=torch.tensor([context + ids]), past_key_values=c,
+                              use_cache=True, output_attentions=True)
+        for layer in range(2):
+            keys = c.layers[layer].keys[0, :, :S].float()
+            p = out.attentions[layer][0, :, -n:, :].float()  # [Hq, n rows, S + n keys]
+            for h in range(4):
+                qa, m = q[layer][h, row:row + n], lse[layer][h, row:row + n]
+                logits = qa @ keys[h // 2].T / math.sqrt(16)
+                torch.testing.assert_close(torch.log(p[h][:, :S]) - torch.log(p[h][:, :1]),
+                                           logits - logits[:, :1], rtol=1e-3, atol=1e-3)
+                want = torch.log(p[h][:, S:].sum(-1)) - torch.log(p[h][:, :S].sum(-1))
+                torch.testing.assert_close(m - torch.logsumexp(logits, dim=-1), want,
+                                           rtol=1e-3, atol=1e-3)
+        row += n
+    assert row == W
+
+    # rows="context": the rows of the copied context tokens of every pass, S in all.
+    qc = recon.reconstruction_queries(model, tok, context, rows="context", chunk_size=16)
+    picks, row = [], 0
+    for start, end, ids in passes:
+        row += len(ids)
+        picks.extend(range(row - (end - start), row))
+    assert tuple(qc[0].shape) == (4, S, 16)
+    for a, b in zip(q, qc):
+        torch.testing.assert_close(a[:, picks], b, rtol=1e-5, atol=1e-5)

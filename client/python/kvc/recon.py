@@ -23,21 +23,59 @@ tokens, so W = len(repeat_ids(...)) = S + 9: more rows than the context has toke
 accepts for kvzip only. `rows="context"` keeps the last S (those of the copied context tokens;
 W = S), for a kvcd older than that. The pass costs about twice the prefill of the context (it
 attends over the context and itself); with `past_key_values` holding the context's cache it
-costs one prefill of S + 9 tokens (the cache grows by those tokens; pass a copy if it is needed
-afterwards). Needs torch and transformers, imported here only.
+costs one prefill of S + 9 tokens.
+
+Contexts longer than `chunk_size` (2,048 tokens, KVzip's and kvpress's chunk) are repeated one
+chunk at a time, each pass on top of the context's cache, as KVzip does to bound a pass's memory:
+the first chunk after the prompt above, every later one after "\n\nRepeat the part of the
+previous context exactly, starting with" and the previous chunk's last 8 tokens (repeat_passes
+gives every pass's tokens). The rows of all passes are sent together (W = S plus each pass's
+instruction tokens), each row's log-mass over its own pass's tokens; kvcd normalises every row
+over all S context keys, the attention the model computed in that pass (KVzipPress normalises a
+chunk's rows over the sinks and that chunk only). The passes together cost about what the one
+pass costs. With `past_key_values` the cache is cropped back to its length after each pass
+(DynamicCache.crop): it holds the context only afterwards. Needs torch and transformers, imported
+here only.
 """
 
 import contextlib
 
 PROMPT = "\n\nRepeat the previous context exactly."
+PART_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 SUFFIX = "\n"
+CHUNK = 2048  # context tokens repeated by one pass
+OVERLAP = 8  # a later pass's prompt ends with the previous chunk's last tokens
+
+
+def _ids(tokenizer, text):
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def repeat_ids(tokenizer, context_ids):
-    """Token ids of the reconstruction prompt, the newline and the context."""
-    ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
-    ids += tokenizer(SUFFIX, add_special_tokens=False)["input_ids"]
-    return ids + [int(t) for t in context_ids]
+    """Token ids of the reconstruction prompt, the newline and the context (one pass)."""
+    return _ids(tokenizer, PROMPT) + _ids(tokenizer, SUFFIX) + [int(t) for t in context_ids]
+
+
+def repeat_passes(tokenizer, context_ids, chunk_size=CHUNK):
+    """The reconstruction passes of a context: [(start, end, ids)], one per chunk of at most
+    `chunk_size` context tokens [start, end); `ids` is what that pass runs on top of the
+    context's cache (its instruction, the newline, the chunk). One pass, repeat_ids(...), when
+    the context fits in a chunk."""
+    ctx = [int(t) for t in context_ids]
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"reconstruction: chunk_size={chunk_size!r} must be an int >= 1")
+    if len(ctx) <= chunk_size:
+        return [(0, len(ctx), repeat_ids(tokenizer, ctx))]
+    suffix = _ids(tokenizer, SUFFIX)
+    out = []
+    for start in range(0, len(ctx), chunk_size):
+        end = min(len(ctx), start + chunk_size)
+        if start == 0:
+            head = _ids(tokenizer, PROMPT)
+        else:
+            head = _ids(tokenizer, PART_PROMPT) + ctx[max(0, start - OVERLAP):start]
+        out.append((start, end, head + suffix + ctx[start:end]))
+    return out
 
 
 def post_rope_queries(attn, hidden, cos, sin):
@@ -110,20 +148,9 @@ def row_log_mass(queries, repeat_keys, block=64):
 ROWS = ("all", "context")
 
 
-def _run(model, tokenizer, context_ids, past_key_values, rows):
+def layer_rows(model, store):
+    """Per layer (queries [Hq, W, D], log-masses [Hq, W]) of one captured pass."""
     import torch
-    from transformers import DynamicCache
-    if rows not in ROWS:
-        raise ValueError(f"reconstruction_queries: rows={rows!r} is not one of {ROWS}")
-    S = len(context_ids)
-    if S < 1:
-        raise ValueError("reconstruction_queries: empty context")
-    rep = repeat_ids(tokenizer, context_ids)
-    ids = rep if past_key_values is not None else [int(t) for t in context_ids] + rep
-    cache = past_key_values if past_key_values is not None else DynamicCache()
-    W = len(rep) if rows == "all" else S
-    with torch.no_grad(), capture_last(model, W, keys=len(rep)) as store:
-        model.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
     queries, masses = [], []
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
@@ -134,17 +161,52 @@ def _run(model, tokenizer, context_ids, past_key_values, rows):
     return queries, masses
 
 
-def reconstruction_queries(model, tokenizer, context_ids, past_key_values=None, rows="all"):
+def _run(model, tokenizer, context_ids, past_key_values, rows, chunk_size):
+    import torch
+    from transformers import DynamicCache
+    if rows not in ROWS:
+        raise ValueError(f"reconstruction_queries: rows={rows!r} is not one of {ROWS}")
+    S = len(context_ids)
+    if S < 1:
+        raise ValueError("reconstruction_queries: empty context")
+    passes = repeat_passes(tokenizer, context_ids, chunk_size)
+    cache = past_key_values if past_key_values is not None else DynamicCache()
+    if len(passes) > 1 and not hasattr(cache, "crop"):
+        raise TypeError("reconstruction_queries: a context of several chunks needs a cache "
+                        f"with crop() (DynamicCache), not {type(cache).__name__}")
+    parts = []
+    for i, (start, end, rep) in enumerate(passes):
+        # Without a cache the first pass runs over the context and its repetition together.
+        fresh = past_key_values is None and i == 0
+        ids = [int(t) for t in context_ids] + rep if fresh else rep
+        base = S if fresh else cache.get_seq_length()
+        W = len(rep) if rows == "all" else end - start
+        with torch.no_grad(), capture_last(model, W, keys=len(rep)) as store:
+            model.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        parts.append(layer_rows(model, store))
+        if hasattr(cache, "crop"):
+            cache.crop(base)  # the context's cache only, for the next pass and the caller
+    if len(parts) == 1:
+        return parts[0]
+    L = len(parts[0][0])
+    return ([torch.cat([p[0][l] for p in parts], dim=1) for l in range(L)],
+            [torch.cat([p[1][l] for p in parts], dim=1) for l in range(L)])
+
+
+def reconstruction_queries(model, tokenizer, context_ids, past_key_values=None, rows="all",
+                           chunk_size=CHUNK):
     """kvzip's Q_obs: per layer the post-RoPE queries [Hq, W, D] (float32) of the reconstruction
-    pass over `context_ids` (S tokens): all W = len(repeat_ids(...)) rows of the pass, or with
-    rows="context" its last W = S. Without `past_key_values` the pass runs over the context and
-    the repetition together; with it (the context's cache, S entries a layer) only the repetition
-    runs."""
-    return _run(model, tokenizer, context_ids, past_key_values, rows)[0]
+    passes over `context_ids` (S tokens): all rows of every pass, W = the total length of
+    repeat_passes(...) (len(repeat_ids(...)) for one chunk), or with rows="context" the rows of
+    the copied context tokens, W = S. Without `past_key_values` the first pass runs over the
+    context and its repetition together; with it (the context's cache, S entries a layer) only
+    the repetitions run."""
+    return _run(model, tokenizer, context_ids, past_key_values, rows, chunk_size)[0]
 
 
-def reconstruction_inputs(model, tokenizer, context_ids, past_key_values=None, rows="all"):
+def reconstruction_inputs(model, tokenizer, context_ids, past_key_values=None, rows="all",
+                          chunk_size=CHUNK):
     """(queries, log-masses): kvzip's Q_obs as reconstruction_queries returns them and, per
     layer, each row's log-sum-exp over the pass's own keys up to it (float32 [Hq, W]), sent as
     the layer's q_stats with `stats=1`."""
-    return _run(model, tokenizer, context_ids, past_key_values, rows)
+    return _run(model, tokenizer, context_ids, past_key_values, rows, chunk_size)

@@ -107,8 +107,8 @@ class Uploads:
         return self._q[W]
 
     def recon_q(self):
-        """kvzip rows' Q_obs: the reconstruction pass's queries (all of them: W = S + 9 with
-        SmolLM2), in the upload dtype."""
+        """kvzip rows' Q_obs: the reconstruction passes' queries (all of them: W = S + 9 with
+        SmolLM2 for a context of one chunk), in the upload dtype."""
         if self.recon is None:
             raise ValueError("kvzip rows need the reconstruction pass (recon.Reconstruction)")
         if "recon" not in self._q:

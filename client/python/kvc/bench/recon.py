@@ -26,7 +26,10 @@ rows than tokens for kvzip, kvc's rows were the last S only, leaving out the ins
 
 Documents are raw text without a chat template, so the press's prefix is empty and its suffix is
 "\\n" (KVzipPress's choice for a model without one). Contexts longer than the press's chunk size
-(2,048) are refused: kvc's rows would need per-chunk queries.
+(2,048 tokens) take one pass per chunk (kvc.recon.repeat_passes, checked against the press's own
+prepare()): kvpress scores each chunk's tokens with that chunk's pass, normalised over the sinks,
+the chunk and the pass; kvc's rows are every pass's queries, each normalised by kvcd over all S
+context keys (plus its log-mass over its own pass).
 """
 
 import logging
@@ -35,7 +38,7 @@ import torch
 from kvpress import KVzipPress
 from transformers import DynamicCache
 
-from kvc.recon import capture_last, post_rope_queries, repeat_ids, row_log_mass
+from kvc.recon import capture_last, layer_rows, repeat_passes
 
 # KVzipPress warns about its cost on every construction; the harness states it once (run.json).
 logging.getLogger("kvpress.presses.kvzip_press").setLevel(logging.ERROR)
@@ -49,38 +52,44 @@ class Reconstruction:
         S = len(context_ids)
         self.length = S
         press = KVzipPress(compression_ratio=0.5)
-        if S > press.chunk_size:
-            raise ValueError(f"kvzip rows: context of {S} tokens exceeds one chunk "
-                             f"({press.chunk_size})")
         lm = shadow.model
         cache = DynamicCache()
         for i, x in enumerate(layers_in32):
             cache.update(x.keys.clone(), x.values.clone(), i)
-        repeat = torch.tensor([repeat_ids(tok, context_ids)])
-        # The press's internal state as its __call__ and prepare() set it for one chunk.
+        passes = repeat_passes(tok, context_ids, press.chunk_size)
+        # The press's internal state as its __call__ and prepare() set it; its own chunking must
+        # give the passes kvc.recon runs (both sides score the same passes).
         press.prefix_length = 0
         press.context_length = S
-        press.start_idx, press.end_idx = 0, S
+        press._context_ids = torch.tensor([[int(t) for t in context_ids]])
+        press._suffix_ids = torch.tensor([tok("\n", add_special_tokens=False)["input_ids"]])
+        theirs = [r[0].tolist() for _, r in press.prepare(shadow, tok)]
+        if theirs != [ids for _, _, ids in passes]:
+            raise RuntimeError("kvzip rows: kvpress's reconstruction passes differ from kvc.recon's")
         press.score_val = torch.zeros(len(lm.layers), 1, shadow.config.num_key_value_heads, S)
-        # kvc's capture (kvc.recon, what users run) first, then kvpress's own scoring hook.
-        n = repeat.shape[1]
-        with capture_last(shadow, n, keys=n) as store:
-            hooks = [layer.self_attn.register_forward_hook(press.forward_hook, with_kwargs=True)
-                     for layer in lm.layers]
-            try:
-                with torch.no_grad():
-                    lm(input_ids=repeat, past_key_values=cache)
-            finally:
-                for h in hooks:
-                    h.remove()
+        self.passes = len(passes)
+        parts = []
+        for start, end, ids in passes:
+            press.start_idx, press.end_idx = start, end
+            n = len(ids)
+            # kvc's capture (kvc.recon, what users run) first, then kvpress's own scoring hook,
+            # which also crops the cache back to the context.
+            with capture_last(shadow, n, keys=n) as store:
+                hooks = [layer.self_attn.register_forward_hook(press.forward_hook,
+                                                               with_kwargs=True)
+                         for layer in lm.layers]
+                try:
+                    with torch.no_grad():
+                        lm(input_ids=torch.tensor([ids]), past_key_values=cache)
+                finally:
+                    for h in hooks:
+                        h.remove()
+            if cache.get_seq_length() != S:
+                raise RuntimeError("kvzip rows: the cache was not cropped back to the context")
+            parts.append(layer_rows(shadow, store))  # [Hq, n, D] fp32, [Hq, n] (stats=1)
         self.scores = press.score_val.clone()  # [L, 1, Hkv, S]
-        self.q_obs, self.lse = [], []
-        with torch.no_grad():
-            for i, layer in enumerate(lm.layers):
-                h, cos, sin, keys = store[i]
-                q = post_rope_queries(layer.self_attn, h, cos, sin)  # [Hq, n, D] fp32
-                self.q_obs.append(q)
-                self.lse.append(row_log_mass(q, keys))  # [Hq, n]: kvc's rows with stats=1
+        self.q_obs = [torch.cat([p[0][i] for p in parts], dim=1) for i in range(len(lm.layers))]
+        self.lse = [torch.cat([p[1][i] for p in parts], dim=1) for i in range(len(lm.layers))]
 
     def kvpress_valid(self, shadow, keep, layerwise, pool=1, weights=None):
         """Per layer [Hkv, S] kept masks of KVzipPress(compression_ratio=1-keep, layerwise); with
