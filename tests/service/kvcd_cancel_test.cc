@@ -91,7 +91,7 @@ class KvcdCancelTest : public ::testing::Test {
 };
 
 TEST_F(KvcdCancelTest, ClientGoneStopsItsCompression) {
-  StartLoaded();
+  ASSERT_NO_FATAL_FAILURE(StartLoaded());
   auto up = Compressing("gone");
   up->Cancel();
   EXPECT_EQ(up->Finish().error_code(), grpc::StatusCode::CANCELLED);
@@ -102,7 +102,7 @@ TEST_F(KvcdCancelTest, ClientGoneStopsItsCompression) {
 }
 
 TEST_F(KvcdCancelTest, DeadlinePassedStopsItsCompression) {
-  StartLoaded();
+  ASSERT_NO_FATAL_FAILURE(StartLoaded());
   // The bytes take about a second; the deadline passes while compressing (9 s on one AVX-512 core).
   auto up = Compressing("late", absl::Seconds(4));
   EXPECT_EQ(up->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
@@ -112,7 +112,7 @@ TEST_F(KvcdCancelTest, DeadlinePassedStopsItsCompression) {
 }
 
 TEST_F(KvcdCancelTest, DeletingTheCacheStopsItsUpload) {
-  StartLoaded();
+  ASSERT_NO_FATAL_FAILURE(StartLoaded());
   auto up = Compressing("doomed");
   grpc::ClientContext ctx;
   pb::DeleteCacheRequest del;
@@ -136,7 +136,7 @@ TEST_F(KvcdCancelTest, DeletingTheCacheStopsItsUpload) {
 }
 
 TEST_F(KvcdCancelTest, CompressionPastItsTimeoutIsStopped) {
-  StartLoaded({"--compress_timeout_seconds=1"});
+  ASSERT_NO_FATAL_FAILURE(StartLoaded({"--compress_timeout_seconds=1"}));
   auto up = Compressing("slow");
   grpc::Status s = up->Finish();
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
@@ -149,7 +149,8 @@ TEST_F(KvcdCancelTest, CompressionPastItsTimeoutIsStopped) {
 // --drain_seconds, abandons the compressions and exits within the drain + 5 s.
 TEST_F(KvcdCancelTest, SigtermEndsKvcdWithinTheDrainDeadline) {
   constexpr double kDrain = 1;
-  StartLoaded({"--drain_seconds=1", "--staging_bytes=512MiB", "--threads=2"});
+  ASSERT_NO_FATAL_FAILURE(
+      StartLoaded({"--drain_seconds=1", "--staging_bytes=512MiB", "--threads=2"}));
   // Two compress (one job per pool worker, --threads=2), the third waits in the pool's queue.
   std::vector<std::unique_ptr<testing::HeavyUpload>> ups;
   ups.push_back(Compressing("term/0"));
