@@ -21,6 +21,7 @@
 #include "absl/time/clock.h"
 #include "kvc/buffer_pool.h"
 #include "kvc/cpu_isa.h"
+#include "kvc/selection.h"
 #include "kvc/transfer.h"
 #include "server/config.h"
 #include "server/ingest_registry.h"
@@ -287,7 +288,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvcd: %s\n", std::string(isa.message()).c_str());
     return kExitBadFlags;
   }
-  std::printf("kvcd: cpu kernels: %s\n", kvc::CpuIsaDescription().c_str());
+  std::printf("kvcd: cpu kernels: %s (scoring logits: %s)\n", kvc::CpuIsaDescription().c_str(),
+              kvc::ScoringLogitsDescription().c_str());
 
   signal(SIGPIPE, SIG_IGN);
 

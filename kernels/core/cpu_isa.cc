@@ -88,7 +88,8 @@ CpuIsa LevelOf(const Features& f) {
   if (!(f.avx2 && f.fma && f.f16c)) return CpuIsa::kPortable;
   if (!(f.avx512f && f.avx512dq && f.avx512bw && f.avx512vl)) return CpuIsa::kAvx2;
   if (!f.avx512vnni) return CpuIsa::kAvx512;
-  if (!(f.avx512bf16 && f.amx_bf16 && f.amx_permitted)) return CpuIsa::kAvx512Vnni;
+  if (!f.avx512bf16) return CpuIsa::kAvx512Vnni;
+  if (!(f.amx_bf16 && f.amx_permitted)) return CpuIsa::kAvx512Bf16;
   return CpuIsa::kAmx;
 }
 
@@ -141,6 +142,8 @@ std::string_view CpuIsaName(CpuIsa isa) {
       return "avx512";
     case CpuIsa::kAvx512Vnni:
       return "avx512vnni";
+    case CpuIsa::kAvx512Bf16:
+      return "avx512bf16";
     case CpuIsa::kAmx:
       return "amx";
   }
@@ -149,13 +152,14 @@ std::string_view CpuIsaName(CpuIsa isa) {
 
 absl::StatusOr<CpuIsa> ParseCpuIsa(std::string_view name) {
   const std::string lower = absl::AsciiStrToLower(std::string(name));
-  for (CpuIsa isa :
-       {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Vnni, CpuIsa::kAmx}) {
+  for (CpuIsa isa : {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Vnni,
+                     CpuIsa::kAvx512Bf16, CpuIsa::kAmx}) {
     if (lower == CpuIsaName(isa)) return isa;
   }
   if (lower == "native" || lower == "best") return kBestCpuIsa;
   return absl::InvalidArgumentError(absl::StrCat(
-      "\"", std::string(name), "\" is not one of portable, avx2, avx512, avx512vnni, amx, native"));
+      "\"", std::string(name),
+      "\" is not one of portable, avx2, avx512, avx512vnni, avx512bf16, amx, native"));
 }
 
 CpuIsa DetectedCpuIsa() { return GetState().detected; }

@@ -1,5 +1,6 @@
-// AMX tile kernels for attention logits (see amx_logits.h). Compiled with AVX-512 BF16 and AMX
-// enabled; only called when CpuIsaAtLeast(kAmx).
+// AMX tile kernels for attention logits, and the AVX-512 BF16 dot-product kernel that reads the
+// same packed keys (see amx_logits.h). Compiled with AVX-512 BF16 and AMX enabled; the tile code
+// is only called when CpuIsaAtLeast(kAmx), the rest when CpuIsaAtLeast(kAvx512Bf16).
 #include "cpu/amx_logits.h"
 
 #include <algorithm>
@@ -138,9 +139,14 @@ void PackKeys(const void* src, DType t, size_t row_stride, int n, int head_dim, 
       __m512i rh[16], rl[16];
       for (int i = 0; i < 16; ++i) {
         const int key = kt * 16 + i;
+        const uint8_t* row = base + (static_cast<size_t>(key) * row_stride + db * 32) * esize;
+        if (t == DType::kBF16 && lo == nullptr) {
+          // bf16 keys are their own hi part: the 32 values as they are (16 dwords of pairs).
+          rh[i] = key < n ? _mm512_loadu_si512(row) : _mm512_setzero_si512();
+          continue;
+        }
         __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
         if (key < n) {
-          const uint8_t* row = base + (static_cast<size_t>(key) * row_stride + db * 32) * esize;
           x0 = Load16(row, t);
           x1 = Load16(row + 16 * esize, t);
         }
@@ -222,6 +228,78 @@ void Logits(const uint16_t* q_hi, const uint16_t* q_lo, int rows, const uint16_t
   _tile_release();
 }
 
+namespace {
+
+// Logits of MR query rows (bf16, row r at q + r * head_dim) and the 32 keys of two packed tiles
+// (k: the first tile; pair p of its 16 keys at dword p * 16, the second tile head_dim / 2 * 16
+// dwords on): acc[r] += q_r[2p] k[2p] + q_r[2p+1] k[2p+1] per key lane, times scale at the end;
+// the m0 / m1 lanes of each tile are stored.
+template <int MR>
+void DotBlock(const uint16_t* q, int head_dim, const uint16_t* k, float scale, float* dst,
+              size_t ldc, __mmask16 m0, __mmask16 m1) {
+  __m512 acc0[MR], acc1[MR];
+  for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  const int pairs = head_dim / 2;
+  const auto* k0 = reinterpret_cast<const __m512i*>(k);
+  const auto* k1 = k0 + pairs;
+  for (int p = 0; p < pairs; ++p) {
+    const auto b0 = (__m512bh)_mm512_loadu_si512(k0 + p);
+    const auto b1 = (__m512bh)_mm512_loadu_si512(k1 + p);
+    for (int r = 0; r < MR; ++r) {
+      uint32_t w;
+      std::memcpy(&w, q + static_cast<size_t>(r) * head_dim + 2 * p, sizeof(w));
+      const auto a = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], a, b0);
+      acc1[r] = _mm512_dpbf16_ps(acc1[r], a, b1);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int r = 0; r < MR; ++r) {
+    float* out = dst + static_cast<size_t>(r) * ldc;
+    _mm512_mask_storeu_ps(out, m0, _mm512_mul_ps(acc0[r], s));
+    _mm512_mask_storeu_ps(out + 16, m1, _mm512_mul_ps(acc1[r], s));
+  }
+}
+
+// DotBlock for exactly `rows` (<= MR) rows.
+template <int MR>
+void DotRows(const uint16_t* q, int rows, int head_dim, const uint16_t* k, float scale, float* dst,
+             size_t ldc, __mmask16 m0, __mmask16 m1) {
+  if constexpr (MR > 0) {
+    if (rows >= MR) {
+      DotBlock<MR>(q, head_dim, k, scale, dst, ldc, m0, m1);
+    } else {
+      DotRows<MR - 1>(q, rows, head_dim, k, scale, dst, ldc, m0, m1);
+    }
+  }
+}
+
+}  // namespace
+
+void DotLogits(const uint16_t* q, int rows, const uint16_t* k, int n, int head_dim, float scale,
+               float* dst, size_t ldc) {
+  // 12 rows x 32 keys: 24 accumulators, two key registers and one broadcast query pair of the
+  // 32 zmm registers; a group's 32 keys (2 * head_dim * 2 bytes) stay in L1 across the rows.
+  constexpr int kRows = 12;
+  for (int j0 = 0; j0 < n; j0 += 32) {
+    const int left = n - j0;
+    const auto m0 = static_cast<__mmask16>(left >= 16 ? 0xffff : (1u << left) - 1);
+    const auto m1 =
+        static_cast<__mmask16>(left >= 32 ? 0xffff : left > 16 ? (1u << (left - 16)) - 1 : 0);
+    const uint16_t* kg = k + static_cast<size_t>(j0) * head_dim;  // tile j0 / 16
+    float* out = dst + j0;
+    int r = 0;
+    for (; r + kRows <= rows; r += kRows) {
+      DotBlock<kRows>(q + static_cast<size_t>(r) * head_dim, head_dim, kg, scale,
+                      out + static_cast<size_t>(r) * ldc, ldc, m0, m1);
+    }
+    if (r < rows) {  // the last 1..11 rows, as one block of that many
+      DotRows<kRows - 1>(q + static_cast<size_t>(r) * head_dim, rows - r, head_dim, kg, scale,
+                         out + static_cast<size_t>(r) * ldc, ldc, m0, m1);
+    }
+  }
+}
+
 }  // namespace kvc::cpu::amx
 
 #else  // built without AMX: Built() and so Usable() are false; nothing below is ever called.
@@ -232,6 +310,9 @@ void PackQueries(const float*, int, int, float, uint16_t*, uint16_t*) { std::abo
 void PackKeys(const void*, DType, size_t, int, int, uint16_t*, uint16_t*) { std::abort(); }
 void Logits(const uint16_t*, const uint16_t*, int, const uint16_t*, const uint16_t*, int, int,
             float*, size_t) {
+  std::abort();
+}
+void DotLogits(const uint16_t*, int, const uint16_t*, int, int, float, float*, size_t) {
   std::abort();
 }
 }  // namespace kvc::cpu::amx

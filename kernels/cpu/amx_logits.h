@@ -17,6 +17,16 @@
 //            the tiles' pair-interleaved ("VNNI") layout, padding keys zero (hi and lo parts).
 // head_dim must be a multiple of 32 (Usable says so). Each call configures the calling thread's
 // tiles and releases them before returning.
+//
+// Without tiles (CpuIsa::kAvx512Bf16: Zen 4, Cooper Lake), DotLogits computes the same logits
+// from the packed keys' hi part with AVX-512 BF16 dot products (vdpbf16ps: two bf16 products
+// summed into each fp32 lane), one product per element pair instead of three. scoring.cc takes it
+// for bf16 layers only, where queries and keys are exact in one bf16 part: a product of two bf16
+// values is exact in fp32, so the logits are an fp32 sum of the exact products, as sgemm's,
+// differing only in the order of the additions (and denormal inputs, flushed to zero). Twice the
+// multiply-adds per instruction of fp32 FMA. fp16 and fp32 layers keep sgemm: one bf16 part
+// would round their values (a relative 2^-9 per element).
+// PackKeys, PackQueries and DotLogits need AVX-512 BF16 only; Logits needs AMX.
 #ifndef KVC_KERNELS_CPU_AMX_LOGITS_H_
 #define KVC_KERNELS_CPU_AMX_LOGITS_H_
 
@@ -32,10 +42,16 @@ namespace kvc::cpu::amx {
 // clang); without them its functions abort, so a CPU with AMX must not reach them.
 bool Built();
 
-// (Inline: amx_logits.cc is compiled for AMX and must only run on a CPU that has it.)
+// (Inline: amx_logits.cc is compiled for AMX and AVX-512 BF16 and must only run on a CPU that
+// has what the function needs.)
 // True when the AMX path runs now (the active level is kAmx) for this head_dim, in this build.
 inline bool Usable(int head_dim) {
   return head_dim > 0 && head_dim % 32 == 0 && CpuIsaAtLeast(CpuIsa::kAmx) && Built();
+}
+
+// True when DotLogits runs now for this head_dim (the active level is kAvx512Bf16 or above).
+inline bool DotUsable(int head_dim) {
+  return head_dim > 0 && head_dim % 32 == 0 && CpuIsaAtLeast(CpuIsa::kAvx512Bf16) && Built();
 }
 
 // bf16 elements of one part (hi or lo) of packed queries / keys.
@@ -57,6 +73,12 @@ void PackKeys(const void* src, DType t, size_t row_stride, int n, int head_dim, 
 // k_lo null: keys packed without a lo part.
 void Logits(const uint16_t* q_hi, const uint16_t* q_lo, int rows, const uint16_t* k_hi,
             const uint16_t* k_lo, int n, int head_dim, float* dst, size_t ldc);
+
+// dst[r * ldc + j] = scale * sum_d q[r * head_dim + d] * key_j[d], r < rows, j < n, with q
+// [rows][head_dim] bf16 row-major (unscaled; e.g. the hi part PackQueries writes with scale 1)
+// and k the hi part PackKeys wrote for n keys (nothing else written).
+void DotLogits(const uint16_t* q, int rows, const uint16_t* k, int n, int head_dim, float scale,
+               float* dst, size_t ldc);
 
 }  // namespace kvc::cpu::amx
 

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -66,6 +67,14 @@ int RecentCount(const CompressionSpec& spec, int budget);
 
 // Sets OpenBLAS to one thread when the pool runs several (see the file comment).
 void PrepareBlas(const ThreadPool* pool);
+
+// How attention scoring (h2o, snapkv, keyformer, kvzip) computes its logits for a layer of this
+// dtype and head_dim at the active instruction-set level (kvc/cpu_isa.h): sgemm on fp32 copies;
+// AVX-512 BF16 dot products on bf16 layers (exact products, cpu/amx_logits.h); AMX tiles with
+// bf16 hi/lo splits (near-fp32). LogitsPathName is what benchmarks and logs print.
+enum class LogitsPath { kSgemm, kBf16Dot, kAmx };
+LogitsPath ScoringLogitsPath(DType dtype, int head_dim);
+std::string_view LogitsPathName(LogitsPath path);
 
 // One scratch array of a thread: Get<T>(n) returns room for at least n elements (contents
 // unspecified; earlier contents are not kept when it grows). Below kScratchKeepBytes the memory is

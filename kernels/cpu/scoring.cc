@@ -1,7 +1,8 @@
 // Attention scores of the observation queries (h2o, snapkv, keyformer: the policies' scorers and
 // the dispatch are in scorers.cc). Attention-based policies compute, per KV head, the GEMM of the
 // group's observation queries against all keys ([g*W, D] x [D, S], OpenBLAS sgemm on fp32 copies,
-// one 1024-key chunk at a time; on AMX the same products from bf16 tiles, cpu/amx_logits.h), then
+// one 1024-key chunk at a time; on AMX the same products from bf16 tiles, and on AVX-512 BF16 a
+// bf16 layer's exact products from bf16 dot products, cpu/amx_logits.h), then
 // a causal row softmax (online over the chunks) whose rows are
 // accumulated into the head's score. Query rows are processed in blocks so the logits buffer
 // stays bounded even when W == S.
@@ -12,6 +13,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "cpu/amx_logits.h"
 #include "cpu/engine.h"
@@ -73,19 +77,22 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
   float* q = s.q.Get<float>(static_cast<size_t>(block) * D);
   // AMX: the logits from bf16 hi/lo tiles instead of sgemm (same values to ~2^-16, see
   // cpu/amx_logits.h). bf16 keys are exact in one bf16 part: their lo products are skipped.
-  const bool use_amx = amx::Usable(D);
+  // AVX-512 BF16 without tiles: bf16 layers' logits from one bf16 dot product per element pair
+  // (exact products, fp32 sums; cpu/amx_logits.h), other dtypes on sgemm.
+  const LogitsPath path = ScoringLogitsPath(in.dtype, D);
+  const bool use_amx = path == LogitsPath::kAmx, use_dot = path == LogitsPath::kBf16Dot;
   const bool key_lo = in.dtype != DType::kBF16;
   uint16_t *q_hi = nullptr, *q_lo = nullptr, *k_hi = nullptr, *k_lo = nullptr;
   float* k = nullptr;  // the fp32 key chunk of the sgemm path
-  if (!use_amx) {
+  if (path == LogitsPath::kSgemm) {
     k = s.k.Get<float>(static_cast<size_t>(std::min(S, kTokenChunk)) * D);
   } else {
     const size_t qn = amx::PackedQueryElems(block, D);
     const size_t kn = amx::PackedKeyElems(std::min(S, kTokenChunk), D);
     q_hi = s.amx_q.Get<uint16_t>(2 * qn);
     q_lo = q_hi + qn;
-    k_hi = s.amx_k.Get<uint16_t>(2 * kn);
-    k_lo = key_lo ? k_hi + kn : nullptr;
+    k_hi = s.amx_k.Get<uint16_t>((use_dot ? 1 : 2) * kn);
+    k_lo = key_lo && use_amx ? k_hi + kn : nullptr;
   }
 
   std::fill(out, out + S, 0.0f);
@@ -101,6 +108,8 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
     const int nr = std::min(block, rows - r0);
     LoadQueryRows(in, h, r0, nr, q);
     if (use_amx) amx::PackQueries(q, nr, D, scale, q_hi, q_lo);
+    // Unscaled (bf16 values, exact in one part): DotLogits scales the sums.
+    if (use_dot) FromFloat(q, DType::kBF16, static_cast<size_t>(nr) * D, q_hi);
     // Keys past the last row's causal limit are never read: trim the GEMM to them.
     int max_len = 0;
     for (int r = r0; r < r0 + nr; ++r) max_len = std::max(max_len, keys_seen(r % W));
@@ -131,16 +140,20 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
     for (int c0 = 0, c = 0; c0 < max_len; c0 += kTokenChunk, ++c) {
       if (Cancelled(in)) return;
       const int n = std::min(kTokenChunk, max_len - c0);
-      if (!use_amx) LoadHeadRows(in, /*values=*/false, h, c0, n, k);
+      if (path == LogitsPath::kSgemm) LoadHeadRows(in, /*values=*/false, h, c0, n, k);
       // All but the last chunk: the GEMM writes straight into the chunk's parked slot (it stays
       // in L2 for the passes below); the last one into the tile the final pass reads.
       float* dst = c + 1 < chunks ? parked + c * slot : tile;
-      if (use_amx) {
+      if (path != LogitsPath::kSgemm) {
         // Straight from the cache's rows (no fp32 copy of the chunk).
         size_t stride = 0;
         const uint8_t* rows = HeadRows(in, /*values=*/false, h, c0, &stride);
         amx::PackKeys(rows, in.dtype, stride, n, D, k_hi, k_lo);
-        amx::Logits(q_hi, q_lo, nr, k_hi, k_lo, n, D, dst, static_cast<size_t>(n));
+        if (use_amx) {
+          amx::Logits(q_hi, q_lo, nr, k_hi, k_lo, n, D, dst, static_cast<size_t>(n));
+        } else {
+          amx::DotLogits(q_hi, nr, k_hi, n, D, scale, dst, static_cast<size_t>(n));
+        }
       } else {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, D, scale, q, D, k, D, 0.0f,
                     dst, n);
@@ -219,6 +232,24 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
 
 }  // namespace
 
+LogitsPath ScoringLogitsPath(DType dtype, int head_dim) {
+  if (amx::Usable(head_dim)) return LogitsPath::kAmx;
+  if (dtype == DType::kBF16 && amx::DotUsable(head_dim)) return LogitsPath::kBf16Dot;
+  return LogitsPath::kSgemm;
+}
+
+std::string_view LogitsPathName(LogitsPath path) {
+  switch (path) {
+    case LogitsPath::kSgemm:
+      return "sgemm fp32";
+    case LogitsPath::kBf16Dot:
+      return "avx512-bf16 dot products";
+    case LogitsPath::kAmx:
+      return "amx tiles (bf16 hi/lo)";
+  }
+  return "unknown";
+}
+
 void PrepareBlas(const ThreadPool* pool) {
   if (pool->num_threads() > 1 && openblas_get_num_threads() != 1) openblas_set_num_threads(1);
 }
@@ -274,6 +305,22 @@ void ObservedAttentionScores(const LayerInput& in, const EvictionSpec& spec, Thr
 }  // namespace kvc::cpu
 
 namespace kvc {
+
+std::string ScoringLogitsDescription() {
+  std::vector<std::pair<cpu::LogitsPath, std::string>> paths;  // in first-seen order
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+    const cpu::LogitsPath path = cpu::ScoringLogitsPath(t, 128);
+    auto it =
+        std::find_if(paths.begin(), paths.end(), [&](const auto& p) { return p.first == path; });
+    if (it == paths.end()) it = paths.insert(paths.end(), {path, ""});
+    it->second += (it->second.empty() ? "" : " ") + std::string(DTypeName(t));
+  }
+  std::string out;
+  for (const auto& [path, dtypes] : paths) {
+    out += (out.empty() ? "" : "; ") + dtypes + ": " + std::string(cpu::LogitsPathName(path));
+  }
+  return out;
+}
 
 absl::StatusOr<std::vector<float>> ScoreTokens(const LayerInput& in, const EvictionSpec& spec) {
   RETURN_IF_ERROR(ValidateInput(in));

@@ -1,5 +1,5 @@
 // CPU engine throughput on a Llama-3-8B-shaped layer (8 KV heads, 32 query heads, head_dim 128,
-// fp16, W = 32) at 4K and 32K tokens, next to the machine's memcpy bandwidth and sgemm rate
+// fp16 (the scoring rows also bf16, the path bf16 layers take), W = 32) at 4K and 32K tokens, next to the machine's memcpy bandwidth and sgemm rate
 // measured in the same run.
 //
 // BM_ScoreVsSgemm times scoring and sgemm 2048^2 back to back in one loop (vs_sgemm: their
@@ -46,11 +46,12 @@ int HardwareThreads() { return std::max(1u, std::thread::hardware_concurrency())
 
 struct Layer {
   LayerShape shape;
+  DType dtype = DType::kF16;  // kF16 or kBF16
   std::vector<uint16_t> k, v, q;
   LayerInput input() const {
     LayerInput in;
     in.shape = shape;
-    in.dtype = DType::kF16;
+    in.dtype = dtype;
     in.layout = Layout::kHND;
     in.k = k.data();
     in.v = v.data();
@@ -61,31 +62,33 @@ struct Layer {
   double q_bytes() const { return static_cast<double>(q.size()) * sizeof(uint16_t); }
 };
 
-void Fill(std::vector<uint16_t>& v, uint64_t seed, float scale) {
+void Fill(std::vector<uint16_t>& v, uint64_t seed, float scale, DType t) {
   uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
   for (uint16_t& e : v) {
     x ^= x << 13;
     x ^= x >> 7;
     x ^= x << 17;
     const float u = static_cast<float>((x >> 40) & 0xffffff) / 16777216.0f - 0.5f;
-    e = FloatToHalf(u * scale);
+    e = t == DType::kBF16 ? FloatToBFloat16(u * scale) : FloatToHalf(u * scale);
   }
 }
 
-// Built once per sequence length and shared by every benchmark.
-const Layer& GetLayer(int seq_len) {
-  static std::map<int, std::unique_ptr<Layer>> layers;
-  auto& slot = layers[seq_len];
+// Built once per sequence length and dtype (fp16, or bf16: the same values rounded to bf16) and
+// shared by every benchmark.
+const Layer& GetLayer(int seq_len, DType dtype = DType::kF16) {
+  static std::map<std::pair<int, DType>, std::unique_ptr<Layer>> layers;
+  auto& slot = layers[{seq_len, dtype}];
   if (!slot) {
     slot = std::make_unique<Layer>();
+    slot->dtype = dtype;
     slot->shape = {kKvHeads, kQHeads, seq_len, kHeadDim, kWindow};
     const size_t kv = static_cast<size_t>(kKvHeads) * seq_len * kHeadDim;
     slot->k.resize(kv);
     slot->v.resize(kv);
     slot->q.resize(static_cast<size_t>(kQHeads) * kWindow * kHeadDim);
-    Fill(slot->k, 1, 4.0f);
-    Fill(slot->v, 2, 2.0f);
-    Fill(slot->q, 3, 4.0f);
+    Fill(slot->k, 1, 4.0f, dtype);
+    Fill(slot->v, 2, 2.0f, dtype);
+    Fill(slot->q, 3, 4.0f, dtype);
   }
   return *slot;
 }
@@ -210,8 +213,22 @@ void BM_Score(benchmark::State& state) {
 // 2048^2 (OpenBLAS, hardware threads, as BM_SgemmSquare) and one ScoreTokens call, and
 // `vs_sgemm` is the median over iterations of (score FLOP/s) / (sgemm FLOP/s): a same-moment
 // ratio that a burst of load on a shared machine moves less than two separate rows do.
+// Label: policy, dtype, the logits path (cpu/engine.h: sgemm, bf16 dot products, AMX) and the
+// instruction-set level.
+std::string ScoreLabel(const Layer& layer, const EvictionSpec& spec, std::string_view extra) {
+  return absl::StrCat(
+      std::string(PolicyName(spec.policy)), ", ", std::string(DTypeName(layer.dtype)), ", ",
+      std::string(cpu::LogitsPathName(cpu::ScoringLogitsPath(layer.dtype, layer.shape.head_dim))),
+      std::string(extra), ", ", CpuIsaDescription());
+}
+
+// range(2): 0 fp16 layers, 1 bf16.
+DType BenchDType(const benchmark::State& state) {
+  return state.range(2) == 1 ? DType::kBF16 : DType::kF16;
+}
+
 void BM_ScoreVsSgemm(benchmark::State& state) {
-  const Layer& layer = GetLayer(static_cast<int>(state.range(0)));
+  const Layer& layer = GetLayer(static_cast<int>(state.range(0)), BenchDType(state));
   EvictionSpec spec;
   spec.policy = static_cast<EvictionPolicy>(state.range(1));
   const int n = 2048;
@@ -239,7 +256,7 @@ void BM_ScoreVsSgemm(benchmark::State& state) {
       k == 0 ? 0 : (k % 2 == 1 ? ratios[k / 2] : 0.5 * (ratios[k / 2 - 1] + ratios[k / 2]));
   state.counters["FLOPS"] =
       ScoreFlops(layer.shape) * static_cast<double>(state.iterations()) / score_s;
-  state.SetLabel(absl::StrCat(std::string(PolicyName(spec.policy)), ", ", CpuIsaDescription()));
+  state.SetLabel(ScoreLabel(layer, spec, ""));
 }
 
 double ThreadCpuSeconds() {
@@ -252,7 +269,7 @@ double ThreadCpuSeconds() {
 // time the scheduler gives other processes on a shared machine counts for neither side, so this
 // is the kernels' efficiency ratio, not a wall-clock one.
 void BM_ScoreVsSgemmCpu(benchmark::State& state) {
-  const Layer& layer = GetLayer(static_cast<int>(state.range(0)));
+  const Layer& layer = GetLayer(static_cast<int>(state.range(0)), BenchDType(state));
   EvictionSpec spec;
   spec.policy = static_cast<EvictionPolicy>(state.range(1));
   const int n = 2048;
@@ -280,8 +297,7 @@ void BM_ScoreVsSgemmCpu(benchmark::State& state) {
       k == 0 ? 0 : (k % 2 == 1 ? ratios[k / 2] : 0.5 * (ratios[k / 2 - 1] + ratios[k / 2]));
   state.counters["FLOPS_cpu"] =
       ScoreFlops(layer.shape) * static_cast<double>(state.iterations()) / score_s;
-  state.SetLabel(absl::StrCat(std::string(PolicyName(spec.policy)), ", 1 thread, CPU time, ",
-                              CpuIsaDescription()));
+  state.SetLabel(ScoreLabel(layer, spec, ", 1 thread, CPU time"));
 }
 
 struct Selections {
@@ -406,15 +422,20 @@ BENCHMARK(BM_Score)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_ScoreVsSgemm)
-    ->Args({4096, static_cast<int>(EvictionPolicy::kKeyformer)})
-    ->Args({32768, static_cast<int>(EvictionPolicy::kH2O)})
-    ->Args({32768, static_cast<int>(EvictionPolicy::kKeyformer)})
+    ->Args({4096, static_cast<int>(EvictionPolicy::kKeyformer), 0})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kH2O), 0})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kKeyformer), 0})
+    ->Args({4096, static_cast<int>(EvictionPolicy::kKeyformer), 1})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kH2O), 1})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kKeyformer), 1})
     ->Iterations(9)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_ScoreVsSgemmCpu)
-    ->Args({32768, static_cast<int>(EvictionPolicy::kH2O)})
-    ->Args({32768, static_cast<int>(EvictionPolicy::kKeyformer)})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kH2O), 0})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kKeyformer), 0})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kH2O), 1})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kKeyformer), 1})
     ->Iterations(5)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SelectChannels)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -1,7 +1,9 @@
 // The AMX logits kernel (kernels/cpu/amx_logits.h): the packed key layout against a scalar
 // packing, and the logits against a double-precision reference within the stated bound
 // (2^-16 of sum_d |q_d k_d| * scale) for fp16, bf16 and fp32 keys, ragged row and key counts, and
-// head_dim 32..256. On a CPU without AMX every test skips, naming what the CPU has.
+// head_dim 32..256. On a CPU without AMX every test skips, naming what the CPU has. DotLogits (the
+// AVX-512 BF16 path for bf16 layers) against the same reference, within fp32 summation rounding,
+// where the CPU has AVX-512 BF16.
 #include "cpu/amx_logits.h"
 
 #include <cmath>
@@ -55,29 +57,40 @@ TEST(AmxLogitsTest, BuiltWithAmxOnX86) {
 #endif
 }
 
+// (PackKeys needs AVX-512 BF16 only: the AVX-512 BF16 path packs keys too.) fp32 keys with their
+// lo parts, and bf16 keys (their own hi part, no lo) through the copy that skips the conversion.
 TEST(AmxLogitsTest, KeysArePackedPairInterleavedPerTile) {
-  SKIP_WITHOUT_AMX();
-  const int n = 37, d = 64;
-  std::vector<float> k = Random(static_cast<size_t>(n) * d, 1, 1.0f);
-  const size_t elems = amx::PackedKeyElems(n, d);
-  ASSERT_EQ(elems, size_t{64} * d);
-  std::vector<uint16_t> hi(elems, 0xffff), lo(elems, 0xffff);
-  amx::PackKeys(k.data(), DType::kF32, d, n, d, hi.data(), lo.data());
-  const int blocks = d / 32;
-  for (int kt = 0; kt < 4; ++kt) {
-    for (int db = 0; db < blocks; ++db) {
-      for (int p = 0; p < 16; ++p) {
-        for (int i = 0; i < 16; ++i) {
-          for (int e = 0; e < 2; ++e) {
-            const int key = kt * 16 + i, dim = db * 32 + 2 * p + e;
-            const size_t at = (static_cast<size_t>(kt) * blocks + db) * 512 + p * 32 + i * 2 + e;
-            const float x = key < n ? k[static_cast<size_t>(key) * d + dim] : 0.0f;
-            const uint16_t want_hi = FloatToBFloat16(x);
-            float back;
-            const uint32_t bits = static_cast<uint32_t>(want_hi) << 16;
-            std::memcpy(&back, &bits, 4);
-            ASSERT_EQ(hi[at], want_hi) << "key " << key << " dim " << dim;
-            ASSERT_EQ(lo[at], FloatToBFloat16(x - back)) << "key " << key << " dim " << dim;
+  if (!amx::DotUsable(32)) {
+    GTEST_SKIP() << "no AVX-512 BF16 here: the kernels run at " << CpuIsaDescription() << " ("
+                 << CpuFeatureList() << ")";
+  }
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(t));
+    const int n = 37, d = 64;
+    std::vector<float> k = Random(static_cast<size_t>(n) * d, 1, 1.0f);
+    RoundTo(t, &k);
+    std::vector<uint8_t> raw(k.size() * DTypeSize(t));
+    FromFloat(k.data(), t, k.size(), raw.data());
+    const size_t elems = amx::PackedKeyElems(n, d);
+    ASSERT_EQ(elems, size_t{64} * d);
+    std::vector<uint16_t> hi(elems, 0xffff), lo(elems, t == DType::kBF16 ? 0 : 0xffff);
+    amx::PackKeys(raw.data(), t, d, n, d, hi.data(), t == DType::kBF16 ? nullptr : lo.data());
+    const int blocks = d / 32;
+    for (int kt = 0; kt < 4; ++kt) {
+      for (int db = 0; db < blocks; ++db) {
+        for (int p = 0; p < 16; ++p) {
+          for (int i = 0; i < 16; ++i) {
+            for (int e = 0; e < 2; ++e) {
+              const int key = kt * 16 + i, dim = db * 32 + 2 * p + e;
+              const size_t at = (static_cast<size_t>(kt) * blocks + db) * 512 + p * 32 + i * 2 + e;
+              const float x = key < n ? k[static_cast<size_t>(key) * d + dim] : 0.0f;
+              const uint16_t want_hi = FloatToBFloat16(x);
+              float back;
+              const uint32_t bits = static_cast<uint32_t>(want_hi) << 16;
+              std::memcpy(&back, &bits, 4);
+              ASSERT_EQ(hi[at], want_hi) << "key " << key << " dim " << dim;
+              ASSERT_EQ(lo[at], FloatToBFloat16(x - back)) << "key " << key << " dim " << dim;
+            }
           }
         }
       }
@@ -144,6 +157,54 @@ TEST(AmxLogitsTest, LogitsMatchDoubleReferenceWithinTheStatedBound) {
       EXPECT_GT(single_over, c.rows * c.n / 4);
     }
     EXPECT_LE(worst, 1.0);
+  }
+}
+
+// The AVX-512 BF16 path (bf16 queries and keys, exact products): the fp32 sum of exact products
+// differs from the double reference by the rounding of D additions and the final scale, bounded
+// by (D + 2) * 2^-24 * sum_d |q_d k_d| * scale. Ragged row counts exercise every row block
+// (1..12) and ragged key counts the masked tail of a 32-key group.
+TEST(AmxLogitsTest, DotLogitsOfBf16ValuesMatchDoubleReference) {
+  if (!amx::DotUsable(32)) {
+    GTEST_SKIP() << "no AVX-512 BF16 path here: the kernels run at " << CpuIsaDescription()
+                 << " (" << CpuFeatureList() << ")";
+  }
+  struct Case {
+    int rows, n, d;
+  };
+  const Case cases[] = {{1, 1, 32},   {11, 17, 64},   {12, 32, 64},    {13, 33, 128},
+                        {25, 47, 96}, {128, 1024, 128}, {37, 300, 256}, {7, 15, 32}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::Message() << c.rows << "x" << c.n << " d " << c.d);
+    std::vector<float> q = Random(static_cast<size_t>(c.rows) * c.d, 3 + c.n, 1.0f);
+    std::vector<float> k = Random(static_cast<size_t>(c.n) * c.d, 5 + c.rows, 1.5f);
+    RoundTo(DType::kBF16, &q);
+    RoundTo(DType::kBF16, &k);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+    std::vector<uint16_t> qb(q.size()), kb(k.size());
+    FromFloat(q.data(), DType::kBF16, q.size(), qb.data());
+    FromFloat(k.data(), DType::kBF16, k.size(), kb.data());
+    std::vector<uint16_t> kp(amx::PackedKeyElems(c.n, c.d), 0xffff);
+    amx::PackKeys(kb.data(), DType::kBF16, c.d, c.n, c.d, kp.data(), nullptr);
+    const size_t ldc = static_cast<size_t>(c.n) + 2;
+    std::vector<float> out(static_cast<size_t>(c.rows) * ldc, -7.0f);
+    amx::DotLogits(qb.data(), c.rows, kp.data(), c.n, c.d, scale, out.data() + 1, ldc);
+    for (int r = 0; r < c.rows; ++r) {
+      ASSERT_EQ(out[r * ldc], -7.0f) << "row " << r;
+      ASSERT_EQ(out[r * ldc + ldc - 1], -7.0f) << "row " << r;
+      for (int j = 0; j < c.n; ++j) {
+        double dot = 0, mag = 0;
+        for (int e = 0; e < c.d; ++e) {
+          const double p = static_cast<double>(q[static_cast<size_t>(r) * c.d + e]) *
+                           k[static_cast<size_t>(j) * c.d + e];
+          dot += p;
+          mag += std::fabs(p);
+        }
+        const double bound = std::ldexp(mag * scale * (c.d + 2), -24) + 1e-30;
+        ASSERT_LE(std::fabs(out[r * ldc + 1 + j] - dot * scale), bound)
+            << "row " << r << " key " << j;
+      }
+    }
   }
 }
 

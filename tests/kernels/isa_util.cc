@@ -3,7 +3,8 @@
 namespace kvc::testing_isa {
 
 std::vector<CpuIsa> AllIsas() {
-  return {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Vnni, CpuIsa::kAmx};
+  return {CpuIsa::kPortable, CpuIsa::kAvx2,       CpuIsa::kAvx512,
+          CpuIsa::kAvx512Vnni, CpuIsa::kAvx512Bf16, CpuIsa::kAmx};
 }
 
 std::vector<CpuIsa> SupportedIsas() {

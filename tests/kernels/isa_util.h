@@ -11,7 +11,7 @@
 
 namespace kvc::testing_isa {
 
-// portable, avx2, avx512, avx512vnni, amx.
+// portable, avx2, avx512, avx512vnni, avx512bf16, amx.
 std::vector<CpuIsa> AllIsas();
 // The levels up to DetectedCpuIsa().
 std::vector<CpuIsa> SupportedIsas();

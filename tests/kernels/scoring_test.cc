@@ -2,9 +2,11 @@
 // (pooling, knorm sign, seeded noise).
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <vector>
 
 #include "gmock/gmock.h"
+#include "cpu/engine.h"
 #include "gtest/gtest.h"
 #include "kernels/isa_util.h"
 #include "kernels/select_util.h"
@@ -166,21 +168,96 @@ TEST(ScoreTokensTest, KVzipRowLogMassJoinsTheDenominator) {
   EXPECT_THAT(std::string(ScoreTokens(in, spec).status().message()), ::testing::HasSubstr("q_stats"));
 }
 
-// Every instruction set this CPU has scores alike: several chunks, a causal staircase, noise.
+// Every instruction set this CPU has scores alike: several chunks, a causal staircase, noise; fp16
+// layers (sgemm or AMX) and bf16 ones (at avx512bf16 and above, bf16 dot products).
 TEST(ScoreTokensTest, EveryInstructionSetMatchesReference) {
   const LayerShape shape{2, 8, 2200, 64, 16};
-  TestLayer layer = RandomLayer(shape, 9, DType::kF16);
-  layer.layer_index = 3;
-  for (CpuIsa isa : testing_isa::SupportedIsas()) {
-    SCOPED_TRACE(CpuIsaName(isa));
-    const testing_isa::ScopedIsaCap cap(isa);
-    for (EvictionPolicy policy :
-         {EvictionPolicy::kH2O, EvictionPolicy::kKeyformer, EvictionPolicy::kKVzip}) {
-      EvictionSpec spec;
-      spec.policy = policy;
-      spec.seed = 77;
-      ExpectNearReference(layer, spec);
+  for (DType t : {DType::kF16, DType::kBF16}) {
+    TestLayer layer = RandomLayer(shape, 9, t);
+    layer.layer_index = 3;
+    for (CpuIsa isa : testing_isa::SupportedIsas()) {
+      SCOPED_TRACE(std::string(CpuIsaName(isa)) + " " + std::string(DTypeName(t)));
+      const testing_isa::ScopedIsaCap cap(isa);
+      for (EvictionPolicy policy :
+           {EvictionPolicy::kH2O, EvictionPolicy::kKeyformer, EvictionPolicy::kKVzip}) {
+        EvictionSpec spec;
+        spec.policy = policy;
+        spec.seed = 77;
+        ExpectNearReference(layer, spec);
+      }
     }
+  }
+}
+
+// Kept sets a and b (head by head) are equal, or the tokens in one and not the other all have
+// scores (b's, [H, S]) within rel_tol of each other: ties at the cut that float rounding broke
+// differently.
+void ExpectSameSelectionUpToTies(const std::vector<float>& scores, const LayerShape& shape,
+                                 const TokenSelection& a, const TokenSelection& b,
+                                 double rel_tol) {
+  ASSERT_EQ(a.num_kv_heads, b.num_kv_heads);
+  for (int h = 0; h < shape.num_kv_heads; ++h) {
+    const std::vector<int32_t> pa = testing::HeadPositions(a, h), pb = testing::HeadPositions(b, h);
+    ASSERT_EQ(pa.size(), pb.size()) << "head " << h;
+    std::vector<int32_t> diff;
+    std::set_symmetric_difference(pa.begin(), pa.end(), pb.begin(), pb.end(),
+                                  std::back_inserter(diff));
+    if (diff.empty()) continue;
+    const float* s = scores.data() + static_cast<size_t>(h) * shape.seq_len;
+    float lo = s[diff[0]], hi = s[diff[0]];
+    for (int32_t t : diff) {
+      lo = std::min(lo, s[t]);
+      hi = std::max(hi, s[t]);
+    }
+    EXPECT_LE(hi - lo, 2 * rel_tol * std::max(std::abs(lo), std::abs(hi)))
+        << "head " << h << ": " << diff.size() << " tokens differ, not at a tie";
+  }
+}
+
+// On bf16 layers the bf16 dot-product path (cpu/amx_logits.h) computes exact products and differs
+// from sgemm only in the order of fp32 additions: scores agree to float rounding, and the kept
+// sets of a 32K-token layer at keep 0.25 are the same, or differ only between tokens whose sgemm
+// scores tie to that rounding (1e-5 relative) at the cut.
+TEST(ScoreTokensTest, Bf16DotProductsKeepTheSgemmSelections) {
+  if (!testing_isa::Supported(CpuIsa::kAvx512Bf16)) {
+    GTEST_SKIP() << "this CPU lacks avx512bf16 (it has " << CpuIsaName(DetectedCpuIsa()) << ": "
+                 << CpuFeatureList() << ")";
+  }
+  const LayerShape shape{2, 8, 4100, 128, 32};
+  TestLayer layer = RandomLayer(shape, 31, DType::kBF16);
+  layer.layer_index = 7;
+  for (EvictionPolicy policy : {EvictionPolicy::kH2O, EvictionPolicy::kSnapKV,
+                                EvictionPolicy::kKeyformer, EvictionPolicy::kKVzip}) {
+    SCOPED_TRACE(PolicyName(policy));
+    EvictionSpec spec;
+    spec.policy = policy;
+    spec.seed = 5;
+    spec.keep_ratio = 0.25;
+    CompressionSpec full;
+    full.eviction = spec;
+    absl::StatusOr<std::vector<float>> dot, fp32;
+    absl::StatusOr<TokenSelection> dot_sel, fp32_sel;
+    {
+      const testing_isa::ScopedIsaCap cap(CpuIsa::kAvx512Bf16);
+      ASSERT_EQ(cpu::ScoringLogitsPath(DType::kBF16, 128), cpu::LogitsPath::kBf16Dot);
+      dot = ScoreTokens(layer.input(), spec);
+      dot_sel = SelectTokens(layer.input(), full);
+    }
+    {
+      const testing_isa::ScopedIsaCap cap(CpuIsa::kAvx512Vnni);
+      ASSERT_EQ(cpu::ScoringLogitsPath(DType::kBF16, 128), cpu::LogitsPath::kSgemm);
+      fp32 = ScoreTokens(layer.input(), spec);
+      fp32_sel = SelectTokens(layer.input(), full);
+    }
+    ASSERT_TRUE(dot.ok() && fp32.ok() && dot_sel.ok() && fp32_sel.ok());
+    ASSERT_EQ(dot->size(), fp32->size());
+    int differ = 0;
+    for (size_t i = 0; i < dot->size(); ++i) {
+      ASSERT_NEAR((*dot)[i], (*fp32)[i], 1e-5 * std::abs((*fp32)[i]) + 1e-9) << "index " << i;
+      differ += (*dot)[i] != (*fp32)[i];
+    }
+    EXPECT_GT(differ, 0) << "the two paths gave bit-identical scores: was the dot path taken?";
+    ExpectSameSelectionUpToTies(*fp32, shape, *dot_sel, *fp32_sel, 1e-5);
   }
 }
 

@@ -10,9 +10,12 @@
 //   avx2        AVX2 + FMA + F16C (Haswell, Zen 1 and later)
 //   avx512      AVX-512 F, DQ, BW and VL (Skylake-SP, Zen 4 and later)
 //   avx512vnni  the above + AVX-512 VNNI (Cascade Lake, Ice Lake, Zen 4 and later)
-//   amx         the above + AVX-512 BF16, AMX-TILE and AMX-BF16, with the kernel's permission to
-//               use the tile registers (Sapphire Rapids and later); only attention scoring's
-//               GEMM uses it (kernels/cpu/amx_logits.h: bf16 hi/lo splits, near-fp32 logits)
+//   avx512bf16  the above + AVX-512 BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later); only
+//               attention scoring's GEMM uses it, on bf16 layers (kernels/cpu/amx_logits.h: one
+//               bf16 dot product per pair of elements, exact products of bf16 values)
+//   amx         the above + AMX-TILE and AMX-BF16, with the kernel's permission to use the tile
+//               registers (Sapphire Rapids and later); only attention scoring's GEMM uses it
+//               (kernels/cpu/amx_logits.h: bf16 hi/lo splits, near-fp32 logits)
 //
 // The vector paths compute the same results as the portable ones up to float rounding (integer
 // results, e.g. hashes and quantization codes, are identical); a kernel's contract says where it
@@ -30,11 +33,18 @@
 
 namespace kvc {
 
-enum class CpuIsa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAmx = 4 };
+enum class CpuIsa : int {
+  kPortable = 0,
+  kAvx2 = 1,
+  kAvx512 = 2,
+  kAvx512Vnni = 3,
+  kAvx512Bf16 = 4,
+  kAmx = 5,
+};
 // The highest level (a cap at it caps nothing).
 inline constexpr CpuIsa kBestCpuIsa = CpuIsa::kAmx;
 
-// "portable", "avx2", "avx512", "avx512vnni", "amx".
+// "portable", "avx2", "avx512", "avx512vnni", "avx512bf16", "amx".
 std::string_view CpuIsaName(CpuIsa isa);
 // The inverse of CpuIsaName (case-insensitive); "native" (or "best") means the highest level, i.e.
 // no cap. INVALID_ARGUMENT listing the accepted names otherwise.

@@ -9,6 +9,7 @@
 #define KVC_SELECTION_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -48,6 +49,12 @@ namespace kvc {
 // Sinks, recent windows and the snapkv window are applied by SelectTokens. INVALID_ARGUMENT
 // (naming the field) for an invalid input or eviction spec.
 absl::StatusOr<std::vector<float>> ScoreTokens(const LayerInput& in, const EvictionSpec& spec);
+
+// How attention scoring (h2o, snapkv, keyformer, kvzip) computes its logits at the active
+// instruction-set level (kvc/cpu_isa.h), per dtype, for a head_dim that is a multiple of 32 (other
+// head dims use sgemm), e.g. "f32 f16: sgemm fp32; bf16: avx512-bf16 dot products". kvcd prints
+// it at start-up.
+std::string ScoringLogitsDescription();
 
 // Kept positions per KV head, B = EffectiveBudget(spec.eviction, in.layer_index, S) of them:
 // protected tokens first, then the highest scores (ties broken by the lower position, NaN scores
