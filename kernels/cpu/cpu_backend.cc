@@ -32,10 +32,10 @@ class CpuBackend final : public Backend {
   std::string_view name() const override { return "cpu"; }
 
   std::string description() const override {
-    // Which arithmetic attention scoring uses (cpu/amx_logits.h), for logs and benchmark rows.
+    // Which arithmetic attention scoring uses per dtype (cpu/amx_logits.h), for logs and
+    // benchmark rows.
     return absl::StrCat("cpu: ", pool_.num_threads(), " threads, ", CpuIsaDescription(),
-                        CpuIsaAtLeast(CpuIsa::kAmx) ? ", scoring on AMX (bf16 hi/lo tiles)"
-                                                    : ", scoring on OpenBLAS sgemm");
+                        ", scoring logits: ", ScoringLogitsDescription());
   }
 
   absl::StatusOr<CompactLayer> Compress(const LayerInput& in, const CompressionSpec& spec,

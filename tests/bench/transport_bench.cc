@@ -5,12 +5,12 @@
 // blobs over a minimal RESP client. Prints one table with GB/s and ratios vs the plain stream.
 //
 //   transport_bench [--reps=5] [--layers_4k=4] [--layers_32k=2] [--kvcd=PATH] [--redis=PATH]
-//                   [--only=TEXT]
+//                   [--only=TEXT] [--dtype=f16|bf16]
 //
-// Caches are Llama-3-8B-shaped layers (8 KV heads, 32 query heads, head_dim 128, fp16, 32
-// observation queries) at 4K and 32K tokens; only a few layers per cache (a 32K-token layer is
-// 128 MiB of K+V), which does not change per-byte throughput. Each row is the median of --reps
-// timed runs after one warm-up run.
+// Caches are Llama-3-8B-shaped layers (8 KV heads, 32 query heads, head_dim 128, fp16 or
+// --dtype=bf16, 32 observation queries) at 4K and 32K tokens; only a few layers per cache (a
+// 32K-token layer is 128 MiB of K+V), which does not change per-byte throughput. Each row is the
+// median of --reps timed runs after one warm-up run.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <grpcpp/generic/async_generic_service.h>
@@ -40,6 +40,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -59,6 +60,10 @@ ABSL_FLAG(int, layers_32k, 2, "layers per 32K-token cache; 0 skips that size");
 ABSL_FLAG(std::string, kvcd, KVCD_PATH, "kvcd binary");
 ABSL_FLAG(std::string, redis, "redis-server", "redis-server binary; empty skips Redis");
 ABSL_FLAG(int, kvcd_threads, 2, "kvcd --threads");
+ABSL_FLAG(std::string, kvcd_flags, "", "more kvcd flags, space-separated (after the bench's own)");
+ABSL_FLAG(std::string, dtype, "f16",
+          "element type of the uploaded caches: f16, or bf16 (the dtype engines keep Llama-3's "
+          "cache in; kvcd scores bf16 layers on AVX-512 BF16 dot products where the CPU has them)");
 ABSL_FLAG(std::string, only, "",
           "run only the cases whose name contains this text (the plain stream rows always run: "
           "they are the baseline of the ratios); for profiling one path");
@@ -510,6 +515,12 @@ int main(int argc, char** argv) {
   // process holds both ends of the plain stream and the kvc client).
   kvc::ReuseLargeMallocs();
   const int reps = std::max(1, absl::GetFlag(FLAGS_reps));
+  const std::string dtype = absl::GetFlag(FLAGS_dtype);
+  if (dtype != "f16" && dtype != "bf16") {
+    std::fprintf(stderr, "transport_bench: --dtype=%s is not f16 or bf16\n", dtype.c_str());
+    return 2;
+  }
+  const bool bf16 = dtype == "bf16";
   signal(SIGPIPE, SIG_IGN);
   const std::pair<int, int> sizes[] = {{4096, absl::GetFlag(FLAGS_layers_4k)},
                                        {32768, absl::GetFlag(FLAGS_layers_32k)}};
@@ -537,6 +548,9 @@ int main(int argc, char** argv) {
   ko.binary = absl::GetFlag(FLAGS_kvcd);
   ko.flags = {"--store_bytes=3GiB", absl::StrCat("--threads=", absl::GetFlag(FLAGS_kvcd_threads)),
               "--max_message_bytes=8MiB", "--max_chunk_bytes=4MiB"};
+  for (absl::string_view f : absl::StrSplit(absl::GetFlag(FLAGS_kvcd_flags), ' ', absl::SkipEmpty())) {
+    ko.flags.emplace_back(f);
+  }
   auto kvcd = kvc::testing::KvcdProcess::Start(ko);
   if (!kvcd.ok()) {
     std::fprintf(stderr, "transport_bench: cannot start kvcd: %s\n",
@@ -564,10 +578,12 @@ int main(int argc, char** argv) {
     std::vector<uint8_t> k(kv_bytes), v(kv_bytes), q(q_bytes);
     std::mt19937 rng(7);
     std::normal_distribution<float> dist;
-    // Random fp16 values (bit patterns of N(0,1) samples): incompressible like real activations.
+    // Random fp16 / bf16 values (bit patterns of N(0,1) samples): incompressible like real
+    // activations.
     for (std::vector<uint8_t>* buf : {&k, &v, &q}) {
       for (size_t i = 0; i + 1 < buf->size(); i += 2) {
-        const uint16_t h = kvc::FloatToHalf(dist(rng));
+        const float x = dist(rng);
+        const uint16_t h = bf16 ? kvc::FloatToBFloat16(x) : kvc::FloatToHalf(x);
         std::memcpy(buf->data() + i, &h, 2);
       }
     }
@@ -595,14 +611,14 @@ int main(int argc, char** argv) {
 
     std::printf(
         "\n== %d tokens x %d layers (Llama-3-8B layer: 8 KV heads, 32 q heads, head_dim "
-        "128, fp16); upload %.1f MiB per cache, chunks %zu MiB, median of %d ==\n",
-        tokens, layers, upload / 1048576.0, kChunk >> 20, reps);
+        "128, %s); upload %.1f MiB per cache, chunks %zu MiB, median of %d ==\n",
+        tokens, layers, bf16 ? "bf16" : "fp16", upload / 1048576.0, kChunk >> 20, reps);
     std::list<Case> cases;  // a list: the download cases keep pointers to their own entry
     cases.push_back({"plain gRPC stream upload", false,
                      [&] { return PlainUpload(ch.get(), up, tensors); }, upload});
     int seq = 0;
     pb::PutCacheHeader base;
-    base.set_dtype(pb::DTYPE_F16);
+    base.set_dtype(bf16 ? pb::DTYPE_BF16 : pb::DTYPE_F16);
     base.set_layout(pb::LAYOUT_HND);
     auto* shape = base.mutable_shape();
     shape->set_num_layers(layers);
