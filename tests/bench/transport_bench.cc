@@ -5,7 +5,7 @@
 // blobs over a minimal RESP client. Prints one table with GB/s and ratios vs the plain stream.
 //
 //   transport_bench [--reps=5] [--layers_4k=4] [--layers_32k=2] [--kvcd=PATH] [--redis=PATH]
-//                   [--only=TEXT] [--dtype=f16|bf16]
+//                   [--only=TEXT] [--dtype=f16|bf16] [--kvcd_flags="--flag=value ..."]
 //
 // Caches are Llama-3-8B-shaped layers (8 KV heads, 32 query heads, head_dim 128, fp16 or
 // --dtype=bf16, 32 observation queries) at 4K and 32K tokens; only a few layers per cache (a
