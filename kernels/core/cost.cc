@@ -381,7 +381,7 @@ Input MakeInput(const LayerShape& sh, const CompressionSpec& spec, int layer_ind
 
 void AddLayer(const LayerShape& shape, DType dtype, const CompressionSpec& spec, int layer_index,
               const CostConcurrency& c, Sheet* s) {
-  (void)dtype;  // the engine scores on fp32 copies: element size only moves bytes, not work
+  (void)dtype;  // the same multiply-adds on fp32 copies or bf16 dot products: bytes, not work
   const Input in = MakeInput(shape, spec, layer_index, c.whole_layer_statistics);
   s->Stage();  // scoring
   if (ScoreCostFn f = ScoreCostOf(spec.eviction.policy); f != nullptr) f(in, s);
