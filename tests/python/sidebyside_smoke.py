@@ -12,7 +12,8 @@ real kvcd (KVCD_PATH) with the Python client. Checks, each of which can fail:
   (kvc: h2o per layer, no recent window) identical, SnapKV with kvpress's pooling >= 0.99
   mean overlap; and the harness's kept sets equal those of kvpress's own forward hooks for
   the five presses of python_kvpress_venv_test plus AdaKV(SnapKV); kvcd's kvzip kept sets
-  against the same scores computed in Python (>= 0.99 mean overlap).
+  against the same scores computed in Python (>= 0.99 mean overlap); KVzip+ scores (the
+  kvzip-plus rows) from the same pass without changing KVzip's.
 
 Run by ctest with the kvpress venv's Python (tests/testing/venv_run.sh). Exit 77 with
 "SKIPPED: ..." only when the SmolLM2 directory is missing (deploy/setup-python.sh makes it).
@@ -159,6 +160,15 @@ def main():
     # queries and the group) against the same definition computed here, per-layer selection.
     from kvc.bench.recon import Reconstruction
     recon = Reconstruction(tok, model, qs, lin32)
+    # KVzip+ (kvpress's kvzip_plus_normalization, the kvzip-plus rows) scores the same pass in a
+    # hook of its own: KVzip's scores stay what they were, and every layer got KVzip+ scores of
+    # its own (a hook that ran after the cache was cropped would have raised or left zeros).
+    plus = Reconstruction(tok, model, qs, lin32, plus=True)
+    assert torch.equal(plus.scores, recon.scores), "KVzip+ scoring changed KVzip's scores"
+    sp = plus.scores_plus
+    assert sp.shape == recon.scores.shape and bool(torch.isfinite(sp).all()) and sp.min() >= 0
+    assert all(float(sp[i].sum()) > 0 for i in range(sp.shape[0])), "a layer without KVzip+"
+    assert not torch.equal(sp, recon.scores), "KVzip+ scores equal KVzip's"
     with kvcrows.Kvcd(kvcd) as server:
         uploads = kvcrows.Uploads(model, lin32, torch.float32, recon)
         for spec, lse in (("kvzip:0.25,ada=0", False), ("kvzip:0.25,ada=0,stats=1", True)):

@@ -262,7 +262,9 @@ def main(argv=None):
                 recon = None
                 if any(p[0] in P.RECON_PRESSES for p in pairs):
                     from .recon import Reconstruction
-                    recon = Reconstruction(tok, shadow, ids, lin32)
+                    recon = Reconstruction(tok, shadow, ids, lin32,
+                                           plus=any(p[0] in P.RECON_PRESSES and
+                                                    P.RECON_PRESSES[p[0]][3] for p in pairs))
                 uploads = kvcrows.Uploads(shadow, lin, torch.float32, recon)
                 for r in ratios:
                     for name in args.equivalence.split(","):

@@ -42,12 +42,16 @@ PRESSES = {
 # Presses that score by reconstructing the context (recon.py: one extra pass per scenario):
 # name -> (KVzipPress's `layerwise` (False: one selection over all layers and heads, its default),
 # a max-pooling kernel over each head's scores before selection (1: none, as KVzip), whether each
-# score is weighted by its token's value norm first). The pooled and weighted rows are
-# experiments (docs/fidelity-smollm2.md, "Pooling KVzip's scores"): SnapKV's pooling, and the
-# value-norm weighting of VATP (Guo et al., 2024), applied to KVzip's scores.
-RECON_PRESSES = {"kvzip": (False, 1, False), "kvzip-layer": (True, 1, False),
-                 "kvzip-pool3": (False, 3, False), "kvzip-pool7": (False, 7, False),
-                 "kvzip-pool11": (False, 11, False), "kvzip-vnorm": (False, 1, True)}
+# score is weighted by its token's value norm first, whether the scores are KVzipPress's with its
+# `kvzip_plus_normalization` (KVzip+: each attention weight times ||v W_O|| of its token over the
+# norm of its query row's attention input)). The pooled and weighted rows are experiments
+# (docs/fidelity-smollm2.md, "Pooling KVzip's scores"): SnapKV's pooling, and the value-norm
+# weighting of VATP (Guo et al., 2024), applied to KVzip's scores.
+RECON_PRESSES = {"kvzip": (False, 1, False, False), "kvzip-layer": (True, 1, False, False),
+                 "kvzip-pool3": (False, 3, False, False), "kvzip-pool7": (False, 7, False, False),
+                 "kvzip-pool11": (False, 11, False, False),
+                 "kvzip-vnorm": (False, 1, True, False),
+                 "kvzip-plus": (False, 1, False, True), "kvzip-plus-layer": (True, 1, False, True)}
 
 
 def _kwargs(x, hs):
@@ -159,9 +163,9 @@ def compress(press, shadow, layers_in, dtype):
 
 def compress_recon(name, recon, shadow, layers_in, keep, dtype):
     """RowCache of a reconstruction press (RECON_PRESSES) at keep ratio `keep`."""
-    layerwise, pool, vnorm = RECON_PRESSES[name]
+    layerwise, pool, vnorm, plus = RECON_PRESSES[name]
     weights = [x.values[0].float().norm(dim=-1) for x in layers_in] if vnorm else None
-    valid = recon.kvpress_valid(shadow, keep, layerwise, pool, weights)
+    valid = recon.kvpress_valid(shadow, keep, layerwise, pool, weights, plus)
     row = RowCache([(x.keys[0].to(dtype), x.values[0].to(dtype), m)
                     for x, m in zip(layers_in, valid)])
     row.positions = [torch.arange(m.shape[1]).expand(m.shape[0], -1) for m in valid]

@@ -48,7 +48,9 @@ logging.getLogger("kvpress.presses.kvzip_press").setLevel(logging.ERROR)
 class Reconstruction:
     """The reconstruction pass of one context: kvpress scores and kvc's Q_obs per layer."""
 
-    def __init__(self, tok, shadow, context_ids, layers_in32):
+    def __init__(self, tok, shadow, context_ids, layers_in32, plus=False):
+        """`plus`: also score the pass with KVzip+ (scores_plus; costs a ||v W_O|| per value and
+        query head, about a tenth more time)."""
         S = len(context_ids)
         self.length = S
         press = KVzipPress(compression_ratio=0.5)
@@ -67,17 +69,34 @@ class Reconstruction:
         if theirs != [ids for _, _, ids in passes]:
             raise RuntimeError("kvzip rows: kvpress's reconstruction passes differ from kvc.recon's")
         press.score_val = torch.zeros(len(lm.layers), 1, shadow.config.num_key_value_heads, S)
+        # KVzip+ (KVzipPress's kvzip_plus_normalization) scores the same pass: a second press
+        # whose score_kvzip runs in a hook of its own before the first press's hook, which crops
+        # the cache.
+        plus = KVzipPress(compression_ratio=0.5, kvzip_plus_normalization=True) if plus else None
+        if plus is not None:
+            plus.prefix_length, plus.context_length = 0, S
+            plus.score_val = press.score_val.clone()
+
+        def plus_hook(module, args, kwargs, output):
+            cache = kwargs.get("past_key_values") or kwargs.get("past_key_value")
+            layer = cache.layers[module.layer_idx]
+            plus.score_kvzip(module, kwargs["hidden_states"], layer.keys, layer.values, None,
+                             kwargs)
+            return output
+
         self.passes = len(passes)
         parts = []
         for start, end, ids in passes:
             press.start_idx, press.end_idx = start, end
+            if plus is not None:
+                plus.start_idx, plus.end_idx = start, end
             n = len(ids)
             # kvc's capture (kvc.recon, what users run) first, then kvpress's own scoring hook,
             # which also crops the cache back to the context.
             with capture_last(shadow, n, keys=n) as store:
-                hooks = [layer.self_attn.register_forward_hook(press.forward_hook,
-                                                               with_kwargs=True)
-                         for layer in lm.layers]
+                hooks = [layer.self_attn.register_forward_hook(f, with_kwargs=True)
+                         for layer in lm.layers
+                         for f in ((plus_hook,) if plus else ()) + (press.forward_hook,)]
                 try:
                     with torch.no_grad():
                         lm(input_ids=torch.tensor([ids]), past_key_values=cache)
@@ -88,16 +107,20 @@ class Reconstruction:
                 raise RuntimeError("kvzip rows: the cache was not cropped back to the context")
             parts.append(layer_rows(shadow, store))  # [Hq, n, D] fp32, [Hq, n] (stats=1)
         self.scores = press.score_val.clone()  # [L, 1, Hkv, S]
+        self.scores_plus = plus.score_val.clone() if plus is not None else None
         self.q_obs = [torch.cat([p[0][i] for p in parts], dim=1) for i in range(len(lm.layers))]
         self.lse = [torch.cat([p[1][i] for p in parts], dim=1) for i in range(len(lm.layers))]
 
-    def kvpress_valid(self, shadow, keep, layerwise, pool=1, weights=None):
-        """Per layer [Hkv, S] kept masks of KVzipPress(compression_ratio=1-keep, layerwise); with
-        pool > 1 (odd), each head's scores are max-pooled over `pool` neighbouring tokens first;
+    def kvpress_valid(self, shadow, keep, layerwise, pool=1, weights=None, plus=False):
+        """Per layer [Hkv, S] kept masks of KVzipPress(compression_ratio=1-keep, layerwise), on
+        its KVzip+ scores with `plus`; with pool > 1 (odd), each head's scores are max-pooled over
+        `pool` neighbouring tokens first;
         with `weights` (per layer [Hkv, S]), each score is multiplied by its weight first (the
         sinks are still set by the press afterwards)."""
         press = KVzipPress(compression_ratio=1.0 - keep, layerwise=layerwise)
-        press.score_val = self.scores.clone()
+        if plus and self.scores_plus is None:
+            raise ValueError("kvzip-plus rows: the reconstruction ran without plus=True")
+        press.score_val = (self.scores_plus if plus else self.scores).clone()
         if weights is not None:
             w = torch.stack([x.to(press.score_val.dtype) for x in weights])  # [L, Hkv, S]
             press.score_val = press.score_val * w[:, None]

@@ -1,7 +1,8 @@
 """The rows of the side-by-side table: what each compresses and how.
 
     full                        the uncompressed cache
-    kvpress:NAME@R              a kvpress press (presses.PRESSES) at keep ratio R
+    kvpress:NAME@R              a kvpress press (presses.PRESSES; KVzipPress and its variants:
+                                presses.RECON_PRESSES) at keep ratio R
     kvc:SPEC                    a kvc spec through kvcd (kvcrows); `{r}` in a template is the
                                 keep ratio; `|w=N` sets its observation window; `|rows=context`
                                 sends a kvzip row only the last S reconstruction queries

@@ -86,7 +86,9 @@ class Runner:
         recon = None
         if any(self.needs_recon(r) for r in self.rows):
             t0 = time.perf_counter()
-            recon = R.Reconstruction(self.tok, self.shadow, ids, lin32)
+            plus = any(r.family == "kvpress" and r.spec in P.RECON_PRESSES and
+                       P.RECON_PRESSES[r.spec][3] for r in self.rows)
+            recon = R.Reconstruction(self.tok, self.shadow, ids, lin32, plus=plus)
             recon.seconds = time.perf_counter() - t0
         out = []
         for row in self.rows:
