@@ -263,8 +263,7 @@ def main(argv=None):
                 if any(p[0] in P.RECON_PRESSES for p in pairs):
                     from .recon import Reconstruction
                     recon = Reconstruction(tok, shadow, ids, lin32,
-                                           plus=any(p[0] in P.RECON_PRESSES and
-                                                    P.RECON_PRESSES[p[0]][3] for p in pairs))
+                                           plus=P.recon_needs_plus(p[0] for p in pairs))
                 uploads = kvcrows.Uploads(shadow, lin, torch.float32, recon)
                 for r in ratios:
                     for name in args.equivalence.split(","):

@@ -14,6 +14,8 @@ head (`indices`, for the parity report) and a RowCache in the model's dtype:
   ComposedPress's hook does through the cache; ThinK zeroes key channels.
 """
 
+from typing import NamedTuple
+
 import torch
 from kvpress import (AdaKVPress, ComposedPress, CriticalAdaKVPress, CriticalKVPress,
                      ExpectedAttentionPress, KeyDiffPress, KnormPress, ScorerPress, SnapKVPress,
@@ -39,19 +41,33 @@ PRESSES = {
 }
 
 
-# Presses that score by reconstructing the context (recon.py: one extra pass per scenario):
-# name -> (KVzipPress's `layerwise` (False: one selection over all layers and heads, its default),
-# a max-pooling kernel over each head's scores before selection (1: none, as KVzip), whether each
-# score is weighted by its token's value norm first, whether the scores are KVzipPress's with its
-# `kvzip_plus_normalization` (KVzip+: each attention weight times ||v W_O|| of its token over the
-# norm of its query row's attention input)). The pooled and weighted rows are experiments
-# (docs/fidelity-smollm2.md, "Pooling KVzip's scores"): SnapKV's pooling, and the value-norm
-# weighting of VATP (Guo et al., 2024), applied to KVzip's scores.
-RECON_PRESSES = {"kvzip": (False, 1, False, False), "kvzip-layer": (True, 1, False, False),
-                 "kvzip-pool3": (False, 3, False, False), "kvzip-pool7": (False, 7, False, False),
-                 "kvzip-pool11": (False, 11, False, False),
-                 "kvzip-vnorm": (False, 1, True, False),
-                 "kvzip-plus": (False, 1, False, True), "kvzip-plus-layer": (True, 1, False, True)}
+class ReconPress(NamedTuple):
+    """A press that scores by reconstructing the context (recon.py: one extra pass per scenario).
+    layerwise: KVzipPress's `layerwise` (False: one selection over all layers and heads, its
+    default); pool: a max-pooling kernel over each head's scores before selection (1: none, as
+    KVzip); vnorm: each score weighted by its token's value norm first; plus: KVzipPress's scores
+    with its `kvzip_plus_normalization` (KVzip+: each attention weight times ||v W_O|| of its
+    token over the norm of its query row's attention input)."""
+    layerwise: bool = False
+    pool: int = 1
+    vnorm: bool = False
+    plus: bool = False
+
+
+# The pooled and weighted rows are experiments (docs/fidelity-smollm2.md, "Pooling KVzip's
+# scores"): SnapKV's pooling, and the value-norm weighting of VATP (Guo et al., 2024), applied to
+# KVzip's scores; the plus rows are kvpress's KVzip+ ("KVzip+: kvpress's other KVzip").
+RECON_PRESSES = {"kvzip": ReconPress(), "kvzip-layer": ReconPress(layerwise=True),
+                 "kvzip-pool3": ReconPress(pool=3), "kvzip-pool7": ReconPress(pool=7),
+                 "kvzip-pool11": ReconPress(pool=11), "kvzip-vnorm": ReconPress(vnorm=True),
+                 "kvzip-plus": ReconPress(plus=True),
+                 "kvzip-plus-layer": ReconPress(layerwise=True, plus=True)}
+
+
+def recon_needs_plus(names):
+    """Whether any of the press names is a reconstruction press on KVzip+ scores (the pass then
+    computes them too: Reconstruction(plus=True))."""
+    return any(name in RECON_PRESSES and RECON_PRESSES[name].plus for name in names)
 
 
 def _kwargs(x, hs):
@@ -163,9 +179,9 @@ def compress(press, shadow, layers_in, dtype):
 
 def compress_recon(name, recon, shadow, layers_in, keep, dtype):
     """RowCache of a reconstruction press (RECON_PRESSES) at keep ratio `keep`."""
-    layerwise, pool, vnorm, plus = RECON_PRESSES[name]
-    weights = [x.values[0].float().norm(dim=-1) for x in layers_in] if vnorm else None
-    valid = recon.kvpress_valid(shadow, keep, layerwise, pool, weights, plus)
+    p = RECON_PRESSES[name]
+    weights = [x.values[0].float().norm(dim=-1) for x in layers_in] if p.vnorm else None
+    valid = recon.kvpress_valid(shadow, keep, p.layerwise, p.pool, weights, p.plus)
     row = RowCache([(x.keys[0].to(dtype), x.values[0].to(dtype), m)
                     for x, m in zip(layers_in, valid)])
     row.positions = [torch.arange(m.shape[1]).expand(m.shape[0], -1) for m in valid]

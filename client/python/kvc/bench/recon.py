@@ -36,6 +36,7 @@ import logging
 
 import torch
 from kvpress import KVzipPress
+from kvpress.utils import extract_keys_and_values
 from transformers import DynamicCache
 
 from kvc.recon import capture_last, layer_rows, repeat_passes
@@ -49,8 +50,8 @@ class Reconstruction:
     """The reconstruction pass of one context: kvpress scores and kvc's Q_obs per layer."""
 
     def __init__(self, tok, shadow, context_ids, layers_in32, plus=False):
-        """`plus`: also score the pass with KVzip+ (scores_plus; costs a ||v W_O|| per value and
-        query head, about a tenth more time)."""
+        """`plus`: also score the pass with KVzip+ (scores_plus; it costs a ||v W_O|| per value
+        and query head in every layer, so it runs only when asked)."""
         S = len(context_ids)
         self.length = S
         press = KVzipPress(compression_ratio=0.5)
@@ -72,31 +73,33 @@ class Reconstruction:
         # KVzip+ (KVzipPress's kvzip_plus_normalization) scores the same pass: a second press
         # whose score_kvzip runs in a hook of its own before the first press's hook, which crops
         # the cache.
-        plus = KVzipPress(compression_ratio=0.5, kvzip_plus_normalization=True) if plus else None
-        if plus is not None:
-            plus.prefix_length, plus.context_length = 0, S
-            plus.score_val = press.score_val.clone()
+        plus_press = None
+        hook_fns = [press.forward_hook]
+        if plus:
+            plus_press = KVzipPress(compression_ratio=0.5, kvzip_plus_normalization=True)
+            plus_press.prefix_length, plus_press.context_length = 0, S
+            plus_press.score_val = press.score_val.clone()
 
-        def plus_hook(module, args, kwargs, output):
-            cache = kwargs.get("past_key_values") or kwargs.get("past_key_value")
-            layer = cache.layers[module.layer_idx]
-            plus.score_kvzip(module, kwargs["hidden_states"], layer.keys, layer.values, None,
-                             kwargs)
-            return output
+            def plus_hook(module, args, kwargs, output):
+                cache = kwargs.get("past_key_values") or kwargs.get("past_key_value")
+                keys, values = extract_keys_and_values(cache, module.layer_idx)
+                plus_press.score_kvzip(module, kwargs["hidden_states"], keys, values, None, kwargs)
+                return output
+
+            hook_fns.insert(0, plus_hook)
 
         self.passes = len(passes)
         parts = []
         for start, end, ids in passes:
             press.start_idx, press.end_idx = start, end
-            if plus is not None:
-                plus.start_idx, plus.end_idx = start, end
+            if plus_press is not None:
+                plus_press.start_idx, plus_press.end_idx = start, end
             n = len(ids)
             # kvc's capture (kvc.recon, what users run) first, then kvpress's own scoring hook,
             # which also crops the cache back to the context.
             with capture_last(shadow, n, keys=n) as store:
                 hooks = [layer.self_attn.register_forward_hook(f, with_kwargs=True)
-                         for layer in lm.layers
-                         for f in ((plus_hook,) if plus else ()) + (press.forward_hook,)]
+                         for layer in lm.layers for f in hook_fns]
                 try:
                     with torch.no_grad():
                         lm(input_ids=torch.tensor([ids]), past_key_values=cache)
@@ -107,7 +110,7 @@ class Reconstruction:
                 raise RuntimeError("kvzip rows: the cache was not cropped back to the context")
             parts.append(layer_rows(shadow, store))  # [Hq, n, D] fp32, [Hq, n] (stats=1)
         self.scores = press.score_val.clone()  # [L, 1, Hkv, S]
-        self.scores_plus = plus.score_val.clone() if plus is not None else None
+        self.scores_plus = plus_press.score_val.clone() if plus_press is not None else None
         self.q_obs = [torch.cat([p[0][i] for p in parts], dim=1) for i in range(len(lm.layers))]
         self.lse = [torch.cat([p[1][i] for p in parts], dim=1) for i in range(len(lm.layers))]
 

@@ -86,8 +86,7 @@ class Runner:
         recon = None
         if any(self.needs_recon(r) for r in self.rows):
             t0 = time.perf_counter()
-            plus = any(r.family == "kvpress" and r.spec in P.RECON_PRESSES and
-                       P.RECON_PRESSES[r.spec][3] for r in self.rows)
+            plus = P.recon_needs_plus(r.spec for r in self.rows if r.family == "kvpress")
             recon = R.Reconstruction(self.tok, self.shadow, ids, lin32, plus=plus)
             recon.seconds = time.perf_counter() - t0
         out = []
