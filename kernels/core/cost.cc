@@ -145,10 +145,28 @@ void AttentionScores(const Input& in, Sheet* s) {
   // Causal: observation row t sees S - W + t + 1 keys, W * S - W * (W - 1) / 2 for the W rows
   // of a query head. A block's GEMM runs to its last row's limit: beyond the causal count by at
   // most min(W, row_block) keys per row (a block spans at most two query heads' rows).
-  // kvzip's reconstruction rows come after the context: each sees all S keys.
-  const uint64_t causal = Policy(e.policy).rows_after_context
-                              ? Mul({in.w, in.s})
-                              : Mul({in.w, in.s}) - (in.w > 0 ? Mul({in.w, in.w - 1}) / 2 : 0);
+  // kvzip's reconstruction rows come after the context: each sees all S keys, or with
+  // reconstruction passes its pass's sinks and chunk only.
+  const bool recon = Policy(e.policy).rows_after_context;
+  const bool passes = recon && !e.pass_rows.empty();
+  uint64_t causal = 0;
+  uint64_t converted = 0;  // keys converted per KV head: each row block converts the keys it sees
+  if (passes) {
+    const uint64_t c = static_cast<uint64_t>(std::max(e.pass_tokens, 1));
+    const uint64_t sinks = static_cast<uint64_t>(std::max(e.sink_tokens, 0));
+    for (size_t p = 0; p < e.pass_rows.size(); ++p) {
+      const uint64_t lo = std::min(in.s, Mul({c, p})), hi = std::min(in.s, Add(lo, c));
+      const uint64_t rows = static_cast<uint64_t>(e.pass_rows[p]);
+      const uint64_t keys = Add(std::min(lo, sinks), hi - lo);
+      causal = Add(causal, Mul({rows, keys}));
+      // One span per query head and pass, in blocks of row_block rows.
+      converted = Add(converted, Mul({in.g, CeilDiv(rows, in.row_block), keys}));
+    }
+  } else if (recon) {
+    causal = Mul({in.w, in.s});
+  } else {
+    causal = Mul({in.w, in.s}) - (in.w > 0 ? Mul({in.w, in.w - 1}) / 2 : 0);
+  }
   const uint64_t logits = Mul({in.hq, causal});
   const uint64_t trimmed =
       Add(logits, Mul({in.hkv, in.rows, std::min<uint64_t>(in.w, in.row_block)}));
@@ -157,11 +175,14 @@ void AttentionScores(const Input& in, Sheet* s) {
   if (e.policy == EvictionPolicy::kKeyformer) {
     s->Flops("keyformer noise (num_q_heads*causal_keys*2 log)", Mul({logits, 2, kT}));
   }
-  const uint64_t blocks = CeilDiv(std::max<uint64_t>(in.rows, 1), in.row_block);
-  s->Flops("key conversion (num_kv_heads*row_blocks*seq_len*head_dim)",
-           Mul({in.hkv, blocks, in.s, in.d}));
+  if (!passes) {
+    converted = Mul({CeilDiv(std::max<uint64_t>(in.rows, 1), in.row_block), in.s});
+  }
+  s->Flops("key conversion (num_kv_heads*row_blocks*keys_seen*head_dim)",
+           Mul({in.hkv, converted, in.d}));
   s->Flops("query conversion (num_q_heads*obs_window*head_dim)", Mul({in.hq, in.w, in.d}));
-  const uint64_t chunks = CeilDiv(in.s, kScoreTokenChunk);
+  // A row block's key pieces: the sinks' one more with passes (kvc/cost.h: kScoreTokenChunk).
+  const uint64_t chunks = CeilDiv(in.s, kScoreTokenChunk) + (passes ? 1 : 0);
   s->Task("query rows (row_block*head_dim floats)", Mul({in.row_block, in.d, kFloat}));
   s->Task("key chunk", Mul({in.chunk, in.d, kFloat}));
   s->Task("logit tile", Mul({in.row_block, in.chunk, kFloat}));

@@ -35,6 +35,44 @@ std::string PolicyList(Pred pred) {
   return absl::StrCat(absl::StrJoin(names, ", "), " and ", last);
 }
 
+// kvzip's reconstruction passes (EvictionSpec::pass_rows): one entry per chunk of pass_tokens
+// context tokens, each at least its chunk's length, summing to obs_window.
+absl::Status ValidatePasses(const EvictionSpec& e, const LayerShape& shape) {
+  if (e.pass_rows.empty()) return absl::OkStatus();
+  if (e.policy != EvictionPolicy::kKVzip) {
+    return Invalid("eviction.pass_rows",
+                   absl::StrCat("reconstruction passes are read only by kvzip, not ",
+                                std::string(PolicyName(e.policy))));
+  }
+  if (e.pass_tokens < 1) {
+    return Invalid("eviction.pass_tokens", absl::StrCat(e.pass_tokens, " must be >= 1"));
+  }
+  const int64_t S = shape.seq_len, C = e.pass_tokens;
+  const int64_t passes = (S + C - 1) / C;
+  if (static_cast<int64_t>(e.pass_rows.size()) != passes) {
+    return Invalid("eviction.pass_rows",
+                   absl::StrCat(e.pass_rows.size(), " passes, but seq_len ", S, " in chunks of ",
+                                C, " (pass_tokens) makes ", passes));
+  }
+  int64_t sum = 0;
+  for (size_t i = 0; i < e.pass_rows.size(); ++i) {
+    const int64_t start = static_cast<int64_t>(i) * C;
+    const int64_t chunk = std::min(S, start + C) - start;
+    if (e.pass_rows[i] < chunk) {
+      return Invalid(absl::StrCat("eviction.pass_rows[", i, "]"),
+                     absl::StrCat(e.pass_rows[i], " rows for a pass that repeats ", chunk,
+                                  " context tokens (one row per copied token at least)"));
+    }
+    sum += e.pass_rows[i];
+  }
+  if (sum != shape.obs_window) {
+    return Invalid("eviction.pass_rows",
+                   absl::StrCat("the passes' rows sum to ", sum, ", not shape.obs_window ",
+                                shape.obs_window));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
   if (!IsKnownPolicy(e.policy)) {
     return Invalid("eviction.policy", absl::StrCat("unknown value ", static_cast<int>(e.policy)));
@@ -156,7 +194,7 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
                                 " needs query statistics from the client when shape.obs_window "
                                 "is 0"));
   }
-  return absl::OkStatus();
+  return ValidatePasses(e, shape);
 }
 
 absl::Status ValidateChannels(const ChannelSpec& c, const LayerShape& shape) {

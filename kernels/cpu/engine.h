@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -99,11 +100,20 @@ class ScratchArray {
   BufferPool::Buffer large_;
 };
 
+// Observation rows [begin, end) of a KV head's group that see the same keys: [0, sink_end) and
+// [lo, hi) (AttentionScoreHead; causal rows stop earlier).
+struct RowSpan {
+  int begin, end;
+  int sink_end, lo, hi;
+};
+
 // The arrays one task of the engine uses (every stage names its own use of them).
 struct Scratch {
   ScratchArray q, k, v, logits, tile, acc, row_max, cand, stats;
   ScratchArray amx_q, amx_k;  // AMX-packed queries and keys (scoring.cc, cpu/amx_logits.h)
   std::vector<const float*> rows;  // row pointers of one chunk (AttentionScoreHead): small
+  // One row block's key pieces (start, length) in AttentionScoreHead: small, like `rows`.
+  std::vector<std::pair<int, int>> pieces;
   static Scratch& ForThisThread();
   void ReleaseLarge();
 };

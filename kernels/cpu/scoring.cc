@@ -62,14 +62,14 @@ void Pool1D(float* x, int n, int kernel, PoolKind kind, ScratchArray& scratch) {
 // row t sees keys j <= S - W + t; keyformer adds Gumbel noise and divides by tau first. kvzip:
 // the rows are reconstruction queries from after the context, each sees all S keys, and
 // score[j] = max over the group's query heads and rows of softmax(a)_j, whose denominator also
-// holds exp(in.q_stats[row]) when the client sent the rows' log-masses (spec.query_stats).
+// holds exp(in.q_stats[row]) when the client sent the rows' log-masses (spec.query_stats). With
+// reconstruction passes (spec.pass_rows) a row's softmax runs over the first sink_tokens keys and
+// its pass's chunk only, and it scores only those.
 void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, float* out) {
   const LayerShape& sh = in.shape;
   const int S = sh.seq_len, D = sh.head_dim, W = sh.obs_window, g = sh.group_size();
   const int rows = g * W;
   const bool recon = Policy(spec.policy).rows_after_context;
-  // Keys [0, KeysSeen(t)) are visible to observation row t.
-  const auto keys_seen = [&](int t) { return recon ? S : S - W + t + 1; };
   Scratch& s = Scratch::ForThisThread();
   // Query rows are converted one block at a time, so neither they nor the block's logits grow
   // with W (kvc/cost.h: ScoreRowBlock).
@@ -103,126 +103,163 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
   const float inv_g = 1.0f / static_cast<float>(g);
   const auto layer = static_cast<uint32_t>(in.layer_index);
 
-  for (int r0 = 0; r0 < rows; r0 += block) {
-    if (Cancelled(in)) return;
-    const int nr = std::min(block, rows - r0);
-    LoadQueryRows(in, h, r0, nr, q);
-    if (use_amx) amx::PackQueries(q, nr, D, scale, q_hi, q_lo);
-    // Unscaled (bf16 values, exact in one part): DotLogits scales the sums.
-    if (use_dot) FromFloat(q, DType::kBF16, static_cast<size_t>(nr) * D, q_hi);
-    // Keys past the last row's causal limit are never read: trim the GEMM to them.
-    int max_len = 0;
-    for (int r = r0; r < r0 + nr; ++r) max_len = std::max(max_len, keys_seen(r % W));
-    // Online softmax over key chunks. Each chunk's GEMM writes its [nr, n] logits straight into
-    // the chunk's slot of the block's buffer (chunk-major [chunks - 1][nr][kTokenChunk]; the last
-    // chunk into `tile`), where each row's part is exponentiated against the row's running max
-    // m_c and summed while it is still in L2; the final pass scales each part by
-    // exp(m_c - m) / sum into the scores. Keys are converted one chunk at a time (an L2-sized
-    // GEMM operand), re-converted per row block, which costs little next to the GEMM.
-    const int chunks = (max_len + kTokenChunk - 1) / kTokenChunk;
-    const size_t slot = static_cast<size_t>(nr) * kTokenChunk;
-    float* tile = s.tile.Get<float>(static_cast<size_t>(nr) * std::min(kTokenChunk, max_len));
-    float* parked = AlignUp64(s.logits.Get<float>(slot * (chunks - 1) + 16));
-    float* stats = s.row_max.Get<float>(static_cast<size_t>(nr) * (chunks + 2));
-    float* row_max = stats;
-    float* row_sum = stats + nr;
-    float* shift = stats + 2 * static_cast<size_t>(nr);  // [nr, chunks]: m_c per chunk
-    std::fill(row_max, row_max + nr, -std::numeric_limits<float>::infinity());
-    std::fill(row_sum, row_sum + nr, 0.0f);
-    if (recon && in.q_stats != nullptr) {
-      // kvzip with the rows' log-masses over keys not uploaded (their own reconstruction
-      // tokens): that mass starts the softmax's denominator, exp(lse - m) with m = lse.
-      for (int r = r0; r < r0 + nr; ++r) {
-        row_max[r - r0] = in.q_stats[static_cast<size_t>(h * g + r / W) * W + r % W];
-        row_sum[r - r0] = 1.0f;
+  // Scores the rows of one span; false once the request is cancelled.
+  const auto score_span = [&](const RowSpan& span) {
+    // Keys [0, keys_seen(t)) (those of the span's pieces below) are visible to observation row t.
+    const auto keys_seen = [&](int t) { return recon ? span.hi : S - W + t + 1; };
+    for (int r0 = span.begin; r0 < span.end; r0 += block) {
+      if (Cancelled(in)) return false;
+      const int nr = std::min(block, span.end - r0);
+      LoadQueryRows(in, h, r0, nr, q);
+      if (use_amx) amx::PackQueries(q, nr, D, scale, q_hi, q_lo);
+      // Unscaled (bf16 values, exact in one part): DotLogits scales the sums.
+      if (use_dot) FromFloat(q, DType::kBF16, static_cast<size_t>(nr) * D, q_hi);
+      // Keys past the last row's causal limit are never read: trim the GEMM to them.
+      int max_len = 0;
+      for (int r = r0; r < r0 + nr; ++r) max_len = std::max(max_len, keys_seen(r % W));
+      // Online softmax over key chunks. Each chunk's GEMM writes its [nr, n] logits straight into
+      // the chunk's slot of the block's buffer (chunk-major [chunks - 1][nr][kTokenChunk]; the last
+      // chunk into `tile`), where each row's part is exponentiated against the row's running max
+      // m_c and summed while it is still in L2; the final pass scales each part by
+      // exp(m_c - m) / sum into the scores. Keys are converted one chunk at a time (an L2-sized
+      // GEMM operand), re-converted per row block, which costs little next to the GEMM.
+      // The block's key pieces (start, length), at most kTokenChunk each: the sinks', then the
+      // span's [lo, max_len).
+      std::vector<std::pair<int, int>>& pieces = s.pieces;
+      pieces.clear();
+      for (int c0 = 0; c0 < span.sink_end; c0 += kTokenChunk) {
+        pieces.emplace_back(c0, std::min(kTokenChunk, span.sink_end - c0));
       }
-    }
-    for (int c0 = 0, c = 0; c0 < max_len; c0 += kTokenChunk, ++c) {
-      if (Cancelled(in)) return;
-      const int n = std::min(kTokenChunk, max_len - c0);
-      if (path == LogitsPath::kSgemm) LoadHeadRows(in, /*values=*/false, h, c0, n, k);
-      // All but the last chunk: the GEMM writes straight into the chunk's parked slot (it stays
-      // in L2 for the passes below); the last one into the tile the final pass reads.
-      float* dst = c + 1 < chunks ? parked + c * slot : tile;
-      if (path != LogitsPath::kSgemm) {
-        // Straight from the cache's rows (no fp32 copy of the chunk).
-        size_t stride = 0;
-        const uint8_t* rows = HeadRows(in, /*values=*/false, h, c0, &stride);
-        amx::PackKeys(rows, in.dtype, stride, n, D, k_hi, k_lo);
-        if (use_amx) {
-          amx::Logits(q_hi, q_lo, nr, k_hi, k_lo, n, D, dst, static_cast<size_t>(n));
+      for (int c0 = span.lo; c0 < max_len; c0 += kTokenChunk) {
+        pieces.emplace_back(c0, std::min(kTokenChunk, max_len - c0));
+      }
+      const int chunks = static_cast<int>(pieces.size());
+      const size_t slot = static_cast<size_t>(nr) * kTokenChunk;
+      float* tile = s.tile.Get<float>(static_cast<size_t>(nr) * std::min(kTokenChunk, max_len));
+      float* parked = AlignUp64(s.logits.Get<float>(slot * (chunks - 1) + 16));
+      float* stats = s.row_max.Get<float>(static_cast<size_t>(nr) * (chunks + 2));
+      float* row_max = stats;
+      float* row_sum = stats + nr;
+      float* shift = stats + 2 * static_cast<size_t>(nr);  // [nr, chunks]: m_c per chunk
+      std::fill(row_max, row_max + nr, -std::numeric_limits<float>::infinity());
+      std::fill(row_sum, row_sum + nr, 0.0f);
+      if (recon && in.q_stats != nullptr) {
+        // kvzip with the rows' log-masses over keys not uploaded (their own reconstruction
+        // tokens): that mass starts the softmax's denominator, exp(lse - m) with m = lse.
+        for (int r = r0; r < r0 + nr; ++r) {
+          row_max[r - r0] = in.q_stats[static_cast<size_t>(h * g + r / W) * W + r % W];
+          row_sum[r - r0] = 1.0f;
+        }
+      }
+      for (int c = 0; c < chunks; ++c) {
+        if (Cancelled(in)) return false;
+        const auto [c0, n] = pieces[static_cast<size_t>(c)];
+        if (path == LogitsPath::kSgemm) LoadHeadRows(in, /*values=*/false, h, c0, n, k);
+        // All but the last chunk: the GEMM writes straight into the chunk's parked slot (it stays
+        // in L2 for the passes below); the last one into the tile the final pass reads.
+        float* dst = c + 1 < chunks ? parked + c * slot : tile;
+        if (path != LogitsPath::kSgemm) {
+          // Straight from the cache's rows (no fp32 copy of the chunk).
+          size_t stride = 0;
+          const uint8_t* rows = HeadRows(in, /*values=*/false, h, c0, &stride);
+          amx::PackKeys(rows, in.dtype, stride, n, D, k_hi, k_lo);
+          if (use_amx) {
+            amx::Logits(q_hi, q_lo, nr, k_hi, k_lo, n, D, dst, static_cast<size_t>(n));
+          } else {
+            amx::DotLogits(q_hi, nr, k_hi, n, D, scale, dst, static_cast<size_t>(n));
+          }
         } else {
-          amx::DotLogits(q_hi, nr, k_hi, n, D, scale, dst, static_cast<size_t>(n));
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, D, scale, q, D, k, D, 0.0f,
+                      dst, n);
         }
-      } else {
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, D, scale, q, D, k, D, 0.0f,
-                    dst, n);
+        for (int r = r0; r < r0 + nr; ++r) {
+          const int i = r - r0, t = r % W;
+          const int valid = std::min(n, keys_seen(t) - c0);
+          if (valid <= 0) continue;
+          float* part = dst + static_cast<size_t>(i) * n;
+          const auto q_head = static_cast<uint32_t>(h * g + r / W);
+          const auto col0 = static_cast<uint32_t>(c0);
+          // keyformer at tau != 1 needs the noisy values' max; otherwise the logits' max (at
+          // tau = 1, exp(a + G - m) = exp(a - m) / -log(u) <= 2^25 for m >= max a).
+          const float part_max =
+              gumbel && !unit_tau
+                  ? simd::AddGumbel(part, valid, spec.seed, layer, q_head, t, col0, inv_tau)
+                  : simd::Max(part, valid);
+          const float m = std::max(row_max[i], part_max);
+          if (m > row_max[i]) {
+            row_sum[i] *= std::exp(row_max[i] - m);  // exp(-inf) = 0 on the first chunk
+            row_max[i] = m;
+          }
+          row_sum[i] += gumbel && unit_tau
+                            ? simd::GumbelExpSum(part, valid, m, spec.seed, layer, q_head, t, col0)
+                            : simd::ExpShiftSum(part, valid, m);
+          shift[static_cast<size_t>(i) * chunks + c] = m;
+        }
       }
-      for (int r = r0; r < r0 + nr; ++r) {
-        const int i = r - r0, t = r % W;
-        const int valid = std::min(n, keys_seen(t) - c0);
-        if (valid <= 0) continue;
-        float* part = dst + static_cast<size_t>(i) * n;
-        const auto q_head = static_cast<uint32_t>(h * g + r / W);
-        const auto col0 = static_cast<uint32_t>(c0);
-        // keyformer at tau != 1 needs the noisy values' max; otherwise the logits' max (at
-        // tau = 1, exp(a + G - m) = exp(a - m) / -log(u) <= 2^25 for m >= max a).
-        const float part_max = gumbel && !unit_tau ? simd::AddGumbel(part, valid, spec.seed, layer,
-                                                                     q_head, t, col0, inv_tau)
-                                                   : simd::Max(part, valid);
-        const float m = std::max(row_max[i], part_max);
-        if (m > row_max[i]) {
-          row_sum[i] *= std::exp(row_max[i] - m);  // exp(-inf) = 0 on the first chunk
-          row_max[i] = m;
+      // Chunk by chunk, so that the chunk's scores stay in L1: the rows' common prefix as one
+      // matrix-vector product (the scores read once per eight rows), then each row's remainder
+      // (the causal staircase of the last W keys).
+      float* coef = s.acc.Get<float>(static_cast<size_t>(nr));
+      std::vector<const float*>& rows_of = s.rows;
+      for (int c = 0; c < chunks; ++c) {
+        const auto [c0, n] = pieces[static_cast<size_t>(c)];
+        const bool last = c + 1 == chunks;
+        rows_of.clear();
+        int common = kTokenChunk;
+        for (int r = r0; r < r0 + nr; ++r) {
+          const int i = r - r0;
+          const int valid = std::min(n, keys_seen(r % W) - c0);
+          if (valid <= 0) continue;
+          const float m_c = shift[static_cast<size_t>(i) * chunks + c];
+          coef[rows_of.size()] = (recon ? 1.0f : inv_g) * std::exp(m_c - row_max[i]) / row_sum[i];
+          rows_of.push_back(last ? tile + static_cast<size_t>(i) * n
+                                 : parked + c * slot + static_cast<size_t>(i) * n);
+          common = std::min(common, valid);
         }
-        row_sum[i] += gumbel && unit_tau
-                          ? simd::GumbelExpSum(part, valid, m, spec.seed, layer, q_head, t, col0)
-                          : simd::ExpShiftSum(part, valid, m);
-        shift[static_cast<size_t>(i) * chunks + c] = m;
+        if (rows_of.empty()) continue;
+        if (recon) {
+          // Every row sees the whole chunk: the maximum of the rows' probabilities.
+          float* o = out + c0;
+          for (size_t k = 0; k < rows_of.size(); ++k) {
+            const float a = coef[k];
+            const float* x = rows_of[k];
+            for (int j = 0; j < common; ++j) o[j] = std::max(o[j], a * x[j]);
+          }
+          continue;
+        }
+        simd::AxpyRows(rows_of.data(), coef, static_cast<int>(rows_of.size()), out + c0,
+                       static_cast<size_t>(common));
+        for (int r = r0, k = 0; r < r0 + nr; ++r) {
+          const int valid = std::min(n, keys_seen(r % W) - c0);
+          if (valid <= 0) continue;
+          if (valid > common) {
+            simd::Axpy(coef[k], rows_of[k] + common, out + c0 + common,
+                       static_cast<size_t>(valid - common));
+          }
+          ++k;
+        }
       }
     }
-    // Chunk by chunk, so that the chunk's scores stay in L1: the rows' common prefix as one
-    // matrix-vector product (the scores read once per eight rows), then each row's remainder
-    // (the causal staircase of the last W keys).
-    float* coef = s.acc.Get<float>(static_cast<size_t>(nr));
-    std::vector<const float*>& rows_of = s.rows;
-    for (int c0 = 0, c = 0; c0 < max_len; c0 += kTokenChunk, ++c) {
-      const bool last = c + 1 == chunks;
-      rows_of.clear();
-      int common = kTokenChunk;
-      for (int r = r0; r < r0 + nr; ++r) {
-        const int i = r - r0;
-        const int valid = std::min(kTokenChunk, keys_seen(r % W) - c0);
-        if (valid <= 0) continue;
-        const float m_c = shift[static_cast<size_t>(i) * chunks + c];
-        coef[rows_of.size()] = (recon ? 1.0f : inv_g) * std::exp(m_c - row_max[i]) / row_sum[i];
-        rows_of.push_back(last ? tile + static_cast<size_t>(i) * (max_len - c0)
-                               : parked + c * slot + static_cast<size_t>(i) * kTokenChunk);
-        common = std::min(common, valid);
-      }
-      if (rows_of.empty()) continue;
-      if (recon) {
-        // Every row sees the whole chunk: the maximum of the rows' probabilities.
-        float* o = out + c0;
-        for (size_t k = 0; k < rows_of.size(); ++k) {
-          const float a = coef[k];
-          const float* x = rows_of[k];
-          for (int j = 0; j < common; ++j) o[j] = std::max(o[j], a * x[j]);
-        }
-        continue;
-      }
-      simd::AxpyRows(rows_of.data(), coef, static_cast<int>(rows_of.size()), out + c0,
-                     static_cast<size_t>(common));
-      for (int r = r0, k = 0; r < r0 + nr; ++r) {
-        const int valid = std::min(kTokenChunk, keys_seen(r % W) - c0);
-        if (valid <= 0) continue;
-        if (valid > common) {
-          simd::Axpy(coef[k], rows_of[k] + common, out + c0 + common,
-                     static_cast<size_t>(valid - common));
-        }
-        ++k;
+    return true;
+  };
+  // The group's rows in spans that see the same keys: one span of every row over [0, S) (causal
+  // rows stop earlier) unless kvzip's rows come from passes; then one span per query head and
+  // pass, over the sinks ([0, min(sink_tokens, lo))) and the pass's chunk [lo, hi).
+  if (recon && !spec.pass_rows.empty()) {
+    for (int i = 0; i < g; ++i) {
+      int first = i * W;
+      for (size_t p = 0; p < spec.pass_rows.size(); ++p) {
+        const int64_t start = int64_t{spec.pass_tokens} * static_cast<int64_t>(p);
+        const int lo = static_cast<int>(std::min<int64_t>(S, start));
+        const int hi = static_cast<int>(std::min<int64_t>(S, start + spec.pass_tokens));
+        const int sink_end = std::min(lo, std::max(spec.sink_tokens, 0));
+        const RowSpan span{first, first + spec.pass_rows[p], sink_end, lo, hi};
+        if (!score_span(span)) return;
+        first = span.end;
       }
     }
+  } else if (!score_span(RowSpan{0, rows, 0, 0, S})) {
+    return;
   }
   if (spec.policy == EvictionPolicy::kSnapKV) {
     // SnapKV pools the prefix only; the observation window is kept unconditionally.

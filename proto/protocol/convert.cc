@@ -217,6 +217,16 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
     spec.eviction.horizon = static_cast<int>(e.horizon());
   }
   spec.eviction.query_stats = e.query_stats();
+  for (uint32_t rows : e.pass_rows()) {
+    if (rows > kMaxCount) return TooLarge(field("eviction.pass_rows"), rows);
+    spec.eviction.pass_rows.push_back(static_cast<int>(rows));
+  }
+  if (e.has_pass_tokens()) {
+    if (e.pass_tokens() > kMaxCount) {
+      return TooLarge(field("eviction.pass_tokens"), e.pass_tokens());
+    }
+    spec.eviction.pass_tokens = static_cast<int>(e.pass_tokens());
+  }
 
   const auto& ch = c.channels();
   auto key_policy = ParseChannelPolicy(ch.key_policy().empty() ? "none" : ch.key_policy());
@@ -247,6 +257,12 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
     return Invalid(
         "header.compression.eviction.layer_budgets",
         absl::StrCat(c.eviction().layer_budgets_size(), " entries for ", num_layers, " layers"));
+  }
+  // One pass per chunk: never more entries than tokens (checked before they are copied).
+  if (c.eviction().pass_rows_size() > shape.seq_len) {
+    return Invalid("header.compression.eviction.pass_rows",
+                   absl::StrCat(c.eviction().pass_rows_size(), " passes for ", shape.seq_len,
+                                " tokens"));
   }
   ASSIGN_OR_RETURN(CompressionSpec spec, SpecFromProto(c, "header.compression."));
   // A group larger than head_dim never divides it; said with the value sent (not narrowed).
@@ -289,6 +305,8 @@ kvcache::v1::CompressionConfig SpecToProto(const CompressionSpec& spec) {
   e->set_value_eps(spec.eviction.value_eps);
   e->set_horizon(static_cast<uint32_t>(spec.eviction.horizon));
   e->set_query_stats(spec.eviction.query_stats);
+  for (int rows : spec.eviction.pass_rows) e->add_pass_rows(static_cast<uint32_t>(rows));
+  e->set_pass_tokens(static_cast<uint32_t>(std::max(spec.eviction.pass_tokens, 0)));
   auto* ch = c.mutable_channels();
   ch->set_key_policy(std::string(PolicyName(spec.channels.key_policy)));
   ch->set_key_lambda(spec.channels.key_lambda);

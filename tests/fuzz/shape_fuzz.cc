@@ -84,6 +84,9 @@ void EngineLevel(const uint8_t* data, size_t size) {
   spec.eviction.adaptive = in.ConsumeBool();
   spec.eviction.adaptive_floor = SomeDouble(in);
   spec.eviction.layer_adaptive = in.ConsumeBool();
+  const int n_passes = in.ConsumeIntegralInRange(0, 3);
+  for (int i = 0; i < n_passes; ++i) spec.eviction.pass_rows.push_back(SomeInt(in));
+  if (n_passes > 0) spec.eviction.pass_tokens = SomeInt(in);
   spec.channels.key_policy = static_cast<kvc::ChannelPolicy>(in.ConsumeIntegralInRange(0, 4));
   spec.channels.key_lambda = SomeDouble(in);
   spec.channels.prune_values = in.ConsumeBool();
@@ -95,6 +98,12 @@ void EngineLevel(const uint8_t* data, size_t size) {
   if (!kvc::ValidateSpec(spec, shape, layer).ok()) return;
   Check(shape.obs_window <= shape.seq_len || spec.eviction.policy == kvc::EvictionPolicy::kKVzip,
         "ValidateSpec accepted W > S for a policy other than kvzip");
+  if (!spec.eviction.pass_rows.empty()) {
+    int64_t rows = 0;
+    for (int r : spec.eviction.pass_rows) rows += r;
+    Check(rows == shape.obs_window && spec.eviction.pass_tokens >= 1,
+          "ValidateSpec accepted passes whose rows do not add up to obs_window");
+  }
   CheckDerived(spec, shape, layer);
 }
 

@@ -8,6 +8,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/engine.h"
@@ -158,6 +159,40 @@ TEST(CostTest, KVzipRowsAndLayerAdaptiveHoldingArePriced) {
   EXPECT_GT(xl.flops, ada.flops);
 }
 
+// "kvzip:KEEP,passes=..." for a context of S tokens repeated in chunks of `chunk`, each pass with
+// `instruction` rows besides its chunk's (the first pass 9): the spec and the rows' count W.
+std::pair<std::string, int> KVzipPassesSpec(const std::string& head, int S, int chunk,
+                                            int instruction) {
+  std::string passes;
+  int w = 0;
+  for (int lo = 0; lo < S; lo += chunk) {
+    const int rows = std::min(chunk, S - lo) + (lo == 0 ? 9 : instruction);
+    passes += (passes.empty() ? "" : "/") + std::to_string(rows);
+    w += rows;
+  }
+  return {head + ",passes=" + passes + ",chunk=" + std::to_string(chunk), w};
+}
+
+// Every row over all S keys is S^2 logits a query head: at 32K tokens of Llama-3-8B more than
+// kvcd's default budget allows. Reconstruction passes price each row at its chunk and the sinks,
+// which fits, whatever the context's length.
+TEST(CostTest, KVzipPassesPriceEachRowAtItsChunk) {
+  for (int S : {32768, 131072}) {
+    const auto [spec, w] = KVzipPassesSpec("kvzip:0.25,stats=1", S, 2048, 21);
+    const LayerShape sh = Shape(8, 32, S, 128, w);
+    const double bytes = UploadBytesOf(sh, DType::kF16, 32, false) + 4.0 * 32 * w * 32;
+    const WorkCost chunked = CompressCost(sh, DType::kF16, Spec(spec), 32, Kvcd16());
+    const WorkCost whole = CompressCost(sh, DType::kF16, Spec("kvzip:0.25,stats=1"), 32, Kvcd16());
+    EXPECT_LE(static_cast<double>(chunked.flops), kFlopsPerByte * bytes + kBaseFlops)
+        << S << ": " << chunked.flops_term;
+    EXPECT_LE(static_cast<double>(chunked.scratch_bytes), kScratchPerByte * bytes + kBaseScratch)
+        << S << ": " << chunked.scratch_term;
+    EXPECT_GT(static_cast<double>(whole.flops), kFlopsPerByte * bytes + kBaseFlops) << S;
+    // Hq * W * (chunk + sinks) * D * 2 at most for the logits.
+    EXPECT_LT(static_cast<double>(chunked.flops), 2.0 * 32 * w * (2048 + 4) * 128 * 2 * 32) << S;
+  }
+}
+
 TEST(CostTest, TheHostileShapesOfTheReviewAreOverBudget) {
   // Expected attention with 16384 query heads per KV head, S = 16384, D = 8, W = 1, 2 layers:
   // a 1.5 MiB upload asking for about 1e11 flops.
@@ -240,6 +275,8 @@ TEST(CostTest, ScratchEstimateBoundsWhatTheEngineTakes) {
       {"knorm:0.25+vthink:0.5", Shape(2, 4, 6000, 32, 1500)},
       {"snapkv:0.5+think:0.25+q4", Shape(2, 16, 20000, 64, 64)},
       {"random:0.5", Shape(4, 4, 100000, 8, 0)},
+      // kvzip's passes: a block sees the sinks and its chunk (1100 keys: two pieces), 3 passes
+      {"kvzip:0.25,passes=1109/1109/809,chunk=1100", Shape(2, 6, 3000, 64, 3027)},
   };
   for (const Shaped& c : cases) {
     const LayerShape& sh = c.shape;

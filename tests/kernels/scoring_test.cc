@@ -21,10 +21,14 @@ using testing::ReferenceAttentionScores;
 using testing::MakeLayer;
 using testing::TestLayer;
 
-void ExpectNearReference(const TestLayer& layer, const EvictionSpec& spec) {
-  absl::StatusOr<std::vector<float>> got = ScoreTokens(layer.input(), spec);
+// q_stats: kvzip's row log-masses ([Hq, W]; spec.query_stats set by the caller).
+void ExpectNearReference(const TestLayer& layer, const EvictionSpec& spec,
+                         const float* q_stats = nullptr) {
+  LayerInput in = layer.input();
+  in.q_stats = q_stats;
+  absl::StatusOr<std::vector<float>> got = ScoreTokens(in, spec);
   ASSERT_TRUE(got.ok()) << got.status();
-  const std::vector<double> want = ReferenceAttentionScores(layer, spec);
+  const std::vector<double> want = ReferenceAttentionScores(layer, spec, q_stats);
   ASSERT_EQ(got->size(), want.size());
   for (size_t i = 0; i < want.size(); ++i) {
     ASSERT_NEAR((*got)[i], want[i], 2e-5 * layer.shape.obs_window + 1e-5 * want[i])
@@ -76,6 +80,85 @@ TEST(ScoreTokensTest, KVzipMatchesReferenceOverShapes) {
       spec.policy = EvictionPolicy::kKVzip;
       ExpectNearReference(RandomLayer(shape, 5 + c.S, t), spec);
     }
+  }
+}
+
+// kvzip with reconstruction passes (KVzip's chunked reconstruction, normalised as KVzipPress
+// does): a row of pass p sees the first sink_tokens keys and its pass's chunk only. Chunks
+// smaller and larger than the engine's key pieces (1024), sinks inside the first chunk and beyond
+// it, passes with instruction rows, with and without the rows' log-masses, every dtype.
+TEST(ScoreTokensTest, KVzipPassesMatchReference) {
+  struct Case {
+    int hkv, g, S, D, chunk, extra, sinks;
+  };
+  for (const Case& c : std::vector<Case>{{1, 1, 10, 8, 4, 0, 2},
+                                         {2, 3, 37, 16, 16, 3, 4},
+                                         {1, 1, 1500, 16, 1100, 9, 4},
+                                         {2, 2, 300, 64, 64, 5, 100},
+                                         {1, 1, 5, 8, 5, 2, 4}}) {
+    EvictionSpec spec;
+    spec.policy = EvictionPolicy::kKVzip;
+    spec.pass_tokens = c.chunk;
+    spec.sink_tokens = c.sinks;
+    int W = 0;
+    for (int lo = 0; lo < c.S; lo += c.chunk) {
+      spec.pass_rows.push_back(std::min(c.chunk, c.S - lo) + c.extra);
+      W += spec.pass_rows.back();
+    }
+    const LayerShape shape{c.hkv, c.hkv * c.g, c.S, c.D, W};
+    std::vector<float> lse(static_cast<size_t>(shape.num_q_heads) * W);
+    for (size_t i = 0; i < lse.size(); ++i) lse[i] = -1.0f + 0.29f * static_cast<float>(i % 17);
+    for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+      SCOPED_TRACE(::testing::Message() << "S " << c.S << " chunk " << c.chunk << " sinks "
+                                        << c.sinks << " " << DTypeName(t));
+      const TestLayer layer = RandomLayer(shape, 3 + c.S, t);
+      spec.query_stats = false;
+      ExpectNearReference(layer, spec);
+      spec.query_stats = true;
+      ExpectNearReference(layer, spec, lse.data());
+    }
+  }
+}
+
+// The same by hand: a row that looks hard at a key of another pass's chunk gives it nothing.
+TEST(ScoreTokensTest, KVzipPassRowsSeeTheSinksAndTheirChunkOnly) {
+  const int S = 8, D = 8, W = 8;
+  const LayerShape shape{1, 1, S, D, W};
+  std::vector<float> k(static_cast<size_t>(S) * D, 0.0f), v(k.size(), 1.0f);
+  std::vector<float> q(static_cast<size_t>(W) * D, 0.0f);
+  k[static_cast<size_t>(6) * D] = 1.0f;  // key 6, in the second pass's chunk [4, 8)
+  q[0] = 40.0f;                          // row 0, of the first pass, looks at it
+  const TestLayer layer = MakeLayer(shape, k, v, q);
+  EvictionSpec spec;
+  spec.policy = EvictionPolicy::kKVzip;
+  spec.sink_tokens = 1;
+  spec.pass_tokens = 4;
+  spec.pass_rows = {4, 4};
+  absl::StatusOr<std::vector<float>> got = ScoreTokens(layer.input(), spec);
+  ASSERT_TRUE(got.ok()) << got.status();
+  // The first pass's rows see keys 0..3 (all logits 0): 1/4 each. The second pass's see the
+  // sink, key 0, and keys 4..7 (all 0 for them): 1/5 each. Key 6 gets no more than that.
+  for (int j = 0; j < 4; ++j) EXPECT_NEAR((*got)[j], 0.25, 1e-6) << j;
+  for (int j = 4; j < S; ++j) EXPECT_NEAR((*got)[j], 0.2, 1e-6) << j;
+  // Without passes row 0 sees key 6 and gives it almost all its mass.
+  spec.pass_rows.clear();
+  got = ScoreTokens(layer.input(), spec);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_GT((*got)[6], 0.99);
+}
+
+// One pass over the whole context is the unchunked normalisation.
+TEST(ScoreTokensTest, KVzipOnePassIsEveryRowOverAllKeys) {
+  const LayerShape shape{2, 6, 900, 64, 909};
+  const TestLayer layer = RandomLayer(shape, 12, DType::kF16);
+  EvictionSpec spec;
+  spec.policy = EvictionPolicy::kKVzip;
+  absl::StatusOr<std::vector<float>> all = ScoreTokens(layer.input(), spec);
+  spec.pass_rows = {909};
+  absl::StatusOr<std::vector<float>> one = ScoreTokens(layer.input(), spec);
+  ASSERT_TRUE(all.ok() && one.ok());
+  for (size_t i = 0; i < all->size(); ++i) {
+    ASSERT_NEAR((*one)[i], (*all)[i], 1e-6 * (*all)[i] + 1e-9) << i;
   }
 }
 
@@ -184,6 +267,33 @@ TEST(ScoreTokensTest, EveryInstructionSetMatchesReference) {
         spec.policy = policy;
         spec.seed = 77;
         ExpectNearReference(layer, spec);
+      }
+    }
+  }
+}
+
+// kvzip's passes on every instruction set this CPU has (sgemm, bf16 dot products, AMX).
+TEST(ScoreTokensTest, KVzipPassesMatchReferenceOnEveryInstructionSet) {
+  EvictionSpec spec;
+  spec.policy = EvictionPolicy::kKVzip;
+  spec.pass_tokens = 1000;
+  spec.pass_rows = {1009, 1009, 209};
+  spec.query_stats = true;
+  const LayerShape shape{1, 3, 2200, 64, 2227};
+  std::vector<float> lse(static_cast<size_t>(shape.num_q_heads) * shape.obs_window);
+  for (size_t i = 0; i < lse.size(); ++i) lse[i] = 0.5f - 0.13f * static_cast<float>(i % 29);
+  for (DType t : {DType::kF16, DType::kBF16}) {
+    const TestLayer layer = RandomLayer(shape, 31, t);
+    const std::vector<double> want = ReferenceAttentionScores(layer, spec, lse.data());
+    LayerInput in = layer.input();
+    in.q_stats = lse.data();
+    for (CpuIsa isa : testing_isa::SupportedIsas()) {
+      SCOPED_TRACE(std::string(CpuIsaName(isa)) + " " + std::string(DTypeName(t)));
+      const testing_isa::ScopedIsaCap cap(isa);
+      absl::StatusOr<std::vector<float>> got = ScoreTokens(in, spec);
+      ASSERT_TRUE(got.ok()) << got.status();
+      for (size_t i = 0; i < want.size(); ++i) {
+        ASSERT_NEAR((*got)[i], want[i], 2e-5 + 1e-5 * want[i]) << i;
       }
     }
   }

@@ -90,20 +90,37 @@ std::vector<int32_t> HeadValueChannels(const ChannelSelection& sel, int h) {
   return std::vector<int32_t>(first, first + sel.value_channels);
 }
 
-std::vector<double> ReferenceAttentionScores(const TestLayer& l, const EvictionSpec& spec) {
+std::vector<double> ReferenceAttentionScores(const TestLayer& l, const EvictionSpec& spec,
+                                             const float* q_stats) {
   const LayerShape& sh = l.shape;
   const int S = sh.seq_len, D = sh.head_dim, W = sh.obs_window, g = sh.group_size();
   const int H = sh.num_kv_heads, Hq = sh.num_q_heads;
+  const bool kvzip = spec.policy == EvictionPolicy::kKVzip;
+  // The keys row t of a query head sees.
+  auto keys_of = [&](int t) {
+    std::vector<int> keys;
+    if (kvzip && !spec.pass_rows.empty()) {
+      int p = 0;
+      for (int first = 0; t >= first + spec.pass_rows[p]; first += spec.pass_rows[p++]) {
+      }
+      const int lo = p * spec.pass_tokens, hi = std::min(S, lo + spec.pass_tokens);
+      for (int j = 0; j < std::min(lo, spec.sink_tokens); ++j) keys.push_back(j);
+      for (int j = lo; j < hi; ++j) keys.push_back(j);
+      return keys;
+    }
+    // kvzip's rows come after the context and see every key; the others are causal.
+    const int len = kvzip ? S : S - W + t + 1;
+    for (int j = 0; j < len; ++j) keys.push_back(j);
+    return keys;
+  };
   std::vector<double> out(static_cast<size_t>(H) * S, 0.0);
   std::vector<double> a(S);
   for (int qh = 0; qh < Hq; ++qh) {
     const int h = qh / g;
     for (int t = 0; t < W; ++t) {
-      // kvzip's rows come after the context and see every key; the others are causal.
-      const bool kvzip = spec.policy == EvictionPolicy::kKVzip;
-      const int len = kvzip ? S : S - W + t + 1;
+      const std::vector<int> keys = keys_of(t);
       double mx = -INFINITY;
-      for (int j = 0; j < len; ++j) {
+      for (int j : keys) {
         double dot = 0;
         for (int c = 0; c < D; ++c) {
           dot += static_cast<double>(Load(l, l.q, Hq, W, qh, t, c)) * Load(l, l.k, H, S, h, j, c);
@@ -114,9 +131,13 @@ std::vector<double> ReferenceAttentionScores(const TestLayer& l, const EvictionS
         }
         mx = std::max(mx, a[j]);
       }
-      double sum = 0;
-      for (int j = 0; j < len; ++j) sum += std::exp(a[j] - mx);
-      for (int j = 0; j < len; ++j) {
+      const double lse = kvzip && q_stats != nullptr
+                             ? static_cast<double>(q_stats[static_cast<size_t>(qh) * W + t])
+                             : -INFINITY;
+      mx = std::max(mx, lse);
+      double sum = std::exp(lse - mx);
+      for (int j : keys) sum += std::exp(a[j] - mx);
+      for (int j : keys) {
         const double p = std::exp(a[j] - mx) / sum;
         double& o = out[static_cast<size_t>(h) * S + j];
         o = kvzip ? std::max(o, p) : o + p / g;

@@ -40,8 +40,11 @@ std::vector<int32_t> HeadKeyChannels(const ChannelSelection& sel, int h);
 std::vector<int32_t> HeadValueChannels(const ChannelSelection& sel, int h);
 
 // Reference h2o/keyformer/snapkv (unpooled) and kvzip score, computed naively in double from the
-// layer's (dtype-rounded) values: [Hkv, S].
-std::vector<double> ReferenceAttentionScores(const TestLayer& layer, const EvictionSpec& spec);
+// layer's (dtype-rounded) values: [Hkv, S]. kvzip: with `q_stats` ([Hq, W] row log-masses) each
+// row's denominator also holds exp(q_stats[row]); with spec.pass_rows a row of pass p sees keys
+// [0, min(sink_tokens, lo)) and [lo, hi), its pass's chunk, only.
+std::vector<double> ReferenceAttentionScores(const TestLayer& layer, const EvictionSpec& spec,
+                                             const float* q_stats = nullptr);
 
 }  // namespace kvc::testing
 

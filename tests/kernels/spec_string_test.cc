@@ -60,6 +60,16 @@ TEST(SpecStringTest, EvictionOptionsAndOtherTerms) {
   EXPECT_EQ(s.recent_tokens, 8);
 }
 
+// kvzip's reconstruction passes: rows per pass, and the context tokens one pass repeats.
+TEST(SpecStringTest, KVzipPasses) {
+  const CompressionSpec s = Parse("kvzip:0.25,stats=1,passes=2057/1036,chunk=2048");
+  EXPECT_EQ(s.eviction.pass_rows, (std::vector<int>{2057, 1036}));
+  EXPECT_EQ(s.eviction.pass_tokens, 2048);
+  EXPECT_EQ(Parse("kvzip:0.25").eviction.pass_tokens, kDefaultPassTokens);
+  ExpectError("kvzip:0.25,passes=0/4", "passes");
+  ExpectError("kvzip:0.25,passes=12,chunk=0", "chunk");
+}
+
 TEST(SpecStringTest, FullAndNone) {
   for (const char* text : {"full", "none", " full "}) {
     const CompressionSpec s = Parse(text);
@@ -106,7 +116,9 @@ TEST(SpecStringTest, CanonicalFormRoundTrips) {
        {"full", "h2o:0.5", "snapkv:0.25,kernel=5,pool=avg",
         "keyformer:0.5,tau=0.7,seed=3+think:0.5+q4", "streaming@64,sink=8",
         "knorm:0.333333333333+q2g16+r=0", "random:0.75,seed=42,layer=1",
-        "h2o:0.5,recent=0,lb=1/2/3+vthink:0.25", "q8", "l1:0.5", "think:0.5+vthink:0.5"}) {
+        "h2o:0.5,recent=0,lb=1/2/3+vthink:0.25", "q8", "l1:0.5", "think:0.5+vthink:0.5",
+        "kvzip:0.25,ada=0.2,stats=1,xlayer=1,passes=2057/1036",
+        "kvzip:0.1,stats=1,passes=1033/1033/5,chunk=1024"}) {
     const CompressionSpec s = Parse(text);
     EXPECT_EQ(SpecString(s), text);
     const CompressionSpec again = Parse(SpecString(s));

@@ -46,6 +46,31 @@ TEST(ValidateSpecTest, ObsWindowPastSeqLenOnlyForKVzip) {
   }
 }
 
+// kvzip's reconstruction passes: one per chunk of pass_tokens context tokens, each with at least
+// a row per token of its chunk, summing to the observation rows.
+TEST(ValidateSpecTest, KVzipPasses) {
+  CompressionSpec s;
+  s.eviction.policy = EvictionPolicy::kKVzip;
+  s.eviction.pass_tokens = 40;           // seq_len 100: chunks of 40, 40 and 20
+  s.eviction.pass_rows = {49, 40, 20};  // 109 rows
+  EXPECT_TRUE(ValidateSpec(s, Shape(109), 0).ok());
+  ExpectInvalid(s, "eviction.pass_rows: the passes' rows sum to 109, not shape.obs_window 110",
+                110);
+  s.eviction.pass_rows = {49, 60};
+  ExpectInvalid(s, "eviction.pass_rows: 2 passes, but seq_len 100 in chunks of 40", 109);
+  s.eviction.pass_rows = {49, 41, 19};  // the last chunk has 20 tokens
+  ExpectInvalid(s, "eviction.pass_rows[2]: 19 rows for a pass that repeats 20", 109);
+  s.eviction.pass_rows = {109};
+  s.eviction.pass_tokens = 0;
+  ExpectInvalid(s, "eviction.pass_tokens: 0 must be >= 1", 109);
+  s.eviction.pass_tokens = 100;  // one pass over the whole context
+  EXPECT_TRUE(ValidateSpec(s, Shape(109), 0).ok());
+  s.eviction.pass_tokens = 1 << 30;  // chunks longer than the context: one pass
+  EXPECT_TRUE(ValidateSpec(s, Shape(109), 0).ok());
+  s.eviction.policy = EvictionPolicy::kSnapKV;
+  ExpectInvalid(s, "eviction.pass_rows: reconstruction passes are read only by kvzip", 8);
+}
+
 TEST(ValidateSpecTest, EvictionLimits) {
   CompressionSpec s;
   s.eviction.policy = EvictionPolicy::kH2O;

@@ -31,6 +31,9 @@ enum class ValueWeight : uint8_t { kAuto = 0, kOff = 1, kMul = 2, kAdd = 3 };
 // rotation of every pair but the slowest is then about 0).
 inline constexpr int kMaxPoolKernel = 1023;
 inline constexpr int kMaxHorizon = 1 << 20;
+// kvzip: context tokens repeated by one reconstruction pass when the client sends passes
+// (KVzip's and kvpress's chunk).
+inline constexpr int kDefaultPassTokens = 2048;
 
 struct EvictionSpec {
   EvictionPolicy policy = EvictionPolicy::kNone;
@@ -76,6 +79,14 @@ struct EvictionSpec {
   // not hold (its reconstruction pass's own tokens), added to the softmax's denominator (KVzip's
   // normalisation); float32 [Hq, W].
   bool query_stats = false;
+  // kvzip: the observation rows come from reconstruction passes that each repeat one chunk of
+  // the context (KVzip's chunked reconstruction). Pass i's rows are the next pass_rows[i] (in
+  // order; they sum to obs_window) and it repeats context tokens [i * pass_tokens, min(S, (i + 1)
+  // * pass_tokens)); each of its rows is normalised over the first sink_tokens keys, its chunk
+  // and (q_stats) its own pass's tokens, and scores only those keys. Empty: every row sees all
+  // S keys.
+  std::vector<int> pass_rows;
+  int pass_tokens = kDefaultPassTokens;  // >= 1; read only with pass_rows
 };
 
 struct ChannelSpec {
