@@ -185,3 +185,60 @@ def test_chunked_passes_are_the_models_own_queries_and_masses():
     assert tuple(qc[0].shape) == (4, S, 16)
     for a, b in zip(q, qc):
         torch.testing.assert_close(a[:, picks], b, rtol=1e-5, atol=1e-5)
+
+
+def test_pass_rows_and_the_spec_option_name_every_pass():
+    tok = CharTokenizer()
+    context = list(range(5, 45))  # 40 tokens: chunks of 16, 16 and 8
+    passes = recon.repeat_passes(tok, context, 16)
+    assert recon.pass_rows(tok, context, chunk_size=16) == [len(ids) for _, _, ids in passes]
+    assert recon.pass_rows(tok, context, rows="context", chunk_size=16) == [16, 16, 8]
+    counts = "/".join(str(len(ids)) for _, _, ids in passes)
+    assert recon.passes_option(tok, context, chunk_size=16) == f",passes={counts},chunk=16"
+    with pytest.raises(ValueError, match="rows"):
+        recon.pass_rows(tok, context, rows="last")
+
+
+def test_kvcd_normalises_each_pass_over_the_sinks_and_its_chunk(kvcd):
+    # Three passes through a real kvcd: the kept sets are those of KVzip's per-chunk scores,
+    # computed here from the model's own keys, queries and row masses.
+    import kvc
+    from kvc import spec as kvc_spec
+    from transformers import DynamicCache
+    model, tok = tiny_llama(), CharTokenizer()
+    context = [5 + (11 * i) % 53 for i in range(40)]
+    S, chunk, sinks, budget = len(context), 16, 4, 12
+    cache = DynamicCache()
+    with torch.no_grad():
+        model.model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True)
+    q, lse = recon.reconstruction_inputs(model, tok, context, past_key_values=cache,
+                                         chunk_size=chunk)
+    rows = recon.pass_rows(tok, context, chunk_size=chunk)
+    layers = [(cache.layers[i].keys[0].float().contiguous(),
+               cache.layers[i].values[0].float().contiguous(), q[i].contiguous(),
+               lse[i].float().contiguous()) for i in range(len(q))]
+    spec = f"kvzip@{budget},stats=1" + recon.passes_option(tok, context, chunk_size=chunk)
+    with kvc.Client(kvcd.address) as c:
+        c.put("recon-passes", layers, compression=kvc_spec.parse(spec))
+        got = c.get("recon-passes", format="dense", tensors="torch")
+        c.delete("recon-passes")
+    for i, (k, _, qi, li) in enumerate(layers):
+        H, _, D = k.shape
+        g = qi.shape[0] // H
+        score = torch.zeros(H, S, dtype=torch.float64)
+        first = 0
+        for p, n in enumerate(rows):
+            lo, hi = p * chunk, min(S, (p + 1) * chunk)
+            seen = list(range(min(sinks, lo))) + list(range(lo, hi))
+            qq = qi[:, first:first + n].double().view(H, g, n, D)
+            a = torch.einsum("hgnd,hsd->hgns", qq, k[:, seen].double()) / math.sqrt(D)
+            den = torch.logaddexp(torch.logsumexp(a, -1),
+                                  li[:, first:first + n].double().view(H, g, n))
+            prob = torch.exp(a - den.unsqueeze(-1)).amax(dim=(1, 2))  # [H, len(seen)]
+            score[:, seen] = torch.maximum(score[:, seen], prob)
+            first += n
+        score[:, :sinks] = float("inf")  # kvzip's sinks are always kept
+        want = [set(torch.topk(score[h], budget).indices.tolist()) for h in range(H)]
+        pos = torch.as_tensor(got.layers[i].positions)
+        have = [set(int(x) for x in pos[h] if x >= 0) for h in range(H)]
+        assert have == want, f"layer {i}"

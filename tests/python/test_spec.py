@@ -23,6 +23,9 @@ def test_budget_options_and_alone_terms():
     assert spec.parse("kvzip:0.1,ada=0,xlayer=1") == {
         "eviction": {"policy": "kvzip", "keep_ratio": 0.1, "adaptive": True,
                      "adaptive_floor": 0.0, "layer_adaptive": True}}
+    assert spec.parse("kvzip:0.1,stats=1,passes=2057/1040,chunk=2048")["eviction"] == {
+        "policy": "kvzip", "keep_ratio": 0.1, "query_stats": True, "pass_rows": [2057, 1040],
+        "pass_tokens": 2048}
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -37,6 +40,9 @@ def test_budget_options_and_alone_terms():
     ("snapkv:0.5,kernel", "not key=value"),
     ("snapkv:0.5,color=red", "unknown option"),
     ("kvzip:0.5,xlayer=2", "not 0 or 1"),
+    ("kvzip:0.5,passes=10/0", "must be >= 1"),
+    ("kvzip:0.5,passes=10/x", "not a number"),
+    ("kvzip:0.5,chunk=0", "must be >= 1"),
     ("snapkv:0.5+knorm:0.5", "a second eviction"),
     ("q3", "not 2, 4 or 8"),
     ("q4+q8", "a second quantization"),

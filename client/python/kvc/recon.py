@@ -8,8 +8,9 @@ a newline, then the context itself. A prefill node that runs a Hugging Face Llam
     import kvc.spec
     from kvc.recon import reconstruction_inputs
     q, lse = reconstruction_inputs(model, tokenizer, context_ids)  # [Hq, W, D], [Hq, W]
+    spec = "kvzip:0.1,stats=1,ada=0.2,xlayer=1" + passes_option(tokenizer, context_ids)
     client.put(cache_id, [(k[l], v[l], q[l], lse[l]) for l in range(L)],
-               compression=kvc.spec.parse("kvzip:0.1,stats=1,ada=0.2,xlayer=1"))
+               compression=kvc.spec.parse(spec))
 
 `lse` (sent as the layer's q_stats with `stats=1`) is each query row's log-sum-exp over the keys
 of the pass's own tokens up to it, which kvcd does not hold: KVzip's softmax runs over them too,
@@ -30,10 +31,13 @@ chunk at a time, each pass on top of the context's cache, as KVzip does to bound
 the first chunk after the prompt above, every later one after "\n\nRepeat the part of the
 previous context exactly, starting with" and the previous chunk's last 8 tokens (repeat_passes
 gives every pass's tokens). The rows of all passes are sent together (W = S plus each pass's
-instruction tokens), each row's log-mass over its own pass's tokens; kvcd normalises every row
-over all S context keys, the attention the model computed in that pass (KVzipPress normalises a
-chunk's rows over the sinks and that chunk only). The passes together cost about what the one
-pass costs. With `past_key_values` the cache is cropped back to its length after each pass
+instruction tokens), each row's log-mass over its own pass's tokens. By default kvcd normalises
+every row over all S context keys, the attention the model computed in that pass; with the
+passes named in the spec (passes_option: ",passes=R0/R1/...,chunk=2048") it normalises a pass's
+rows over the sinks and that pass's chunk only, as KVzipPress does, and scores each row against
+those keys alone: rows x (chunk + sinks) logits instead of rows x S, which keeps kvzip within
+kvcd's work budget at any context length (every row over all keys is refused past ~12K tokens of
+a Llama-3-8B-shaped cache by default). The passes together cost about what the one pass costs. With `past_key_values` the cache is cropped back to its length after each pass
 (DynamicCache.crop): it holds the context only afterwards. Needs torch and transformers, imported
 here only.
 """
@@ -159,6 +163,24 @@ def layer_rows(model, store):
             queries.append(q)
             masses.append(row_log_mass(q, keys))
     return queries, masses
+
+
+def pass_rows(tokenizer, context_ids, rows="all", chunk_size=CHUNK):
+    """Rows each reconstruction pass contributes to Q_obs, in the order reconstruction_queries
+    sends them (their sum is W): the pass's whole length with rows="all", its chunk's with
+    rows="context"."""
+    if rows not in ROWS:
+        raise ValueError(f"pass_rows: rows={rows!r} is not one of {ROWS}")
+    return [len(ids) if rows == "all" else end - start
+            for start, end, ids in repeat_passes(tokenizer, context_ids, chunk_size)]
+
+
+def passes_option(tokenizer, context_ids, rows="all", chunk_size=CHUNK):
+    """The kvzip spec options that make kvcd normalise each pass's rows over the sinks and its
+    own chunk (KVzipPress's normalisation; see the module's docstring): ",passes=R0/R1/...,chunk=C"
+    to append to a "kvzip:..." spec string sent with these queries."""
+    counts = pass_rows(tokenizer, context_ids, rows, chunk_size)
+    return f",passes={'/'.join(str(r) for r in counts)},chunk={chunk_size}"
 
 
 def _run(model, tokenizer, context_ids, past_key_values, rows, chunk_size):

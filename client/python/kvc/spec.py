@@ -8,9 +8,9 @@ dicts for kvc.Client.put:
 Terms joined by '+', each kind at most once: POLICY:KEEP[,key=value...] or POLICY@BUDGET[,...]
 (eviction), think:L | l1:L | l2:L (key channels), vthink:L (value channels), qB[gG]
 (quantization), r=N (recent tokens), or 'full' / 'none' alone. Eviction keys: sink, recent,
-kernel, pool, tau, seed, layer, lb, ada, xlayer, value, veps, horizon, stats. Errors are ValueError
-naming the term. kvcd validates the result against the cache's shape as it does for every
-request.
+kernel, pool, tau, seed, layer, lb, ada, xlayer, value, veps, horizon, stats, passes and chunk
+(kvzip's reconstruction passes: kvc.recon.passes_option). Errors are ValueError naming the term.
+kvcd validates the result against the cache's shape as it does for every request.
 """
 
 _POLICIES = ("streaming", "h2o", "snapkv", "keyformer", "knorm", "random", "keydiff",
@@ -65,6 +65,15 @@ def _set_eviction_option(ev, key, value):
         if value not in ("0", "1"):
             raise ValueError(f"stats {value!r} is not 0 or 1")
         ev["query_stats"] = value == "1"
+    elif key == "passes":
+        rows = [_number("passes entry", r, int) for r in value.split("/")]
+        if any(r < 1 for r in rows):
+            raise ValueError(f"passes {value!r}: every entry must be >= 1")
+        ev["pass_rows"] = rows
+    elif key == "chunk":
+        ev["pass_tokens"] = _number("chunk", value, int)
+        if ev["pass_tokens"] < 1:
+            raise ValueError(f"chunk {value!r} must be >= 1")
     else:
         raise ValueError(f"unknown option {key!r}")
 

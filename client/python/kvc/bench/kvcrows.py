@@ -137,6 +137,14 @@ def compress(server, name, uploads, window, fmt="dense"):
     fmt = opts.get("fmt", fmt)
     layers_in = uploads.layers_in
     S = layers_in[0].keys.shape[2]
+    if opts.get("passes") == "1":
+        # kvzip normalised per reconstruction pass (the sinks and the pass's chunk), as
+        # KVzipPress does: the spec names each pass's rows (kvc.recon.passes_option).
+        if uploads.recon is None:
+            raise ValueError("|passes=1 needs the reconstruction pass (a kvzip row)")
+        counts = [n if opts.get("rows") != "context" else end - start
+                  for start, end, n in uploads.recon.pass_spans]
+        spec += f",passes={'/'.join(map(str, counts))},chunk={uploads.recon.chunk}"
     cfg = config_for(spec, S)
     ev = cfg.get("eviction", {})
     # kvzip's rows: every row of the reconstruction pass, or with `|rows=context` its last S

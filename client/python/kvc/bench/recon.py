@@ -89,6 +89,8 @@ class Reconstruction:
             hook_fns.insert(0, plus_hook)
 
         self.passes = len(passes)
+        self.chunk = press.chunk_size
+        self.pass_spans = [(start, end, len(ids)) for start, end, ids in passes]
         parts = []
         for start, end, ids in passes:
             press.start_idx, press.end_idx = start, end

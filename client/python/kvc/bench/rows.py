@@ -5,7 +5,9 @@
                                 presses.RECON_PRESSES) at keep ratio R
     kvc:SPEC                    a kvc spec through kvcd (kvcrows); `{r}` in a template is the
                                 keep ratio; `|w=N` sets its observation window; `|rows=context`
-                                sends a kvzip row only the last S reconstruction queries
+                                sends a kvzip row only the last S reconstruction queries;
+                                `|passes=1` names a kvzip row's reconstruction passes in its
+                                spec (each pass's rows normalised over the sinks and its chunk)
     proto:NAME:R[,k=v]          a Python prototype (reference.PROTOTYPES) at keep ratio R
 
 Templates with `{r}` are expanded over the ratios; kvc rows without `{r}` are fixed-size rows
