@@ -162,31 +162,28 @@ def kvzip_as_kvc_sets(recon, layers_in, keep, n_sink=4, lse=False):
                 sc = torch.exp(a - den).amax(dim=(1, 2))
             else:
                 sc = torch.softmax(a, -1).amax(dim=(1, 2))  # [H, S]
-            sc[:, :n_sink] = sc.max() + 1
-            n_pruned = H * S - H * kvcrows.budget_for(S, keep)
-            drop = torch.topk(-sc.reshape(-1), n_pruned).indices
-            valid = torch.ones(H * S, dtype=torch.bool)
-            valid[drop] = False
-            valid = valid.view(H, S)
-            out.append([set(torch.nonzero(valid[h]).flatten().tolist()) for h in range(H)])
+            out.append(_layer_top_sets(sc, keep, n_sink))
     return out
+
+
+def _layer_top_sets(sc, keep, n_sink):
+    """KVzipPress's per-layer selection of scores sc [H, S] with kvc's count: the sinks kept,
+    the layer's H * S - H * budget lowest scores over all heads dropped; per head its set."""
+    H, S = sc.shape
+    sc[:, :n_sink] = sc.max() + 1
+    n_pruned = H * S - H * kvcrows.budget_for(S, keep)
+    drop = torch.topk(-sc.reshape(-1), n_pruned).indices
+    valid = torch.ones(H * S, dtype=torch.bool)
+    valid[drop] = False
+    valid = valid.view(H, S)
+    return [set(torch.nonzero(valid[h]).flatten().tolist()) for h in range(H)]
 
 
 def kvzip_press_sets(recon, keep, n_sink=4):
     """Kept sets of KVzipPress's own scores (recon.scores: per chunk normalised) under its
     per-layer selection, keeping kvc's count (see kvzip_as_kvc_sets)."""
-    out = []
-    for li in range(recon.scores.shape[0]):
-        sc = recon.scores[li, 0].clone()  # [H, S]
-        H, S = sc.shape
-        sc[:, :n_sink] = sc.max() + 1
-        n_pruned = H * S - H * kvcrows.budget_for(S, keep)
-        drop = torch.topk(-sc.reshape(-1), n_pruned).indices
-        valid = torch.ones(H * S, dtype=torch.bool)
-        valid[drop] = False
-        valid = valid.view(H, S)
-        out.append([set(torch.nonzero(valid[h]).flatten().tolist()) for h in range(H)])
-    return out
+    return [_layer_top_sets(recon.scores[li, 0].clone(), keep, n_sink)
+            for li in range(recon.scores.shape[0])]
 
 
 def compare(a, b):
