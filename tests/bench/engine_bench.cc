@@ -209,6 +209,55 @@ void BM_Score(benchmark::State& state) {
   }
 }
 
+// kvzip at S tokens with reconstruction rows as kvc.recon sends them (one pass per 2,048-token
+// chunk: its 9 or 21 instruction rows and its chunk's; W = S + those), every row over all S keys
+// (range(1) = 0) against each pass's rows over the 4 sinks and their chunk (1), the same layer
+// and rows: `vs_whole` is the second's speed-up, measured back to back in each iteration (the
+// whole-context time from the same iteration). Both compute one softmax per row; the logits are
+// rows * S against rows * (2048 + 4).
+void BM_KVzipPasses(benchmark::State& state) {
+  const int S = static_cast<int>(state.range(0));
+  static std::map<int, std::unique_ptr<Layer>> layers;
+  auto& slot = layers[S];
+  std::vector<int> rows;
+  int W = 0;
+  for (int lo = 0; lo < S; lo += kDefaultPassTokens) {
+    rows.push_back(std::min(kDefaultPassTokens, S - lo) + (lo == 0 ? 9 : 21));
+    W += rows.back();
+  }
+  if (!slot) {
+    slot = std::make_unique<Layer>();
+    const Layer& base = GetLayer(S);
+    slot->shape = {kKvHeads, kQHeads, S, kHeadDim, W};
+    slot->k = base.k;
+    slot->v = base.v;
+    slot->q.resize(static_cast<size_t>(kQHeads) * W * kHeadDim);
+    Fill(slot->q, 4, 4.0f, DType::kF16);
+  }
+  EvictionSpec whole;
+  whole.policy = EvictionPolicy::kKVzip;
+  EvictionSpec passes = whole;
+  passes.pass_rows = rows;
+  std::vector<double> ratios;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::StatusOr<std::vector<float>> a = ScoreTokens(slot->input(), whole);
+    const auto t1 = std::chrono::steady_clock::now();
+    absl::StatusOr<std::vector<float>> b = ScoreTokens(slot->input(), passes);
+    const auto t2 = std::chrono::steady_clock::now();
+    if (!a.ok() || !b.ok()) state.SkipWithError("kvzip scoring failed");
+    benchmark::DoNotOptimize(a);
+    benchmark::DoNotOptimize(b);
+    ratios.push_back(std::chrono::duration<double>(t1 - t0).count() /
+                     std::chrono::duration<double>(t2 - t1).count());
+    state.SetIterationTime(std::chrono::duration<double>(t2 - t1).count());
+  }
+  std::sort(ratios.begin(), ratios.end());
+  state.counters["vs_whole"] = ratios.empty() ? 0 : ratios[ratios.size() / 2];
+  state.counters["passes"] = static_cast<double>(rows.size());
+  state.SetLabel(absl::StrCat("kvzip, W=", W, ", time of the passes; ", CpuIsaDescription()));
+}
+
 // Scoring against sgemm measured back to back in the same loop: each iteration times one sgemm
 // 2048^2 (OpenBLAS, hardware threads, as BM_SgemmSquare) and one ScoreTokens call, and
 // `vs_sgemm` is the median over iterations of (score FLOP/s) / (sgemm FLOP/s): a same-moment
@@ -421,6 +470,7 @@ BENCHMARK(BM_Score)
     ->Args({32768, static_cast<int>(EvictionPolicy::kKNorm)})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
+BENCHMARK(BM_KVzipPasses)->Arg(8192)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ScoreVsSgemm)
     ->Args({4096, static_cast<int>(EvictionPolicy::kKeyformer), 0})
     ->Args({32768, static_cast<int>(EvictionPolicy::kH2O), 0})

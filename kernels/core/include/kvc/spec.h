@@ -123,7 +123,9 @@ struct CompressionSpec {
 // (mul/add) for a policy whose row does not compose with it; value_eps negative or not finite;
 // horizon < 1 or above kMaxHorizon; query_stats with a policy that reads no query statistics;
 // such a policy (expected) with obs_window 0 and no query_stats; obs_window > seq_len unless the
-// policy is kvzip ("shape.obs_window: ...").
+// policy is kvzip ("shape.obs_window: ..."); pass_rows with a policy other than kvzip, with a
+// count other than ceil(seq_len / pass_tokens), an entry below its chunk's token count, or
+// entries that do not sum to obs_window; pass_tokens < 1 with pass_rows.
 absl::Status ValidateSpec(const CompressionSpec& spec, const LayerShape& shape, int layer_index);
 // The inputs a valid spec reads beyond K, V and Q_obs: a policy reading query statistics
 // (expected) needs in.rope ("rope: ..."), query_stats needs in.q_stats ("q_stats: ...").

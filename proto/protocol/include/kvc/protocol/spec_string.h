@@ -14,7 +14,9 @@
 // options' order in the canonical string. Today: sink=N (sink_tokens), recent=F
 // (recent_fraction), kernel=N (pool_kernel, odd), pool=max|avg, tau=F, seed=N, layer=0|1 (per-layer
 // granularity), lb=B0/B1/... (layer_budgets), ada=ALPHA (head-adaptive budgets with
-// adaptive_floor ALPHA in [0, 1]), value=auto|off|mul|add, veps=EPS, horizon=N, stats=0|1.
+// adaptive_floor ALPHA in [0, 1]), value=auto|off|mul|add, veps=EPS, horizon=N, stats=0|1,
+// xlayer=0|1, passes=R0/R1/... (kvzip's reconstruction passes: rows per pass) and chunk=C
+// (context tokens per pass).
 // e.g. "keyformer:0.5+think:0.5+q4", "snapkv:0.25,kernel=7,pool=avg", "q2g16".
 //
 // Thread-safety: pure functions.
