@@ -152,12 +152,10 @@ void AttentionScores(const Input& in, Sheet* s) {
   uint64_t causal = 0;
   uint64_t converted = 0;  // keys converted per KV head: each row block converts the keys it sees
   if (passes) {
-    const uint64_t c = static_cast<uint64_t>(std::max(e.pass_tokens, 1));
-    const uint64_t sinks = static_cast<uint64_t>(std::max(e.sink_tokens, 0));
     for (size_t p = 0; p < e.pass_rows.size(); ++p) {
-      const uint64_t lo = std::min(in.s, Mul({c, p})), hi = std::min(in.s, Add(lo, c));
+      const PassKeys pk = PassKeyRange(e, static_cast<int>(in.s), p);
       const uint64_t rows = static_cast<uint64_t>(e.pass_rows[p]);
-      const uint64_t keys = Add(std::min(lo, sinks), hi - lo);
+      const auto keys = static_cast<uint64_t>(pk.sink_end + (pk.hi - pk.lo));
       causal = Add(causal, Mul({rows, keys}));
       // One span per query head and pass, in blocks of row_block rows.
       converted = Add(converted, Mul({in.g, CeilDiv(rows, in.row_block), keys}));

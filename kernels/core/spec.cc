@@ -56,8 +56,8 @@ absl::Status ValidatePasses(const EvictionSpec& e, const LayerShape& shape) {
   }
   int64_t sum = 0;
   for (size_t i = 0; i < e.pass_rows.size(); ++i) {
-    const int64_t start = static_cast<int64_t>(i) * C;
-    const int64_t chunk = std::min(S, start + C) - start;
+    const PassKeys keys = PassKeyRange(e, shape.seq_len, i);
+    const int chunk = keys.hi - keys.lo;
     if (e.pass_rows[i] < chunk) {
       return Invalid(absl::StrCat("eviction.pass_rows[", i, "]"),
                      absl::StrCat(e.pass_rows[i], " rows for a pass that repeats ", chunk,
@@ -287,6 +287,14 @@ int EffectiveBudget(const EvictionSpec& spec, int layer_index, int seq_len) {
   if (b < 1) b = 1;
   if (b > seq_len) b = seq_len;
   return b;
+}
+
+PassKeys PassKeyRange(const EvictionSpec& spec, int seq_len, size_t pass) {
+  const int64_t chunk = std::max(spec.pass_tokens, 1);
+  const int64_t start = chunk * static_cast<int64_t>(pass);  // < 2^30 * 2^31: no overflow
+  const int lo = static_cast<int>(std::min<int64_t>(seq_len, start));
+  const int hi = static_cast<int>(std::min<int64_t>(seq_len, start + chunk));
+  return {std::min(lo, std::max(spec.sink_tokens, 0)), lo, hi};
 }
 
 ProtectedTokens ProtectedFor(const EvictionSpec& e, const LayerShape& shape, int budget) {

@@ -249,11 +249,8 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
     for (int i = 0; i < g; ++i) {
       int first = i * W;
       for (size_t p = 0; p < spec.pass_rows.size(); ++p) {
-        const int64_t start = int64_t{spec.pass_tokens} * static_cast<int64_t>(p);
-        const int lo = static_cast<int>(std::min<int64_t>(S, start));
-        const int hi = static_cast<int>(std::min<int64_t>(S, start + spec.pass_tokens));
-        const int sink_end = std::min(lo, std::max(spec.sink_tokens, 0));
-        const RowSpan span{first, first + spec.pass_rows[p], sink_end, lo, hi};
+        const PassKeys keys = PassKeyRange(spec, S, p);
+        const RowSpan span{first, first + spec.pass_rows[p], keys.sink_end, keys.lo, keys.hi};
         if (!score_span(span)) return;
         first = span.end;
       }

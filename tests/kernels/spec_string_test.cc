@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "kvc/protocol/convert.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvc/spec.h"
@@ -68,6 +69,33 @@ TEST(SpecStringTest, KVzipPasses) {
   EXPECT_EQ(Parse("kvzip:0.25").eviction.pass_tokens, kDefaultPassTokens);
   ExpectError("kvzip:0.25,passes=0/4", "passes");
   ExpectError("kvzip:0.25,passes=12,chunk=0", "chunk");
+}
+
+// The wire's limits on the passes, before anything is copied: no more entries than tokens, no
+// entry or chunk past the largest count the engine takes.
+TEST(SpecStringTest, KVzipPassesOnTheWireAreBounded) {
+  const LayerShape shape{1, 1, 10, 8, 12};
+  absl::StatusOr<kvcache::v1::CompressionConfig> c =
+      ParseSpecConfig("kvzip:0.5,passes=6/6,chunk=5");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(SpecFromProto(*c, shape, 1).ok());
+  kvcache::v1::CompressionConfig many = *c;
+  for (int i = 0; i < 9; ++i) many.mutable_eviction()->add_pass_rows(1);  // 11 for 10 tokens
+  absl::StatusOr<CompressionSpec> s = SpecFromProto(many, shape, 1);
+  ASSERT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("eviction.pass_rows: 11 passes for 10"));
+  kvcache::v1::CompressionConfig big = *c;
+  big.mutable_eviction()->set_pass_rows(0, (1u << 30) + 1);
+  s = SpecFromProto(big, shape, 1);
+  ASSERT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.status().message()),
+              HasSubstr("eviction.pass_rows: 1073741825 is too large"));
+  big = *c;
+  big.mutable_eviction()->set_pass_tokens(4000000000u);
+  s = SpecFromProto(big, shape, 1);
+  ASSERT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.status().message()),
+              HasSubstr("eviction.pass_tokens: 4000000000 is too large"));
 }
 
 TEST(SpecStringTest, FullAndNone) {

@@ -37,7 +37,8 @@ passes named in the spec (passes_option: ",passes=R0/R1/...,chunk=2048") it norm
 rows over the sinks and that pass's chunk only, as KVzipPress does, and scores each row against
 those keys alone: rows x (chunk + sinks) logits instead of rows x S, which keeps kvzip within
 kvcd's work budget at any context length (every row over all keys is refused past ~12K tokens of
-a Llama-3-8B-shaped cache by default). The passes together cost about what the one pass costs. With `past_key_values` the cache is cropped back to its length after each pass
+a Llama-3-8B-shaped cache by default). The passes together cost about what the one pass costs.
+With `past_key_values` the cache is cropped back to its length after each pass
 (DynamicCache.crop): it holds the context only afterwards. Needs torch and transformers, imported
 here only.
 """
@@ -179,8 +180,12 @@ def passes_option(tokenizer, context_ids, rows="all", chunk_size=CHUNK):
     """The kvzip spec options that make kvcd normalise each pass's rows over the sinks and its
     own chunk (KVzipPress's normalisation; see the module's docstring): ",passes=R0/R1/...,chunk=C"
     to append to a "kvzip:..." spec string sent with these queries."""
-    counts = pass_rows(tokenizer, context_ids, rows, chunk_size)
-    return f",passes={'/'.join(str(r) for r in counts)},chunk={chunk_size}"
+    return format_passes(pass_rows(tokenizer, context_ids, rows, chunk_size), chunk_size)
+
+
+def format_passes(counts, chunk_size=CHUNK):
+    """",passes=R0/R1/...,chunk=C": the spec options of passes with these row counts."""
+    return f",passes={'/'.join(str(int(r)) for r in counts)},chunk={chunk_size}"
 
 
 def _run(model, tokenizer, context_ids, past_key_values, rows, chunk_size):

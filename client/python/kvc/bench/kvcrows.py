@@ -17,6 +17,7 @@ import torch
 import kvc
 from kvc import spec as kvc_spec
 from kvc.launcher import KvcdProcess
+from kvc.recon import format_passes
 
 from .model import RowCache, queries, query_stats, rope_spec
 
@@ -144,7 +145,7 @@ def compress(server, name, uploads, window, fmt="dense"):
             raise ValueError("|passes=1 needs the reconstruction pass (a kvzip row)")
         counts = [n if opts.get("rows") != "context" else end - start
                   for start, end, n in uploads.recon.pass_spans]
-        spec += f",passes={'/'.join(map(str, counts))},chunk={uploads.recon.chunk}"
+        spec += format_passes(counts, uploads.recon.chunk)
     cfg = config_for(spec, S)
     ev = cfg.get("eviction", {})
     # kvzip's rows: every row of the reconstruction pass, or with `|rows=context` its last S

@@ -134,6 +134,15 @@ absl::Status ValidateSpecInput(const CompressionSpec& spec, const LayerInput& in
 // Tokens kept per KV head for this layer (spec must be valid): seq_len for policy none; else a
 // positive layer_budgets[layer_index], else budget when > 0, else max(1, round(keep_ratio * S)).
 int EffectiveBudget(const EvictionSpec& spec, int layer_index, int seq_len);
+
+// The keys the rows of kvzip's reconstruction pass p see (EvictionSpec::pass_rows): the sinks
+// [0, sink_end) and the pass's chunk [lo, hi) = [p * pass_tokens, min(S, (p + 1) * pass_tokens))
+// clamped to seq_len, sink_end = min(lo, sink_tokens). `pass` < pass_rows.size(), which
+// validation holds to ceil(seq_len / pass_tokens).
+struct PassKeys {
+  int sink_end, lo, hi;
+};
+PassKeys PassKeyRange(const EvictionSpec& spec, int seq_len, size_t pass);
 // Channels kept of head_dim D at pruning ratio lambda: D - floor(lambda * D).
 int KeptChannels(double lambda, int head_dim);
 

@@ -59,7 +59,8 @@ kvcache::v1::ModelShape ShapeToProto(const LayerShape& shape, int num_layers);
 absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConfig& config,
                                               absl::string_view field_prefix);
 // The mapping, then kvc::ValidateSpec for every layer of `shape`, errors named
-// "header.compression.<field>".
+// "header.compression.<field>"; more layer_budgets than layers, or more pass_rows than seq_len,
+// are refused before anything is copied.
 absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConfig& config,
                                               const LayerShape& shape, int num_layers);
 // Every field set explicitly, except recent_fraction when it is negative (the policy's default),
