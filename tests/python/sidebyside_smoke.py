@@ -128,6 +128,19 @@ def main():
     import json
     segments = json.load(open(os.path.join(out, "run.json")))["segments"]
     assert [g["documents"] for g in segments] == [3, 1], segments
+    # ... and may ask for more documents of the same tasks (the first 3 of 4 are the 3), not
+    # for other tasks.
+    try:
+        sidebyside.main(args[:6] + ["--tasks", "multikey:3"] + args[8:])
+        raise AssertionError("--resume with other --tasks was accepted")
+    except SystemExit as e:
+        assert "--tasks" in str(e), e
+    sidebyside.main(args[:6] + ["--tasks", "passkey:4"] + args[8:])
+    grown = list(csv.DictReader(open(os.path.join(out, "results.csv"))))
+    assert [r for r in grown if r["doc"] in {x["doc"] for x in again}] == again
+    assert len({r["doc"] for r in grown}) == 4, sorted({r["doc"] for r in grown})
+    segments = json.load(open(os.path.join(out, "run.json")))["segments"]
+    assert [g["documents"] for g in segments] == [3, 1, 1], segments
 
     print(f"sidebyside: full acc {full_acc:.2f}; kvc rows from kvcd keep 0.25; kvc streaming "
           f"== kvpress StreamingLLM ({time.time() - t0:.0f}s)", flush=True)

@@ -338,9 +338,31 @@ def main(argv=None):
 RESUME_FREE = {"out", "kvcd", "max_minutes", "workers", "threads", "resume", "batch"}
 
 
+def _task_counts(spec):
+    out = []
+    for item in str(spec).split(","):
+        name, _, n = item.partition(":")
+        out.append((name, int(n or 100)))
+    return out
+
+
+def _tasks_grow(then, now):
+    """Whether --tasks `now` names the tasks of `then` in the same order, each with at least as
+    many documents: a resumed run may ask for more documents. The retrieval generators draw
+    their documents one after another from one seeded stream, so the first N of N + M are the
+    N; continuation spreads its N windows over the text, so its count may not change."""
+    try:
+        a, b = _task_counts(then), _task_counts(now)
+    except ValueError:
+        return False
+    return [n for n, _ in a] == [n for n, _ in b] and all(
+        y == x if name == "continuation" else y >= x for (name, x), (_, y) in zip(a, b))
+
+
 def resume(args, docs):
     """(results, done document ids, seconds spent) of the run in args.out, refused unless its
-    options are these (but RESUME_FREE) and its documents are among `docs`. A document's rows
+    options are these (but RESUME_FREE, and --tasks may ask for more documents of the same
+    tasks: _tasks_grow) and its documents are among `docs`. A document's rows
     are written together, so a document in results.csv is complete."""
     import csv
     path, meta_path = os.path.join(args.out, "results.csv"), os.path.join(args.out, "run.json")
@@ -350,7 +372,8 @@ def resume(args, docs):
         meta = json.load(f)
     then = meta.get("args", {})
     now = json.loads(json.dumps(vars(args), default=str))
-    differ = sorted(k for k in now if k not in RESUME_FREE and then.get(k) != now[k])
+    differ = sorted(k for k in now if k not in RESUME_FREE and then.get(k) != now[k]
+                    and not (k == "tasks" and _tasks_grow(then.get(k), now[k])))
     if differ:
         raise SystemExit("--resume: options differ from the run's: " + ", ".join(
             f"--{k.replace('_', '-')} {then.get(k)!r} then, {now[k]!r} now" for k in differ))
