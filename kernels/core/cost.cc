@@ -173,6 +173,13 @@ void AttentionScores(const Input& in, Sheet* s) {
   if (e.policy == EvictionPolicy::kKeyformer) {
     s->Flops("keyformer noise (num_q_heads*causal_keys*2 log)", Mul({logits, 2, kT}));
   }
+  if (recon && e.top_rows > 1) {
+    // Each probability is compared with its token's K-th largest; one above it moves up to K-1
+    // (priced at K: the worst case, rows in increasing order).
+    const auto k = static_cast<uint64_t>(e.top_rows);
+    s->Flops("kvzip top rows (num_q_heads*causal_keys*top_rows)", Mul({logits, k}));
+    s->Task("kvzip top rows (top_rows*seq_len floats)", Mul({k, in.s, kFloat}));
+  }
   if (!passes) {
     converted = Mul({CeilDiv(std::max<uint64_t>(in.rows, 1), in.row_block), in.s});
   }

@@ -35,9 +35,21 @@ std::string PolicyList(Pred pred) {
   return absl::StrCat(absl::StrJoin(names, ", "), " and ", last);
 }
 
-// kvzip's reconstruction passes (EvictionSpec::pass_rows): one entry per chunk of pass_tokens
-// context tokens, each at least its chunk's length, summing to obs_window.
-absl::Status ValidatePasses(const EvictionSpec& e, const LayerShape& shape) {
+// kvzip's reconstruction rows: top_rows in [1, kMaxTopRows]; the passes (EvictionSpec::pass_rows):
+// one entry per chunk of pass_tokens context tokens, each at least its chunk's length, summing to
+// obs_window.
+absl::Status ValidateReconstruction(const EvictionSpec& e, const LayerShape& shape) {
+  if (e.top_rows != 1) {
+    if (e.policy != EvictionPolicy::kKVzip) {
+      return Invalid("eviction.top_rows",
+                     absl::StrCat("a mean over the top rows is read only by kvzip, not ",
+                                  std::string(PolicyName(e.policy))));
+    }
+    if (e.top_rows < 1 || e.top_rows > kMaxTopRows) {
+      return Invalid("eviction.top_rows",
+                     absl::StrCat(e.top_rows, " is outside [1, ", kMaxTopRows, "]"));
+    }
+  }
   if (e.pass_rows.empty()) return absl::OkStatus();
   if (e.policy != EvictionPolicy::kKVzip) {
     return Invalid("eviction.pass_rows",
@@ -194,7 +206,7 @@ absl::Status ValidateEviction(const EvictionSpec& e, const LayerShape& shape) {
                                 " needs query statistics from the client when shape.obs_window "
                                 "is 0"));
   }
-  return ValidatePasses(e, shape);
+  return ValidateReconstruction(e, shape);
 }
 
 absl::Status ValidateChannels(const ChannelSpec& c, const LayerShape& shape) {

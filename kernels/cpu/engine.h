@@ -111,6 +111,7 @@ struct RowSpan {
 struct Scratch {
   ScratchArray q, k, v, logits, tile, acc, row_max, cand, stats;
   ScratchArray amx_q, amx_k;  // AMX-packed queries and keys (scoring.cc, cpu/amx_logits.h)
+  ScratchArray top;  // kvzip's top_rows largest probabilities per token (AttentionScoreHead)
   std::vector<const float*> rows;  // row pointers of one chunk (AttentionScoreHead): small
   // One row block's key pieces (start, length) in AttentionScoreHead: small, like `rows`.
   std::vector<std::pair<int, int>> pieces;

@@ -64,7 +64,8 @@ void Pool1D(float* x, int n, int kernel, PoolKind kind, ScratchArray& scratch) {
 // score[j] = max over the group's query heads and rows of softmax(a)_j, whose denominator also
 // holds exp(in.q_stats[row]) when the client sent the rows' log-masses (spec.query_stats). With
 // reconstruction passes (spec.pass_rows) a row's softmax runs over the first sink_tokens keys and
-// its pass's chunk only, and it scores only those.
+// its pass's chunk only, and it scores only those. With spec.top_rows = K > 1, kvzip's score is
+// the mean of the K largest of those probabilities (absent ones count 0) instead of the largest.
 void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, float* out) {
   const LayerShape& sh = in.shape;
   const int S = sh.seq_len, D = sh.head_dim, W = sh.obs_window, g = sh.group_size();
@@ -96,6 +97,14 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
   }
 
   std::fill(out, out + S, 0.0f);
+  // kvzip with top_rows K > 1: per token its K largest probabilities so far, in K planes of S
+  // (plane 0 the largest), so that the common case, below the K-th, is one contiguous compare.
+  const int top_k = recon ? spec.top_rows : 1;
+  float* top = nullptr;
+  if (top_k > 1) {
+    top = s.top.Get<float>(static_cast<size_t>(top_k) * S);
+    std::fill(top, top + static_cast<size_t>(top_k) * S, 0.0f);
+  }
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const bool gumbel = spec.policy == EvictionPolicy::kKeyformer;
   const float inv_tau = static_cast<float>(1.0 / spec.tau);
@@ -217,13 +226,32 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
           common = std::min(common, valid);
         }
         if (rows_of.empty()) continue;
-        if (recon) {
+        if (recon && top == nullptr) {
           // Every row sees the whole chunk: the maximum of the rows' probabilities.
           float* o = out + c0;
           for (size_t k = 0; k < rows_of.size(); ++k) {
             const float a = coef[k];
             const float* x = rows_of[k];
             for (int j = 0; j < common; ++j) o[j] = std::max(o[j], a * x[j]);
+          }
+          continue;
+        }
+        if (recon) {
+          // The K largest: a probability above the K-th moves the smaller ones down a plane.
+          float* t = top + c0;
+          const float* kth = t + static_cast<size_t>(top_k - 1) * S;
+          for (size_t k = 0; k < rows_of.size(); ++k) {
+            const float a = coef[k];
+            const float* x = rows_of[k];
+            for (int j = 0; j < common; ++j) {
+              const float v = a * x[j];
+              if (!(v > kth[j])) continue;
+              int i = top_k - 1;
+              for (; i > 0 && t[static_cast<size_t>(i - 1) * S + j] < v; --i) {
+                t[static_cast<size_t>(i) * S + j] = t[static_cast<size_t>(i - 1) * S + j];
+              }
+              t[static_cast<size_t>(i) * S + j] = v;
+            }
           }
           continue;
         }
@@ -257,6 +285,15 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
     }
   } else if (!score_span(RowSpan{0, rows, 0, 0, S})) {
     return;
+  }
+  if (top != nullptr) {
+    // The mean of each token's K largest, summed from the largest down.
+    const float inv_k = 1.0f / static_cast<float>(top_k);
+    for (int j = 0; j < S; ++j) {
+      float sum = 0.0f;
+      for (int i = 0; i < top_k; ++i) sum += top[static_cast<size_t>(i) * S + j];
+      out[j] = sum * inv_k;
+    }
   }
   if (spec.policy == EvictionPolicy::kSnapKV) {
     // SnapKV pools the prefix only; the observation window is kept unconditionally.

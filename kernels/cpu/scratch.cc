@@ -62,7 +62,7 @@ Scratch& Scratch::ForThisThread() {
 
 void Scratch::ReleaseLarge() {
   for (ScratchArray* a :
-       {&q, &k, &v, &logits, &tile, &acc, &row_max, &cand, &stats, &amx_q, &amx_k}) {
+       {&q, &k, &v, &logits, &tile, &acc, &row_max, &cand, &stats, &amx_q, &amx_k, &top}) {
     a->ReleaseLarge();
   }
 }

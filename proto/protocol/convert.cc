@@ -227,6 +227,10 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
     }
     spec.eviction.pass_tokens = static_cast<int>(e.pass_tokens());
   }
+  if (e.has_top_rows()) {
+    if (e.top_rows() > kMaxCount) return TooLarge(field("eviction.top_rows"), e.top_rows());
+    spec.eviction.top_rows = static_cast<int>(e.top_rows());
+  }
 
   const auto& ch = c.channels();
   auto key_policy = ParseChannelPolicy(ch.key_policy().empty() ? "none" : ch.key_policy());
@@ -307,6 +311,7 @@ kvcache::v1::CompressionConfig SpecToProto(const CompressionSpec& spec) {
   e->set_query_stats(spec.eviction.query_stats);
   for (int rows : spec.eviction.pass_rows) e->add_pass_rows(static_cast<uint32_t>(rows));
   e->set_pass_tokens(static_cast<uint32_t>(std::max(spec.eviction.pass_tokens, 0)));
+  e->set_top_rows(static_cast<uint32_t>(std::max(spec.eviction.top_rows, 0)));
   auto* ch = c.mutable_channels();
   ch->set_key_policy(std::string(PolicyName(spec.channels.key_policy)));
   ch->set_key_lambda(spec.channels.key_lambda);

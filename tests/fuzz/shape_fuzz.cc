@@ -87,6 +87,7 @@ void EngineLevel(const uint8_t* data, size_t size) {
   const int n_passes = in.ConsumeIntegralInRange(0, 3);
   for (int i = 0; i < n_passes; ++i) spec.eviction.pass_rows.push_back(SomeInt(in));
   if (n_passes > 0) spec.eviction.pass_tokens = SomeInt(in);
+  if (in.ConsumeBool()) spec.eviction.top_rows = SomeInt(in);
   spec.channels.key_policy = static_cast<kvc::ChannelPolicy>(in.ConsumeIntegralInRange(0, 4));
   spec.channels.key_lambda = SomeDouble(in);
   spec.channels.prune_values = in.ConsumeBool();
@@ -104,6 +105,8 @@ void EngineLevel(const uint8_t* data, size_t size) {
     Check(rows == shape.obs_window && spec.eviction.pass_tokens >= 1,
           "ValidateSpec accepted passes whose rows do not add up to obs_window");
   }
+  Check(spec.eviction.top_rows >= 1 && spec.eviction.top_rows <= kvc::kMaxTopRows,
+        "ValidateSpec accepted a top_rows outside [1, kMaxTopRows]");
   CheckDerived(spec, shape, layer);
 }
 

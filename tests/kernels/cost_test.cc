@@ -193,6 +193,16 @@ TEST(CostTest, KVzipPassesPriceEachRowAtItsChunk) {
   }
 }
 
+// kvzip's mean over the top rows: K planes of S floats per task, and up to K moves per logit
+// (the worst case) on top of the same scoring.
+TEST(CostTest, KVzipTopRowsPriceTheirPlanesAndMoves) {
+  const LayerShape sh = Shape(2, 6, 4096, 64, 4105);
+  const WorkCost max = CompressCost(sh, DType::kF16, Spec("kvzip:0.1,stats=1"), 1, {});
+  const WorkCost top = CompressCost(sh, DType::kF16, Spec("kvzip:0.1,stats=1,top=8"), 1, {});
+  EXPECT_GE(top.scratch_bytes, max.scratch_bytes + 8ull * 4096 * 4);
+  EXPECT_EQ(top.flops - max.flops, 6ull * 4105 * 4096 * 8);  // Hq * W * S logits, 8 each
+}
+
 TEST(CostTest, TheHostileShapesOfTheReviewAreOverBudget) {
   // Expected attention with 16384 query heads per KV head, S = 16384, D = 8, W = 1, 2 layers:
   // a 1.5 MiB upload asking for about 1e11 flops.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iterator>
+#include <tuple>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -117,6 +118,71 @@ TEST(ScoreTokensTest, KVzipPassesMatchReference) {
       spec.query_stats = true;
       ExpectNearReference(layer, spec, lse.data());
     }
+  }
+}
+
+// kvzip with top_rows: the mean of each token's K largest probabilities, against the reference
+// over shapes, dtypes, passes (a sink token collects probabilities from every pass) and K past
+// the number of rows that see a token (absent ones count zero).
+TEST(ScoreTokensTest, KVzipTopRowsMatchReference) {
+  struct Case {
+    int hkv, g, S, D, W, chunk, top;
+  };
+  for (const Case& c : std::vector<Case>{{1, 1, 1, 8, 1, 0, 2},
+                                         {2, 4, 37, 16, 5, 0, 4},
+                                         {2, 3, 40, 64, 49, 0, 3},
+                                         {1, 2, 1500, 64, 1509, 0, 8},
+                                         {2, 3, 37, 16, 0, 16, 4},
+                                         {1, 1, 1500, 16, 0, 1100, 64},
+                                         {1, 1, 6, 8, 6, 0, 64}}) {
+    EvictionSpec spec;
+    spec.policy = EvictionPolicy::kKVzip;
+    spec.top_rows = c.top;
+    int W = c.W;
+    if (c.chunk > 0) {
+      spec.pass_tokens = c.chunk;
+      W = 0;
+      for (int lo = 0; lo < c.S; lo += c.chunk) {
+        spec.pass_rows.push_back(std::min(c.chunk, c.S - lo) + 3);
+        W += spec.pass_rows.back();
+      }
+    }
+    const LayerShape shape{c.hkv, c.hkv * c.g, c.S, c.D, W};
+    std::vector<float> lse(static_cast<size_t>(shape.num_q_heads) * W);
+    for (size_t i = 0; i < lse.size(); ++i) lse[i] = -1.0f + 0.31f * static_cast<float>(i % 13);
+    for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+      SCOPED_TRACE(::testing::Message() << "S " << c.S << " W " << W << " top " << c.top << " "
+                                        << DTypeName(t));
+      const TestLayer layer = RandomLayer(shape, 7 + c.S, t);
+      spec.query_stats = false;
+      ExpectNearReference(layer, spec);
+      spec.query_stats = true;
+      ExpectNearReference(layer, spec, lse.data());
+    }
+  }
+}
+
+// By hand: two rows give key 0 probabilities 1 and 1/2 (and key 1 the other 1/2): the mean of
+// the top 2 is 3/4 for key 0 and 1/4 for key 1; top 1 is KVzip's maximum (1 and 1/2); top 3
+// divides by 3.
+TEST(ScoreTokensTest, KVzipTopRowsAverageTheLargestByHand) {
+  const int S = 2, D = 8, W = 2;
+  const LayerShape shape{1, 1, S, D, W};
+  std::vector<float> k(static_cast<size_t>(S) * D, 0.0f), v(k.size(), 1.0f);
+  std::vector<float> q(static_cast<size_t>(W) * D, 0.0f);
+  k[0] = 1.0f;     // key 0 along channel 0
+  q[0] = 1000.0f;  // row 0 looks only at key 0; row 1 (all zeros) splits evenly
+  const TestLayer layer = MakeLayer(shape, k, v, q);
+  EvictionSpec spec;
+  spec.policy = EvictionPolicy::kKVzip;
+  for (const auto& [top, want0, want1] :
+       std::vector<std::tuple<int, double, double>>{{1, 1.0, 0.5}, {2, 0.75, 0.25},
+                                                    {3, 0.5, 1.0 / 6}}) {
+    spec.top_rows = top;
+    absl::StatusOr<std::vector<float>> got = ScoreTokens(layer.input(), spec);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_NEAR((*got)[0], want0, 1e-6) << "top " << top;
+    EXPECT_NEAR((*got)[1], want1, 1e-6) << "top " << top;
   }
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "kvc/noise.h"
 
@@ -114,6 +115,10 @@ std::vector<double> ReferenceAttentionScores(const TestLayer& l, const EvictionS
     return keys;
   };
   std::vector<double> out(static_cast<size_t>(H) * S, 0.0);
+  // kvzip with top_rows > 1: every probability each token gets, its score the mean of the
+  // largest top_rows of them (absent ones zeros).
+  const bool top = kvzip && spec.top_rows > 1;
+  std::vector<std::vector<double>> probs(top ? static_cast<size_t>(H) * S : 0);
   std::vector<double> a(S);
   for (int qh = 0; qh < Hq; ++qh) {
     const int h = qh / g;
@@ -140,9 +145,17 @@ std::vector<double> ReferenceAttentionScores(const TestLayer& l, const EvictionS
       for (int j : keys) {
         const double p = std::exp(a[j] - mx) / sum;
         double& o = out[static_cast<size_t>(h) * S + j];
+        if (top) probs[static_cast<size_t>(h) * S + j].push_back(p);
         o = kvzip ? std::max(o, p) : o + p / g;
       }
     }
+  }
+  for (size_t i = 0; i < probs.size(); ++i) {
+    std::vector<double>& v = probs[i];
+    std::sort(v.begin(), v.end(), std::greater<double>());
+    double sum = 0;
+    for (size_t r = 0; r < v.size() && r < static_cast<size_t>(spec.top_rows); ++r) sum += v[r];
+    out[i] = sum / spec.top_rows;
   }
   return out;
 }

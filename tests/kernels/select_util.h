@@ -42,7 +42,8 @@ std::vector<int32_t> HeadValueChannels(const ChannelSelection& sel, int h);
 // Reference h2o/keyformer/snapkv (unpooled) and kvzip score, computed naively in double from the
 // layer's (dtype-rounded) values: [Hkv, S]. kvzip: with `q_stats` ([Hq, W] row log-masses) each
 // row's denominator also holds exp(q_stats[row]); with spec.pass_rows a row of pass p sees keys
-// [0, min(sink_tokens, lo)) and [lo, hi), its pass's chunk, only.
+// [0, min(sink_tokens, lo)) and [lo, hi), its pass's chunk, only; with spec.top_rows > 1 a token's
+// score is the mean of the top_rows largest probabilities it gets (absent ones zeros).
 std::vector<double> ReferenceAttentionScores(const TestLayer& layer, const EvictionSpec& spec,
                                              const float* q_stats = nullptr);
 

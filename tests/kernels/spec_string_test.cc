@@ -71,6 +71,32 @@ TEST(SpecStringTest, KVzipPasses) {
   ExpectError("kvzip:0.25,passes=12,chunk=0", "chunk");
 }
 
+// kvzip's mean over the top rows: "top=K", K in [1, 64], written only when it is not 1.
+TEST(SpecStringTest, KVzipTopRows) {
+  EXPECT_EQ(Parse("kvzip:0.1,top=4").eviction.top_rows, 4);
+  EXPECT_EQ(Parse("kvzip:0.1").eviction.top_rows, 1);
+  ExpectError("kvzip:0.1,top=0", "top");
+  ExpectError("kvzip:0.1,top=65", "top");
+  EXPECT_EQ(SpecString(Parse("kvzip:0.1,stats=1,top=4")), "kvzip:0.1,stats=1,top=4");
+  EXPECT_EQ(SpecString(Parse("kvzip:0.1,top=1")), "kvzip:0.1");
+  absl::StatusOr<kvcache::v1::CompressionConfig> c = ParseSpecConfig("kvzip:0.1,top=4");
+  ASSERT_TRUE(c.ok()) << c.status();
+  // On the wire: a count past the engine's largest is refused before it is copied, one past 64
+  // by validation.
+  kvcache::v1::CompressionConfig big = *c;
+  big.mutable_eviction()->set_top_rows(4000000000u);
+  const LayerShape shape{1, 1, 10, 8, 12};
+  absl::StatusOr<CompressionSpec> s = SpecFromProto(big, shape, 1);
+  ASSERT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.status().message()),
+              HasSubstr("eviction.top_rows: 4000000000 is too large"));
+  big.mutable_eviction()->set_top_rows(65);
+  s = SpecFromProto(big, shape, 1);
+  ASSERT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.status().message()),
+              HasSubstr("eviction.top_rows: 65 is outside [1, 64]"));
+}
+
 // The wire's limits on the passes, before anything is copied: no more entries than tokens, no
 // entry or chunk past the largest count the engine takes.
 TEST(SpecStringTest, KVzipPassesOnTheWireAreBounded) {
@@ -146,7 +172,8 @@ TEST(SpecStringTest, CanonicalFormRoundTrips) {
         "knorm:0.333333333333+q2g16+r=0", "random:0.75,seed=42,layer=1",
         "h2o:0.5,recent=0,lb=1/2/3+vthink:0.25", "q8", "l1:0.5", "think:0.5+vthink:0.5",
         "kvzip:0.25,ada=0.2,stats=1,xlayer=1,passes=2057/1036",
-        "kvzip:0.1,stats=1,passes=1033/1033/5,chunk=1024"}) {
+        "kvzip:0.1,stats=1,passes=1033/1033/5,chunk=1024",
+        "kvzip:0.1,ada=0,stats=1,xlayer=1,passes=1009,top=4"}) {
     const CompressionSpec s = Parse(text);
     EXPECT_EQ(SpecString(s), text);
     const CompressionSpec again = Parse(SpecString(s));

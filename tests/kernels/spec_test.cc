@@ -71,6 +71,25 @@ TEST(ValidateSpecTest, KVzipPasses) {
   ExpectInvalid(s, "eviction.pass_rows: reconstruction passes are read only by kvzip", 8);
 }
 
+// kvzip's mean over the top rows: [1, kMaxTopRows], kvzip only (1, the default, anywhere).
+TEST(ValidateSpecTest, KVzipTopRows) {
+  CompressionSpec s;
+  s.eviction.policy = EvictionPolicy::kKVzip;
+  for (int k : {1, 2, 4, kMaxTopRows}) {
+    s.eviction.top_rows = k;
+    EXPECT_TRUE(ValidateSpec(s, Shape(109), 0).ok()) << k;
+  }
+  s.eviction.top_rows = 0;
+  ExpectInvalid(s, "eviction.top_rows: 0 is outside [1, 64]", 109);
+  s.eviction.top_rows = kMaxTopRows + 1;
+  ExpectInvalid(s, "eviction.top_rows: 65 is outside [1, 64]", 109);
+  s.eviction.top_rows = 4;
+  s.eviction.policy = EvictionPolicy::kH2O;
+  ExpectInvalid(s, "eviction.top_rows: a mean over the top rows is read only by kvzip, not h2o", 8);
+  s.eviction.top_rows = 1;
+  EXPECT_TRUE(ValidateSpec(s, Shape(8), 0).ok());
+}
+
 TEST(ValidateSpecTest, EvictionLimits) {
   CompressionSpec s;
   s.eviction.policy = EvictionPolicy::kH2O;

@@ -26,6 +26,8 @@ def test_budget_options_and_alone_terms():
     assert spec.parse("kvzip:0.1,stats=1,passes=2057/1040,chunk=2048")["eviction"] == {
         "policy": "kvzip", "keep_ratio": 0.1, "query_stats": True, "pass_rows": [2057, 1040],
         "pass_tokens": 2048}
+    assert spec.parse("kvzip:0.1,stats=1,top=4")["eviction"] == {
+        "policy": "kvzip", "keep_ratio": 0.1, "query_stats": True, "top_rows": 4}
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -43,6 +45,8 @@ def test_budget_options_and_alone_terms():
     ("kvzip:0.5,passes=10/0", "must be >= 1"),
     ("kvzip:0.5,passes=10/x", "not a number"),
     ("kvzip:0.5,chunk=0", "must be >= 1"),
+    ("kvzip:0.5,top=0", "outside [1, 64]"),
+    ("kvzip:0.5,top=65", "outside [1, 64]"),
     ("snapkv:0.5+knorm:0.5", "a second eviction"),
     ("q3", "not 2, 4 or 8"),
     ("q4+q8", "a second quantization"),

@@ -9,7 +9,8 @@ Terms joined by '+', each kind at most once: POLICY:KEEP[,key=value...] or POLIC
 (eviction), think:L | l1:L | l2:L (key channels), vthink:L (value channels), qB[gG]
 (quantization), r=N (recent tokens), or 'full' / 'none' alone. Eviction keys: sink, recent,
 kernel, pool, tau, seed, layer, lb, ada, xlayer, value, veps, horizon, stats, passes and chunk
-(kvzip's reconstruction passes: kvc.recon.passes_option). Errors are ValueError naming the term.
+(kvzip's reconstruction passes: kvc.recon.passes_option), and top (kvzip: a token's score is the
+mean of the largest `top` probabilities its reconstruction rows give it). Errors are ValueError naming the term.
 kvcd validates the result against the cache's shape as it does for every request.
 """
 
@@ -74,6 +75,10 @@ def _set_eviction_option(ev, key, value):
         ev["pass_tokens"] = _number("chunk", value, int)
         if ev["pass_tokens"] < 1:
             raise ValueError(f"chunk {value!r} must be >= 1")
+    elif key == "top":
+        ev["top_rows"] = _number("top", value, int)
+        if not 1 <= ev["top_rows"] <= 64:
+            raise ValueError(f"top {value!r} is outside [1, 64]")
     else:
         raise ValueError(f"unknown option {key!r}")
 

@@ -34,6 +34,8 @@ inline constexpr int kMaxHorizon = 1 << 20;
 // kvzip: context tokens repeated by one reconstruction pass when the client sends passes
 // (KVzip's and kvpress's chunk).
 inline constexpr int kDefaultPassTokens = 2048;
+// kvzip: the most reconstruction rows a token's score may average (EvictionSpec::top_rows).
+inline constexpr int kMaxTopRows = 64;
 
 struct EvictionSpec {
   EvictionPolicy policy = EvictionPolicy::kNone;
@@ -87,6 +89,9 @@ struct EvictionSpec {
   // S keys.
   std::vector<int> pass_rows;
   int pass_tokens = kDefaultPassTokens;  // >= 1; read only with pass_rows
+  // kvzip: a token's score is the mean of the top_rows largest probabilities the group's rows
+  // give it (absent rows count 0), in [1, kMaxTopRows]; 1: the largest (KVzip's score).
+  int top_rows = 1;
 };
 
 struct ChannelSpec {
