@@ -47,21 +47,26 @@ class ReconPress(NamedTuple):
     default); pool: a max-pooling kernel over each head's scores before selection (1: none, as
     KVzip); vnorm: each score weighted by its token's value norm first; plus: KVzipPress's scores
     with its `kvzip_plus_normalization` (KVzip+: each attention weight times ||v W_O|| of its
-    token over the norm of its query row's attention input)."""
+    token over the norm of its query row's attention input); top: each token scored by the mean
+    of the `top` largest probabilities its rows give it instead of the largest (kvcd's kvzip
+    option top=K, the same selection)."""
     layerwise: bool = False
     pool: int = 1
     vnorm: bool = False
     plus: bool = False
+    top: int = 1
 
 
 # The pooled and weighted rows are experiments (docs/fidelity-smollm2.md, "Pooling KVzip's
 # scores"): SnapKV's pooling, and the value-norm weighting of VATP (Guo et al., 2024), applied to
-# KVzip's scores; the plus rows are kvpress's KVzip+ ("KVzip+: kvpress's other KVzip").
+# KVzip's scores; the plus rows are kvpress's KVzip+ ("KVzip+: kvpress's other KVzip"); the top
+# rows are kvcd's kvzip top=K on kvpress's side (how K was chosen: "KVzip top rows").
 RECON_PRESSES = {"kvzip": ReconPress(), "kvzip-layer": ReconPress(layerwise=True),
                  "kvzip-pool3": ReconPress(pool=3), "kvzip-pool7": ReconPress(pool=7),
                  "kvzip-pool11": ReconPress(pool=11), "kvzip-vnorm": ReconPress(vnorm=True),
                  "kvzip-plus": ReconPress(plus=True),
-                 "kvzip-plus-layer": ReconPress(layerwise=True, plus=True)}
+                 "kvzip-plus-layer": ReconPress(layerwise=True, plus=True),
+                 **{f"kvzip-top{k}": ReconPress(top=k) for k in (2, 4, 8, 16, 32)}}
 
 
 def recon_needs_plus(names):
@@ -181,7 +186,7 @@ def compress_recon(name, recon, shadow, layers_in, keep, dtype):
     """RowCache of a reconstruction press (RECON_PRESSES) at keep ratio `keep`."""
     p = RECON_PRESSES[name]
     weights = [x.values[0].float().norm(dim=-1) for x in layers_in] if p.vnorm else None
-    valid = recon.kvpress_valid(shadow, keep, p.layerwise, p.pool, weights, p.plus)
+    valid = recon.kvpress_valid(shadow, keep, p.layerwise, p.pool, weights, p.plus, p.top)
     row = RowCache([(x.keys[0].to(dtype), x.values[0].to(dtype), m)
                     for x, m in zip(layers_in, valid)])
     row.positions = [torch.arange(m.shape[1]).expand(m.shape[0], -1) for m in valid]

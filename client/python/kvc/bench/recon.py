@@ -115,17 +115,50 @@ class Reconstruction:
         self.scores_plus = plus_press.score_val.clone() if plus_press is not None else None
         self.q_obs = [torch.cat([p[0][i] for p in parts], dim=1) for i in range(len(lm.layers))]
         self.lse = [torch.cat([p[1][i] for p in parts], dim=1) for i in range(len(lm.layers))]
+        self._keys = [x.keys[0] for x in layers_in32]  # [Hkv, S, D] fp32, for top_scores
+        self._top = {}
 
-    def kvpress_valid(self, shadow, keep, layerwise, pool=1, weights=None, plus=False):
+    def top_scores(self, k):
+        """[L, 1, Hkv, S]: KVzipPress's scores with the maximum over the group's rows replaced by
+        the mean of the k largest probabilities (kvcd's `top=k`): each pass's rows normalised as
+        the press does (over the sinks, the pass's chunk and, by its log-mass, its own tokens),
+        a token scored by the rows of the pass that repeats it. k = 1 gives self.scores."""
+        if k in self._top:
+            return self._top[k]
+        from kvpress import KVzipPress as _P
+        sinks = _P().n_sink
+        L, (hkv, S, D) = len(self._keys), self._keys[0].shape
+        out = torch.zeros(L, 1, hkv, S)
+        for li in range(L):
+            q, lse, keys = self.q_obs[li], self.lse[li], self._keys[li]
+            g = q.shape[0] // hkv
+            r0 = 0
+            for start, end, rows in self.pass_spans:
+                idx = torch.cat([torch.arange(min(sinks, start)), torch.arange(start, end)])
+                qp = q[:, r0:r0 + rows].reshape(hkv, g * rows, D)
+                lg = torch.matmul(qp, keys[:, idx].transpose(1, 2)) / D ** 0.5
+                den = torch.logaddexp(torch.logsumexp(lg, -1),
+                                      lse[:, r0:r0 + rows].reshape(hkv, g * rows))
+                p = torch.exp(lg - den.unsqueeze(-1))[:, :, len(idx) - (end - start):]
+                top = p.topk(min(k, g * rows), dim=1).values  # [Hkv, k', chunk]
+                out[li, 0, :, start:end] = top.sum(1) / k
+                r0 += rows
+        self._top[k] = out
+        return out
+
+    def kvpress_valid(self, shadow, keep, layerwise, pool=1, weights=None, plus=False, top=1):
         """Per layer [Hkv, S] kept masks of KVzipPress(compression_ratio=1-keep, layerwise), on
         its KVzip+ scores with `plus`; with pool > 1 (odd), each head's scores are max-pooled over
         `pool` neighbouring tokens first;
         with `weights` (per layer [Hkv, S]), each score is multiplied by its weight first (the
-        sinks are still set by the press afterwards)."""
+        sinks are still set by the press afterwards); with top > 1, on top_scores(top)."""
         press = KVzipPress(compression_ratio=1.0 - keep, layerwise=layerwise)
         if plus and self.scores_plus is None:
             raise ValueError("kvzip-plus rows: the reconstruction ran without plus=True")
-        press.score_val = (self.scores_plus if plus else self.scores).clone()
+        if top > 1 and plus:
+            raise ValueError("kvzip rows: top and plus together are not measured")
+        press.score_val = (self.scores_plus if plus else
+                           self.top_scores(top) if top > 1 else self.scores).clone()
         if weights is not None:
             w = torch.stack([x.to(press.score_val.dtype) for x in weights])  # [L, Hkv, S]
             press.score_val = press.score_val * w[:, None]
