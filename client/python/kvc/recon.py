@@ -8,7 +8,7 @@ a newline, then the context itself. A prefill node that runs a Hugging Face Llam
     import kvc.spec
     from kvc.recon import reconstruction_inputs
     q, lse = reconstruction_inputs(model, tokenizer, context_ids)  # [Hq, W, D], [Hq, W]
-    spec = "kvzip:0.1,stats=1,ada=0.2,xlayer=1" + passes_option(tokenizer, context_ids)
+    spec = "kvzip:0.1,stats=1,ada=0,xlayer=1,top=16" + passes_option(tokenizer, context_ids)
     client.put(cache_id, [(k[l], v[l], q[l], lse[l]) for l in range(L)],
                compression=kvc.spec.parse(spec))
 
