@@ -84,6 +84,36 @@ TEST(ScoreTokensTest, KVzipMatchesReferenceOverShapes) {
   }
 }
 
+// kvzip's passes over S tokens in chunks of `chunk`, each with `extra` instruction rows: sets
+// spec's pass_tokens and pass_rows, returns W.
+int SetPasses(EvictionSpec* spec, int S, int chunk, int extra) {
+  spec->pass_tokens = chunk;
+  int W = 0;
+  for (int lo = 0; lo < S; lo += chunk) {
+    spec->pass_rows.push_back(std::min(chunk, S - lo) + extra);
+    W += spec->pass_rows.back();
+  }
+  return W;
+}
+
+// kvzip against the reference on every dtype, without and with row log-masses (a fixed pattern
+// of `lse_mod` values `lse_step` apart).
+void ExpectKVzipNearReference(EvictionSpec spec, const LayerShape& shape, uint32_t seed,
+                              float lse_step, int lse_mod) {
+  std::vector<float> lse(static_cast<size_t>(shape.num_q_heads) * shape.obs_window);
+  for (size_t i = 0; i < lse.size(); ++i) {
+    lse[i] = -1.0f + lse_step * static_cast<float>(i % lse_mod);
+  }
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+    SCOPED_TRACE(::testing::Message() << DTypeName(t));
+    const TestLayer layer = RandomLayer(shape, seed, t);
+    spec.query_stats = false;
+    ExpectNearReference(layer, spec);
+    spec.query_stats = true;
+    ExpectNearReference(layer, spec, lse.data());
+  }
+}
+
 // kvzip with reconstruction passes (KVzip's chunked reconstruction, normalised as KVzipPress
 // does): a row of pass p sees the first sink_tokens keys and its pass's chunk only. Chunks
 // smaller and larger than the engine's key pieces (1024), sinks inside the first chunk and beyond
@@ -99,25 +129,12 @@ TEST(ScoreTokensTest, KVzipPassesMatchReference) {
                                          {1, 1, 5, 8, 5, 2, 4}}) {
     EvictionSpec spec;
     spec.policy = EvictionPolicy::kKVzip;
-    spec.pass_tokens = c.chunk;
     spec.sink_tokens = c.sinks;
-    int W = 0;
-    for (int lo = 0; lo < c.S; lo += c.chunk) {
-      spec.pass_rows.push_back(std::min(c.chunk, c.S - lo) + c.extra);
-      W += spec.pass_rows.back();
-    }
-    const LayerShape shape{c.hkv, c.hkv * c.g, c.S, c.D, W};
-    std::vector<float> lse(static_cast<size_t>(shape.num_q_heads) * W);
-    for (size_t i = 0; i < lse.size(); ++i) lse[i] = -1.0f + 0.29f * static_cast<float>(i % 17);
-    for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
-      SCOPED_TRACE(::testing::Message() << "S " << c.S << " chunk " << c.chunk << " sinks "
-                                        << c.sinks << " " << DTypeName(t));
-      const TestLayer layer = RandomLayer(shape, 3 + c.S, t);
-      spec.query_stats = false;
-      ExpectNearReference(layer, spec);
-      spec.query_stats = true;
-      ExpectNearReference(layer, spec, lse.data());
-    }
+    const int W = SetPasses(&spec, c.S, c.chunk, c.extra);
+    SCOPED_TRACE(::testing::Message() << "S " << c.S << " chunk " << c.chunk << " sinks "
+                                      << c.sinks);
+    ExpectKVzipNearReference(spec, LayerShape{c.hkv, c.hkv * c.g, c.S, c.D, W}, 3 + c.S, 0.29f,
+                             17);
   }
 }
 
@@ -138,27 +155,10 @@ TEST(ScoreTokensTest, KVzipTopRowsMatchReference) {
     EvictionSpec spec;
     spec.policy = EvictionPolicy::kKVzip;
     spec.top_rows = c.top;
-    int W = c.W;
-    if (c.chunk > 0) {
-      spec.pass_tokens = c.chunk;
-      W = 0;
-      for (int lo = 0; lo < c.S; lo += c.chunk) {
-        spec.pass_rows.push_back(std::min(c.chunk, c.S - lo) + 3);
-        W += spec.pass_rows.back();
-      }
-    }
-    const LayerShape shape{c.hkv, c.hkv * c.g, c.S, c.D, W};
-    std::vector<float> lse(static_cast<size_t>(shape.num_q_heads) * W);
-    for (size_t i = 0; i < lse.size(); ++i) lse[i] = -1.0f + 0.31f * static_cast<float>(i % 13);
-    for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
-      SCOPED_TRACE(::testing::Message() << "S " << c.S << " W " << W << " top " << c.top << " "
-                                        << DTypeName(t));
-      const TestLayer layer = RandomLayer(shape, 7 + c.S, t);
-      spec.query_stats = false;
-      ExpectNearReference(layer, spec);
-      spec.query_stats = true;
-      ExpectNearReference(layer, spec, lse.data());
-    }
+    const int W = c.chunk > 0 ? SetPasses(&spec, c.S, c.chunk, 3) : c.W;
+    SCOPED_TRACE(::testing::Message() << "S " << c.S << " W " << W << " top " << c.top);
+    ExpectKVzipNearReference(spec, LayerShape{c.hkv, c.hkv * c.g, c.S, c.D, W}, 7 + c.S, 0.31f,
+                             13);
   }
 }
 
