@@ -125,8 +125,7 @@ class Reconstruction:
         a token scored by the rows of the pass that repeats it. k = 1 gives self.scores."""
         if k in self._top:
             return self._top[k]
-        from kvpress import KVzipPress as _P
-        sinks = _P().n_sink
+        sinks = KVzipPress.n_sink  # the press's default (a dataclass field)
         L, (hkv, S, D) = len(self._keys), self._keys[0].shape
         out = torch.zeros(L, 1, hkv, S)
         for li in range(L):

@@ -31,13 +31,20 @@ TASKS = ("passkey", "multikey", "multivalue", "multiquery", "vartrack", "kvlist"
          "continuation")
 
 
+def task_counts(spec):
+    """[(task, documents)] of a --tasks value "TASK:N,..." (N defaults to 100)."""
+    out = []
+    for item in str(spec).split(","):
+        name, _, n = item.partition(":")
+        out.append((name, int(n or 100)))
+    return out
+
+
 def build_docs(tok, spec, length, seed, cont_len):
     b = tasks.Builder(tok)
     lines = tasks.filler_lines()
     out = []
-    for item in spec.split(","):
-        name, _, n = item.partition(":")
-        n = int(n or 100)
+    for name, n in task_counts(spec):
         if name == "passkey":
             out += tasks.passkey_docs(b, n, length, seed, lines)
         elif name == "multikey":
@@ -338,21 +345,13 @@ def main(argv=None):
 RESUME_FREE = {"out", "kvcd", "max_minutes", "workers", "threads", "resume", "batch"}
 
 
-def _task_counts(spec):
-    out = []
-    for item in str(spec).split(","):
-        name, _, n = item.partition(":")
-        out.append((name, int(n or 100)))
-    return out
-
-
 def _tasks_grow(then, now):
     """Whether --tasks `now` names the tasks of `then` in the same order, each with at least as
     many documents: a resumed run may ask for more documents. The retrieval generators draw
     their documents one after another from one seeded stream, so the first N of N + M are the
     N; continuation spreads its N windows over the text, so its count may not change."""
     try:
-        a, b = _task_counts(then), _task_counts(now)
+        a, b = task_counts(then), task_counts(now)
     except ValueError:
         return False
     return [n for n, _ in a] == [n for n, _ in b] and all(
