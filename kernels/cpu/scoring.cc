@@ -152,7 +152,7 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
       float* shift = stats + 2 * static_cast<size_t>(nr);  // [nr, chunks]: m_c per chunk
       std::fill(row_max, row_max + nr, -std::numeric_limits<float>::infinity());
       std::fill(row_sum, row_sum + nr, 0.0f);
-      if (recon && in.q_stats != nullptr) {
+      if (recon && spec.query_stats && in.q_stats != nullptr) {
         // kvzip with the rows' log-masses over keys not uploaded (their own reconstruction
         // tokens): that mass starts the softmax's denominator, exp(lse - m) with m = lse.
         for (int r = r0; r < r0 + nr; ++r) {

@@ -308,6 +308,12 @@ TEST(ScoreTokensTest, KVzipRowLogMassJoinsTheDenominator) {
   double gap = 0;
   for (size_t i = 0; i < want.size(); ++i) gap = std::max(gap, (*without)[i] - want[i]);
   EXPECT_GT(gap, 1e-3);
+  // Log-masses handed in without query_stats are not read (kvcd never forwards them then, and an
+  // in-process caller must get the same scores).
+  LayerInput ignored = in;  // q_stats = lse
+  absl::StatusOr<std::vector<float>> unread = ScoreTokens(ignored, plain);
+  ASSERT_TRUE(unread.ok()) << unread.status();
+  EXPECT_EQ(*unread, *without);
   std::fill(lse.begin(), lse.end(), -1e30f);
   absl::StatusOr<std::vector<float>> tiny = ScoreTokens(in, spec);
   ASSERT_TRUE(tiny.ok()) << tiny.status();
