@@ -80,6 +80,12 @@ absl::Status ValidateRunOptions(const RunOptions& o, const model::LlamaConfig& c
       }
     }
   }
+  for (int32_t t : o.kvzip_prompt) {
+    if (t < 0 || t >= config.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("kvzip_prompt: token ", t, " is outside [0, vocab ",
+                                                     config.vocab_size, ")"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -124,6 +130,10 @@ LayerInput PrefixCache::Input(int layer) const {
   in.q_obs = obs_window > 0 ? l.q.data() : nullptr;
   in.rope = &rope;
   in.q_stats = q_stats ? (*q_stats)[layer].data() : nullptr;
+  if (recon) {
+    in.q_obs = recon->q[layer].data();
+    in.q_stats = recon->log_mass[layer].data();
+  }
   return in;
 }
 
@@ -333,11 +343,35 @@ absl::Status FidelityEval::PrepareSequence(std::vector<int32_t> seq) {
   return absl::OkStatus();
 }
 
-const PrefixCache& FidelityEval::prefix(int i, Scenario scenario,
-                                        const CompressionSpec& spec) const {
-  if (scenario == Scenario::kInside) return inside_[i];
-  const PrefixCache& after = after_[i];
-  return NeedsQueries(spec, after.shape()) ? after : after_no_queries_[i];
+absl::StatusOr<PrefixCache> FidelityEval::CompressedPrefix(int i, Scenario scenario,
+                                                          const CompressionSpec& spec) {
+  if (i < 0 || i >= options_.num_sequences) {
+    return absl::InvalidArgumentError(absl::StrCat("sequence: ", i, " is out of range"));
+  }
+  if (!NeedsReconstruction(spec)) {
+    if (scenario == Scenario::kInside) return inside_[i];
+    const PrefixCache& after = after_[i];
+    return NeedsQueries(spec, after.shape()) ? after : after_no_queries_[i];
+  }
+  RETURN_IF_ERROR(CheckReconstructionSpec(spec));
+  PrefixCache prefix = scenario == Scenario::kInside ? inside_[i] : after_no_queries_[i];
+  if (recon_inside_.empty()) {
+    recon_inside_.resize(options_.num_sequences);
+    recon_after_.resize(options_.num_sequences);
+  }
+  std::shared_ptr<const ReconstructionPass>& pass =
+      scenario == Scenario::kInside ? recon_inside_[i] : recon_after_[i];
+  if (!pass) {
+    const std::vector<int32_t>& seq = sequences_[i];
+    ASSIGN_OR_RETURN(ReconstructionPass run,
+                     RunReconstruction(*model_,
+                                       absl::MakeConstSpan(seq.data(), prefix.prefix_len),
+                                       options_.kvzip_prompt));
+    pass = std::make_shared<const ReconstructionPass>(std::move(run));
+  }
+  prefix.recon = pass;
+  prefix.obs_window = pass->rows;
+  return prefix;
 }
 
 absl::StatusOr<std::vector<float>> FidelityEval::DecodeOnCompact(int i,
@@ -380,7 +414,7 @@ absl::StatusOr<Metrics> FidelityEval::Evaluate(const CompressionSpec& spec,
   int agree = 0;
   double kl_sum = 0;
   for (int i = 0; i < options_.num_sequences; ++i) {
-    const PrefixCache& prefix = this->prefix(i, scenario, spec);
+    ASSIGN_OR_RETURN(const PrefixCache prefix, CompressedPrefix(i, scenario, spec));
     m.obs_window = prefix.obs_window;
     ASSIGN_OR_RETURN(std::vector<CompactLayer> layers, compressor(prefix, spec, i));
     for (const CompactLayer& layer : layers) m.compact_bytes += layer.bytes.size();

@@ -9,6 +9,7 @@
 //   kvcfidelity --model stories260K.bin --via 127.0.0.1:50051   # through a running kvcd
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -79,6 +80,10 @@ ABSL_FLAG(std::string, sequences_file, "",
           "evaluate these sequences instead of sampling: a file as --dump_sequences writes (at "
           "least seeds x sequences lines, each of at least P + C token ids; seed r uses lines "
           "r*sequences.. of it, extra lines and tokens are ignored)");
+ABSL_FLAG(std::string, kvzip_prompt, "",
+          "kvzip rows: token ids (spaces or commas) of the reconstruction prompt run between the "
+          "compressed prefix and its copy; empty (the default) repeats the prefix right after "
+          "itself. The pass needs 2 x the compressed prefix + these positions of the model");
 
 namespace kvc::fidelity {
 namespace {
@@ -155,6 +160,8 @@ absl::Status Run() {
   options.obs_window = std::min(absl::GetFlag(FLAGS_window), options.prefix_len);
   options.temperature = static_cast<float>(absl::GetFlag(FLAGS_temperature));
   options.seed = absl::GetFlag(FLAGS_seed);
+  ASSIGN_OR_RETURN(options.kvzip_prompt,
+                   ParseTokenIds(absl::GetFlag(FLAGS_kvzip_prompt), "--kvzip_prompt"));
   RETURN_IF_ERROR(ValidateRunOptions(options, c));
   const int seeds = absl::GetFlag(FLAGS_seeds);
   if (seeds < 1)
@@ -175,6 +182,17 @@ absl::Status Run() {
     }
   }
   ASSIGN_OR_RETURN(std::vector<SweepEntry> rows, Rows(group));
+  for (const SweepEntry& entry : rows) {  // kvzip rows: refused now, not after the others ran
+    if (!NeedsReconstruction(entry.spec)) continue;
+    const absl::Status ok = CheckReconstructionSpec(entry.spec);
+    const bool inside = std::find(scenarios.begin(), scenarios.end(), Scenario::kInside) !=
+                        scenarios.end();
+    const absl::Status fits =
+        CheckReconstructionFits(c, inside ? p : p - w, options.kvzip_prompt.size());
+    for (const absl::Status& st : {ok, fits}) {
+      if (!st.ok()) return absl::Status(st.code(), absl::StrCat(entry.label, ": ", st.message()));
+    }
+  }
 
   // Every output path is checked before the run, not after it.
   std::string dump = absl::GetFlag(FLAGS_dump_sequences);
@@ -282,7 +300,7 @@ absl::Status Run() {
   std::vector<SweepResult> results;
   int mismatches = 0, skipped = 0;
   for (const SweepEntry& entry : rows) {
-    if (w == 0 && NeedsQueries(entry.spec, query_shape)) {
+    if (w == 0 && NeedsQueries(entry.spec, query_shape) && !NeedsReconstruction(entry.spec)) {
       ++skipped;
       std::printf("%-30s skipped: needs observation queries and --window is 0\n",
                   entry.label.c_str());

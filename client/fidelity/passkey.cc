@@ -466,15 +466,42 @@ absl::StatusOr<std::string> PasskeyEval::AnswerOnCompact(int i, PasskeyScenario 
   return AnswerText(answer);
 }
 
+absl::Status PasskeyEval::SetKVzipPrompt(std::vector<int32_t> prompt) {
+  const int vocab = model_->config().vocab_size;
+  for (int32_t t : prompt) {
+    if (t < 0 || t >= vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kvzip_prompt: token ", t, " is outside [0, vocab ", vocab, ")"));
+    }
+  }
+  kvzip_prompt_ = std::move(prompt);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PrefixCache> PasskeyEval::PrefixFor(int i, PasskeyScenario scenario,
+                                                   const CompressionSpec& spec) const {
+  if (!NeedsReconstruction(spec)) return Prefix(i, scenario, WindowFor(spec, scenario));
+  RETURN_IF_ERROR(CheckReconstructionSpec(spec));
+  ASSIGN_OR_RETURN(PrefixCache prefix, Prefix(i, scenario, 0));
+  const std::vector<int32_t>& prompt = tokens_[i].prompt;
+  ASSIGN_OR_RETURN(ReconstructionPass pass,
+                   RunReconstruction(*model_, absl::MakeConstSpan(prompt.data(), prefix.prefix_len),
+                                     kvzip_prompt_));
+  prefix.obs_window = pass.rows;
+  prefix.recon = std::make_shared<const ReconstructionPass>(std::move(pass));
+  return prefix;
+}
+
 absl::StatusOr<PasskeyResult> PasskeyEval::Evaluate(const CompressionSpec& spec,
                                                     PasskeyScenario scenario,
                                                     const Compressor& compressor) {
   PasskeyResult r;
   r.documents = static_cast<int>(tokens_.size());
-  r.obs_window = WindowFor(spec, scenario);
+  r.obs_window = NeedsReconstruction(spec) ? 0 : WindowFor(spec, scenario);
   uint64_t packed = 0, full = 0;
   for (int i = 0; i < r.documents; ++i) {
-    ASSIGN_OR_RETURN(PrefixCache prefix, Prefix(i, scenario, r.obs_window));
+    ASSIGN_OR_RETURN(PrefixCache prefix, PrefixFor(i, scenario, spec));
+    r.obs_window = std::max(r.obs_window, prefix.obs_window);
     ASSIGN_OR_RETURN(std::vector<CompactLayer> layers, compressor(prefix, spec, i));
     for (const CompactLayer& layer : layers) packed += layer.bytes.size();
     full += prefix.full_bytes();

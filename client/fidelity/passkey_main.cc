@@ -66,6 +66,10 @@ ABSL_FLAG(std::string, via, "",
           "kvcd address: compress through PutCache/GetCache(PACKED) instead of in-process, and "
           "check that every answer equals the in-process one");
 ABSL_FLAG(int, threads, 1, "CPU backend threads (0 = all cores)");
+ABSL_FLAG(std::string, kvzip_prompt, "",
+          "kvzip rows: token ids (spaces or commas) of the reconstruction prompt run between the "
+          "compressed part and its copy; empty (the default) repeats it right after itself. The "
+          "pass needs 2 x the compressed part + these positions of the model");
 
 namespace kvc::fidelity {
 namespace {
@@ -160,6 +164,8 @@ absl::Status Run() {
   ASSIGN_OR_RETURN(const std::vector<Row> rows, ParseSpecs(absl::GetFlag(FLAGS_spec)));
   ASSIGN_OR_RETURN(const std::vector<PasskeyScenario> scenarios,
                    ParseScenarios(absl::GetFlag(FLAGS_scenarios)));
+  ASSIGN_OR_RETURN(std::vector<int32_t> kvzip_prompt,
+                   ParseTokenIds(absl::GetFlag(FLAGS_kvzip_prompt), "--kvzip_prompt"));
   // Output files are opened before the run, so a bad path fails in a second, not after it.
   std::ofstream csv;
   if (const std::string path = absl::GetFlag(FLAGS_csv); !path.empty()) {
@@ -206,6 +212,27 @@ absl::Status Run() {
     source = absl::StrCat("from ", documents_file);
   }
 
+  // kvzip rows are refused now, before the documents' forward passes: the longest compressed
+  // part (a prompt but its last token inside, a context after) must fit the model twice.
+  int longest_part = 0;
+  for (PasskeyScenario s : scenarios) {
+    const bool inside = s == PasskeyScenario::kInside;
+    for (const PasskeyDocument& d : docs) {
+      longest_part = std::max(longest_part, inside ? static_cast<int>(d.prompt.size()) - 1
+                                                   : d.question_offset);
+    }
+    for (const TokenDocument& d : token_docs) {
+      longest_part = std::max(longest_part, inside ? static_cast<int>(d.prompt.size()) - 1
+                                                   : d.question_start);
+    }
+  }
+  for (const Row& row : rows) {
+    if (!NeedsReconstruction(row.spec)) continue;
+    absl::Status st = CheckReconstructionSpec(row.spec);
+    st.Update(CheckReconstructionFits(c, longest_part, static_cast<int64_t>(kvzip_prompt.size())));
+    if (!st.ok()) return absl::Status(st.code(), absl::StrCat(row.label, ": ", st.message()));
+  }
+
   BackendOptions backend_options;
   backend_options.num_threads = threads;
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateCpuBackend(backend_options));
@@ -246,6 +273,7 @@ absl::Status Run() {
     return s;
   }
   std::unique_ptr<PasskeyEval> eval = *std::move(created);
+  RETURN_IF_ERROR(eval->SetKVzipPrompt(std::move(kvzip_prompt)));
   const PasskeyResult& full = eval->full_cache();
   std::printf("full cache: %d/%d exact, accuracy %s (Wilson 95%%)\n\n", full.correct,
               full.documents, FormatAccuracy(full).c_str());

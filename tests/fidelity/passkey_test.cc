@@ -32,6 +32,7 @@ namespace kvc::fidelity {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // A small prose sample of our own, so the generator tests need no files.
 constexpr char kProse[] = R"(   A SMALL NOTICE ABOUT SHARING
@@ -404,6 +405,40 @@ TEST_F(PasskeyModelTest, ScenariosCompressTheRightPositions) {
               HasSubstr("seq_len"));
 }
 
+// kvzip's reconstruction pass (recon.h) runs the compressed part twice: the suite's documents
+// (up to 384 bytes) do not fit the model's 384 positions twice, short ones do.
+TEST_F(PasskeyModelTest, KVzipReconstructsTheCompressedPartOrSaysWhyNot) {
+  const CompressionSpec kvzip = *ParseSpecString("kvzip:0.5,stats=1");
+  EXPECT_THAT(eval_->PrefixFor(0, PasskeyScenario::kAfter, kvzip).status().message(),
+              HasSubstr("past the model's seq_len 384"));
+  PasskeyDocOptions small;
+  small.max_bytes = 190;  // 2 x 189 + 1 <= 384
+  auto docs = GeneratePasskeyDocuments(State().filler, 5, 3, small);
+  ASSERT_TRUE(docs.ok()) << docs.status();
+  auto eval = PasskeyEval::Create(State().model.get(), *std::move(docs), 8,
+                                  State().backend.get());
+  ASSERT_TRUE(eval.ok()) << eval.status();
+  EXPECT_THAT((*eval)->SetKVzipPrompt({256}).message(), HasSubstr("kvzip_prompt: token 256"));
+  ASSERT_TRUE((*eval)->SetKVzipPrompt({'\n'}).ok());
+  for (PasskeyScenario scenario : {PasskeyScenario::kInside, PasskeyScenario::kAfter}) {
+    SCOPED_TRACE(ScenarioName(scenario));
+    int longest = 0;
+    for (int i = 0; i < 3; ++i) {
+      auto prefix = (*eval)->PrefixFor(i, scenario, kvzip);
+      ASSERT_TRUE(prefix.ok()) << prefix.status();
+      ASSERT_NE(prefix->recon, nullptr);
+      EXPECT_EQ(prefix->obs_window, prefix->prefix_len + 1);  // the copy and the prompt's byte
+      longest = std::max(longest, prefix->obs_window);
+    }
+    auto r = (*eval)->Evaluate(kvzip, scenario, InProcessCompressor(State().backend.get()));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->documents, 3);
+    EXPECT_EQ(r->answers.size(), 3u);
+    EXPECT_EQ(r->obs_window, longest);
+    EXPECT_LT(r->size_ratio, 0.75);
+  }
+}
+
 TEST_F(PasskeyModelTest, CreateRejectsBadInput) {
   const model::Transformer* m = State().model.get();
   auto docs = GeneratePasskeyDocuments(State().filler, 3, 2, {});
@@ -497,6 +532,7 @@ TEST(PasskeyToolTest, RejectsBadFlagsBeforeWork) {
       {model + " --scenarios=sideways", "--scenarios: 'sideways'"},
       {model + " --max_bytes=64", "--max_bytes"},
       {model + " --threads=-1", "--threads"},
+      {model + " --kvzip_prompt=1,x", "--kvzip_prompt: 'x'"},
       {model + " --csv=/nonexistent-dir/x.csv", "--csv: cannot write"},
       {model + " stray", "unexpected argument 'stray'"},
       {"--model=/nonexistent-dir/m.bin", "m.bin"},
@@ -522,6 +558,15 @@ TEST_F(PasskeyModelTest, ToolRunsAndWritesCsv) {
   EXPECT_EQ(too_long.exit_code, 1);
   EXPECT_THAT(too_long.output, HasSubstr("--max_bytes: documents: document 0 has"));
   EXPECT_THAT(too_long.output, HasSubstr("seq_len is 384"));
+  // kvzip rows are checked before any row runs: these documents do not fit twice.
+  const ToolRun kvzip_long = RunTool(model + " --documents=2 --spec='full;kvzip:0.5'");
+  EXPECT_EQ(kvzip_long.exit_code, 1);
+  EXPECT_THAT(kvzip_long.output, HasSubstr("kvzip:0.5: kvzip: the reconstruction pass runs"));
+  EXPECT_THAT(kvzip_long.output, Not(HasSubstr("full cache: ")));
+  const ToolRun kvzip = RunTool(model + " --documents=2 --max_bytes=190 --window=8 " +
+                                "--spec='kvzip:0.5,stats=1' --kvzip_prompt=10");
+  EXPECT_EQ(kvzip.exit_code, 0) << kvzip.output;
+  EXPECT_THAT(kvzip.output, HasSubstr("kvzip:0.5,stats=1"));
 
   const ToolRun run = RunTool(model + " --documents=3 --seed=3 --window=16 " +
                               "--spec='full;streaming:0.25' --csv=" + csv);

@@ -43,13 +43,18 @@ class ScenarioTest : public EvalFixture {
 TEST_F(ScenarioTest, AfterCompressesOnlyThePrefixBeforeTheQuestion) {
   const CompressionSpec snapkv = *ParseSpecString("snapkv:0.5");
   const CompressionSpec knorm = *ParseSpecString("knorm:0.5");
-  const PrefixCache& inside = eval_->prefix(0, Scenario::kInside, snapkv);
+  absl::StatusOr<PrefixCache> inside_or = eval_->CompressedPrefix(0, Scenario::kInside, snapkv);
+  absl::StatusOr<PrefixCache> after_or = eval_->CompressedPrefix(0, Scenario::kAfter, snapkv);
+  absl::StatusOr<PrefixCache> knorm_or = eval_->CompressedPrefix(0, Scenario::kAfter, knorm);
+  ASSERT_TRUE(inside_or.ok() && after_or.ok() && knorm_or.ok());
+  const PrefixCache& inside = *inside_or;
   EXPECT_EQ(inside.prefix_len, kPrefix);
   EXPECT_EQ(inside.obs_window, kWindow);
-  const PrefixCache& after = eval_->prefix(0, Scenario::kAfter, snapkv);
+  const PrefixCache& after = *after_or;
   EXPECT_EQ(after.prefix_len, kPrefix - kWindow);
   EXPECT_EQ(after.obs_window, kWindow);  // snapkv needs queries: the prefix's own last W
-  EXPECT_EQ(eval_->prefix(0, Scenario::kAfter, knorm).obs_window, 0);  // query-agnostic: none
+  EXPECT_EQ(knorm_or->obs_window, 0);    // query-agnostic: none
+  EXPECT_EQ(inside.recon, nullptr);
   // The after prefix is the inside prefix's first P - W positions, and its queries are those
   // of the W positions before the question, not the question's.
   const int hd = inside.head_dim;

@@ -68,6 +68,37 @@ TEST(ToolTest, OnlyWithoutAMatchIsAnError) {
   EXPECT_THAT(r.output, Not(HasSubstr(kTableHeader)));
 }
 
+// kvzip rows run the compressed prefix twice (recon.h): a prefix that does not fit the model
+// twice is refused before the run, naming the row; one that fits runs with W = its rows.
+TEST(ToolTest, KVzipRowsReconstructTheirPrefix) {
+  KVC_REQUIRE_MODEL(model);
+  const RunResult too_long = RunTool(model, "--prefix 300 --spec 'full;kvzip:0.5'");
+  EXPECT_EQ(too_long.exit_code, 1) << too_long.output;
+  EXPECT_THAT(too_long.output,
+              HasSubstr("kvzip:0.5: kvzip: the reconstruction pass runs 2 x 300 context + 0"));
+  EXPECT_THAT(too_long.output, Not(HasSubstr(kTableHeader)));
+  const RunResult bad = RunTool(model, "--spec kvzip:0.5 --kvzip_prompt '3 -4'");
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_THAT(bad.output, HasSubstr("--kvzip_prompt: '-4'"));
+  const RunResult passes = RunTool(model, "--spec 'kvzip:0.5,passes=20/20,chunk=16'");
+  EXPECT_EQ(passes.exit_code, 1) << passes.output;
+  EXPECT_THAT(passes.output, HasSubstr("passes"));
+  // --window 0: no question, yet kvzip needs none of its queries and runs.
+  const RunResult r =
+      RunTool(model, "--window 0 --spec 'kvzip:0.5,stats=1;snapkv:0.5' --kvzip_prompt '3,4'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("snapkv:0.5                     skipped"));
+  // The kvzip row ran with W = 32 + 2 reconstruction rows.
+  bool found = false;
+  for (absl::string_view line : absl::StrSplit(r.output, '\n')) {
+    if (absl::StartsWith(line, "kvzip:0.5,stats=1")) {
+      found = true;
+      EXPECT_THAT(std::string(line), HasSubstr(" inside  34 ")) << line;
+    }
+  }
+  EXPECT_TRUE(found) << r.output;
+}
+
 TEST(ToolTest, UnwritableOutputPathsFailBeforeTheRun) {
   KVC_REQUIRE_MODEL(model);
   for (const char* flag : {"--csv", "--png", "--svg", "--dump_sequences"}) {

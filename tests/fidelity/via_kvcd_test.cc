@@ -51,9 +51,13 @@ class ViaKvcdTest : public EvalFixture {
 };
 
 std::vector<CompressionSpec> Specs() {
-  std::vector<CompressionSpec> specs(6);
+  std::vector<CompressionSpec> specs(8);
   specs[4] = *ParseSpecString("knorm:0.5");  // query-agnostic: after sends W = 0
   specs[5] = *ParseSpecString("keyformer:0.5,seed=3+think:0.5+q4g4");
+  // kvzip: S + prompt reconstruction rows (more than the tokens), with and without their
+  // log-masses (without, neither side may read them).
+  specs[6] = *ParseSpecString("kvzip:0.5,stats=1,top=4");
+  specs[7] = *ParseSpecString("kvzip:0.25");
   specs[0].eviction.policy = EvictionPolicy::kSnapKV;
   specs[0].eviction.keep_ratio = 0.5;
   specs[1].eviction.policy = EvictionPolicy::kKeyformer;  // seeded noise must match too
@@ -74,12 +78,15 @@ TEST_F(ViaKvcdTest, ServedBlobsGiveExactlyTheInProcessNumbers) {
   const Compressor remote = KvcdCompressor(client_.get(), "fidelity-test");
   for (const CompressionSpec& spec : Specs()) {
     const std::string name =
-        absl::StrCat(std::string(PolicyName(spec.eviction.policy)), "/",
+        absl::StrCat(std::string(PolicyName(spec.eviction.policy)),
+                     spec.eviction.query_stats ? "+stats" : "", "/",
                      std::string(PolicyName(spec.channels.key_policy)), "/q", spec.quant.bits);
     // Byte-identical blobs for every sequence.
     for (int i = 0; i < eval_->options().num_sequences; ++i) {
-      auto a = local(eval_->prefix(i), spec, i);
-      auto b = remote(eval_->prefix(i), spec, i);
+      absl::StatusOr<PrefixCache> prefix = eval_->CompressedPrefix(i, Scenario::kInside, spec);
+      ASSERT_TRUE(prefix.ok()) << name << ": " << prefix.status();
+      auto a = local(*prefix, spec, i);
+      auto b = remote(*prefix, spec, i);
       ASSERT_TRUE(a.ok()) << name << ": " << a.status();
       ASSERT_TRUE(b.ok()) << name << ": " << b.status();
       ASSERT_EQ(a->size(), b->size());

@@ -14,6 +14,7 @@
 #include "absl/strings/string_view.h"
 #include "kvc/backend.h"
 #include "kvc/compact.h"
+#include "kvc/fidelity/recon.h"
 #include "kvc/fidelity/sweep.h"
 #include "kvc/layer.h"
 #include "kvc/model/kv_cache.h"
@@ -50,14 +51,19 @@ struct RunOptions {
   // When not empty: these sequences instead of sampled ones (exactly num_sequences of them, each
   // of at least P + C valid token ids; only the first P + C are used).
   std::vector<std::vector<int32_t>> given_sequences;
+  // kvzip: the reconstruction prompt run between the compressed prefix and its copy (recon.h;
+  // token ids, may be empty). The pass needs 2 x prefix + this many positions of the model.
+  std::vector<int32_t> kvzip_prompt;
 };
 
 // INVALID_ARGUMENT naming the field: counts < 1, W outside [0, P], P + C above the model's
-// seq_len, given_sequences of the wrong count, length or token range.
+// seq_len, given_sequences of the wrong count, length or token range, kvzip_prompt ids outside
+// the vocabulary.
 absl::Status ValidateRunOptions(const RunOptions& options, const model::LlamaConfig& config);
 
 // The uncompressed cache of one prefix, per layer in HND: k, v [Hkv, P, D] and q (the observation
 // queries only) [Hq, W, D]. This is what a prefill node would push. Copies share the tensors.
+// For kvzip, `recon` holds the reconstruction pass's rows instead (obs_window is then its W).
 struct PrefixCache {
   int prefix_len = 0;
   int obs_window = 0;
@@ -70,6 +76,8 @@ struct PrefixCache {
   // prefixes (leave-one-out), float32 [Hq, D + D*D] (TENSOR_Q_STATS): what an engine could send
   // without this request's queries. Shared by the scenarios of one sequence.
   std::shared_ptr<const std::vector<std::vector<float>>> q_stats;
+  // kvzip: Q_obs is the pass's queries and Q_stats their log-masses (obs_window == recon->rows).
+  std::shared_ptr<const ReconstructionPass> recon;
 
   int num_layers() const { return layers ? static_cast<int>(layers->size()) : 0; }
   // Views for Backend::Compress (fp32, HND); valid while this object lives. q_obs is null when
@@ -136,8 +144,12 @@ class FidelityEval {
   const std::vector<std::vector<int32_t>>& sequences() const { return sequences_; }
   // The kInside prefix of sequence i (what Evaluate compresses for kInside).
   const PrefixCache& prefix(int i) const { return inside_[i]; }
-  // What Evaluate compresses for sequence i, `scenario` and `spec`.
-  const PrefixCache& prefix(int i, Scenario scenario, const CompressionSpec& spec) const;
+  // What Evaluate compresses for sequence i, `scenario` and `spec`: for kvzip with the
+  // reconstruction pass of that prefix (run on first use, then kept: about 4 x layers x Hq x
+  // (P + prompt) x D bytes per sequence and scenario). INVALID_ARGUMENT as
+  // CheckReconstructionSpec and RunReconstruction say (e.g. a pass past the model's seq_len).
+  absl::StatusOr<PrefixCache> CompressedPrefix(int i, Scenario scenario,
+                                               const CompressionSpec& spec);
 
  private:
   FidelityEval(const model::Transformer* model, const RunOptions& options, Backend* attention)
@@ -154,6 +166,8 @@ class FidelityEval {
   // Per sequence: the prefixes Evaluate compresses: s[0, P) with the question's queries;
   // s[0, P-W) with its own last queries, and the same without queries.
   std::vector<PrefixCache> inside_, after_, after_no_queries_;
+  // Per sequence: kvzip's reconstruction passes of the inside and after prefixes (on first use).
+  std::vector<std::shared_ptr<const ReconstructionPass>> recon_inside_, recon_after_;
   // Per sequence, while preparing: sums of the un-rotated prefix queries and their outer
   // products [layers, Hq, D + D*D].
   std::vector<std::vector<double>> query_sums_;

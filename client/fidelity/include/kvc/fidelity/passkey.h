@@ -118,7 +118,8 @@ struct PasskeyResult {
   int correct = 0;
   double accuracy = 0;
   ProportionInterval interval;  // Wilson 95%
-  int obs_window = 0;           // W the compressor got (0: query-agnostic)
+  int obs_window = 0;           // W the compressor got (0: query-agnostic; kvzip: the largest
+                                // reconstruction pass's rows over the documents)
   double size_ratio = 0;        // compact bytes / full fp32 K+V bytes of the compressed part
   // Per document, what was generated: the kPasskeyDigits bytes (byte documents) or the answer's
   // length in token ids separated by spaces (token documents).
@@ -154,6 +155,16 @@ class PasskeyEval {
 
   // The cache handed to the compressor for document `i` (q holds the W observation queries).
   absl::StatusOr<PrefixCache> Prefix(int i, PasskeyScenario scenario, int obs_window) const;
+  // The same for `spec`: Prefix(i, scenario, WindowFor(spec, scenario)), or for kvzip the
+  // compressed part with its reconstruction pass (recon.h; run on each call, not kept: ~4 x
+  // layers x Hq x (P + prompt) x D bytes a document). Errors as CheckReconstructionSpec and
+  // RunReconstruction give them.
+  absl::StatusOr<PrefixCache> PrefixFor(int i, PasskeyScenario scenario,
+                                        const CompressionSpec& spec) const;
+
+  // kvzip's reconstruction prompt (token ids run between the compressed part and its copy;
+  // default none). INVALID_ARGUMENT for an id outside the vocabulary.
+  absl::Status SetKVzipPrompt(std::vector<int32_t> prompt);
 
   // Compresses every document with `compressor` and scores the greedy answers. Errors of the
   // compressor are returned as they are.
@@ -204,6 +215,7 @@ class PasskeyEval {
   RopeParams rope_;
   int obs_window_;
   Backend* attention_;
+  std::vector<int32_t> kvzip_prompt_;
   std::vector<DocCache> caches_;
   PasskeyResult full_;
 };
