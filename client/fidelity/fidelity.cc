@@ -80,13 +80,7 @@ absl::Status ValidateRunOptions(const RunOptions& o, const model::LlamaConfig& c
       }
     }
   }
-  for (int32_t t : o.kvzip_prompt) {
-    if (t < 0 || t >= config.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("kvzip_prompt: token ", t, " is outside [0, vocab ",
-                                                     config.vocab_size, ")"));
-    }
-  }
-  return absl::OkStatus();
+  return CheckKVzipPrompt(config, o.kvzip_prompt);
 }
 
 absl::string_view ScenarioName(Scenario s) { return s == Scenario::kInside ? "inside" : "after"; }

@@ -467,13 +467,7 @@ absl::StatusOr<std::string> PasskeyEval::AnswerOnCompact(int i, PasskeyScenario 
 }
 
 absl::Status PasskeyEval::SetKVzipPrompt(std::vector<int32_t> prompt) {
-  const int vocab = model_->config().vocab_size;
-  for (int32_t t : prompt) {
-    if (t < 0 || t >= vocab) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("kvzip_prompt: token ", t, " is outside [0, vocab ", vocab, ")"));
-    }
-  }
+  RETURN_IF_ERROR(CheckKVzipPrompt(model_->config(), prompt));
   kvzip_prompt_ = std::move(prompt);
   return absl::OkStatus();
 }

@@ -13,7 +13,9 @@ namespace kvc::fidelity {
 
 absl::Status CheckReconstructionFits(const model::LlamaConfig& config, int64_t context_len,
                                      int64_t prompt_len) {
-  if (context_len < 1) return absl::InvalidArgumentError("kvzip: the context to reconstruct is empty");
+  if (context_len < 1) {
+    return absl::InvalidArgumentError("kvzip: the context to reconstruct is empty");
+  }
   // Both lengths come from in-memory vectors or int flags: the sum cannot overflow 64 bits.
   const int64_t total = 2 * context_len + prompt_len;
   if (total > config.seq_len) {
@@ -21,6 +23,17 @@ absl::Status CheckReconstructionFits(const model::LlamaConfig& config, int64_t c
         "kvzip: the reconstruction pass runs 2 x ", context_len, " context + ", prompt_len,
         " prompt = ", total, " positions, past the model's seq_len ", config.seq_len,
         " (use a shorter context)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckKVzipPrompt(const model::LlamaConfig& config, absl::Span<const int32_t> prompt) {
+  for (int32_t t : prompt) {
+    if (t < 0 || t >= config.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("kvzip_prompt: token ", t,
+                                                     " is outside [0, vocab ", config.vocab_size,
+                                                     ")"));
+    }
   }
   return absl::OkStatus();
 }

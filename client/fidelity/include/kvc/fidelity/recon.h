@@ -46,6 +46,9 @@ absl::StatusOr<ReconstructionPass> RunReconstruction(const model::Transformer& m
 absl::Status CheckReconstructionFits(const model::LlamaConfig& config, int64_t context_len,
                                      int64_t prompt_len);
 
+// OK, or INVALID_ARGUMENT "kvzip_prompt: token T is outside [0, vocab V)".
+absl::Status CheckKVzipPrompt(const model::LlamaConfig& config, absl::Span<const int32_t> prompt);
+
 // Token ids separated by spaces and/or commas ("" gives none); INVALID_ARGUMENT naming `flag` for
 // anything that is not a non-negative 32-bit integer.
 absl::StatusOr<std::vector<int32_t>> ParseTokenIds(absl::string_view text, absl::string_view flag);
