@@ -1,5 +1,7 @@
 #include "kvc/fidelity/recon.h"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 #include <new>
@@ -86,10 +88,11 @@ absl::StatusOr<ReconstructionPass> RunReconstruction(const model::Transformer& m
   out.context_len = static_cast<int>(s);
   out.rows = w;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  constexpr int kBlock = 256;  // rows whose logits are computed at once (kBlock x W floats)
   try {
     out.q.resize(c.n_layers);
     out.log_mass.resize(c.n_layers);
-    std::vector<float> logits(w);
+    std::vector<float> logits(static_cast<size_t>(std::min(w, kBlock)) * w);
     for (int l = 0; l < c.n_layers; ++l) {
       const model::LayerProjections& lp = fwd.layers[l];
       std::vector<float>& q = out.q[l];
@@ -100,20 +103,20 @@ absl::StatusOr<ReconstructionPass> RunReconstruction(const model::Transformer& m
         const float* qh = &lp.q[(static_cast<size_t>(h) * n + s) * hd];
         std::copy(qh, qh + static_cast<size_t>(w) * hd, &q[static_cast<size_t>(h) * w * hd]);
         const float* kh = &lp.k[(static_cast<size_t>(h / group) * n + s) * hd];
-        for (int r = 0; r < w; ++r) {
-          // Row r (position S + r) attends to the pass's keys S .. S + r.
-          const float* qr = qh + static_cast<size_t>(r) * hd;
-          float peak = -INFINITY;
-          for (int j = 0; j <= r; ++j) {
-            const float* kj = kh + static_cast<size_t>(j) * hd;
-            float dot = 0;
-            for (int d = 0; d < hd; ++d) dot += qr[d] * kj[d];
-            logits[j] = dot * scale;
-            peak = std::max(peak, logits[j]);
+        for (int r0 = 0; r0 < w; r0 += kBlock) {
+          // Rows r0 .. r0 + nr - 1 (positions S + r) attend to the pass's keys S .. S + r: the
+          // block's logits against the first r0 + nr keys, then each row's causal part.
+          const int nr = std::min(kBlock, w - r0), keys = r0 + nr;
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, keys, hd, scale,
+                      qh + static_cast<size_t>(r0) * hd, hd, kh, hd, 0.0f, logits.data(), keys);
+          for (int i = 0; i < nr; ++i) {
+            const float* row = &logits[static_cast<size_t>(i) * keys];
+            const int seen = r0 + i + 1;
+            const float peak = *std::max_element(row, row + seen);
+            double sum = 0;
+            for (int j = 0; j < seen; ++j) sum += std::exp(static_cast<double>(row[j]) - peak);
+            mass[static_cast<size_t>(h) * w + r0 + i] = static_cast<float>(peak + std::log(sum));
           }
-          double sum = 0;
-          for (int j = 0; j <= r; ++j) sum += std::exp(static_cast<double>(logits[j]) - peak);
-          mass[static_cast<size_t>(h) * w + r] = static_cast<float>(peak + std::log(sum));
         }
       }
       std::vector<float>().swap(fwd.layers[l].q);  // done with this layer's projections

@@ -35,11 +35,13 @@ TEST(ReconstructionTest, RowsAreTheCopysQueriesAndLogMassesMatchAReference) {
   auto model = model::Transformer::Load(path);
   ASSERT_TRUE(model.ok()) << model.status();
   const model::LlamaConfig& c = model->config();
-  const std::vector<int32_t> context = Tokens(37, c.vocab_size, 7);
-  const std::vector<int32_t> prompt = {5, 9, 13};
+  // 258 rows: two blocks of the log-mass's row-blocked products (256 rows a block).
+  const std::vector<int32_t> context = Tokens(251, c.vocab_size, 7);
+  const std::vector<int32_t> prompt = {5, 9, 13, 17, 21, 25, 29};
+  ASSERT_LE(2 * 251 + 7, c.seq_len);
   auto pass = RunReconstruction(*model, context, prompt);
   ASSERT_TRUE(pass.ok()) << pass.status();
-  const int s = 37, w = s + 3, n = 2 * s + 3, hd = c.head_dim(), g = c.n_heads / c.n_kv_heads;
+  const int s = 251, w = s + 7, n = 2 * s + 7, hd = c.head_dim(), g = c.n_heads / c.n_kv_heads;
   EXPECT_EQ(pass->context_len, s);
   EXPECT_EQ(pass->rows, w);
   ASSERT_EQ(pass->q.size(), static_cast<size_t>(c.n_layers));
