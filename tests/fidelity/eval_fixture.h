@@ -3,6 +3,7 @@
 #ifndef KVC_TESTS_FIDELITY_EVAL_FIXTURE_H_
 #define KVC_TESTS_FIDELITY_EVAL_FIXTURE_H_
 
+#include <cstdint>
 #include <memory>
 
 #include "fidelity/model_util.h"
@@ -28,6 +29,17 @@ class EvalFixture : public ::testing::Test {
     auto eval = FidelityEval::Create(model_.get(), options, backend_.get());
     ASSERT_TRUE(eval.ok()) << eval.status();
     eval_ = *std::move(eval);
+  }
+
+  // The small run most tests use: 2 sequences, P = 96, C = 16, W = 16, sampling seed `seed`.
+  static RunOptions SmallRun(uint64_t seed) {
+    RunOptions o;
+    o.num_sequences = 2;
+    o.prefix_len = 96;
+    o.continuation = 16;
+    o.obs_window = 16;
+    o.seed = seed;
+    return o;
   }
 
   std::unique_ptr<model::Transformer> model_;

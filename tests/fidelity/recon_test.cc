@@ -117,17 +117,12 @@ TEST(ReconstructionTest, ParsesTokenIdsAndChecksSpecs) {
               HasSubstr("passes"));
 }
 
-constexpr int kSeqs = 2, kPrefix = 96, kCont = 16, kWindow = 16;
+constexpr int kSeqs = 2, kPrefix = 96, kWindow = 16;  // SmallRun's
 
 class ReconEvalTest : public EvalFixture {
  protected:
   void SetUp() override {
-    RunOptions o;
-    o.num_sequences = kSeqs;
-    o.prefix_len = kPrefix;
-    o.continuation = kCont;
-    o.obs_window = kWindow;
-    o.seed = 4;
+    RunOptions o = SmallRun(4);
     o.kvzip_prompt = {3, 4};
     SetUpEval(o);
   }

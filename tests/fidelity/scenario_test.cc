@@ -14,21 +14,13 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr int kSeqs = 2, kPrefix = 96, kCont = 16, kWindow = 16;
+constexpr int kSeqs = 2, kPrefix = 96, kCont = 16, kWindow = 16;  // SmallRun's
 
 class ScenarioTest : public EvalFixture {
  protected:
   void SetUp() override { SetUpEval(Options()); }
 
-  static RunOptions Options() {
-    RunOptions o;
-    o.num_sequences = kSeqs;
-    o.prefix_len = kPrefix;
-    o.continuation = kCont;
-    o.obs_window = kWindow;
-    o.seed = 3;
-    return o;
-  }
+  static RunOptions Options() { return SmallRun(3); }
 
   Metrics Run(const char* spec, Scenario scenario, const Compressor& compressor) {
     auto m = eval_->Evaluate(*ParseSpecString(spec), compressor, scenario);

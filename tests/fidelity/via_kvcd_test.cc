@@ -25,13 +25,7 @@ using ::testing::HasSubstr;
 class ViaKvcdTest : public EvalFixture {
  protected:
   void SetUp() override {
-    RunOptions o;
-    o.num_sequences = 2;
-    o.prefix_len = 96;
-    o.continuation = 16;
-    o.obs_window = 16;
-    o.seed = 5;
-    SetUpEval(o);
+    SetUpEval(SmallRun(5));
     if (IsSkipped() || HasFatalFailure()) return;
 
     testing::KvcdProcess::Options kvcd_options;
