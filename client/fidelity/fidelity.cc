@@ -148,6 +148,12 @@ uint64_t PrefixCache::full_bytes() const {
 Compressor InProcessCompressor(Backend* backend) {
   return [backend](const PrefixCache& prefix, const CompressionSpec& spec,
                    int) -> absl::StatusOr<std::vector<CompactLayer>> {
+    if (spec.eviction.layer_adaptive) {
+      // Backend::Compress sees one layer: it would select per layer and say nothing.
+      return absl::InvalidArgumentError(
+          "spec: xlayer=1 selects over all layers at once, which kvcd does (it holds a request's "
+          "layers); in-process compression runs one layer at a time");
+    }
     std::vector<CompactLayer> out;
     for (int l = 0; l < prefix.num_layers(); ++l) {
       ASSIGN_OR_RETURN(CompactLayer layer, backend->Compress(prefix.Input(l), spec, nullptr));

@@ -177,6 +177,15 @@ TEST_F(ReconEvalTest, KVzipSpecsGetTheReconstructionOfTheirPrefix) {
               HasSubstr("out of range"));
 }
 
+// The selection over all layers (xlayer=1) needs every layer at once: in-process compression,
+// one layer at a time, refuses it instead of selecting per layer.
+TEST_F(ReconEvalTest, InProcessCompressionRefusesTheSelectionOverLayers) {
+  auto m = eval_->Evaluate(*ParseSpecString("kvzip:0.25,ada=0,stats=1,xlayer=1"),
+                           InProcessCompressor(backend_.get()), Scenario::kAfter);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(m.status().message(), HasSubstr("xlayer=1"));
+}
+
 TEST_F(ReconEvalTest, RunOptionsRefuseAPromptOutsideTheVocabulary) {
   RunOptions o = eval_->options();
   o.kvzip_prompt = {1, model_->config().vocab_size};

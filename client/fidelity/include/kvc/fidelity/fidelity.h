@@ -93,7 +93,8 @@ struct PrefixCache {
 using Compressor = std::function<absl::StatusOr<std::vector<CompactLayer>>(
     const PrefixCache& prefix, const CompressionSpec& spec, int sequence)>;
 
-// Compresses in this process with `backend` (not owned; must outlive the returned function).
+// Compresses in this process with `backend` (not owned; must outlive the returned function),
+// one layer at a time: a spec with layer-adaptive budgets (xlayer=1) is INVALID_ARGUMENT.
 Compressor InProcessCompressor(Backend* backend);
 
 // Whether the spec needs observation queries on layers of `shape`: it passes ValidateSpec with
