@@ -1,8 +1,10 @@
 """kvc.vllm without a vLLM server: specs, kv_transfer_params, the extra config, the compact-blob
 reader against kvcd's own dense export, replica choice, query statistics files, proxy helpers."""
 
+import asyncio
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ import harness
 from kvc.vllm import spec as S
 from kvc.vllm.config import ConnectorConfig
 from kvc.vllm.packed import unpack_layer
-from kvc.vllm.proxy import Proxy, _fix_event, _fix_usage, cache_salt
+from kvc.vllm.proxy import Proxy, ProxyError, _fix_event, _fix_usage, cache_salt, parse_args
 from kvc.vllm import qstats
 from kvc.vllm.transfer import Replicas
 
@@ -131,6 +133,84 @@ def test_proxy_helpers():
     assert Proxy._prompt_options({"repetition_penalty": 1.0, "echo": False}) == []
     assert Proxy._prompt_options({"repetition_penalty": 1.1, "prompt_logprobs": 1}) == [
         "repetition_penalty", "prompt_logprobs"]
+
+
+class _Instance:
+    """A minimal HTTP/1.1 JSON server standing in for a vLLM instance. It answers the first
+    `answer` requests on each connection and closes the connection on the next without
+    answering: what a server does when its keep-alive timer fires as a request goes out."""
+
+    def __init__(self, answer):
+        self.answer, self.connections, self.bodies = answer, 0, []
+
+    async def serve(self, reader, writer):
+        self.connections += 1
+        try:
+            for n in range(self.answer + 1):
+                head = await reader.readuntil(b"\r\n\r\n")
+                size = int(re.search(rb"content-length: *(\d+)", head, re.I).group(1))
+                self.bodies.append(json.loads(await reader.readexactly(size)))
+                if n == self.answer:
+                    break
+                out = json.dumps({"answer": len(self.bodies)}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(out), out))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    async def posts(self, proxy_args, bodies):
+        """The proxy's upstream POSTs of `bodies`, in turn; each answer or ProxyError."""
+        server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        url = "http://127.0.0.1:%d" % server.sockets[0].getsockname()[1]
+        proxy = Proxy(parse_args(["--prefill", url, "--decode", url, *proxy_args]))
+        await proxy.start(None)
+        out = []
+        try:
+            for body in bodies:
+                try:
+                    out.append(await proxy._post_json("decode", url + "/v1/completions", body,
+                                                      30))
+                except ProxyError as e:
+                    out.append(e)
+        finally:
+            await proxy.stop(None)
+            server.close()
+            await server.wait_closed()
+        retried = proxy.metrics.upstream.labels("decode", "disconnected_retried")._value.get()
+        return out, retried
+
+
+def test_proxy_retries_a_connection_the_instance_closed():
+    """The second request goes out on the pooled connection, which the instance closes unread:
+    the proxy sends it again on a new connection, once, and the caller sees only the answer."""
+    inst = _Instance(answer=1)
+    out, retried = asyncio.run(inst.posts([], [{"n": 1}, {"n": 2}]))
+    assert out == [{"answer": 1}, {"answer": 3}]
+    assert inst.bodies == [{"n": 1}, {"n": 2}, {"n": 2}] and inst.connections == 2
+    assert retried == 1
+    # An instance that closes every connection unread: one retry, then 503 naming the cause.
+    inst = _Instance(answer=0)
+    out, retried = asyncio.run(inst.posts([], [{"n": 1}]))
+    assert isinstance(out[0], ProxyError) and out[0].status == 503, out
+    assert "Server disconnected" in out[0].message and inst.bodies == [{"n": 1}] * 2
+    assert retried == 1
+
+
+def test_proxy_upstream_keepalive_option():
+    """--upstream-keepalive 0 opens a connection per request (nothing pooled to go stale); the
+    limits of both connection options are checked."""
+    inst = _Instance(answer=5)
+    out, retried = asyncio.run(inst.posts(["--upstream-keepalive", "0"], [{"n": 1}, {"n": 2}]))
+    assert out == [{"answer": 1}, {"answer": 2}] and inst.connections == 2 and retried == 0
+    inst = _Instance(answer=5)
+    out, _ = asyncio.run(inst.posts([], [{"n": 1}, {"n": 2}]))
+    assert out == [{"answer": 1}, {"answer": 2}] and inst.connections == 1  # pooled
+    for bad in (["--upstream-keepalive", "-1"], ["--upstream-keepalive", "3601"],
+                ["--upstream-connections", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--prefill", "http://p", "--decode", "http://d", *bad])
 
 
 def test_qstats_file_checks(tmp_path):

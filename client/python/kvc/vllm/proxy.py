@@ -103,7 +103,14 @@ class Proxy:
 
     async def start(self, app):
         timeout = aiohttp.ClientTimeout(total=None, connect=self.args.connect_timeout)
-        self.session = aiohttp.ClientSession(timeout=timeout)
+        # Idle connections to the instances are dropped after --upstream-keepalive seconds,
+        # before the servers drop them (vLLM's HTTP server closes them after 5 s): a request
+        # sent on a connection the server is closing fails with "Server disconnected".
+        keep = self.args.upstream_keepalive
+        connector = aiohttp.TCPConnector(limit=self.args.upstream_connections,
+                                         **({"keepalive_timeout": keep} if keep > 0 else
+                                            {"force_close": True}))
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
 
     async def stop(self, app):
         await self.session.close()
@@ -112,12 +119,25 @@ class Proxy:
 
     # ---- upstream calls ---------------------------------------------------------------------
 
+    async def _post(self, role, url, body, timeout, headers):
+        """POST to an instance; once more on a new connection when it closed the connection
+        before any answer. That is a pooled keep-alive connection the server timed out as the
+        request went out: the server never read it. A retried prefill stores the cache again under
+        a new id; loading a stored cache does not consume it."""
+        for attempt in (1, 2):
+            try:
+                return await self.session.post(url, json=body, headers=headers, timeout=timeout)
+            except aiohttp.ServerDisconnectedError:
+                if attempt == 2:
+                    raise
+                self.metrics.upstream.labels(role, "disconnected_retried").inc()
+                log.info("%s instance %s closed the connection before answering; retrying "
+                         "once on a new connection", role, url)
+
     async def _post_json(self, role, url, body, timeout, headers=None):
         try:
-            async with self.session.post(url, json=body, headers=headers,
-                                         timeout=aiohttp.ClientTimeout(
-                                             total=timeout,
-                                             connect=self.args.connect_timeout)) as r:
+            async with await self._post(role, url, body, aiohttp.ClientTimeout(
+                    total=timeout, connect=self.args.connect_timeout), headers) as r:
                 text = await r.text()
                 try:
                     data = json.loads(text)
@@ -281,7 +301,7 @@ class Proxy:
         timeout = aiohttp.ClientTimeout(total=self.args.timeout,
                                         connect=self.args.connect_timeout)
         try:
-            async with self.session.post(url, json=body, timeout=timeout, headers=fwd) as r:
+            async with await self._post("decode", url, body, timeout, fwd) as r:
                 if r.status != 200:
                     text = await r.text()
                     self.metrics.upstream.labels("decode", f"http_{r.status}").inc()
@@ -412,6 +432,12 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-timeout", type=float, default=300)
     ap.add_argument("--connect-timeout", type=float, default=5)
     ap.add_argument("--health-timeout", type=float, default=5)
+    ap.add_argument("--upstream-keepalive", type=float, default=2,
+                    help="seconds an idle connection to an instance is kept for reuse; below "
+                         "the instances' own keep-alive (vLLM: 5 s); 0: a new connection per "
+                         "request")
+    ap.add_argument("--upstream-connections", type=int, default=256,
+                    help="most connections open to the instances at once")
     ap.add_argument("--max-body-bytes", type=int, default=64 << 20)
     ap.add_argument("--kvcd", default="", help="kvcd target, for /health and error messages")
     ap.add_argument("--kvcd-token-file", default="")
@@ -422,6 +448,10 @@ def parse_args(argv=None):
     for name in ("timeout", "prefill_timeout", "connect_timeout", "health_timeout"):
         if not 0 < getattr(args, name) <= 86400:
             ap.error(f"--{name.replace('_', '-')}: must be in (0, 86400]")
+    if not 0 <= args.upstream_keepalive <= 3600:
+        ap.error("--upstream-keepalive: must be in [0, 3600]")
+    if not 1 <= args.upstream_connections <= 65536:
+        ap.error("--upstream-connections: must be in [1, 65536]")
     if args.placeholder_token < 0:
         ap.error("--placeholder-token: must be >= 0")
     args.prefill = [u.rstrip("/") for u in args.prefill]
