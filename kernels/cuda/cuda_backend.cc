@@ -143,7 +143,17 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
   if (Cancelled(in.cancel)) return in.cancel->status();
   const size_t mean_bytes = sizeof(float) * stats.mean.size();
   const size_t stat_bytes = Align256(mean_bytes) + sizeof(float) * stats.cov.size();
-  const size_t in_bytes = Align256(kv_bytes) * 2 + Align256(q_bytes) + Align256(stat_bytes);
+  // kvzip's rows travel with the inputs too: their key ranges with passes ([W][3] int32) and
+  // their log-masses ([Hq, W] float, in.q_stats with spec.query_stats).
+  const bool recon = Policy(spec.eviction.policy).rows_after_context;
+  const std::vector<int32_t> row_keys =
+      recon ? ReconRowKeys(spec.eviction, s, w) : std::vector<int32_t>{};
+  const size_t keys_bytes = sizeof(int32_t) * row_keys.size();
+  const bool log_mass = recon && spec.eviction.query_stats && in.q_stats != nullptr;
+  const size_t mass_bytes = log_mass ? sizeof(float) * static_cast<size_t>(hq) * w : 0;
+  const size_t recon_bytes = Align256(keys_bytes) + mass_bytes;
+  const size_t in_bytes =
+      Align256(kv_bytes) * 2 + Align256(q_bytes) + Align256(stat_bytes) + Align256(recon_bytes);
   RETURN_IF_ERROR(slot->ReservePinned(std::max(in_bytes, plan.blob_bytes)));
   uint8_t* pinned = static_cast<uint8_t*>(slot->pinned);
   if (!on_device) {
@@ -157,12 +167,15 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
     std::memcpy(pinned + stat_at + Align256(mean_bytes), stats.cov.data(),
                 sizeof(float) * stats.cov.size());
   }
+  const size_t recon_at = stat_at + Align256(stat_bytes);
+  if (keys_bytes > 0) std::memcpy(pinned + recon_at, row_keys.data(), keys_bytes);
+  if (log_mass) std::memcpy(pinned + recon_at + Align256(keys_bytes), in.q_stats, mass_bytes);
 
   Arena& arena = *arena_ptr;
   const size_t o_in = arena.Add(in_bytes);
   // fp16/bf16 score on tensor cores without a logits buffer (LaunchTensorCoreColumnScores); its
   // per-row scratch is about S / 32 floats instead of S.
-  const bool tensor_cores = in.dtype != DType::kF32;
+  const bool tensor_cores = in.dtype != DType::kF32 && !scorer.full_logits;
   const size_t row_floats =
       tensor_cores ? ColumnScoreScratchFloats(hq, 1, s) : static_cast<size_t>(hq) * s;
   // Observation rows per scoring pass: all of W unless the scratch would exceed the cap.
@@ -178,7 +191,7 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
   const bool weighted = value_weight == ValueWeight::kMul || value_weight == ValueWeight::kAdd;
   size_t extra_floats = weighted ? static_cast<size_t>(hkv) * s : 0;
   if (scorer.extra_floats != nullptr) {
-    extra_floats = std::max(extra_floats, scorer.extra_floats(sh));
+    extra_floats = std::max(extra_floats, scorer.extra_floats(sh, spec.eviction));
   }
   const size_t o_extra = arena.Add(sizeof(float) * extra_floats);
   const size_t o_pooled = arena.Add(sizeof(float) * static_cast<size_t>(hkv) * s);
@@ -247,6 +260,10 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
     if (expected) {
       sa.stats_mean = reinterpret_cast<const float*>(dev_in + stat_at);
       sa.stats_cov = reinterpret_cast<const float*>(dev_in + stat_at + Align256(mean_bytes));
+    }
+    if (keys_bytes > 0) sa.recon.keys = reinterpret_cast<const int32_t*>(dev_in + recon_at);
+    if (log_mass) {
+      sa.recon.log_mass = reinterpret_cast<const float*>(dev_in + recon_at + Align256(keys_bytes));
     }
     sa.scores = scores;
     sa.pooled = pooled;

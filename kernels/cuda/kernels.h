@@ -37,12 +37,12 @@ struct QueryRows {
   int rows = 0;
 };
 
-// logits[hq, i, j] = q[hq, row0 + i] . k[hq / g, j] * scale for j <= S - W + row0 + i, else -inf.
-// logits is [Hq, qr.rows, S].
+// logits[hq, i, j] = q[hq, row0 + i] . k[hq / g, j] * scale for j <= S - W + row0 + i, else -inf;
+// with causal = false for every j (kvzip's reconstruction rows). logits is [Hq, qr.rows, S].
 cudaError_t LaunchQKLogits(ElemType dtype, const void* q, Strides qs, const void* k, Strides ks,
                            int num_q_heads, int num_kv_heads, int obs_window, QueryRows qr,
                            int seq_len, int head_dim, float scale, float* logits,
-                           cudaStream_t stream);
+                           cudaStream_t stream, bool causal = true);
 
 // Turns each row of logits [Hq, qr.rows, S] into softmax probabilities in place. With `gumbel`,
 // the row of query head hq and window row i (= row0 + local row) uses

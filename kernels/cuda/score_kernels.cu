@@ -1,5 +1,5 @@
-// Token scoring: Q_obs K^T (causal), softmax (with optional Gumbel noise), group average, SnapKV
-// pooling, key norms and seeded random scores.
+// Token scoring: Q_obs K^T (causal, or over every key for kvzip's rows), softmax (with optional
+// Gumbel noise), group average, SnapKV pooling, key norms and seeded random scores.
 //
 // fp32 inputs: Q K^T is a tiled kernel on CUDA cores with fp32 accumulation (32 queries x 64 keys
 // per block, head_dim streamed through shared memory in chunks of 32), then softmax and the group
@@ -32,7 +32,7 @@ template <typename E, typename HD>
 __global__ void QKLogitsKernel(const typename E::T* __restrict__ q, Strides qs,
                                const typename E::T* __restrict__ k, Strides ks, int group,
                                int obs_window, int row0, int rows, int seq_len, int runtime_d,
-                               float scale, float* __restrict__ logits) {
+                               float scale, bool causal, float* __restrict__ logits) {
   __shared__ float sq[kTileQ][kChunk + 1];
   __shared__ float sk[kTileK][kChunk + 1];
   const int d = HD::Get(runtime_d);
@@ -43,7 +43,7 @@ __global__ void QKLogitsKernel(const typename E::T* __restrict__ q, Strides qs,
   // keys j <= that position.
   const int first_pos = seq_len - obs_window + row0 + i0;
   const int last_pos = first_pos + kTileQ - 1;
-  const bool all_masked = j0 > last_pos;
+  const bool all_masked = causal && j0 > last_pos;
 
   float acc[2][4] = {};
   if (!all_masked) {
@@ -82,7 +82,7 @@ __global__ void QKLogitsKernel(const typename E::T* __restrict__ q, Strides qs,
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
       const int j = j0 + tx + 16 * x;
-      if (j < seq_len) row[j] = j <= pos ? acc[y][x] * scale : -INFINITY;
+      if (j < seq_len) row[j] = !causal || j <= pos ? acc[y][x] * scale : -INFINITY;
     }
   }
 }
@@ -426,7 +426,7 @@ unsigned Blocks(int64_t n, int threads) {
 cudaError_t LaunchQKLogits(ElemType dtype, const void* q, Strides qs, const void* k, Strides ks,
                            int num_q_heads, int num_kv_heads, int obs_window, QueryRows qr,
                            int seq_len, int head_dim, float scale, float* logits,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, bool causal) {
   if (qr.rows <= 0) return cudaSuccess;
   if (qr.row0 < 0 || qr.row0 + qr.rows > obs_window) return cudaErrorInvalidValue;
   const dim3 grid((seq_len + kTileK - 1) / kTileK, (qr.rows + kTileQ - 1) / kTileQ, num_q_heads);
@@ -435,7 +435,8 @@ cudaError_t LaunchQKLogits(ElemType dtype, const void* q, Strides qs, const void
     return KVC_DISPATCH_HEAD_DIM(head_dim, HD, [&] {
       return Launch(QKLogitsKernel<E, HD>, grid, kThreads, 0, stream,
                     static_cast<const typename E::T*>(q), qs, static_cast<const typename E::T*>(k),
-                    ks, group, obs_window, qr.row0, qr.rows, seq_len, head_dim, scale, logits);
+                    ks, group, obs_window, qr.row0, qr.rows, seq_len, head_dim, scale, causal,
+                    logits);
     });
   });
 }

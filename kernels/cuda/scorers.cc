@@ -77,7 +77,7 @@ absl::StatusOr<float*> RandomScores(const ScoreArgs& a) {
   return a.scores;
 }
 
-size_t KeyDiffFloats(const LayerShape& s) {
+size_t KeyDiffFloats(const LayerShape& s, const EvictionSpec&) {
   return KeyDiffScratchFloats(s.num_kv_heads, s.seq_len, s.head_dim);
 }
 
@@ -89,7 +89,7 @@ absl::StatusOr<float*> KeyDiffScores(const ScoreArgs& a) {
 }
 
 // Expected logits [Hq, S].
-size_t ExpectedFloats(const LayerShape& s) {
+size_t ExpectedFloats(const LayerShape& s, const EvictionSpec&) {
   return static_cast<size_t>(s.num_q_heads) * s.seq_len;
 }
 
@@ -107,24 +107,70 @@ absl::StatusOr<float*> ExpectedScores(const ScoreArgs& a) {
   return a.scores;
 }
 
+// kvzip's top planes [top_rows, Hkv, S] when top_rows > 1 (with one, the scores are the plane).
+size_t KVzipFloats(const LayerShape& s, const EvictionSpec& e) {
+  return e.top_rows > 1 ? static_cast<size_t>(e.top_rows) * s.num_kv_heads * s.seq_len : 0;
+}
+
+// The reconstruction rows' probabilities over the keys each sees (LaunchReconSoftmaxRows), then
+// per KV head and key the largest, or the mean of the top_rows largest, over the group's query
+// heads and every row (cpu/scoring.cc: AttentionScoreHead). CUDA cores only: the rows' full
+// probabilities are needed, which the tensor-core column path never writes.
+absl::StatusOr<float*> KVzipScores(const ScoreArgs& a) {
+  const EvictionSpec& e = *a.spec;
+  const int top = e.top_rows;
+  float* planes = top > 1 ? a.extra : a.scores;
+  KVC_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(planes, 0, sizeof(float) * top * static_cast<size_t>(a.hkv) * a.s, a.stream),
+      "clear kvzip planes");
+  const float scale = 1.0f / std::sqrt(static_cast<float>(a.d));
+  for (int row0 = 0; row0 < a.w; row0 += a.block_rows) {
+    const QueryRows qr{row0, std::min(a.block_rows, a.w - row0)};
+    KVC_CUDA_RETURN_IF_ERROR(LaunchQKLogits(a.dtype, a.q, a.qs, a.k, a.kvs, a.hq, a.hkv, a.w, qr,
+                                            a.s, a.d, scale, a.logits, a.stream,
+                                            /*causal=*/false),
+                             "kvzip QK^T");
+    KVC_CUDA_RETURN_IF_ERROR(
+        LaunchReconSoftmaxRows(a.logits, a.hq, a.w, qr, a.s, a.recon, a.stream), "kvzip softmax");
+    KVC_CUDA_RETURN_IF_ERROR(
+        LaunchGroupColumnTop(a.logits, a.hq, a.hkv, qr.rows, a.s, top, planes, a.stream),
+        "kvzip top rows");
+  }
+  if (top > 1) {
+    KVC_CUDA_RETURN_IF_ERROR(LaunchPlaneMean(planes, top, a.hkv, a.s, a.scores, a.stream),
+                             "kvzip top-rows mean");
+  }
+  return a.scores;
+}
+
 constexpr CudaScorer kCudaScorers[] = {
-    {EvictionPolicy::kNone, nullptr, false, nullptr, false},
-    {EvictionPolicy::kStreaming, nullptr, false, nullptr, false},
-    {EvictionPolicy::kH2O, H2OScores, true, nullptr, false},
-    {EvictionPolicy::kSnapKV, SnapKVScores, true, nullptr, false},
-    {EvictionPolicy::kKeyformer, KeyformerScores, true, nullptr, false},
-    {EvictionPolicy::kKNorm, KNormScores, false, nullptr, false},
-    {EvictionPolicy::kRandom, RandomScores, false, nullptr, false},
-    {EvictionPolicy::kKeyDiff, KeyDiffScores, false, KeyDiffFloats, false},
-    {EvictionPolicy::kExpectedAttention, ExpectedScores, false, ExpectedFloats, true},
-    // kvzip: no device scorer yet; the host engine compresses the layer (host_fallback.h).
-    {EvictionPolicy::kKVzip, nullptr, false, nullptr, false},
+    {EvictionPolicy::kNone, nullptr, false, false, nullptr, false},
+    {EvictionPolicy::kStreaming, nullptr, false, false, nullptr, false},
+    {EvictionPolicy::kH2O, H2OScores, true, false, nullptr, false},
+    {EvictionPolicy::kSnapKV, SnapKVScores, true, false, nullptr, false},
+    {EvictionPolicy::kKeyformer, KeyformerScores, true, false, nullptr, false},
+    {EvictionPolicy::kKNorm, KNormScores, false, false, nullptr, false},
+    {EvictionPolicy::kRandom, RandomScores, false, false, nullptr, false},
+    {EvictionPolicy::kKeyDiff, KeyDiffScores, false, false, KeyDiffFloats, false},
+    {EvictionPolicy::kExpectedAttention, ExpectedScores, false, false, ExpectedFloats, true},
+    {EvictionPolicy::kKVzip, KVzipScores, true, true, KVzipFloats, false},
 };
 static_assert(CoversEveryPolicyInOrder(kCudaScorers),
               "every policy of kvc/policy.h needs a CUDA row, in order (a null scorer falls back "
               "to the host engine)");
 
 }  // namespace
+
+std::vector<int32_t> ReconRowKeys(const EvictionSpec& spec, int seq_len, int obs_window) {
+  std::vector<int32_t> keys;
+  if (spec.pass_rows.empty()) return keys;
+  keys.reserve(3 * static_cast<size_t>(obs_window));
+  for (size_t p = 0; p < spec.pass_rows.size(); ++p) {
+    const PassKeys k = PassKeyRange(spec, seq_len, p);
+    for (int r = 0; r < spec.pass_rows[p]; ++r) keys.insert(keys.end(), {k.sink_end, k.lo, k.hi});
+  }
+  return keys;  // ValidateSpec: the passes' rows sum to obs_window
+}
 
 const CudaScorer& CudaScorerFor(EvictionPolicy policy) {
   return kCudaScorers[static_cast<size_t>(policy)];

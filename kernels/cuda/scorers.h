@@ -10,8 +10,11 @@
 
 #include <cstddef>
 
+#include <vector>
+
 #include "absl/status/statusor.h"
 #include "cuda/kernels.h"
+#include "cuda/score_kvzip.h"
 #include "kvc/layer.h"
 #include "kvc/policy.h"
 #include "kvc/spec.h"
@@ -34,6 +37,7 @@ struct ScoreArgs {
   int block_rows = 0;
   float* logits = nullptr;
   float* extra = nullptr;             // CudaScorer::extra_floats floats
+  ReconRows recon;                    // kvzip: the rows' key ranges and log-masses (staged)
   const float* stats_mean = nullptr;  // CudaScorer::host_statistics: [Hq, D] and [Hq, D, D]
   const float* stats_cov = nullptr;
   float* scores = nullptr;  // [Hkv, S]
@@ -51,10 +55,19 @@ struct CudaScorer {
   // a scoring policy: it has no device path yet, and the backend hands the whole layer to the
   // host engine (core/host_fallback.h), which compresses it exactly as the CPU backend does.
   DeviceScorer score;
-  bool attention_logits;                            // reserves ScoreArgs::logits
-  size_t (*extra_floats)(const LayerShape& shape);  // ScoreArgs::extra; null: none
+  // Reserves ScoreArgs::logits: [Hq, block_rows, S] floats, or for fp16/bf16 the tensor-core
+  // column path's smaller scratch unless `full_logits` (kvzip reads every row's probabilities).
+  bool attention_logits;
+  bool full_logits;
+  // ScoreArgs::extra; null: none.
+  size_t (*extra_floats)(const LayerShape& shape, const EvictionSpec& spec);
   bool host_statistics;  // the query statistics come from the host fallback (expected)
 };
+
+// kvzip with reconstruction passes (spec.pass_rows not empty): the key range of each of the
+// obs_window rows of a query head, [W][3] (sink_end, lo, hi: ReconRows::keys), from
+// kvc::PassKeyRange as the CPU engine takes it; empty without passes (every row sees all keys).
+std::vector<int32_t> ReconRowKeys(const EvictionSpec& spec, int seq_len, int obs_window);
 
 // The row of a known policy.
 const CudaScorer& CudaScorerFor(EvictionPolicy policy);

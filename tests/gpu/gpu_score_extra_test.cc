@@ -1,6 +1,7 @@
-// The CUDA backend's KeyDiff, expected attention and value-aware scores against the CPU backend:
-// over a grid of shapes, dtypes and layouts (including obs_window 0 with client statistics), the
-// kept sets agree up to ties of the CPU scores, and identical selections give identical blobs.
+// The CUDA backend's KeyDiff, expected attention, KVzip and value-aware scores against the CPU
+// backend: over a grid of shapes, dtypes and layouts (including obs_window 0 with client
+// statistics; kvzip with reconstruction passes, log-masses and top rows), the kept sets agree up
+// to ties of the CPU scores, and identical selections give identical blobs.
 // Without a visible CUDA device main() prints the reason and exits 77 (ctest: skipped).
 #include <algorithm>
 #include <cmath>
@@ -66,15 +67,32 @@ std::vector<float> Stats(const LayerShape& s, uint64_t seed) {
   return out;
 }
 
+// kvzip's rows' log-masses over their own reconstruction tokens, [Hq, W]: around log(S), so
+// that they weigh in the softmax's denominator about as much as the uploaded keys do.
+std::vector<float> LogMasses(const LayerShape& s, uint64_t seed) {
+  std::vector<float> out(QueryStatsFloats(s, /*row_log_mass=*/true));
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 7;
+  for (float& v : out) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    const float u = static_cast<float>((x >> 11) * 0x1.0p-53);  // [0, 1)
+    v = std::log(static_cast<float>(s.seq_len)) + 4.0f * (u - 0.5f);
+  }
+  return out;
+}
+
 class GpuScoreExtra : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GpuScoreExtra, KeptSetsMatchTheCpuUpToTies) {
   const Case& c = GetParam();
   const Layer layer = RandomLayer(c.shape, c.dtype, c.layout, 77 + c.shape.seq_len, 1);
   const RopeParams rope{10000.0, 0, c.layout == Layout::kNHD, 1.0};
-  const std::vector<float> stats = Stats(c.shape, c.shape.seq_len);
   absl::StatusOr<CompressionSpec> spec = ParseSpecString(c.spec);
   ASSERT_TRUE(spec.ok()) << spec.status();
+  const std::vector<float> stats = spec->eviction.policy == EvictionPolicy::kKVzip
+                                       ? LogMasses(c.shape, c.shape.seq_len)
+                                       : Stats(c.shape, c.shape.seq_len);
   LayerInput in = layer.input();
   in.rope = &rope;
   in.q_stats = stats.data();
@@ -136,6 +154,29 @@ std::vector<Case> Cases() {
           sp.rfind("h2o", 0) == 0 || sp.rfind("snapkv", 0) == 0 || sp.rfind("keyformer", 0) == 0 ||
           (sp.rfind("expected", 0) == 0 && sp.find("stats=1") == std::string::npos);
       if (sh.obs_window == 0 && needs_q) continue;
+      const DType dt = n % 3 == 0 ? DType::kF16 : n % 3 == 1 ? DType::kBF16 : DType::kF32;
+      const Layout lay = n % 2 == 0 ? Layout::kHND : Layout::kNHD;
+      std::string name = absl::StrCat("c", n++, "_", sh.seq_len, "_", sh.head_dim, "_", sp);
+      for (char& ch : name) {
+        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+      }
+      out.push_back({name, sh, dt, lay, sp});
+    }
+  }
+  // kvzip: reconstruction rows (W = S + a prompt's rows, or more), with and without the rows'
+  // log-masses, the mean of the top rows, passes over chunks, the head-adaptive split, a head_dim
+  // of no template (40), and a layer whose rows take several logit blocks (Hq 32, S 2100).
+  const std::vector<std::pair<LayerShape, std::vector<std::string>>> kvzip = {
+      {{2, 8, 200, 64, 230},
+       {"kvzip:0.25", "kvzip:0.25,stats=1", "kvzip:0.1,top=16", "kvzip:0.5,passes=140/90,chunk=128",
+        "kvzip:0.25,stats=1,top=4,passes=140/90,chunk=128", "kvzip:0.25,ada=0,stats=1"}},
+      {{4, 8, 1000, 128, 1050},
+       {"kvzip:0.25,stats=1,top=16", "kvzip:0.25,stats=1,passes=530/520,chunk=512,sink=4"}},
+      {{1, 4, 97, 40, 110}, {"kvzip:0.5,top=2"}},
+      {{8, 32, 2100, 128, 2200},
+       {"kvzip:0.1,stats=1,top=16", "kvzip:0.1,stats=1,top=64,passes=1100/1100,chunk=1050"}}};
+  for (const auto& [sh, specs_of] : kvzip) {
+    for (const std::string& sp : specs_of) {
       const DType dt = n % 3 == 0 ? DType::kF16 : n % 3 == 1 ? DType::kBF16 : DType::kF32;
       const Layout lay = n % 2 == 0 ? Layout::kHND : Layout::kNHD;
       std::string name = absl::StrCat("c", n++, "_", sh.seq_len, "_", sh.head_dim, "_", sp);

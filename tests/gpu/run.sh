@@ -5,12 +5,12 @@
 # Usage: tests/gpu/run.sh [BUILD_DIR]   (default: build-gpu in the repository root)
 # Environment:
 #   KVC_GPU_RESULTS   folder for the logs and GoogleTest XML (default: BUILD_DIR/gpu-results)
-#   KVC_GPU_BUDGET_S  seconds for all steps together (default 390); a step is cut to what is left,
+#   KVC_GPU_BUDGET_S  seconds for all steps together (default 405); a step is cut to what is left,
 #                     and one that cannot start is reported NOT RUN (a failure of the run)
 #
 # Steps, each with its own time limit (seconds; the sum with two GPUs is the default budget):
 #   backend test (grid, edge cases) 75 | kernels test 20 | decode test 20 | adaptive test 15 |
-#   extra scores test 20 | Llama-3-8B 128K vs CPU 60 | compute-sanitizer memcheck 40, racecheck 30,
+#   extra scores test 35 | Llama-3-8B 128K vs CPU 60 | compute-sanitizer memcheck 40, racecheck 30,
 #   synccheck 20 (small cases; when the toolkit has it) | NCCL (two GPUs) 30 | bench at 128K 60
 # A test binary that fails is run again suite by suite with CUDA_LAUNCH_BLOCKING=1, within the
 # budget; a test that breaks the CUDA context (the binary prints KVC-GPU-FAULT and exits 3) is
@@ -27,7 +27,7 @@ root="$(cd "${here}/../.." && pwd)"
 build="${1:-${root}/build-gpu}"
 bin="${build}/tests/gpu"
 results="${KVC_GPU_RESULTS:-${build}/gpu-results}"
-budget="${KVC_GPU_BUDGET_S:-390}"
+budget="${KVC_GPU_BUDGET_S:-405}"
 export LD_LIBRARY_PATH="${build}/gpu-libs${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
 
 # The binaries this script runs. tests/gpu/README.md's build command builds exactly these, and
@@ -42,6 +42,8 @@ sanitize_backend='Grid/GpuVsCpu.*/snapkv_f16_HND_d96:Grid/GpuVsCpu.*/keyformer_b
 'CudaBackend.InvalidInputIsRejectedNamingTheField'
 sanitize_kernels='TopK.RejectsBadArguments'
 sanitize_decode='SplitDecode.RejectsArgumentsOutsideThePlan:TensorCoreScores.*'
+sanitize_score_extra='Grid/GpuScoreExtra.*/*_200_64_kvzip_0_25_stats_1_top_4_passes*:'\
+'Grid/GpuScoreExtra.*/*_97_40_kvzip*'
 big_filter='Policies/Llama3At128K.*'
 
 declare -a summary=()
@@ -115,6 +117,7 @@ if [[ "${KVC_GPU_CHECK_FILTERS:-0}" == 1 ]]; then
   check kvc_gpu_backend_test "${sanitize_backend}"
   check kvc_gpu_kernels_test "${sanitize_kernels}"
   check kvc_gpu_decode_test "${sanitize_decode}"
+  check kvc_gpu_score_extra_test "${sanitize_score_extra}"
   exit ${bad}
 fi
 
@@ -258,10 +261,12 @@ sanitize() {
     return
   fi
   local deadline=$((SECONDS + limit)) b filter
-  for b in kvc_gpu_kernels_test kvc_gpu_decode_test kvc_gpu_backend_test; do
+  for b in kvc_gpu_kernels_test kvc_gpu_decode_test kvc_gpu_score_extra_test \
+    kvc_gpu_backend_test; do
     case ${b} in
       kvc_gpu_kernels_test) filter="${sanitize_kernels}" ;;
       kvc_gpu_decode_test) filter="${sanitize_decode}" ;;
+      kvc_gpu_score_extra_test) filter="${sanitize_score_extra}" ;;
       *) filter="${sanitize_backend}" ;;
     esac
     local slice=$((deadline - SECONDS))
@@ -285,18 +290,18 @@ sanitize() {
       return
     fi
   done
-  note "PASS    compute-sanitizer ${tool} (small cases of kernels, decode and backend tests)"
+  note "PASS    compute-sanitizer ${tool} (small cases of kernels, decode, kvzip scores and backend tests)"
 }
 
 # The step limits below, in order (the NCCL step only with two GPUs).
-pending=$((75 + 20 + 20 + 15 + 20 + 60 + 40 + 30 + 20 + 60))
+pending=$((75 + 20 + 20 + 15 + 35 + 60 + 40 + 30 + 20 + 60))
 ((gpus >= 2)) && pending=$((pending + 30))
 gtest_step "CUDA backend vs CPU oracle (grid up to 32K, edge cases)" 75 backend \
   kvc_gpu_backend_test '*' "${big_filter}"
 gtest_step "kernels vs exact host references (noise, top-k)" 20 kernels kvc_gpu_kernels_test '*' ''
 gtest_step "split decode and tensor-core scores vs references" 20 decode kvc_gpu_decode_test '*' ''
 gtest_step "head-adaptive budgets vs CPU" 15 adaptive kvc_gpu_adaptive_test '*' ''
-gtest_step "CUDA extra scores vs CPU" 20 score_extra kvc_gpu_score_extra_test '*' ''
+gtest_step "CUDA extra scores vs CPU" 35 score_extra kvc_gpu_score_extra_test '*' ''
 gtest_step "Llama-3-8B layer at 128K tokens vs CPU (snapkv, h2o, keyformer, keydiff)" 60 big128k \
   kvc_gpu_backend_test "${big_filter}" ''
 sanitize memcheck 40
