@@ -20,7 +20,9 @@ read only generated tokens and stay allowed.
 
 The spec comes from the request's kv_transfer_params {"kvc": {"spec": ...}} or --spec. Errors are
 JSON {"error": {"message", "type", "code"}}: 400 bad request, 502 an instance failed, 503 an
-instance is unreachable, 504 a timeout. /health checks every instance (and kvcd with --kvcd);
+instance is unreachable, 504 a timeout. Idle connections to the instances are pooled for
+--upstream-keepalive seconds (below vLLM's 5 s), and a request an instance closed unread is sent
+once more on a new connection. /health checks every instance (and kvcd with --kvcd);
 /metrics serves the proxy's own Prometheus metrics (kvc_proxy_*).
 """
 
