@@ -98,6 +98,11 @@ inline cudaError_t Launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, 
 
 __device__ __forceinline__ int CeilDiv(int a, int b) { return (a + b - 1) / b; }
 
+// Blocks of `threads` that cover n elements (a 1-D launch's grid).
+inline unsigned Blocks(int64_t n, int threads) {
+  return static_cast<unsigned>((n + threads - 1) / threads);
+}
+
 // Total order on floats for selection, consistent with the CPU's comparisons: NaN sorts below
 // everything (it never wins a slot) and -0 equals +0 (so the position breaks that tie).
 __device__ __forceinline__ uint32_t OrderedKey(float f) {

@@ -15,10 +15,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-unsigned BlocksFor(int64_t n, int threads) {
-  return static_cast<unsigned>((n + threads - 1) / threads);
-}
-
 // One warp per (head, token): out[h, j] = ||x[h, j]||.
 template <typename E>
 __global__ void RowNormKernel(const typename E::T* __restrict__ x, Strides xs, int heads,
@@ -196,13 +192,13 @@ cudaError_t LaunchKeyDiffScores(ElemType dtype, const void* k, Strides ks, int n
   float* unit = scratch + 2 * static_cast<size_t>(num_kv_heads) * slices * head_dim;
   return KVC_DISPATCH_DTYPE(dtype, E, [&] {
     const auto* kp = static_cast<const typename E::T*>(k);
-    KVC_CUDA_CALL(Launch(RowNormKernel<E>, BlocksFor(threads, kThreads), kThreads, 0, stream, kp,
+    KVC_CUDA_CALL(Launch(RowNormKernel<E>, Blocks(threads, kThreads), kThreads, 0, stream, kp,
                          ks, num_kv_heads, seq_len, head_dim, scores));
     KVC_CUDA_CALL(Launch(KeyDiffSliceKernel<E>, dim3(slices, num_kv_heads), kSliceThreads, 0,
                          stream, kp, ks, seq_len, head_dim, scores, partial));
     KVC_CUDA_CALL(Launch(KeyDiffUnitKernel, num_kv_heads, 256, 0, stream, partial, slices, seq_len,
                          head_dim, unit));
-    return Launch(KeyDiffScoreKernel<E>, BlocksFor(threads, kThreads), kThreads, 0, stream, kp, ks,
+    return Launch(KeyDiffScoreKernel<E>, Blocks(threads, kThreads), kThreads, 0, stream, kp, ks,
                   num_kv_heads, seq_len, head_dim, unit, scores);
   });
 }
@@ -213,7 +209,7 @@ cudaError_t LaunchExpectedLogits(ElemType dtype, const void* k, Strides ks, int 
   if (head_dim > 256) return cudaErrorInvalidValue;
   const int64_t threads = static_cast<int64_t>(num_q_heads) * seq_len * 32;
   return KVC_DISPATCH_DTYPE(dtype, E, [&] {
-    return Launch(ExpectedLogitsKernel<E>, BlocksFor(threads, kThreads), kThreads, 0, stream,
+    return Launch(ExpectedLogitsKernel<E>, Blocks(threads, kThreads), kThreads, 0, stream,
                   static_cast<const typename E::T*>(k), ks, num_q_heads / num_kv_heads, num_q_heads,
                   seq_len, head_dim, mean, cov, logits);
   });
@@ -225,7 +221,7 @@ cudaError_t LaunchValueWeight(ElemType dtype, const void* v, Strides vs, int num
   if (mode != 2 && mode != 3) return cudaSuccess;
   const int64_t threads = static_cast<int64_t>(num_kv_heads) * seq_len * 32;
   return KVC_DISPATCH_DTYPE(dtype, E, [&] {
-    KVC_CUDA_CALL(Launch(RowNormKernel<E>, BlocksFor(threads, kThreads), kThreads, 0, stream,
+    KVC_CUDA_CALL(Launch(RowNormKernel<E>, Blocks(threads, kThreads), kThreads, 0, stream,
                          static_cast<const typename E::T*>(v), vs, num_kv_heads, seq_len, head_dim,
                          norms));
     return Launch(ValueWeightKernel, num_kv_heads, 1024, 0, stream, seq_len, mode, eps, norms,

@@ -417,10 +417,6 @@ __global__ void TcRowStatsKernel(const float2* __restrict__ tile_stats, int n_ro
   if (lane == 0) row_stats[w] = make_float2(mx, 1.0f / sum);
 }
 
-unsigned Blocks(int64_t n, int threads) {
-  return static_cast<unsigned>((n + threads - 1) / threads);
-}
-
 }  // namespace
 
 cudaError_t LaunchQKLogits(ElemType dtype, const void* q, Strides qs, const void* k, Strides ks,

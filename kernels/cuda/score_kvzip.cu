@@ -16,10 +16,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-unsigned BlocksFor(int64_t n, int threads) {
-  return static_cast<unsigned>((n + threads - 1) / threads);
-}
-
 __device__ __forceinline__ bool Sees(const int32_t* keys, int t, int j) {
   if (keys == nullptr) return true;
   const int32_t* k = keys + 3 * static_cast<int64_t>(t);
@@ -130,7 +126,7 @@ cudaError_t LaunchGroupColumnTop(const float* probs, int num_q_heads, int num_kv
   const int group = num_q_heads / num_kv_heads;
   // The planes in registers: the smallest instantiation that holds top_k.
   const auto launch = [&](auto kernel) {
-    return Launch(kernel, BlocksFor(n, kThreads), kThreads, 0, stream, probs, group, rows,
+    return Launch(kernel, Blocks(n, kThreads), kThreads, 0, stream, probs, group, rows,
                   seq_len, num_kv_heads, top_k, planes);
   };
   if (top_k == 1) return launch(GroupColumnTopKernel<1>);
@@ -144,7 +140,7 @@ cudaError_t LaunchPlaneMean(const float* planes, int top_k, int num_kv_heads, in
                             float* scores, cudaStream_t stream) {
   if (top_k < 1) return cudaErrorInvalidValue;
   const int64_t n = static_cast<int64_t>(num_kv_heads) * seq_len;
-  return Launch(PlaneMeanKernel, BlocksFor(n, kThreads), kThreads, 0, stream, planes, top_k, n,
+  return Launch(PlaneMeanKernel, Blocks(n, kThreads), kThreads, 0, stream, planes, top_k, n,
                 scores);
 }
 
