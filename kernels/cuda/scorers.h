@@ -9,7 +9,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
-
 #include <vector>
 
 #include "absl/status/statusor.h"

@@ -147,20 +147,24 @@ std::vector<Case> Cases() {
                                           "expected:0.25,stats=1"};
   const std::vector<LayerShape> shapes = {
       {2, 8, 300, 64, 16}, {4, 8, 1500, 128, 32}, {1, 4, 97, 40, 0}, {8, 32, 2100, 128, 0}};
+  // Case n cycles through the dtypes and layouts; its name says its shape and spec.
   int n = 0;
+  const auto add = [&](const LayerShape& sh, const std::string& sp) {
+    const DType dt = n % 3 == 0 ? DType::kF16 : n % 3 == 1 ? DType::kBF16 : DType::kF32;
+    const Layout lay = n % 2 == 0 ? Layout::kHND : Layout::kNHD;
+    std::string name = absl::StrCat("c", n++, "_", sh.seq_len, "_", sh.head_dim, "_", sp);
+    for (char& ch : name) {
+      if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+    }
+    out.push_back({name, sh, dt, lay, sp});
+  };
   for (const LayerShape& sh : shapes) {
     for (const std::string& sp : specs) {
       const bool needs_q =
           sp.rfind("h2o", 0) == 0 || sp.rfind("snapkv", 0) == 0 || sp.rfind("keyformer", 0) == 0 ||
           (sp.rfind("expected", 0) == 0 && sp.find("stats=1") == std::string::npos);
       if (sh.obs_window == 0 && needs_q) continue;
-      const DType dt = n % 3 == 0 ? DType::kF16 : n % 3 == 1 ? DType::kBF16 : DType::kF32;
-      const Layout lay = n % 2 == 0 ? Layout::kHND : Layout::kNHD;
-      std::string name = absl::StrCat("c", n++, "_", sh.seq_len, "_", sh.head_dim, "_", sp);
-      for (char& ch : name) {
-        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-      }
-      out.push_back({name, sh, dt, lay, sp});
+      add(sh, sp);
     }
   }
   // kvzip: reconstruction rows (W = S + a prompt's rows, or more), with and without the rows'
@@ -176,15 +180,7 @@ std::vector<Case> Cases() {
       {{8, 32, 2100, 128, 2200},
        {"kvzip:0.1,stats=1,top=16", "kvzip:0.1,stats=1,top=64,passes=1100/1100,chunk=1050"}}};
   for (const auto& [sh, specs_of] : kvzip) {
-    for (const std::string& sp : specs_of) {
-      const DType dt = n % 3 == 0 ? DType::kF16 : n % 3 == 1 ? DType::kBF16 : DType::kF32;
-      const Layout lay = n % 2 == 0 ? Layout::kHND : Layout::kNHD;
-      std::string name = absl::StrCat("c", n++, "_", sh.seq_len, "_", sh.head_dim, "_", sp);
-      for (char& ch : name) {
-        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-      }
-      out.push_back({name, sh, dt, lay, sp});
-    }
+    for (const std::string& sp : specs_of) add(sh, sp);
   }
   return out;
 }
