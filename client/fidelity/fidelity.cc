@@ -80,7 +80,7 @@ absl::Status ValidateRunOptions(const RunOptions& o, const model::LlamaConfig& c
       }
     }
   }
-  return CheckKVzipPrompt(config, o.kvzip_prompt);
+  return CheckKVzipPrompts(config, o.kvzip);
 }
 
 absl::string_view ScenarioName(Scenario s) { return s == Scenario::kInside ? "inside" : "after"; }
@@ -366,7 +366,7 @@ absl::StatusOr<PrefixCache> FidelityEval::CompressedPrefix(int i, Scenario scena
     ASSIGN_OR_RETURN(ReconstructionPass run,
                      RunReconstruction(*model_,
                                        absl::MakeConstSpan(seq.data(), prefix.prefix_len),
-                                       options_.kvzip_prompt));
+                                       options_.kvzip));
     pass = std::make_shared<const ReconstructionPass>(std::move(run));
   }
   prefix.recon = pass;
@@ -416,7 +416,9 @@ absl::StatusOr<Metrics> FidelityEval::Evaluate(const CompressionSpec& spec,
   for (int i = 0; i < options_.num_sequences; ++i) {
     ASSIGN_OR_RETURN(const PrefixCache prefix, CompressedPrefix(i, scenario, spec));
     m.obs_window = prefix.obs_window;
-    ASSIGN_OR_RETURN(std::vector<CompactLayer> layers, compressor(prefix, spec, i));
+    // kvzip over several reconstruction passes: the spec names this prefix's passes.
+    const CompressionSpec doc_spec = prefix.recon ? SpecForPasses(spec, *prefix.recon) : spec;
+    ASSIGN_OR_RETURN(std::vector<CompactLayer> layers, compressor(prefix, doc_spec, i));
     for (const CompactLayer& layer : layers) m.compact_bytes += layer.bytes.size();
     m.full_bytes += prefix.full_bytes();
     const int start = prefix.prefix_len, lead = p - start;  // question tokens decoded first

@@ -83,7 +83,15 @@ ABSL_FLAG(std::string, sequences_file, "",
 ABSL_FLAG(std::string, kvzip_prompt, "",
           "kvzip rows: token ids (spaces or commas) of the reconstruction prompt run between the "
           "compressed prefix and its copy; empty (the default) repeats the prefix right after "
-          "itself. The pass needs 2 x the compressed prefix + these positions of the model");
+          "itself. A pass needs the compressed prefix + these + its chunk positions of the model");
+ABSL_FLAG(std::string, kvzip_part_prompt, "",
+          "kvzip rows, a context longer than --kvzip_chunk: token ids of a later pass's "
+          "instruction, run before the previous chunk's last 8 tokens and --kvzip_part_suffix");
+ABSL_FLAG(std::string, kvzip_part_suffix, "",
+          "kvzip rows: token ids run between a later pass's overlap and its chunk");
+ABSL_FLAG(int, kvzip_chunk, kvc::kDefaultPassTokens,
+          "kvzip rows: context tokens one reconstruction pass repeats (a longer context takes one "
+          "pass a chunk, each normalised over the sinks and its chunk); 0: one pass");
 
 namespace kvc::fidelity {
 namespace {
@@ -160,8 +168,11 @@ absl::Status Run() {
   options.obs_window = std::min(absl::GetFlag(FLAGS_window), options.prefix_len);
   options.temperature = static_cast<float>(absl::GetFlag(FLAGS_temperature));
   options.seed = absl::GetFlag(FLAGS_seed);
-  ASSIGN_OR_RETURN(options.kvzip_prompt,
-                   ParseTokenIds(absl::GetFlag(FLAGS_kvzip_prompt), "--kvzip_prompt"));
+  ASSIGN_OR_RETURN(options.kvzip,
+                   ParseReconPrompts(absl::GetFlag(FLAGS_kvzip_prompt),
+                                     absl::GetFlag(FLAGS_kvzip_part_prompt),
+                                     absl::GetFlag(FLAGS_kvzip_part_suffix),
+                                     absl::GetFlag(FLAGS_kvzip_chunk)));
   RETURN_IF_ERROR(ValidateRunOptions(options, c));
   const int seeds = absl::GetFlag(FLAGS_seeds);
   if (seeds < 1)
@@ -183,11 +194,11 @@ absl::Status Run() {
   }
   ASSIGN_OR_RETURN(std::vector<SweepEntry> rows, Rows(group));
   // kvzip rows are refused now, not after the others ran: the longest compressed prefix (P
-  // inside, P - W after) must fit the model twice.
+  // inside, P - W after) and its longest reconstruction pass must fit the model.
   const bool inside =
       std::find(scenarios.begin(), scenarios.end(), Scenario::kInside) != scenarios.end();
   const absl::Status fits =
-      CheckReconstructionFits(c, inside ? p : p - w, options.kvzip_prompt.size());
+      CheckReconstructionFits(c, inside ? p : p - w, options.kvzip);
   for (const SweepEntry& entry : rows) {
     if (!NeedsReconstruction(entry.spec)) continue;
     for (const absl::Status& st : {CheckReconstructionSpec(entry.spec), fits}) {

@@ -466,9 +466,9 @@ absl::StatusOr<std::string> PasskeyEval::AnswerOnCompact(int i, PasskeyScenario 
   return AnswerText(answer);
 }
 
-absl::Status PasskeyEval::SetKVzipPrompt(std::vector<int32_t> prompt) {
-  RETURN_IF_ERROR(CheckKVzipPrompt(model_->config(), prompt));
-  kvzip_prompt_ = std::move(prompt);
+absl::Status PasskeyEval::SetKVzipPrompts(ReconPrompts prompts) {
+  RETURN_IF_ERROR(CheckKVzipPrompts(model_->config(), prompts));
+  kvzip_ = std::move(prompts);
   return absl::OkStatus();
 }
 
@@ -480,7 +480,7 @@ absl::StatusOr<PrefixCache> PasskeyEval::PrefixFor(int i, PasskeyScenario scenar
   const std::vector<int32_t>& prompt = tokens_[i].prompt;
   ASSIGN_OR_RETURN(ReconstructionPass pass,
                    RunReconstruction(*model_, absl::MakeConstSpan(prompt.data(), prefix.prefix_len),
-                                     kvzip_prompt_));
+                                     kvzip_));
   prefix.obs_window = pass.rows;
   prefix.recon = std::make_shared<const ReconstructionPass>(std::move(pass));
   return prefix;
@@ -496,7 +496,9 @@ absl::StatusOr<PasskeyResult> PasskeyEval::Evaluate(const CompressionSpec& spec,
   for (int i = 0; i < r.documents; ++i) {
     ASSIGN_OR_RETURN(PrefixCache prefix, PrefixFor(i, scenario, spec));
     r.obs_window = std::max(r.obs_window, prefix.obs_window);
-    ASSIGN_OR_RETURN(std::vector<CompactLayer> layers, compressor(prefix, spec, i));
+    // kvzip over several reconstruction passes: the spec names this document's passes.
+    const CompressionSpec doc_spec = prefix.recon ? SpecForPasses(spec, *prefix.recon) : spec;
+    ASSIGN_OR_RETURN(std::vector<CompactLayer> layers, compressor(prefix, doc_spec, i));
     for (const CompactLayer& layer : layers) packed += layer.bytes.size();
     full += prefix.full_bytes();
     ASSIGN_OR_RETURN(std::vector<int32_t> answer,

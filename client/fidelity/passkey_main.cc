@@ -69,7 +69,15 @@ ABSL_FLAG(int, threads, 1, "CPU backend threads (0 = all cores)");
 ABSL_FLAG(std::string, kvzip_prompt, "",
           "kvzip rows: token ids (spaces or commas) of the reconstruction prompt run between the "
           "compressed part and its copy; empty (the default) repeats it right after itself. The "
-          "pass needs 2 x the compressed part + these positions of the model");
+          "pass needs the compressed part + these + its chunk positions of the model");
+ABSL_FLAG(std::string, kvzip_part_prompt, "",
+          "kvzip rows, a context longer than --kvzip_chunk: token ids of a later pass's "
+          "instruction, run before the previous chunk's last 8 tokens and --kvzip_part_suffix");
+ABSL_FLAG(std::string, kvzip_part_suffix, "",
+          "kvzip rows: token ids run between a later pass's overlap and its chunk");
+ABSL_FLAG(int, kvzip_chunk, kvc::kDefaultPassTokens,
+          "kvzip rows: context tokens one reconstruction pass repeats (a longer context takes one "
+          "pass a chunk, each normalised over the sinks and its chunk); 0: one pass");
 
 namespace kvc::fidelity {
 namespace {
@@ -164,8 +172,11 @@ absl::Status Run() {
   ASSIGN_OR_RETURN(const std::vector<Row> rows, ParseSpecs(absl::GetFlag(FLAGS_spec)));
   ASSIGN_OR_RETURN(const std::vector<PasskeyScenario> scenarios,
                    ParseScenarios(absl::GetFlag(FLAGS_scenarios)));
-  ASSIGN_OR_RETURN(std::vector<int32_t> kvzip_prompt,
-                   ParseTokenIds(absl::GetFlag(FLAGS_kvzip_prompt), "--kvzip_prompt"));
+  ASSIGN_OR_RETURN(ReconPrompts kvzip,
+                   ParseReconPrompts(absl::GetFlag(FLAGS_kvzip_prompt),
+                                     absl::GetFlag(FLAGS_kvzip_part_prompt),
+                                     absl::GetFlag(FLAGS_kvzip_part_suffix),
+                                     absl::GetFlag(FLAGS_kvzip_chunk)));
   // Output files are opened before the run, so a bad path fails in a second, not after it.
   std::ofstream csv;
   if (const std::string path = absl::GetFlag(FLAGS_csv); !path.empty()) {
@@ -229,7 +240,7 @@ absl::Status Run() {
   for (const Row& row : rows) {
     if (!NeedsReconstruction(row.spec)) continue;
     absl::Status st = CheckReconstructionSpec(row.spec);
-    st.Update(CheckReconstructionFits(c, longest_part, static_cast<int64_t>(kvzip_prompt.size())));
+    st.Update(CheckReconstructionFits(c, longest_part, kvzip));
     if (!st.ok()) return absl::Status(st.code(), absl::StrCat(row.label, ": ", st.message()));
   }
 
@@ -273,7 +284,7 @@ absl::Status Run() {
     return s;
   }
   std::unique_ptr<PasskeyEval> eval = *std::move(created);
-  RETURN_IF_ERROR(eval->SetKVzipPrompt(std::move(kvzip_prompt)));
+  RETURN_IF_ERROR(eval->SetKVzipPrompts(std::move(kvzip)));
   const PasskeyResult& full = eval->full_cache();
   std::printf("full cache: %d/%d exact, accuracy %s (Wilson 95%%)\n\n", full.correct,
               full.documents, FormatAccuracy(full).c_str());

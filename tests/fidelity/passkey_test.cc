@@ -406,7 +406,8 @@ TEST_F(PasskeyModelTest, ScenariosCompressTheRightPositions) {
 }
 
 // kvzip's reconstruction pass (recon.h) runs the compressed part twice: the suite's documents
-// (up to 384 bytes) do not fit the model's 384 positions twice, short ones do.
+// (up to 384 bytes) do not fit the model's 384 positions twice, short ones do, and long ones in
+// chunks.
 TEST_F(PasskeyModelTest, KVzipReconstructsTheCompressedPartOrSaysWhyNot) {
   const CompressionSpec kvzip = *ParseSpecString("kvzip:0.5,stats=1");
   EXPECT_THAT(eval_->PrefixFor(0, PasskeyScenario::kAfter, kvzip).status().message(),
@@ -418,8 +419,11 @@ TEST_F(PasskeyModelTest, KVzipReconstructsTheCompressedPartOrSaysWhyNot) {
   auto eval = PasskeyEval::Create(State().model.get(), *std::move(docs), 8,
                                   State().backend.get());
   ASSERT_TRUE(eval.ok()) << eval.status();
-  EXPECT_THAT((*eval)->SetKVzipPrompt({256}).message(), HasSubstr("kvzip_prompt: token 256"));
-  ASSERT_TRUE((*eval)->SetKVzipPrompt({'\n'}).ok());
+  ReconPrompts prompts;
+  prompts.prompt = {256};
+  EXPECT_THAT((*eval)->SetKVzipPrompts(prompts).message(), HasSubstr("kvzip_prompt: token 256"));
+  prompts.prompt = {'\n'};
+  ASSERT_TRUE((*eval)->SetKVzipPrompts(prompts).ok());
   for (PasskeyScenario scenario : {PasskeyScenario::kInside, PasskeyScenario::kAfter}) {
     SCOPED_TRACE(ScenarioName(scenario));
     int longest = 0;
@@ -435,6 +439,32 @@ TEST_F(PasskeyModelTest, KVzipReconstructsTheCompressedPartOrSaysWhyNot) {
     EXPECT_EQ(r->documents, 3);
     EXPECT_EQ(r->answers.size(), 3u);
     EXPECT_EQ(r->obs_window, longest);
+    EXPECT_LT(r->size_ratio, 0.75);
+  }
+  // In chunks of 32 bytes the suite's own documents fit: one pass a chunk, each after its
+  // instruction and the previous chunk's last 8 bytes, named in the spec of every document.
+  auto long_docs = GeneratePasskeyDocuments(State().filler, 5, 3, {});
+  ASSERT_TRUE(long_docs.ok()) << long_docs.status();
+  auto chunked = PasskeyEval::Create(State().model.get(), *std::move(long_docs), 8,
+                                     State().backend.get());
+  ASSERT_TRUE(chunked.ok()) << chunked.status();
+  prompts.part_prompt = {'\n', '\n'};
+  prompts.chunk = 32;  // the longest pass: 334 + 2 + 8 + 32 <= 384
+  ASSERT_TRUE((*chunked)->SetKVzipPrompts(prompts).ok());
+  for (PasskeyScenario scenario : {PasskeyScenario::kInside, PasskeyScenario::kAfter}) {
+    SCOPED_TRACE(ScenarioName(scenario));
+    auto prefix = (*chunked)->PrefixFor(0, scenario, kvzip);
+    ASSERT_TRUE(prefix.ok()) << prefix.status();
+    const int s = prefix->prefix_len, passes = 1 + (s - 1) / 32;
+    ASSERT_GT(passes, 2);
+    ASSERT_EQ(prefix->recon->pass_rows.size(), static_cast<size_t>(passes));
+    EXPECT_EQ(prefix->recon->pass_rows[0], 1 + 32);
+    EXPECT_EQ(prefix->recon->pass_rows[1], 2 + 8 + 32);
+    EXPECT_EQ(prefix->recon->pass_rows.back(), 2 + 8 + s - (passes - 1) * 32);
+    EXPECT_EQ(prefix->obs_window, 1 + s + (passes - 1) * 10);
+    auto r = (*chunked)->Evaluate(kvzip, scenario, InProcessCompressor(State().backend.get()));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->documents, 3);
     EXPECT_LT(r->size_ratio, 0.75);
   }
 }
@@ -561,12 +591,23 @@ TEST_F(PasskeyModelTest, ToolRunsAndWritesCsv) {
   // kvzip rows are checked before any row runs: these documents do not fit twice.
   const ToolRun kvzip_long = RunTool(model + " --documents=2 --spec='full;kvzip:0.5'");
   EXPECT_EQ(kvzip_long.exit_code, 1);
-  EXPECT_THAT(kvzip_long.output, HasSubstr("kvzip:0.5: kvzip: the reconstruction pass runs"));
+  EXPECT_THAT(kvzip_long.output, HasSubstr("kvzip:0.5: kvzip: a reconstruction pass runs"));
   EXPECT_THAT(kvzip_long.output, Not(HasSubstr("full cache: ")));
   const ToolRun kvzip = RunTool(model + " --documents=2 --max_bytes=190 --window=8 " +
                                 "--spec='kvzip:0.5,stats=1' --kvzip_prompt=10");
   EXPECT_EQ(kvzip.exit_code, 0) << kvzip.output;
   EXPECT_THAT(kvzip.output, HasSubstr("kvzip:0.5,stats=1"));
+  // The long documents run in chunks of 16 bytes, each pass after its own instruction (after
+  // the question: inside, the compressed part is the whole prompt and cannot fit).
+  const ToolRun chunked = RunTool(model + " --documents=2 --window=8 --scenarios=after " +
+                                  "--spec='kvzip:0.5,stats=1' " +
+                                  "--kvzip_prompt=10 --kvzip_part_prompt=10,10 --kvzip_chunk=16");
+  EXPECT_EQ(chunked.exit_code, 0) << chunked.output;
+  EXPECT_THAT(chunked.output, HasSubstr("kvzip:0.5,stats=1"));
+  const ToolRun bad_suffix = RunTool(model + " --documents=2 --spec='kvzip:0.5' " +
+                                     "--kvzip_part_suffix=1,z");
+  EXPECT_EQ(bad_suffix.exit_code, 1);
+  EXPECT_THAT(bad_suffix.output, HasSubstr("--kvzip_part_suffix: 'z'"));
 
   const ToolRun run = RunTool(model + " --documents=3 --seed=3 --window=16 " +
                               "--spec='full;streaming:0.25' --csv=" + csv);

@@ -69,14 +69,23 @@ TEST(ToolTest, OnlyWithoutAMatchIsAnError) {
 }
 
 // kvzip rows run the compressed prefix twice (recon.h): a prefix that does not fit the model
-// twice is refused before the run, naming the row; one that fits runs with W = its rows.
+// twice is refused before the run, naming the row, unless --kvzip_chunk splits its copy; one that
+// fits runs with W = its rows.
 TEST(ToolTest, KVzipRowsReconstructTheirPrefix) {
   KVC_REQUIRE_MODEL(model);
   const RunResult too_long = RunTool(model, "--prefix 300 --spec 'full;kvzip:0.5'");
   EXPECT_EQ(too_long.exit_code, 1) << too_long.output;
   EXPECT_THAT(too_long.output,
-              HasSubstr("kvzip:0.5: kvzip: the reconstruction pass runs 2 x 300 context + 0"));
+              HasSubstr("kvzip:0.5: kvzip: a reconstruction pass runs 300 context + 300 pass"));
   EXPECT_THAT(too_long.output, Not(HasSubstr(kTableHeader)));
+  // In chunks of 64 tokens it fits (300 + 8 overlap + 64 <= 512 positions) and runs.
+  const RunResult chunked =
+      RunTool(model, "--prefix 300 --window 16 --spec 'kvzip:0.5,stats=1' --kvzip_chunk 64");
+  EXPECT_EQ(chunked.exit_code, 0) << chunked.output;
+  EXPECT_THAT(chunked.output, HasSubstr("kvzip:0.5,stats=1"));
+  const RunResult negative = RunTool(model, "--spec kvzip:0.5 --kvzip_chunk -3");
+  EXPECT_EQ(negative.exit_code, 1) << negative.output;
+  EXPECT_THAT(negative.output, HasSubstr("--kvzip_chunk: -3 must be >= 0"));
   const RunResult bad = RunTool(model, "--spec kvzip:0.5 --kvzip_prompt '3 -4'");
   EXPECT_EQ(bad.exit_code, 1) << bad.output;
   EXPECT_THAT(bad.output, HasSubstr("--kvzip_prompt: '-4'"));

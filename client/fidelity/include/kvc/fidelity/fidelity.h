@@ -51,14 +51,14 @@ struct RunOptions {
   // When not empty: these sequences instead of sampled ones (exactly num_sequences of them, each
   // of at least P + C valid token ids; only the first P + C are used).
   std::vector<std::vector<int32_t>> given_sequences;
-  // kvzip: the reconstruction prompt run between the compressed prefix and its copy (recon.h;
-  // token ids, may be empty). The pass needs 2 x prefix + this many positions of the model.
-  std::vector<int32_t> kvzip_prompt;
+  // kvzip: the reconstruction passes' prompts and chunk (recon.h; the ids may be empty). A pass
+  // needs the prefix + its prompt + its chunk positions of the model.
+  ReconPrompts kvzip;
 };
 
 // INVALID_ARGUMENT naming the field: counts < 1, W outside [0, P], P + C above the model's
-// seq_len, given_sequences of the wrong count, length or token range, kvzip_prompt ids outside
-// the vocabulary.
+// seq_len, given_sequences of the wrong count, length or token range, kvzip prompt ids outside
+// the vocabulary, a negative kvzip chunk.
 absl::Status ValidateRunOptions(const RunOptions& options, const model::LlamaConfig& config);
 
 // The uncompressed cache of one prefix, per layer in HND: k, v [Hkv, P, D] and q (the observation

@@ -162,9 +162,9 @@ class PasskeyEval {
   absl::StatusOr<PrefixCache> PrefixFor(int i, PasskeyScenario scenario,
                                         const CompressionSpec& spec) const;
 
-  // kvzip's reconstruction prompt (token ids run between the compressed part and its copy;
-  // default none). INVALID_ARGUMENT for an id outside the vocabulary.
-  absl::Status SetKVzipPrompt(std::vector<int32_t> prompt);
+  // kvzip's reconstruction passes (recon.h: the prompts' token ids, default none, and the chunk,
+  // default 2,048). INVALID_ARGUMENT for an id outside the vocabulary or a negative chunk.
+  absl::Status SetKVzipPrompts(ReconPrompts prompts);
 
   // Compresses every document with `compressor` and scores the greedy answers. Errors of the
   // compressor are returned as they are.
@@ -215,7 +215,7 @@ class PasskeyEval {
   RopeParams rope_;
   int obs_window_;
   Backend* attention_;
-  std::vector<int32_t> kvzip_prompt_;
+  ReconPrompts kvzip_;
   std::vector<DocCache> caches_;
   PasskeyResult full_;
 };
