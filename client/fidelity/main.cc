@@ -29,6 +29,7 @@
 #include "absl/strings/strip.h"
 #include "kvc/backend.h"
 #include "kvc/fidelity/fidelity.h"
+#include "kvc/fidelity/recon_flags.h"
 #include "kvc/fidelity/report.h"
 #include "kvc/fidelity/stats.h"
 #include "kvc/fidelity/via_kvcd.h"
@@ -80,19 +81,6 @@ ABSL_FLAG(std::string, sequences_file, "",
           "evaluate these sequences instead of sampling: a file as --dump_sequences writes (at "
           "least seeds x sequences lines, each of at least P + C token ids; seed r uses lines "
           "r*sequences.. of it, extra lines and tokens are ignored)");
-ABSL_FLAG(std::string, kvzip_prompt, "",
-          "kvzip rows: token ids (spaces or commas) of the reconstruction prompt run between the "
-          "compressed prefix and its copy; empty (the default) repeats the prefix right after "
-          "itself. A pass needs the compressed prefix + these + its chunk positions of the model");
-ABSL_FLAG(std::string, kvzip_part_prompt, "",
-          "kvzip rows, a context longer than --kvzip_chunk: token ids of a later pass's "
-          "instruction, run before the previous chunk's last 8 tokens and --kvzip_part_suffix");
-ABSL_FLAG(std::string, kvzip_part_suffix, "",
-          "kvzip rows: token ids run between a later pass's overlap and its chunk");
-ABSL_FLAG(int, kvzip_chunk, kvc::kDefaultPassTokens,
-          "kvzip rows: context tokens one reconstruction pass repeats (a longer context takes one "
-          "pass a chunk, each normalised over the sinks and its chunk); 0: one pass");
-
 namespace kvc::fidelity {
 namespace {
 
@@ -168,11 +156,7 @@ absl::Status Run() {
   options.obs_window = std::min(absl::GetFlag(FLAGS_window), options.prefix_len);
   options.temperature = static_cast<float>(absl::GetFlag(FLAGS_temperature));
   options.seed = absl::GetFlag(FLAGS_seed);
-  ASSIGN_OR_RETURN(options.kvzip,
-                   ParseReconPrompts(absl::GetFlag(FLAGS_kvzip_prompt),
-                                     absl::GetFlag(FLAGS_kvzip_part_prompt),
-                                     absl::GetFlag(FLAGS_kvzip_part_suffix),
-                                     absl::GetFlag(FLAGS_kvzip_chunk)));
+  ASSIGN_OR_RETURN(options.kvzip, ReconPromptsFromFlags());
   RETURN_IF_ERROR(ValidateRunOptions(options, c));
   const int seeds = absl::GetFlag(FLAGS_seeds);
   if (seeds < 1)

@@ -29,6 +29,7 @@
 #include "kvc/backend.h"
 #include "kvc/fidelity/documents_file.h"
 #include "kvc/fidelity/passkey.h"
+#include "kvc/fidelity/recon_flags.h"
 #include "kvc/fidelity/via_kvcd.h"
 #include "kvc/model/transformer.h"
 #include "kvc/spec.h"
@@ -66,19 +67,6 @@ ABSL_FLAG(std::string, via, "",
           "kvcd address: compress through PutCache/GetCache(PACKED) instead of in-process, and "
           "check that every answer equals the in-process one");
 ABSL_FLAG(int, threads, 1, "CPU backend threads (0 = all cores)");
-ABSL_FLAG(std::string, kvzip_prompt, "",
-          "kvzip rows: token ids (spaces or commas) of the reconstruction prompt run between the "
-          "compressed part and its copy; empty (the default) repeats it right after itself. The "
-          "pass needs the compressed part + these + its chunk positions of the model");
-ABSL_FLAG(std::string, kvzip_part_prompt, "",
-          "kvzip rows, a context longer than --kvzip_chunk: token ids of a later pass's "
-          "instruction, run before the previous chunk's last 8 tokens and --kvzip_part_suffix");
-ABSL_FLAG(std::string, kvzip_part_suffix, "",
-          "kvzip rows: token ids run between a later pass's overlap and its chunk");
-ABSL_FLAG(int, kvzip_chunk, kvc::kDefaultPassTokens,
-          "kvzip rows: context tokens one reconstruction pass repeats (a longer context takes one "
-          "pass a chunk, each normalised over the sinks and its chunk); 0: one pass");
-
 namespace kvc::fidelity {
 namespace {
 
@@ -172,11 +160,7 @@ absl::Status Run() {
   ASSIGN_OR_RETURN(const std::vector<Row> rows, ParseSpecs(absl::GetFlag(FLAGS_spec)));
   ASSIGN_OR_RETURN(const std::vector<PasskeyScenario> scenarios,
                    ParseScenarios(absl::GetFlag(FLAGS_scenarios)));
-  ASSIGN_OR_RETURN(ReconPrompts kvzip,
-                   ParseReconPrompts(absl::GetFlag(FLAGS_kvzip_prompt),
-                                     absl::GetFlag(FLAGS_kvzip_part_prompt),
-                                     absl::GetFlag(FLAGS_kvzip_part_suffix),
-                                     absl::GetFlag(FLAGS_kvzip_chunk)));
+  ASSIGN_OR_RETURN(ReconPrompts kvzip, ReconPromptsFromFlags());
   // Output files are opened before the run, so a bad path fails in a second, not after it.
   std::ofstream csv;
   if (const std::string path = absl::GetFlag(FLAGS_csv); !path.empty()) {
