@@ -417,7 +417,7 @@ absl::StatusOr<Metrics> FidelityEval::Evaluate(const CompressionSpec& spec,
     ASSIGN_OR_RETURN(const PrefixCache prefix, CompressedPrefix(i, scenario, spec));
     m.obs_window = prefix.obs_window;
     // kvzip over several reconstruction passes: the spec names this prefix's passes.
-    const CompressionSpec doc_spec = prefix.recon ? SpecForPasses(spec, *prefix.recon) : spec;
+    const CompressionSpec doc_spec = SpecForPasses(spec, prefix.recon.get());
     ASSIGN_OR_RETURN(std::vector<CompactLayer> layers, compressor(prefix, doc_spec, i));
     for (const CompactLayer& layer : layers) m.compact_bytes += layer.bytes.size();
     m.full_bytes += prefix.full_bytes();

@@ -497,7 +497,7 @@ absl::StatusOr<PasskeyResult> PasskeyEval::Evaluate(const CompressionSpec& spec,
     ASSIGN_OR_RETURN(PrefixCache prefix, PrefixFor(i, scenario, spec));
     r.obs_window = std::max(r.obs_window, prefix.obs_window);
     // kvzip over several reconstruction passes: the spec names this document's passes.
-    const CompressionSpec doc_spec = prefix.recon ? SpecForPasses(spec, *prefix.recon) : spec;
+    const CompressionSpec doc_spec = SpecForPasses(spec, prefix.recon.get());
     ASSIGN_OR_RETURN(std::vector<CompactLayer> layers, compressor(prefix, doc_spec, i));
     for (const CompactLayer& layer : layers) packed += layer.bytes.size();
     full += prefix.full_bytes();

@@ -133,11 +133,11 @@ absl::Status CheckReconstructionSpec(const CompressionSpec& spec) {
   return absl::OkStatus();
 }
 
-CompressionSpec SpecForPasses(const CompressionSpec& spec, const ReconstructionPass& pass) {
+CompressionSpec SpecForPasses(const CompressionSpec& spec, const ReconstructionPass* pass) {
   CompressionSpec out = spec;
-  if (!pass.pass_rows.empty()) {
-    out.eviction.pass_rows = pass.pass_rows;
-    out.eviction.pass_tokens = pass.pass_tokens;
+  if (pass != nullptr && !pass->pass_rows.empty()) {
+    out.eviction.pass_rows = pass->pass_rows;
+    out.eviction.pass_tokens = pass->pass_tokens;
   }
   return out;
 }
@@ -152,14 +152,14 @@ absl::StatusOr<ReconstructionPass> RunReconstruction(const model::Transformer& m
   const std::vector<ReconPassPlan> plan = PlanReconstruction(context, prompts);
   const int hd = c.head_dim(), group = c.n_heads / c.n_kv_heads;
   int w = 0;  // every pass fits the model: the sum of their rows cannot overflow an int
-  for (const ReconPassPlan& p : plan) w += static_cast<int>(p.head.size()) + p.end - p.start;
+  for (const ReconPassPlan& p : plan) w += p.rows();
 
   ReconstructionPass out;
   out.context_len = static_cast<int>(s);
   out.rows = w;
   if (plan.size() > 1) {
     for (const ReconPassPlan& p : plan) {
-      out.pass_rows.push_back(static_cast<int>(p.head.size()) + p.end - p.start);
+      out.pass_rows.push_back(p.rows());
     }
     out.pass_tokens = prompts.chunk;
   }
@@ -178,7 +178,7 @@ absl::StatusOr<ReconstructionPass> RunReconstruction(const model::Transformer& m
       std::vector<int32_t> tokens(context.begin(), context.end());
       tokens.insert(tokens.end(), p.head.begin(), p.head.end());
       tokens.insert(tokens.end(), context.begin() + p.start, context.begin() + p.end);
-      const int n = static_cast<int>(tokens.size()), rows = n - static_cast<int>(s);
+      const int rows = p.rows(), n = static_cast<int>(s) + rows;
       model::ForwardOptions options;
       options.last_logits = 0;
       ASSIGN_OR_RETURN(model::ForwardOutput fwd, model.Forward(tokens, options));

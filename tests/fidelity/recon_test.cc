@@ -158,11 +158,13 @@ TEST(ReconstructionTest, ALongContextTakesOnePassAChunk) {
   }
   // The spec sent with these rows names the passes; a one-pass run leaves it as it was.
   const CompressionSpec spec = *ParseSpecString("kvzip:0.3,stats=1,top=4");
-  const CompressionSpec named = SpecForPasses(spec, *pass);
+  const CompressionSpec named = SpecForPasses(spec, &*pass);
   EXPECT_EQ(named.eviction.pass_rows, pass->pass_rows);
   EXPECT_EQ(named.eviction.pass_tokens, 40);
   EXPECT_EQ(named.eviction.top_rows, 4);
-  EXPECT_TRUE(SpecForPasses(spec, ReconstructionPass{}).eviction.pass_rows.empty());
+  const ReconstructionPass one_pass;
+  EXPECT_TRUE(SpecForPasses(spec, &one_pass).eviction.pass_rows.empty());
+  EXPECT_TRUE(SpecForPasses(spec, nullptr).eviction.pass_rows.empty());
   // A chunk shorter than the overlap repeats the whole previous chunk; chunk 0 is one pass.
   prompts.chunk = 4;
   const std::vector<ReconPassPlan> small = PlanReconstruction(context, prompts);

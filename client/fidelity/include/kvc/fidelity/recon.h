@@ -44,10 +44,12 @@ struct ReconPrompts {
 };
 
 // One pass of a context of `context_len` tokens: it repeats context tokens [start, end) after
-// `head` (its prompt ids, and for a later pass the overlap), so its rows number head + end - start.
+// `head` (its prompt ids, and for a later pass the overlap).
 struct ReconPassPlan {
   int start = 0, end = 0;
   std::vector<int32_t> head;
+  // The pass's tokens, each a reconstruction row: head + end - start.
+  int rows() const { return static_cast<int>(head.size()) + end - start; }
 };
 
 // The passes of `context` under `prompts` (one when it fits in a chunk, or chunk is 0).
@@ -102,8 +104,8 @@ bool NeedsReconstruction(const CompressionSpec& spec);
 absl::Status CheckReconstructionSpec(const CompressionSpec& spec);
 
 // `spec` with the passes of `pass` (pass_rows, pass_tokens) when it ran more than one; else
-// `spec` unchanged.
-CompressionSpec SpecForPasses(const CompressionSpec& spec, const ReconstructionPass& pass);
+// (one pass, or none: `pass` null, a policy without reconstruction) `spec` unchanged.
+CompressionSpec SpecForPasses(const CompressionSpec& spec, const ReconstructionPass* pass);
 
 }  // namespace kvc::fidelity
 
