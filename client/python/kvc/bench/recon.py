@@ -145,7 +145,8 @@ class Reconstruction:
         self._top[k] = out
         return out
 
-    def kvpress_valid(self, shadow, keep, layerwise, pool=1, weights=None, plus=False, top=1):
+    def kvpress_valid(self, shadow, keep, layerwise, pool=1, weights=None, plus=False, top=1,
+                      bonus=None):
         """Per layer [Hkv, S] kept masks of KVzipPress(compression_ratio=1-keep, layerwise), on
         its KVzip+ scores with `plus`; with pool > 1 (odd), each head's scores are max-pooled over
         `pool` neighbouring tokens first;
@@ -161,6 +162,9 @@ class Reconstruction:
         if weights is not None:
             w = torch.stack([x.to(press.score_val.dtype) for x in weights])  # [L, Hkv, S]
             press.score_val = press.score_val * w[:, None]
+        if bonus is not None:  # per layer [Hkv, S], added after the weights (kvc.bench.heads)
+            b = torch.stack([x.to(press.score_val.dtype) for x in bonus])
+            press.score_val = press.score_val + b[:, None]
         if pool > 1:
             sv = press.score_val
             pooled = torch.nn.functional.max_pool1d(sv.reshape(-1, 1, sv.shape[-1]).float(), pool,
