@@ -124,3 +124,14 @@ def test_variant_weights_boost_cap_and_the_oracles():
     assert [int(i) for i in b[1][1].nonzero()] == [2, 3, 7, 8]
     with pytest.raises(ValueError, match="unknown variant"):
         heads.variant_weights("pool=3", scores, ind, spans, "apple", 0.2)
+
+
+@pytest.mark.parametrize("argv", [["--variants", "boost=x"], ["--variants", "boost=-1"],
+                                  ["--variants", "cap=0"], ["--variants", "cap=inf"],
+                                  ["--variants", "pool=3"],
+                                  ["--keep", "1.5"], ["--top", "0"], ["--docs", "0"]])
+def test_bad_arguments_are_refused_before_any_model_loads(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        heads.main(argv + ["--model", "/nonexistent"])
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err

@@ -25,6 +25,7 @@ Three measurements on one model (docs/fidelity-smollm2.md, "Where KVzip's budget
 """
 
 import argparse
+import math
 import re
 import sys
 
@@ -155,7 +156,15 @@ def main(argv=None):
         ap.error("--keep must be in (0, 1), --top and --docs at least 1")
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
-        if not (v in VARIANTS or v.startswith(("boost=", "cap="))):
+        if v.startswith(("boost=", "cap=")):
+            try:
+                x = float(v.partition("=")[2])
+            except ValueError:
+                x = -1.0
+            if not math.isfinite(x) or not (x > 0 or (x == 0 and v.startswith("boost="))):
+                ap.error(f"--variants: {v!r} needs a number (boost=F with F >= 0, cap=C with "
+                         "C > 0)")
+        elif v not in VARIANTS:
             ap.error(f"--variants: unknown variant {v!r} (plain, boost=F, cap=C, ask, needles)")
 
     from transformers import AutoModelForCausalLM
@@ -184,8 +193,8 @@ def main(argv=None):
     for i, d in enumerate(docs):
         print(f"[{i + 1}/{len(docs)}] {d['id']}", file=sys.stderr, flush=True)
         p, qs = d["prompt"], d["question_start"]
-        cap = M.Capture(model, p[:-1])
-        lin, ids = cap.prefix(qs), p[:qs]
+        capture = M.Capture(model, p[:-1])
+        lin, ids = capture.prefix(qs), p[:qs]
         rec = R.Reconstruction(tok, shadow, ids, P.fp32_layers(lin))
         valid = rec.kvpress_valid(shadow, args.keep, False, top=args.top)
         share_sum = share_sum + head_shares(valid)
@@ -218,7 +227,8 @@ def main(argv=None):
               f"{k / len(docs):.2f}")
     others = [float(share[l, h]) for l in range(share.shape[0]) for h in range(hkv)
               if (l, h) not in heads]
-    print(f"other heads: mean share kept {sum(others) / len(others):.3f}")
+    if others:
+        print(f"other heads: mean share kept {sum(others) / len(others):.3f}")
     if variants:
         print(f"\nexact match on {len(docs)} documents (keep {args.keep}, top={args.top}):")
         for name, c in zip(["full cache"] + variants, correct.tolist()):
