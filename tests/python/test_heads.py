@@ -113,6 +113,9 @@ def test_variant_weights_boost_cap_and_the_oracles():
     assert b is None
     torch.testing.assert_close(w[0], torch.tensor([[1.0] * S, [5.0] * S]))
     torch.testing.assert_close(w[1], torch.tensor([[3.0] * S, [1.0] * S]))
+    w, _ = heads.variant_weights("damp=4", scores, ind, spans, "apple", 0.2)
+    torch.testing.assert_close(w[0], torch.tensor([[1.0] * S, [0.2] * S]))
+    torch.testing.assert_close(w[1], torch.tensor([[1 / 3] * S, [1.0] * S]))
     # cap 1.5 x keep 0.2 x S = 3 tokens per head: each head's 3 best scores (the last 3 here)
     w, _ = heads.variant_weights("cap=1.5", scores, ind, spans, "apple", 0.2)
     for m in w:
@@ -127,6 +130,7 @@ def test_variant_weights_boost_cap_and_the_oracles():
 
 
 @pytest.mark.parametrize("argv", [["--variants", "boost=x"], ["--variants", "boost=-1"],
+                                  ["--variants", "damp=x"],
                                   ["--variants", "cap=0"], ["--variants", "cap=inf"],
                                   ["--variants", "pool=3"],
                                   ["--keep", "1.5"], ["--top", "0"], ["--docs", "0"]])

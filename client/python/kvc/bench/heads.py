@@ -19,7 +19,8 @@ Three measurements on one model (docs/fidelity-smollm2.md, "Where KVzip's budget
   digit) are removed from one head at a time, the rest of the full cache intact.
 - **Variants** (`--variants`): the same selection with each KV head's scores weighted before it,
   scored as the harness scores multi-key (exact match of the answer, teacher-forced): `plain`;
-  `boost=F`, every score of a head times 1 + F x its induction score; `cap=C`, no head keeps
+  `boost=F`, every score of a head times 1 + F x its induction score; `damp=F`, divided by it
+  (less budget for the retrieving heads, their own ranking unchanged); `cap=C`, no head keeps
   more than C x keep x S tokens (its best by score); `ask`, the asked needle's tokens kept in
   every head (an oracle); `needles`, every needle's tokens kept in every head (an oracle).
 """
@@ -82,7 +83,7 @@ def needle_spans(tok, ids):
             for m in re.finditer(r"The special magic number for (\w+) is (\d+)\.", text)}
 
 
-VARIANTS = ("plain", "boost=", "cap=", "ask", "needles")
+VARIANTS = ("plain", "boost=", "damp=", "cap=", "ask", "needles")
 
 
 def variant_weights(name, scores, ind, spans, ask, keep):
@@ -94,6 +95,9 @@ def variant_weights(name, scores, ind, spans, ask, keep):
     if name.startswith("boost="):
         f = float(name[6:])
         return [(1 + f * ind[l]).unsqueeze(-1).expand(hkv, S).clone() for l in range(L)], None
+    if name.startswith("damp="):
+        f = float(name[5:])
+        return [(1 / (1 + f * ind[l])).unsqueeze(-1).expand(hkv, S).clone() for l in range(L)], None
     if name.startswith("cap="):
         cap = int(float(name[4:]) * keep * S)
         rank = scores[:, 0].argsort(-1, descending=True).argsort(-1)  # [L, Hkv, S]
@@ -103,7 +107,8 @@ def variant_weights(name, scores, ind, spans, ask, keep):
         b = torch.zeros(hkv, S)
         b[:, pos] = 1e3  # above any probability: kept unless the budget runs out
         return None, [b] * L
-    raise ValueError(f"--variants: unknown variant {name!r} (plain, boost=F, cap=C, ask, needles)")
+    raise ValueError(f"--variants: unknown variant {name!r} (plain, boost=F, damp=F, cap=C, "
+                     "ask, needles)")
 
 
 def _ablation(M, model, doc, lin, spans):
@@ -149,23 +154,25 @@ def main(argv=None):
                     help="induction score from which a head is listed as retrieving")
     ap.add_argument("--ablate", type=int, default=0, help="documents for the ablation table")
     ap.add_argument("--variants", default="",
-                    help="comma-separated selections to score: plain, boost=F, cap=C, ask, needles")
+                    help="comma-separated selections to score: plain, boost=F, damp=F, cap=C, "
+                    "ask, needles")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     if not 0 < args.keep < 1 or args.top < 1 or args.docs < 1:
         ap.error("--keep must be in (0, 1), --top and --docs at least 1")
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
-        if v.startswith(("boost=", "cap=")):
+        if v.startswith(("boost=", "damp=", "cap=")):
             try:
                 x = float(v.partition("=")[2])
             except ValueError:
                 x = -1.0
-            if not math.isfinite(x) or not (x > 0 or (x == 0 and v.startswith("boost="))):
-                ap.error(f"--variants: {v!r} needs a number (boost=F with F >= 0, cap=C with "
-                         "C > 0)")
+            if not math.isfinite(x) or not (x > 0 or (x == 0 and not v.startswith("cap="))):
+                ap.error(f"--variants: {v!r} needs a number (boost=F and damp=F with F >= 0, "
+                         "cap=C with C > 0)")
         elif v not in VARIANTS:
-            ap.error(f"--variants: unknown variant {v!r} (plain, boost=F, cap=C, ask, needles)")
+            ap.error(f"--variants: unknown variant {v!r} (plain, boost=F, damp=F, cap=C, ask, "
+                     "needles)")
 
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
