@@ -83,32 +83,45 @@ def needle_spans(tok, ids):
             for m in re.finditer(r"The special magic number for (\w+) is (\d+)\.", text)}
 
 
-VARIANTS = ("plain", "boost=", "damp=", "cap=", "ask", "needles")
+def parse_variant(name):
+    """(kind, number) of a --variants entry: plain, ask and needles take no number (None);
+    boost=F and damp=F a finite F >= 0, cap=C a finite C > 0. ValueError names what is wrong."""
+    kind, eq, arg = name.partition("=")
+    if not eq and kind in ("plain", "ask", "needles"):
+        return kind, None
+    if eq and kind in ("boost", "damp", "cap"):
+        try:
+            x = float(arg)
+        except ValueError:
+            x = math.nan
+        if math.isfinite(x) and (x > 0 or (x == 0 and kind != "cap")):
+            return kind, x
+        raise ValueError(f"--variants: {name!r} needs a number (boost=F and damp=F with F >= 0, "
+                         "cap=C with C > 0)")
+    raise ValueError(f"--variants: unknown variant {name!r} (plain, boost=F, damp=F, cap=C, "
+                     "ask, needles)")
 
 
 def variant_weights(name, scores, ind, spans, ask, keep):
     """(weights, bonus) of variant `name` (see the module doc): per layer [Hkv, S] factors the
     selection multiplies the scores [L, 1, Hkv, S] by, and amounts it adds after (None: none)."""
+    kind, x = parse_variant(name)
     L, _, hkv, S = scores.shape
-    if name == "plain":
+    if kind == "plain":
         return None, None
-    if name.startswith("boost="):
-        f = float(name[6:])
-        return [(1 + f * ind[l]).unsqueeze(-1).expand(hkv, S).clone() for l in range(L)], None
-    if name.startswith("damp="):
-        f = float(name[5:])
-        return [(1 / (1 + f * ind[l])).unsqueeze(-1).expand(hkv, S).clone() for l in range(L)], None
-    if name.startswith("cap="):
-        cap = int(float(name[4:]) * keep * S)
+    if kind in ("boost", "damp"):
+        factor = [1 + x * ind[l] for l in range(L)]  # [Hkv] per layer
+        if kind == "damp":
+            factor = [1 / f for f in factor]
+        return [f.unsqueeze(-1).expand(hkv, S).clone() for f in factor], None
+    if kind == "cap":
+        cap = int(x * keep * S)
         rank = scores[:, 0].argsort(-1, descending=True).argsort(-1)  # [L, Hkv, S]
         return [(rank[l] < cap).float() for l in range(L)], None
-    if name in ("ask", "needles"):
-        pos = spans[ask][0] if name == "ask" else sorted(i for t, _, _ in spans.values() for i in t)
-        b = torch.zeros(hkv, S)
-        b[:, pos] = 1e3  # above any probability: kept unless the budget runs out
-        return None, [b] * L
-    raise ValueError(f"--variants: unknown variant {name!r} (plain, boost=F, damp=F, cap=C, "
-                     "ask, needles)")
+    pos = spans[ask][0] if kind == "ask" else sorted(i for t, _, _ in spans.values() for i in t)
+    b = torch.zeros(hkv, S)
+    b[:, pos] = 1e3  # above any probability: kept unless the budget runs out
+    return None, [b] * L
 
 
 def _ablation(M, model, doc, lin, spans):
@@ -120,6 +133,7 @@ def _ablation(M, model, doc, lin, spans):
     lg = M.forward_rows(model, [full], seq, qs, len(ans))
     if lg[0].argmax(-1).tolist() != ans:
         return None
+    # ans[1]: the number's first digit (SmolLM2 gives " 12345" as " " and one token a digit)
     base = torch.log_softmax(lg[0, 1], -1)[ans[1]]
     every, _, digits = spans[doc["meta"]["key"]]
     L, hkv = len(lin), lin[0].keys.shape[1]
@@ -162,17 +176,10 @@ def main(argv=None):
         ap.error("--keep must be in (0, 1), --top and --docs at least 1")
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
-        if v.startswith(("boost=", "damp=", "cap=")):
-            try:
-                x = float(v.partition("=")[2])
-            except ValueError:
-                x = -1.0
-            if not math.isfinite(x) or not (x > 0 or (x == 0 and not v.startswith("cap="))):
-                ap.error(f"--variants: {v!r} needs a number (boost=F and damp=F with F >= 0, "
-                         "cap=C with C > 0)")
-        elif v not in VARIANTS:
-            ap.error(f"--variants: unknown variant {v!r} (plain, boost=F, damp=F, cap=C, ask, "
-                     "needles)")
+        try:
+            parse_variant(v)
+        except ValueError as e:
+            ap.error(str(e))
 
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -214,7 +221,8 @@ def main(argv=None):
             rows = [M.full_cache(lin)]
             for v in variants:
                 w, b = variant_weights(v, scores, ind, spans, d["meta"]["key"], args.keep)
-                m = rec.kvpress_valid(shadow, args.keep, False, weights=w, top=args.top, bonus=b)
+                m = valid if w is None and b is None else rec.kvpress_valid(
+                    shadow, args.keep, False, weights=w, top=args.top, bonus=b)
                 rows.append(M.RowCache([(x.keys[0], x.values[0], k) for x, k in zip(lin, m)]))
             ans = d["answer"]
             pred = M.forward_rows(model, rows, p[qs:] + ans[:-1], qs, len(ans)).argmax(-1)
