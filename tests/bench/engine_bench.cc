@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "../../kernels/cpu/amx_logits.h"
 #include "../../kernels/cpu/engine.h"
 #include "../../kernels/cpu/pack.h"
 #include "absl/strings/str_cat.h"
@@ -119,6 +120,35 @@ void BM_Memcpy(benchmark::State& state) {
   }
   state.counters["bytes_per_second"] =
       benchmark::Counter(static_cast<double>(n) * state.iterations(), benchmark::Counter::kIsRate);
+}
+
+// Packing keys for the AMX / AVX-512 BF16 logits (cpu/amx_logits.h): every 1024-key chunk of one
+// head of the 32K layer (HND), fp16 keys into bf16 hi and lo parts (arg 0) or bf16 keys as their
+// own hi part (arg 1); bytes_per_second counts the keys read (compare BM_Memcpy's).
+void BM_PackKeys(benchmark::State& state) {
+  const bool bf16 = state.range(0) != 0;
+  const Layer& layer = GetLayer(32768, bf16 ? DType::kBF16 : DType::kF16);
+  if (!cpu::amx::DotUsable(kHeadDim)) {
+    state.SkipWithError(absl::StrCat("no AVX-512 BF16 at this level: ", CpuIsaDescription())
+                            .c_str());
+    return;
+  }
+  constexpr int kChunk = 1024;
+  const size_t elems = cpu::amx::PackedKeyElems(kChunk, kHeadDim);
+  std::vector<uint16_t> hi(elems), lo(elems);
+  const int seq = layer.shape.seq_len;
+  for (auto _ : state) {
+    for (int c0 = 0; c0 < seq; c0 += kChunk) {
+      cpu::amx::PackKeys(layer.k.data() + static_cast<size_t>(c0) * kHeadDim, layer.dtype,
+                         kHeadDim, kChunk, kHeadDim, hi.data(), bf16 ? nullptr : lo.data());
+    }
+    benchmark::DoNotOptimize(hi.data());
+    benchmark::DoNotOptimize(lo.data());
+  }
+  state.counters["bytes_per_second"] = benchmark::Counter(
+      static_cast<double>(seq) * kHeadDim * sizeof(uint16_t) * state.iterations(),
+      benchmark::Counter::kIsRate);
+  state.SetLabel(bf16 ? "bf16 keys, hi only" : "fp16 keys, hi + lo");
 }
 
 // How kvcd places a received layer (kvc/stream_copy.h): 64 KiB pieces (gRPC's slices) from a
@@ -464,6 +494,7 @@ void BM_Pipeline(benchmark::State& state) {
 // Short runs: 32K iterations take ~0.1-1 s each on a small machine.
 BENCHMARK(BM_Memcpy)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_ReceiveCopy)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_PackKeys)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_SgemmSquare)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_SgemmScoreShape)
     ->Args({4096, 1})

@@ -10,7 +10,10 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
+
 
 #include "gtest/gtest.h"
 #include "kvc/convert.h"
@@ -58,24 +61,33 @@ TEST(AmxLogitsTest, BuiltWithAmxOnX86) {
 }
 
 // (PackKeys needs AVX-512 BF16 only: the AVX-512 BF16 path packs keys too.) fp32 keys with their
-// lo parts, and bf16 keys (their own hi part, no lo) through the copy that skips the conversion.
+// lo parts; fp16 keys (one transpose of the raw pairs, then the split); bf16 keys both through the
+// copy that skips the conversion (no lo) and split (lo all zero). Rows sit a stride apart with
+// other heads' values between them, as in an NHD cache.
 TEST(AmxLogitsTest, KeysArePackedPairInterleavedPerTile) {
   if (!amx::DotUsable(32)) {
     GTEST_SKIP() << "no AVX-512 BF16 here: the kernels run at " << CpuIsaDescription() << " ("
                  << CpuFeatureList() << ")";
   }
-  for (DType t : {DType::kF32, DType::kBF16}) {
-    SCOPED_TRACE(DTypeName(t));
-    const int n = 37, d = 64;
-    std::vector<float> k = Random(static_cast<size_t>(n) * d, 1, 1.0f);
+  const std::pair<DType, bool> cases[] = {
+      {DType::kF32, true}, {DType::kF16, true}, {DType::kBF16, false}, {DType::kBF16, true}};
+  for (const auto& [t, with_lo] : cases) {
+    SCOPED_TRACE(std::string(DTypeName(t)) + (with_lo ? " with lo" : " without lo"));
+    const int n = 37, d = 64, stride = d + 32;
+    std::vector<float> k = Random(static_cast<size_t>(n) * stride, 1, 1.0f);
+    if (t == DType::kF16) {
+      // Values that fp16 holds exactly, down to its subnormals, whose lo parts are not zero.
+      for (size_t i = 0; i < k.size(); i += 7) k[i] *= 1e-5f;
+    }
     RoundTo(t, &k);
     std::vector<uint8_t> raw(k.size() * DTypeSize(t));
     FromFloat(k.data(), t, k.size(), raw.data());
     const size_t elems = amx::PackedKeyElems(n, d);
     ASSERT_EQ(elems, size_t{64} * d);
-    std::vector<uint16_t> hi(elems, 0xffff), lo(elems, t == DType::kBF16 ? 0 : 0xffff);
-    amx::PackKeys(raw.data(), t, d, n, d, hi.data(), t == DType::kBF16 ? nullptr : lo.data());
+    std::vector<uint16_t> hi(elems, 0xffff), lo(elems, with_lo ? 0xffff : 0);
+    amx::PackKeys(raw.data(), t, stride, n, d, hi.data(), with_lo ? lo.data() : nullptr);
     const int blocks = d / 32;
+    int lo_nonzero = 0;
     for (int kt = 0; kt < 4; ++kt) {
       for (int db = 0; db < blocks; ++db) {
         for (int p = 0; p < 16; ++p) {
@@ -83,17 +95,24 @@ TEST(AmxLogitsTest, KeysArePackedPairInterleavedPerTile) {
             for (int e = 0; e < 2; ++e) {
               const int key = kt * 16 + i, dim = db * 32 + 2 * p + e;
               const size_t at = (static_cast<size_t>(kt) * blocks + db) * 512 + p * 32 + i * 2 + e;
-              const float x = key < n ? k[static_cast<size_t>(key) * d + dim] : 0.0f;
+              const float x = key < n ? k[static_cast<size_t>(key) * stride + dim] : 0.0f;
               const uint16_t want_hi = FloatToBFloat16(x);
               float back;
               const uint32_t bits = static_cast<uint32_t>(want_hi) << 16;
               std::memcpy(&back, &bits, 4);
               ASSERT_EQ(hi[at], want_hi) << "key " << key << " dim " << dim;
               ASSERT_EQ(lo[at], FloatToBFloat16(x - back)) << "key " << key << " dim " << dim;
+              lo_nonzero += lo[at] != 0;
             }
           }
         }
       }
+    }
+    // fp32 and fp16 keys need their lo parts; bf16 keys have none.
+    if (t == DType::kBF16) {
+      EXPECT_EQ(lo_nonzero, 0);
+    } else {
+      EXPECT_GT(lo_nonzero, n * d / 2);
     }
   }
 }
