@@ -275,6 +275,50 @@ TEST_F(KvcdTlsTest, ReloadsRotatedCertificatesForNewConnections) {
   EXPECT_EQ(out.find("PRIVATE KEY"), std::string::npos) << out;
 }
 
+// The client CA rotates the same way: after the switch, clients signed by the new CA get in and
+// those signed by the old one do not (new connections); a file that is PEM but holds no
+// certificate (here: a private key) is not taken, and the last good CA stays in use.
+TEST_F(KvcdTlsTest, ReloadsARotatedClientCa) {
+  const std::string ca = F("live_client_ca.pem");
+  auto install = [&](const std::string& from) {
+    std::ofstream(ca + ".tmp", std::ios::binary) << ReadFile(F(from));
+    ASSERT_EQ(std::rename((ca + ".tmp").c_str(), ca.c_str()), 0) << ca;
+  };
+  install("ca.pem");
+  std::vector<std::string> flags = TlsFlags();
+  flags.push_back("--tls_client_ca_file=" + ca);
+  flags.push_back("--tls_reload_seconds=1");
+  auto kvcd = StartKvcd(flags);
+  ASSERT_NE(kvcd, nullptr);
+  const auto client = [&] { return SslStub(kvcd->address(), "ca.pem", "client.pem", "client.key"); };
+  const auto stranger = [&] {
+    return SslStub(kvcd->address(), "ca.pem", "stranger.pem", "stranger.key");
+  };
+  ASSERT_TRUE(Info(client().get()).ok());
+  EXPECT_FALSE(Info(stranger().get()).ok());
+
+  install("other_ca.pem");
+  bool rotated = false;
+  for (int i = 0; i < 100 && !rotated; ++i) {
+    rotated = Info(stranger().get()).ok();
+    if (!rotated) absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_TRUE(rotated) << "kvcd still trusts only the old client CA after 10 s\n"
+                       << kvcd->output();
+  EXPECT_FALSE(Info(client().get()).ok()) << "a client of the old CA still got in";
+  ExpectRoundTrip(stranger().get(), "client-ca-rotated");
+
+  // PEM, but not a certificate: refused, the other CA stays.
+  install("client.key");
+  absl::SleepFor(absl::Seconds(3));
+  EXPECT_TRUE(Info(stranger().get()).ok())
+      << "kvcd dropped its last good client CA for a file that holds none\n"
+      << kvcd->output();
+  const std::string out = kvcd->output();
+  EXPECT_NE(out.find("TLS files changed but cannot be used"), std::string::npos) << out;
+  EXPECT_EQ(out.find("PRIVATE KEY"), std::string::npos) << out;
+}
+
 // --tls_reload_seconds=0: the files are read once, and TLS works the same.
 TEST_F(KvcdTlsTest, ReloadOffServesTheFilesReadAtStart) {
   std::vector<std::string> flags = TlsFlags();
