@@ -129,8 +129,35 @@ def test_variant_weights_boost_cap_and_the_oracles():
         heads.variant_weights("pool=3", scores, ind, spans, "apple", 0.2)
 
 
+def test_merge_values_averages_evicted_values_into_the_most_similar_kept_key():
+    # One head, five entries: 0 and 1 kept. 2 has 0's direction (c = 1), 3 is closest to 1 but
+    # at c = 0.6, 4 is orthogonal to both (c = 0); merging from 0.5 takes 2 and 3, not 4.
+    keys = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [2.0, 0.0, 0.0],
+                          [0.0, 0.6, 0.8], [0.0, 0.0, 1.0]]])
+    values = torch.tensor([[[1.0, 0.0], [0.0, 4.0], [3.0, 2.0], [0.0, -6.0], [9.0, 9.0]]])
+    valid = torch.tensor([[True, True, False, False, False]])
+    assert heads.parse_variant("merge=0.5") == ("merge", 0.5)
+    assert heads.variant_weights("merge=0.5", torch.zeros(1, 1, 1, 5), torch.zeros(1, 1), {},
+                                 "", 0.4) == (None, None)  # the plain selection
+    out = heads.merge_values(keys, values, valid, 0.5)
+    torch.testing.assert_close(out[0, 0], torch.tensor([2.0, 1.0]))  # (v0 + 1 x v2) / 2
+    torch.testing.assert_close(out[0, 1], torch.tensor([0.0, (4.0 - 0.6 * 6.0) / 1.6]))
+    torch.testing.assert_close(out[0, 2:], values[0, 2:])  # evicted entries untouched
+    assert values[0, 0].tolist() == [1.0, 0.0]  # the input is not modified
+    # A threshold of 1 takes only the entry of the same direction; 0 takes the orthogonal one
+    # too, with weight 0 (no change).
+    one = heads.merge_values(keys, values, valid, 1.0)
+    torch.testing.assert_close(one[0, :2], torch.tensor([[2.0, 1.0], [0.0, 4.0]]))
+    torch.testing.assert_close(heads.merge_values(keys, values, valid, 0.0), out)
+    # Nothing kept, or nothing evicted: the values as they are.
+    for m in (torch.zeros(1, 5, dtype=torch.bool), torch.ones(1, 5, dtype=torch.bool)):
+        torch.testing.assert_close(heads.merge_values(keys, values, m, 0.5), values)
+
+
 @pytest.mark.parametrize("argv", [["--variants", "boost=x"], ["--variants", "boost=-1"],
-                                  ["--variants", "damp=x"],
+                                  ["--variants", "damp=x"], ["--variants", "merge=1.5"],
+                                  ["--variants", "merge=-0.5"], ["--variants", "merge=nan"],
+                                  ["--variants", "merge"],
                                   ["--variants", "cap=0"], ["--variants", "cap=inf"],
                                   ["--variants", "pool=3"],
                                   ["--keep", "1.5"], ["--top", "0"], ["--docs", "0"]])

@@ -22,7 +22,11 @@ Three measurements on one model (docs/fidelity-smollm2.md, "Where KVzip's budget
   `boost=F`, every score of a head times 1 + F x its induction score; `damp=F`, divided by it
   (less budget for the retrieving heads, their own ranking unchanged); `cap=C`, no head keeps
   more than C x keep x S tokens (its best by score); `ask`, the asked needle's tokens kept in
-  every head (an oracle); `needles`, every needle's tokens kept in every head (an oracle).
+  every head (an oracle); `needles`, every needle's tokens kept in every head (an oracle);
+  `merge=T`, the plain selection with each evicted entry's value merged into the kept entry of
+  the same head whose key is most similar (cosine), when that similarity is at least T: the kept
+  value becomes (v + sum of c x v_evicted) / (1 + sum of c), c the similarity (the keys, and
+  so where attention goes, unchanged; D2O-style merging, Wan et al., 2024).
 """
 
 import argparse
@@ -85,10 +89,19 @@ def needle_spans(tok, ids):
 
 def parse_variant(name):
     """(kind, number) of a --variants entry: plain, ask and needles take no number (None);
-    boost=F and damp=F a finite F >= 0, cap=C a finite C > 0. ValueError names what is wrong."""
+    boost=F and damp=F a finite F >= 0, cap=C a finite C > 0, merge=T a T in [0, 1]. ValueError
+    names what is wrong."""
     kind, eq, arg = name.partition("=")
     if not eq and kind in ("plain", "ask", "needles"):
         return kind, None
+    if eq and kind == "merge":
+        try:
+            x = float(arg)
+        except ValueError:
+            x = math.nan
+        if 0 <= x <= 1:
+            return kind, x
+        raise ValueError(f"--variants: {name!r} needs a cosine threshold T in [0, 1]")
     if eq and kind in ("boost", "damp", "cap"):
         try:
             x = float(arg)
@@ -99,7 +112,7 @@ def parse_variant(name):
         raise ValueError(f"--variants: {name!r} needs a number (boost=F and damp=F with F >= 0, "
                          "cap=C with C > 0)")
     raise ValueError(f"--variants: unknown variant {name!r} (plain, boost=F, damp=F, cap=C, "
-                     "ask, needles)")
+                     "merge=T, ask, needles)")
 
 
 def variant_weights(name, scores, ind, spans, ask, keep):
@@ -107,7 +120,7 @@ def variant_weights(name, scores, ind, spans, ask, keep):
     selection multiplies the scores [L, 1, Hkv, S] by, and amounts it adds after (None: none)."""
     kind, x = parse_variant(name)
     L, _, hkv, S = scores.shape
-    if kind == "plain":
+    if kind in ("plain", "merge"):
         return None, None
     if kind in ("boost", "damp"):
         factor = [1 + x * ind[l] for l in range(L)]  # [Hkv] per layer
@@ -122,6 +135,33 @@ def variant_weights(name, scores, ind, spans, ask, keep):
     b = torch.zeros(hkv, S)
     b[:, pos] = 1e3  # above any probability: kept unless the budget runs out
     return None, [b] * L
+
+
+def merge_values(keys, values, valid, threshold):
+    """Values [Hkv, S, D] with each evicted entry (valid False) merged into the kept entry of its
+    head whose key has the largest cosine similarity c with its own, where c >= threshold: a
+    kept value v becomes (v + sum c_j v_j) / (1 + sum c_j) over the entries merged into it.
+    Kept entries' keys and evicted entries' values are left as they are (the latter unused)."""
+    out = values.clone()
+    kn = torch.nn.functional.normalize(keys.float(), dim=-1)
+    for h in range(keys.shape[0]):
+        kept = valid[h].nonzero().flatten()
+        gone = (~valid[h]).nonzero().flatten()
+        if kept.numel() == 0 or gone.numel() == 0:
+            continue
+        sim = kn[h, gone] @ kn[h, kept].T  # [evicted, kept]
+        c, to = sim.max(-1)
+        take = c >= threshold
+        if not bool(take.any()):
+            continue
+        c, to, src = c[take], to[take], gone[take]
+        w = c.unsqueeze(-1).to(values.dtype)
+        num = values[h, kept].clone()
+        den = torch.ones(kept.numel(), 1, dtype=values.dtype)
+        num.index_add_(0, to, w * values[h, src])
+        den.index_add_(0, to, w)
+        out[h, kept] = num / den
+    return out
 
 
 def _ablation(M, model, doc, lin, spans):
@@ -169,7 +209,7 @@ def main(argv=None):
     ap.add_argument("--ablate", type=int, default=0, help="documents for the ablation table")
     ap.add_argument("--variants", default="",
                     help="comma-separated selections to score: plain, boost=F, damp=F, cap=C, "
-                    "ask, needles")
+                    "merge=T, ask, needles")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     if not 0 < args.keep < 1 or args.top < 1 or args.docs < 1:
@@ -223,7 +263,10 @@ def main(argv=None):
                 w, b = variant_weights(v, scores, ind, spans, d["meta"]["key"], args.keep)
                 m = valid if w is None and b is None else rec.kvpress_valid(
                     shadow, args.keep, False, weights=w, top=args.top, bonus=b)
-                rows.append(M.RowCache([(x.keys[0], x.values[0], k) for x, k in zip(lin, m)]))
+                kind, t = parse_variant(v)
+                rows.append(M.RowCache([
+                    (x.keys[0], merge_values(x.keys[0], x.values[0], k, t) if kind == "merge"
+                     else x.values[0], k) for x, k in zip(lin, m)]))
             ans = d["answer"]
             pred = M.forward_rows(model, rows, p[qs:] + ans[:-1], qs, len(ans)).argmax(-1)
             correct += torch.tensor([float(pred[j].tolist() == ans) for j in range(len(rows))])
