@@ -1,7 +1,7 @@
 """Where a KVzip selection spends its budget, head by head, and which heads retrieve.
 
     python -m kvc.bench.heads [--model DIR] [--docs 40] [--seed 11] [--keep 0.1] [--top 16]
-        [--ablate 10]
+        [--ablate 10] [--variants plain,merge=0.9,...] [--out results.csv]
 
 Three measurements on one model (docs/fidelity-smollm2.md, "Where KVzip's budget goes"):
 
@@ -210,6 +210,8 @@ def main(argv=None):
     ap.add_argument("--variants", default="",
                     help="comma-separated selections to score: plain, boost=F, damp=F, cap=C, "
                     "merge=T, ask, needles")
+    ap.add_argument("--out", default=None,
+                    help="CSV of the variants' per-document results (document, row, correct)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     if not 0 < args.keep < 1 or args.top < 1 or args.docs < 1:
@@ -244,6 +246,7 @@ def main(argv=None):
     share_sum, held, kept_digit, n_abl = 0, [], torch.zeros(len(heads)), 0
     abl = torch.zeros(2, ind.shape[0], hkv)
     correct = torch.zeros(1 + len(variants))
+    per_doc = []  # per document: 1/0 for the full cache and each variant
     for i, d in enumerate(docs):
         print(f"[{i + 1}/{len(docs)}] {d['id']}", file=sys.stderr, flush=True)
         p, qs = d["prompt"], d["question_start"]
@@ -269,7 +272,9 @@ def main(argv=None):
                      else x.values[0], k) for x, k in zip(lin, m)]))
             ans = d["answer"]
             pred = M.forward_rows(model, rows, p[qs:] + ans[:-1], qs, len(ans)).argmax(-1)
-            correct += torch.tensor([float(pred[j].tolist() == ans) for j in range(len(rows))])
+            hit = torch.tensor([float(pred[j].tolist() == ans) for j in range(len(rows))])
+            correct += hit
+            per_doc.append(hit.tolist())
         if n_abl < args.ablate:
             a = _ablation(M, model, d, lin, spans)
             if a is not None:
@@ -291,6 +296,21 @@ def main(argv=None):
         print(f"\nexact match on {len(docs)} documents (keep {args.keep}, top={args.top}):")
         for name, c in zip(["full cache"] + variants, correct.tolist()):
             print(f"  {name:14s} {c / len(docs):.2f} ({int(c)}/{len(docs)})")
+        if args.out:
+            import csv
+            with open(args.out, "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["document", "row", "correct"])
+                for d, r in zip(docs, per_doc):
+                    for name, hit in zip(["full cache"] + variants, r):
+                        w.writerow([d["id"], name, int(hit)])
+        from .goals import paired
+        base = {i: r[1] for i, r in enumerate(per_doc)}
+        for j, name in enumerate(variants[1:], start=2):
+            diff, (lo, hi), _ = paired({i: r[j] for i, r in enumerate(per_doc)}, base)
+            print(f"  {name} - {variants[0]}: {diff:+.2f} [{lo:+.2f}, {hi:+.2f}] (paired, "
+                  f"bootstrap 95%; {sum(r[j] > r[1] for r in per_doc)} documents gained, "
+                  f"{sum(r[j] < r[1] for r in per_doc)} lost)")
     if args.ablate:
         print(f"\nablation on {n_abl} documents the full cache answers: mean drop of the "
               "first digit's log-probability (heads with a drop >= 0.05)")
