@@ -94,19 +94,15 @@ def parse_variant(name):
     kind, eq, arg = name.partition("=")
     if not eq and kind in ("plain", "ask", "needles"):
         return kind, None
-    if eq and kind == "merge":
+    if eq and kind in ("boost", "damp", "cap", "merge"):
         try:
             x = float(arg)
         except ValueError:
             x = math.nan
-        if 0 <= x <= 1:
-            return kind, x
-        raise ValueError(f"--variants: {name!r} needs a cosine threshold T in [0, 1]")
-    if eq and kind in ("boost", "damp", "cap"):
-        try:
-            x = float(arg)
-        except ValueError:
-            x = math.nan
+        if kind == "merge":
+            if 0 <= x <= 1:
+                return kind, x
+            raise ValueError(f"--variants: {name!r} needs a cosine threshold T in [0, 1]")
         if math.isfinite(x) and (x > 0 or (x == 0 and kind != "cap")):
             return kind, x
         raise ValueError(f"--variants: {name!r} needs a number (boost=F and damp=F with F >= 0, "
@@ -217,11 +213,10 @@ def main(argv=None):
     if not 0 < args.keep < 1 or args.top < 1 or args.docs < 1:
         ap.error("--keep must be in (0, 1), --top and --docs at least 1")
     variants = [v for v in args.variants.split(",") if v]
-    for v in variants:
-        try:
-            parse_variant(v)
-        except ValueError as e:
-            ap.error(str(e))
+    try:
+        parsed = [parse_variant(v) for v in variants]  # (kind, number)
+    except ValueError as e:
+        ap.error(str(e))
 
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -245,7 +240,6 @@ def main(argv=None):
     docs = SB.build_docs(tok, f"multikey:{args.docs}", args.length, args.seed, 64)
     share_sum, held, kept_digit, n_abl = 0, [], torch.zeros(len(heads)), 0
     abl = torch.zeros(2, ind.shape[0], hkv)
-    correct = torch.zeros(1 + len(variants))
     per_doc = []  # per document: 1/0 for the full cache and each variant
     for i, d in enumerate(docs):
         print(f"[{i + 1}/{len(docs)}] {d['id']}", file=sys.stderr, flush=True)
@@ -262,19 +256,16 @@ def main(argv=None):
         if variants:
             scores = rec.top_scores(args.top) if args.top > 1 else rec.scores
             rows = [M.full_cache(lin)]
-            for v in variants:
+            for v, (kind, t) in zip(variants, parsed):
                 w, b = variant_weights(v, scores, ind, spans, d["meta"]["key"], args.keep)
                 m = valid if w is None and b is None else rec.kvpress_valid(
                     shadow, args.keep, False, weights=w, top=args.top, bonus=b)
-                kind, t = parse_variant(v)
                 rows.append(M.RowCache([
                     (x.keys[0], merge_values(x.keys[0], x.values[0], k, t) if kind == "merge"
                      else x.values[0], k) for x, k in zip(lin, m)]))
             ans = d["answer"]
             pred = M.forward_rows(model, rows, p[qs:] + ans[:-1], qs, len(ans)).argmax(-1)
-            hit = torch.tensor([float(pred[j].tolist() == ans) for j in range(len(rows))])
-            correct += hit
-            per_doc.append(hit.tolist())
+            per_doc.append([float(pred[j].tolist() == ans) for j in range(len(rows))])
         if n_abl < args.ablate:
             a = _ablation(M, model, d, lin, spans)
             if a is not None:
@@ -294,7 +285,8 @@ def main(argv=None):
         print(f"other heads: mean share kept {sum(others) / len(others):.3f}")
     if variants:
         print(f"\nexact match on {len(docs)} documents (keep {args.keep}, top={args.top}):")
-        for name, c in zip(["full cache"] + variants, correct.tolist()):
+        correct = [sum(r[j] for r in per_doc) for j in range(1 + len(variants))]
+        for name, c in zip(["full cache"] + variants, correct):
             print(f"  {name:14s} {c / len(docs):.2f} ({int(c)}/{len(docs)})")
         if args.out:
             import csv
