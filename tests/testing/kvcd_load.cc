@@ -2,11 +2,14 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <deque>
 #include <fstream>
 #include <sstream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "testing/kvc_rpc.h"
 
 namespace kvc::testing {
@@ -97,5 +100,57 @@ HeavyUpload::HeavyUpload(kvcache::v1::KvCache::Stub* stub,
 }
 
 grpc::Status HeavyUpload::Finish() { return writer_->Finish(); }
+
+HeavyLoad::HeavyLoad(kvcache::v1::KvCache::Stub* stub,
+                     const std::vector<kvcache::v1::PutCacheRequest>& requests,
+                     const std::string& prefix, int clients, int depth)
+    : stub_(stub), requests_(requests), prefix_(prefix), depth_(depth) {
+  for (int c = 0; c < clients; ++c) threads_.emplace_back([this, c] { Client(c); });
+}
+
+void HeavyLoad::Client(int c) {
+  std::deque<std::unique_ptr<HeavyUpload>> mine;
+  int n = 0;
+  while (true) {
+    // Top up to `depth` uploads in flight; each sends all its bytes before it is registered.
+    while (static_cast<int>(mine.size()) < depth_) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (stop_) break;
+      }
+      auto up = std::make_unique<HeavyUpload>(
+          stub_, requests_, absl::StrCat(prefix_, "/", c, "/", n++));
+      absl::MutexLock lock(&mu_);
+      in_flight_.push_back(up.get());
+      if (stop_) up->Cancel();  // Stop ran while this one was sending
+      mine.push_back(std::move(up));
+    }
+    if (mine.empty()) return;
+    const grpc::Status status = mine.front()->Finish();
+    absl::MutexLock lock(&mu_);
+    in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), mine.front().get()));
+    mine.pop_front();
+    if (status.ok()) {
+      ++outcome_.completed;
+    } else if (status.error_code() == grpc::StatusCode::CANCELLED && stop_) {
+      ++outcome_.cancelled;
+    } else {
+      outcome_.errors.push_back(absl::StrCat(status.error_code(), ": ", status.error_message()));
+      stop_ = true;  // a refused upload would refuse again: stop, and let the test report it
+    }
+  }
+}
+
+HeavyLoad::Outcome HeavyLoad::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    for (HeavyUpload* up : in_flight_) up->Cancel();
+  }
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+  absl::MutexLock lock(&mu_);
+  return outcome_;
+}
 
 }  // namespace kvc::testing

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -68,6 +69,42 @@ class HeavyUpload {
   grpc::ClientContext ctx_;
   kvcache::v1::PutCacheResponse response_;
   std::unique_ptr<grpc::ClientWriter<kvcache::v1::PutCacheRequest>> writer_;
+};
+
+// Keeps a kvcd's compression pool busy for as long as a test needs, however fast the machine:
+// `clients` threads each keep `depth` uploads of `requests` in flight (ids prefix/<client>/<n>),
+// starting a new one whenever one completes, so that with clients * depth above the pool's
+// workers a queued layer is always waiting when a running one ends. Stop cancels what is in
+// flight (the clients go away mid-compression) and joins the threads.
+class HeavyLoad {
+ public:
+  HeavyLoad(kvcache::v1::KvCache::Stub* stub,
+            const std::vector<kvcache::v1::PutCacheRequest>& requests, const std::string& prefix,
+            int clients, int depth);
+  ~HeavyLoad() { Stop(); }
+  HeavyLoad(const HeavyLoad&) = delete;
+  HeavyLoad& operator=(const HeavyLoad&) = delete;
+
+  struct Outcome {
+    int completed = 0;  // uploads kvcd finished (OK) before Stop
+    int cancelled = 0;  // uploads in flight at Stop
+    std::vector<std::string> errors;  // any other final status, with its message
+  };
+  // Idempotent; the second call returns what the first did.
+  Outcome Stop();
+
+ private:
+  void Client(int c);
+
+  kvcache::v1::KvCache::Stub* const stub_;
+  const std::vector<kvcache::v1::PutCacheRequest>& requests_;
+  const std::string prefix_;
+  const int depth_;
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<HeavyUpload*> in_flight_ ABSL_GUARDED_BY(mu_);
+  Outcome outcome_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> threads_;
 };
 
 }  // namespace kvc::testing
