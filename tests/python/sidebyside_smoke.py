@@ -128,6 +128,7 @@ def main():
     import json
     segments = json.load(open(os.path.join(out, "run.json")))["segments"]
     assert [g["documents"] for g in segments] == [3, 1], segments
+    assert all(g["cpu"]["model"] and g["cpu"]["torch"] for g in segments), segments
     # ... and may ask for more documents of the same tasks (the first 3 of 4 are the 3), not
     # for other tasks.
     try:

@@ -40,6 +40,26 @@ def task_counts(spec):
     return out
 
 
+def cpu_info():
+    """The CPU a segment ran on. The rows run in bf16, whose CPU matrix kernels differ by
+    instruction set (AMX, AVX-512 BF16, AVX2): a run repeats exactly on one machine, while on
+    another a few near-tie selections, and so a few answers, may differ."""
+    model, flags = platform.processor(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return {"model": model, "torch": torch.backends.cpu.get_cpu_capability(),
+            "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags}
+
+
 def build_docs(tok, spec, length, seed, cont_len):
     b = tasks.Builder(tok)
     lines = tasks.filler_lines()
@@ -419,7 +439,8 @@ def finish(args, results, rows, seconds, docs, before=None, ran=None):
             "plot": png, "args": {k: v for k, v in vars(args).items()},
             # one entry per invocation (--resume adds one): its command, minutes and documents
             "segments": prior_segments + [{"argv": sys.argv, "minutes": round(seconds / 60, 1),
-                                           "documents": len(docs) if ran is None else ran}]}
+                                           "documents": len(docs) if ran is None else ran,
+                                           "cpu": cpu_info()}]}
     with open(os.path.join(args.out, "run.json"), "w") as f:
         json.dump(meta, f, indent=1, default=str)
     print(f"sidebyside: {len(results)} results in {total / 60:.1f} min -> {args.out}",
