@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -65,6 +66,15 @@ std::string TempPath(const std::string& name) {
   return ::testing::TempDir() + "kvc_passkey_" + name + "_" + std::to_string(::getpid());
 }
 
+// Removes a temporary file or directory tree when the test ends, passed or failed.
+struct RemovedAtEnd {
+  std::string path;
+  ~RemovedAtEnd() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
 TEST(PasskeyFillerTest, KeepsProseLinesOnly) {
   EXPECT_TRUE(IsFillerLine("the notice above stays with every copy and nobody claims"));
   EXPECT_FALSE(IsFillerLine("short line"));                                  // < 20 bytes
@@ -80,6 +90,7 @@ TEST(PasskeyFillerTest, KeepsProseLinesOnly) {
 
 TEST(PasskeyFillerTest, LoadsFileAndDirectoryAndFailsClearly) {
   const std::string dir = TempPath("dir");
+  const RemovedAtEnd remove_dir{dir};
   ASSERT_EQ(::mkdir(dir.c_str(), 0755), 0);
   { std::ofstream(dir + "/b.txt") << kProse; }
   { std::ofstream(dir + "/a.txt") << "Only this one line of prose is long enough.\nno\n"; }
@@ -95,6 +106,7 @@ TEST(PasskeyFillerTest, LoadsFileAndDirectoryAndFailsClearly) {
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(missing.status().message(), HasSubstr("/nope' does not exist"));
   const std::string empty_dir = TempPath("empty");
+  const RemovedAtEnd remove_empty_dir{empty_dir};
   ASSERT_EQ(::mkdir(empty_dir.c_str(), 0755), 0);
   { std::ofstream(empty_dir + "/x") << "too short\n1234567890 1234567890 12345\n"; }
   auto none = LoadFillerLines(empty_dir);
@@ -580,6 +592,7 @@ TEST(PasskeyToolTest, RejectsBadFlagsBeforeWork) {
 
 TEST_F(PasskeyModelTest, ToolRunsAndWritesCsv) {
   const std::string csv = TempPath("out.csv");
+  const RemovedAtEnd remove_csv{csv};
   const std::string model = "--model=" + ::kvc::testing::ModelPath();
   const ToolRun bad_window = RunTool(model + " --documents=2 --window=1000");
   EXPECT_EQ(bad_window.exit_code, 1);

@@ -21,6 +21,7 @@ Run by ctest with the kvpress venv's Python (tests/testing/venv_run.sh). Exit 77
 
 import csv
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -192,6 +193,7 @@ def main():
             print(f"{spec}: kvcd against its definition: mean overlap {mean:.4f}, identical "
                   f"{same:.3f}", flush=True)
             assert mean >= 0.99, f"{spec}: mean overlap {mean:.4f} < 0.99"
+    shutil.rmtree(out)  # kept when a check above failed, for a look at the results
     print(f"OK python_sidebyside_venv_test ({time.time() - t0:.0f}s)")
 
 

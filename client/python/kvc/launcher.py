@@ -2,7 +2,9 @@
 the side-by-side harness and the benchmark scripts (the C++ tools have client/launcher)."""
 
 import os
+import shutil
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -13,7 +15,9 @@ class KvcdProcess:
     port it writes to --port_file. RuntimeError with kvcd's output when it exits or does not
     answer in time. `address` is "127.0.0.1:PORT", `proc` the Popen, `dir` a temporary folder
     holding kvcd.log; output() is what kvcd printed; stop() (or leaving a `with` block) sends
-    SIGTERM and waits up to `stop_timeout` seconds, then kills."""
+    SIGTERM and waits up to `stop_timeout` seconds, then kills. stop() removes the folder when
+    kvcd exited cleanly (status 0); otherwise it keeps it, says where on stderr, and output()
+    still answers."""
 
     def __init__(self, binary, flags=(), start_timeout=30.0, prefix="kvcd_"):
         if not binary or not os.access(binary, os.X_OK):
@@ -43,6 +47,8 @@ class KvcdProcess:
         return self.proc.pid
 
     def output(self):
+        if self.log.closed:
+            return self._final_output
         self.log.seek(0)
         return self.log.read().decode(errors="replace")
 
@@ -54,6 +60,15 @@ class KvcdProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.log.closed:
+            return
+        self._final_output = self.output()
+        self.log.close()
+        if self.proc.returncode == 0:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        else:
+            print(f"kvcd (pid {self.proc.pid}) exited with status {self.proc.returncode}; its "
+                  f"log is kept in {self.dir}", file=sys.stderr, flush=True)
 
     def __enter__(self):
         return self
