@@ -243,6 +243,9 @@ void KvcServer::Shutdown() {
   if (health_server_) health_server_->Wait();
   stop_sweep_.Notify();
   if (sweeper_.joinable()) sweeper_.join();
+  // No handshake and no reload is left: the private copy of the TLS key goes now, since kvcd
+  // exits without destructors (kvcd_main.cc).
+  if (tls_) tls_->RemoveCopy();
   reaper_.reset();  // every stream is done: no watch is left to check
   // Queued compressions of stopped uploads return at once and running ones at their next row
   // block; a job that does not (one long step that checks no cancellation) is abandoned with

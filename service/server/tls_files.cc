@@ -138,10 +138,13 @@ absl::StatusOr<std::unique_ptr<TlsFiles>> TlsFiles::Create(const ServerConfig& c
   return t;
 }
 
-TlsFiles::~TlsFiles() {
+TlsFiles::~TlsFiles() { RemoveCopy(); }
+
+void TlsFiles::RemoveCopy() {
   if (dir_.empty()) return;
   std::error_code ec;
   std::filesystem::remove_all(dir_, ec);
+  dir_.clear();
 }
 
 // Writes v<n+1>/{cert,key,ca}.pem, then points `current` at it with one rename, so a reader sees
@@ -170,7 +173,7 @@ absl::Status TlsFiles::Stage(const std::string& cert, const std::string& key,
 }
 
 std::string TlsFiles::Poll() {
-  if (!reloads()) return "";
+  if (!reloads() || dir_.empty()) return "";
   absl::StatusOr<Pems> p = ReadPems(config_);
   const std::string now = p.ok() ? p->cert + p->key + p->ca : std::string(p.status().message());
   if (now == seen_) return "";

@@ -27,6 +27,11 @@ class TlsFiles {
   // a key). Requires config.tls_cert_file to be set.
   static absl::StatusOr<std::unique_ptr<TlsFiles>> Create(const ServerConfig& config);
   ~TlsFiles();  // removes the private copy
+
+  // Removes the private copy of the certificate and key now (reload only; idempotent), for a
+  // process that exits without running destructors. Poll() stages nothing afterwards; gRPC keeps
+  // the credentials it already read.
+  void RemoveCopy();
   TlsFiles(const TlsFiles&) = delete;
   TlsFiles& operator=(const TlsFiles&) = delete;
 

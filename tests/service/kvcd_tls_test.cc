@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
@@ -91,11 +92,22 @@ class KvcdTlsTest : public ::testing::Test {
 
   static std::string F(const std::string& name) { return absl::StrCat(*dir_, "/", name); }
 
-  static std::unique_ptr<KvcdProcess> StartKvcd(std::vector<std::string> flags) {
+  // kvcd's $TMPDIR (where a reloading kvcd copies its key) is `tmpdir`, by default the suite's
+  // folder, removed after the suite: a kvcd the test ends with SIGKILL leaves nothing behind.
+  static std::unique_ptr<KvcdProcess> StartKvcd(std::vector<std::string> flags,
+                                                const std::string& tmpdir = "") {
     KvcdProcess::Options o;
     o.binary = KVCD_PATH;
     o.flags = std::move(flags);
+    const char* const old = std::getenv("TMPDIR");
+    const std::string saved = old != nullptr ? old : "";
+    setenv("TMPDIR", tmpdir.empty() ? dir_->c_str() : tmpdir.c_str(), 1);  // kvcd inherits it
     auto p = KvcdProcess::Start(o);
+    if (old != nullptr) {
+      setenv("TMPDIR", saved.c_str(), 1);
+    } else {
+      unsetenv("TMPDIR");
+    }
     EXPECT_TRUE(p.ok()) << p.status();
     return p.ok() ? std::move(*p) : nullptr;
   }
@@ -317,6 +329,35 @@ TEST_F(KvcdTlsTest, ReloadsARotatedClientCa) {
   const std::string out = kvcd->output();
   EXPECT_NE(out.find("TLS files changed but cannot be used"), std::string::npos) << out;
   EXPECT_EQ(out.find("PRIVATE KEY"), std::string::npos) << out;
+}
+
+// With reload on, kvcd keeps a private copy of the certificate and key under $TMPDIR (what gRPC
+// watches). A kvcd stopped by SIGTERM removes it: it exits without destructors, so the server's
+// shutdown does. (A killed kvcd cannot; the copy is mode 0700.)
+TEST_F(KvcdTlsTest, StoppingRemovesThePrivateCopyOfTheKey) {
+  const std::string tmp = F("tmpdir");
+  ASSERT_TRUE(std::filesystem::create_directory(tmp));
+  std::vector<std::string> flags = TlsFlags();
+  flags.push_back("--tls_reload_seconds=1");
+  auto kvcd = StartKvcd(flags, tmp);
+  ASSERT_NE(kvcd, nullptr);
+  ExpectRoundTrip(SslStub(kvcd->address(), "ca.pem").get(), "copy");
+  const auto entries = [&] {
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(tmp)) {
+      names.push_back(e.path().filename().string());
+    }
+    return names;
+  };
+  const std::vector<std::string> running = entries();
+  ASSERT_EQ(running.size(), 1u);
+  EXPECT_EQ(running[0].rfind("kvcd-tls-", 0), 0u) << running[0];
+  EXPECT_TRUE(std::filesystem::exists(tmp + "/" + running[0] + "/current/key.pem"));
+
+  absl::StatusOr<int> code = kvcd->Stop(absl::Seconds(30));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0) << kvcd->output();
+  EXPECT_TRUE(entries().empty()) << "left behind: " << entries()[0];
 }
 
 // --tls_reload_seconds=0: the files are read once, and TLS works the same.
