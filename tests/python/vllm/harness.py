@@ -10,8 +10,10 @@ import json
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -269,8 +271,11 @@ class Vllm:
         self.name, self.model = name, model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # vLLM leaves IPC sockets and a distributed-init file in $TMPDIR when it is stopped;
+        # a short private folder (socket paths are limited to 107 bytes) goes with stop().
+        self.tmp = tempfile.mkdtemp(prefix="kvc_vllm_")
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(cache_gib),
-                   VLLM_CPU_OMP_THREADS_BIND=str(core))
+                   VLLM_CPU_OMP_THREADS_BIND=str(core), TMPDIR=self.tmp)
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--served-model-name", "m", "--dtype", dtype, "--enforce-eager",
                 "--max-model-len", "4096", "--port", str(self.port), "--host", "127.0.0.1",
@@ -297,6 +302,7 @@ class Vllm:
 
     def stop(self):
         self.proc.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def metrics(self):
         return requests.get(self.url + "/metrics", timeout=10).text
