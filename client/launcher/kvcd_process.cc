@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 
@@ -73,6 +74,19 @@ absl::Status KvcdProcess::Run(const std::string& listen, bool wait) {
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
+  // The child's environment, built before vfork (the child may not allocate).
+  const auto name_of = [](absl::string_view entry) { return entry.substr(0, entry.find('=')); };
+  std::vector<std::string> env = options_.env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::none_of(options_.env.begin(), options_.env.end(), [&](const std::string& o) {
+          return name_of(o) == name_of(*e);
+        })) {
+      env.emplace_back(*e);
+    }
+  }
+  std::vector<char*> envp;
+  for (auto& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
 
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return Errno("pipe");
@@ -90,7 +104,7 @@ absl::Status KvcdProcess::Run(const std::string& listen, bool wait) {
     dup2(fds[1], STDOUT_FILENO);
     dup2(fds[1], STDERR_FILENO);
     if (kill_with_parent) prctl(PR_SET_PDEATHSIG, SIGKILL);
-    execv(argv[0], argv.data());
+    execve(argv[0], argv.data(), envp.data());
     _exit(127);
   }
   close(fds[1]);

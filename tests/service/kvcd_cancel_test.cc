@@ -42,8 +42,8 @@ std::unique_ptr<KvcdProcess> StartKvcd(std::vector<std::string> flags) {
                 "--work_flops_per_byte=65536"};
   opts.flags.insert(opts.flags.end(), flags.begin(), flags.end());
   opts.flags.push_back("--backend=cpu");
-  // kvcd inherits the environment: no AMX scoring (see Heavy()).
-  if (std::getenv("KVC_CPU_ISA") == nullptr) setenv("KVC_CPU_ISA", "avx512vnni", 0);
+  // No AMX scoring (see Heavy()), unless KVC_CPU_ISA already caps kvcd's kernels.
+  if (std::getenv("KVC_CPU_ISA") == nullptr) opts.env = {"KVC_CPU_ISA=avx512vnni"};
   auto p = KvcdProcess::Start(opts);
   EXPECT_TRUE(p.ok()) << p.status();
   return p.ok() ? *std::move(p) : nullptr;

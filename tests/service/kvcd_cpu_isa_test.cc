@@ -1,7 +1,6 @@
 // kvcd and KVC_CPU_ISA (kvc/cpu_isa.h): a valid cap is applied and printed at start-up, an invalid
-// value makes kvcd refuse to start (exit code 2) naming the variable. The variable is set in this
-// process just for the spawn (the child inherits it).
-#include <cstdlib>
+// value makes kvcd refuse to start (exit code 2) naming the variable. The variable is set in the
+// child's environment only (KvcdProcess::Options::env).
 #include <memory>
 #include <string>
 
@@ -16,33 +15,10 @@ namespace {
 using ::testing::HasSubstr;
 using testing::KvcdProcess;
 
-// Sets KVC_CPU_ISA for the scope, restoring what was there.
-class ScopedEnv {
- public:
-  explicit ScopedEnv(const char* value) {
-    if (const char* old = std::getenv("KVC_CPU_ISA"); old != nullptr) {
-      old_ = old;
-      had_ = true;
-    }
-    setenv("KVC_CPU_ISA", value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      setenv("KVC_CPU_ISA", old_.c_str(), 1);
-    } else {
-      unsetenv("KVC_CPU_ISA");
-    }
-  }
-
- private:
-  std::string old_;
-  bool had_ = false;
-};
-
 TEST(KvcdCpuIsaTest, AValidCapIsPrintedAtStartUp) {
-  const ScopedEnv env("portable");
   KvcdProcess::Options opts;
   opts.binary = KVCD_PATH;
+  opts.env = {"KVC_CPU_ISA=portable"};
   auto p = KvcdProcess::Start(opts);
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_THAT((*p)->output(), HasSubstr("kvcd: cpu kernels: portable"));
@@ -51,9 +27,9 @@ TEST(KvcdCpuIsaTest, AValidCapIsPrintedAtStartUp) {
 }
 
 TEST(KvcdCpuIsaTest, AnInvalidValueRefusesToStart) {
-  const ScopedEnv env("avx9000");
   KvcdProcess::Options opts;
   opts.binary = KVCD_PATH;
+  opts.env = {"KVC_CPU_ISA=avx9000"};
   opts.wait_for_ready = false;
   auto p = KvcdProcess::Start(opts);
   ASSERT_TRUE(p.ok()) << p.status();

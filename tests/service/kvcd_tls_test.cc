@@ -99,15 +99,8 @@ class KvcdTlsTest : public ::testing::Test {
     KvcdProcess::Options o;
     o.binary = KVCD_PATH;
     o.flags = std::move(flags);
-    const char* const old = std::getenv("TMPDIR");
-    const std::string saved = old != nullptr ? old : "";
-    setenv("TMPDIR", tmpdir.empty() ? dir_->c_str() : tmpdir.c_str(), 1);  // kvcd inherits it
+    o.env = {"TMPDIR=" + (tmpdir.empty() ? *dir_ : tmpdir)};
     auto p = KvcdProcess::Start(o);
-    if (old != nullptr) {
-      setenv("TMPDIR", saved.c_str(), 1);
-    } else {
-      unsetenv("TMPDIR");
-    }
     EXPECT_TRUE(p.ok()) << p.status();
     return p.ok() ? std::move(*p) : nullptr;
   }

@@ -50,6 +50,9 @@ class KvcdProcess {
     // SIGKILL the child when the thread that started it exits (PR_SET_PDEATHSIG): a soak's kvcd
     // must not outlive it.
     bool kill_with_parent = false;
+    // "NAME=VALUE" entries for the child's environment, which is otherwise this process's: an
+    // entry replaces a variable of the same name or adds one (e.g. TMPDIR, KVC_CPU_ISA).
+    std::vector<std::string> env;
   };
 
   // Starts kvcd and waits until it prints its gRPC address (and its health and metrics addresses
