@@ -43,6 +43,24 @@ std::string DescribeWait(int status) {
   return absl::StrCat("wait status ", status);
 }
 
+// Starts argv[0] with envp, its stdout and stderr on out_fd; -1 with errno when vfork fails.
+// vfork, not fork: fork runs the process's atfork handlers, and OpenBLAS's joins its worker
+// threads there, which deadlocks while another thread is inside a BLAS call. The child makes only
+// async-signal-safe calls before execve. A function of its own, so that no local of the caller
+// lives across vfork (the child shares the caller's stack until it execs).
+[[gnu::noinline]] pid_t SpawnChild(int out_fd, char* const* argv, char* const* envp,
+                                   bool kill_with_parent) {
+  const pid_t pid = vfork();
+  if (pid == 0) {
+    dup2(out_fd, STDOUT_FILENO);
+    dup2(out_fd, STDERR_FILENO);
+    if (kill_with_parent) prctl(PR_SET_PDEATHSIG, SIGKILL);
+    execve(argv[0], argv, envp);
+    _exit(127);
+  }
+  return pid;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KvcdProcess>> KvcdProcess::Start(const Options& options) {
@@ -90,22 +108,12 @@ absl::Status KvcdProcess::Run(const std::string& listen, bool wait) {
 
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return Errno("pipe");
-  const bool kill_with_parent = options_.kill_with_parent;
-  // vfork, not fork: fork runs the process's atfork handlers, and OpenBLAS's joins its worker
-  // threads there, which deadlocks while another thread is inside a BLAS call. The child makes
-  // only async-signal-safe calls before execv.
-  const pid_t pid = vfork();
+  const pid_t pid = SpawnChild(fds[1], argv.data(), envp.data(), options_.kill_with_parent);
   if (pid < 0) {
+    const absl::Status status = Errno("vfork");
     close(fds[0]);
     close(fds[1]);
-    return Errno("vfork");
-  }
-  if (pid == 0) {
-    dup2(fds[1], STDOUT_FILENO);
-    dup2(fds[1], STDERR_FILENO);
-    if (kill_with_parent) prctl(PR_SET_PDEATHSIG, SIGKILL);
-    execve(argv[0], argv.data(), envp.data());
-    _exit(127);
+    return status;
   }
   close(fds[1]);
   {
