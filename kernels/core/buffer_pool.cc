@@ -53,24 +53,73 @@ BufferPool::BufferPool(uint64_t cap_bytes) : cap_(cap_bytes) {}
 
 BufferPool::~BufferPool() {
   absl::MutexLock lock(&mu_);
-  for (auto& [capacity, data] : idle_) munmap(data, capacity);
+  for (auto& [data, capacity] : idle_by_address_) munmap(data, capacity);
   idle_.clear();
+  idle_by_address_.clear();
   idle_bytes_ = 0;
 }
 
-uint8_t* BufferPool::TakeIdle(size_t min, size_t max, size_t* capacity) {
+void BufferPool::AddIdle(uint8_t* data, size_t capacity) {
+  // Coalesce with the idle pieces just before and just after: pieces of one mapping split by
+  // earlier requests become one buffer again. Adjacent pieces of two mappings merge too; munmap
+  // takes any range, so the merged buffer is unmapped as one.
+  auto next = idle_by_address_.lower_bound(data);
+  if (next != idle_by_address_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == data) {
+      data = prev->first;
+      capacity += prev->second;
+      EraseIdle(prev->first, prev->second);
+    }
+  }
+  next = idle_by_address_.lower_bound(data + capacity);
+  if (next != idle_by_address_.end() && next->first == data + capacity) {
+    capacity += next->second;
+    EraseIdle(next->first, next->second);
+  }
+  idle_.emplace(capacity, data);
+  idle_by_address_.emplace(data, capacity);
+}
+
+void BufferPool::EraseIdle(uint8_t* data, size_t capacity) {
+  auto [first, last] = idle_.equal_range(capacity);
+  for (auto it = first; it != last; ++it) {
+    if (it->second == data) {
+      idle_.erase(it);
+      break;
+    }
+  }
+  idle_by_address_.erase(data);
+}
+
+uint8_t* BufferPool::TakeIdle(size_t rounded, size_t max, size_t* capacity) {
   absl::MutexLock lock(&mu_);
-  auto it = idle_.lower_bound(min);
-  if (it != idle_.end() && it->first <= max) {
-    *capacity = it->first;
-    uint8_t* data = it->second;
-    idle_bytes_ -= it->first;
-    idle_.erase(it);
-    ++reused_;
+  auto it = idle_.lower_bound(rounded);
+  if (it == idle_.end()) {
+    ++mapped_;
+    return nullptr;
+  }
+  uint8_t* data = it->second;
+  const size_t whole = it->first;
+  EraseIdle(data, whole);
+  ++reused_;
+  if (whole <= max) {  // best fit
+    idle_bytes_ -= whole;
+    *capacity = whole;
     return data;
   }
-  ++mapped_;
-  return nullptr;
+  // The front of a larger buffer; the rest stays idle. Both are multiples of the granule.
+  AddIdle(data + rounded, whole - rounded);
+  idle_bytes_ -= rounded;
+  *capacity = rounded;
+  return data;
+}
+
+uint8_t* BufferPool::Obtain(size_t rounded, size_t max, size_t* capacity) {
+  uint8_t* data = TakeIdle(rounded, max, capacity);
+  if (data != nullptr) return data;
+  *capacity = rounded;
+  return MapBuffer(rounded);
 }
 
 BufferPool::Buffer BufferPool::Acquire(size_t bytes) {
@@ -81,15 +130,12 @@ BufferPool::Buffer BufferPool::Acquire(size_t bytes) {
     b.capacity_ = b.data_ ? bytes : 0;
     return b;
   }
+  if (bytes > kMaxBytes) return b;
   const size_t rounded = Rounded(bytes);
-  // Best fit among buffers no more than twice the need, so one small upload cannot pin a huge
-  // buffer while larger ones map fresh memory.
+  // A whole idle buffer only up to twice the need, so one small upload cannot pin a huge buffer;
+  // a larger one gives its front.
   size_t capacity = 0;
-  uint8_t* data = TakeIdle(rounded, 2 * rounded, &capacity);
-  if (data == nullptr) {
-    data = MapBuffer(rounded);
-    capacity = rounded;
-  }
+  uint8_t* data = Obtain(rounded, 2 * rounded, &capacity);
   if (data == nullptr) return b;
   b.pool_ = this;
   b.data_ = data;
@@ -98,10 +144,10 @@ BufferPool::Buffer BufferPool::Acquire(size_t bytes) {
 }
 
 void* BufferPool::AllocateBlock(size_t bytes) {
+  if (bytes > kMaxBytes) return nullptr;
   const size_t rounded = Rounded(bytes);
   size_t capacity = 0;
-  uint8_t* data = TakeIdle(rounded, rounded, &capacity);  // exact: FreeBlock recomputes it
-  return data != nullptr ? data : MapBuffer(rounded);
+  return Obtain(rounded, rounded, &capacity);  // exactly `rounded`: FreeBlock recomputes it
 }
 
 void BufferPool::FreeBlock(void* p, size_t bytes) {
@@ -115,10 +161,10 @@ void BufferPool::Release(uint8_t* data, size_t capacity) {
     // A buffer larger than the whole cap is never kept, so it displaces nothing.
     while (capacity <= cap_ && idle_bytes_ + capacity > cap_ && !idle_.empty() &&
            idle_.begin()->first < capacity) {
-      UnmapSmallestIdle();
+      TrimSmallestIdle(idle_bytes_ + capacity - cap_);
     }
     if (idle_bytes_ + capacity <= cap_) {
-      idle_.emplace(capacity, data);
+      AddIdle(data, capacity);
       idle_bytes_ += capacity;
       return;
     }
@@ -129,14 +175,16 @@ void BufferPool::Release(uint8_t* data, size_t capacity) {
 void BufferPool::set_cap(uint64_t cap_bytes) {
   absl::MutexLock lock(&mu_);
   cap_ = cap_bytes;
-  while (idle_bytes_ > cap_) UnmapSmallestIdle();  // smallest first, as in Release
+  while (idle_bytes_ > cap_) TrimSmallestIdle(idle_bytes_ - cap_);  // smallest first, as Release
 }
 
-void BufferPool::UnmapSmallestIdle() {
-  auto smallest = idle_.begin();
-  munmap(smallest->second, smallest->first);
-  idle_bytes_ -= smallest->first;
-  idle_.erase(smallest);
+void BufferPool::TrimSmallestIdle(uint64_t excess) {
+  auto [capacity, data] = *idle_.begin();
+  EraseIdle(data, capacity);
+  const size_t drop = excess >= capacity ? capacity : Rounded(static_cast<size_t>(excess));
+  munmap(data + (capacity - drop), drop);  // the whole buffer, or its tail
+  idle_bytes_ -= drop;
+  if (drop < capacity) AddIdle(data, capacity - drop);
 }
 
 uint64_t BufferPool::cap_bytes() const {

@@ -279,8 +279,9 @@ struct Metrics::Impl {
     auto& pool_family = prometheus::BuildCounter()
                             .Name("kvc_buffer_pool_requests_total")
                             .Help(
-                                "Large-buffer requests: served from the pool (reused) or by "
-                                "mapping fresh memory (mapped).")
+                                "Large-buffer requests: served from idle pooled memory, whole or "
+                                "split (reused), or by mapping fresh memory, in full or to grow an "
+                                "idle buffer (mapped).")
                             .Register(r);
     pool_reused = &pool_family.Add({{"result", "reused"}});
     pool_mapped = &pool_family.Add({{"result", "mapped"}});

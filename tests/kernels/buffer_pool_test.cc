@@ -1,7 +1,9 @@
-// BufferPool: reuse of released buffers, the idle-byte cap, small buffers outside the pool, and
-// buffers that stay writable across reuse.
+// BufferPool: reuse of released buffers (whole, or the front of a larger one, with released pieces
+// merging again), the idle-byte cap, small buffers outside the pool, and buffers that stay
+// writable across reuse.
 #include "kvc/buffer_pool.h"
 
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -52,14 +54,103 @@ TEST(BufferPoolTest, ReleasedBufferIsReusedWithItsContentsIntact) {
   EXPECT_EQ(pool.idle_bytes(), 0u);
 }
 
-TEST(BufferPoolTest, DoesNotHandOutABufferMoreThanTwiceTheNeed) {
+TEST(BufferPoolTest, AMuchLargerIdleBufferGivesItsFrontAndKeepsTheRest) {
   BufferPool pool(64 * kMiB);
-  { BufferPool::Buffer big = pool.Acquire(16 * kMiB); }
-  BufferPool::Buffer small = pool.Acquire(2 * kMiB);
+  uint8_t* big_data = nullptr;
+  {
+    BufferPool::Buffer big = pool.Acquire(16 * kMiB);
+    ASSERT_TRUE(big);
+    std::memset(big.get(), 0x11, 16 * kMiB);
+    big_data = big.get();
+  }
+  BufferPool::Buffer small = pool.Acquire(2 * kMiB);  // 16 MiB is more than twice the need
   ASSERT_TRUE(small);
-  EXPECT_EQ(small.capacity(), 2 * kMiB);
-  EXPECT_EQ(pool.reused(), 0u);
-  EXPECT_EQ(pool.idle_bytes(), 16 * kMiB);  // the big one stays for a big request
+  EXPECT_EQ(small.capacity(), 2 * kMiB);  // not the whole 16 MiB
+  EXPECT_EQ(small.get(), big_data);       // its front, pages already there
+  EXPECT_EQ(small.get()[2 * kMiB - 1], 0x11);
+  EXPECT_EQ(pool.reused(), 1u);
+  EXPECT_EQ(pool.mapped(), 1u);
+  EXPECT_EQ(pool.idle_bytes(), 14 * kMiB);  // the rest stays for the next request
+  BufferPool::Buffer rest = pool.Acquire(14 * kMiB);
+  EXPECT_EQ(rest.get(), big_data + 2 * kMiB);
+  EXPECT_EQ(rest.capacity(), 14 * kMiB);
+  EXPECT_EQ(rest.get()[14 * kMiB - 1], 0x11);
+  EXPECT_EQ(pool.reused(), 2u);
+  EXPECT_EQ(pool.idle_bytes(), 0u);
+  // Both pieces write and release independently (each is unmapped on its own at the end).
+  std::memset(small.get(), 1, small.capacity());
+  std::memset(rest.get(), 2, rest.capacity());
+  small.reset();
+  rest.reset();
+  EXPECT_EQ(pool.idle_bytes(), 16 * kMiB);
+}
+
+TEST(BufferPoolTest, ABufferUpToTwiceTheNeedIsTakenWhole) {
+  BufferPool pool(64 * kMiB);
+  { BufferPool::Buffer b = pool.Acquire(6 * kMiB); }
+  BufferPool::Buffer b = pool.Acquire(4 * kMiB);
+  EXPECT_EQ(b.capacity(), 6 * kMiB);
+  EXPECT_EQ(pool.idle_bytes(), 0u);
+}
+
+TEST(BufferPoolTest, ReleasedPiecesMergeBackIntoOneBuffer) {
+  BufferPool pool(64 * kMiB);
+  uint8_t* base = nullptr;
+  {
+    BufferPool::Buffer big = pool.Acquire(12 * kMiB);
+    base = big.get();
+  }
+  {
+    BufferPool::Buffer a = pool.Acquire(2 * kMiB);  // the front of the 12 MiB
+    BufferPool::Buffer b = pool.Acquire(2 * kMiB);  // the front of the remaining 10 MiB
+    EXPECT_EQ(a.get(), base);
+    EXPECT_EQ(b.get(), base + 2 * kMiB);
+    EXPECT_EQ(pool.idle_bytes(), 8 * kMiB);
+    a.reset();  // not adjacent to the idle 8 MiB: two idle buffers
+    EXPECT_EQ(pool.idle_bytes(), 10 * kMiB);
+  }  // b joins both neighbours
+  EXPECT_EQ(pool.idle_bytes(), 12 * kMiB);
+  BufferPool::Buffer whole = pool.Acquire(12 * kMiB);  // one 12 MiB buffer again, no mapping
+  EXPECT_EQ(whole.get(), base);
+  EXPECT_EQ(whole.capacity(), 12 * kMiB);
+  EXPECT_EQ(pool.mapped(), 1u);
+  EXPECT_EQ(pool.reused(), 3u);
+  std::memset(whole.get(), 3, whole.capacity());
+}
+
+TEST(BufferPoolTest, SizesOverTheLimitAreRefusedBeforeAnyArithmetic) {
+  BufferPool pool(64 * kMiB);
+  EXPECT_FALSE(pool.Acquire(BufferPool::kMaxBytes + 1));
+  EXPECT_FALSE(pool.Acquire(SIZE_MAX));
+  EXPECT_EQ(pool.AllocateBlock(SIZE_MAX - 1), nullptr);
+  EXPECT_EQ(pool.mapped(), 0u);
+}
+
+// Requests of changing sizes, as a service sees them (blobs of every size, staging, exports),
+// settle on the pool's memory instead of mapping afresh once the pool holds enough.
+TEST(BufferPoolTest, MixedSizesStopMappingOnceThePoolHoldsEnough) {
+  BufferPool pool(512 * kMiB);
+  const size_t sizes[] = {130 * kMiB, 64 * kMiB, 18 * kMiB, 64 * kMiB, 5 * kMiB, 100 * kMiB};
+  for (int round = 0; round < 6; ++round) {
+    if (round == 2) {
+      EXPECT_GT(pool.mapped(), 0u);  // fresh mappings only while warming up
+    }
+    const uint64_t mapped = pool.mapped();
+    std::vector<BufferPool::Buffer> held;
+    for (size_t s : sizes) {
+      held.push_back(pool.Acquire(s));
+      ASSERT_TRUE(held.back());
+      held.back().get()[s - 1] = 1;
+    }
+    held.clear();
+    void* block = pool.AllocateBlock(130 * kMiB + 1);
+    ASSERT_NE(block, nullptr);
+    pool.FreeBlock(block, 130 * kMiB + 1);
+    if (round >= 2) {
+      EXPECT_EQ(pool.mapped(), mapped) << "round " << round;
+    }
+    EXPECT_LE(pool.idle_bytes(), 512 * kMiB);
+  }
 }
 
 TEST(BufferPoolTest, IdleBytesNeverExceedTheCap) {
@@ -112,26 +203,31 @@ TEST(BufferPoolTest, MovedBufferReleasesOnce) {
   EXPECT_EQ(pool.idle_bytes(), 2 * kMiB);
 }
 
-TEST(BufferPoolTest, BlocksAreReusedOnlyAtTheirExactRoundedSize) {
+TEST(BufferPoolTest, BlocksHaveExactlyTheirRoundedSize) {
   BufferPool pool(64 * kMiB);
   void* a = pool.AllocateBlock(3 * kMiB);  // capacity 4 MiB
   ASSERT_NE(a, nullptr);
   std::memset(a, 0x33, 3 * kMiB);
   pool.FreeBlock(a, 3 * kMiB);
   EXPECT_EQ(pool.idle_bytes(), 4 * kMiB);
-  void* b = pool.AllocateBlock(2 * kMiB);  // 2 MiB: the idle 4 MiB buffer is not taken
-  EXPECT_EQ(pool.reused(), 0u);
-  void* c = pool.AllocateBlock(4 * kMiB);  // same rounded size: reused, contents left as they were
-  EXPECT_EQ(c, a);
-  EXPECT_EQ(static_cast<uint8_t*>(c)[3 * kMiB - 1], 0x33);
+  void* b = pool.AllocateBlock(2 * kMiB);  // 2 MiB: the front of the idle 4 MiB buffer
+  EXPECT_EQ(b, a);
   EXPECT_EQ(pool.reused(), 1u);
+  EXPECT_EQ(pool.idle_bytes(), 2 * kMiB);
+  void* c = pool.AllocateBlock(2 * kMiB);  // the rest, contents left as they were
+  EXPECT_EQ(c, static_cast<uint8_t*>(a) + 2 * kMiB);
+  EXPECT_EQ(static_cast<uint8_t*>(c)[kMiB - 1], 0x33);
+  EXPECT_EQ(pool.reused(), 2u);
+  EXPECT_EQ(pool.mapped(), 1u);
   pool.FreeBlock(b, 2 * kMiB);
-  pool.FreeBlock(c, 4 * kMiB);
-  EXPECT_EQ(pool.idle_bytes(), 6 * kMiB);
-  // An Acquire may take a block's buffer (up to twice the need), and a block a released Buffer's.
+  pool.FreeBlock(c, 2 * kMiB);
+  EXPECT_EQ(pool.idle_bytes(), 4 * kMiB);
+  // The two pieces merged back; an Acquire may take a block's buffer (up to twice the need).
   BufferPool::Buffer staging = pool.Acquire(3 * kMiB);
   EXPECT_EQ(staging.get(), a);
-  EXPECT_EQ(pool.reused(), 2u);
+  EXPECT_EQ(staging.capacity(), 4 * kMiB);
+  EXPECT_EQ(pool.reused(), 3u);
+  EXPECT_EQ(pool.mapped(), 1u);
 }
 
 TEST(BufferPoolTest, LoweringTheCapUnmapsIdleBuffers) {
