@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Checks the relative links of the project's Markdown files: every linked file exists, and every
+`#anchor` names a heading of its target as GitHub spells it (lower case, punctuation dropped,
+spaces as hyphens, a repeated heading numbered -1, -2, ...). External links are not followed.
+
+Usage: check_links.py ROOT            every *.md below ROOT (hidden, build and node_modules
+                                      folders and test fixtures left out)
+       check_links.py --files F...    only these files
+Prints one line per broken link (file:line: what) and exits 1 if there is any, 0 otherwise."""
+
+import os
+import re
+import sys
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
+SKIP_DIRS = {"node_modules", "fixtures"}
+
+
+def slug(heading):
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading: its text
+    text = re.sub(r"[^\w\- ]", "", text.lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path, cache={}):
+    if path not in cache:
+        found, seen, fenced = set(), {}, False
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.lstrip().startswith("```"):
+                    fenced = not fenced
+                m = None if fenced else HEADING.match(line)
+                if m:
+                    s = slug(m.group(1))
+                    n = seen.get(s, 0)
+                    seen[s] = n + 1
+                    found.add(s if n == 0 else f"{s}-{n}")
+        cache[path] = found
+    return cache[path]
+
+
+def check(path):
+    problems, fenced = [], False
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    for number, line in enumerate(lines, 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if fenced:
+            continue
+        for m in LINK.finditer(line):
+            target = m.group(1)
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+                continue
+            file_part, _, anchor = target.partition("#")
+            dest = os.path.normpath(os.path.join(os.path.dirname(path), file_part)) \
+                if file_part else path
+            if not os.path.exists(dest):
+                problems.append(f"{path}:{number}: missing file {target}")
+            elif anchor and dest.endswith(".md") and anchor not in anchors(dest):
+                problems.append(f"{path}:{number}: no heading for #{anchor} in {dest}")
+    return problems
+
+
+def markdown_files(root):
+    for top, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not d.startswith("build")
+                         and d not in SKIP_DIRS
+                         and not os.path.exists(os.path.join(top, d, "CMakeCache.txt")))
+        for name in sorted(files):
+            if name.endswith(".md"):
+                yield os.path.join(top, name)
+
+
+def main(argv):
+    if len(argv) >= 2 and argv[0] == "--files":
+        files = argv[1:]
+    elif len(argv) == 1:
+        files = list(markdown_files(argv[0]))
+    else:
+        print(__doc__, file=sys.stderr)
+        return 2
+    problems = [p for f in files for p in check(f)]
+    for p in problems:
+        print(p)
+    print(f"{len(files)} Markdown files, {len(problems)} broken links")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
