@@ -279,9 +279,9 @@ struct Metrics::Impl {
     auto& pool_family = prometheus::BuildCounter()
                             .Name("kvc_buffer_pool_requests_total")
                             .Help(
-                                "Large-buffer requests: served from idle pooled memory, whole or "
-                                "split (reused), or by mapping fresh memory, in full or to grow an "
-                                "idle buffer (mapped).")
+                                "Large-buffer requests: served from idle pooled memory, a whole "
+                                "buffer or the front of a larger one (reused), or by mapping fresh "
+                                "memory (mapped).")
                             .Register(r);
     pool_reused = &pool_family.Add({{"result", "reused"}});
     pool_mapped = &pool_family.Add({{"result", "mapped"}});
