@@ -23,32 +23,34 @@ def slug(heading):
     return text.replace(" ", "-")
 
 
+def prose_lines(path):
+    """(line number, line) of `path` outside fenced code blocks."""
+    fenced = False
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif not fenced:
+                yield number, line
+
+
 def anchors(path, cache={}):
     if path not in cache:
-        found, seen, fenced = set(), {}, False
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.lstrip().startswith("```"):
-                    fenced = not fenced
-                m = None if fenced else HEADING.match(line)
-                if m:
-                    s = slug(m.group(1))
-                    n = seen.get(s, 0)
-                    seen[s] = n + 1
-                    found.add(s if n == 0 else f"{s}-{n}")
+        found, seen = set(), {}
+        for _, line in prose_lines(path):
+            m = HEADING.match(line)
+            if m:
+                s = slug(m.group(1))
+                n = seen.get(s, 0)
+                seen[s] = n + 1
+                found.add(s if n == 0 else f"{s}-{n}")
         cache[path] = found
     return cache[path]
 
 
 def check(path):
-    problems, fenced = [], False
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
-    for number, line in enumerate(lines, 1):
-        if line.lstrip().startswith("```"):
-            fenced = not fenced
-        if fenced:
-            continue
+    problems = []
+    for number, line in prose_lines(path):
         for m in LINK.finditer(line):
             target = m.group(1)
             if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
