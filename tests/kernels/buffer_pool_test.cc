@@ -1,10 +1,13 @@
 // BufferPool: reuse of released buffers (whole, or the front of a larger one, with released pieces
-// merging again), the idle-byte cap, small buffers outside the pool, and buffers that stay
-// writable across reuse.
+// merging again), the idle-byte cap, small buffers outside the pool, buffers that stay writable
+// across reuse, and a long random sequence of all of it checked against the pool's promises.
 #include "kvc/buffer_pool.h"
 
 #include <cstdint>
 #include <cstring>
+#include <iterator>
+#include <map>
+#include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -242,6 +245,101 @@ TEST(BufferPoolTest, LoweringTheCapUnmapsIdleBuffers) {
   EXPECT_EQ(pool.idle_bytes(), 8 * kMiB);
   pool.set_cap(0);
   EXPECT_EQ(pool.idle_bytes(), 0u);
+}
+
+// A seeded random mix of Acquire, AllocateBlock, releases in any order and cap changes, as a
+// server's uploads, blobs and exports interleave. After every step: the buffers in use are
+// disjoint, each has the capacity the header promises, every 2 MiB granule of each still holds
+// the tag written when it was handed out (no piece was handed out twice, none was unmapped under
+// its owner), idle memory is within the cap, and every pooled request was counted once.
+TEST(BufferPoolTest, RandomRequestsKeepBuffersDisjointIntactAndWithinTheCap) {
+  constexpr size_t G = BufferPool::kGranule;
+  BufferPool pool(48 * kMiB);
+  std::mt19937_64 rng(20261205);
+  struct Live {
+    BufferPool::Buffer buffer;  // empty for a block
+    void* block = nullptr;
+    size_t bytes = 0;
+    size_t capacity = 0;
+    uint64_t tag = 0;
+  };
+  std::map<uintptr_t, Live> live;  // by address
+  uint64_t next_tag = 1, requests = 0;
+  auto write_tags = [](uint8_t* p, size_t capacity, uint64_t tag) {
+    for (size_t off = 0; off < capacity; off += G) std::memcpy(p + off, &tag, sizeof tag);
+  };
+  auto tags_intact = [](const uint8_t* p, size_t capacity, uint64_t tag) {
+    for (size_t off = 0; off < capacity; off += G) {
+      uint64_t got;
+      std::memcpy(&got, p + off, sizeof got);
+      if (got != tag) return false;
+    }
+    return true;
+  };
+  auto release = [&](std::map<uintptr_t, Live>::iterator it) {
+    Live& l = it->second;
+    ASSERT_TRUE(tags_intact(reinterpret_cast<const uint8_t*>(it->first), l.capacity, l.tag))
+        << "buffer of " << l.bytes << " bytes changed under its owner";
+    if (l.block != nullptr) pool.FreeBlock(l.block, l.bytes);
+    live.erase(it);  // a Buffer returns itself here
+  };
+  for (int step = 0; step < 2000; ++step) {
+    const int op = static_cast<int>(rng() % 10);
+    if (op < 5 || live.empty()) {  // a request of 1-24 MiB, at any byte count
+      const size_t bytes = kMiB + rng() % (23 * kMiB);
+      const size_t rounded = BufferPool::Rounded(bytes);
+      Live l;
+      l.bytes = bytes;
+      l.tag = next_tag++;
+      uint8_t* p;
+      if (op % 2 == 0) {
+        l.buffer = pool.Acquire(bytes);
+        ASSERT_TRUE(l.buffer);
+        p = l.buffer.get();
+        l.capacity = l.buffer.capacity();
+        ASSERT_GE(l.capacity, rounded);
+        ASSERT_LE(l.capacity, 2 * rounded);
+      } else {
+        l.block = pool.AllocateBlock(bytes);
+        ASSERT_NE(l.block, nullptr);
+        p = static_cast<uint8_t*>(l.block);
+        l.capacity = rounded;
+      }
+      ASSERT_EQ(l.capacity % G, 0u);
+      ++requests;
+      const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
+      auto after = live.lower_bound(begin);
+      if (after != live.end()) {
+        ASSERT_GE(after->first, begin + l.capacity) << "step " << step;
+      }
+      if (after != live.begin()) {
+        auto before = std::prev(after);
+        ASSERT_LE(before->first + before->second.capacity, begin) << "step " << step;
+      }
+      write_tags(p, l.capacity, l.tag);
+      live.emplace(begin, std::move(l));
+    } else if (op < 9) {  // release one at random
+      auto it = std::next(live.begin(), static_cast<long>(rng() % live.size()));
+      release(it);
+      if (HasFatalFailure()) return;
+    } else {  // the operator changes --buffer_pool_bytes
+      pool.set_cap((rng() % 97) * kMiB);
+    }
+    ASSERT_LE(pool.idle_bytes(), pool.cap_bytes()) << "step " << step;
+    ASSERT_EQ(pool.reused() + pool.mapped(), requests) << "step " << step;
+    if (live.size() > 12) {  // keep the mapped memory bounded: release the lowest address
+      release(live.begin());
+      if (HasFatalFailure()) return;
+    }
+  }
+  while (!live.empty()) {
+    release(live.begin());
+    if (HasFatalFailure()) return;
+  }
+  EXPECT_LE(pool.idle_bytes(), pool.cap_bytes());
+  EXPECT_GT(pool.reused(), requests / 4);  // the mix does reuse memory, not only map it
+  RecordProperty("reused", static_cast<int>(pool.reused()));
+  RecordProperty("requests", static_cast<int>(requests));
 }
 
 // ByteVector's large blocks go through the process-wide pool: with a cap, a freed blob's memory
