@@ -199,6 +199,27 @@ def test_pass_rows_and_the_spec_option_name_every_pass():
         recon.pass_rows(tok, context, rows="last")
 
 
+def test_passes_go_into_the_kvzip_term_of_a_spec_of_several_terms():
+    # Appended to "kvzip:...+q8g64+r=0" the options would land in r=; with_passes places them in
+    # the kvzip term wherever it stands, and the spec parses with the passes named.
+    from kvc import spec as kvc_spec
+    tok = CharTokenizer()
+    context = list(range(5, 45))
+    rows = recon.pass_rows(tok, context, chunk_size=16)
+    opt = recon.format_passes(rows, 16)
+    assert recon.with_passes("kvzip:0.42,top=16+q8g64+r=0", tok, context, chunk_size=16) == \
+        f"kvzip:0.42,top=16{opt}+q8g64+r=0"
+    got = kvc_spec.parse(recon.with_passes("q8+kvzip@12,stats=1", tok, context, chunk_size=16))
+    assert got["eviction"]["pass_rows"] == rows
+    assert got["eviction"]["pass_tokens"] == 16
+    assert got["quant"] == {"bits": 8}
+    assert recon.with_passes("kvzip:0.1", tok, context, chunk_size=16) == \
+        "kvzip:0.1" + recon.passes_option(tok, context, chunk_size=16)
+    for spec in ("snapkv:0.5+q4", "q4", "kvzip:0.5+kvzip:0.25"):
+        with pytest.raises(ValueError, match="kvzip term"):
+            recon.add_passes(spec, rows, 16)
+
+
 def test_kvcd_normalises_each_pass_over_the_sinks_and_its_chunk(kvcd):
     # Three passes through a real kvcd: the kept sets are those of KVzip's per-chunk scores,
     # computed here from the model's own keys, queries and row masses.

@@ -6,9 +6,9 @@ a newline, then the context itself. A prefill node that runs a Hugging Face Llam
 (q_proj, RoPE, no query norm) gets those queries with one more forward pass:
 
     import kvc.spec
-    from kvc.recon import reconstruction_inputs
+    from kvc.recon import reconstruction_inputs, with_passes
     q, lse = reconstruction_inputs(model, tokenizer, context_ids)  # [Hq, W, D], [Hq, W]
-    spec = "kvzip:0.1,stats=1,ada=0,xlayer=1,top=16" + passes_option(tokenizer, context_ids)
+    spec = with_passes("kvzip:0.1,stats=1,ada=0,xlayer=1,top=16", tokenizer, context_ids)
     client.put(cache_id, [(k[l], v[l], q[l], lse[l]) for l in range(L)],
                compression=kvc.spec.parse(spec))
 
@@ -33,12 +33,12 @@ previous context exactly, starting with" and the previous chunk's last 8 tokens 
 gives every pass's tokens). The rows of all passes are sent together (W = S plus each pass's
 instruction tokens), each row's log-mass over its own pass's tokens. By default kvcd normalises
 every row over all S context keys, the attention the model computed in that pass; with the
-passes named in the spec (passes_option: ",passes=R0/R1/...,chunk=2048") it normalises a pass's
-rows over the sinks and that pass's chunk only, as KVzipPress does, and scores each row against
-those keys alone: rows x (chunk + sinks) logits instead of rows x S, which keeps kvzip within
-kvcd's work budget at any context length (every row over all keys is refused past ~12K tokens of
-a Llama-3-8B-shaped cache by default). The passes together cost about what the one pass costs.
-With `past_key_values` the cache is cropped back to its length after each pass
+passes named in the spec's kvzip term (with_passes: ",passes=R0/R1/...,chunk=2048") it normalises
+a pass's rows over the sinks and that pass's chunk only, as KVzipPress does, and scores each row
+against those keys alone: rows x (chunk + sinks) logits instead of rows x S, which keeps kvzip
+within kvcd's work budget at any context length (every row over all keys is refused past ~12K
+tokens of a Llama-3-8B-shaped cache by default). The passes together cost about what the one
+pass costs. With `past_key_values` the cache is cropped back to its length after each pass
 (DynamicCache.crop): it holds the context only afterwards. Needs torch and transformers, imported
 here only.
 """
@@ -179,13 +179,32 @@ def pass_rows(tokenizer, context_ids, rows="all", chunk_size=CHUNK):
 def passes_option(tokenizer, context_ids, rows="all", chunk_size=CHUNK):
     """The kvzip spec options that make kvcd normalise each pass's rows over the sinks and its
     own chunk (KVzipPress's normalisation; see the module's docstring): ",passes=R0/R1/...,chunk=C"
-    to append to a "kvzip:..." spec string sent with these queries."""
+    to append to a spec that is a kvzip term alone; with_passes places them in a spec of several
+    terms ("kvzip:...+q8+r=0")."""
     return format_passes(pass_rows(tokenizer, context_ids, rows, chunk_size), chunk_size)
 
 
 def format_passes(counts, chunk_size=CHUNK):
     """",passes=R0/R1/...,chunk=C": the spec options of passes with these row counts."""
     return f",passes={'/'.join(str(int(r)) for r in counts)},chunk={chunk_size}"
+
+
+def add_passes(spec, counts, chunk_size=CHUNK):
+    """`spec` with the passes' options (format_passes) in its kvzip term, wherever that term
+    stands: "kvzip:0.42,top=16+q8g64+r=0" -> "kvzip:0.42,top=16,passes=...,chunk=2048+q8g64+r=0"
+    (appended at the end they would land in the last term). ValueError without a kvzip term."""
+    terms = spec.split("+")
+    hits = [i for i, t in enumerate(terms) if t.strip().startswith(("kvzip:", "kvzip@"))]
+    if len(hits) != 1:
+        raise ValueError(f'spec "{spec}": reconstruction passes need its kvzip term')
+    terms[hits[0]] = terms[hits[0]].rstrip() + format_passes(counts, chunk_size)
+    return "+".join(terms)
+
+
+def with_passes(spec, tokenizer, context_ids, rows="all", chunk_size=CHUNK):
+    """`spec` with the passes of this context named in its kvzip term (add_passes of pass_rows):
+    what to send with reconstruction_inputs' queries, whatever other terms the spec has."""
+    return add_passes(spec, pass_rows(tokenizer, context_ids, rows, chunk_size), chunk_size)
 
 
 def _run(model, tokenizer, context_ids, past_key_values, rows, chunk_size):

@@ -9,7 +9,7 @@ Terms joined by '+', each kind at most once: POLICY:KEEP[,key=value...] or POLIC
 (eviction), think:L | l1:L | l2:L (key channels), vthink:L (value channels), qB[gG]
 (quantization), r=N (recent tokens), or 'full' / 'none' alone. Eviction keys: sink, recent,
 kernel, pool, tau, seed, layer, lb, ada, xlayer, value, veps, horizon, stats, passes and chunk
-(kvzip's reconstruction passes: kvc.recon.passes_option), and top (kvzip: a token's score is the
+(kvzip's reconstruction passes: kvc.recon.with_passes), and top (kvzip: a token's score is the
 mean of the largest `top` probabilities its reconstruction rows give it). Errors are ValueError naming the term.
 kvcd validates the result against the cache's shape as it does for every request.
 """

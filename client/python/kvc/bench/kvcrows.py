@@ -17,7 +17,7 @@ import torch
 import kvc
 from kvc import spec as kvc_spec
 from kvc.launcher import KvcdProcess
-from kvc.recon import format_passes
+from kvc.recon import add_passes
 
 from .model import RowCache, queries, query_stats, rope_spec
 
@@ -140,12 +140,12 @@ def compress(server, name, uploads, window, fmt="dense"):
     S = layers_in[0].keys.shape[2]
     if opts.get("passes") == "1":
         # kvzip normalised per reconstruction pass (the sinks and the pass's chunk), as
-        # KVzipPress does: the spec names each pass's rows (kvc.recon.passes_option).
+        # KVzipPress does: the spec names each pass's rows (kvc.recon.add_passes).
         if uploads.recon is None:
             raise ValueError("|passes=1 needs the reconstruction pass (a kvzip row)")
         counts = [n if opts.get("rows") != "context" else end - start
                   for start, end, n in uploads.recon.pass_spans]
-        spec += format_passes(counts, uploads.recon.chunk)
+        spec = add_passes(spec, counts, uploads.recon.chunk)
     cfg = config_for(spec, S)
     ev = cfg.get("eviction", {})
     # kvzip's rows: every row of the reconstruction pass, or with `|rows=context` its last S
