@@ -121,6 +121,11 @@ def main():
         raise AssertionError("--resume with other --ratios was accepted")
     except SystemExit as e:
         assert "--ratios" in str(e), e
+    try:  # decoded in other batches, near-tie answers could differ from the first segment's
+        sidebyside.main(args + ["--batch", "4"])
+        raise AssertionError("--resume with another --batch was accepted")
+    except SystemExit as e:
+        assert "--batch" in str(e), e
     sidebyside.main(args)
     again = list(csv.DictReader(open(os.path.join(out, "results.csv"))))
     assert sorted((r["doc"], r["row"]) for r in again) == sorted((r["doc"], r["row"]) for r in rows)
