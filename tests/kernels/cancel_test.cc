@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <memory>
 #include <random>
 #include <string>
@@ -118,33 +119,47 @@ TEST(CancelTest, ACancelledTokenStopsEveryPolicyBeforeItsWork) {
 }
 
 // Heavy layers stop within a block once their deadline passes: the cancelled call takes a small
-// part of what the whole call takes (both measured here, on the same machine and load).
+// part of what the whole call takes (both measured here, on the same machine). Timed in this
+// process's CPU time, which other processes' load does not stretch, and tried up to three times:
+// the deadline itself is wall-clock, so a burst of load between the two calls can still move it.
 TEST(CancelTest, RunningWorkStopsWithinABlock) {
   std::unique_ptr<Backend> backend = Cpu();
   struct Heavy {
     std::string spec;
     int hkv, hq, s, d, w;
   };
+  auto cpu_seconds = [] {
+    timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+  };
   for (const Heavy& h :
        {Heavy{"keyformer:0.5", 2, 8, 4096, 64, 4096}, Heavy{"expected:0.5", 2, 32, 8192, 128, 64},
         Heavy{"knorm:0.5+vthink:0.5", 2, 8, 4096, 64, 4096}}) {
     Layer l(h.hkv, h.hq, h.s, h.d, h.w);
     const CompressionSpec spec = Spec(h.spec);
-    const auto t0 = std::chrono::steady_clock::now();
-    ASSERT_TRUE(backend->Compress(l.in, spec, nullptr).ok()) << h.spec;
-    const double full =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    CancelToken token;
-    token.SetDeadline(absl::Now() + absl::Seconds(full / 10), "stopped");
-    l.in.cancel = &token;
-    const auto t1 = std::chrono::steady_clock::now();
-    absl::StatusOr<CompactLayer> out = backend->Compress(l.in, spec, nullptr);
-    const double cut = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
-    EXPECT_EQ(out.status(), absl::DeadlineExceededError("stopped")) << h.spec;
-    EXPECT_LT(cut, full / 2) << h.spec << ": whole " << full << " s, cancelled after " << full / 10
-                             << " s took " << cut << " s";
-    std::printf("%s: whole %.3f s, cancelled at %.3f s returned after %.3f s\n", h.spec.c_str(),
-                full, full / 10, cut);
+    double full = 0, cut = 0;
+    for (int attempt = 1; attempt <= 3; ++attempt) {
+      l.in.cancel = nullptr;
+      const auto w0 = std::chrono::steady_clock::now();
+      const double c0 = cpu_seconds();
+      ASSERT_TRUE(backend->Compress(l.in, spec, nullptr).ok()) << h.spec;
+      full = cpu_seconds() - c0;
+      const double full_wall =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
+      CancelToken token;
+      token.SetDeadline(absl::Now() + absl::Seconds(full_wall / 10), "stopped");
+      l.in.cancel = &token;
+      const double c1 = cpu_seconds();
+      absl::StatusOr<CompactLayer> out = backend->Compress(l.in, spec, nullptr);
+      cut = cpu_seconds() - c1;
+      EXPECT_EQ(out.status(), absl::DeadlineExceededError("stopped")) << h.spec;
+      std::printf("%s, try %d: whole %.3f s of CPU, cancelled at %.3f s (wall) took %.3f s\n",
+                  h.spec.c_str(), attempt, full, full_wall / 10, cut);
+      if (cut < full / 2) break;
+    }
+    EXPECT_LT(cut, full / 2) << h.spec << ": whole " << full << " s of CPU, cancelled took " << cut
+                             << " s (3 tries)";
   }
 }
 
