@@ -21,8 +21,13 @@ int UploadTable::Stop(const std::string& store_id, const absl::Status& why) {
   std::vector<StopFn> stops;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [key, u] : uploads_) {
-      if (u.store_id == store_id) stops.push_back(u.stop);
+    for (auto it = uploads_.begin(); it != uploads_.end();) {
+      if (it->second.store_id == store_id) {
+        stops.push_back(std::move(it->second.stop));
+        it = uploads_.erase(it);  // stopped: no longer in flight, whenever its stream is done
+      } else {
+        ++it;
+      }
     }
   }
   for (const StopFn& stop : stops) stop(why);

@@ -28,7 +28,9 @@ class UploadTable {
   // Registers an upload of `store_id`; `stop` ends it. Returns a key for Remove.
   uint64_t Add(const std::string& store_id, StopFn stop);
   void Remove(uint64_t key);
-  // Stops every upload of `store_id`; returns how many there were.
+  // Stops every upload of `store_id` and removes it from the table at once (its stream may end a
+  // moment later: a second Stop of the id, e.g. a second DeleteCache, finds nothing); returns how
+  // many there were.
   int Stop(const std::string& store_id, const absl::Status& why);
   // Stops every upload; returns how many there were.
   int StopAll(const absl::Status& why);
