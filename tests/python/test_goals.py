@@ -54,5 +54,37 @@ def test_equal_memory_row_is_left_out_when_nothing_fits(tmp_path):
     path = tmp_path / "results.csv"
     write(path, lines)
     out = goals.table(*goals.load(str(path), "after"))
-    header = out.splitlines().index(next(ln for ln in out.splitlines() if "no more bytes" in ln))
-    assert not any(ln.startswith("| multikey |") for ln in out.splitlines()[header + 2:])
+    ls = out.splitlines()
+    header = ls.index(next(ln for ln in ls if "no more bytes" in ln))
+    end = ls.index("", header)  # the tables are separated by blank lines
+    assert end > header + 1 and not any(ln.startswith("| multikey |") for ln in ls[header + 2:end])
+
+
+def test_every_kvc_row_is_paired_with_the_best_press_of_its_keep(tmp_path):
+    lines = (rows_of("kvpress:kvzip@0.1", "kvpress", "0.1", 0.1, [1, 0, 0, 1])
+             + rows_of("kvpress:snapkv@0.1", "kvpress", "0.1", 0.1, [0, 0, 0, 1])
+             + rows_of("kvc:kvzip:0.1", "kvc", "0.1", 0.102, [1, 0, 0, 1])
+             + rows_of("kvc:kvzip:0.1,top=16", "kvc", "0.1", 0.102, [1, 1, 1, 0])
+             # another keep ratio with no press: no line of its own
+             + rows_of("kvc:kvzip:0.5", "kvc", "0.5", 0.51, [1, 1, 1, 1]))
+    path = tmp_path / "results.csv"
+    write(path, lines)
+    out = goals.table(*goals.load(str(path), "after"))
+    per_row = [ln for ln in out.splitlines() if "(`kvpress:" in ln]
+    assert per_row == [
+        "| multikey | 0.1 | `kvc:kvzip:0.1` | 0.50 | +0.00 [+0.00, +0.00] (`kvpress:kvzip@0.1`) "
+        "| 4 | 4 |",
+        "| multikey | 0.1 | `kvc:kvzip:0.1,top=16` | 0.75 | +0.25 [-0.50, +1.00] "
+        "(`kvpress:kvzip@0.1`) | 1 | 4 |"]
+
+
+def test_pipes_in_row_names_are_escaped_in_the_tables(tmp_path):
+    lines = (rows_of("kvpress:kvzip@0.1", "kvpress", "0.1", 0.1, [1, 0])
+             + rows_of("kvc:kvzip:0.1|passes=1", "kvc", "0.1", 0.102, [1, 1]))
+    path = tmp_path / "results.csv"
+    write(path, lines)
+    out = goals.table(*goals.load(str(path), "after"))
+    best = next(ln for ln in out.splitlines() if ln.startswith("| multikey | 0.1 | `kvpress"))
+    assert "`kvc:kvzip:0.1\\|passes=1` 1.00" in best
+    # every line of a table has as many cells as its header
+    assert best.count("|") - best.count("\\|") == 7

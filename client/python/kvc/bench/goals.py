@@ -8,9 +8,10 @@ equal bytes: every fixed-size kvc row (--kvc-bytes) storing at most kvpress's ke
 bytes (0.25 of the fp16 cache, as kvcd measured it) against the full cache; equal memory: per
 kvpress keep ratio r, its best press against the best kvc row of any kind (kept tokens,
 quantization, ThinK) that kvcd stored in at most r of the fp16 cache's bytes; continuation at
-keep 0.5: the lowest mean KL of each side and their paired difference. "Best" is chosen by mean
-on the same documents it is then compared on. Only rows in the run take part: the table says
-which rows those were.
+keep 0.5: the lowest mean KL of each side and their paired difference; then every kvc row of a
+keep ratio against that ratio's best press (paired), with the number of documents both answer
+alike. "Best" is chosen by mean on the same documents it is then compared on. Only rows in the
+run take part: the table says which rows those were.
 """
 
 import argparse
@@ -18,6 +19,8 @@ import csv
 import os
 import random
 from collections import defaultdict
+
+from .report import code
 
 
 def paired(a, b, reps=2000, seed=7):
@@ -70,8 +73,9 @@ def table(vals, meta, stored_in):
             bp = max(side["kvpress"], key=lambda r: mean(vals[(task, r)]))
             bk = max(side["kvc"], key=lambda r: mean(vals[(task, r)]))
             d, (lo, hi), n = paired(vals[(task, bk)], vals[(task, bp)])
-            lines.append(f"| {task} | {keep} | `{bp}` {mean(vals[(task, bp)]):.2f} | `{bk}` "
-                         f"{mean(vals[(task, bk)]):.2f} | {d:+.2f} [{lo:+.2f}, {hi:+.2f}] | {n} |")
+            lines.append(f"| {task} | {keep} | {code(bp)} {mean(vals[(task, bp)]):.2f} | "
+                         f"{code(bk)} {mean(vals[(task, bk)]):.2f} | "
+                         f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}] | {n} |")
     lines += ["", "| task | equal-bytes row (stored <= 0.25 of fp16) | stored | accuracy | "
               "minus full (paired, 95%) | n |", "|---|---|---|---|---|---|"]
     for task in tasks:
@@ -80,10 +84,12 @@ def table(vals, meta, stored_in):
             if t != task or meta[r]["family"] != "kvc-bytes" or not stored_in[(t, r)] <= 0.25:
                 continue
             d, (lo, hi), n = paired(vals[(t, r)], full)
-            lines.append(f"| {task} | `{r}` | {stored_in[(t, r)]:.3f} | {mean(vals[(t, r)]):.2f} | "
-                         f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}] | {n} |")
+            lines.append(f"| {task} | {code(r)} | {stored_in[(t, r)]:.3f} | "
+                         f"{mean(vals[(t, r)]):.2f} | {d:+.2f} [{lo:+.2f}, {hi:+.2f}] | {n} |")
     lines += memory_table(vals, meta, stored_in, tasks)
-    cont = [(r, v) for (t, r), v in vals.items() if t == "continuation" and meta[r]["keep"] == "0.5"]
+    lines += rows_table(vals, meta, tasks)
+    cont = [(r, v) for (t, r), v in vals.items()
+            if t == "continuation" and meta[r]["keep"] == "0.5"]
     if cont:
         side = {fam: [(r, v) for r, v in cont if meta[r]["family"] == fam]
                 for fam in ("kvpress", "kvc")}
@@ -93,8 +99,9 @@ def table(vals, meta, stored_in):
             d, (lo, hi), n = paired(vk, vp)
             lines += ["", "| continuation, keep 0.5 | lowest mean KL | kvc - kvpress (paired, "
                       "95%) | n |", "|---|---|---|---|",
-                      f"| kvpress | `{bp}` {mean(vp):.4f} | | |",
-                      f"| kvc | `{bk}` {mean(vk):.4f} | {d:+.4f} [{lo:+.4f}, {hi:+.4f}] | {n} |"]
+                      f"| kvpress | {code(bp)} {mean(vp):.4f} | | |",
+                      f"| kvc | {code(bk)} {mean(vk):.4f} | {d:+.4f} [{lo:+.4f}, {hi:+.4f}] "
+                      f"| {n} |"]
     return "\n".join(lines) + "\n"
 
 
@@ -115,9 +122,34 @@ def memory_table(vals, meta, stored_in, tasks):
             bp = max(at, key=lambda r: mean(vals[(task, r)]))
             bk = max(kvc, key=lambda r: mean(vals[(task, r)]))
             d, (lo, hi), n = paired(vals[(task, bk)], vals[(task, bp)])
-            lines.append(f"| {task} | {keep} | `{bp}` {mean(vals[(task, bp)]):.2f} | `{bk}` "
-                         f"{mean(vals[(task, bk)]):.2f} | {stored_in[(task, bk)]:.3f} | "
+            lines.append(f"| {task} | {keep} | {code(bp)} {mean(vals[(task, bp)]):.2f} | "
+                         f"{code(bk)} {mean(vals[(task, bk)]):.2f} | {stored_in[(task, bk)]:.3f} | "
                          f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}] | {n} |")
+    return lines
+
+
+def rows_table(vals, meta, tasks):
+    """Lines of the per-row table: per task and keep ratio, every kvc row against the best
+    kvpress press of that ratio (paired), and on how many documents the two answer alike."""
+    lines = ["", "| task | keep | kvc row | accuracy | minus best kvpress (paired, 95%) | "
+             "alike | n |", "|---|---|---|---|---|---|---|"]
+    for task in tasks:
+        rows = [r for t, r in vals if t == task]
+        for keep in sorted({meta[r]["keep"] for r in rows if meta[r]["keep"]}, key=float,
+                           reverse=True):
+            presses = [r for r in rows if meta[r]["keep"] == keep
+                       and meta[r]["family"] == "kvpress"]
+            if not presses:
+                continue
+            bp = max(presses, key=lambda r: mean(vals[(task, r)]))
+            vp = vals[(task, bp)]
+            for r in sorted(r for r in rows if meta[r]["keep"] == keep
+                            and meta[r]["family"] == "kvc"):
+                v = vals[(task, r)]
+                d, (lo, hi), n = paired(v, vp)
+                alike = sum(v[k] == vp[k] for k in set(v) & set(vp))
+                lines.append(f"| {task} | {keep} | {code(r)} | {mean(v):.2f} | "
+                             f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}] ({code(bp)}) | {alike} | {n} |")
     return lines
 
 

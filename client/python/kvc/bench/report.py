@@ -80,6 +80,12 @@ def write_csv(path, rows):
             w.writerow(r)
 
 
+def code(name):
+    """A row name as inline code in a markdown table cell: its pipes escaped (a spec such as
+    `kvzip:0.1|passes=1` would otherwise split the cell)."""
+    return "`" + name.replace("|", "\\|") + "`"
+
+
 def _cell(s, metric):
     if s is None:
         return ""
@@ -97,7 +103,7 @@ def markdown(summary, columns, row_order):
     for row in row_order:
         if row not in info:
             continue
-        cells = [f"`{row}`", f"{info[row]['stored']:.3f}"]
+        cells = [code(row), f"{info[row]['stored']:.3f}"]
         cells += [_cell(index.get((t, sc, row, m)), m) for t, sc, m in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
