@@ -2,11 +2,13 @@
 """Checks the relative links of the project's Markdown files: every linked file exists, and every
 `#anchor` names a heading of its target as GitHub spells it (lower case, punctuation dropped,
 spaces as hyphens, a repeated heading numbered -1, -2, ...). External links are not followed.
+Also checks that no inline code in a table row holds an unescaped `|`: GitHub splits the cell
+there (a spec such as `kvzip:0.1|passes=1` must be written `kvzip:0.1\\|passes=1` in a table).
 
 Usage: check_links.py ROOT            every *.md below ROOT (hidden, build and node_modules
                                       folders and test fixtures left out)
        check_links.py --files F...    only these files
-Prints one line per broken link (file:line: what) and exits 1 if there is any, 0 otherwise."""
+Prints one line per problem (file:line: what) and exits 1 if there is any, 0 otherwise."""
 
 import os
 import re
@@ -14,6 +16,8 @@ import sys
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
+CODE = re.compile(r"`[^`]*`")
+BARE_PIPE = re.compile(r"(?<!\\)\|")
 SKIP_DIRS = {"node_modules", "fixtures"}
 
 
@@ -46,6 +50,13 @@ def anchors(path, cache={}):
                 found.add(s if n == 0 else f"{s}-{n}")
         cache[path] = found
     return cache[path]
+
+
+def split_cells(path):
+    """Table rows of `path` whose inline code holds an unescaped pipe (one line per span)."""
+    return [f"{path}:{number}: unescaped | in inline code splits a table cell: {m.group()}"
+            for number, line in prose_lines(path) if line.lstrip().startswith("|")
+            for m in CODE.finditer(line) if BARE_PIPE.search(m.group())]
 
 
 def check(path):
@@ -83,11 +94,12 @@ def main(argv):
     else:
         print(__doc__, file=sys.stderr)
         return 2
-    problems = [p for f in files for p in check(f)]
-    for p in problems:
+    links = [p for f in files for p in check(f)]
+    cells = [p for f in files for p in split_cells(f)]
+    for p in links + cells:
         print(p)
-    print(f"{len(files)} Markdown files, {len(problems)} broken links")
-    return 1 if problems else 0
+    print(f"{len(files)} Markdown files, {len(links)} broken links, {len(cells)} split table cells")
+    return 1 if links or cells else 0
 
 
 if __name__ == "__main__":
