@@ -23,6 +23,13 @@ def rows_of(row, family, keep, stored, accs, task="multikey"):
              "keep": keep, "stored": s, "acc": a} for i, (a, s) in enumerate(zip(accs, per_doc))]
 
 
+def table_of(tmp_path, lines):
+    """goals' markdown for these results lines (written as a results.csv under tmp_path)."""
+    path = tmp_path / "results.csv"
+    write(path, lines)
+    return goals.table(*goals.load(str(path), "after"))
+
+
 def test_equal_memory_takes_the_best_kvc_row_within_the_bytes(tmp_path):
     lines = (rows_of("full", "full", "1.0", 1.0, [1, 1, 1, 1])
              + rows_of("kvpress:kvzip@0.25", "kvpress", "0.25", 0.25, [1, 0, 0, 1])
@@ -51,9 +58,7 @@ def test_equal_memory_takes_the_best_kvc_row_within_the_bytes(tmp_path):
 def test_equal_memory_row_is_left_out_when_nothing_fits(tmp_path):
     lines = (rows_of("kvpress:kvzip@0.1", "kvpress", "0.1", 0.1, [1, 0])
              + rows_of("kvc:kvzip:0.1", "kvc", "0.1", 0.103, [1, 1]))
-    path = tmp_path / "results.csv"
-    write(path, lines)
-    out = goals.table(*goals.load(str(path), "after"))
+    out = table_of(tmp_path, lines)
     ls = out.splitlines()
     header = ls.index(next(ln for ln in ls if "no more bytes" in ln))
     end = ls.index("", header)  # the tables are separated by blank lines
@@ -67,9 +72,7 @@ def test_every_kvc_row_is_paired_with_the_best_press_of_its_keep(tmp_path):
              + rows_of("kvc:kvzip:0.1,top=16", "kvc", "0.1", 0.102, [1, 1, 1, 0])
              # another keep ratio with no press: no line of its own
              + rows_of("kvc:kvzip:0.5", "kvc", "0.5", 0.51, [1, 1, 1, 1]))
-    path = tmp_path / "results.csv"
-    write(path, lines)
-    out = goals.table(*goals.load(str(path), "after"))
+    out = table_of(tmp_path, lines)
     per_row = [ln for ln in out.splitlines() if "(`kvpress:" in ln]
     assert per_row == [
         "| multikey | 0.1 | `kvc:kvzip:0.1` | 0.50 | +0.00 [+0.00, +0.00] (`kvpress:kvzip@0.1`) "
@@ -81,9 +84,7 @@ def test_every_kvc_row_is_paired_with_the_best_press_of_its_keep(tmp_path):
 def test_pipes_in_row_names_are_escaped_in_the_tables(tmp_path):
     lines = (rows_of("kvpress:kvzip@0.1", "kvpress", "0.1", 0.1, [1, 0])
              + rows_of("kvc:kvzip:0.1|passes=1", "kvc", "0.1", 0.102, [1, 1]))
-    path = tmp_path / "results.csv"
-    write(path, lines)
-    out = goals.table(*goals.load(str(path), "after"))
+    out = table_of(tmp_path, lines)
     best = next(ln for ln in out.splitlines() if ln.startswith("| multikey | 0.1 | `kvpress"))
     assert "`kvc:kvzip:0.1\\|passes=1` 1.00" in best
     # every line of a table has as many cells as its header
