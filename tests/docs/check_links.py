@@ -52,16 +52,13 @@ def anchors(path, cache={}):
     return cache[path]
 
 
-def split_cells(path):
-    """Table rows of `path` whose inline code holds an unescaped pipe (one line per span)."""
-    return [f"{path}:{number}: unescaped | in inline code splits a table cell: {m.group()}"
-            for number, line in prose_lines(path) if line.lstrip().startswith("|")
-            for m in CODE.finditer(line) if BARE_PIPE.search(m.group())]
-
-
 def check(path):
-    problems = []
+    """(broken links, split table cells) of `path`, one line each, from one pass over it."""
+    links, cells = [], []
     for number, line in prose_lines(path):
+        if line.lstrip().startswith("|"):
+            cells += [f"{path}:{number}: unescaped | in inline code splits a table cell: "
+                      f"{m.group()}" for m in CODE.finditer(line) if BARE_PIPE.search(m.group())]
         for m in LINK.finditer(line):
             target = m.group(1)
             if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
@@ -70,10 +67,10 @@ def check(path):
             dest = os.path.normpath(os.path.join(os.path.dirname(path), file_part)) \
                 if file_part else path
             if not os.path.exists(dest):
-                problems.append(f"{path}:{number}: missing file {target}")
+                links.append(f"{path}:{number}: missing file {target}")
             elif anchor and dest.endswith(".md") and anchor not in anchors(dest):
-                problems.append(f"{path}:{number}: no heading for #{anchor} in {dest}")
-    return problems
+                links.append(f"{path}:{number}: no heading for #{anchor} in {dest}")
+    return links, cells
 
 
 def markdown_files(root):
@@ -94,8 +91,9 @@ def main(argv):
     else:
         print(__doc__, file=sys.stderr)
         return 2
-    links = [p for f in files for p in check(f)]
-    cells = [p for f in files for p in split_cells(f)]
+    found = [check(f) for f in files]
+    links = [p for f_links, _ in found for p in f_links]
+    cells = [p for _, f_cells in found for p in f_cells]
     for p in links + cells:
         print(p)
     print(f"{len(files)} Markdown files, {len(links)} broken links, {len(cells)} split table cells")
