@@ -28,6 +28,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "kvc/backend.h"
+#include "kvc/fidelity/backend_flags.h"
 #include "kvc/fidelity/fidelity.h"
 #include "kvc/fidelity/recon_flags.h"
 #include "kvc/fidelity/report.h"
@@ -72,7 +73,6 @@ ABSL_FLAG(std::string, svg, "", "the same plot as SVG");
 ABSL_FLAG(std::string, via, "",
           "kvcd address: compress through PutCache/GetCache(PACKED) as well as in-process, check "
           "that the numbers are equal, and report the served ones");
-ABSL_FLAG(int, threads, 1, "CPU backend threads (0 = all cores)");
 ABSL_FLAG(std::string, dump_sequences, "",
           "write the sequences used (every seed, in order: seed 0's first) to this file, one a "
           "line, token ids separated by spaces; --sequences_file reads it back");
@@ -220,8 +220,7 @@ absl::Status Run() {
     }
   }
 
-  BackendOptions backend_options;
-  backend_options.num_threads = absl::GetFlag(FLAGS_threads);
+  ASSIGN_OR_RETURN(const BackendOptions backend_options, BackendOptionsFromFlags());
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateCpuBackend(backend_options));
 
   std::printf("model %s: dim %d, layers %d, heads %d/%d (head_dim %d), vocab %d, context %d\n",

@@ -27,6 +27,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "kvc/backend.h"
+#include "kvc/fidelity/backend_flags.h"
 #include "kvc/fidelity/documents_file.h"
 #include "kvc/fidelity/passkey.h"
 #include "kvc/fidelity/recon_flags.h"
@@ -66,7 +67,6 @@ ABSL_FLAG(std::string, documents_out, "",
 ABSL_FLAG(std::string, via, "",
           "kvcd address: compress through PutCache/GetCache(PACKED) instead of in-process, and "
           "check that every answer equals the in-process one");
-ABSL_FLAG(int, threads, 1, "CPU backend threads (0 = all cores)");
 namespace kvc::fidelity {
 namespace {
 
@@ -150,8 +150,7 @@ absl::Status Run() {
   }
   const int n_docs = absl::GetFlag(FLAGS_documents);
   if (n_docs < 1) return absl::InvalidArgumentError(absl::StrCat("--documents: ", n_docs, " < 1"));
-  const int threads = absl::GetFlag(FLAGS_threads);
-  if (threads < 0) return absl::InvalidArgumentError(absl::StrCat("--threads: ", threads, " < 0"));
+  ASSIGN_OR_RETURN(const BackendOptions backend_options, BackendOptionsFromFlags());
   PasskeyDocOptions doc_options;
   doc_options.max_bytes = absl::GetFlag(FLAGS_max_bytes);
   if (absl::Status s = ValidatePasskeyDocOptions(doc_options); !s.ok()) {
@@ -228,8 +227,6 @@ absl::Status Run() {
     if (!st.ok()) return absl::Status(st.code(), absl::StrCat(row.label, ": ", st.message()));
   }
 
-  BackendOptions backend_options;
-  backend_options.num_threads = threads;
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateCpuBackend(backend_options));
   int len_min = c.seq_len, len_max = 0, count = 0;
   for (const PasskeyDocument& d : docs) {

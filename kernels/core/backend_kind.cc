@@ -1,4 +1,4 @@
-// Backend names (kvc/backend_interface.h); creating a backend is the registry's (kvc/backend.h).
+// Backend and attention-math names (kvc/backend_interface.h); creating a backend is the registry's (kvc/backend.h).
 #include <string>
 
 #include "absl/status/status.h"
@@ -15,6 +15,15 @@ absl::StatusOr<BackendKind> ParseBackendKind(std::string_view name) {
   if (n == "cuda") return BackendKind::kCuda;
   return absl::InvalidArgumentError(
       absl::StrCat("backend: unknown '", std::string(name), "' (expected auto, cpu or cuda)"));
+}
+
+absl::StatusOr<AttentionMath> ParseAttentionMath(std::string_view name) {
+  const std::string n = absl::AsciiStrToLower(std::string(name));
+  if (n == "auto") return AttentionMath::kAuto;
+  if (n == "exact") return AttentionMath::kExact;
+  if (n == "integer") return AttentionMath::kInteger;
+  return absl::InvalidArgumentError(absl::StrCat("attention_math: unknown '", std::string(name),
+                                                 "' (expected auto, exact or integer)"));
 }
 
 }  // namespace kvc

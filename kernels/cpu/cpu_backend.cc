@@ -27,7 +27,10 @@ double SecondsSince(std::chrono::steady_clock::time_point t) {
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(int num_threads, int thread_nice) : pool_(num_threads, thread_nice) {}
+  CpuBackend(int num_threads, int thread_nice, AttentionMath math)
+      : pool_(num_threads, thread_nice) {
+    attention_.math = math;
+  }
 
   std::string_view name() const override { return "cpu"; }
 
@@ -55,11 +58,12 @@ class CpuBackend final : public Backend {
 
   absl::Status Attend(const CompactLayerView& cache, const DecodeQuery& query,
                       float* out) override {
-    return PackedAttentionCpu(cache, query, out, &pool_);
+    return PackedAttentionCpu(cache, query, out, &pool_, attention_);
   }
 
  private:
   ThreadPool pool_;
+  PackedAttentionOptions attention_;
 };
 
 }  // namespace
@@ -153,8 +157,8 @@ absl::StatusOr<CompactLayer> CompressOnPool(const LayerInput& in, const Compress
   });
 }
 
-std::unique_ptr<Backend> NewCpuBackend(int num_threads, int thread_nice) {
-  return std::unique_ptr<Backend>(new CpuBackend(num_threads, thread_nice));
+std::unique_ptr<Backend> NewCpuBackend(int num_threads, int thread_nice, AttentionMath math) {
+  return std::unique_ptr<Backend>(new CpuBackend(num_threads, thread_nice, math));
 }
 
 }  // namespace kvc::cpu

@@ -26,8 +26,9 @@ absl::StatusOr<KeyScores> ScoreKeysOnPool(const LayerInput& in, const Compressio
                                           ThreadPool* pool);
 
 // The CPU backend with its own pool of num_threads threads (0 = hardware concurrency; must be
-// >= 0, the registry checks it).
-std::unique_ptr<Backend> NewCpuBackend(int num_threads, int thread_nice);
+// >= 0, the registry checks it); Attend multiplies quantized blocks as `math` says.
+std::unique_ptr<Backend> NewCpuBackend(int num_threads, int thread_nice,
+                                       AttentionMath math = AttentionMath::kAuto);
 
 // The host engine other backends fall back to (core/host_fallback.h), running on
 // ThreadPool::Default(). Process-wide, never destroyed, thread-safe.

@@ -154,6 +154,39 @@ std::vector<std::map<std::string, std::string>> ParseCsv(const std::string& text
   return rows;
 }
 
+// --attention_math picks the decode arithmetic over quantized blocks: on this model's 8-channel
+// heads `auto` stays fp32 (the same rows as `exact`), `integer` forces integer dot products
+// (other, nearby numbers); an unknown name is refused before the run. r=0 quantizes every token
+// (the default keeps the recent ones, here the whole 32-token prefix, in fp16).
+TEST(ToolTest, AttentionMathChoosesTheQuantizedArithmetic) {
+  KVC_REQUIRE_MODEL(model);
+  std::map<std::string, std::vector<std::map<std::string, std::string>>> rows;
+  for (const char* math : {"auto", "exact", "integer"}) {
+    const std::string csv = Temp(absl::StrCat("math_", math, ".csv"));
+    const RunResult r =
+        RunTool(model, absl::StrCat("--spec 'q4+r=0;q2+r=0' --attention_math ", math,
+                                    " --csv ", csv));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    rows[math] = ParseCsv(ReadAll(csv));
+    std::remove(csv.c_str());
+    ASSERT_EQ(rows[math].size(), 4u) << math;  // 2 specs x 2 scenarios
+  }
+  int differ = 0;
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(rows["auto"][i].at("mean_kl"), rows["exact"][i].at("mean_kl")) << i;
+    EXPECT_EQ(rows["auto"][i].at("bytes"), rows["integer"][i].at("bytes")) << i;
+    const double exact = std::stod(rows["exact"][i].at("mean_kl"));
+    const double integer = std::stod(rows["integer"][i].at("mean_kl"));
+    differ += exact != integer;
+    EXPECT_NEAR(integer, exact, 0.1 * exact + 1e-3) << i;
+  }
+  EXPECT_GT(differ, 0);
+  const RunResult bad = RunTool(model, "--spec q4 --attention_math fast");
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_THAT(bad.output, HasSubstr("--attention_math: unknown 'fast'"));
+  EXPECT_THAT(bad.output, Not(HasSubstr(kTableHeader)));
+}
+
 TEST(ToolTest, CombinedSpecsSeedsAndDumpedSequencesReproduce) {
   KVC_REQUIRE_MODEL(model);
   const std::string csv_a = Temp("a.csv"), csv_b = Temp("b.csv"), seqs = Temp("seqs.txt"),

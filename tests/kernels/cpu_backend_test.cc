@@ -1,6 +1,8 @@
 // CpuBackend: Compress composes SelectTokens -> SelectChannels -> PackLayer; results do not
 // depend on thread count, layout or concurrent use; bad input is rejected with the field named.
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <string>
 #include <thread>
 #include <vector>
@@ -174,6 +176,60 @@ TEST(CpuBackendTest, AttendIsPackedAttention) {
   ASSERT_TRUE(PackedAttentionCpu(*view, query, want.data()).ok());
   EXPECT_EQ(out, want);
   for (float x : out) EXPECT_TRUE(std::isfinite(x));
+}
+
+// BackendOptions::attention_math reaches Attend: on 4-bit heads of 64 channels each mode gives
+// PackedAttentionCpu's result for that mode, and the integer and fp32 paths differ (so the
+// option is not ignored).
+TEST(CpuBackendTest, AttendUsesTheChosenAttentionMath) {
+  const TestLayer layer = RandomLayer({2, 4, 256, 64, 4}, 5, DType::kF16);
+  CompressionSpec spec;
+  spec.quant.bits = 4;
+  spec.quant.group_size = 32;
+  auto plain = MakeCpu(1);
+  absl::StatusOr<CompactLayer> blob = plain->Compress(layer.input(), spec, nullptr);
+  ASSERT_TRUE(blob.ok()) << blob.status();
+  absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(blob->bytes);
+  ASSERT_TRUE(view.ok());
+  const std::vector<float> q = testing::RandomValues(4 * 1 * 64, 12);
+  const std::vector<float> kn = testing::RandomValues(2 * 1 * 64, 13);
+  const std::vector<float> vn = testing::RandomValues(2 * 1 * 64, 14);
+  const DecodeQuery query{.num_q_heads = 4,
+                          .n_q = 1,
+                          .q = q.data(),
+                          .n_new = 1,
+                          .k_new = kn.data(),
+                          .v_new = vn.data()};
+  std::vector<std::vector<float>> got;
+  for (AttentionMath math :
+       {AttentionMath::kAuto, AttentionMath::kExact, AttentionMath::kInteger}) {
+    absl::StatusOr<std::unique_ptr<Backend>> b =
+        CreateCpuBackend({.num_threads = 1, .attention_math = math});
+    ASSERT_TRUE(b.ok()) << b.status();
+    std::vector<float> out(4 * 64), want(4 * 64);
+    ASSERT_TRUE((*b)->Attend(*view, query, out.data()).ok());
+    ASSERT_TRUE(PackedAttentionCpu(*view, query, want.data(), nullptr, {.math = math}).ok());
+    EXPECT_EQ(out, want) << static_cast<int>(math);
+    got.push_back(out);
+  }
+  EXPECT_EQ(got[0], got[2]);  // auto: 4-bit heads of >= 32 channels take the integer path
+  EXPECT_NE(got[1], got[2]);
+  float largest = 0;  // the integer path stays close to fp32
+  for (size_t i = 0; i < got[1].size(); ++i) {
+    largest = std::max(largest, std::abs(got[1][i] - got[2][i]));
+  }
+  EXPECT_LT(largest, 0.05f);
+}
+
+TEST(CpuBackendTest, ParsesAttentionMathNames) {
+  EXPECT_EQ(*ParseAttentionMath("auto"), AttentionMath::kAuto);
+  EXPECT_EQ(*ParseAttentionMath("Exact"), AttentionMath::kExact);
+  EXPECT_EQ(*ParseAttentionMath("integer"), AttentionMath::kInteger);
+  const absl::StatusOr<AttentionMath> bad = ParseAttentionMath("fast");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()),
+              HasSubstr("attention_math: unknown 'fast' (expected auto, exact or integer)"));
 }
 
 TEST(ThreadPoolTest, RunsEveryIndexOnceUnderConcurrentAndNestedCalls) {

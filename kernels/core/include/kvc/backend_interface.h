@@ -20,6 +20,14 @@ namespace kvc {
 enum class BackendKind { kAuto, kCpu, kCuda };
 absl::StatusOr<BackendKind> ParseBackendKind(std::string_view name);  // "auto", "cpu", "cuda"
 
+// How CPU decode attention multiplies quantized (2/4/8-bit) blocks; the modes are specified at
+// PackedAttentionOptions (kvc/attention.h). kAuto: integer dot products for 2- and 4-bit blocks
+// of heads keeping >= 32 channels, fp32 otherwise; kExact: fp32 on the dequantized codes;
+// kInteger: integer dot products everywhere.
+enum class AttentionMath { kAuto, kExact, kInteger };
+// "auto", "exact", "integer"; INVALID_ARGUMENT naming the accepted values otherwise.
+absl::StatusOr<AttentionMath> ParseAttentionMath(std::string_view name);
+
 // Wall time of each stage of one Compress call, in seconds.
 struct CompressTimings {
   double score = 0;     // token scores (QK^T, softmax, pooling, noise)
@@ -48,6 +56,9 @@ struct BackendOptions {
   // threads of the process (e.g. a server's RPC threads) win the CPU over compression.
   int thread_nice = 0;
   int device = 0;  // CUDA: device ordinal
+  // CPU: the arithmetic of Attend over quantized blocks (the CUDA backend has one path and
+  // ignores it).
+  AttentionMath attention_math = AttentionMath::kAuto;
 };
 
 // New queries for decode attention over a packed layer (Backend::Attend, PackedAttentionCpu in

@@ -30,7 +30,7 @@ struct PackedAttentionOptions {
   //     decoding runs ~2x faster on Llama-shaped heads; at 8 bits the int8 query has the codes'
   //     own resolution, so it would double their error (those caches are chosen for accuracy);
   //     and on heads with fewer channels the per-group preparation costs more than it saves.
-  enum class Math { kAuto, kExact, kInteger };
+  using Math = AttentionMath;  // kvc/backend_interface.h (BackendOptions carries it too)
   Math math = Math::kAuto;
 };
 
