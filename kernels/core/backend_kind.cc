@@ -1,4 +1,5 @@
-// Backend and attention-math names (kvc/backend_interface.h); creating a backend is the registry's (kvc/backend.h).
+// Backend and attention-math names (kvc/backend_interface.h); creating a backend is the
+// registry's (kvc/backend.h).
 #include <string>
 
 #include "absl/status/status.h"

@@ -28,9 +28,7 @@ double SecondsSince(std::chrono::steady_clock::time_point t) {
 class CpuBackend final : public Backend {
  public:
   CpuBackend(int num_threads, int thread_nice, AttentionMath math)
-      : pool_(num_threads, thread_nice) {
-    attention_.math = math;
-  }
+      : pool_(num_threads, thread_nice), attention_{.math = math} {}
 
   std::string_view name() const override { return "cpu"; }
 

@@ -27,8 +27,7 @@ absl::StatusOr<KeyScores> ScoreKeysOnPool(const LayerInput& in, const Compressio
 
 // The CPU backend with its own pool of num_threads threads (0 = hardware concurrency; must be
 // >= 0, the registry checks it); Attend multiplies quantized blocks as `math` says.
-std::unique_ptr<Backend> NewCpuBackend(int num_threads, int thread_nice,
-                                       AttentionMath math = AttentionMath::kAuto);
+std::unique_ptr<Backend> NewCpuBackend(int num_threads, int thread_nice, AttentionMath math);
 
 // The host engine other backends fall back to (core/host_fallback.h), running on
 // ThreadPool::Default(). Process-wide, never destroyed, thread-safe.
