@@ -26,7 +26,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const BackendOptions& 
     return absl::InvalidArgumentError(
         absl::StrCat("num_threads: ", options.num_threads, " must be >= 0 (0 = all cores)"));
   }
-  return cpu::NewCpuBackend(options.num_threads, options.thread_nice, options.attention_math);
+  return cpu::NewCpuBackend(options);
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const BackendOptions& options) {

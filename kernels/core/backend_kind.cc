@@ -1,4 +1,4 @@
-// Backend and attention-math names (kvc/backend_interface.h); creating a backend is the
+// Backend, attention-math and scoring-math names (kvc/backend_interface.h); creating a backend is the
 // registry's (kvc/backend.h).
 #include <string>
 
@@ -25,6 +25,14 @@ absl::StatusOr<AttentionMath> ParseAttentionMath(std::string_view name) {
   if (n == "integer") return AttentionMath::kInteger;
   return absl::InvalidArgumentError(absl::StrCat("attention_math: unknown '", std::string(name),
                                                  "' (expected auto, exact or integer)"));
+}
+
+absl::StatusOr<ScoringMath> ParseScoringMath(std::string_view name) {
+  const std::string n = absl::AsciiStrToLower(std::string(name));
+  if (n == "exact") return ScoringMath::kExact;
+  if (n == "integer") return ScoringMath::kInteger;
+  return absl::InvalidArgumentError(absl::StrCat("scoring_math: unknown '", std::string(name),
+                                                 "' (expected exact or integer)"));
 }
 
 }  // namespace kvc

@@ -16,6 +16,8 @@
 #if KVC_AMX_BUILT
 #include <immintrin.h>
 
+#include "cpu/avx512_rows.h"
+
 namespace kvc::cpu::amx {
 
 bool Built() { return true; }
@@ -53,32 +55,6 @@ inline void Split(__m512 x0, __m512 x1, __m512i* hi, __m512i* lo) {
   *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, b1), _mm512_sub_ps(x0, b0));
 }
 
-// In-register transpose of a 16 x 16 matrix of dwords: r[i][j] -> r[j][i].
-inline void Transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  __m512i u[16];  // u[4m + c], lane L: rows 4m..4m+3 of column 4L + c
-  for (int m = 0; m < 4; ++m) {
-    u[4 * m] = _mm512_unpacklo_epi64(t[4 * m], t[4 * m + 2]);
-    u[4 * m + 1] = _mm512_unpackhi_epi64(t[4 * m], t[4 * m + 2]);
-    u[4 * m + 2] = _mm512_unpacklo_epi64(t[4 * m + 1], t[4 * m + 3]);
-    u[4 * m + 3] = _mm512_unpackhi_epi64(t[4 * m + 1], t[4 * m + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i x = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
-    const __m512i y = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i x2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512i y2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_i32x4(x, x2, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(x, x2, 0xDD);
-    r[8 + c] = _mm512_shuffle_i32x4(y, y2, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(y, y2, 0xDD);
-  }
-}
-
 // Where accumulator tile t (16 x 16 floats) goes: straight into dst at rows r0.., columns c0..
 // when wholly inside rows x n; else (nullptr) into a buffer whose inside part CopyClipped copies.
 inline float* TileDst(float* dst, size_t ldc, int r0, int c0, int rows, int n) {
@@ -114,20 +90,6 @@ void PackQueries(const float* q, int rows, int head_dim, float scale, uint16_t* 
   }
 }
 
-// 16 elements of type t at p as floats (exact).
-inline __m512 Load16(const uint8_t* p, DType t) {
-  switch (t) {
-    case DType::kF32:
-      return _mm512_loadu_ps(p);
-    case DType::kF16:
-      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    case DType::kBF16:
-      return _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  }
-  return _mm512_setzero_ps();
-}
-
 void PackKeys(const void* src, DType t, size_t row_stride, int n, int head_dim, uint16_t* hi,
               uint16_t* lo) {
   const auto* base = static_cast<const uint8_t*>(src);
@@ -147,17 +109,17 @@ void PackKeys(const void* src, DType t, size_t row_stride, int n, int head_dim, 
         }
         __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
         if (key < n) {
-          x0 = Load16(row, t);
-          x1 = Load16(row + 16 * esize, t);
+          x0 = avx512::Load16(row, t);
+          x1 = avx512::Load16(row + 16 * esize, t);
         }
         Split(x0, x1, &rh[i], &rl[i]);
       }
       // Rows: keys, dwords: dimension pairs -> rows: pairs, dwords: keys.
       const size_t at = (static_cast<size_t>(kt) * blocks + db) * 512;
-      Transpose16(rh);
+      avx512::Transpose16(rh);
       for (int p = 0; p < 16; ++p) _mm512_storeu_si512(hi + at + p * 32, rh[p]);
       if (lo != nullptr) {
-        Transpose16(rl);
+        avx512::Transpose16(rl);
         for (int p = 0; p < 16; ++p) _mm512_storeu_si512(lo + at + p * 32, rl[p]);
       }
     }

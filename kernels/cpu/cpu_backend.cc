@@ -27,8 +27,10 @@ double SecondsSince(std::chrono::steady_clock::time_point t) {
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(int num_threads, int thread_nice, AttentionMath math)
-      : pool_(num_threads, thread_nice), attention_{.math = math} {}
+  explicit CpuBackend(const BackendOptions& options)
+      : pool_(options.num_threads, options.thread_nice),
+        attention_{.math = options.attention_math},
+        scoring_math_(options.scoring_math) {}
 
   std::string_view name() const override { return "cpu"; }
 
@@ -36,22 +38,22 @@ class CpuBackend final : public Backend {
     // Which arithmetic attention scoring uses per dtype (cpu/amx_logits.h), for logs and
     // benchmark rows.
     return absl::StrCat("cpu: ", pool_.num_threads(), " threads, ", CpuIsaDescription(),
-                        ", scoring logits: ", ScoringLogitsDescription());
+                        ", scoring logits: ", ScoringLogitsDescription(scoring_math_));
   }
 
   absl::StatusOr<CompactLayer> Compress(const LayerInput& in, const CompressionSpec& spec,
                                         CompressTimings* timings) override {
-    return CompressOnPool(in, spec, &pool_, timings);
+    return CompressOnPool(WithOptions(in), spec, &pool_, timings);
   }
 
   bool CanScoreKeys() const override { return true; }
   absl::StatusOr<KeyScores> ScoreKeys(const LayerInput& in, const CompressionSpec& spec) override {
-    return ScoreKeysOnPool(in, spec, &pool_);
+    return ScoreKeysOnPool(WithOptions(in), spec, &pool_);
   }
   absl::StatusOr<CompactLayer> CompressScored(const LayerInput& in, const CompressionSpec& spec,
                                               KeyScores scores,
                                               CompressTimings* timings) override {
-    return CompressOnPool(in, spec, &pool_, timings, &scores);
+    return CompressOnPool(WithOptions(in), spec, &pool_, timings, &scores);
   }
 
   absl::Status Attend(const CompactLayerView& cache, const DecodeQuery& query,
@@ -60,8 +62,16 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // The input as this backend's options say to compute it.
+  LayerInput WithOptions(const LayerInput& in) const {
+    LayerInput out = in;
+    out.scoring_math = scoring_math_;
+    return out;
+  }
+
   ThreadPool pool_;
   PackedAttentionOptions attention_;
+  ScoringMath scoring_math_;
 };
 
 }  // namespace
@@ -155,8 +165,8 @@ absl::StatusOr<CompactLayer> CompressOnPool(const LayerInput& in, const Compress
   });
 }
 
-std::unique_ptr<Backend> NewCpuBackend(int num_threads, int thread_nice, AttentionMath math) {
-  return std::unique_ptr<Backend>(new CpuBackend(num_threads, thread_nice, math));
+std::unique_ptr<Backend> NewCpuBackend(const BackendOptions& options) {
+  return std::unique_ptr<Backend>(new CpuBackend(options));
 }
 
 }  // namespace kvc::cpu

@@ -25,9 +25,10 @@ absl::StatusOr<CompactLayer> CompressOnPool(const LayerInput& in, const Compress
 absl::StatusOr<KeyScores> ScoreKeysOnPool(const LayerInput& in, const CompressionSpec& spec,
                                           ThreadPool* pool);
 
-// The CPU backend with its own pool of num_threads threads (0 = hardware concurrency; must be
-// >= 0, the registry checks it); Attend multiplies quantized blocks as `math` says.
-std::unique_ptr<Backend> NewCpuBackend(int num_threads, int thread_nice, AttentionMath math);
+// The CPU backend with its own pool of options.num_threads threads at options.thread_nice
+// (0 = hardware concurrency; must be >= 0, the registry checks it); Attend multiplies quantized
+// blocks as options.attention_math says, scoring computes logits as options.scoring_math says.
+std::unique_ptr<Backend> NewCpuBackend(const BackendOptions& options);
 
 // The host engine other backends fall back to (core/host_fallback.h), running on
 // ThreadPool::Default(). Process-wide, never destroyed, thread-safe.

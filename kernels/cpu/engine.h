@@ -72,9 +72,10 @@ void PrepareBlas(const ThreadPool* pool);
 // How attention scoring (h2o, snapkv, keyformer, kvzip) computes its logits for a layer of this
 // dtype and head_dim at the active instruction-set level (kvc/cpu_isa.h): sgemm on fp32 copies;
 // AVX-512 BF16 dot products on bf16 layers (exact products, cpu/amx_logits.h); AMX tiles with
-// bf16 hi/lo splits (near-fp32). LogitsPathName is what benchmarks and logs print.
-enum class LogitsPath { kSgemm, kBf16Dot, kAmx };
-LogitsPath ScoringLogitsPath(DType dtype, int head_dim);
+// bf16 hi/lo splits (near-fp32); with ScoringMath::kInteger and without AMX, int8 dot products
+// on AVX-512 VNNI (cpu/int8_logits.h). LogitsPathName is what benchmarks and logs print.
+enum class LogitsPath { kSgemm, kBf16Dot, kAmx, kInt8Dot };
+LogitsPath ScoringLogitsPath(DType dtype, int head_dim, ScoringMath math = ScoringMath::kExact);
 std::string_view LogitsPathName(LogitsPath path);
 
 // One scratch array of a thread: Get<T>(n) returns room for at least n elements (contents

@@ -2,7 +2,8 @@
 // the dispatch are in scorers.cc). Attention-based policies compute, per KV head, the GEMM of the
 // group's observation queries against all keys ([g*W, D] x [D, S], OpenBLAS sgemm on fp32 copies,
 // one 1024-key chunk at a time; on AMX the same products from bf16 tiles, and on AVX-512 BF16 a
-// bf16 layer's exact products from bf16 dot products, cpu/amx_logits.h), then
+// bf16 layer's exact products from bf16 dot products, cpu/amx_logits.h; with ScoringMath::kInteger
+// int8 products on AVX-512 VNNI, cpu/int8_logits.h), then
 // a causal row softmax (online over the chunks) whose rows are
 // accumulated into the head's score. Query rows are processed in blocks so the logits buffer
 // stays bounded even when W == S.
@@ -19,6 +20,7 @@
 
 #include "cpu/amx_logits.h"
 #include "cpu/engine.h"
+#include "cpu/int8_logits.h"
 #include "cpu/score_extra.h"
 #include "cpu/simd.h"
 #include "kvc/convert.h"
@@ -80,13 +82,27 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
   // cpu/amx_logits.h). bf16 keys are exact in one bf16 part: their lo products are skipped.
   // AVX-512 BF16 without tiles: bf16 layers' logits from one bf16 dot product per element pair
   // (exact products, fp32 sums; cpu/amx_logits.h), other dtypes on sgemm.
-  const LogitsPath path = ScoringLogitsPath(in.dtype, D);
+  // Int8 (ScoringMath::kInteger on AVX-512 VNNI): both operands rounded to 8 bits.
+  const LogitsPath path = ScoringLogitsPath(in.dtype, D, in.scoring_math);
   const bool use_amx = path == LogitsPath::kAmx, use_dot = path == LogitsPath::kBf16Dot;
+  const bool use_int8 = path == LogitsPath::kInt8Dot;
   const bool key_lo = in.dtype != DType::kBF16;
   uint16_t *q_hi = nullptr, *q_lo = nullptr, *k_hi = nullptr, *k_lo = nullptr;
   float* k = nullptr;  // the fp32 key chunk of the sgemm path
+  // The int8 path's packed queries and keys with their scales (and the keys' offsets).
+  uint8_t* q8 = nullptr;
+  int8_t* k8 = nullptr;
+  float *q8_scale = nullptr, *k8_scale = nullptr;
+  int32_t* k8_offset = nullptr;
   if (path == LogitsPath::kSgemm) {
     k = s.k.Get<float>(static_cast<size_t>(std::min(S, kTokenChunk)) * D);
+  } else if (use_int8) {
+    const size_t keys = i8::PaddedKeys(std::min(S, kTokenChunk));
+    q8_scale = s.amx_q.Get<float>(static_cast<size_t>(block) * (D / 4 + 1));
+    q8 = reinterpret_cast<uint8_t*>(q8_scale + block);
+    k8_scale = s.amx_k.Get<float>(keys * (D / 4 + 2));
+    k8_offset = reinterpret_cast<int32_t*>(k8_scale + keys);
+    k8 = reinterpret_cast<int8_t*>(k8_offset + keys);
   } else {
     const size_t qn = amx::PackedQueryElems(block, D);
     const size_t kn = amx::PackedKeyElems(std::min(S, kTokenChunk), D);
@@ -121,6 +137,7 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
       const int nr = std::min(block, span.end - r0);
       LoadQueryRows(in, h, r0, nr, q);
       if (use_amx) amx::PackQueries(q, nr, D, scale, q_hi, q_lo);
+      if (use_int8) i8::PackQueries(q, nr, D, scale, q8, q8_scale);
       // Unscaled (bf16 values, exact in one part): DotLogits scales the sums.
       if (use_dot) FromFloat(q, DType::kBF16, static_cast<size_t>(nr) * D, q_hi);
       // Keys past the last row's causal limit are never read: trim the GEMM to them.
@@ -167,7 +184,12 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
         // All but the last chunk: the GEMM writes straight into the chunk's parked slot (it stays
         // in L2 for the passes below); the last one into the tile the final pass reads.
         float* dst = c + 1 < chunks ? parked + c * slot : tile;
-        if (path != LogitsPath::kSgemm) {
+        if (use_int8) {
+          size_t stride = 0;
+          const uint8_t* rows = HeadRows(in, /*values=*/false, h, c0, &stride);
+          i8::PackKeys(rows, in.dtype, stride, n, D, k8, k8_scale, k8_offset);
+          i8::Logits(q8, q8_scale, nr, k8, k8_scale, k8_offset, n, D, dst, static_cast<size_t>(n));
+        } else if (path != LogitsPath::kSgemm) {
           // Straight from the cache's rows (no fp32 copy of the chunk).
           size_t stride = 0;
           const uint8_t* rows = HeadRows(in, /*values=*/false, h, c0, &stride);
@@ -303,8 +325,9 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
 
 }  // namespace
 
-LogitsPath ScoringLogitsPath(DType dtype, int head_dim) {
+LogitsPath ScoringLogitsPath(DType dtype, int head_dim, ScoringMath math) {
   if (amx::Usable(head_dim)) return LogitsPath::kAmx;
+  if (math == ScoringMath::kInteger && i8::Usable(head_dim)) return LogitsPath::kInt8Dot;
   if (dtype == DType::kBF16 && amx::DotUsable(head_dim)) return LogitsPath::kBf16Dot;
   return LogitsPath::kSgemm;
 }
@@ -317,6 +340,8 @@ std::string_view LogitsPathName(LogitsPath path) {
       return "avx512-bf16 dot products";
     case LogitsPath::kAmx:
       return "amx tiles (bf16 hi/lo)";
+    case LogitsPath::kInt8Dot:
+      return "avx512-vnni int8 dot products";
   }
   return "unknown";
 }
@@ -377,10 +402,10 @@ void ObservedAttentionScores(const LayerInput& in, const EvictionSpec& spec, Thr
 
 namespace kvc {
 
-std::string ScoringLogitsDescription() {
+std::string ScoringLogitsDescription(ScoringMath math) {
   std::vector<std::pair<cpu::LogitsPath, std::string>> paths;  // in first-seen order
   for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
-    const cpu::LogitsPath path = cpu::ScoringLogitsPath(t, 128);
+    const cpu::LogitsPath path = cpu::ScoringLogitsPath(t, 128, math);
     auto it =
         std::find_if(paths.begin(), paths.end(), [&](const auto& p) { return p.first == path; });
     if (it == paths.end()) it = paths.insert(paths.end(), {path, ""});

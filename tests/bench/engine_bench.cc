@@ -304,11 +304,13 @@ void BM_KVzipPasses(benchmark::State& state) {
 // ratio that a burst of load on a shared machine moves less than two separate rows do.
 // Label: policy, dtype, the logits path (cpu/engine.h: sgemm, bf16 dot products, AMX) and the
 // instruction-set level.
-std::string ScoreLabel(const Layer& layer, const EvictionSpec& spec, std::string_view extra) {
-  return absl::StrCat(
-      std::string(PolicyName(spec.policy)), ", ", std::string(DTypeName(layer.dtype)), ", ",
-      std::string(cpu::LogitsPathName(cpu::ScoringLogitsPath(layer.dtype, layer.shape.head_dim))),
-      std::string(extra), ", ", CpuIsaDescription());
+std::string ScoreLabel(const Layer& layer, const EvictionSpec& spec, std::string_view extra,
+                       ScoringMath math = ScoringMath::kExact) {
+  const cpu::LogitsPath path = cpu::ScoringLogitsPath(layer.dtype, layer.shape.head_dim, math);
+  return absl::StrCat(std::string(PolicyName(spec.policy)), ", ",
+                      std::string(DTypeName(layer.dtype)), ", ",
+                      std::string(cpu::LogitsPathName(path)), std::string(extra), ", ",
+                      CpuIsaDescription());
 }
 
 // range(2): 0 fp16 layers, 1 bf16.
@@ -356,9 +358,13 @@ double ThreadCpuSeconds() {
 
 // The same ratio on one thread (OpenBLAS and the engine's pool), timed in this thread's CPU time:
 // time the scheduler gives other processes on a shared machine counts for neither side, so this
-// is the kernels' efficiency ratio, not a wall-clock one.
+// is the kernels' efficiency ratio, not a wall-clock one. range(3): 1 scores with
+// ScoringMath::kInteger (int8 logits where the CPU has AVX-512 VNNI), 0 exact.
 void BM_ScoreVsSgemmCpu(benchmark::State& state) {
   const Layer& layer = GetLayer(static_cast<int>(state.range(0)), BenchDType(state));
+  const ScoringMath math = state.range(3) == 1 ? ScoringMath::kInteger : ScoringMath::kExact;
+  LayerInput input = layer.input();
+  input.scoring_math = math;
   EvictionSpec spec;
   spec.policy = static_cast<EvictionPolicy>(state.range(1));
   const int n = 2048;
@@ -373,7 +379,7 @@ void BM_ScoreVsSgemmCpu(benchmark::State& state) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
                 0.0f, c.data(), n);
     const double t1 = ThreadCpuSeconds();
-    cpu::ScoreTokensImpl(layer.input(), spec, &one, &scores);
+    cpu::ScoreTokensImpl(input, spec, &one, &scores);
     const double t2 = ThreadCpuSeconds();
     benchmark::DoNotOptimize(c.data());
     benchmark::DoNotOptimize(scores.data());
@@ -386,7 +392,7 @@ void BM_ScoreVsSgemmCpu(benchmark::State& state) {
       k == 0 ? 0 : (k % 2 == 1 ? ratios[k / 2] : 0.5 * (ratios[k / 2 - 1] + ratios[k / 2]));
   state.counters["FLOPS_cpu"] =
       ScoreFlops(layer.shape) * static_cast<double>(state.iterations()) / score_s;
-  state.SetLabel(ScoreLabel(layer, spec, ", 1 thread, CPU time"));
+  state.SetLabel(ScoreLabel(layer, spec, ", 1 thread, CPU time", math));
 }
 
 struct Selections {
@@ -523,10 +529,16 @@ BENCHMARK(BM_ScoreVsSgemm)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_ScoreVsSgemmCpu)
-    ->Args({32768, static_cast<int>(EvictionPolicy::kH2O), 0})
-    ->Args({32768, static_cast<int>(EvictionPolicy::kKeyformer), 0})
-    ->Args({32768, static_cast<int>(EvictionPolicy::kH2O), 1})
-    ->Args({32768, static_cast<int>(EvictionPolicy::kKeyformer), 1})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kH2O), 0, 0})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kKeyformer), 0, 0})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kH2O), 1, 0})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kKeyformer), 1, 0})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kSnapKV), 0, 0})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kSnapKV), 1, 0})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kSnapKV), 0, 1})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kKeyformer), 0, 1})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kSnapKV), 1, 1})
+    ->Args({32768, static_cast<int>(EvictionPolicy::kKeyformer), 1, 1})
     ->Iterations(5)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SelectChannels)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -9,6 +9,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/isa_util.h"
 #include "kernels/select_util.h"
 #include "kvc/backend.h"
 #include "kvc/compact.h"
@@ -230,6 +231,57 @@ TEST(CpuBackendTest, ParsesAttentionMathNames) {
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(bad.status().message()),
               HasSubstr("attention_math: unknown 'fast' (expected auto, exact or integer)"));
+}
+
+// BackendOptions::scoring_math reaches scoring: a backend made with kInteger scores as
+// ScoreTokens does with the input's scoring_math set to it (whatever the caller's input says),
+// differently from the exact backend, and its description names the int8 path. Below
+// avx512vnni both backends score alike.
+TEST(CpuBackendTest, ScoringUsesTheChosenScoringMath) {
+  const TestLayer layer = RandomLayer({2, 8, 700, 64, 16}, 9, DType::kBF16);
+  CompressionSpec spec;
+  spec.eviction.policy = EvictionPolicy::kSnapKV;
+  spec.eviction.keep_ratio = 0.25;
+  for (CpuIsa isa : testing_isa::SupportedIsas()) {
+    SCOPED_TRACE(std::string(CpuIsaName(isa)));
+    const testing_isa::ScopedIsaCap cap(isa);
+    const bool int8 = isa == CpuIsa::kAvx512Vnni || isa == CpuIsa::kAvx512Bf16;
+    std::vector<std::vector<float>> got;
+    for (ScoringMath math : {ScoringMath::kExact, ScoringMath::kInteger}) {
+      absl::StatusOr<std::unique_ptr<Backend>> b =
+          CreateCpuBackend({.num_threads = 1, .scoring_math = math});
+      ASSERT_TRUE(b.ok()) << b.status();
+      LayerInput in = layer.input();
+      in.scoring_math = math == ScoringMath::kExact ? ScoringMath::kInteger : ScoringMath::kExact;
+      absl::StatusOr<KeyScores> scores = (*b)->ScoreKeys(in, spec);
+      ASSERT_TRUE(scores.ok()) << scores.status();
+      in.scoring_math = math;
+      absl::StatusOr<std::vector<float>> want = ScoreTokens(in, spec.eviction);
+      ASSERT_TRUE(want.ok());
+      EXPECT_EQ(scores->scores, *want);
+      EXPECT_EQ((*b)->description().find("avx512-vnni int8 dot products") != std::string::npos,
+                int8 && math == ScoringMath::kInteger)
+          << (*b)->description();
+      absl::StatusOr<CompactLayer> blob = (*b)->Compress(layer.input(), spec, nullptr);
+      ASSERT_TRUE(blob.ok()) << blob.status();
+      got.push_back(scores->scores);
+    }
+    if (int8) {
+      EXPECT_NE(got[0], got[1]);
+    } else {
+      EXPECT_EQ(got[0], got[1]);
+    }
+  }
+}
+
+TEST(CpuBackendTest, ParsesScoringMathNames) {
+  EXPECT_EQ(*ParseScoringMath("exact"), ScoringMath::kExact);
+  EXPECT_EQ(*ParseScoringMath("Integer"), ScoringMath::kInteger);
+  const absl::StatusOr<ScoringMath> bad = ParseScoringMath("auto");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()),
+              HasSubstr("scoring_math: unknown 'auto' (expected exact or integer)"));
 }
 
 TEST(ThreadPoolTest, RunsEveryIndexOnceUnderConcurrentAndNestedCalls) {

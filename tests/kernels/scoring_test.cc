@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iterator>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -441,6 +442,94 @@ TEST(ScoreTokensTest, Bf16DotProductsKeepTheSgemmSelections) {
     EXPECT_GT(differ, 0) << "the two paths gave bit-identical scores: was the dot path taken?";
     ExpectSameSelectionUpToTies(*fp32, shape, *dot_sel, *fp32_sel, 1e-5);
   }
+}
+
+// ScoringMath::kInteger (int8 logits on AVX-512 VNNI, cpu/int8_logits.h) against the exact path
+// at the same instruction-set level: every score within a few percent of the exact one (relative
+// to the head's mean score; a quarter for keyformer and kvzip), and the kept sets of a 4K-token
+// layer at keep 0.25 nearly the same: at least 97% of each head's kept tokens shared, and the
+// tokens kept on one side only within 5% of the mean score of each other by the exact scores
+// (near-ties at the cut that the rounding to 8 bits broke differently). Below avx512vnni the
+// integer mode takes the exact path (the same scores, bit for bit).
+TEST(ScoreTokensTest, IntegerScoringKeepsNearlyTheExactSelections) {
+  if (!testing_isa::Supported(CpuIsa::kAvx512Vnni)) {
+    GTEST_SKIP() << "this CPU lacks avx512vnni (it has " << CpuIsaName(DetectedCpuIsa()) << ": "
+                 << CpuFeatureList() << ")";
+  }
+  const testing_isa::ScopedIsaCap cap(CpuIsa::kAvx512Vnni);  // below AMX, which kInteger leaves
+  const LayerShape shape{2, 8, 4100, 128, 32};
+  for (DType t : {DType::kF16, DType::kBF16}) {
+    TestLayer layer = RandomLayer(shape, 31, t);
+    layer.layer_index = 7;
+    ASSERT_EQ(cpu::ScoringLogitsPath(t, 128, ScoringMath::kInteger), cpu::LogitsPath::kInt8Dot);
+    for (EvictionPolicy policy : {EvictionPolicy::kH2O, EvictionPolicy::kSnapKV,
+                                  EvictionPolicy::kKeyformer, EvictionPolicy::kKVzip}) {
+      SCOPED_TRACE(std::string(PolicyName(policy)) + " " + std::string(DTypeName(t)));
+      EvictionSpec spec;
+      spec.policy = policy;
+      spec.seed = 5;
+      spec.keep_ratio = 0.25;
+      CompressionSpec full;
+      full.eviction = spec;
+      LayerInput in = layer.input();
+      const absl::StatusOr<std::vector<float>> exact = ScoreTokens(in, spec);
+      const absl::StatusOr<TokenSelection> exact_sel = SelectTokens(in, full);
+      in.scoring_math = ScoringMath::kInteger;
+      const absl::StatusOr<std::vector<float>> integer = ScoreTokens(in, spec);
+      const absl::StatusOr<TokenSelection> integer_sel = SelectTokens(in, full);
+      ASSERT_TRUE(exact.ok() && integer.ok() && exact_sel.ok() && integer_sel.ok());
+      const int S = shape.seq_len;
+      const bool amplified =
+          policy == EvictionPolicy::kKeyformer || policy == EvictionPolicy::kKVzip;
+      const double max_error = amplified ? 0.25 : 0.02;  // of the head's mean score
+      int differ = 0;
+      for (int h = 0; h < shape.num_kv_heads; ++h) {
+        const float* e = exact->data() + static_cast<size_t>(h) * S;
+        const float* g = integer->data() + static_cast<size_t>(h) * S;
+        double mean = 0, worst = 0;
+        for (int j = 0; j < S; ++j) mean += std::fabs(e[j]) / S;
+        for (int j = 0; j < S; ++j) {
+          worst = std::max(worst, std::fabs(g[j] - e[j]) / mean);
+          differ += g[j] != e[j];
+        }
+        const std::vector<int32_t> pe = testing::HeadPositions(*exact_sel, h),
+                                   pg = testing::HeadPositions(*integer_sel, h);
+        ASSERT_EQ(pe.size(), pg.size()) << "head " << h;
+        std::vector<int32_t> shared;
+        std::set_intersection(pe.begin(), pe.end(), pg.begin(), pg.end(),
+                              std::back_inserter(shared));
+        const double overlap = static_cast<double>(shared.size()) / pe.size();
+        // The tokens one side alone keeps sit at the cut: their exact scores span little.
+        std::vector<int32_t> diff;
+        std::set_symmetric_difference(pe.begin(), pe.end(), pg.begin(), pg.end(),
+                                      std::back_inserter(diff));
+        float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+        for (int32_t p : diff) {
+          lo = std::min(lo, e[p]);
+          hi = std::max(hi, e[p]);
+        }
+        const double spread = diff.empty() ? 0.0 : (hi - lo) / mean;
+        // Measured: worst 0.005-0.007 (h2o, snapkv), 0.06-0.16 (keyformer, whose noise scales a
+        // token's logit error, and kvzip, a maximum); overlap 0.98-1.00; spread <= 0.031.
+        EXPECT_LE(worst, max_error) << "head " << h;
+        EXPECT_GE(overlap, 0.97) << "head " << h;
+        EXPECT_LE(spread, 0.05) << "head " << h << ": " << diff.size() << " tokens differ";
+      }
+      EXPECT_GT(differ, 0) << "the two modes gave bit-identical scores: was the int8 path taken?";
+    }
+  }
+  const testing_isa::ScopedIsaCap below(CpuIsa::kAvx512);
+  const TestLayer layer = RandomLayer(LayerShape{1, 4, 1500, 64, 16}, 3, DType::kF16);
+  EXPECT_EQ(cpu::ScoringLogitsPath(DType::kF16, 64, ScoringMath::kInteger),
+            cpu::LogitsPath::kSgemm);
+  EvictionSpec spec;
+  spec.policy = EvictionPolicy::kSnapKV;
+  LayerInput in = layer.input();
+  const absl::StatusOr<std::vector<float>> exact = ScoreTokens(in, spec);
+  in.scoring_math = ScoringMath::kInteger;
+  const absl::StatusOr<std::vector<float>> integer = ScoreTokens(in, spec);
+  ASSERT_TRUE(exact.ok() && integer.ok());
+  EXPECT_EQ(*exact, *integer);
 }
 
 // Keys are scored in chunks of 1024 with a running (online) softmax max per row: a logit ramp

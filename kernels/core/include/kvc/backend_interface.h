@@ -27,6 +27,9 @@ absl::StatusOr<BackendKind> ParseBackendKind(std::string_view name);  // "auto",
 enum class AttentionMath { kAuto, kExact, kInteger };
 // "auto", "exact", "integer"; INVALID_ARGUMENT naming the accepted values otherwise.
 absl::StatusOr<AttentionMath> ParseAttentionMath(std::string_view name);
+// "exact", "integer" (ScoringMath, kvc/layer.h); INVALID_ARGUMENT naming the accepted values
+// otherwise.
+absl::StatusOr<ScoringMath> ParseScoringMath(std::string_view name);
 
 // Wall time of each stage of one Compress call, in seconds.
 struct CompressTimings {
@@ -59,6 +62,8 @@ struct BackendOptions {
   // CPU: the arithmetic of Attend over quantized blocks (the CUDA backend has one path and
   // ignores it).
   AttentionMath attention_math = AttentionMath::kAuto;
+  // CPU: the arithmetic of attention scoring's logits (kvc/layer.h; CUDA ignores it).
+  ScoringMath scoring_math = ScoringMath::kExact;
 };
 
 // New queries for decode attention over a packed layer (Backend::Attend, PackedAttentionCpu in

@@ -34,6 +34,15 @@ struct LayerShape {
 // there; only the CUDA backend accepts it, and then copies nothing through the host for them.
 enum class MemorySpace : uint8_t { kHost = 0, kDevice = 1 };
 
+// How the CPU engine computes attention scoring's logits (h2o, snapkv, keyformer, kvzip). kExact:
+// fp32 sums of exact products (near-fp32 on AMX; ScoringLogitsDescription names the path per
+// dtype); kInteger: both operands rounded to int8 and multiplied with AVX-512 VNNI where the CPU
+// has it (cpu/int8_logits.h: logits about twice as fast, kept sets equal up to near-ties),
+// kExact's path elsewhere and on AMX, whose tiles are faster still. A backend option
+// (BackendOptions::scoring_math, kvcd --scoring_math) that the CPU backend copies into each
+// LayerInput.
+enum class ScoringMath { kExact, kInteger };
+
 // Views of one layer's tensors, all post-RoPE, in host memory by default (the CUDA backend copies
 // them to the device itself) or, with `memory` = kDevice, in device memory (k, v and q_obs; rope
 // and q_stats are always host memory). Element type `dtype`, layout `layout` for all three tensors:
@@ -60,6 +69,7 @@ struct LayerInput {
   // (and the scoring and selection stages) stop within one block and return its status. null:
   // never cancelled.
   const CancelToken* cancel = nullptr;
+  ScoringMath scoring_math = ScoringMath::kExact;  // set by the CPU backend from its options
 };
 
 // Floats of q_stats per layer: Hq * (D + D * D) (the queries' moments, expected attention), or

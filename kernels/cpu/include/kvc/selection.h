@@ -51,10 +51,10 @@ namespace kvc {
 absl::StatusOr<std::vector<float>> ScoreTokens(const LayerInput& in, const EvictionSpec& spec);
 
 // How attention scoring (h2o, snapkv, keyformer, kvzip) computes its logits at the active
-// instruction-set level (kvc/cpu_isa.h), per dtype, for a head_dim that is a multiple of 32 (other
-// head dims use sgemm), e.g. "f32 f16: sgemm fp32; bf16: avx512-bf16 dot products". kvcd prints
-// it at start-up.
-std::string ScoringLogitsDescription();
+// instruction-set level (kvc/cpu_isa.h) with `math` (kvc/layer.h), per dtype, for a head_dim of
+// 128 (a head_dim that is not a multiple of 32 uses sgemm, or int8 at a multiple of 16), e.g.
+// "f32 f16: sgemm fp32; bf16: avx512-bf16 dot products". kvcd prints it at start-up.
+std::string ScoringLogitsDescription(ScoringMath math = ScoringMath::kExact);
 
 // Kept positions per KV head, B = EffectiveBudget(spec.eviction, in.layer_index, S) of them:
 // protected tokens first, then the highest scores (ties broken by the lower position, NaN scores
