@@ -19,6 +19,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kvc/backend_interface.h"
 #include "kvc/buffer_pool.h"
 #include "kvc/cpu_isa.h"
 #include "kvc/selection.h"
@@ -60,6 +61,9 @@ ABSL_FLAG(std::string, buffer_pool_bytes, "512MiB",
           "by later uploads (bytes or K/M/G[i][B]); 0 disables reuse");
 ABSL_FLAG(std::string, backend, "auto", "compression backend: auto, cpu or cuda");
 ABSL_FLAG(int32_t, threads, 0, "engine and compression threads; 0 = hardware concurrency");
+ABSL_FLAG(std::string, scoring_math, "exact",
+          "attention scoring's logits on the CPU: exact, or integer (int8 dot products on AVX-512 "
+          "VNNI: about twice as fast, kept sets equal up to near-ties; exact elsewhere)");
 ABSL_FLAG(double, drain_seconds, 5,
           "on SIGTERM, how long to wait for in-flight streams; uploads still compressing then "
           "are stopped (UNAVAILABLE) and their compression abandoned");
@@ -224,6 +228,7 @@ absl::StatusOr<kvc::server::ServerConfig> ConfigFromFlags() {
   c.max_streams_per_peer = absl::GetFlag(FLAGS_max_streams_per_peer);
   c.stream_idle_seconds = absl::GetFlag(FLAGS_stream_idle_seconds);
   c.backend = absl::GetFlag(FLAGS_backend);
+  c.scoring_math = absl::GetFlag(FLAGS_scoring_math);
   c.threads = absl::GetFlag(FLAGS_threads);
   c.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   c.shutdown_deadline_seconds = absl::GetFlag(FLAGS_shutdown_deadline_seconds);
@@ -289,7 +294,7 @@ int main(int argc, char** argv) {
     return kExitBadFlags;
   }
   std::printf("kvcd: cpu kernels: %s (scoring logits: %s)\n", kvc::CpuIsaDescription().c_str(),
-              kvc::ScoringLogitsDescription().c_str());
+              kvc::ScoringLogitsDescription(*kvc::ParseScoringMath(config->scoring_math)).c_str());
 
   signal(SIGPIPE, SIG_IGN);
 

@@ -9,6 +9,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "kvc/backend_interface.h"
 
 namespace kvc::server {
 namespace {
@@ -111,6 +112,9 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   }
   if (!(c.stream_idle_seconds > 0 && c.stream_idle_seconds <= 86400)) {
     return absl::InvalidArgumentError("--stream_idle_seconds: must be in (0, 86400]");
+  }
+  if (absl::StatusOr<ScoringMath> math = ParseScoringMath(c.scoring_math); !math.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", math.status().message()));
   }
   if (c.backend != "auto" && c.backend != "cpu" && c.backend != "cuda") {
     return absl::InvalidArgumentError(

@@ -39,6 +39,8 @@ struct ServerConfig {
   uint64_t buffer_pool_bytes = 512ull << 20;
   std::string backend = "auto";  // auto | cpu | cuda
   int threads = 0;               // engine and compression pool threads; 0 = hardware concurrency
+  // The CPU engine's scoring logits (kvc/layer.h ScoringMath): exact | integer.
+  std::string scoring_math = "exact";
   // On SIGTERM, how long in-flight streams may take to end on their own; then uploads still
   // compressing are stopped (their compression abandoned) and the server shuts down.
   double drain_seconds = 5;

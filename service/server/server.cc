@@ -49,6 +49,7 @@ absl::StatusOr<std::unique_ptr<KvcServer>> KvcServer::Create(Options options) {
   BackendOptions bo;
   bo.num_threads = config.threads;
   bo.thread_nice = config.compress_nice;
+  ASSIGN_OR_RETURN(bo.scoring_math, ParseScoringMath(config.scoring_math));
   ASSIGN_OR_RETURN(s->backend_, CreateBackend(kind, bo));
 
   Metrics::Options mo;

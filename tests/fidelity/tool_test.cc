@@ -187,6 +187,30 @@ TEST(ToolTest, AttentionMathChoosesTheQuantizedArithmetic) {
   EXPECT_THAT(bad.output, Not(HasSubstr(kTableHeader)));
 }
 
+// --scoring_math: this model's 8-channel heads are below the int8 path's 16, so `integer`
+// scores exactly (the same rows as `exact`); an unknown name is refused before the run. (The
+// int8 path's effect on a real model: docs/performance.md, kvcfidelity on SmolLM2.)
+TEST(ToolTest, ScoringMathIsAFlag) {
+  KVC_REQUIRE_MODEL(model);
+  std::map<std::string, std::vector<std::map<std::string, std::string>>> rows;
+  for (const char* math : {"exact", "integer"}) {
+    const std::string csv = Temp(absl::StrCat("scoring_", math, ".csv"));
+    const RunResult r =
+        RunTool(model, absl::StrCat("--spec snapkv:0.5 --scoring_math ", math, " --csv ", csv));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    rows[math] = ParseCsv(ReadAll(csv));
+    std::remove(csv.c_str());
+    ASSERT_EQ(rows[math].size(), 2u) << math;  // 1 spec x 2 scenarios
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(rows["exact"][i].at("mean_kl"), rows["integer"][i].at("mean_kl")) << i;
+  }
+  const RunResult bad = RunTool(model, "--spec snapkv:0.5 --scoring_math fast");
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_THAT(bad.output, HasSubstr("--scoring_math: unknown 'fast' (expected exact or integer)"));
+  EXPECT_THAT(bad.output, Not(HasSubstr(kTableHeader)));
+}
+
 TEST(ToolTest, CombinedSpecsSeedsAndDumpedSequencesReproduce) {
   KVC_REQUIRE_MODEL(model);
   const std::string csv_a = Temp("a.csv"), csv_b = Temp("b.csv"), seqs = Temp("seqs.txt"),

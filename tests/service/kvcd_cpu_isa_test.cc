@@ -1,12 +1,14 @@
 // kvcd and KVC_CPU_ISA (kvc/cpu_isa.h): a valid cap is applied and printed at start-up, an invalid
 // value makes kvcd refuse to start (exit code 2) naming the variable. The variable is set in the
-// child's environment only (KvcdProcess::Options::env).
+// child's environment only (KvcdProcess::Options::env). --scoring_math likewise: the start-up
+// line names the logits path it gives at the cap, and an unknown value refuses to start.
 #include <memory>
 #include <string>
 
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvc/cpu_isa.h"
 #include "testing/kvcd_process.h"
 
 namespace kvc {
@@ -37,6 +39,39 @@ TEST(KvcdCpuIsaTest, AnInvalidValueRefusesToStart) {
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 2);
   EXPECT_THAT((*p)->output(), HasSubstr("KVC_CPU_ISA: \"avx9000\" is not one of"));
+}
+
+TEST(KvcdCpuIsaTest, ScoringMathNamesItsPathAtStartUp) {
+  KvcdProcess::Options opts;
+  opts.binary = KVCD_PATH;
+  opts.flags = {"--scoring_math=integer"};
+  opts.env = {"KVC_CPU_ISA=avx2"};  // no VNNI at this cap: the exact path, and the line says so
+  auto p = KvcdProcess::Start(opts);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_THAT((*p)->output(), HasSubstr("(scoring logits: f32 f16 bf16: sgemm fp32)"));
+  if (DetectedCpuIsa() < CpuIsa::kAvx512Vnni) {
+    GTEST_SKIP() << "this CPU lacks avx512vnni (" << CpuFeatureList()
+                 << "): the int8 path's line is not checked";
+  }
+  opts.env = {"KVC_CPU_ISA=avx512vnni"};
+  p = KvcdProcess::Start(opts);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_THAT((*p)->output(),
+              HasSubstr("(scoring logits: f32 f16 bf16: avx512-vnni int8 dot products)"));
+}
+
+TEST(KvcdCpuIsaTest, AnUnknownScoringMathRefusesToStart) {
+  KvcdProcess::Options opts;
+  opts.binary = KVCD_PATH;
+  opts.flags = {"--scoring_math=fast"};
+  opts.wait_for_ready = false;
+  auto p = KvcdProcess::Start(opts);
+  ASSERT_TRUE(p.ok()) << p.status();
+  auto code = (*p)->Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 2);
+  EXPECT_THAT((*p)->output(),
+              HasSubstr("--scoring_math: unknown 'fast' (expected exact or integer)"));
 }
 
 }  // namespace
