@@ -1,5 +1,5 @@
-// Backend, attention-math and scoring-math names (kvc/backend_interface.h); creating a backend is the
-// registry's (kvc/backend.h).
+// Backend, attention-math and scoring-math names (kvc/backend_interface.h); creating a backend is
+// the registry's (kvc/backend.h).
 #include <string>
 
 #include "absl/status/status.h"
