@@ -4,6 +4,8 @@
 // line names the logits path it gives at the cap, and an unknown value refuses to start.
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
@@ -28,17 +30,24 @@ TEST(KvcdCpuIsaTest, AValidCapIsPrintedAtStartUp) {
   EXPECT_THAT((*p)->output(), HasSubstr("(scoring logits: f32 f16 bf16: sgemm fp32)"));
 }
 
-TEST(KvcdCpuIsaTest, AnInvalidValueRefusesToStart) {
+// kvcd started with these flags and environment exits with 2 (bad flags), saying `message`.
+void ExpectRefusesToStart(std::vector<std::string> flags, std::vector<std::string> env,
+                          const std::string& message) {
   KvcdProcess::Options opts;
   opts.binary = KVCD_PATH;
-  opts.env = {"KVC_CPU_ISA=avx9000"};
+  opts.flags = std::move(flags);
+  opts.env = std::move(env);
   opts.wait_for_ready = false;
   auto p = KvcdProcess::Start(opts);
   ASSERT_TRUE(p.ok()) << p.status();
   auto code = (*p)->Wait(absl::Seconds(20));
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 2);
-  EXPECT_THAT((*p)->output(), HasSubstr("KVC_CPU_ISA: \"avx9000\" is not one of"));
+  EXPECT_THAT((*p)->output(), HasSubstr(message));
+}
+
+TEST(KvcdCpuIsaTest, AnInvalidValueRefusesToStart) {
+  ExpectRefusesToStart({}, {"KVC_CPU_ISA=avx9000"}, "KVC_CPU_ISA: \"avx9000\" is not one of");
 }
 
 TEST(KvcdCpuIsaTest, ScoringMathNamesItsPathAtStartUp) {
@@ -61,17 +70,8 @@ TEST(KvcdCpuIsaTest, ScoringMathNamesItsPathAtStartUp) {
 }
 
 TEST(KvcdCpuIsaTest, AnUnknownScoringMathRefusesToStart) {
-  KvcdProcess::Options opts;
-  opts.binary = KVCD_PATH;
-  opts.flags = {"--scoring_math=fast"};
-  opts.wait_for_ready = false;
-  auto p = KvcdProcess::Start(opts);
-  ASSERT_TRUE(p.ok()) << p.status();
-  auto code = (*p)->Wait(absl::Seconds(20));
-  ASSERT_TRUE(code.ok()) << code.status();
-  EXPECT_EQ(*code, 2);
-  EXPECT_THAT((*p)->output(),
-              HasSubstr("--scoring_math: unknown 'fast' (expected exact or integer)"));
+  ExpectRefusesToStart({"--scoring_math=fast"}, {},
+                       "--scoring_math: unknown 'fast' (expected exact or integer)");
 }
 
 }  // namespace
