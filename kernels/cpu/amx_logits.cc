@@ -244,10 +244,8 @@ void DotLogits(const uint16_t* q, int rows, const uint16_t* k, int n, int head_d
   // 32 zmm registers; a group's 32 keys (2 * head_dim * 2 bytes) stay in L1 across the rows.
   constexpr int kRows = 12;
   for (int j0 = 0; j0 < n; j0 += 32) {
-    const int left = n - j0;
-    const auto m0 = static_cast<__mmask16>(left >= 16 ? 0xffff : (1u << left) - 1);
-    const auto m1 =
-        static_cast<__mmask16>(left >= 32 ? 0xffff : left > 16 ? (1u << (left - 16)) - 1 : 0);
+    __mmask16 m0, m1;
+    avx512::TilePairMasks(n - j0, &m0, &m1);
     const uint16_t* kg = k + static_cast<size_t>(j0) * head_dim;  // tile j0 / 16
     float* out = dst + j0;
     int r = 0;

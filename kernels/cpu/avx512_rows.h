@@ -1,7 +1,7 @@
-// Small AVX-512 helpers shared by the scoring kernels that pack keys (amx_logits.cc,
-// int8_logits.cc). Include only from files compiled with AVX-512F and BW, and call only after
-// checking the CPU (kvc/cpu_isa.h). The functions have internal linkage, so that each file keeps
-// the copy compiled with its own flags.
+// Small AVX-512 helpers shared by the scoring kernels that pack keys and compute logits from
+// them (amx_logits.cc, int8_logits.cc). Include only from files compiled with AVX-512F and BW,
+// and call only after checking the CPU (kvc/cpu_isa.h). The functions have internal linkage, so
+// that each file keeps the copy compiled with its own flags.
 #ifndef KVC_KERNELS_CPU_AVX512_ROWS_H_
 #define KVC_KERNELS_CPU_AVX512_ROWS_H_
 
@@ -52,6 +52,13 @@ inline void Transpose16(__m512i r[16]) {
     r[8 + c] = _mm512_shuffle_i32x4(y, y2, 0x88);
     r[12 + c] = _mm512_shuffle_i32x4(y, y2, 0xDD);
   }
+}
+
+// The lanes of a pair of 16-key tiles that hold keys when `left` keys remain (the rest are the
+// packing's padding): m0 for the first tile, m1 for the second.
+inline void TilePairMasks(int left, __mmask16* m0, __mmask16* m1) {
+  *m0 = static_cast<__mmask16>(left >= 16 ? 0xffff : (1u << left) - 1);
+  *m1 = static_cast<__mmask16>(left >= 32 ? 0xffff : left > 16 ? (1u << (left - 16)) - 1 : 0);
 }
 
 }  // namespace

@@ -132,12 +132,13 @@ void PackKeys(const void* src, DType t, size_t row_stride, int n, int head_dim, 
     for (int i = 0; i < 16; ++i) {
       const int key = g0 + i;
       int8_t* dst = rows + static_cast<size_t>(i) * blocks * 64;
-      std::memset(dst, 0, static_cast<size_t>(blocks) * 64);
       if (key >= n) {
+        std::memset(dst, 0, static_cast<size_t>(blocks) * 64);
         scales[key] = 0.0f;
         offsets[key] = 0;
         continue;
       }
+      std::memset(dst + head_dim, 0, static_cast<size_t>(blocks) * 64 - head_dim);
       __m512 x[kMaxDim / 16];
       const float m = LoadRow(base + static_cast<size_t>(key) * row_stride * esize, t, head_dim, x);
       const float inv = m > 0.0f ? 127.0f / m : 0.0f;
@@ -171,10 +172,8 @@ void Logits(const uint8_t* q_codes, const float* q_scales, int rows, const int8_
   // zmm registers; a group pair's 32 keys (head_dim * 32 bytes) stay in L1 across the rows.
   constexpr int kRows = 12;
   for (int j0 = 0; j0 < n; j0 += 32) {
-    const int left = n - j0;
-    const auto m0 = static_cast<__mmask16>(left >= 16 ? 0xffff : (1u << left) - 1);
-    const auto m1 =
-        static_cast<__mmask16>(left >= 32 ? 0xffff : left > 16 ? (1u << (left - 16)) - 1 : 0);
+    __mmask16 m0, m1;
+    avx512::TilePairMasks(n - j0, &m0, &m1);
     const int8_t* kg = k_codes + static_cast<size_t>(j0) * head_dim;
     const float* ks = k_scales + j0;
     const int32_t* ko = k_offsets + j0;

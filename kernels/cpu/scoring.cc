@@ -184,20 +184,21 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
         // All but the last chunk: the GEMM writes straight into the chunk's parked slot (it stays
         // in L2 for the passes below); the last one into the tile the final pass reads.
         float* dst = c + 1 < chunks ? parked + c * slot : tile;
-        if (use_int8) {
-          size_t stride = 0;
-          const uint8_t* rows = HeadRows(in, /*values=*/false, h, c0, &stride);
-          i8::PackKeys(rows, in.dtype, stride, n, D, k8, k8_scale, k8_offset);
-          i8::Logits(q8, q8_scale, nr, k8, k8_scale, k8_offset, n, D, dst, static_cast<size_t>(n));
-        } else if (path != LogitsPath::kSgemm) {
+        if (path != LogitsPath::kSgemm) {
           // Straight from the cache's rows (no fp32 copy of the chunk).
           size_t stride = 0;
           const uint8_t* rows = HeadRows(in, /*values=*/false, h, c0, &stride);
-          amx::PackKeys(rows, in.dtype, stride, n, D, k_hi, k_lo);
-          if (use_amx) {
-            amx::Logits(q_hi, q_lo, nr, k_hi, k_lo, n, D, dst, static_cast<size_t>(n));
+          const auto ldc = static_cast<size_t>(n);
+          if (use_int8) {
+            i8::PackKeys(rows, in.dtype, stride, n, D, k8, k8_scale, k8_offset);
+            i8::Logits(q8, q8_scale, nr, k8, k8_scale, k8_offset, n, D, dst, ldc);
           } else {
-            amx::DotLogits(q_hi, nr, k_hi, n, D, scale, dst, static_cast<size_t>(n));
+            amx::PackKeys(rows, in.dtype, stride, n, D, k_hi, k_lo);
+            if (use_amx) {
+              amx::Logits(q_hi, q_lo, nr, k_hi, k_lo, n, D, dst, ldc);
+            } else {
+              amx::DotLogits(q_hi, nr, k_hi, n, D, scale, dst, ldc);
+            }
           }
         } else {
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, D, scale, q, D, k, D, 0.0f,
