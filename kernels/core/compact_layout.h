@@ -28,10 +28,11 @@ struct HeadLayout {
   size_t size = 0;  // whole section, padded to 16 bytes
 };
 
-// Preconditions (checked by callers): 0 <= n_recent <= n_kept, 1 <= tk, tv <= d, bits in
-// {0, 2, 4, 8}, g >= 1 when bits > 0. All counts fit in int32, so no size_t overflow occurs.
+// Preconditions (checked by callers): 0 <= n_recent <= n_kept, 1 <= tk, tv <= d, bits and vbits
+// (the keys' and the values') in {0, 2, 4, 8}, g >= 1 when either is > 0. All counts fit in
+// int32, so no size_t overflow occurs.
 inline HeadLayout ComputeHeadLayout(int n_kept, int n_recent, int tk, int tv, int d,
-                                    size_t elem_size, int bits, int g) {
+                                    size_t elem_size, int bits, int vbits, int g) {
   HeadLayout l;
   const size_t m = static_cast<size_t>(n_kept - n_recent);
   const size_t r = static_cast<size_t>(n_recent);
@@ -53,13 +54,13 @@ inline HeadLayout ComputeHeadLayout(int n_kept, int n_recent, int tk, int tv, in
     l.key_codes = take(m * quant::CodeRowBytes(tk, bits));
   }
   l.key_recent = take(r * d * elem_size);
-  if (bits == 0) {
+  if (vbits == 0) {
     l.value_old = take(m * tv * elem_size);
   } else {
     const size_t vgroups = static_cast<size_t>(quant::NumGroups(tv, g));
     l.value_scale = take(sizeof(float) * m * vgroups);
     l.value_zero = take(sizeof(float) * m * vgroups);
-    l.value_codes = take(m * quant::CodeRowBytes(tv, bits));
+    l.value_codes = take(m * quant::CodeRowBytes(tv, vbits));
   }
   l.value_recent = take(r * d * elem_size);
   l.size = off;

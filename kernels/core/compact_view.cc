@@ -71,9 +71,9 @@ absl::StatusOr<CompactLayerView> CompactLayerView::Parse(absl::Span<const uint8_
     return Corrupt(absl::StrCat("magic 0x", absl::Hex(hd.magic), " is not 0x",
                                 absl::Hex(kCompactMagic), " (not a kvc compact layer)"));
   }
-  if (hd.version != kCompactVersion) {
-    return Corrupt(
-        absl::StrCat("version ", hd.version, " is not supported (expected ", kCompactVersion, ")"));
+  if (hd.version != kCompactVersion && hd.version != kCompactVersionValueBits) {
+    return Corrupt(absl::StrCat("version ", hd.version, " is not supported (expected ",
+                                kCompactVersion, " or ", kCompactVersionValueBits, ")"));
   }
   if (hd.dtype > static_cast<uint8_t>(DType::kBF16)) {
     return Corrupt(absl::StrCat("dtype ", static_cast<int>(hd.dtype), " is unknown"));
@@ -81,6 +81,18 @@ absl::StatusOr<CompactLayerView> CompactLayerView::Parse(absl::Span<const uint8_
   const int bits = hd.quant_bits;
   if (bits != 0 && bits != 2 && bits != 4 && bits != 8) {
     return Corrupt(absl::StrCat("quant_bits ", bits, " is not 0, 2, 4 or 8"));
+  }
+  if (hd.version == kCompactVersion && hd.value_quant_bits != 0) {
+    return Corrupt(absl::StrCat("value_quant_bits ", static_cast<int>(hd.value_quant_bits),
+                                " in a version ", kCompactVersion, " blob (must be 0)"));
+  }
+  if (hd.version == kCompactVersionValueBits) {
+    const int vbits = hd.value_quant_bits;
+    if (bits == 0 || (vbits != 2 && vbits != 4 && vbits != 8) || vbits == bits) {
+      return Corrupt(absl::StrCat("value_quant_bits ", vbits, " with quant_bits ", bits,
+                                  " (version ", kCompactVersionValueBits,
+                                  " needs both quantized, with different bits)"));
+    }
   }
   if (bits > 0 && hd.quant_group < 1) {
     return Corrupt(absl::StrCat("quant_group ", hd.quant_group, " must be >= 1 when quantized"));
@@ -109,8 +121,9 @@ absl::StatusOr<CompactLayerView> CompactLayerView::Parse(absl::Span<const uint8_
       return Corrupt(absl::StrCat(where, "offset ", desc.offset, " != expected ", expected_offset,
                                   " (sections must be contiguous in order)"));
     }
-    const HeadLayout l = ComputeHeadLayout(desc.n_kept, desc.n_recent, desc.key_channels,
-                                           desc.value_channels, d, elem, bits, hd.quant_group);
+    const HeadLayout l =
+        ComputeHeadLayout(desc.n_kept, desc.n_recent, desc.key_channels, desc.value_channels, d,
+                          elem, bits, view.value_bits(), hd.quant_group);
     if (desc.size != l.size) {
       return Corrupt(
           absl::StrCat(where, "size ", desc.size, " != ", l.size, " implied by its counts"));
@@ -137,10 +150,9 @@ absl::StatusOr<CompactLayerView> CompactLayerView::Parse(absl::Span<const uint8_
 
 CompactHead CompactLayerView::head(int h) const {
   const HeadDesc& desc = descs_[h];
-  const int bits = header_.quant_bits;
-  const HeadLayout l =
-      ComputeHeadLayout(desc.n_kept, desc.n_recent, desc.key_channels, desc.value_channels,
-                        header_.head_dim, DTypeSize(dtype()), bits, header_.quant_group);
+  const HeadLayout l = ComputeHeadLayout(desc.n_kept, desc.n_recent, desc.key_channels,
+                                         desc.value_channels, header_.head_dim, DTypeSize(dtype()),
+                                         key_bits(), value_bits(), header_.quant_group);
   const uint8_t* sec = blob_.data() + desc.offset;
   CompactHead out;
   out.n_kept = desc.n_kept;
@@ -150,13 +162,16 @@ CompactHead CompactLayerView::head(int h) const {
   out.positions = reinterpret_cast<const int32_t*>(sec + l.positions);
   out.key_idx = reinterpret_cast<const int32_t*>(sec + l.key_idx);
   out.value_idx = reinterpret_cast<const int32_t*>(sec + l.value_idx);
-  if (bits == 0) {
+  if (key_bits() == 0) {
     out.key_old = sec + l.key_old;
-    out.value_old = sec + l.value_old;
   } else {
     out.key_scale = reinterpret_cast<const float*>(sec + l.key_scale);
     out.key_zero = reinterpret_cast<const float*>(sec + l.key_zero);
     out.key_codes = sec + l.key_codes;
+  }
+  if (value_bits() == 0) {
+    out.value_old = sec + l.value_old;
+  } else {
     out.value_scale = reinterpret_cast<const float*>(sec + l.value_scale);
     out.value_zero = reinterpret_cast<const float*>(sec + l.value_zero);
     out.value_codes = sec + l.value_codes;
@@ -178,7 +193,7 @@ void ScatterOld(const CompactLayerView& view, const CompactHead& hd, bool keys, 
   const int32_t* idx = keys ? hd.key_idx : hd.value_idx;
   const DType dt = view.dtype();
   const size_t elem = DTypeSize(dt);
-  const int bits = view.header().quant_bits;
+  const int bits = keys ? view.key_bits() : view.value_bits();
   if (bits == 0) {
     const uint8_t* src = static_cast<const uint8_t*>(keys ? hd.key_old : hd.value_old);
     bool all_in_order = t == d;
@@ -255,7 +270,7 @@ void UnpackHeadToFloat(const CompactLayerView& view, int h, float* keys, float* 
   const int d = view.head_dim();
   const int m = hd.n_kept - hd.n_recent;
   const DType dt = view.dtype();
-  const int bits = view.header().quant_bits;
+  const int kbits = view.key_bits(), vbits = view.value_bits();
   const int g = view.header().quant_group;
   std::fill(keys, keys + static_cast<size_t>(hd.n_kept) * d, 0.0f);
   std::fill(values, values + static_cast<size_t>(hd.n_kept) * d, 0.0f);
@@ -263,21 +278,24 @@ void UnpackHeadToFloat(const CompactLayerView& view, int h, float* keys, float* 
   for (int j = 0; j < m; ++j) {
     float* ko = keys + static_cast<size_t>(j) * d;
     float* vo = values + static_cast<size_t>(j) * d;
-    if (bits == 0) {
+    if (kbits == 0) {
       const size_t koff = static_cast<size_t>(j) * hd.key_channels;
-      const size_t voff = static_cast<size_t>(j) * hd.value_channels;
       for (int c = 0; c < hd.key_channels; ++c) {
         ko[hd.key_idx[c]] = LoadAsFloat(hd.key_old, dt, koff + c);
       }
+    } else {
+      quant::DequantizeKeyRow(hd.key_scale, hd.key_zero, hd.key_codes, j, hd.key_channels, kbits,
+                              g, row.data());
+      for (int c = 0; c < hd.key_channels; ++c) ko[hd.key_idx[c]] = row[c];
+    }
+    if (vbits == 0) {
+      const size_t voff = static_cast<size_t>(j) * hd.value_channels;
       for (int c = 0; c < hd.value_channels; ++c) {
         vo[hd.value_idx[c]] = LoadAsFloat(hd.value_old, dt, voff + c);
       }
     } else {
-      quant::DequantizeKeyRow(hd.key_scale, hd.key_zero, hd.key_codes, j, hd.key_channels, bits, g,
-                              row.data());
-      for (int c = 0; c < hd.key_channels; ++c) ko[hd.key_idx[c]] = row[c];
       quant::DequantizeValueRow(hd.value_scale, hd.value_zero, hd.value_codes, j, hd.value_channels,
-                                bits, g, row.data());
+                                vbits, g, row.data());
       for (int c = 0; c < hd.value_channels; ++c) vo[hd.value_idx[c]] = row[c];
     }
   }

@@ -32,7 +32,8 @@ size_t PackedSize(const LayerShape& shape, DType dtype, const TokenSelection& to
     const int r =
         RecentCount(n_kept, channels.key_channels, channels.value_channels, shape.head_dim, spec);
     return ComputeHeadLayout(n_kept, r, channels.key_channels, channels.value_channels,
-                             shape.head_dim, DTypeSize(dtype), spec.quant.bits, g)
+                             shape.head_dim, DTypeSize(dtype), KeyBits(spec.quant),
+                             ValueBits(spec.quant), g)
         .size;
   };
   size_t total = internal::SectionsBegin(shape.num_kv_heads);
@@ -70,7 +71,7 @@ absl::StatusOr<InPlaceLayer> InPlaceLayer::Create(const LayerShape& shape, DType
   InPlaceLayer l;
   const int s = shape.seq_len, d = shape.head_dim;
   const size_t elem = DTypeSize(dtype);
-  const internal::HeadLayout hl = internal::ComputeHeadLayout(s, 0, d, d, d, elem, 0, 0);
+  const internal::HeadLayout hl = internal::ComputeHeadLayout(s, 0, d, d, d, elem, 0, 0, 0);
   l.layout_ = layout;
   l.heads_ = shape.num_kv_heads;
   l.row_bytes_ = static_cast<size_t>(d) * elem;
@@ -141,15 +142,17 @@ absl::StatusOr<uint64_t> EstimateStoredBytes(const LayerShape& s, DType dtype,
                                             : s.head_dim;
   // Quantized elements cost bits/8 bytes, otherwise the dtype size; counted in bits and rounded
   // down per head, and scales are not counted, so this stays a lower bound.
-  const uint64_t elem_bits = spec.quant.bits > 0 ? static_cast<uint64_t>(spec.quant.bits) : 8 * es;
+  const uint64_t key_bits = KeyBits(spec.quant) > 0 ? KeyBits(spec.quant) : 8 * es;
+  const uint64_t value_bits = ValueBits(spec.quant) > 0 ? ValueBits(spec.quant) : 8 * es;
+  // Both factors are small: tk, tv <= kMaxHeadDim and bits <= 64.
+  const uint64_t token_bits = static_cast<uint64_t>(tk) * key_bits + tv * value_bits;
   const uint64_t heads = static_cast<uint64_t>(s.num_kv_heads);
   uint64_t total = 0;
   for (int l = 0; l < num_layers; ++l) {
     const uint64_t kept = static_cast<uint64_t>(EffectiveBudget(spec.eviction, l, s.seq_len));
     ASSIGN_OR_RETURN(const uint64_t data_bits,
                      CheckedProduct("shape", {{"kept_tokens", kept},
-                                              {"kept_channels", static_cast<uint64_t>(tk + tv)},
-                                              {"element_bits", elem_bits}}));
+                                              {"bits_per_kept_token", token_bits}}));
     // Per head: its descriptor, the kept data and one int32 position per kept token. With
     // head-adaptive budgets the heads keep different counts, but H * kept in all, each head at
     // least its count times these per-token bytes: H times a per-head floor stays below that.

@@ -29,7 +29,11 @@ inline LayerHeader MakeLayerHeader(const LayerShape& s, DType dtype, int layer_i
                                    const CompressionSpec& spec) {
   LayerHeader header;
   header.dtype = static_cast<uint8_t>(dtype);
-  header.quant_bits = static_cast<uint8_t>(spec.quant.bits);
+  header.quant_bits = static_cast<uint8_t>(KeyBits(spec.quant));
+  if (ValueBits(spec.quant) != KeyBits(spec.quant)) {  // else a version 1 blob, as before
+    header.version = kCompactVersionValueBits;
+    header.value_quant_bits = static_cast<uint8_t>(ValueBits(spec.quant));
+  }
   header.layer_index = layer_index;
   header.num_kv_heads = s.num_kv_heads;
   header.head_dim = s.head_dim;

@@ -237,6 +237,13 @@ absl::Status ValidateQuant(const QuantSpec& q, const LayerShape& shape) {
   if (q.bits != 0 && q.bits != 2 && q.bits != 4 && q.bits != 8) {
     return Invalid("quant.bits", absl::StrCat(q.bits, " is not one of 0, 2, 4, 8"));
   }
+  if (q.value_bits != 0 && q.value_bits != 2 && q.value_bits != 4 && q.value_bits != 8) {
+    return Invalid("quant.value_bits", absl::StrCat(q.value_bits, " is not one of 0, 2, 4, 8"));
+  }
+  if (q.value_bits > 0 && q.bits == 0) {
+    return Invalid("quant.value_bits",
+                   absl::StrCat(q.value_bits, " needs quant.bits > 0 (keys quantized too)"));
+  }
   // group_size only matters when quantizing (the default 32 does not divide a head_dim of 8).
   if (q.bits > 0) {
     if (q.group_size < 1) {

@@ -294,22 +294,19 @@ Problem FromCompact(const CompactLayerView& v, const DecodeQuery& q, float* out)
   P.query = &q;
   P.out = out;
   const DType dt = v.dtype();
-  const int bits = v.header().quant_bits, g = v.header().quant_group;
+  const int kbits = v.key_bits(), vbits = v.value_bits(), g = v.header().quant_group;
   P.heads.resize(v.num_kv_heads());
   for (int h = 0; h < v.num_kv_heads(); ++h) {
     const CompactHead hd = v.head(h);
     HeadWork& w = P.heads[h];
     w.m = hd.n_kept - hd.n_recent;
     w.r = hd.n_recent;
-    if (bits == 0) {
-      w.k_old = DtypeRows(dt, hd.key_old, hd.key_channels, hd.key_idx);
-      w.v_old = DtypeRows(dt, hd.value_old, hd.value_channels, hd.value_idx);
-    } else {
-      w.k_old = CodeRows(Rows::kKeyCodes, hd.key_codes, hd.key_scale, hd.key_zero, hd.key_channels,
-                         hd.key_idx, bits, g);
-      w.v_old = CodeRows(Rows::kValueCodes, hd.value_codes, hd.value_scale, hd.value_zero,
-                         hd.value_channels, hd.value_idx, bits, g);
-    }
+    w.k_old = kbits == 0 ? DtypeRows(dt, hd.key_old, hd.key_channels, hd.key_idx)
+                         : CodeRows(Rows::kKeyCodes, hd.key_codes, hd.key_scale, hd.key_zero,
+                                    hd.key_channels, hd.key_idx, kbits, g);
+    w.v_old = vbits == 0 ? DtypeRows(dt, hd.value_old, hd.value_channels, hd.value_idx)
+                         : CodeRows(Rows::kValueCodes, hd.value_codes, hd.value_scale,
+                                    hd.value_zero, hd.value_channels, hd.value_idx, vbits, g);
     w.k_recent = DtypeRows(dt, hd.key_recent, P.d, nullptr);
     w.v_recent = DtypeRows(dt, hd.value_recent, P.d, nullptr);
   }
@@ -395,13 +392,17 @@ absl::Status PackedAttentionBatchCpu(absl::Span<const PackedAttentionItem> items
     if (!st.ok()) return absl::Status(st.code(), absl::StrCat(where, st.message()));
     if (it.query.n_q == 0) continue;
     problems.push_back(cpu::FromCompact(*it.cache, it.query, it.out));
-    const int bits = it.cache->header().quant_bits;
+    // Each tensor on integer dot products by its own bits: forced whenever quantized, automatic
+    // at 4 bits or fewer over enough channels.
+    using Math = PackedAttentionOptions::Math;
+    auto integer = [&options](int bits, int channels) {
+      if (options.math == Math::kInteger) return bits > 0;
+      return options.math == Math::kAuto && bits > 0 && bits <= 4 &&
+             channels >= cpu::kAutoMinChannels;
+    };
     for (cpu::HeadWork& w : problems.back().heads) {
-      using Math = PackedAttentionOptions::Math;
-      const bool automatic = options.math == Math::kAuto && bits > 0 && bits <= 4;
-      const bool forced = options.math == Math::kInteger && bits > 0;
-      w.int_keys = forced || (automatic && w.k_old.n >= cpu::kAutoMinChannels);
-      w.int_values = forced || (automatic && w.v_old.n >= cpu::kAutoMinChannels);
+      w.int_keys = integer(it.cache->key_bits(), w.k_old.n);
+      w.int_values = integer(it.cache->value_bits(), w.v_old.n);
     }
   }
   return CallNoThrow([&] {

@@ -146,6 +146,11 @@ absl::Status CheckPackInputs(const LayerInput& in, const TokenSelection& tokens,
     return absl::InvalidArgumentError(
         absl::StrCat("spec.quant.bits: ", bits, " is not 0, 2, 4 or 8"));
   }
+  const int vbits = spec.quant.value_bits;
+  if ((vbits != 0 && vbits != 2 && vbits != 4 && vbits != 8) || (vbits > 0 && bits == 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.quant.value_bits: ", vbits,
+                                                   " is not 0, 2, 4 or 8 with bits > 0"));
+  }
   if (bits > 0 && spec.quant.group_size < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec.quant.group_size: ", spec.quant.group_size, " must be >= 1"));
@@ -292,7 +297,7 @@ struct PackPlan {
   const ChannelSelection* channels;
   const int32_t* identity;  // 0..D-1, for channel lists that are empty (all channels kept)
   std::vector<HeadPlan> heads;
-  int tk, tv, bits, g;
+  int tk, tv, kbits, vbits, g;  // kbits, vbits: the keys' and the values' bits
   size_t elem;
   uint8_t* blob;
 
@@ -317,7 +322,8 @@ double WriteQuantized(const PackPlan& p, const HeadPlan& hp, const RowSource& sr
   auto* scale = reinterpret_cast<float*>(section + scale_at);
   auto* zero = reinterpret_cast<float*>(section + zero_at);
   uint8_t* codes = section + codes_at;
-  const size_t code_row = quant::CodeRowBytes(t, p.bits);
+  const int bits = values ? p.vbits : p.kbits;
+  const size_t code_row = quant::CodeRowBytes(t, bits);
   const size_t value_groups = static_cast<size_t>(quant::NumGroups(t, p.g));
   // Rows are converted and quantized a chunk at a time, so the fp32 copy stays in L1/L2 instead
   // of making a round trip through memory. Values are quantized per row and keys per group of g
@@ -337,11 +343,11 @@ double WriteQuantized(const PackPlan& p, const HeadPlan& hp, const RowSource& sr
     const auto start = std::chrono::steady_clock::now();
     if (values) {
       const size_t at = static_cast<size_t>(r0) * value_groups;
-      quant::QuantizeValues(s.x.data(), rows, t, p.bits, p.g, scale + at, zero + at,
+      quant::QuantizeValues(s.x.data(), rows, t, bits, p.g, scale + at, zero + at,
                             codes + static_cast<size_t>(r0) * code_row);
     } else {
       const size_t at = static_cast<size_t>(r0 / p.g) * t;
-      quant::QuantizeKeys(s.x.data(), rows, t, p.bits, p.g, scale + at, zero + at,
+      quant::QuantizeKeys(s.x.data(), rows, t, bits, p.g, scale + at, zero + at,
                           codes + static_cast<size_t>(r0) * code_row);
     }
     seconds += SecondsSince(start);
@@ -380,7 +386,7 @@ double WriteHalf(const PackPlan& p, int h, bool values) {
     PutBlock(section, l.key_idx, idx, sizeof(int32_t) * t);
   }
   double quantize_seconds = 0;
-  if (p.bits == 0) {
+  if ((values ? p.vbits : p.kbits) == 0) {
     const size_t old_at = values ? l.value_old : l.key_old;
     GatherRows(src, pos, hp.m, idx, t, section + old_at);
     PadBlock(section, old_at, static_cast<size_t>(hp.m) * t * p.elem);
@@ -416,8 +422,9 @@ absl::StatusOr<CompactLayer> PackLayerImpl(const LayerInput& in, const TokenSele
   p.channels = &channels;
   p.tk = channels.key_channels;
   p.tv = channels.value_channels;
-  p.bits = spec.quant.bits;
-  p.g = p.bits > 0 ? spec.quant.group_size : 0;
+  p.kbits = KeyBits(spec.quant);
+  p.vbits = ValueBits(spec.quant);
+  p.g = p.kbits > 0 ? spec.quant.group_size : 0;
   p.elem = DTypeSize(in.dtype);
   // Sections back to back in head order; with a ragged selection each head has its own counts.
   p.heads.resize(heads);
@@ -430,7 +437,8 @@ absl::StatusOr<CompactLayer> PackLayerImpl(const LayerInput& in, const TokenSele
       hp.layout = p.heads[h - 1].layout;
     } else {
       hp.r = RecentCount(hp.n_kept, p.tk, p.tv, d, spec);
-      hp.layout = ComputeHeadLayout(hp.n_kept, hp.r, p.tk, p.tv, d, p.elem, p.bits, p.g);
+      hp.layout = ComputeHeadLayout(hp.n_kept, hp.r, p.tk, p.tv, d, p.elem, p.kbits, p.vbits,
+                                    p.g);
     }
     hp.m = hp.n_kept - hp.r;
     hp.section = total;

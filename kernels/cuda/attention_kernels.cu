@@ -43,10 +43,11 @@ __global__ void PackedAttentionKernel(AttnArgs a) {
   const int32_t* kidx = At<int32_t>(a.blob, hd.key_idx);
   const int32_t* vidx = At<int32_t>(a.blob, hd.value_idx);
   const int kq_bytes = (hd.key_channels * a.bits + 7) / 8;
-  const int vq_bytes = (hd.value_channels * a.bits + 7) / 8;
+  const int vbits = a.value_bits;
+  const int vq_bytes = (hd.value_channels * vbits + 7) / 8;
   // Written without Tv + G - 1: G comes from the blob header and may be as large as INT32_MAX.
   const int v_groups =
-      a.bits > 0 && hd.value_channels > 0 ? 1 + (hd.value_channels - 1) / a.group : 0;
+      vbits > 0 && hd.value_channels > 0 ? 1 + (hd.value_channels - 1) / a.group : 0;
   for (int c = threadIdx.x; c < d; c += blockDim.x) {
     sq[c] = a.q[(static_cast<size_t>(hq) * a.n_q + i) * d + c];
     vinv[c] = -1;
@@ -100,13 +101,13 @@ __global__ void PackedAttentionKernel(AttnArgs a) {
     if (ci >= 0) {
       for (int t = 0; t < m; ++t) {
         float x;
-        if (a.bits == 0) {
+        if (vbits == 0) {
           x = E::Load(At<T>(a.blob, hd.value_old) + static_cast<size_t>(t) * hd.value_channels, ci);
         } else {
           const size_t g = static_cast<size_t>(t) * v_groups + ci / a.group;
           const uint8_t* row =
               At<uint8_t>(a.blob, hd.value_codes) + static_cast<size_t>(t) * vq_bytes;
-          x = static_cast<float>(CodeAt(row, ci, a.bits)) * At<float>(a.blob, hd.value_scale)[g] +
+          x = static_cast<float>(CodeAt(row, ci, vbits)) * At<float>(a.blob, hd.value_scale)[g] +
               At<float>(a.blob, hd.value_zero)[g];
         }
         acc = fmaf(p[t], x, acc);

@@ -26,10 +26,11 @@ CompressPlan MakeCompressPlan(const LayerInput& in, const CompressionSpec& spec)
   p.n_recent = reduced ? std::clamp(spec.recent_tokens, 0, p.budget) : 0;
 
   const int hkv = sh.num_kv_heads, b = p.budget, r = p.n_recent;
-  const int bits = spec.quant.bits, g = bits > 0 ? spec.quant.group_size : 0;
+  const int bits = KeyBits(spec.quant), g = bits > 0 ? spec.quant.group_size : 0;
   // The CPU writer's layout function, so that both backends produce byte-identical blobs.
-  const internal::HeadLayout l = internal::ComputeHeadLayout(b, r, p.key_channels, p.value_channels,
-                                                             d, DTypeSize(in.dtype), bits, g);
+  const internal::HeadLayout l =
+      internal::ComputeHeadLayout(b, r, p.key_channels, p.value_channels, d, DTypeSize(in.dtype),
+                                  bits, ValueBits(spec.quant), g);
   p.offsets.resize(hkv);
   p.descs.resize(hkv);
   for (int h = 0; h < hkv; ++h) {

@@ -344,7 +344,8 @@ absl::StatusOr<CompactLayer> CudaBackend::CompressOnSlot(const LayerInput& in,
   pa.n_recent = plan.n_recent;
   pa.key_channels = plan.key_channels;
   pa.value_channels = plan.value_channels;
-  pa.bits = spec.quant.bits;
+  pa.bits = KeyBits(spec.quant);
+  pa.value_bits = ValueBits(spec.quant);
   pa.group = spec.quant.group_size;
   pa.positions = pos;
   pa.key_idx = ca.key_idx;
@@ -443,8 +444,8 @@ absl::Status CudaBackend::AttendOnSlot(const CompactLayerView& cache, const Deco
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, pool_->device());
   const DecodePlan plan = PlanDecode(
-      DecodeShape{static_cast<ElemType>(cache.dtype()), hkv, hq, d, cache.header().quant_bits,
-                  cache.header().quant_group, query.n_q, query.n_new, 1},
+      DecodeShape{static_cast<ElemType>(cache.dtype()), hkv, hq, d, cache.key_bits(),
+                  cache.header().quant_group, query.n_q, query.n_new, 1, cache.value_bits()},
       heads, sms);
   const size_t o_seq = arena.Add(plan.split ? sizeof(DecodeSeq) : 0);
   const size_t o_scratch = arena.Add(
@@ -484,7 +485,8 @@ absl::Status CudaBackend::AttendOnSlot(const CompactLayerView& cache, const Deco
   a.num_kv_heads = hkv;
   a.num_q_heads = hq;
   a.head_dim = d;
-  a.bits = cache.header().quant_bits;
+  a.bits = cache.key_bits();
+  a.value_bits = cache.value_bits();
   a.group = cache.header().quant_group;
   a.max_kept = max_kept;
   a.n_q = query.n_q;

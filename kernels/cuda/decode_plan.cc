@@ -26,6 +26,11 @@ std::string CheckSplit(const DecodeShape& s, absl::Span<const AttnHead> heads) {
     return absl::StrCat("n_new ", s.n_new, " is not in [n_q, ", kDecodeMaxNew, "]");
   }
   if (s.bits != 0 && s.bits != 2 && s.bits != 4 && s.bits != 8) return "bits not in {0, 2, 4, 8}";
+  // The split kernel is compiled for one bit width per cache (keys and values alike).
+  if (s.value_bits >= 0 && s.value_bits != s.bits) {
+    return absl::StrCat("keys at ", s.bits, " bits and values at ", s.value_bits,
+                        " (the split kernel takes one width)");
+  }
   // Value quantization groups must not split a lane's 8 channels.
   if (s.bits > 0 && (s.group < 8 || s.group % 8 != 0)) {
     return absl::StrCat("quantization group ", s.group, " is not a multiple of 8");

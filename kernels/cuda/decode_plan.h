@@ -32,6 +32,7 @@ struct DecodeShape {
   int bits = 0, group = 0;
   int n_q = 0, n_new = 0;
   int batch = 1;
+  int value_bits = -1;  // the values' bits; -1: as bits
 };
 
 struct DecodePlan {

@@ -148,7 +148,7 @@ struct PackArgs {
   Strides ks, vs;
   int num_kv_heads = 0, head_dim = 0;
   int n_kept = 0, n_recent = 0, key_channels = 0, value_channels = 0;
-  int bits = 0, group = 0;
+  int bits = 0, value_bits = 0, group = 0;  // the keys' and the values' bits (both 0 or neither)
   const int32_t* positions = nullptr;    // [Hkv, n_kept]
   const int32_t* key_idx = nullptr;      // [Hkv, Tk]
   const int32_t* value_idx = nullptr;    // [Hkv, Tv]
@@ -176,7 +176,8 @@ struct AttnArgs {
   const uint8_t* blob = nullptr;
   const AttnHead* heads = nullptr;  // [Hkv]
   int num_kv_heads = 0, num_q_heads = 0, head_dim = 0, bits = 0, group = 0;
-  int max_kept = 0;  // max n_kept over heads
+  int value_bits = 0;  // the values' bits (bits is the keys')
+  int max_kept = 0;    // max n_kept over heads
   int n_q = 0, n_new = 0;
   const float* q = nullptr;      // [Hq, n_q, D]
   const float* k_new = nullptr;  // [Hkv, n_new, D]

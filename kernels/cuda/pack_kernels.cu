@@ -46,22 +46,27 @@ __global__ void GatherKernel(PackArgs a) {
   if (j < m) {
     const int32_t* kidx = a.key_idx + static_cast<size_t>(h) * a.key_channels;
     const int32_t* vidx = a.value_idx + static_cast<size_t>(h) * a.value_channels;
+    // Full-precision old rows are copied into the blob; quantized ones gathered as fp32 into
+    // the scratch (keys, then values, per head) for LaunchQuantize.
+    const auto* ke = static_cast<const typename E::T*>(a.k);
+    const auto* ve = static_cast<const typename E::T*>(a.v);
+    const size_t per_head = static_cast<size_t>(m) * (a.key_channels + a.value_channels);
     if (a.bits == 0) {
       R* kd = reinterpret_cast<R*>(a.blob + off.key_old) + static_cast<size_t>(j) * a.key_channels;
-      R* vd =
-          reinterpret_cast<R*>(a.blob + off.value_old) + static_cast<size_t>(j) * a.value_channels;
       for (int c = threadIdx.x; c < a.key_channels; c += blockDim.x) kd[c] = k[krow + kidx[c]];
-      for (int c = threadIdx.x; c < a.value_channels; c += blockDim.x) vd[c] = v[vrow + vidx[c]];
     } else {
-      const auto* ke = static_cast<const typename E::T*>(a.k);
-      const auto* ve = static_cast<const typename E::T*>(a.v);
-      const size_t per_head = static_cast<size_t>(m) * (a.key_channels + a.value_channels);
       float* kd = a.scratch + h * per_head + static_cast<size_t>(j) * a.key_channels;
-      float* vd = a.scratch + h * per_head + static_cast<size_t>(m) * a.key_channels +
-                  static_cast<size_t>(j) * a.value_channels;
       for (int c = threadIdx.x; c < a.key_channels; c += blockDim.x) {
         kd[c] = E::Load(ke, krow + kidx[c]);
       }
+    }
+    if (a.value_bits == 0) {
+      R* vd =
+          reinterpret_cast<R*>(a.blob + off.value_old) + static_cast<size_t>(j) * a.value_channels;
+      for (int c = threadIdx.x; c < a.value_channels; c += blockDim.x) vd[c] = v[vrow + vidx[c]];
+    } else {
+      float* vd = a.scratch + h * per_head + static_cast<size_t>(m) * a.key_channels +
+                  static_cast<size_t>(j) * a.value_channels;
       for (int c = threadIdx.x; c < a.value_channels; c += blockDim.x) {
         vd[c] = E::Load(ve, vrow + vidx[c]);
       }
@@ -132,7 +137,8 @@ __global__ void QuantizeValuesKernel(PackArgs a) {
   const int j = blockIdx.x, h = blockIdx.y;
   const int m = a.n_kept - a.n_recent, t = a.value_channels;
   const int groups = 1 + (t - 1) / a.group;  // t >= 1
-  const float qmax = static_cast<float>((1 << a.bits) - 1);
+  const int bits = a.value_bits;
+  const float qmax = static_cast<float>((1 << bits) - 1);
   const size_t per_head = static_cast<size_t>(m) * (a.key_channels + a.value_channels);
   const float* x = a.scratch + h * per_head + static_cast<size_t>(m) * a.key_channels +
                    static_cast<size_t>(j) * t;
@@ -151,8 +157,8 @@ __global__ void QuantizeValuesKernel(PackArgs a) {
     zero[gi] = lo;
   }
   __syncthreads();
-  const int per_byte = 8 / a.bits;
-  const int row_bytes = (t * a.bits + 7) / 8;
+  const int per_byte = 8 / bits;
+  const int row_bytes = (t * bits + 7) / 8;
   uint8_t* codes = a.blob + off.value_codes + static_cast<size_t>(j) * row_bytes;
   for (int b = threadIdx.x; b < row_bytes; b += blockDim.x) {
     uint32_t byte = 0;
@@ -160,7 +166,7 @@ __global__ void QuantizeValuesKernel(PackArgs a) {
       const int c = b * per_byte + i;
       if (c >= t) break;
       const int gi = c / a.group;
-      byte |= Encode(x[c], zero[gi], InvScale(scale[gi]), qmax) << (i * a.bits);
+      byte |= Encode(x[c], zero[gi], InvScale(scale[gi]), qmax) << (i * bits);
     }
     codes[b] = static_cast<uint8_t>(byte);
   }
@@ -185,9 +191,12 @@ cudaError_t LaunchPack(const PackArgs& a, cudaStream_t stream) {
 
 cudaError_t LaunchQuantize(const PackArgs& a, cudaStream_t stream) {
   const int m = a.n_kept - a.n_recent;
-  if (a.bits == 0 || m == 0) return cudaSuccess;
-  KVC_CUDA_CALL(
-      Launch(QuantizeKeysKernel, dim3(1 + (m - 1) / a.group, a.num_kv_heads), 128, 0, stream, a));
+  if (m == 0) return cudaSuccess;
+  if (a.bits > 0) {
+    KVC_CUDA_CALL(Launch(QuantizeKeysKernel, dim3(1 + (m - 1) / a.group, a.num_kv_heads), 128, 0,
+                         stream, a));
+  }
+  if (a.value_bits == 0) return cudaSuccess;
   return Launch(QuantizeValuesKernel, dim3(m, a.num_kv_heads), 64, 0, stream, a);
 }
 

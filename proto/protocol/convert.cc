@@ -246,6 +246,11 @@ absl::StatusOr<CompressionSpec> SpecFromProto(const kvcache::v1::CompressionConf
     return Invalid(field("quant.bits"), absl::StrCat(c.quant().bits(), " is not one of 0, 2, 4, 8"));
   }
   spec.quant.bits = static_cast<int>(c.quant().bits());
+  if (c.quant().value_bits() > 64) {
+    return Invalid(field("quant.value_bits"),
+                   absl::StrCat(c.quant().value_bits(), " is not one of 0, 2, 4, 8"));
+  }
+  spec.quant.value_bits = static_cast<int>(c.quant().value_bits());
   if (c.quant().has_group_size()) {
     spec.quant.group_size = static_cast<int>(std::min(c.quant().group_size(), kMaxCount));
   }
@@ -319,6 +324,7 @@ kvcache::v1::CompressionConfig SpecToProto(const CompressionSpec& spec) {
   ch->set_value_lambda(spec.channels.value_lambda);
   c.mutable_quant()->set_bits(static_cast<uint32_t>(spec.quant.bits));
   c.mutable_quant()->set_group_size(static_cast<uint32_t>(spec.quant.group_size));
+  c.mutable_quant()->set_value_bits(static_cast<uint32_t>(std::max(spec.quant.value_bits, 0)));
   c.set_recent_tokens(static_cast<uint32_t>(spec.recent_tokens));
   return c;
 }

@@ -310,6 +310,7 @@ absl::Status ParseEvictionTerm(absl::string_view term, pb::EvictionConfig& e) {
   return absl::OkStatus();
 }
 
+// qB[vV][gG]: B bits (keys, and values unless vV gives theirs), groups of G.
 absl::Status ParseQuantTerm(absl::string_view term, pb::QuantConfig& q) {
   absl::string_view rest = term.substr(1);
   absl::string_view bits = rest, group;
@@ -317,12 +318,27 @@ absl::Status ParseQuantTerm(absl::string_view term, pb::QuantConfig& q) {
     bits = rest.substr(0, g);
     group = rest.substr(g + 1);
   }
+  absl::string_view value_bits;
+  if (const size_t v = bits.find('v'); v != absl::string_view::npos) {
+    value_bits = bits.substr(v + 1);
+    bits = bits.substr(0, v);
+    if (value_bits.empty()) return Invalid("value bits missing after 'v' (e.g. q8v4)");
+  }
   absl::StatusOr<int> b = ParseInt("bits", bits, 0);
   if (!b.ok()) return b.status();
   if (*b != 2 && *b != 4 && *b != 8) {
     return Invalid(absl::StrCat("bits ", *b, " is not 2, 4 or 8"));
   }
   q.set_bits(static_cast<uint32_t>(*b));
+  if (!value_bits.empty()) {
+    absl::StatusOr<int> vb = ParseInt("value bits", value_bits, 0);
+    if (!vb.ok()) return vb.status();
+    if (*vb != 2 && *vb != 4 && *vb != 8) {
+      return Invalid(absl::StrCat("value bits ", *vb, " is not 2, 4 or 8"));
+    }
+    // The same bits as the keys is the plain term (one spelling per spec).
+    if (*vb != *b) q.set_value_bits(static_cast<uint32_t>(*vb));
+  }
   if (!group.empty() || term.back() == 'g') {
     absl::StatusOr<int> g = ParseInt("group", group, 1);
     if (!g.ok()) return g.status();
@@ -442,6 +458,9 @@ std::string SpecString(const CompressionSpec& spec) {
     terms.push_back(absl::StrCat("vthink:", ShortestDouble(ch.value_lambda())));
   if (c.quant().bits() > 0) {
     std::string t = absl::StrCat("q", c.quant().bits());
+    if (c.quant().value_bits() > 0 && c.quant().value_bits() != c.quant().bits()) {
+      absl::StrAppend(&t, "v", c.quant().value_bits());
+    }
     if (c.quant().group_size() != defaults->quant().group_size()) {
       absl::StrAppend(&t, "g", c.quant().group_size());
     }

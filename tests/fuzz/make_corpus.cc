@@ -90,10 +90,11 @@ void Compact() {
   in.v = v.data();
   struct Case {
     const char* name;
-    int budget, tk, tv, bits, group, recent;
+    int budget, tk, tv, bits, group, recent, value_bits = 0;
   } cases[] = {{"whole", 6, 8, 8, 0, 32, 0},        {"evicted", 4, 8, 8, 0, 32, 0},
                {"pruned", 5, 4, 6, 0, 32, 2},       {"quant4", 6, 8, 8, 4, 4, 2},
-               {"quant2_pruned", 4, 4, 4, 2, 2, 1}, {"quant8", 3, 8, 8, 8, 8, 0}};
+               {"quant2_pruned", 4, 4, 4, 2, 2, 1}, {"quant8", 3, 8, 8, 8, 8, 0},
+               {"quant8v4", 6, 8, 6, 8, 4, 1, 4}};
   for (const Case& c : cases) {
     kvc::TokenSelection tokens{2, c.budget, {}};
     for (int h = 0; h < 2; ++h) {
@@ -106,6 +107,7 @@ void Compact() {
     }
     kvc::CompressionSpec spec;
     spec.quant.bits = c.bits;
+    spec.quant.value_bits = c.value_bits;
     spec.quant.group_size = c.group;
     spec.recent_tokens = c.recent;
     absl::StatusOr<kvc::CompactLayer> blob = kvc::PackLayer(in, tokens, channels, spec);

@@ -100,6 +100,11 @@ TEST(PlanDecode, ShapesOutsideTheSplitKernelFallBackWithAReason) {
   s = Llama(1, 4);
   s.group = 12;
   EXPECT_NE(why(s, heads).find("group"), std::string::npos);
+  s = Llama(1, 8);
+  s.value_bits = 4;  // keys and values at their own bits: the generic kernel
+  EXPECT_NE(why(s, heads).find("values at 4"), std::string::npos);
+  s.value_bits = 8;  // the same width said explicitly is the split kernel's
+  EXPECT_TRUE(PlanDecode(s, heads, 132).split);
   std::vector<AttnHead> odd = heads;
   odd[3].key_channels = 60;  // not a multiple of 8
   EXPECT_NE(why(Llama(1), odd).find("channels"), std::string::npos);

@@ -6,6 +6,7 @@
 // the 128K case are in gpu_backend_edge_test.cc.
 // Without a visible CUDA device main() prints the reason and exits 77 (ctest: skipped).
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -115,6 +116,22 @@ std::vector<Case> MakeCases() {
             absl::StrCat(std::string(PolicyName(cp)), "_q", bits, "_", std::string(DTypeName(dt)));
         cases.push_back(c);
       }
+    }
+  }
+  // Values at their own bits (fewer, and more, than the keys'): the generic decode kernel.
+  for (DType dt : dtypes) {
+    for (const auto& [kbits, vbits] : {std::pair{8, 4}, std::pair{8, 2}, std::pair{2, 8}}) {
+      Case c;
+      c.shape = Shape(2, 4, 600, 128, 32);
+      c.dtype = dt;
+      c.layout = Layout::kNHD;
+      c.spec = Spec(EvictionPolicy::kSnapKV, 200);
+      c.spec.channels.key_policy = ChannelPolicy::kThink;
+      c.spec.channels.key_lambda = 0.5;
+      c.spec.quant.bits = kbits;
+      c.spec.quant.value_bits = vbits;
+      c.name = absl::StrCat("think_q", kbits, "v", vbits, "_", std::string(DTypeName(dt)));
+      cases.push_back(c);
     }
   }
   for (EvictionPolicy p : {EvictionPolicy::kH2O, EvictionPolicy::kSnapKV, EvictionPolicy::kKNorm}) {

@@ -92,7 +92,8 @@ void ExpectCodesNear(const uint8_t* a, const uint8_t* b, int rows, int n, int bi
 // Every block of head h, for heads whose token and channel selections agree.
 void CompareHead(const CompactLayerView& c, const CompactLayerView& g, int h, DType dtype,
                  bool allow_nan) {
-  const int bits = c.header().quant_bits, gs = c.header().quant_group, d = c.head_dim();
+  const int bits = c.key_bits(), vbits = c.value_bits(), gs = c.header().quant_group;
+  const int d = c.head_dim();
   const size_t es = DTypeSize(dtype);
   const CompactHead a = c.head(h), b = g.head(h);
   const int m = a.n_kept - a.n_recent, r = a.n_recent;
@@ -114,7 +115,7 @@ void CompareHead(const CompactLayerView& c, const CompactLayerView& g, int h, DT
   ExpectFloatsNear(a.value_scale, b.value_scale, vp, 1e-6f, allow_nan, hs + "value_scale");
   ExpectFloatsNear(a.value_zero, b.value_zero, vp, 1e-6f, allow_nan, hs + "value_zero");
   ExpectCodesNear(a.key_codes, b.key_codes, m, a.key_channels, bits, hs + "key_codes");
-  ExpectCodesNear(a.value_codes, b.value_codes, m, a.value_channels, bits, hs + "value_codes");
+  ExpectCodesNear(a.value_codes, b.value_codes, m, a.value_channels, vbits, hs + "value_codes");
 }
 
 // A head whose kept sets differ at ties: the recent rows when both kept the same recent

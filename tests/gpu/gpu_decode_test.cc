@@ -50,7 +50,8 @@ int Code(const uint8_t* row, int i, int bits) {
 // head).
 std::vector<double> Row(const CompactLayerView& v, int h, bool values, bool old, int t) {
   const CompactHead c = v.head(h);
-  const int d = v.head_dim(), bits = v.header().quant_bits, g = v.header().quant_group;
+  const int d = v.head_dim(), g = v.header().quant_group;
+  const int bits = values ? v.value_bits() : v.key_bits();
   const DType dt = v.dtype();
   std::vector<double> x(d, 0.0);
   if (!old) {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -38,12 +39,13 @@ struct PackedCase {
 };
 
 PackedCase MakePackedCase(int hkv, int s, int d, int budget, int tk, int tv, int bits, int recent,
-                          DType dt, Layout layout, std::mt19937* rng) {
+                          DType dt, Layout layout, std::mt19937* rng, int value_bits = 0) {
   PackedCase st;
   st.layer = MakePackLayer(hkv, s, d, dt, layout, (*rng)());
   st.tokens = RandomTokens(hkv, s, budget, rng);
   st.channels = RandomChannels(hkv, d, tk, tv, rng);
   st.spec.quant.bits = bits;
+  st.spec.quant.value_bits = value_bits;
   st.spec.quant.group_size = 8;
   st.spec.recent_tokens = recent;
   absl::StatusOr<CompactLayer> p = PackLayer(st.layer.input(), st.tokens, st.channels, st.spec);
@@ -130,14 +132,17 @@ TEST(PackedAttentionTest, MatchesDenseReferenceUnquantized) {
 // s_c / 2 moves score j by at most delta = sum_c |q_c| s_c / 2 / sqrt(D); then every softmax weight
 // changes by a factor within [e^-2delta, e^2delta], so ||dp||_1 <= e^(2 delta) - 1, and the output
 // moves by at most (e^(2 delta) - 1) * max|v| + max value step / 2.
+// Keys and values at the same bits, and at their own (values at fewer or more bits than keys).
 TEST(PackedAttentionTest, QuantizedWithinDerivedBound) {
   std::mt19937 rng(77);
-  for (int bits : {2, 4, 8}) {
+  const std::pair<int, int> widths[] = {{2, 2}, {4, 4}, {8, 8}, {8, 4}, {8, 2}, {4, 8}};
+  for (const auto& [bits, vbits] : widths) {
     for (int g : {1, 4}) {
-      SCOPED_TRACE(::testing::Message() << "bits " << bits << " g " << g);
+      SCOPED_TRACE(::testing::Message() << "bits " << bits << "/" << vbits << " g " << g);
       const int hkv = 2, d = 32, s = 120, budget = 70, recent = 6;
-      PackedCase st =
-          MakePackedCase(hkv, s, d, budget, 20, 24, bits, recent, DType::kF16, Layout::kHND, &rng);
+      PackedCase st = MakePackedCase(hkv, s, d, budget, 20, 24, bits, recent, DType::kF16,
+                                     Layout::kHND, &rng, vbits);
+      ASSERT_EQ(CompactLayerView::Parse(st.packed.bytes)->value_bits(), vbits);
       absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(st.packed.bytes);
       ASSERT_TRUE(view.ok()) << view.status();
       const int n_q = 2, n_new = 3;

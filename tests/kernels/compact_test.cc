@@ -3,8 +3,10 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/pack_util.h"
@@ -19,9 +21,10 @@ using testing_pack::PackLayerData;
 using testing_pack::RandomChannels;
 using testing_pack::RandomTokens;
 
-CompressionSpec Spec(int bits, int recent, int group = 32) {
+CompressionSpec Spec(int bits, int recent, int group = 32, int value_bits = 0) {
   CompressionSpec spec;
   spec.quant.bits = bits;
+  spec.quant.value_bits = value_bits;
   spec.quant.group_size = group;
   spec.recent_tokens = recent;
   return spec;
@@ -41,13 +44,15 @@ struct Case {
   bool prune;
 };
 
-// Pack -> Parse -> unpack over random shapes, dtypes, layouts, pruning and bits.
+// Pack -> Parse -> unpack over random shapes, dtypes, layouts, pruning and bits (the keys' and
+// the values': alike, and values at fewer or more bits than the keys).
 TEST(CompactTest, RandomRoundTrip) {
   std::mt19937 rng(7);
   int cases = 0;
+  const std::pair<int, int> widths[] = {{0, 0}, {2, 2}, {4, 4}, {8, 8}, {8, 4}, {8, 2}, {2, 8}};
   for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (Layout lay : {Layout::kHND, Layout::kNHD}) {
-      for (int bits : {0, 2, 4, 8}) {
+      for (const auto& [bits, vbits] : widths) {
         for (bool prune : {false, true}) {
           const int hkv = 1 + static_cast<int>(rng() % 3);
           const int d = 8 * (1 + static_cast<int>(rng() % 8));
@@ -59,17 +64,23 @@ TEST(CompactTest, RandomRoundTrip) {
           const int group = 1 + static_cast<int>(rng() % 20);
           SCOPED_TRACE(::testing::Message()
                        << "dtype " << DTypeName(dt) << " layout " << LayoutName(lay) << " bits "
-                       << bits << " H " << hkv << " S " << s << " D " << d << " B " << budget
-                       << " tk " << tk << " tv " << tv << " r " << recent << " G " << group);
+                       << bits << "/" << vbits << " H " << hkv << " S " << s << " D " << d
+                       << " B " << budget << " tk " << tk << " tv " << tv << " r " << recent
+                       << " G " << group);
           const PackLayerData layer = MakePackLayer(hkv, s, d, dt, lay, rng());
           const TokenSelection tokens = RandomTokens(hkv, s, budget, &rng);
           const ChannelSelection channels = RandomChannels(hkv, d, tk, tv, &rng);
-          const CompressionSpec spec = Spec(bits, recent, group);
+          const CompressionSpec spec = Spec(bits, recent, group, vbits);
           absl::StatusOr<CompactLayer> packed = PackLayer(layer.input(), tokens, channels, spec);
           ASSERT_TRUE(packed.ok()) << packed.status();
           EXPECT_EQ(packed->bytes.size(), PackedSize(layer.shape, dt, tokens, channels, spec));
           absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(packed->bytes);
           ASSERT_TRUE(view.ok()) << view.status();
+          // Version 2 (and the values' byte) only where the widths differ.
+          EXPECT_EQ(view->header().version, bits == vbits ? 1 : 2);
+          EXPECT_EQ(view->header().value_quant_bits, bits == vbits ? 0 : vbits);
+          EXPECT_EQ(view->key_bits(), bits);
+          EXPECT_EQ(view->value_bits(), vbits);
           EXPECT_EQ(view->num_kv_heads(), hkv);
           EXPECT_EQ(view->head_dim(), d);
           EXPECT_EQ(view->seq_len(), s);
@@ -91,10 +102,10 @@ TEST(CompactTest, RandomRoundTrip) {
             ExpectedHeadRows(layer, tokens, channels, h, r, &want_k, &want_v);
             UnpackHeadToFloat(*view, h, got_k.data(), got_v.data());
             const int m = budget - r;
-            const int qmax = (1 << bits) - 1;
             // Quantized rows: within half a step of the true value; the step is at most the value
-            // range (4 for amp 2) / qmax.
-            const float bound = bits > 0 ? 4.0f / qmax / 2 + 1e-5f : 0.0f;
+            // range (4 for amp 2) / (2^bits - 1).
+            const float kbound = bits > 0 ? 4.0f / ((1 << bits) - 1) / 2 + 1e-5f : 0.0f;
+            const float vbound = vbits > 0 ? 4.0f / ((1 << vbits) - 1) / 2 + 1e-5f : 0.0f;
             std::vector<bool> kept_k(d, false), kept_v(d, false);
             for (int c = 0; c < tk; ++c) kept_k[channels.key_idx[h * tk + c]] = true;
             for (int c = 0; c < tv; ++c) kept_v[channels.value_idx[h * tv + c]] = true;
@@ -107,12 +118,12 @@ TEST(CompactTest, RandomRoundTrip) {
                   continue;
                 }
                 if (kept_k[c]) {
-                  ASSERT_NEAR(got_k[i], want_k[i], bound) << "j " << j << " c " << c;
+                  ASSERT_NEAR(got_k[i], want_k[i], kbound) << "j " << j << " c " << c;
                 } else {
                   ASSERT_EQ(got_k[i], 0.0f);
                 }
                 if (kept_v[c]) {
-                  ASSERT_NEAR(got_v[i], want_v[i], bound) << "j " << j << " c " << c;
+                  ASSERT_NEAR(got_v[i], want_v[i], vbound) << "j " << j << " c " << c;
                 } else {
                   ASSERT_EQ(got_v[i], 0.0f);
                 }
@@ -124,7 +135,7 @@ TEST(CompactTest, RandomRoundTrip) {
       }
     }
   }
-  EXPECT_EQ(cases, 48);
+  EXPECT_EQ(cases, 84);
 }
 
 // Every block pointer is 16-byte aligned relative to the blob start.
@@ -418,8 +429,32 @@ TEST_F(CompactParseTest, BadMagic) {
 }
 
 TEST_F(CompactParseTest, BadVersion) {
+  Put<uint16_t>(4, 3);
+  EXPECT_THAT(Error(), HasSubstr("version 3"));
+}
+
+// The values' own bits: only in version 2, and only where they differ from the keys'.
+TEST_F(CompactParseTest, ValueBits) {
+  blob_[30] = 2;  // a version 1 blob keeps the byte zero
+  EXPECT_THAT(Error(), HasSubstr("value_quant_bits 2 in a version 1 blob"));
   Put<uint16_t>(4, 2);
-  EXPECT_THAT(Error(), HasSubstr("version 2"));
+  for (int bad : {0, 3, 4, 16}) {  // 4: the keys' bits
+    blob_[30] = static_cast<uint8_t>(bad);
+    EXPECT_THAT(Error(), HasSubstr(absl::StrCat("value_quant_bits ", bad, " with quant_bits 4")));
+  }
+  // A version 1 blob relabelled with other value bits: its sections no longer match the counts.
+  blob_[30] = 8;
+  EXPECT_THAT(Error(), HasSubstr("implied by its counts"));
+  blob_[7] = 0;  // values quantized, keys not
+  EXPECT_THAT(Error(), HasSubstr("value_quant_bits 8 with quant_bits 0"));
+}
+
+// The same bits for both written the old way, byte for byte (value_bits 0 or equal).
+TEST_F(CompactParseTest, EqualWidthsAreVersionOne) {
+  absl::StatusOr<CompactLayer> p =
+      PackLayer(layer_.input(), tokens_, channels_, Spec(4, 3, 4, /*value_bits=*/4));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(std::vector<uint8_t>(p->bytes.begin(), p->bytes.end()), blob_);
 }
 
 TEST_F(CompactParseTest, BadDtypeAndBits) {
@@ -589,6 +624,12 @@ TEST(CompactPackTest, RejectsBadInputs) {
   s = spec;
   s.quant.group_size = 0;
   EXPECT_THAT(err(layer.input(), tokens, channels, s), HasSubstr("spec.quant.group_size: 0"));
+  s = spec;
+  s.quant.value_bits = 3;
+  EXPECT_THAT(err(layer.input(), tokens, channels, s), HasSubstr("spec.quant.value_bits: 3"));
+  s = Spec(0, 2);
+  s.quant.value_bits = 4;  // values quantized, keys not
+  EXPECT_THAT(err(layer.input(), tokens, channels, s), HasSubstr("spec.quant.value_bits: 4"));
   s = spec;
   s.recent_tokens = -1;
   EXPECT_THAT(err(layer.input(), tokens, channels, s), HasSubstr("spec.recent_tokens: -1"));

@@ -58,6 +58,13 @@ TEST(SpecStringTest, EvictionOptionsAndOtherTerms) {
   EXPECT_EQ(s.channels.key_lambda, 0.125);
   EXPECT_EQ(s.quant.bits, 2);
   EXPECT_EQ(s.quant.group_size, 16);
+  EXPECT_EQ(s.quant.value_bits, 0);
+  const CompressionSpec kv = Parse("kvzip:0.5+q8v4g64+r=0");
+  EXPECT_EQ(kv.quant.bits, 8);
+  EXPECT_EQ(kv.quant.value_bits, 4);
+  EXPECT_EQ(kv.quant.group_size, 64);
+  EXPECT_EQ(Parse("q2v8").quant.value_bits, 8);
+  EXPECT_EQ(Parse("q4v4").quant.value_bits, 0);  // the same bits: the plain term
   EXPECT_EQ(s.recent_tokens, 8);
 }
 
@@ -154,6 +161,10 @@ TEST(SpecStringTest, Errors) {
   ExpectError("q3", "bits 3 is not 2, 4 or 8");
   ExpectError("q4g", "group '' is not an integer");
   ExpectError("q4g0", "group 0 must be >= 1");
+  ExpectError("q8v", "value bits missing after 'v'");
+  ExpectError("q8vg64", "value bits missing after 'v'");
+  ExpectError("q8v3", "value bits 3 is not 2, 4 or 8");
+  ExpectError("q8vx", "value bits");
   ExpectError("r=-1", "recent_tokens -1 must be >= 0");
   ExpectError("h2o:0.5+snapkv:0.5", "a second eviction term");
   ExpectError("think:0.5+l1:0.5", "a second key channel term");
@@ -173,7 +184,8 @@ TEST(SpecStringTest, CanonicalFormRoundTrips) {
         "h2o:0.5,recent=0,lb=1/2/3+vthink:0.25", "q8", "l1:0.5", "think:0.5+vthink:0.5",
         "kvzip:0.25,ada=0.2,stats=1,xlayer=1,passes=2057/1036",
         "kvzip:0.1,stats=1,passes=1033/1033/5,chunk=1024",
-        "kvzip:0.1,ada=0,stats=1,xlayer=1,passes=1009,top=4"}) {
+        "kvzip:0.1,ada=0,stats=1,xlayer=1,passes=1009,top=4", "q8v4", "h2o:0.5+q8v2g16+r=0",
+        "q2v8"}) {
     const CompressionSpec s = Parse(text);
     EXPECT_EQ(SpecString(s), text);
     const CompressionSpec again = Parse(SpecString(s));
@@ -182,6 +194,7 @@ TEST(SpecStringTest, CanonicalFormRoundTrips) {
   // Options at their defaults are omitted; terms come out in a fixed order.
   EXPECT_EQ(SpecString(Parse("q4+snapkv:0.5,kernel=7,pool=max,sink=4,tau=1,seed=0,layer=0")),
             "snapkv:0.5+q4");
+  EXPECT_EQ(SpecString(Parse("q4v4g16")), "q4g16");
   CompressionSpec third;
   third.eviction.policy = EvictionPolicy::kH2O;
   third.eviction.keep_ratio = 1.0 / 3.0;

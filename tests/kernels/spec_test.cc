@@ -211,6 +211,22 @@ TEST(ValidateSpecTest, ChannelAndQuantLimits) {
   s.quant.bits = 0;  // group size is irrelevant without quantization
   s.quant.group_size = 48;
   EXPECT_TRUE(ValidateSpec(s, Shape(), 0).ok());
+  // The values' own bits: 0 (as the keys), 2, 4 or 8, and only with the keys quantized.
+  s = {};
+  s.quant.bits = 8;
+  for (int vbits : {0, 2, 4, 8}) {
+    s.quant.value_bits = vbits;
+    EXPECT_TRUE(ValidateSpec(s, Shape(), 0).ok()) << vbits;
+    EXPECT_EQ(ValueBits(s.quant), vbits == 0 ? 8 : vbits);
+    EXPECT_EQ(KeyBits(s.quant), 8);
+  }
+  for (int vbits : {1, 3, 16, -1}) {
+    s.quant.value_bits = vbits;
+    ExpectInvalid(s, "quant.value_bits");
+  }
+  s.quant.bits = 0;
+  s.quant.value_bits = 4;
+  ExpectInvalid(s, "quant.value_bits");
   s = {};
   s.recent_tokens = -1;
   ExpectInvalid(s, "recent_tokens");

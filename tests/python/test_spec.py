@@ -12,6 +12,13 @@ def test_full_spec():
         "quant": {"bits": 4, "group_size": 64}}
 
 
+def test_value_bits():
+    assert spec.parse("kvzip:0.5+q8v4g64+r=0")["quant"] == {
+        "bits": 8, "value_bits": 4, "group_size": 64}
+    assert spec.parse("q2v8")["quant"] == {"bits": 2, "value_bits": 8}
+    assert spec.parse("q4v4")["quant"] == {"bits": 4}  # the same bits: the plain term
+
+
 def test_budget_options_and_alone_terms():
     assert spec.parse("expected@100,stats=1,horizon=512,veps=0,ada=0.2") == {
         "eviction": {"policy": "expected", "budget": 100, "query_stats": True, "horizon": 512,
@@ -49,6 +56,9 @@ def test_budget_options_and_alone_terms():
     ("kvzip:0.5,top=65", "outside [1, 64]"),
     ("snapkv:0.5+knorm:0.5", "a second eviction"),
     ("q3", "not 2, 4 or 8"),
+    ("q8v", "value bits missing"),
+    ("q8v3g64", "value bits 3 is not 2, 4 or 8"),
+    ("q8vx", "value bits 'x' is not a number"),
     ("q4+q8", "a second quantization"),
     ("think:1.0", "outside [0, 1)"),
     ("full+q4", "stand alone"),

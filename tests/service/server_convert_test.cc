@@ -47,17 +47,19 @@ CompressionSpec RandomSpec(std::mt19937_64& rng) {
   spec.eviction.keep_ratio = 0.01 + 0.99 * static_cast<double>(rng() % 1000) / 1000;
   spec.quant.bits = static_cast<int>(rng() % 2) * 8;
   spec.quant.group_size = 8;
+  spec.quant.value_bits = spec.quant.bits > 0 ? std::vector<int>{0, 2, 4}[rng() % 3] : 0;
   return spec;
 }
 
 // The real-valued formula EstimateStoredBytes implements, as it was computed in double before.
 long double ReferenceEstimate(const LayerShape& s, DType dtype, const CompressionSpec& spec,
                               int num_layers) {
-  const long double elem = spec.quant.bits > 0 ? spec.quant.bits / 8.0L : DTypeSize(dtype);
+  const long double key = spec.quant.bits > 0 ? spec.quant.bits / 8.0L : DTypeSize(dtype);
+  const long double value = ValueBits(spec.quant) > 0 ? ValueBits(spec.quant) / 8.0L : key;
   long double total = 0;
   for (int l = 0; l < num_layers; ++l) {
     const long double kept = EffectiveBudget(spec.eviction, l, s.seq_len);
-    const long double per_head = kept * (2.0L * s.head_dim) * elem + kept * 4.0L;
+    const long double per_head = kept * s.head_dim * (key + value) + kept * 4.0L;
     total += sizeof(LayerHeader) + s.num_kv_heads * (sizeof(HeadDesc) + per_head);
   }
   return total;
@@ -209,6 +211,7 @@ TEST(ServerConvertTest, EstimateStaysALowerBoundForHeadAdaptiveCaches) {
     spec.eviction.adaptive_floor = static_cast<double>(rng() % 3) / 4;
     spec.quant.bits = std::vector<int>{0, 2, 4, 8}[rng() % 4];
     spec.quant.group_size = 8;
+    if (spec.quant.bits > 0) spec.quant.value_bits = std::vector<int>{0, 2, 8}[rng() % 3];
     if (rng() % 2) {
       spec.channels.key_policy = ChannelPolicy::kL2;
       spec.channels.key_lambda = 0.375;

@@ -6,11 +6,12 @@ dicts for kvc.Client.put:
         "channels": {"key_policy": "think", "key_lambda": 0.5}, "quant": {"bits": 4}}
 
 Terms joined by '+', each kind at most once: POLICY:KEEP[,key=value...] or POLICY@BUDGET[,...]
-(eviction), think:L | l1:L | l2:L (key channels), vthink:L (value channels), qB[gG]
-(quantization), r=N (recent tokens), or 'full' / 'none' alone. Eviction keys: sink, recent,
-kernel, pool, tau, seed, layer, lb, ada, xlayer, value, veps, horizon, stats, passes and chunk
-(kvzip's reconstruction passes: kvc.recon.with_passes), and top (kvzip: a token's score is the
-mean of the largest `top` probabilities its reconstruction rows give it). Errors are ValueError naming the term.
+(eviction), think:L | l1:L | l2:L (key channels), vthink:L (value channels), qB[vV][gG]
+(quantization: B bits, the values V bits when given, groups of G), r=N (recent tokens), or
+'full' / 'none' alone. Eviction keys: sink, recent, kernel, pool, tau, seed, layer, lb, ada,
+xlayer, value, veps, horizon, stats, passes and chunk (kvzip's reconstruction passes:
+kvc.recon.with_passes), and top (kvzip: a token's score is the mean of the largest `top`
+probabilities its reconstruction rows give it). Errors are ValueError naming the term.
 kvcd validates the result against the cache's shape as it does for every request.
 """
 
@@ -149,9 +150,18 @@ def parse(text):
             elif len(term) >= 2 and term[0] == "q" and term[1].isdigit():
                 once("q", "quantization")
                 bits, g, group = term[1:].partition("g")
+                bits, v, vbits = bits.partition("v")
                 quant = {"bits": _number("bits", bits, int)}
                 if quant["bits"] not in (2, 4, 8):
                     raise ValueError(f"bits {bits} is not 2, 4 or 8")
+                if v:
+                    if not vbits:
+                        raise ValueError("value bits missing after 'v' (e.g. q8v4)")
+                    value_bits = _number("value bits", vbits, int)
+                    if value_bits not in (2, 4, 8):
+                        raise ValueError(f"value bits {vbits} is not 2, 4 or 8")
+                    if value_bits != quant["bits"]:
+                        quant["value_bits"] = value_bits
                 if g:
                     quant["group_size"] = _number("group", group, int)
                 out["quant"] = quant

@@ -23,6 +23,7 @@ from kvc.vllm.transfer import Replicas
     ("none", {}, False),
     ("q8", {"quant": {"bits": 8}}, False),
     ("q4g16", {"quant": {"bits": 4, "group_size": 16}}, False),
+    ("q8v4g16", {"quant": {"bits": 8, "value_bits": 4, "group_size": 16}}, False),
     ("think:0.5", {"channels": {"key_policy": "think", "key_lambda": 0.5}}, False),
     ("l2:0.25+q2", {"channels": {"key_policy": "l2", "key_lambda": 0.25},
                     "quant": {"bits": 2}}, False),
@@ -44,7 +45,8 @@ def test_spec_strings(text, config, evicts):
     ("snapkv:0.5", "Q_obs"), ("h2o:0.5", "Q_obs"), ("keyformer:0.5", "Q_obs"),
     ("vthink:0.5", "Q_obs"), ("keydiff:0.5,ada=0.2", "head-adaptive"),
     ("keydiff:0.5,lb=10/20", "per-layer"), ("expected:0.5,stats=1", "query_stats"),
-    ("keydiff:2", "outside (0, 1]"), ("q3", "bits 3"), ("bogus:1", "unknown term"),
+    ("keydiff:2", "outside (0, 1]"), ("q3", "bits 3"), ("q8v3", "value bits 3"),
+    ("bogus:1", "unknown term"),
     ("", "empty"), ("none+q4", "alone"), ("q4+q8", "two quantization"),
     ({"eviction": {"policy": "keydiff", "nope": 1}}, "nope"), (42, "expected a string"),
 ])
@@ -245,7 +247,8 @@ def test_packed_reader_equals_kvcd_dense(plain_kvcd, dtype):
     g = torch.Generator().manual_seed(3)
     layers = [(torch.randn(3, 300, 64, generator=g).to(dtype),
                torch.randn(3, 300, 64, generator=g).to(dtype)) for _ in range(2)]
-    specs = ["none", "q8", "q4", "q2", "l2:0.5", "l1:0.25+q4g16", "keydiff:0.5+q4", "r=8+q8"]
+    specs = ["none", "q8", "q4", "q2", "l2:0.5", "l1:0.25+q4g16", "keydiff:0.5+q4", "r=8+q8",
+             "q8v4", "l2:0.25+q2v8g16", "keydiff:0.5+q8v2+r=4"]
     for n, text in enumerate(specs):
         cid = f"packed/{dtype}/{n}"
         c.put(cid, layers, compression=S.parse_spec(text).config)

@@ -6,7 +6,8 @@ dequantized (code * scale + zero in float32, as kvcd does), pruned channels zero
 full-precision block appended. The format is kernels/core/include/kvc/compact.h (little-endian;
 a 64-byte LayerHeader, one 32-byte HeadDesc per KV head, then per head its 16-byte aligned
 blocks: positions, key_idx, value_idx, old keys (or scales, zeros, codes), recent keys, old
-values (or scales, zeros, codes), recent values). Every size is checked against the blob, so a
+values (or scales, zeros, codes), recent values). Version 2 blobs give the values their own
+bits (the header byte after channel_policy). Every size is checked against the blob, so a
 corrupt blob raises ValueError, never reads out of bounds.
 """
 
@@ -16,8 +17,8 @@ import warnings
 import numpy as np
 import torch
 
-MAGIC, VERSION = 0x4C43564B, 1
-_HEADER = struct.Struct("<IHBBiiiiiBB34x")
+MAGIC, VERSIONS = 0x4C43564B, (1, 2)  # 2: the values' bits differ from the keys'
+_HEADER = struct.Struct("<IHBBiiiiiBBB33x")
 _DESC = struct.Struct("<iiiiQQ")
 _DTYPES = {0: (torch.float32, 4), 1: (torch.float16, 2), 2: (torch.bfloat16, 2)}
 _ALIGN = 16
@@ -127,12 +128,18 @@ def unpack_layer(blob):
     blob = memoryview(blob).cast("B")
     if len(blob) < _HEADER.size:
         raise ValueError("compact layer: shorter than its header")
-    magic, version, dt, bits, _, H, D, seq_len, G, _, _ = _HEADER.unpack_from(blob, 0)
-    if magic != MAGIC or version != VERSION:
+    magic, version, dt, bits, _, H, D, seq_len, G, _, _, vbits = _HEADER.unpack_from(blob, 0)
+    if magic != MAGIC or version not in VERSIONS:
         raise ValueError(f"compact layer: magic {magic:#x} version {version}, expected "
-                         f"{MAGIC:#x} {VERSION}")
+                         f"{MAGIC:#x} {' or '.join(map(str, VERSIONS))}")
     if dt not in _DTYPES or bits not in (0, 2, 4, 8) or not 1 <= H <= 1024 or not 1 <= D <= 512:
         raise ValueError(f"compact layer: dtype {dt}, bits {bits}, heads {H}, head_dim {D}")
+    if version == 1:
+        if vbits:
+            raise ValueError(f"compact layer: value bits {vbits} in a version 1 blob")
+        vbits = bits
+    elif not bits or vbits not in (2, 4, 8) or vbits == bits:
+        raise ValueError(f"compact layer: value bits {vbits} with key bits {bits}")
     if bits and G < 1:
         raise ValueError(f"compact layer: quant group {G}")
     dtype, esz = _DTYPES[dt]
@@ -158,6 +165,6 @@ def unpack_layer(blob):
             raise ValueError(f"compact layer: head {h} channel index out of range")
         _block(k[h], m, kidx, D, dtype, esz, sec, bits, G, per_row=True)
         k[h, m:] = _tensor(sec.take(r * D * esz), dtype, esz, (r, D))
-        _block(v[h], m, vidx, D, dtype, esz, sec, bits, G, per_row=False)
+        _block(v[h], m, vidx, D, dtype, esz, sec, vbits, G, per_row=False)
         v[h, m:] = _tensor(sec.take(r * D * esz), dtype, esz, (r, D))
     return k, v, ps

@@ -126,15 +126,19 @@ def parse_spec_string(text):
             if kind in seen:
                 raise SpecError(f"spec \"{text}\": two {kind} terms")
             seen.add(kind)
-        m = re.fullmatch(r"q(\d+)(?:g(\d+))?", term)
+        m = re.fullmatch(r"q(\d+)(?:v(\d+))?(?:g(\d+))?", term)
         if m:
             once("quantization")
             bits = int(m.group(1))
-            if bits not in (2, 4, 8):
-                raise SpecError(f"spec \"{text}\": term \"{term}\": bits {bits} not 2, 4 or 8")
+            vbits = int(m.group(2)) if m.group(2) else bits
+            for what, b in (("bits", bits), ("value bits", vbits)):
+                if b not in (2, 4, 8):
+                    raise SpecError(f"spec \"{text}\": term \"{term}\": {what} {b} not 2, 4 or 8")
             out["quant"] = {"bits": bits}
-            if m.group(2):
-                out["quant"]["group_size"] = int(m.group(2))
+            if vbits != bits:
+                out["quant"]["value_bits"] = vbits
+            if m.group(3):
+                out["quant"]["group_size"] = int(m.group(3))
             continue
         if term.startswith("r="):
             once("r=")
@@ -207,7 +211,9 @@ def canonical_text(config):
         parts.append(f"vthink:{ch.get('value_lambda', 0.0):g}")
     q = config.get("quant", {})
     if q.get("bits"):
-        parts.append(f"q{q['bits']}" + (f"g{q['group_size']}" if q.get("group_size") else ""))
+        vb = q.get("value_bits") or q["bits"]
+        parts.append(f"q{q['bits']}" + (f"v{vb}" if vb != q["bits"] else "")
+                     + (f"g{q['group_size']}" if q.get("group_size") else ""))
     if "recent_tokens" in config:
         parts.append(f"r={config['recent_tokens']}")
     return "+".join(parts) or "none"

@@ -12,10 +12,13 @@
 //                   bits  > 0: scale f32[ceil(m/G), T_k], zero f32[ceil(m/G), T_k],
 //                              codes u8[m, ceil(T_k*bits/8)]  (per-channel groups of G tokens)
 //     keys (recent) dtype[r, D]          all channels, full precision
-//     values (old)  bits == 0: dtype[m, T_v]
-//                   bits  > 0: scale f32[m, ceil(T_v/G)], zero f32[m, ceil(T_v/G)],
-//                              codes u8[m, ceil(T_v*bits/8)]  (per-token groups of G channels)
+//     values (old)  vbits == 0: dtype[m, T_v]
+//                   vbits  > 0: scale f32[m, ceil(T_v/G)], zero f32[m, ceil(T_v/G)],
+//                               codes u8[m, ceil(T_v*vbits/8)]  (per-token groups of G channels)
 //     values(recent) dtype[r, D]
+// bits is the header's quant_bits; vbits is the same in version 1 blobs and the header's
+// value_quant_bits in version 2 ones (written only when the values' bits differ from the keys',
+// so a blob quantized alike is byte for byte what version 1 readers know). Both are 0 or neither.
 // Dequantized value = code * scale + zero. Codes are packed little-endian within a byte (element 0
 // in the lowest bits); each row starts on a byte boundary. Quantization per group of G values:
 // scale = (max - min) / (2^bits - 1) (0 for a constant group, whose codes are then 0), zero = min,
@@ -75,6 +78,8 @@ struct ChannelSelection {
 
 inline constexpr uint32_t kCompactMagic = 0x4c43564bu;  // "KVCL"
 inline constexpr uint16_t kCompactVersion = 1;
+// Version 2: version 1 plus value_quant_bits (values quantized with their own bits).
+inline constexpr uint16_t kCompactVersionValueBits = 2;
 
 struct LayerHeader {
   uint32_t magic = kCompactMagic;
@@ -88,7 +93,8 @@ struct LayerHeader {
   int32_t quant_group = 0;      // G
   uint8_t eviction_policy = 0;  // EvictionPolicy, informational
   uint8_t channel_policy = 0;   // ChannelPolicy, informational
-  uint8_t reserved[34] = {};
+  uint8_t value_quant_bits = 0;  // version 2: the values' bits (2, 4, 8); version 1: 0
+  uint8_t reserved[33] = {};
 };
 static_assert(sizeof(LayerHeader) == 64);
 
@@ -143,6 +149,12 @@ class CompactLayerView {
   int head_dim() const { return header_.head_dim; }
   int seq_len() const { return header_.seq_len; }
   const HeadDesc& desc(int h) const { return descs_[h]; }
+  // Bits of the old keys and of the old values (both 0 when not quantized).
+  int key_bits() const { return header_.quant_bits; }
+  int value_bits() const {
+    return header_.version == kCompactVersionValueBits ? header_.value_quant_bits
+                                                       : header_.quant_bits;
+  }
   // The largest n_kept over heads (heads differ with head-adaptive budgets).
   int max_kept() const {
     int n = 0;

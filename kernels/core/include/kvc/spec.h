@@ -102,10 +102,17 @@ struct ChannelSpec {
 };
 
 struct QuantSpec {
-  int bits = 0;         // 0 (off), 2, 4 or 8
+  int bits = 0;         // 0 (off), 2, 4 or 8: the keys' bits, and the values' unless value_bits
   int group_size = 32;  // keys: tokens per group (per channel); values: channels per group.
                         // Checked only when bits > 0: >= 1 and dividing head_dim.
+  int value_bits = 0;   // 0: as bits; 2, 4 or 8: the values' own bits (needs bits > 0)
 };
+
+// Bits of the old keys and of the old values (0 when quantization is off).
+inline int KeyBits(const QuantSpec& q) { return q.bits; }
+inline int ValueBits(const QuantSpec& q) {
+  return q.bits > 0 && q.value_bits > 0 ? q.value_bits : q.bits;
+}
 
 struct CompressionSpec {
   EvictionSpec eviction;
@@ -124,13 +131,14 @@ struct CompressionSpec {
 // false: none, streaming) or with per-layer granularity; adaptive_floor NaN or outside [0, 1]
 // (checked only when adaptive); a policy reading observation queries (row .inputs kObservation:
 // h2o, snapkv, keyformer), think and prune_values with obs_window 0; lambdas outside [0, 1);
-// quant.bits not in {0, 2, 4, 8}; recent_tokens < 0; layer_index < 0; value_weight unknown, or on
-// (mul/add) for a policy whose row does not compose with it; value_eps negative or not finite;
-// horizon < 1 or above kMaxHorizon; query_stats with a policy that reads no query statistics;
-// such a policy (expected) with obs_window 0 and no query_stats; obs_window > seq_len unless the
-// policy is kvzip ("shape.obs_window: ..."); pass_rows with a policy other than kvzip, with a
-// count other than ceil(seq_len / pass_tokens), an entry below its chunk's token count, or
-// entries that do not sum to obs_window; pass_tokens < 1 with pass_rows.
+// quant.bits not in {0, 2, 4, 8}; quant.value_bits not in {0, 2, 4, 8}, or set with bits 0;
+// recent_tokens < 0; layer_index < 0; value_weight unknown, or on (mul/add) for a policy whose
+// row does not compose with it; value_eps negative or not finite; horizon < 1 or above
+// kMaxHorizon; query_stats with a policy that reads no query statistics; such a policy
+// (expected) with obs_window 0 and no query_stats; obs_window > seq_len unless the policy is
+// kvzip ("shape.obs_window: ..."); pass_rows with a policy other than kvzip, with a count other
+// than ceil(seq_len / pass_tokens), an entry below its chunk's token count, or entries that do not
+// sum to obs_window; pass_tokens < 1 with pass_rows.
 absl::Status ValidateSpec(const CompressionSpec& spec, const LayerShape& shape, int layer_index);
 // The inputs a valid spec reads beyond K, V and Q_obs: a policy reading query statistics
 // (expected) needs in.rope ("rope: ..."), query_stats needs in.q_stats ("q_stats: ...").

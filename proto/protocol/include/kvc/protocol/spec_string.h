@@ -5,7 +5,8 @@
 //   POLICY@BUDGET[,key=value...] eviction keeping BUDGET >= 1 tokens per KV head
 //   think:L | l1:L | l2:L        key channel pruning, L = fraction pruned in [0, 1)
 //   vthink:L                     value channel pruning (prune_values, value_lambda = L)
-//   qB[gG]                       quantization to B in {2, 4, 8} bits, group size G
+//   qB[vV][gG]                   quantization to B in {2, 4, 8} bits, group size G; with vV the
+//                                values take V in {2, 4, 8} bits (keys B), e.g. q8v4g64
 //   r=N                          recent_tokens
 //   full | none                  keep everything (alone)
 // POLICY is a name of the policy table (kvc/policy.h). The eviction options are the
@@ -17,7 +18,7 @@
 // adaptive_floor ALPHA in [0, 1]), value=auto|off|mul|add, veps=EPS, horizon=N, stats=0|1,
 // xlayer=0|1, passes=R0/R1/... (kvzip's reconstruction passes: rows per pass) and chunk=C
 // (context tokens per pass).
-// e.g. "keyformer:0.5+think:0.5+q4", "snapkv:0.25,kernel=7,pool=avg", "q2g16".
+// e.g. "keyformer:0.5+think:0.5+q4", "snapkv:0.25,kernel=7,pool=avg", "q2g16", "q8v4".
 //
 // Thread-safety: pure functions.
 #ifndef KVC_PROTOCOL_SPEC_STRING_H_
