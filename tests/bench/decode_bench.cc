@@ -82,6 +82,8 @@ const char* const kSpecs[] = {
     "keyformer:0.5+think:0.5+q4",
     "keyformer:0.25+think:0.5+q4",
     "keyformer:0.25+think:0.5+q2",
+    "keyformer:0.25+think:0.5+q8",
+    "keyformer:0.25+think:0.5+q8v4",  // 8-bit keys, 4-bit values
 };
 
 using Clock = std::chrono::steady_clock;

@@ -149,6 +149,18 @@ TEST_F(KvcdErrorsTest, BadHeaderFieldsAreInvalidArgumentNamingTheField) {
       {[](auto* h) { h->mutable_compression()->mutable_channels()->set_key_lambda(1.5); },
        "key_lambda"},
       {[](auto* h) { h->mutable_compression()->mutable_quant()->set_bits(3); }, "bits"},
+      {[](auto* h) {
+         h->mutable_compression()->mutable_quant()->set_bits(8);
+         h->mutable_compression()->mutable_quant()->set_value_bits(5);
+       },
+       "quant.value_bits: 5 is not one of 0, 2, 4, 8"},
+      {[](auto* h) { h->mutable_compression()->mutable_quant()->set_value_bits(4); },
+       "quant.value_bits: 4 needs quant.bits > 0"},
+      {[](auto* h) {
+         h->mutable_compression()->mutable_quant()->set_bits(8);
+         h->mutable_compression()->mutable_quant()->set_value_bits(1u << 31);
+       },
+       "quant.value_bits: 2147483648 is not one of 0, 2, 4, 8"},
       {[](auto* h) { h->mutable_compression()->mutable_eviction()->set_pool("median"); }, "pool"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
