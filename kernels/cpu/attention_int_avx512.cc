@@ -118,6 +118,7 @@ void PrepareKeys(const KeyQueryArgs& A) {
   alignas(64) float part[16];
   alignas(64) int8_t grouped[128];  // 64 bytes, read 64 at a time from any plane's start
   const __mmask16 firsts = P == 4 ? 0x0001 : P == 2 ? 0x0101 : 0x1111;  // a lane per block
+  constexpr __mmask16 kBlockLanes = (1u << (16 / kB)) - 1;  // the blocks of 16 channels
   for (int a = 0; a < A.nq; ++a) {
     const float* q = A.qm + static_cast<size_t>(a) * n;
     __m512 zp = _mm512_setzero_ps(), cp = _mm512_setzero_ps();
@@ -147,7 +148,11 @@ void PrepareKeys(const KeyQueryArgs& A) {
       _mm_store_si128(reinterpret_cast<__m128i*>(qi + c0), _mm512_cvtepi32_epi8(i32));
       // The rounding errors' sum (centring, attention_int.h): qs - alpha * qi, lane c mod 16.
       cp = _mm512_add_ps(cp, _mm512_fnmadd_ps(al, _mm512_cvtepi32_ps(i32), y));
-      if (c0 < n) _mm512_mask_compressstoreu_ps(alpha + c0 / kB, firsts, al);
+      // Compressed in a register, then stored: a compressing store to memory is microcoded
+      // and slow on some CPUs (AMD Zen 4), and this runs once per 16 channels per token group.
+      if (c0 < n) {
+        _mm512_mask_storeu_ps(alpha + c0 / kB, kBlockLanes, _mm512_maskz_compress_ps(firsts, al));
+      }
     }
     _mm512_store_ps(part, cp);
     A.qz[a] = __builtin_fmaf(mid, Tree16(part), qz);
