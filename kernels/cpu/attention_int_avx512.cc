@@ -64,13 +64,14 @@ struct KeyArgs {
 
 // ---- Keys -----------------------------------------------------------------------------------
 
-// The fixed pairwise sum of 16 partial sums (attention_int.h).
-inline __attribute__((always_inline)) float Tree16(const float* p) {
-  float t[8];
-  for (int i = 0; i < 8; ++i) t[i] = p[i] + p[i + 8];
-  for (int i = 0; i < 4; ++i) t[i] = t[i] + t[i + 4];
-  for (int i = 0; i < 2; ++i) t[i] = t[i] + t[i + 2];
-  return t[0] + t[1];
+// The fixed pairwise sum of a vector's 16 lanes (attention_int.h's Tree16), in registers: the
+// halves of 512, then 256, then 128 bits, then the last two lanes.
+inline float Tree16(__m512 v) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
 }
 
 // Per 128-bit lane, the bytes of each plane together (pshufb), then the lanes' dwords of each
@@ -104,7 +105,12 @@ inline __m512 BlockMax(__m512 a) {
   }
 }
 
-template <int P>
+// Everything stays in registers from the query to the stored layout: a vector load of bytes
+// that were just stored in smaller or masked pieces cannot be forwarded from the store buffer,
+// and such stalls once made this preparation cost as much as scoring its token group.
+// NC: 64-channel chunks (n <= 64 NC), a constant so that the loops unroll and the chunks'
+// vectors stay in registers.
+template <int P, int NC>
 void PrepareKeys(const KeyQueryArgs& A) {
   constexpr int kB = 4 * P;  // channels per block
   const int n = A.n;
@@ -113,53 +119,77 @@ void PrepareKeys(const KeyQueryArgs& A) {
   const int pieces = A.rows_per_vector > 1 ? 1 : (rb + 63) / 64;
   const size_t per_query = static_cast<size_t>(pieces) * P * width;
   const float mid = static_cast<float>((1 << (8 / P)) - 1) / 2.0f;
-  alignas(64) float qs[256];
-  alignas(64) int8_t qi[256 + 64];
-  alignas(64) float part[16];
-  alignas(64) int8_t grouped[128];  // 64 bytes, read 64 at a time from any plane's start
   const __mmask16 firsts = P == 4 ? 0x0001 : P == 2 ? 0x0101 : 0x1111;  // a lane per block
   constexpr __mmask16 kBlockLanes = (1u << (16 / kB)) - 1;  // the blocks of 16 channels
+  // Lane c of 16 channels reads the scale of block c / kB (counted from the vector's first).
+  const __m512i block_of = _mm512_srli_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      P == 4 ? 4 : P == 2 ? 3 : 2);
+  constexpr int padded = 64 * NC;
+  alignas(64) float qs[256];
+  alignas(64) int8_t grouped[128];  // 64 bytes, read 64 at a time from any plane's start
   for (int a = 0; a < A.nq; ++a) {
     const float* q = A.qm + static_cast<size_t>(a) * n;
-    __m512 zp = _mm512_setzero_ps(), cp = _mm512_setzero_ps();
-    for (int c0 = 0; c0 < n; c0 += 16) {
-      const __mmask16 m =
-          n - c0 >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (n - c0)) - 1);
-      const __m512 x = _mm512_maskz_loadu_ps(m, q + c0);
-      _mm512_store_ps(qs + c0, _mm512_mul_ps(x, _mm512_maskz_loadu_ps(m, A.scale + c0)));
-      zp = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, A.zero + c0), zp);
-    }
-    _mm512_store_ps(part, zp);
-    const float qz = Tree16(part);
-    float* alpha = A.alpha + static_cast<size_t>(a) * 64;
-    const int padded = (n + 63) / 64 * 64;
+    // The scaled channels, the zero term, and each block's largest magnitude (block b in lane
+    // b % 16 of amax[b / 16]).
+    __m512 zp = _mm512_setzero_ps();
+    __m512 amax[NC];
+    for (int i = 0; i < NC; ++i) amax[i] = _mm512_setzero_ps();
     for (int c0 = 0; c0 < padded; c0 += 16) {
       const __mmask16 m = c0 >= n        ? __mmask16{0}
                           : n - c0 >= 16 ? __mmask16{0xffff}
                                          : static_cast<__mmask16>((1u << (n - c0)) - 1);
-      const __m512 y = _mm512_maskz_load_ps(m, qs + c0);
-      const __m512 amax = BlockMax<P>(_mm512_abs_ps(y));
-      const __mmask16 live = _mm512_cmp_ps_mask(amax, _mm512_set1_ps(0x1p-100f), _CMP_GE_OQ);
-      const __m512 inv = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.0f), amax);
-      const __m512 al = _mm512_maskz_div_ps(live, amax, _mm512_set1_ps(127.0f));
-      const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(y, inv), _mm512_set1_ps(-127.0f)),
+      const __m512 x = _mm512_maskz_loadu_ps(m, q + c0);
+      const __m512 y = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(m, A.scale + c0));
+      _mm512_store_ps(qs + c0, y);
+      zp = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, A.zero + c0), zp);
+      // One lane per block, compressed in a register (a compressing store to memory is
+      // microcoded and slow on some CPUs, AMD Zen 4), then expanded into place.
+      const int b = c0 / kB;
+      amax[b >> 4] =
+          _mm512_mask_expand_ps(amax[b >> 4], static_cast<__mmask16>(kBlockLanes << (b & 15)),
+                                _mm512_maskz_compress_ps(firsts, BlockMax<P>(_mm512_abs_ps(y))));
+    }
+    const float qz = Tree16(zp);
+    // alpha = amax / 127 and 127 / amax where amax >= 2^-100 (else both 0): two divisions per
+    // 16 blocks. Stored whole (blocks past the last are 0; the buffer holds 64 per query).
+    float* alpha = A.alpha + static_cast<size_t>(a) * 64;
+    __m512 inv[NC], al[NC];
+    for (int i = 0; i < padded / kB; i += 16) {
+      const __m512 am = amax[i >> 4];
+      const __mmask16 live = _mm512_cmp_ps_mask(am, _mm512_set1_ps(0x1p-100f), _CMP_GE_OQ);
+      inv[i >> 4] = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.0f), am);
+      al[i >> 4] = _mm512_maskz_div_ps(live, am, _mm512_set1_ps(127.0f));
+      _mm512_storeu_ps(alpha + i, al[i >> 4]);
+    }
+    __m512 cp = _mm512_setzero_ps();
+    __m512i qi[NC];
+    for (int i = 0; i < NC; ++i) qi[i] = _mm512_setzero_si512();
+    for (int c0 = 0; c0 < padded; c0 += 16) {
+      const __mmask16 m = c0 >= n        ? __mmask16{0}
+                          : n - c0 >= 16 ? __mmask16{0xffff}
+                                         : static_cast<__mmask16>((1u << (n - c0)) - 1);
+      const int b = c0 / kB;
+      const __m512i lanes = _mm512_add_epi32(block_of, _mm512_set1_epi32(b & 15));
+      const __m512 y = _mm512_load_ps(qs + c0);
+      const __m512 iv = _mm512_permutexvar_ps(lanes, inv[b >> 4]);
+      const __m512 av = _mm512_permutexvar_ps(lanes, al[b >> 4]);
+      const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(y, iv), _mm512_set1_ps(-127.0f)),
                                      _mm512_set1_ps(127.0f));
       const __m512i i32 = _mm512_maskz_cvtps_epi32(m, x);
-      _mm_store_si128(reinterpret_cast<__m128i*>(qi + c0), _mm512_cvtepi32_epi8(i32));
+      qi[c0 >> 6] = _mm512_mask_broadcast_i32x4(
+          qi[c0 >> 6], static_cast<__mmask16>(0xFu << (4 * ((c0 >> 4) & 3))),
+          _mm512_cvtepi32_epi8(i32));
       // The rounding errors' sum (centring, attention_int.h): qs - alpha * qi, lane c mod 16.
-      cp = _mm512_add_ps(cp, _mm512_fnmadd_ps(al, _mm512_cvtepi32_ps(i32), y));
-      // Compressed in a register, then stored: a compressing store to memory is microcoded
-      // and slow on some CPUs (AMD Zen 4), and this runs once per 16 channels per token group.
-      if (c0 < n) {
-        _mm512_mask_storeu_ps(alpha + c0 / kB, kBlockLanes, _mm512_maskz_compress_ps(firsts, al));
-      }
+      cp = _mm512_add_ps(cp, _mm512_fnmadd_ps(av, _mm512_cvtepi32_ps(i32), y));
     }
-    _mm512_store_ps(part, cp);
-    A.qz[a] = __builtin_fmaf(mid, Tree16(part), qz);
+    A.qz[a] = __builtin_fmaf(mid, Tree16(cp), qz);
     auto* out = static_cast<int8_t*>(A.planes) + per_query * a;
-    if (A.rows_per_vector > 1) {  // [plane][rb], rb = 16 or 32
+    if (A.rows_per_vector > 1 && rb * P == 64) {  // [plane][rb] is the grouped vector itself
+      _mm512_storeu_si512(out, GroupPlanes<P>(qi[0]));
+    } else if (A.rows_per_vector > 1) {  // [plane][rb], rb = 16 or 32
       for (int c0 = 0; c0 < n; c0 += 64) {
-        _mm512_store_si512(grouped, GroupPlanes<P>(_mm512_load_si512(qi + c0)));
+        _mm512_store_si512(grouped, GroupPlanes<P>(qi[c0 >> 6]));
         const int b0 = c0 / P;
         const __mmask64 keep = BytesMask(Min(64 / P, rb - b0));
         for (int s = 0; s < P; ++s) {
@@ -169,7 +199,7 @@ void PrepareKeys(const KeyQueryArgs& A) {
       }
     } else {  // [piece][plane][64]: 64 channels make 64 / P bytes of each plane
       for (int c0 = 0; c0 < n; c0 += 64) {
-        _mm512_store_si512(grouped, GroupPlanes<P>(_mm512_load_si512(qi + c0)));
+        _mm512_store_si512(grouped, GroupPlanes<P>(qi[c0 >> 6]));
         const int b0 = c0 / P;
         for (int s = 0; s < P; ++s) {
           int8_t* dst = out + (static_cast<size_t>(b0 >> 6) * P + s) * 64 + (b0 & 63);
@@ -177,6 +207,20 @@ void PrepareKeys(const KeyQueryArgs& A) {
         }
       }
     }
+  }
+}
+
+template <int P>
+void PrepareKeysChunks(const KeyQueryArgs& A) {
+  switch ((A.n + 63) / 64) {
+    case 1:
+      return PrepareKeys<P, 1>(A);
+    case 2:
+      return PrepareKeys<P, 2>(A);
+    case 3:
+      return PrepareKeys<P, 3>(A);
+    default:
+      return PrepareKeys<P, 4>(A);
   }
 }
 
@@ -357,7 +401,9 @@ struct ValueLanes {
   alignas(64) int32_t group[16][16];    // group of each lane (0 where no channel)
   alignas(64) int32_t channel[16][16];  // channel of each lane (0 where none)
   __mmask16 valid[16];                  // lanes that hold a channel
-  bool uniform[16];                     // the four vectors of (k, s) share one group pattern
+  // Group patterns among the four vectors of (k, s): 1 (all share vector 0's), 2 (u = 0, 1 share
+  // vector 0's and u = 2, 3 vector 2's: half mode with groups of 8 bytes), or 4 (each its own).
+  int8_t patterns[16];
 };
 
 void MakeLanes(int bits, int rb, int n, int group, bool half, ValueLanes* L) {
@@ -379,13 +425,15 @@ void MakeLanes(int bits, int rb, int n, int group, bool half, ValueLanes* L) {
           if (ok) L->valid[vi] |= static_cast<__mmask16>(1u << l);
         }
       }
-      bool same = true;
-      for (int u = 1; u < 4; ++u) {
+      const auto same = [&](int u0, int u1) {
+        const int v0 = (k * P + s) * 4;
         for (int l = 0; l < 16; ++l) {
-          same = same && L->group[(k * P + s) * 4 + u][l] == L->group[(k * P + s) * 4][l];
+          if (L->group[v0 + u0][l] != L->group[v0 + u1][l]) return false;
         }
-      }
-      L->uniform[k * P + s] = same;
+        return true;
+      };
+      const bool pairs = same(0, 1) && same(2, 3);
+      L->patterns[k * P + s] = pairs && same(0, 2) ? 1 : pairs ? 2 : 4;
     }
   }
 }
@@ -418,9 +466,9 @@ inline __m512 GroupLanes(const float* row, int ng, __m512i vg, __mmask16 group_m
   }
 }
 
-// Rows `row` (and, half mode, row + 4) of piece k, plane s; rows past the end read as zero.
-template <int Bits, bool Half>
-inline __m512i LoadRowPiece(const ValueArgs& A, int row, int k, int s) {
+// Rows `row` (and, half mode, row + 4) of piece k; rows past the end read as zero.
+template <bool Half>
+inline __m512i LoadRowPiece(const ValueArgs& A, int row, int k) {
   const int rb = static_cast<int>(A.row_bytes);
   if constexpr (Half) {
     const __mmask32 bytes = static_cast<__mmask32>(BytesMask(rb));
@@ -430,31 +478,45 @@ inline __m512i LoadRowPiece(const ValueArgs& A, int row, int k, int s) {
     const __m256i hi = row + 4 < A.rows ? _mm256_maskz_loadu_epi8(
                                               bytes, A.codes + static_cast<size_t>(row + 4) * rb)
                                         : _mm256_setzero_si256();
-    return Plane<Bits>(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), s);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
   } else {
     if (row >= A.rows) return _mm512_setzero_si512();
-    return Plane<Bits>(_mm512_maskz_loadu_epi8(BytesMask(rb - 64 * k),
-                                               A.codes + static_cast<size_t>(row) * rb + 64 * k),
-                       s);
+    return _mm512_maskz_loadu_epi8(BytesMask(rb - 64 * k),
+                                   A.codes + static_cast<size_t>(row) * rb + 64 * k);
+  }
+}
+
+// The rows [b0, b0 + nb) of piece k interleaved (Interleave4), a step of four rows (half mode:
+// eight) at a time, read once for all planes: a plane's bits are a bytewise mask, so taking it
+// commutes with the interleaving.
+template <bool Half>
+inline void InterleaveBlock(const ValueArgs& A, int b0, int nb, int k, __m512i (*out)[4]) {
+  constexpr int kStep = Half ? 8 : 4;
+  for (int q = 0; q * kStep < nb; ++q) {
+    const int row = b0 + kStep * q;
+    Interleave4(LoadRowPiece<Half>(A, row, k), LoadRowPiece<Half>(A, row + 1, k),
+                LoadRowPiece<Half>(A, row + 2, k), LoadRowPiece<Half>(A, row + 3, k), out[q]);
   }
 }
 
 // The integer sums of piece k, plane s over the rows [b0, b0 + nb) of a block, for queries
-// a0 .. a0 + QB, scaled by beta into accf. Uniform: the four vectors share one weight pattern.
-template <int Bits, bool Half, int QB, bool Uniform>
-inline void BlockSums(const ValueArgs& A, const ValueLanes& L, int b0, int nb, int k, int s,
-                      const int32_t (*w4)[16], __m512 beta, float (*accf)[16][16]) {
-  constexpr int P = 8 / Bits;
+// a0 .. a0 + QB, scaled by beta into accf. NU: the group patterns among the four vectors
+// (ValueLanes::patterns): each query's weights are permuted once per pattern.
+template <int Bits, bool Half, int QB, int NU>
+inline void BlockSums(const ValueArgs& A, const ValueLanes& L, const __m512i (*rows)[4], int nb,
+                      int k, int s, const int32_t (*w4)[16], __m512 beta,
+                      float (*accf)[16][16]) {
   constexpr int kStep = Half ? 8 : 4;  // rows per step
-  constexpr int NU = Uniform ? 1 : 4;
+  constexpr int P = 8 / Bits;
   const int ng = A.groups;
   const int v0 = (k * P + s) * 4;
   __m512i idx[QB][NU];  // weight lanes: (a, group) of each lane (+16: the second four rows)
   for (int a = 0; a < QB; ++a) {
-    for (int u = 0; u < NU; ++u) {
-      __m512i g = _mm512_add_epi32(_mm512_load_si512(L.group[v0 + u]), _mm512_set1_epi32(a * ng));
+    for (int t = 0; t < NU; ++t) {
+      __m512i g = _mm512_add_epi32(_mm512_load_si512(L.group[v0 + t * (4 / NU)]),
+                                   _mm512_set1_epi32(a * ng));
       if constexpr (Half) g = _mm512_mask_add_epi32(g, 0xff00, g, _mm512_set1_epi32(16));
-      idx[a][u] = g;
+      idx[a][t] = g;
     }
   }
   __m512i iacc[QB][4];
@@ -462,26 +524,19 @@ inline void BlockSums(const ValueArgs& A, const ValueLanes& L, int b0, int nb, i
     for (int u = 0; u < 4; ++u) iacc[a][u] = _mm512_setzero_si512();
   }
   for (int q = 0; q * kStep < nb; ++q) {
-    const int row = b0 + kStep * q;
     __m512i v[4];
-    Interleave4(LoadRowPiece<Bits, Half>(A, row, k, s), LoadRowPiece<Bits, Half>(A, row + 1, k, s),
-                LoadRowPiece<Bits, Half>(A, row + 2, k, s),
-                LoadRowPiece<Bits, Half>(A, row + 3, k, s), v);
+    for (int u = 0; u < 4; ++u) v[u] = Plane<Bits>(_mm512_load_si512(&rows[q][u]), s);
     const int q4 = Half ? 2 * q : q;  // the first four rows' weights in w4
     const __m512i wq = _mm512_load_si512(w4[q4]);
     const __m512i wq2 = Half ? _mm512_load_si512(w4[q4 + 1]) : wq;
     for (int a = 0; a < QB; ++a) {
+      __m512i wv[NU];
+      for (int t = 0; t < NU; ++t) {
+        wv[t] = Half ? _mm512_permutex2var_epi32(wq, idx[a][t], wq2)
+                     : _mm512_permutexvar_epi32(idx[a][t], wq);
+      }
       for (int u = 0; u < 4; ++u) {
-        if (Uniform && u > 0) {
-          iacc[a][u] = _mm512_dpbusd_epi32(iacc[a][u],
-                                           Half ? _mm512_permutex2var_epi32(wq, idx[a][0], wq2)
-                                                : _mm512_permutexvar_epi32(idx[a][0], wq),
-                                           v[u]);
-          continue;
-        }
-        const __m512i wv = Half ? _mm512_permutex2var_epi32(wq, idx[a][Uniform ? 0 : u], wq2)
-                                : _mm512_permutexvar_epi32(idx[a][Uniform ? 0 : u], wq);
-        iacc[a][u] = _mm512_dpbusd_epi32(iacc[a][u], wv, v[u]);
+        iacc[a][u] = _mm512_dpbusd_epi32(iacc[a][u], wv[u / (4 / NU)], v[u]);
       }
     }
   }
@@ -499,14 +554,15 @@ inline void BlockSums(const ValueArgs& A, const ValueLanes& L, int b0, int nb, i
   }
 }
 
-// Queries a0 .. a0 + QB (QB * groups <= 16 lanes (a, g) in the weight vectors).
-template <int Bits, bool Half, int QB>
+// Queries a0 .. a0 + QB (QB * groups <= 16 lanes (a, g) in the weight vectors). NG: the groups
+// per row when a constant (4: 128 channels in groups of 32, the common shape), else 0.
+template <int Bits, bool Half, int QB, int NG>
 void ValueQueries(const ValueArgs& A, const ValueLanes& L, int a0) {
   constexpr int qb = QB;
   constexpr float kMid = static_cast<float>((1 << Bits) - 1) / 2.0f;
   constexpr int P = 8 / Bits;
   const int rb = static_cast<int>(A.row_bytes);
-  const int ng = A.groups;
+  const int ng = NG > 0 ? NG : A.groups;
   const int pieces = Half ? 1 : (rb + 63) / 64;
   const int lanes = qb * ng;
   const __mmask16 lane_mask = static_cast<__mmask16>((1u << lanes) - 1);
@@ -525,6 +581,7 @@ void ValueQueries(const ValueArgs& A, const ValueLanes& L, int a0) {
   __m512 zacc = _mm512_setzero_ps();
   alignas(64) float w[kValueBlock][16];
   alignas(64) int32_t w4[kValueBlock / 4 + 1][16];  // +1: half mode reads one step past a tail
+  alignas(64) __m512i rows[kValueBlock / 4][4];      // a piece's rows, interleaved
   for (int b0 = 0; b0 < A.rows; b0 += kValueBlock) {
     const int nb = Min(kValueBlock, A.rows - b0);
     // Weights w[j][(a, g)] = p * scale, their max per lane, and the zero term; p transposed 16
@@ -589,11 +646,18 @@ void ValueQueries(const ValueArgs& A, const ValueLanes& L, int a0) {
     zacc = _mm512_fmadd_ps(_mm512_set1_ps(kMid),
                            _mm512_fnmadd_ps(beta, _mm512_cvtepi32_ps(wisum), wsum), zacc);
     for (int k = 0; k < pieces; ++k) {
+      InterleaveBlock<Half>(A, b0, nb, k, rows);
       for (int s = 0; s < P; ++s) {
-        if (L.uniform[k * P + s]) {
-          BlockSums<Bits, Half, QB, true>(A, L, b0, nb, k, s, w4, beta, accf);
-        } else {
-          BlockSums<Bits, Half, QB, false>(A, L, b0, nb, k, s, w4, beta, accf);
+        switch (L.patterns[k * P + s]) {
+          case 1:
+            BlockSums<Bits, Half, QB, 1>(A, L, rows, nb, k, s, w4, beta, accf);
+            break;
+          case 2:
+            BlockSums<Bits, Half, QB, 2>(A, L, rows, nb, k, s, w4, beta, accf);
+            break;
+          default:
+            BlockSums<Bits, Half, QB, 4>(A, L, rows, nb, k, s, w4, beta, accf);
+            break;
         }
       }
     }
@@ -627,16 +691,20 @@ void ValueBits(const ValueArgs& A, const ValueLanes& lanes) {
   for (int a0 = 0; a0 < A.nq; a0 += qb) {
     switch (Min(qb, A.nq - a0)) {
       case 4:
-        ValueQueries<Bits, Half, 4>(A, lanes, a0);
+        if (A.groups == 4) {
+          ValueQueries<Bits, Half, 4, 4>(A, lanes, a0);
+        } else {
+          ValueQueries<Bits, Half, 4, 0>(A, lanes, a0);
+        }
         break;
       case 3:
-        ValueQueries<Bits, Half, 3>(A, lanes, a0);
+        ValueQueries<Bits, Half, 3, 0>(A, lanes, a0);
         break;
       case 2:
-        ValueQueries<Bits, Half, 2>(A, lanes, a0);
+        ValueQueries<Bits, Half, 2, 0>(A, lanes, a0);
         break;
       default:
-        ValueQueries<Bits, Half, 1>(A, lanes, a0);
+        ValueQueries<Bits, Half, 1, 0>(A, lanes, a0);
         break;
     }
   }
@@ -703,13 +771,13 @@ void ScoreKeysVnni(const KeyChunkArgs& C) {
       k.s = C.s + static_cast<size_t>(a0) * C.ss + (r0 - C.j0);
       k.ss = C.ss;
       if (C.bits == 4) {
-        PrepareKeys<2>(q);
+        PrepareKeysChunks<2>(q);
         KeyBits<4>(k);
       } else if (C.bits == 2) {
-        PrepareKeys<4>(q);
+        PrepareKeysChunks<4>(q);
         KeyBits<2>(k);
       } else {
-        PrepareKeys<1>(q);
+        PrepareKeysChunks<1>(q);
         KeyBits<8>(k);
       }
     }
