@@ -105,6 +105,46 @@ inline __m512 BlockMax(__m512 a) {
   }
 }
 
+// Query a's int8 channels (qi: 64 per vector) in the kernels' layout (KeyRows).
+template <int P, int NC>
+inline void StorePlanes(const KeyQueryArgs& A, int a, const __m512i* qi) {
+  const int rb = static_cast<int>(A.row_bytes);
+  const int width = A.rows_per_vector > 1 ? rb : 64;  // bytes per plane vector in `planes`
+  const int pieces = A.rows_per_vector > 1 ? 1 : (rb + 63) / 64;
+  const size_t per_query = static_cast<size_t>(pieces) * P * width;
+  alignas(64) int8_t grouped[128];  // 64 bytes, read 64 at a time from any plane's start
+  auto* out = static_cast<int8_t*>(A.planes) + per_query * a;
+  if (A.rows_per_vector > 1 && rb * P == 64) {  // [plane][rb] is the grouped vector itself
+    _mm512_storeu_si512(out, GroupPlanes<P>(qi[0]));
+  } else if (A.rows_per_vector > 1) {  // [plane][rb], rb = 16 or 32
+    for (int c0 = 0; c0 < A.n; c0 += 64) {
+      _mm512_store_si512(grouped, GroupPlanes<P>(qi[c0 >> 6]));
+      const int b0 = c0 / P;
+      const __mmask64 keep = BytesMask(Min(64 / P, rb - b0));
+      for (int s = 0; s < P; ++s) {
+        _mm512_mask_storeu_epi8(out + s * rb + b0, keep,
+                                _mm512_maskz_loadu_epi8(keep, grouped + s * (64 / P)));
+      }
+    }
+  } else {  // [piece][plane][64]: 64 channels make 64 / P bytes of each plane
+    for (int c0 = 0; c0 < A.n; c0 += 64) {
+      _mm512_store_si512(grouped, GroupPlanes<P>(qi[c0 >> 6]));
+      const int b0 = c0 / P;
+      for (int s = 0; s < P; ++s) {
+        int8_t* dst = out + (static_cast<size_t>(b0 >> 6) * P + s) * 64 + (b0 & 63);
+        __builtin_memcpy(dst, grouped + s * (64 / P), 64 / P);
+      }
+    }
+  }
+}
+
+// Lane c of 16 channels reads the scale of block c / (4P), counted from the vector's first.
+template <int P>
+inline __m512i BlockOfLane() {
+  return _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           P == 4 ? 4 : P == 2 ? 3 : 2);
+}
+
 // Everything stays in registers from the query to the stored layout: a vector load of bytes
 // that were just stored in smaller or masked pieces cannot be forwarded from the store buffer,
 // and such stalls once made this preparation cost as much as scoring its token group.
@@ -114,20 +154,12 @@ template <int P, int NC>
 void PrepareKeys(const KeyQueryArgs& A) {
   constexpr int kB = 4 * P;  // channels per block
   const int n = A.n;
-  const int rb = static_cast<int>(A.row_bytes);
-  const int width = A.rows_per_vector > 1 ? rb : 64;  // bytes per plane vector in `planes`
-  const int pieces = A.rows_per_vector > 1 ? 1 : (rb + 63) / 64;
-  const size_t per_query = static_cast<size_t>(pieces) * P * width;
   const float mid = static_cast<float>((1 << (8 / P)) - 1) / 2.0f;
   const __mmask16 firsts = P == 4 ? 0x0001 : P == 2 ? 0x0101 : 0x1111;  // a lane per block
   constexpr __mmask16 kBlockLanes = (1u << (16 / kB)) - 1;  // the blocks of 16 channels
-  // Lane c of 16 channels reads the scale of block c / kB (counted from the vector's first).
-  const __m512i block_of = _mm512_srli_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      P == 4 ? 4 : P == 2 ? 3 : 2);
+  const __m512i block_of = BlockOfLane<P>();
   constexpr int padded = 64 * NC;
   alignas(64) float qs[256];
-  alignas(64) int8_t grouped[128];  // 64 bytes, read 64 at a time from any plane's start
   for (int a = 0; a < A.nq; ++a) {
     const float* q = A.qm + static_cast<size_t>(a) * n;
     // The scaled channels, the zero term, and each block's largest magnitude (block b in lane
@@ -174,8 +206,9 @@ void PrepareKeys(const KeyQueryArgs& A) {
       const __m512 y = _mm512_load_ps(qs + c0);
       const __m512 iv = _mm512_permutexvar_ps(lanes, inv[b >> 4]);
       const __m512 av = _mm512_permutexvar_ps(lanes, al[b >> 4]);
-      const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(y, iv), _mm512_set1_ps(-127.0f)),
-                                     _mm512_set1_ps(127.0f));
+      // |y * inv| <= 127 (1 + 2^-23) rounds to at most 127: no upper clamp; the lower one maps
+      // NaN to -127 as the portable kernel does.
+      const __m512 x = _mm512_max_ps(_mm512_mul_ps(y, iv), _mm512_set1_ps(-127.0f));
       const __m512i i32 = _mm512_maskz_cvtps_epi32(m, x);
       qi[c0 >> 6] = _mm512_mask_broadcast_i32x4(
           qi[c0 >> 6], static_cast<__mmask16>(0xFu << (4 * ((c0 >> 4) & 3))),
@@ -184,29 +217,122 @@ void PrepareKeys(const KeyQueryArgs& A) {
       cp = _mm512_add_ps(cp, _mm512_fnmadd_ps(av, _mm512_cvtepi32_ps(i32), y));
     }
     A.qz[a] = __builtin_fmaf(mid, Tree16(cp), qz);
-    auto* out = static_cast<int8_t*>(A.planes) + per_query * a;
-    if (A.rows_per_vector > 1 && rb * P == 64) {  // [plane][rb] is the grouped vector itself
-      _mm512_storeu_si512(out, GroupPlanes<P>(qi[0]));
-    } else if (A.rows_per_vector > 1) {  // [plane][rb], rb = 16 or 32
-      for (int c0 = 0; c0 < n; c0 += 64) {
-        _mm512_store_si512(grouped, GroupPlanes<P>(qi[c0 >> 6]));
-        const int b0 = c0 / P;
-        const __mmask64 keep = BytesMask(Min(64 / P, rb - b0));
-        for (int s = 0; s < P; ++s) {
-          _mm512_mask_storeu_epi8(out + s * rb + b0, keep,
-                                  _mm512_maskz_loadu_epi8(keep, grouped + s * (64 / P)));
-        }
-      }
-    } else {  // [piece][plane][64]: 64 channels make 64 / P bytes of each plane
-      for (int c0 = 0; c0 < n; c0 += 64) {
-        _mm512_store_si512(grouped, GroupPlanes<P>(qi[c0 >> 6]));
-        const int b0 = c0 / P;
-        for (int s = 0; s < P; ++s) {
-          int8_t* dst = out + (static_cast<size_t>(b0 >> 6) * P + s) * 64 + (b0 & 63);
-          __builtin_memcpy(dst, grouped + s * (64 / P), 64 / P);
-        }
-      }
+    StorePlanes<P, NC>(A, a, qi);
+  }
+}
+
+// The largest magnitude of every block of 4P lanes of 16 vectors (block i of v[j] is block
+// 4j / P + i overall), into 4 / P vectors (out[o] lane l: block 16 o + l), by halving: each
+// step takes half of every block's lanes from two vectors and keeps the larger, as a transpose
+// does. Exact (max only). v is overwritten.
+template <int P>
+inline void BlockMaxima(__m512* v, __m512* out) {
+  int m = 16;
+  if constexpr (P == 4) {  // blocks of 16 lanes -> 8: 256-bit halves
+    for (int i = 0; i < m / 2; ++i) {
+      v[i] = _mm512_max_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                           _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
     }
+    m /= 2;
+  }
+  if constexpr (P >= 2) {  // 8 -> 4: 128-bit quarters
+    for (int i = 0; i < m / 2; ++i) {
+      v[i] = _mm512_max_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xDD));
+    }
+    m /= 2;
+  }
+  for (int i = 0; i < m / 2; ++i) {  // 4 -> 2 within each 128-bit lane
+    v[i] = _mm512_max_ps(_mm512_shuffle_ps(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  m /= 2;
+  for (int i = 0; i < m / 2; ++i) {  // 2 -> 1
+    v[i] = _mm512_max_ps(_mm512_shuffle_ps(v[2 * i], v[2 * i + 1], 0x88),
+                         _mm512_shuffle_ps(v[2 * i], v[2 * i + 1], 0xDD));
+  }
+  m /= 2;
+  // Lane 4L + t now holds block 4t + L of its 16: back to order.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int i = 0; i < m; ++i) out[i] = _mm512_permutexvar_ps(order, v[i]);
+}
+
+// PrepareKeys for up to four queries of at most 64 channels (the common decode shape: a GQA
+// group of four, 64 or fewer kept channels), all four at once: the block maxima of the sixteen
+// 16-channel vectors come from one transpose-like reduction (BlockMaxima) instead of a
+// horizontal one per vector, and the divisions run once per 16 blocks of all queries. The same
+// arithmetic as PrepareKeys, value for value. Queries past nq count as zero and are not stored.
+template <int P>
+void PrepareKeysSmall(const KeyQueryArgs& A) {
+  constexpr int kB = 4 * P;
+  constexpr int kBlocks = 64 / kB;  // per query
+  const int n = A.n;
+  const float mid = static_cast<float>((1 << (8 / P)) - 1) / 2.0f;
+  alignas(64) float qs[4][64];
+  __m512 mag[16];
+  float qz[4];
+  for (int a = 0; a < 4; ++a) {
+    const float* q = A.qm + static_cast<size_t>(a) * n;
+    __m512 zp = _mm512_setzero_ps();
+    for (int c0 = 0; c0 < 64; c0 += 16) {
+      const __mmask16 m = a >= A.nq || c0 >= n ? __mmask16{0}
+                          : n - c0 >= 16       ? __mmask16{0xffff}
+                                               : static_cast<__mmask16>((1u << (n - c0)) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(m, q + c0);
+      const __m512 y = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(m, A.scale + c0));
+      _mm512_store_ps(qs[a] + c0, y);
+      zp = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, A.zero + c0), zp);
+      mag[a * 4 + c0 / 16] = _mm512_abs_ps(y);
+    }
+    qz[a] = Tree16(zp);
+  }
+  constexpr int kOut = 16 / kB;  // vectors of block maxima: 1, 2 or 4
+  __m512 amax[kOut], inv[kOut], al[kOut];
+  BlockMaxima<P>(mag, amax);
+  for (int i = 0; i < kOut; ++i) {
+    const __mmask16 live = _mm512_cmp_ps_mask(amax[i], _mm512_set1_ps(0x1p-100f), _CMP_GE_OQ);
+    inv[i] = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.0f), amax[i]);
+    al[i] = _mm512_maskz_div_ps(live, amax[i], _mm512_set1_ps(127.0f));
+  }
+  // Query a's blocks are blocks a * kBlocks .. of the maxima, stored as the kernels load them
+  // (KeyRows: 4, 8 or 16 floats from the query's start), blocks past n being 0.
+  for (int a = 0; a < A.nq; ++a) {
+    float* alpha = A.alpha + static_cast<size_t>(a) * 64;
+    if constexpr (P == 4) {
+      const __m512i four = _mm512_add_epi32(
+          _mm512_setr_epi32(0, 1, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_set1_epi32(4 * a));
+      _mm_storeu_ps(alpha, _mm512_castps512_ps128(_mm512_permutexvar_ps(four, al[0])));
+    } else if constexpr (P == 2) {
+      _mm256_storeu_ps(alpha, a % 2 == 0 ? _mm512_castps512_ps256(al[a / 2])
+                                         : _mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                               _mm512_castps_pd(al[a / 2]), 1)));
+    } else {
+      _mm512_storeu_ps(alpha, al[a]);
+    }
+  }
+  const __m512i block_of = BlockOfLane<P>();
+  for (int a = 0; a < A.nq; ++a) {
+    __m512 cp = _mm512_setzero_ps();
+    __m512i qi = _mm512_setzero_si512();
+    for (int c0 = 0; c0 < 64; c0 += 16) {
+      const __mmask16 m = c0 >= n        ? __mmask16{0}
+                          : n - c0 >= 16 ? __mmask16{0xffff}
+                                         : static_cast<__mmask16>((1u << (n - c0)) - 1);
+      const int b = a * kBlocks + c0 / kB;  // the chunk's first block overall
+      const __m512i lanes = _mm512_add_epi32(block_of, _mm512_set1_epi32(b & 15));
+      const __m512 y = _mm512_load_ps(qs[a] + c0);
+      const __m512 iv = _mm512_permutexvar_ps(lanes, inv[b >> 4]);
+      const __m512 av = _mm512_permutexvar_ps(lanes, al[b >> 4]);
+      // |y * inv| <= 127 (1 + 2^-23) rounds to at most 127: no upper clamp; the lower one maps
+      // NaN to -127 as the portable kernel does.
+      const __m512 x = _mm512_max_ps(_mm512_mul_ps(y, iv), _mm512_set1_ps(-127.0f));
+      const __m512i i32 = _mm512_maskz_cvtps_epi32(m, x);
+      qi = _mm512_mask_broadcast_i32x4(qi, static_cast<__mmask16>(0xFu << (4 * (c0 >> 4))),
+                                       _mm512_cvtepi32_epi8(i32));
+      cp = _mm512_add_ps(cp, _mm512_fnmadd_ps(av, _mm512_cvtepi32_ps(i32), y));
+    }
+    A.qz[a] = __builtin_fmaf(mid, Tree16(cp), qz[a]);
+    StorePlanes<P, 1>(A, a, &qi);
   }
 }
 
@@ -214,7 +340,7 @@ template <int P>
 void PrepareKeysChunks(const KeyQueryArgs& A) {
   switch ((A.n + 63) / 64) {
     case 1:
-      return PrepareKeys<P, 1>(A);
+      return PrepareKeysSmall<P>(A);
     case 2:
       return PrepareKeys<P, 2>(A);
     case 3:
