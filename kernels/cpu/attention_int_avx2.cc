@@ -171,13 +171,16 @@ inline __m256 Max8x8(const __m256* v) {
 // reduced together (one transpose instead of eight) and the two divisions run once per eight
 // chunks. The int8 query goes out as int32 [query][block][plane]: the four query bytes that
 // block k of a row (its code bytes 4k .. 4k + 3) meets in plane s, for KeyTiles to broadcast.
-template <int P>
+// NC: 64-channel pieces (n <= 64 NC), a constant so that the loops over the 8-channel chunks
+// unroll and their magnitudes stay in registers (through the stack they cost a store and a load
+// each, most of this function's time).
+template <int P, int NC>
 void PrepareKeysWide(const KeyQueryArgs& A) {
   static_assert(P == 2 || P == 4);
   const int n = A.n;
   const int blocks = static_cast<int>(A.row_bytes) / 4;  // of 4 code bytes
   const float mid = static_cast<float>((1 << (8 / P)) - 1) / 2.0f;
-  const int chunks = (n + 7) / 8;         // of 8 channels, <= 32
+  const int chunks = (n + 7) / 8;         // of 8 channels, <= 8 NC
   const int padded = (chunks + 3) / 4 * 4;  // to whole 32-channel vectors of int8
   alignas(32) float qs[256];
   alignas(32) float inv[32], al[32];
@@ -187,8 +190,13 @@ void PrepareKeysWide(const KeyQueryArgs& A) {
   for (int a = 0; a < A.nq; ++a) {
     const float* q = A.qm + static_cast<size_t>(a) * n;
     __m256 zp[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m256 mag[32];
-    for (int i = 0; i < chunks; ++i) {
+    __m256 mag[8 * NC];
+#pragma GCC unroll 32
+    for (int i = 0; i < 8 * NC; ++i) {
+      if (i >= chunks) {
+        mag[i] = _mm256_setzero_ps();
+        continue;
+      }
       const int c0 = 8 * i;
       __m256 x, sc, z;
       if (c0 + 8 <= n) {
@@ -206,9 +214,10 @@ void PrepareKeysWide(const KeyQueryArgs& A) {
       zp[i % 2] = _mm256_fmadd_ps(x, z, zp[i % 2]);
       mag[i] = _mm256_andnot_ps(sign, y);
     }
-    for (int i = chunks; i < (chunks + 7) / 8 * 8; ++i) mag[i] = _mm256_setzero_ps();
     const float qz = Tree16v(zp[0], zp[1]);
-    for (int i = 0; i < chunks; i += 8) {
+#pragma GCC unroll 4
+    for (int i = 0; i < 8 * NC; i += 8) {
+      if (i >= chunks) break;
       __m256 amax = Max8x8(mag + i);
       // 4 bits per code: a block is two chunks (lanes 2b, 2b + 1).
       if constexpr (P == 4) amax = _mm256_max_ps(amax, _mm256_permute_ps(amax, 0xB1));
@@ -233,9 +242,10 @@ void PrepareKeysWide(const KeyQueryArgs& A) {
         const __m256 x =
             _mm256_max_ps(_mm256_mul_ps(y, _mm256_broadcast_ss(inv + i)), _mm256_set1_ps(-127.0f));
         i32[h] = _mm256_cvtps_epi32(x);
-        // The rounding errors' sum (centring, attention_int.h): qs - alpha * qi, lane c mod 16.
-        cp[i % 2] = _mm256_add_ps(
-            cp[i % 2],
+        // The rounding errors' sum (centring, attention_int.h): qs - alpha * qi, lane c mod 16
+        // (cp[h % 2] is cp[i % 2]: v is a multiple of 4, and h a constant once unrolled).
+        cp[h % 2] = _mm256_add_ps(
+            cp[h % 2],
             _mm256_fnmadd_ps(_mm256_broadcast_ss(al + i), _mm256_cvtepi32_ps(i32[h]), y));
       }
       const __m256i i8 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]),
@@ -258,6 +268,20 @@ void PrepareKeysWide(const KeyQueryArgs& A) {
         }
       }
     }
+  }
+}
+
+template <int P>
+void PrepareKeysWideChunks(const KeyQueryArgs& A) {
+  switch ((A.n + 63) / 64) {
+    case 1:
+      return PrepareKeysWide<P, 1>(A);
+    case 2:
+      return PrepareKeysWide<P, 2>(A);
+    case 3:
+      return PrepareKeysWide<P, 3>(A);
+    default:
+      return PrepareKeysWide<P, 4>(A);
   }
 }
 
@@ -776,10 +800,10 @@ void ScoreKeysAvx2(const KeyChunkArgs& C) {
       k.s = C.s + static_cast<size_t>(a0) * C.ss + (r0 - C.j0);
       k.ss = C.ss;
       if (C.bits == 4) {
-        PrepareKeysWide<2>(q);
+        PrepareKeysWideChunks<2>(q);
         KeyQueries<4>(k);
       } else if (C.bits == 2) {
-        PrepareKeysWide<4>(q);
+        PrepareKeysWideChunks<4>(q);
         KeyQueries<2>(k);
       } else {
         PrepareKeys8(q);
