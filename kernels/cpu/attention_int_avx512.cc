@@ -522,6 +522,9 @@ void KeyBits(const KeyArgs& A) {
 // The lanes of the vectors one step produces: vector (piece k, plane s, u) lane l = 4L + t holds
 // byte 64k + 16L + 4u + t of its rows (half mode: byte 16 (L % 2) + 4u + t, L >= 2 for the second
 // four rows), i.e. channel (that byte) * P + s.
+// Most patterns whose permuted weights are computed once per block for all planes.
+inline constexpr int kMaxSharedPatterns = 2;
+
 struct ValueLanes {
   int vectors = 0;                      // pieces * P * 4
   alignas(64) int32_t group[16][16];    // group of each lane (0 where no channel)
@@ -530,6 +533,9 @@ struct ValueLanes {
   // Group patterns among the four vectors of (k, s): 1 (all share vector 0's), 2 (u = 0, 1 share
   // vector 0's and u = 2, 3 vector 2's: half mode with groups of 8 bytes), or 4 (each its own).
   int8_t patterns[16];
+  // Per piece: its planes' vectors have the same group patterns (groups of a multiple of 8 / bits
+  // channels), so the permuted weights serve them all.
+  bool planes_share[4];
 };
 
 void MakeLanes(int bits, int rb, int n, int group, bool half, ValueLanes* L) {
@@ -560,6 +566,15 @@ void MakeLanes(int bits, int rb, int n, int group, bool half, ValueLanes* L) {
       };
       const bool pairs = same(0, 1) && same(2, 3);
       L->patterns[k * P + s] = pairs && same(0, 2) ? 1 : pairs ? 2 : 4;
+    }
+    L->planes_share[k] = L->patterns[k * P] <= kMaxSharedPatterns;
+    for (int s = 1; s < P; ++s) {
+      for (int i = 0; i < 4; ++i) {
+        for (int l = 0; l < 16; ++l) {
+          L->planes_share[k] = L->planes_share[k] &&
+                               L->group[(k * P + s) * 4 + i][l] == L->group[k * P * 4 + i][l];
+        }
+      }
     }
   }
 }
@@ -625,18 +640,10 @@ inline void InterleaveBlock(const ValueArgs& A, int b0, int nb, int k, __m512i (
   }
 }
 
-// The integer sums of piece k, plane s over the rows [b0, b0 + nb) of a block, for queries
-// a0 .. a0 + QB, scaled by beta into accf. NU: the group patterns among the four vectors
-// (ValueLanes::patterns): each query's weights are permuted once per pattern.
-template <int Bits, bool Half, int QB, int NU>
-inline void BlockSums(const ValueArgs& A, const ValueLanes& L, const __m512i (*rows)[4], int nb,
-                      int k, int s, const int32_t (*w4)[16], __m512 beta,
-                      float (*accf)[16][16]) {
-  constexpr int kStep = Half ? 8 : 4;  // rows per step
-  constexpr int P = 8 / Bits;
-  const int ng = A.groups;
-  const int v0 = (k * P + s) * 4;
-  __m512i idx[QB][NU];  // weight lanes: (a, group) of each lane (+16: the second four rows)
+// The weight lanes of each query (a, group of each lane; +16: the second four rows in half
+// mode) for pattern t of vector v0's four (ValueLanes::patterns).
+template <bool Half, int QB, int NU>
+inline void WeightLanes(const ValueLanes& L, int ng, int v0, __m512i (*idx)[NU]) {
   for (int a = 0; a < QB; ++a) {
     for (int t = 0; t < NU; ++t) {
       __m512i g = _mm512_add_epi32(_mm512_load_si512(L.group[v0 + t * (4 / NU)]),
@@ -645,6 +652,52 @@ inline void BlockSums(const ValueArgs& A, const ValueLanes& L, const __m512i (*r
       idx[a][t] = g;
     }
   }
+}
+
+// Step q's weights permuted for query a, pattern t.
+template <bool Half>
+inline __m512i StepWeights(const int32_t (*w4)[16], int q, __m512i idx) {
+  const int q4 = Half ? 2 * q : q;  // the first four rows' weights in w4
+  const __m512i wq = _mm512_load_si512(w4[q4]);
+  if constexpr (Half) {
+    return _mm512_permutex2var_epi32(wq, idx, _mm512_load_si512(w4[q4 + 1]));
+  } else {
+    return _mm512_permutexvar_epi32(idx, wq);
+  }
+}
+
+// The permuted weights of every step of a block (nb rows) for vector v0's patterns, when all
+// the planes of its piece share them (ValueLanes::planes_share): pre[q][a][t].
+template <bool Half, int QB, int NU>
+inline void PermuteBlockWeights(const ValueLanes& L, int ng, int v0, int nb,
+                                const int32_t (*w4)[16],
+                                __m512i (*pre)[4][kMaxSharedPatterns]) {
+  static_assert(NU <= kMaxSharedPatterns);
+  constexpr int kStep = Half ? 8 : 4;
+  __m512i idx[QB][NU];
+  WeightLanes<Half, QB, NU>(L, ng, v0, idx);
+  for (int q = 0; q * kStep < nb; ++q) {
+    for (int a = 0; a < QB; ++a) {
+      for (int t = 0; t < NU; ++t) pre[q][a][t] = StepWeights<Half>(w4, q, idx[a][t]);
+    }
+  }
+}
+
+// The integer sums of piece k, plane s over the rows [b0, b0 + nb) of a block, for queries
+// a0 .. a0 + QB, scaled by beta into accf. NU: the group patterns among the four vectors
+// (ValueLanes::patterns): each query's weights are permuted once per pattern, here (Pre false)
+// or once for all planes (Pre: PermuteBlockWeights' pre).
+template <int Bits, bool Half, int QB, int NU, bool Pre>
+inline void BlockSums(const ValueArgs& A, const ValueLanes& L, const __m512i (*rows)[4], int nb,
+                      int k, int s, const int32_t (*w4)[16],
+                      const __m512i (*pre)[4][kMaxSharedPatterns], __m512 beta,
+                      float (*accf)[16][16]) {
+  constexpr int kStep = Half ? 8 : 4;  // rows per step
+  constexpr int P = 8 / Bits;
+  const int ng = A.groups;
+  const int v0 = (k * P + s) * 4;
+  __m512i idx[QB][NU];
+  if constexpr (!Pre) WeightLanes<Half, QB, NU>(L, ng, v0, idx);
   __m512i iacc[QB][4];
   for (int a = 0; a < QB; ++a) {
     for (int u = 0; u < 4; ++u) iacc[a][u] = _mm512_setzero_si512();
@@ -652,14 +705,14 @@ inline void BlockSums(const ValueArgs& A, const ValueLanes& L, const __m512i (*r
   for (int q = 0; q * kStep < nb; ++q) {
     __m512i v[4];
     for (int u = 0; u < 4; ++u) v[u] = Plane<Bits>(_mm512_load_si512(&rows[q][u]), s);
-    const int q4 = Half ? 2 * q : q;  // the first four rows' weights in w4
-    const __m512i wq = _mm512_load_si512(w4[q4]);
-    const __m512i wq2 = Half ? _mm512_load_si512(w4[q4 + 1]) : wq;
     for (int a = 0; a < QB; ++a) {
       __m512i wv[NU];
       for (int t = 0; t < NU; ++t) {
-        wv[t] = Half ? _mm512_permutex2var_epi32(wq, idx[a][t], wq2)
-                     : _mm512_permutexvar_epi32(idx[a][t], wq);
+        if constexpr (Pre) {
+          wv[t] = _mm512_load_si512(&pre[q][a][t]);
+        } else {
+          wv[t] = StepWeights<Half>(w4, q, idx[a][t]);
+        }
       }
       for (int u = 0; u < 4; ++u) {
         iacc[a][u] = _mm512_dpbusd_epi32(iacc[a][u], wv[u / (4 / NU)], v[u]);
@@ -708,6 +761,7 @@ void ValueQueries(const ValueArgs& A, const ValueLanes& L, int a0) {
   alignas(64) float w[kValueBlock][16];
   alignas(64) int32_t w4[kValueBlock / 4 + 1][16];  // +1: half mode reads one step past a tail
   alignas(64) __m512i rows[kValueBlock / 4][4];      // a piece's rows, interleaved
+  alignas(64) __m512i pre[kValueBlock / 4][4][kMaxSharedPatterns];  // weights for all planes
   for (int b0 = 0; b0 < A.rows; b0 += kValueBlock) {
     const int nb = Min(kValueBlock, A.rows - b0);
     // Weights w[j][(a, g)] = p * scale, their max per lane, and the zero term; p transposed 16
@@ -762,9 +816,10 @@ void ValueQueries(const ValueArgs& A, const ValueLanes& L, int a0) {
         // w * inv <= 255 (1 + 2^-22): no upper clamp needed; the lower one maps NaN to 0.
         const __m512i wi = _mm512_cvtps_epi32(
             _mm512_max_ps(_mm512_mul_ps(_mm512_load_ps(w[j]), inv), _mm512_setzero_ps()));
-        wisum = _mm512_add_epi32(wisum, wi);
         packed = _mm512_or_si512(packed, _mm512_slli_epi32(wi, 8 * r));
       }
+      // The four bytes' sum per lane, exactly (the weights are unsigned, the ones signed).
+      wisum = _mm512_dpbusd_epi32(wisum, packed, _mm512_set1_epi8(1));
       _mm512_store_si512(w4[q], packed);
     }
     _mm512_store_si512(w4[steps4], _mm512_setzero_si512());
@@ -773,16 +828,28 @@ void ValueQueries(const ValueArgs& A, const ValueLanes& L, int a0) {
                            _mm512_fnmadd_ps(beta, _mm512_cvtepi32_ps(wisum), wsum), zacc);
     for (int k = 0; k < pieces; ++k) {
       InterleaveBlock<Half>(A, b0, nb, k, rows);
+      // Two planes (4-bit codes) gain nothing from the shared weights (measured): the stores and
+      // loads cost what the permutes they save do.
+      const int shared = P >= 4 && L.planes_share[k] ? L.patterns[k * P] : 0;
+      if (shared == 1) PermuteBlockWeights<Half, QB, 1>(L, ng, k * P * 4, nb, w4, pre);
+      if (shared == 2) PermuteBlockWeights<Half, QB, 2>(L, ng, k * P * 4, nb, w4, pre);
       for (int s = 0; s < P; ++s) {
-        switch (L.patterns[k * P + s]) {
+        switch (shared > 0 ? 0 : L.patterns[k * P + s]) {
+          case 0:  // the planes share the block's permuted weights
+            if (shared == 1) {
+              BlockSums<Bits, Half, QB, 1, true>(A, L, rows, nb, k, s, w4, pre, beta, accf);
+            } else {
+              BlockSums<Bits, Half, QB, 2, true>(A, L, rows, nb, k, s, w4, pre, beta, accf);
+            }
+            break;
           case 1:
-            BlockSums<Bits, Half, QB, 1>(A, L, rows, nb, k, s, w4, beta, accf);
+            BlockSums<Bits, Half, QB, 1, false>(A, L, rows, nb, k, s, w4, pre, beta, accf);
             break;
           case 2:
-            BlockSums<Bits, Half, QB, 2>(A, L, rows, nb, k, s, w4, beta, accf);
+            BlockSums<Bits, Half, QB, 2, false>(A, L, rows, nb, k, s, w4, pre, beta, accf);
             break;
           default:
-            BlockSums<Bits, Half, QB, 4>(A, L, rows, nb, k, s, w4, beta, accf);
+            BlockSums<Bits, Half, QB, 4, false>(A, L, rows, nb, k, s, w4, pre, beta, accf);
             break;
         }
       }
