@@ -39,14 +39,16 @@ using attn::ScoreRows;
 using attn::ValueCodesIntSupported;
 
 // Old rows per task: about 512 KiB of key and value rows, so that starting a task's streams
-// (the prefetchers ramping up, the first token group's preparation) is a small part of it, and
-// at most what keeps its scores [nq, rows] within 64 KiB; 1024 to 4096 rows. Measured
-// (decode_bench, 32K x 8): 4096 rows of 2-/4-bit codes read 10-15% faster than 1024; fp16 rows
-// (512 bytes: 1024 rows, as before) measured the same either way.
-int ChunkRows(int nq, size_t row_bytes) {
+// (the prefetchers ramping up, the first token group's preparation) is a small part of it, at
+// most what keeps its scores [nq, rows] within 64 KiB, and at most `balance` (enough tasks for
+// every thread); 1024 to 4096 rows. Measured (decode_bench, 32K x 8): 4096 rows of 2-/4-bit
+// codes read 10-15% faster than 1024; fp16 rows (512 bytes: 1024 rows, as before) measured the
+// same either way.
+int ChunkRows(int nq, size_t row_bytes, size_t balance) {
   const size_t by_bytes = (size_t{512} << 10) / std::max<size_t>(row_bytes, 1);
   const size_t by_scores = 16384 / static_cast<size_t>(std::max(nq, 1));
-  return static_cast<int>(std::clamp<size_t>(std::min(by_bytes, by_scores), 1024, 4096));
+  return static_cast<int>(
+      std::clamp<size_t>(std::min({by_bytes, by_scores, balance}), 1024, 4096));
 }
 // kAuto's integer path needs this many kept channels in a row: below, the per-group query
 // preparation costs more than the integer sums save (head_dim 8 models decode ~25% slower).
@@ -207,11 +209,19 @@ size_t PartialFloats(const Problem& P) {
 void Run(const std::vector<Problem>& problems, ThreadPool* pool) {
   std::vector<Task> tasks;
   size_t floats = 0, bytes = 0;
+  // At least four tasks of old rows per thread where the rows allow (a long-context request on
+  // many cores keeps them busy).
+  size_t old_rows = 0;
+  for (const Problem& P : problems) {
+    for (const HeadWork& hw : P.heads) old_rows += static_cast<size_t>(hw.m);
+  }
+  const size_t threads = pool != nullptr ? static_cast<size_t>(pool->num_threads()) : 1;
+  const size_t balance = old_rows / (4 * std::max<size_t>(threads, 1));
   for (int pi = 0; pi < static_cast<int>(problems.size()); ++pi) {
     const Problem& P = problems[pi];
     for (int h = 0; h < static_cast<int>(P.heads.size()); ++h) {
       const HeadWork& hw = P.heads[h];
-      const int chunk = ChunkRows(P.nq, hw.k_old.row_bytes + hw.v_old.row_bytes);
+      const int chunk = ChunkRows(P.nq, hw.k_old.row_bytes + hw.v_old.row_bytes, balance);
       for (int j0 = 0; j0 < hw.m; j0 += chunk) {
         tasks.push_back({pi, h, j0, std::min(hw.m, j0 + chunk), floats});
         floats += PartialFloats(P);
