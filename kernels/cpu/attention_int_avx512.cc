@@ -272,7 +272,7 @@ void PrepareKeysSmall(const KeyQueryArgs& A) {
   __m512 mag[16];
   float qz[4];
   for (int a = 0; a < 4; ++a) {
-    const float* q = A.qm + static_cast<size_t>(a) * n;
+    const float* q = A.qm + static_cast<size_t>(a < A.nq ? a : 0) * n;  // a >= nq: masked out
     __m512 zp = _mm512_setzero_ps();
     for (int c0 = 0; c0 < 64; c0 += 16) {
       const __mmask16 m = a >= A.nq || c0 >= n ? __mmask16{0}
