@@ -184,8 +184,6 @@ void PrepareKeysWide(const KeyQueryArgs& A) {
   const int padded = (chunks + 3) / 4 * 4;  // to whole 32-channel vectors of int8
   alignas(32) float qs[256];
   alignas(32) float inv[32], al[32];
-  alignas(32) int8_t qi[256];
-  alignas(32) int8_t grouped[32];
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int a = 0; a < A.nq; ++a) {
     const float* q = A.qm + static_cast<size_t>(a) * n;
@@ -228,6 +226,7 @@ void PrepareKeysWide(const KeyQueryArgs& A) {
     float* alpha = A.alpha + static_cast<size_t>(a) * 64;
     for (int b = 0; b < (chunks * 2 + P - 1) / P; ++b) alpha[b] = al[b * P / 2];
     __m256 cp[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int32_t* out = static_cast<int32_t*>(A.planes) + static_cast<size_t>(a) * blocks * P;
     for (int v = 0; v < padded; v += 4) {
       __m256i i32[4];
       for (int h = 0; h < 4; ++h) {
@@ -250,24 +249,24 @@ void PrepareKeysWide(const KeyQueryArgs& A) {
       }
       const __m256i i8 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]),
                                             _mm256_packs_epi32(i32[2], i32[3]));
-      _mm256_store_si256(
-          reinterpret_cast<__m256i*>(qi + 8 * v),
-          _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    }
-    A.qz[a] = __builtin_fmaf(mid, Tree16v(cp[0], cp[1]), qz);
-    // Block k of the row (code bytes 4k .. 4k + 3) meets dword [k][s] in plane s.
-    int32_t* out = static_cast<int32_t*>(A.planes) + static_cast<size_t>(a) * blocks * P;
-    for (int c0 = 0; c0 < padded * 8; c0 += 32) {
-      _mm256_store_si256(
-          reinterpret_cast<__m256i*>(grouped),
-          GroupPlanes<P>(_mm256_load_si256(reinterpret_cast<const __m256i*>(qi + c0))));
-      const int k0 = c0 / P / 4;  // 32 channels: 8 / P blocks
-      for (int s = 0; s < P; ++s) {
-        for (int k = 0; k < 8 / P && k0 + k < blocks; ++k) {
-          __builtin_memcpy(out + (k0 + k) * P + s, grouped + s * (32 / P) + 4 * k, 4);
-        }
+      // Channels 8v .. 8v + 31 in order, then as planes ([plane][8 / P blocks] dwords), then as
+      // [block][plane] dwords: block k of the row (code bytes 4k .. 4k + 3) meets dword [k][s]
+      // in plane s, stored whole where the row has all 8 / P blocks (the scoring loop reads it
+      // right after: a whole store forwards, scattered dwords cost a store each).
+      const __m256i ordered =
+          _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      const __m256i by_block = _mm256_permutevar8x32_epi32(
+          GroupPlanes<P>(ordered), P == 4 ? _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)
+                                          : _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      const int k0 = v / 4 * 8 / P;  // this vector's first block
+      int32_t* dst = out + static_cast<size_t>(k0) * P;
+      if (k0 + 8 / P <= blocks) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), by_block);
+      } else if (k0 < blocks) {
+        _mm256_maskstore_epi32(dst, LaneMask((blocks - k0) * P), by_block);
       }
     }
+    A.qz[a] = __builtin_fmaf(mid, Tree16v(cp[0], cp[1]), qz);
   }
 }
 
