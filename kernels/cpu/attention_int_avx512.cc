@@ -138,6 +138,13 @@ inline void StorePlanes(const KeyQueryArgs& A, int a, const __m512i* qi) {
   }
 }
 
+// The lanes of channels c0 .. c0 + 15 below n.
+inline __mmask16 ChannelMask(int n, int c0) {
+  return c0 >= n        ? __mmask16{0}
+         : n - c0 >= 16 ? __mmask16{0xffff}
+                        : static_cast<__mmask16>((1u << (n - c0)) - 1);
+}
+
 // Lane c of 16 channels reads the scale of block c / (4P), counted from the vector's first.
 template <int P>
 inline __m512i BlockOfLane() {
@@ -168,9 +175,7 @@ void PrepareKeys(const KeyQueryArgs& A) {
     __m512 amax[NC];
     for (int i = 0; i < NC; ++i) amax[i] = _mm512_setzero_ps();
     for (int c0 = 0; c0 < padded; c0 += 16) {
-      const __mmask16 m = c0 >= n        ? __mmask16{0}
-                          : n - c0 >= 16 ? __mmask16{0xffff}
-                                         : static_cast<__mmask16>((1u << (n - c0)) - 1);
+      const __mmask16 m = ChannelMask(n, c0);
       const __m512 x = _mm512_maskz_loadu_ps(m, q + c0);
       const __m512 y = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(m, A.scale + c0));
       _mm512_store_ps(qs + c0, y);
@@ -198,9 +203,7 @@ void PrepareKeys(const KeyQueryArgs& A) {
     __m512i qi[NC];
     for (int i = 0; i < NC; ++i) qi[i] = _mm512_setzero_si512();
     for (int c0 = 0; c0 < padded; c0 += 16) {
-      const __mmask16 m = c0 >= n        ? __mmask16{0}
-                          : n - c0 >= 16 ? __mmask16{0xffff}
-                                         : static_cast<__mmask16>((1u << (n - c0)) - 1);
+      const __mmask16 m = ChannelMask(n, c0);
       const int b = c0 / kB;
       const __m512i lanes = _mm512_add_epi32(block_of, _mm512_set1_epi32(b & 15));
       const __m512 y = _mm512_load_ps(qs + c0);
@@ -275,9 +278,7 @@ void PrepareKeysSmall(const KeyQueryArgs& A) {
     const float* q = A.qm + static_cast<size_t>(a < A.nq ? a : 0) * n;  // a >= nq: masked out
     __m512 zp = _mm512_setzero_ps();
     for (int c0 = 0; c0 < 64; c0 += 16) {
-      const __mmask16 m = a >= A.nq || c0 >= n ? __mmask16{0}
-                          : n - c0 >= 16       ? __mmask16{0xffff}
-                                               : static_cast<__mmask16>((1u << (n - c0)) - 1);
+      const __mmask16 m = a < A.nq ? ChannelMask(n, c0) : __mmask16{0};
       const __m512 x = _mm512_maskz_loadu_ps(m, q + c0);
       const __m512 y = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(m, A.scale + c0));
       _mm512_store_ps(qs[a] + c0, y);
@@ -315,9 +316,7 @@ void PrepareKeysSmall(const KeyQueryArgs& A) {
     __m512 cp = _mm512_setzero_ps();
     __m512i qi = _mm512_setzero_si512();
     for (int c0 = 0; c0 < 64; c0 += 16) {
-      const __mmask16 m = c0 >= n        ? __mmask16{0}
-                          : n - c0 >= 16 ? __mmask16{0xffff}
-                                         : static_cast<__mmask16>((1u << (n - c0)) - 1);
+      const __mmask16 m = ChannelMask(n, c0);
       const int b = a * kBlocks + c0 / kB;  // the chunk's first block overall
       const __m512i lanes = _mm512_add_epi32(block_of, _mm512_set1_epi32(b & 15));
       const __m512 y = _mm512_load_ps(qs[a] + c0);
