@@ -60,19 +60,23 @@ inline __m256i LaneMask(int n) {  // the first n of 8 int32 lanes set
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// 32 query bytes as [plane 0 | plane 1 | ...], 32 / P bytes each (2- and 4-bit codes).
+// 32 query bytes (channels in order) as [block][plane] dwords, 8 / P blocks of P planes (2- and
+// 4-bit codes): dword [k][s] holds the query bytes that block k of the row (code bytes
+// 4k .. 4k + 3) meets in plane s, i.e. channels (4k + t) * P + s for t = 0..3. Within each
+// 128-bit lane one pshufb gathers each plane's bytes; with 4 planes a lane is one block and that
+// is the order, with 2 it holds two blocks and one dword permute interleaves their planes.
 template <int P>
-inline __m256i GroupPlanes(__m256i v) {
+inline __m256i BlockPlanes(__m256i v) {
   static_assert(P == 2 || P == 4);
   if constexpr (P == 2) {
     const __m256i ctl = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2,
                                          4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    return _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, ctl), 0xD8);
+    return _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v, ctl),
+                                       _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7));
   } else {
     const __m256i ctl = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4,
                                          8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v, ctl),
-                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    return _mm256_shuffle_epi8(v, ctl);
   }
 }
 
@@ -249,15 +253,11 @@ void PrepareKeysWide(const KeyQueryArgs& A) {
       }
       const __m256i i8 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]),
                                             _mm256_packs_epi32(i32[2], i32[3]));
-      // Channels 8v .. 8v + 31 in order, then as planes ([plane][8 / P blocks] dwords), then as
-      // [block][plane] dwords: block k of the row (code bytes 4k .. 4k + 3) meets dword [k][s]
-      // in plane s, stored whole where the row has all 8 / P blocks (the scoring loop reads it
-      // right after: a whole store forwards, scattered dwords cost a store each).
-      const __m256i ordered =
-          _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      const __m256i by_block = _mm256_permutevar8x32_epi32(
-          GroupPlanes<P>(ordered), P == 4 ? _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)
-                                          : _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      // Channels 8v .. 8v + 31 in order, then as [block][plane] dwords (BlockPlanes), stored
+      // whole where the row has all 8 / P blocks (the scoring loop reads them right after: a
+      // whole store forwards, scattered dwords cost a store each).
+      const __m256i by_block = BlockPlanes<P>(
+          _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
       const int k0 = v / 4 * 8 / P;  // this vector's first block
       int32_t* dst = out + static_cast<size_t>(k0) * P;
       if (k0 + 8 / P <= blocks) {
