@@ -105,6 +105,14 @@ inline __m512 BlockMax(__m512 a) {
   }
 }
 
+// Blocks' scales from their largest magnitudes: inv = 127 / amax and alpha = amax / 127 where
+// amax >= 2^-100, else both 0 (attention_int.h).
+inline void BlockScales(__m512 amax, __m512* inv, __m512* al) {
+  const __mmask16 live = _mm512_cmp_ps_mask(amax, _mm512_set1_ps(0x1p-100f), _CMP_GE_OQ);
+  *inv = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.0f), amax);
+  *al = _mm512_maskz_div_ps(live, amax, _mm512_set1_ps(127.0f));
+}
+
 // Query a's int8 channels (qi: 64 per vector) in the kernels' layout (KeyRows).
 template <int P, int NC>
 inline void StorePlanes(const KeyQueryArgs& A, int a, const __m512i* qi) {
@@ -152,6 +160,40 @@ inline __m512i BlockOfLane() {
                            P == 4 ? 4 : P == 2 ? 3 : 2);
 }
 
+// Query a's int8 channels from its scaled channels qs (64 NC, zero past n) and the block scales
+// inv = 127 / amax and al = amax / 127 (block b in lane b % 16 of vector b / 16; the query's
+// first block is `first`), the rounding errors' sum (centring, attention_int.h) into qz[a], and
+// the kernels' layout (StorePlanes).
+template <int P, int NC>
+inline void QuantizeQuery(const KeyQueryArgs& A, int a, const float* qs, const __m512* inv,
+                          const __m512* al, int first, float qz) {
+  constexpr int kB = 4 * P;  // channels per block
+  const float mid = static_cast<float>((1 << (8 / P)) - 1) / 2.0f;
+  const __m512i block_of = BlockOfLane<P>();
+  __m512 cp = _mm512_setzero_ps();
+  __m512i qi[NC];
+  for (int i = 0; i < NC; ++i) qi[i] = _mm512_setzero_si512();
+  for (int c0 = 0; c0 < 64 * NC; c0 += 16) {
+    const __mmask16 m = ChannelMask(A.n, c0);
+    const int b = first + c0 / kB;  // the chunk's first block
+    const __m512i lanes = _mm512_add_epi32(block_of, _mm512_set1_epi32(b & 15));
+    const __m512 y = _mm512_load_ps(qs + c0);
+    const __m512 iv = _mm512_permutexvar_ps(lanes, inv[b >> 4]);
+    const __m512 av = _mm512_permutexvar_ps(lanes, al[b >> 4]);
+    // |y * inv| <= 127 (1 + 2^-23) rounds to at most 127: no upper clamp; the lower one maps
+    // NaN to -127 as the portable kernel does.
+    const __m512 x = _mm512_max_ps(_mm512_mul_ps(y, iv), _mm512_set1_ps(-127.0f));
+    const __m512i i32 = _mm512_maskz_cvtps_epi32(m, x);
+    qi[c0 >> 6] = _mm512_mask_broadcast_i32x4(
+        qi[c0 >> 6], static_cast<__mmask16>(0xFu << (4 * ((c0 >> 4) & 3))),
+        _mm512_cvtepi32_epi8(i32));
+    // qs - alpha * qi, lane c mod 16.
+    cp = _mm512_add_ps(cp, _mm512_fnmadd_ps(av, _mm512_cvtepi32_ps(i32), y));
+  }
+  A.qz[a] = __builtin_fmaf(mid, Tree16(cp), qz);
+  StorePlanes<P, NC>(A, a, qi);
+}
+
 // Everything stays in registers from the query to the stored layout: a vector load of bytes
 // that were just stored in smaller or masked pieces cannot be forwarded from the store buffer,
 // and such stalls once made this preparation cost as much as scoring its token group.
@@ -161,10 +203,8 @@ template <int P, int NC>
 void PrepareKeys(const KeyQueryArgs& A) {
   constexpr int kB = 4 * P;  // channels per block
   const int n = A.n;
-  const float mid = static_cast<float>((1 << (8 / P)) - 1) / 2.0f;
   const __mmask16 firsts = P == 4 ? 0x0001 : P == 2 ? 0x0101 : 0x1111;  // a lane per block
   constexpr __mmask16 kBlockLanes = (1u << (16 / kB)) - 1;  // the blocks of 16 channels
-  const __m512i block_of = BlockOfLane<P>();
   constexpr int padded = 64 * NC;
   alignas(64) float qs[256];
   for (int a = 0; a < A.nq; ++a) {
@@ -188,39 +228,15 @@ void PrepareKeys(const KeyQueryArgs& A) {
                                 _mm512_maskz_compress_ps(firsts, BlockMax<P>(_mm512_abs_ps(y))));
     }
     const float qz = Tree16(zp);
-    // alpha = amax / 127 and 127 / amax where amax >= 2^-100 (else both 0): two divisions per
-    // 16 blocks. Stored whole (blocks past the last are 0; the buffer holds 64 per query).
+    // Two divisions per 16 blocks. alpha stored whole (blocks past the last are 0; the buffer
+    // holds 64 per query).
     float* alpha = A.alpha + static_cast<size_t>(a) * 64;
     __m512 inv[NC], al[NC];
     for (int i = 0; i < padded / kB; i += 16) {
-      const __m512 am = amax[i >> 4];
-      const __mmask16 live = _mm512_cmp_ps_mask(am, _mm512_set1_ps(0x1p-100f), _CMP_GE_OQ);
-      inv[i >> 4] = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.0f), am);
-      al[i >> 4] = _mm512_maskz_div_ps(live, am, _mm512_set1_ps(127.0f));
+      BlockScales(amax[i >> 4], &inv[i >> 4], &al[i >> 4]);
       _mm512_storeu_ps(alpha + i, al[i >> 4]);
     }
-    __m512 cp = _mm512_setzero_ps();
-    __m512i qi[NC];
-    for (int i = 0; i < NC; ++i) qi[i] = _mm512_setzero_si512();
-    for (int c0 = 0; c0 < padded; c0 += 16) {
-      const __mmask16 m = ChannelMask(n, c0);
-      const int b = c0 / kB;
-      const __m512i lanes = _mm512_add_epi32(block_of, _mm512_set1_epi32(b & 15));
-      const __m512 y = _mm512_load_ps(qs + c0);
-      const __m512 iv = _mm512_permutexvar_ps(lanes, inv[b >> 4]);
-      const __m512 av = _mm512_permutexvar_ps(lanes, al[b >> 4]);
-      // |y * inv| <= 127 (1 + 2^-23) rounds to at most 127: no upper clamp; the lower one maps
-      // NaN to -127 as the portable kernel does.
-      const __m512 x = _mm512_max_ps(_mm512_mul_ps(y, iv), _mm512_set1_ps(-127.0f));
-      const __m512i i32 = _mm512_maskz_cvtps_epi32(m, x);
-      qi[c0 >> 6] = _mm512_mask_broadcast_i32x4(
-          qi[c0 >> 6], static_cast<__mmask16>(0xFu << (4 * ((c0 >> 4) & 3))),
-          _mm512_cvtepi32_epi8(i32));
-      // The rounding errors' sum (centring, attention_int.h): qs - alpha * qi, lane c mod 16.
-      cp = _mm512_add_ps(cp, _mm512_fnmadd_ps(av, _mm512_cvtepi32_ps(i32), y));
-    }
-    A.qz[a] = __builtin_fmaf(mid, Tree16(cp), qz);
-    StorePlanes<P, NC>(A, a, qi);
+    QuantizeQuery<P, NC>(A, a, qs, inv, al, 0, qz);
   }
 }
 
@@ -270,7 +286,6 @@ void PrepareKeysSmall(const KeyQueryArgs& A) {
   constexpr int kB = 4 * P;
   constexpr int kBlocks = 64 / kB;  // per query
   const int n = A.n;
-  const float mid = static_cast<float>((1 << (8 / P)) - 1) / 2.0f;
   alignas(64) float qs[4][64];
   __m512 mag[16];
   float qz[4];
@@ -290,11 +305,7 @@ void PrepareKeysSmall(const KeyQueryArgs& A) {
   constexpr int kOut = 16 / kB;  // vectors of block maxima: 1, 2 or 4
   __m512 amax[kOut], inv[kOut], al[kOut];
   BlockMaxima<P>(mag, amax);
-  for (int i = 0; i < kOut; ++i) {
-    const __mmask16 live = _mm512_cmp_ps_mask(amax[i], _mm512_set1_ps(0x1p-100f), _CMP_GE_OQ);
-    inv[i] = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.0f), amax[i]);
-    al[i] = _mm512_maskz_div_ps(live, amax[i], _mm512_set1_ps(127.0f));
-  }
+  for (int i = 0; i < kOut; ++i) BlockScales(amax[i], &inv[i], &al[i]);
   // Query a's blocks are blocks a * kBlocks .. of the maxima, stored as the kernels load them
   // (KeyRows: 4, 8 or 16 floats from the query's start), blocks past n being 0.
   for (int a = 0; a < A.nq; ++a) {
@@ -311,27 +322,8 @@ void PrepareKeysSmall(const KeyQueryArgs& A) {
       _mm512_storeu_ps(alpha, al[a]);
     }
   }
-  const __m512i block_of = BlockOfLane<P>();
   for (int a = 0; a < A.nq; ++a) {
-    __m512 cp = _mm512_setzero_ps();
-    __m512i qi = _mm512_setzero_si512();
-    for (int c0 = 0; c0 < 64; c0 += 16) {
-      const __mmask16 m = ChannelMask(n, c0);
-      const int b = a * kBlocks + c0 / kB;  // the chunk's first block overall
-      const __m512i lanes = _mm512_add_epi32(block_of, _mm512_set1_epi32(b & 15));
-      const __m512 y = _mm512_load_ps(qs[a] + c0);
-      const __m512 iv = _mm512_permutexvar_ps(lanes, inv[b >> 4]);
-      const __m512 av = _mm512_permutexvar_ps(lanes, al[b >> 4]);
-      // |y * inv| <= 127 (1 + 2^-23) rounds to at most 127: no upper clamp; the lower one maps
-      // NaN to -127 as the portable kernel does.
-      const __m512 x = _mm512_max_ps(_mm512_mul_ps(y, iv), _mm512_set1_ps(-127.0f));
-      const __m512i i32 = _mm512_maskz_cvtps_epi32(m, x);
-      qi = _mm512_mask_broadcast_i32x4(qi, static_cast<__mmask16>(0xFu << (4 * (c0 >> 4))),
-                                       _mm512_cvtepi32_epi8(i32));
-      cp = _mm512_add_ps(cp, _mm512_fnmadd_ps(av, _mm512_cvtepi32_ps(i32), y));
-    }
-    A.qz[a] = __builtin_fmaf(mid, Tree16(cp), qz[a]);
-    StorePlanes<P, 1>(A, a, &qi);
+    QuantizeQuery<P, 1>(A, a, qs[a], inv, al, a * kBlocks, qz[a]);
   }
 }
 
