@@ -1,10 +1,11 @@
 // Attention scores of the observation queries (h2o, snapkv, keyformer: the policies' scorers and
 // the dispatch are in scorers.cc). Attention-based policies compute, per KV head, the GEMM of the
-// group's observation queries against all keys ([g*W, D] x [D, S], OpenBLAS sgemm on fp32 copies,
-// one 1024-key chunk at a time; on AMX the same products from bf16 tiles, and on AVX-512 BF16 a
-// bf16 layer's exact products from bf16 dot products, cpu/amx_logits.h; with ScoringMath::kInteger
-// int8 products on AVX-512 VNNI, cpu/int8_logits.h), then
-// a causal row softmax (online over the chunks) whose rows are
+// group's observation queries against all keys ([g*W, D] x [D, S], one 1024-key chunk at a time;
+// the logits path of ScoringLogitsPath, cpu/engine.h: fp32 multiply-adds on AVX-512,
+// cpu/f32_logits.h, OpenBLAS sgemm on fp32 copies below it; on AMX the same products from bf16
+// tiles, and on AVX-512 BF16 a bf16 layer's exact products from bf16 dot products,
+// cpu/amx_logits.h; with ScoringMath::kInteger int8 products on AVX-512 VNNI,
+// cpu/int8_logits.h), then a causal row softmax (online over the chunks) whose rows are
 // accumulated into the head's score. Query rows are processed in blocks so the logits buffer
 // stays bounded even when W == S.
 #include <cblas.h>
@@ -20,6 +21,7 @@
 
 #include "cpu/amx_logits.h"
 #include "cpu/engine.h"
+#include "cpu/f32_logits.h"
 #include "cpu/int8_logits.h"
 #include "cpu/score_extra.h"
 #include "cpu/simd.h"
@@ -85,10 +87,11 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
   // Int8 (ScoringMath::kInteger on AVX-512 VNNI): both operands rounded to 8 bits.
   const LogitsPath path = ScoringLogitsPath(in.dtype, D, in.scoring_math);
   const bool use_amx = path == LogitsPath::kAmx, use_dot = path == LogitsPath::kBf16Dot;
-  const bool use_int8 = path == LogitsPath::kInt8Dot;
+  const bool use_int8 = path == LogitsPath::kInt8Dot, use_f32 = path == LogitsPath::kF32Fma;
   const bool key_lo = in.dtype != DType::kBF16;
   uint16_t *q_hi = nullptr, *q_lo = nullptr, *k_hi = nullptr, *k_lo = nullptr;
-  float* k = nullptr;  // the fp32 key chunk of the sgemm path
+  float* k = nullptr;  // the fp32 key chunk of the sgemm path, packed on the fp32 FMA path
+  float* qf = nullptr;  // the fp32 FMA path's packed query rows
   // The int8 path's packed queries and keys with their scales (and the keys' offsets).
   uint8_t* q8 = nullptr;
   int8_t* k8 = nullptr;
@@ -96,6 +99,11 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
   int32_t* k8_offset = nullptr;
   if (path == LogitsPath::kSgemm) {
     k = s.k.Get<float>(static_cast<size_t>(std::min(S, kTokenChunk)) * D);
+  } else if (use_f32) {
+    // In the AMX chunk's and rows' scratch (as many bytes: 32-row and -key padding, 4 bytes an
+    // element).
+    k = s.amx_k.Get<float>(f32::PackedKeyElems(std::min(S, kTokenChunk), D));
+    qf = s.amx_q.Get<float>(static_cast<size_t>(block) * D);
   } else if (use_int8) {
     const size_t keys = i8::PaddedKeys(std::min(S, kTokenChunk));
     q8_scale = s.amx_q.Get<float>(static_cast<size_t>(block) * (D / 4 + 1));
@@ -138,6 +146,7 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
       LoadQueryRows(in, h, r0, nr, q);
       if (use_amx) amx::PackQueries(q, nr, D, scale, q_hi, q_lo);
       if (use_int8) i8::PackQueries(q, nr, D, scale, q8, q8_scale);
+      if (use_f32) f32::PackQueries(q, nr, D, qf);
       // Unscaled (bf16 values, exact in one part): DotLogits scales the sums.
       if (use_dot) FromFloat(q, DType::kBF16, static_cast<size_t>(nr) * D, q_hi);
       // Keys past the last row's causal limit are never read: trim the GEMM to them.
@@ -189,7 +198,10 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
           size_t stride = 0;
           const uint8_t* rows = HeadRows(in, /*values=*/false, h, c0, &stride);
           const auto ldc = static_cast<size_t>(n);
-          if (use_int8) {
+          if (use_f32) {
+            f32::PackKeys(rows, in.dtype, stride, n, D, k);
+            f32::Logits(qf, nr, k, n, D, scale, dst, ldc);
+          } else if (use_int8) {
             i8::PackKeys(rows, in.dtype, stride, n, D, k8, k8_scale, k8_offset);
             i8::Logits(q8, q8_scale, nr, k8, k8_scale, k8_offset, n, D, dst, ldc);
           } else {
@@ -330,6 +342,7 @@ LogitsPath ScoringLogitsPath(DType dtype, int head_dim, ScoringMath math) {
   if (amx::Usable(head_dim)) return LogitsPath::kAmx;
   if (math == ScoringMath::kInteger && i8::Usable(head_dim)) return LogitsPath::kInt8Dot;
   if (dtype == DType::kBF16 && amx::DotUsable(head_dim)) return LogitsPath::kBf16Dot;
+  if (f32::Usable(head_dim)) return LogitsPath::kF32Fma;
   return LogitsPath::kSgemm;
 }
 
@@ -343,6 +356,8 @@ std::string_view LogitsPathName(LogitsPath path) {
       return "amx tiles (bf16 hi/lo)";
     case LogitsPath::kInt8Dot:
       return "avx512-vnni int8 dot products";
+    case LogitsPath::kF32Fma:
+      return "avx512 fp32 fma";
   }
   return "unknown";
 }

@@ -4,7 +4,8 @@
 //
 // BM_ScoreVsSgemm times scoring and sgemm 2048^2 back to back in one loop (vs_sgemm: their
 // median FLOP/s ratio); the instruction set in use (kvc/cpu_isa.h, capped by KVC_CPU_ISA) is in
-// its label.
+// its label. BM_ChunkLogits does the same for the scoring GEMM's chunks alone (sgemm's path and
+// the AVX-512 fp32 kernel's).
 //
 // Counters: bytes_per_second is the layer's input (K + V, plus Q_obs for stages that read it);
 // FLOPS counts 2*M*N*K of the GEMMs; pack reports out_bytes_per_second too (bytes of the packed
@@ -15,6 +16,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -26,12 +28,14 @@
 
 #include "../../kernels/cpu/amx_logits.h"
 #include "../../kernels/cpu/engine.h"
+#include "../../kernels/cpu/f32_logits.h"
 #include "../../kernels/cpu/pack.h"
 #include "absl/strings/str_cat.h"
 #include "benchmark/benchmark.h"
 #include "kvc/backend.h"
 #include "kvc/buffer_pool.h"
 #include "kvc/compact.h"
+#include "kvc/convert.h"
 #include "kvc/cpu_isa.h"
 #include "kvc/dtype.h"
 #include "kvc/selection.h"
@@ -211,6 +215,65 @@ void BM_SgemmScoreShape(benchmark::State& state) {
   state.counters["FLOPS"] = benchmark::Counter(
       2.0 * M * S * kHeadDim * kKvHeads * state.iterations(), benchmark::Counter::kIsRate);
   state.counters["blas_threads"] = threads;
+}
+
+double ThreadCpuSeconds();
+
+// The scoring GEMM's chunks alone, one thread, CPU time: the 32K fp16 layer's keys, each KV
+// head's against the same 128 observation rows in 1,024-key chunks, (arg 0) as the sgemm path computes them (each
+// chunk converted to fp32, then cblas_sgemm 128 x 1024 x 128) or (arg 1) as cpu/f32_logits.h does
+// (each chunk packed, then its kernel), with sgemm 2048^2 in the same loop: vs_sgemm is the median
+// of their FLOP/s ratios (the share of sgemm's own speed each reaches on this shape).
+void BM_ChunkLogits(benchmark::State& state) {
+  const bool f32_path = state.range(0) != 0;
+  if (f32_path && !cpu::f32::Usable(kHeadDim)) {
+    state.SkipWithError(absl::StrCat("no AVX-512 at this level: ", CpuIsaDescription()).c_str());
+    return;
+  }
+  const Layer& layer = GetLayer(32768);
+  const int S = layer.shape.seq_len, rows = (kQHeads / kKvHeads) * kWindow;
+  constexpr int kChunk = 1024;
+  std::vector<float> q(static_cast<size_t>(rows) * kHeadDim), qp(q.size());
+  ToFloat(layer.q.data(), layer.dtype, q.size(), q.data());
+  std::vector<float> k(cpu::f32::PackedKeyElems(kChunk, kHeadDim));
+  std::vector<float> logits(static_cast<size_t>(rows) * S);
+  const int n = 2048;
+  std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  openblas_set_num_threads(1);
+  std::vector<double> ratios;
+  for (auto _ : state) {
+    const double t0 = ThreadCpuSeconds();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
+                0.0f, c.data(), n);
+    const double t1 = ThreadCpuSeconds();
+    if (f32_path) cpu::f32::PackQueries(q.data(), rows, kHeadDim, qp.data());
+    for (int h = 0; h < kKvHeads; ++h) {  // the same rows against each head's keys
+      for (int c0 = 0; c0 < S; c0 += kChunk) {
+        const uint16_t* keys = layer.k.data() + (static_cast<size_t>(h) * S + c0) * kHeadDim;
+        float* dst = logits.data() + static_cast<size_t>(c0) * rows;
+        if (f32_path) {
+          cpu::f32::PackKeys(keys, layer.dtype, kHeadDim, kChunk, kHeadDim, k.data());
+          cpu::f32::Logits(qp.data(), rows, k.data(), kChunk, kHeadDim, scale, dst, kChunk);
+        } else {
+          ToFloat(keys, layer.dtype, static_cast<size_t>(kChunk) * kHeadDim, k.data());
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, kChunk, kHeadDim, scale,
+                      q.data(), kHeadDim, k.data(), kHeadDim, 0.0f, dst, kChunk);
+        }
+      }
+    }
+    const double t2 = ThreadCpuSeconds();
+    benchmark::DoNotOptimize(logits.data());
+    benchmark::DoNotOptimize(c.data());
+    ratios.push_back((2.0 * rows * S * kHeadDim * kKvHeads / (t2 - t1)) /
+                     (2.0 * n * n * n / (t1 - t0)));
+  }
+  std::sort(ratios.begin(), ratios.end());
+  const size_t m = ratios.size();
+  state.counters["vs_sgemm"] =
+      m == 0 ? 0 : (m % 2 == 1 ? ratios[m / 2] : 0.5 * (ratios[m / 2 - 1] + ratios[m / 2]));
+  state.SetLabel(absl::StrCat(f32_path ? "f32 pack + kernel" : "fp32 copy + sgemm",
+                              ", fp16 keys, 1 thread, CPU time, ", CpuIsaDescription()));
 }
 
 void BM_SgemmSquare(benchmark::State& state) {
@@ -502,6 +565,7 @@ BENCHMARK(BM_Memcpy)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond)->UseR
 BENCHMARK(BM_ReceiveCopy)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_PackKeys)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_SgemmSquare)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_ChunkLogits)->Arg(0)->Arg(1)->Iterations(9)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SgemmScoreShape)
     ->Args({4096, 1})
     ->Args({32768, 1})

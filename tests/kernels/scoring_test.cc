@@ -397,17 +397,13 @@ void ExpectSameSelectionUpToTies(const std::vector<float>& scores, const LayerSh
   }
 }
 
-// On bf16 layers the bf16 dot-product path (cpu/amx_logits.h) computes exact products and differs
-// from sgemm only in the order of fp32 additions: scores agree to float rounding, and the kept
-// sets of a 32K-token layer at keep 0.25 are the same, or differ only between tokens whose sgemm
-// scores tie to that rounding (1e-5 relative) at the cut.
-TEST(ScoreTokensTest, Bf16DotProductsKeepTheSgemmSelections) {
-  if (!testing_isa::Supported(CpuIsa::kAvx512Bf16)) {
-    GTEST_SKIP() << "this CPU lacks avx512bf16 (it has " << CpuIsaName(DetectedCpuIsa()) << ": "
-                 << CpuFeatureList() << ")";
-  }
+// Scores of a 4K-token layer of type t at instruction-set level `fast` (whose logits path must be
+// `path`) against sgemm's (capped at AVX2): equal to float rounding (1e-5 relative), not
+// bit-identical (else the path was not taken), and the kept sets at keep 0.25 the same, or
+// different only between tokens whose sgemm scores tie to that rounding at the cut.
+void ExpectSgemmSelections(DType t, CpuIsa fast, cpu::LogitsPath path) {
   const LayerShape shape{2, 8, 4100, 128, 32};
-  TestLayer layer = RandomLayer(shape, 31, DType::kBF16);
+  TestLayer layer = RandomLayer(shape, 31, t);
   layer.layer_index = 7;
   for (EvictionPolicy policy : {EvictionPolicy::kH2O, EvictionPolicy::kSnapKV,
                                 EvictionPolicy::kKeyformer, EvictionPolicy::kKVzip}) {
@@ -418,30 +414,58 @@ TEST(ScoreTokensTest, Bf16DotProductsKeepTheSgemmSelections) {
     spec.keep_ratio = 0.25;
     CompressionSpec full;
     full.eviction = spec;
-    absl::StatusOr<std::vector<float>> dot, fp32;
-    absl::StatusOr<TokenSelection> dot_sel, fp32_sel;
+    absl::StatusOr<std::vector<float>> got, fp32;
+    absl::StatusOr<TokenSelection> got_sel, fp32_sel;
     {
-      const testing_isa::ScopedIsaCap cap(CpuIsa::kAvx512Bf16);
-      ASSERT_EQ(cpu::ScoringLogitsPath(DType::kBF16, 128), cpu::LogitsPath::kBf16Dot);
-      dot = ScoreTokens(layer.input(), spec);
-      dot_sel = SelectTokens(layer.input(), full);
+      const testing_isa::ScopedIsaCap cap(fast);
+      ASSERT_EQ(cpu::ScoringLogitsPath(t, 128), path);
+      got = ScoreTokens(layer.input(), spec);
+      got_sel = SelectTokens(layer.input(), full);
     }
     {
-      const testing_isa::ScopedIsaCap cap(CpuIsa::kAvx512Vnni);
-      ASSERT_EQ(cpu::ScoringLogitsPath(DType::kBF16, 128), cpu::LogitsPath::kSgemm);
+      const testing_isa::ScopedIsaCap cap(CpuIsa::kAvx2);
+      ASSERT_EQ(cpu::ScoringLogitsPath(t, 128), cpu::LogitsPath::kSgemm);
       fp32 = ScoreTokens(layer.input(), spec);
       fp32_sel = SelectTokens(layer.input(), full);
     }
-    ASSERT_TRUE(dot.ok() && fp32.ok() && dot_sel.ok() && fp32_sel.ok());
-    ASSERT_EQ(dot->size(), fp32->size());
+    ASSERT_TRUE(got.ok() && fp32.ok() && got_sel.ok() && fp32_sel.ok());
+    ASSERT_EQ(got->size(), fp32->size());
     int differ = 0;
-    for (size_t i = 0; i < dot->size(); ++i) {
-      ASSERT_NEAR((*dot)[i], (*fp32)[i], 1e-5 * std::abs((*fp32)[i]) + 1e-9) << "index " << i;
-      differ += (*dot)[i] != (*fp32)[i];
+    for (size_t i = 0; i < got->size(); ++i) {
+      ASSERT_NEAR((*got)[i], (*fp32)[i], 1e-5 * std::abs((*fp32)[i]) + 1e-9) << "index " << i;
+      differ += (*got)[i] != (*fp32)[i];
     }
-    EXPECT_GT(differ, 0) << "the two paths gave bit-identical scores: was the dot path taken?";
-    ExpectSameSelectionUpToTies(*fp32, shape, *dot_sel, *fp32_sel, 1e-5);
+    EXPECT_GT(differ, 0) << "the two paths gave bit-identical scores: was " << LogitsPathName(path)
+                         << " taken?";
+    ExpectSameSelectionUpToTies(*fp32, shape, *got_sel, *fp32_sel, 1e-5);
   }
+}
+
+// On bf16 layers the bf16 dot-product path (cpu/amx_logits.h) computes exact products and differs
+// from sgemm only in the order of fp32 additions.
+TEST(ScoreTokensTest, Bf16DotProductsKeepTheSgemmSelections) {
+  if (!testing_isa::Supported(CpuIsa::kAvx512Bf16)) {
+    GTEST_SKIP() << "this CPU lacks avx512bf16 (it has " << CpuIsaName(DetectedCpuIsa()) << ": "
+                 << CpuFeatureList() << ")";
+  }
+  ExpectSgemmSelections(DType::kBF16, CpuIsa::kAvx512Bf16, cpu::LogitsPath::kBf16Dot);
+}
+
+// fp16 layers from AVX-512 up (and bf16 ones below AVX-512 BF16) take the fp32 multiply-adds of
+// cpu/f32_logits.h: the same exact fp32 operands as sgemm, summed in another order.
+TEST(ScoreTokensTest, F32MultiplyAddsKeepTheSgemmSelections) {
+  if (!testing_isa::Supported(CpuIsa::kAvx512)) {
+    GTEST_SKIP() << "this CPU lacks avx512 (it has " << CpuIsaName(DetectedCpuIsa()) << ": "
+                 << CpuFeatureList() << ")";
+  }
+  {
+    SCOPED_TRACE("f16, the best level");
+    if (!testing_isa::Supported(CpuIsa::kAmx)) {
+      ExpectSgemmSelections(DType::kF16, kBestCpuIsa, cpu::LogitsPath::kF32Fma);
+    }
+  }
+  SCOPED_TRACE("bf16 at avx512");
+  ExpectSgemmSelections(DType::kBF16, CpuIsa::kAvx512, cpu::LogitsPath::kF32Fma);
 }
 
 // ScoringMath::kInteger (int8 logits on AVX-512 VNNI, cpu/int8_logits.h) against the exact path
@@ -521,7 +545,7 @@ TEST(ScoreTokensTest, IntegerScoringKeepsNearlyTheExactSelections) {
   const testing_isa::ScopedIsaCap below(CpuIsa::kAvx512);
   const TestLayer layer = RandomLayer(LayerShape{1, 4, 1500, 64, 16}, 3, DType::kF16);
   EXPECT_EQ(cpu::ScoringLogitsPath(DType::kF16, 64, ScoringMath::kInteger),
-            cpu::LogitsPath::kSgemm);
+            cpu::ScoringLogitsPath(DType::kF16, 64, ScoringMath::kExact));
   EvictionSpec spec;
   spec.policy = EvictionPolicy::kSnapKV;
   LayerInput in = layer.input();

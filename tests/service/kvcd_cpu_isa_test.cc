@@ -26,7 +26,7 @@ TEST(KvcdCpuIsaTest, AValidCapIsPrintedAtStartUp) {
   auto p = KvcdProcess::Start(opts);
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_THAT((*p)->output(), HasSubstr("kvcd: cpu kernels: portable"));
-  // Below avx512bf16 every dtype's scoring logits come from sgemm, and the line says so.
+  // Below avx512 every dtype's scoring logits come from sgemm, and the line says so.
   EXPECT_THAT((*p)->output(), HasSubstr("(scoring logits: f32 f16 bf16: sgemm fp32)"));
 }
 

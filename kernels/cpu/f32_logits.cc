@@ -1,0 +1,156 @@
+// The fp32 AVX-512 scoring logits (see f32_logits.h). Compiled with AVX-512F and BW; scoring.cc
+// calls it only when CpuIsaAtLeast(kAvx512).
+#include "cpu/f32_logits.h"
+
+#include <algorithm>
+#include <cstdlib>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVC_F32_LOGITS_BUILT 1
+#endif
+
+#if KVC_F32_LOGITS_BUILT
+#include <immintrin.h>
+
+#include "cpu/avx512_rows.h"
+
+namespace kvc::cpu::f32 {
+namespace {
+
+// Query rows per register block (PackQueries groups them so): 12 rows x 32 keys take 24
+// accumulators, two key registers and a broadcast of the 32 zmm registers.
+constexpr int kRowBlock = 12;
+
+// Fetches rows [first, min(first + count, n)) of `row_bytes` bytes each, row i at
+// base + i * stride bytes: PackKeys asks for the next 16 keys while it transposes the current
+// ones, whose loads otherwise waited on memory (60% of its time on a Zen 4, keys contiguous in
+// an HND layer; an NHD cache puts a stride between them). The int8 packer, which does more work
+// per row, measured slower with the same prefetches.
+void PrefetchRows(const uint8_t* base, int first, int count, int n, size_t stride,
+                  size_t row_bytes) {
+  for (int i = first; i < first + count && i < n; ++i) {
+    const uint8_t* row = base + static_cast<size_t>(i) * stride;
+    for (size_t off = 0; off < row_bytes; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + off), _MM_HINT_T0);
+    }
+  }
+}
+
+}  // namespace
+
+bool Built() { return true; }
+
+void PackKeys(const void* src, DType t, size_t row_stride, int n, int head_dim, float* out) {
+  const auto* base = static_cast<const uint8_t*>(src);
+  const size_t esize = DTypeSize(t);
+  const int tiles = (n + 31) / 32 * 2;
+  for (int kt = 0; kt < tiles; ++kt) {
+    float* tile = out + static_cast<size_t>(kt) * head_dim * 16;
+    PrefetchRows(base, (kt + 1) * 16, 16, n, row_stride * esize, head_dim * esize);
+    for (int d0 = 0; d0 < head_dim; d0 += 16) {
+      // Rows: 16 keys' channels d0 .. d0 + 15 -> rows: channels, lanes: keys.
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int key = kt * 16 + i;
+        r[i] = key < n ? _mm512_castps_si512(avx512::Load16(
+                             base + (static_cast<size_t>(key) * row_stride + d0) * esize, t))
+                       : _mm512_setzero_si512();
+      }
+      avx512::Transpose16(r);
+      for (int d = 0; d < 16; ++d) _mm512_storeu_si512(tile + (d0 + d) * 16, r[d]);
+    }
+  }
+}
+
+namespace {
+
+// MR query rows, packed [head_dim][MR] (PackQueries), against the 32 keys of two packed tiles (k:
+// the first; the second head_dim * 16 floats on): per channel one load of each tile's 16 keys and
+// one broadcast per row, two multiply-adds per row; the m0 / m1 lanes of each tile are stored.
+template <int MR>
+void Block(const float* qt, int head_dim, const float* k, float scale, float* dst, size_t ldc,
+           __mmask16 m0, __mmask16 m1) {
+  __m512 acc0[MR], acc1[MR];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    acc0[r] = _mm512_setzero_ps();
+    acc1[r] = _mm512_setzero_ps();
+  }
+  const float* k1 = k + static_cast<size_t>(head_dim) * 16;
+  for (int d = 0; d < head_dim; ++d) {
+    const __m512 b0 = _mm512_loadu_ps(k + d * 16);
+    const __m512 b1 = _mm512_loadu_ps(k1 + d * 16);
+    const float* a = qt + d * MR;
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m512 ar = _mm512_set1_ps(a[r]);
+      acc0[r] = _mm512_fmadd_ps(ar, b0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(ar, b1, acc1[r]);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    float* o = dst + static_cast<size_t>(r) * ldc;
+    _mm512_mask_storeu_ps(o, m0, _mm512_mul_ps(acc0[r], s));
+    _mm512_mask_storeu_ps(o + 16, m1, _mm512_mul_ps(acc1[r], s));
+  }
+}
+
+// Block for exactly `rows` (<= MR) rows.
+template <int MR>
+void Rows(const float* q, int rows, int head_dim, const float* k, float scale, float* dst,
+          size_t ldc, __mmask16 m0, __mmask16 m1) {
+  if constexpr (MR > 0) {
+    if (rows >= MR) {
+      Block<MR>(q, head_dim, k, scale, dst, ldc, m0, m1);
+    } else {
+      Rows<MR - 1>(q, rows, head_dim, k, scale, dst, ldc, m0, m1);
+    }
+  }
+}
+
+}  // namespace
+
+void PackQueries(const float* q, int rows, int head_dim, float* out) {
+  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const int mr = std::min(kRowBlock, rows - r0);
+    float* o = out + static_cast<size_t>(r0) * head_dim;
+    for (int d = 0; d < head_dim; ++d) {
+      for (int r = 0; r < mr; ++r) o[d * mr + r] = q[static_cast<size_t>(r0 + r) * head_dim + d];
+    }
+  }
+}
+
+void Logits(const float* q, int rows, const float* k, int n, int head_dim, float scale, float* dst,
+            size_t ldc) {
+  // A group's 32 keys (head_dim * 128 bytes) stay in L1 across the row blocks.
+  for (int j0 = 0; j0 < n; j0 += 32) {
+    __mmask16 m0, m1;
+    avx512::TilePairMasks(n - j0, &m0, &m1);
+    const float* kg = k + static_cast<size_t>(j0) * head_dim;  // tile j0 / 16
+    float* out = dst + j0;
+    int r = 0;
+    for (; r + kRowBlock <= rows; r += kRowBlock) {
+      Block<kRowBlock>(q + static_cast<size_t>(r) * head_dim, head_dim, kg, scale,
+                       out + static_cast<size_t>(r) * ldc, ldc, m0, m1);
+    }
+    if (r < rows) {  // the last 1..11 rows, as one block of that many
+      Rows<kRowBlock - 1>(q + static_cast<size_t>(r) * head_dim, rows - r, head_dim, kg, scale,
+                          out + static_cast<size_t>(r) * ldc, ldc, m0, m1);
+    }
+  }
+}
+
+}  // namespace kvc::cpu::f32
+
+#else  // built without AVX-512: Built() and so Usable() are false; nothing below is ever called.
+
+namespace kvc::cpu::f32 {
+bool Built() { return false; }
+void PackKeys(const void*, DType, size_t, int, int, float*) { std::abort(); }
+void PackQueries(const float*, int, int, float*) { std::abort(); }
+void Logits(const float*, int, const float*, int, int, float, float*, size_t) { std::abort(); }
+}  // namespace kvc::cpu::f32
+
+#endif

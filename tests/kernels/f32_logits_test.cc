@@ -1,0 +1,142 @@
+// The fp32 AVX-512 logits kernel (kernels/cpu/f32_logits.h): the packed key and query layouts
+// against the documented index formulas, and the logits against a double-precision reference
+// within fp32 summation rounding for fp16, bf16 and fp32 keys a stride apart (as in an NHD
+// cache), ragged row and key counts (every remainder of the 12-row blocks and of the 32-key
+// groups) and head_dim 16..256. On a CPU without AVX-512 the tests skip, naming what it has.
+#include "cpu/f32_logits.h"
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvc/convert.h"
+#include "kvc/cpu_isa.h"
+#include "kvc/dtype.h"
+
+namespace kvc::cpu {
+namespace {
+
+#define SKIP_WITHOUT_AVX512()                                                                  \
+  do {                                                                                         \
+    if (!f32::Usable(16)) {                                                                    \
+      GTEST_SKIP() << "no AVX-512 path here: the kernels run at " << CpuIsaDescription() << " (" \
+                   << CpuFeatureList() << ")";                                                 \
+    }                                                                                          \
+  } while (0)
+
+std::vector<float> Random(size_t n, uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// `count` values of type t at a stride of `stride` elements (the gaps hold other values), and
+// the floats they hold.
+struct Rows {
+  std::vector<uint8_t> raw;
+  std::vector<float> values;  // [count][d], the exact values of the stored elements
+};
+Rows MakeRows(DType t, int count, int d, size_t stride, uint32_t seed) {
+  const size_t esize = DTypeSize(t);
+  std::vector<float> all = Random(static_cast<size_t>(count) * stride, seed, 1.5f);
+  Rows r;
+  r.raw.resize(all.size() * esize);
+  FromFloat(all.data(), t, all.size(), r.raw.data());
+  std::vector<float> back(all.size());
+  ToFloat(r.raw.data(), t, all.size(), back.data());
+  r.values.resize(static_cast<size_t>(count) * d);
+  for (int i = 0; i < count; ++i) {
+    for (int e = 0; e < d; ++e) r.values[static_cast<size_t>(i) * d + e] = back[i * stride + e];
+  }
+  return r;
+}
+
+#if defined(__x86_64__)
+TEST(F32LogitsTest, BuiltOnX86) { EXPECT_TRUE(f32::Built()); }
+#endif
+
+// Key j, channel e sits at tile j / 16, element e * 16 + j % 16; padding keys up to 32 are zero.
+// Query row r of block b = r / 12 (width w: 12, or the rows left in the last block) sits at
+// b * 12 * d + e * w + r % 12.
+TEST(F32LogitsTest, PackedLayoutsFollowTheirFormulas) {
+  SKIP_WITHOUT_AVX512();
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(t));
+    const int n = 37, d = 48;
+    const size_t stride = 3 * d;
+    const Rows keys = MakeRows(t, n, d, stride, 11);
+    std::vector<float> packed(f32::PackedKeyElems(n, d), -1.0f);
+    ASSERT_EQ(packed.size(), static_cast<size_t>(64) * d);
+    f32::PackKeys(keys.raw.data(), t, stride, n, d, packed.data());
+    for (int j = 0; j < 64; ++j) {
+      for (int e = 0; e < d; ++e) {
+        const float want = j < n ? keys.values[static_cast<size_t>(j) * d + e] : 0.0f;
+        ASSERT_EQ(packed[(static_cast<size_t>(j / 16) * d + e) * 16 + j % 16], want)
+            << "key " << j << " channel " << e;
+      }
+    }
+  }
+  const int rows = 29, d = 32;
+  const std::vector<float> q = Random(static_cast<size_t>(rows) * d, 5, 1.0f);
+  std::vector<float> qp(q.size(), -1.0f);
+  f32::PackQueries(q.data(), rows, d, qp.data());
+  for (int r = 0; r < rows; ++r) {
+    const int b = r / 12, w = b < rows / 12 ? 12 : rows % 12;
+    for (int e = 0; e < d; ++e) {
+      ASSERT_EQ(qp[static_cast<size_t>(b) * 12 * d + e * w + r % 12], q[r * d + e])
+          << "row " << r << " channel " << e;
+    }
+  }
+}
+
+// Each logit within the fp32 summation bound of the double reference: (d + 2) * 2^-24 of
+// scale * sum_d |q_d k_d| (d additions and the final scaling, each rounding once), and nothing
+// written outside the rows' n columns.
+TEST(F32LogitsTest, LogitsMatchDoubleReference) {
+  SKIP_WITHOUT_AVX512();
+  struct Case {
+    int rows, n, d;
+  };
+  const Case cases[] = {{1, 1, 16},    {11, 17, 64},     {12, 32, 64},   {13, 33, 128},
+                        {25, 47, 96},  {128, 1024, 128}, {37, 300, 256}, {7, 15, 32},
+                        {24, 64, 16},  {35, 31, 80}};
+  for (DType t : {DType::kF16, DType::kF32, DType::kBF16}) {
+    for (const Case& c : cases) {
+      SCOPED_TRACE(testing::Message() << DTypeName(t) << " " << c.rows << "x" << c.n << " d "
+                                      << c.d);
+      const std::vector<float> q = Random(static_cast<size_t>(c.rows) * c.d, 3 + c.n, 1.0f);
+      const size_t stride = 2 * static_cast<size_t>(c.d);  // another head's row in between
+      const Rows keys = MakeRows(t, c.n, c.d, stride, 5 + c.rows);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+      std::vector<float> kp(f32::PackedKeyElems(c.n, c.d)), qp(q.size());
+      f32::PackKeys(keys.raw.data(), t, stride, c.n, c.d, kp.data());
+      f32::PackQueries(q.data(), c.rows, c.d, qp.data());
+      const size_t ldc = static_cast<size_t>(c.n) + 2;
+      std::vector<float> out(static_cast<size_t>(c.rows) * ldc, -7.0f);
+      f32::Logits(qp.data(), c.rows, kp.data(), c.n, c.d, scale, out.data() + 1, ldc);
+      for (int r = 0; r < c.rows; ++r) {
+        ASSERT_EQ(out[r * ldc], -7.0f) << "row " << r;
+        ASSERT_EQ(out[r * ldc + ldc - 1], -7.0f) << "row " << r;
+        for (int j = 0; j < c.n; ++j) {
+          double dot = 0, mag = 0;
+          for (int e = 0; e < c.d; ++e) {
+            const double p = static_cast<double>(q[static_cast<size_t>(r) * c.d + e]) *
+                             keys.values[static_cast<size_t>(j) * c.d + e];
+            dot += p;
+            mag += std::fabs(p);
+          }
+          const double bound = std::ldexp(mag * scale * (c.d + 2), -24) + 1e-30;
+          ASSERT_LE(std::fabs(out[r * ldc + 1 + j] - dot * scale), bound)
+              << "row " << r << " key " << j;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvc::cpu
