@@ -1,8 +1,7 @@
-// The fp32 AVX-512 scoring logits (see f32_logits.h). Compiled with AVX-512F and BW; scoring.cc
-// calls it only when CpuIsaAtLeast(kAvx512).
+// The fp32 scoring logits' AVX-512 kernels (see f32_logits.h). Compiled with AVX-512F and BW;
+// f32_logits_avx2.cc calls them only when CpuIsaAtLeast(kAvx512).
 #include "cpu/f32_logits.h"
 
-#include <algorithm>
 #include <cstdlib>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -14,33 +13,19 @@
 
 #include "cpu/avx512_rows.h"
 
-namespace kvc::cpu::f32 {
+namespace kvc::cpu::f32::internal {
 namespace {
 
-// Query rows per register block (PackQueries groups them so): 12 rows x 32 keys take 24
-// accumulators, two key registers and a broadcast of the 32 zmm registers.
+// Query rows per register block (PackQueries groups them so, RowBlock() says 12 at this level):
+// 12 rows x 32 keys take 24 accumulators, two key registers and a broadcast of the 32 zmm
+// registers.
 constexpr int kRowBlock = 12;
-
-// Fetches rows [first, min(first + count, n)) of `row_bytes` bytes each, row i at
-// base + i * stride bytes: PackKeys asks for the next 16 keys while it transposes the current
-// ones, whose loads otherwise waited on memory (60% of its time on a Zen 4, keys contiguous in
-// an HND layer; an NHD cache puts a stride between them). The int8 packer, which does more work
-// per row, measured slower with the same prefetches.
-void PrefetchRows(const uint8_t* base, int first, int count, int n, size_t stride,
-                  size_t row_bytes) {
-  for (int i = first; i < first + count && i < n; ++i) {
-    const uint8_t* row = base + static_cast<size_t>(i) * stride;
-    for (size_t off = 0; off < row_bytes; off += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + off), _MM_HINT_T0);
-    }
-  }
-}
 
 }  // namespace
 
-bool Built() { return true; }
+bool Avx512Built() { return true; }
 
-void PackKeys(const void* src, DType t, size_t row_stride, int n, int head_dim, float* out) {
+void PackKeysAvx512(const void* src, DType t, size_t row_stride, int n, int head_dim, float* out) {
   const auto* base = static_cast<const uint8_t*>(src);
   const size_t esize = DTypeSize(t);
   const int tiles = (n + 31) / 32 * 2;
@@ -112,18 +97,8 @@ void Rows(const float* q, int rows, int head_dim, const float* k, float scale, f
 
 }  // namespace
 
-void PackQueries(const float* q, int rows, int head_dim, float* out) {
-  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
-    const int mr = std::min(kRowBlock, rows - r0);
-    float* o = out + static_cast<size_t>(r0) * head_dim;
-    for (int d = 0; d < head_dim; ++d) {
-      for (int r = 0; r < mr; ++r) o[d * mr + r] = q[static_cast<size_t>(r0 + r) * head_dim + d];
-    }
-  }
-}
-
-void Logits(const float* q, int rows, const float* k, int n, int head_dim, float scale, float* dst,
-            size_t ldc) {
+void LogitsAvx512(const float* q, int rows, const float* k, int n, int head_dim, float scale,
+                  float* dst, size_t ldc) {
   // A group's 32 keys (head_dim * 128 bytes) stay in L1 across the row blocks.
   for (int j0 = 0; j0 < n; j0 += 32) {
     __mmask16 m0, m1;
@@ -142,15 +117,16 @@ void Logits(const float* q, int rows, const float* k, int n, int head_dim, float
   }
 }
 
-}  // namespace kvc::cpu::f32
+}  // namespace kvc::cpu::f32::internal
 
-#else  // built without AVX-512: Built() and so Usable() are false; nothing below is ever called.
+#else  // built without AVX-512: Avx512Built() is false; nothing below is ever called.
 
-namespace kvc::cpu::f32 {
-bool Built() { return false; }
-void PackKeys(const void*, DType, size_t, int, int, float*) { std::abort(); }
-void PackQueries(const float*, int, int, float*) { std::abort(); }
-void Logits(const float*, int, const float*, int, int, float, float*, size_t) { std::abort(); }
-}  // namespace kvc::cpu::f32
+namespace kvc::cpu::f32::internal {
+bool Avx512Built() { return false; }
+void PackKeysAvx512(const void*, DType, size_t, int, int, float*) { std::abort(); }
+void LogitsAvx512(const float*, int, const float*, int, int, float, float*, size_t) {
+  std::abort();
+}
+}  // namespace kvc::cpu::f32::internal
 
 #endif

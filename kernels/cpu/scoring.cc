@@ -1,8 +1,8 @@
 // Attention scores of the observation queries (h2o, snapkv, keyformer: the policies' scorers and
 // the dispatch are in scorers.cc). Attention-based policies compute, per KV head, the GEMM of the
 // group's observation queries against all keys ([g*W, D] x [D, S], one 1024-key chunk at a time;
-// the logits path of ScoringLogitsPath, cpu/engine.h: fp32 multiply-adds on AVX-512,
-// cpu/f32_logits.h, OpenBLAS sgemm on fp32 copies below it; on AMX the same products from bf16
+// the logits path of ScoringLogitsPath, cpu/engine.h: fp32 multiply-adds on AVX2 and AVX-512,
+// cpu/f32_logits.h, OpenBLAS sgemm on fp32 copies below them; on AMX the same products from bf16
 // tiles, and on AVX-512 BF16 a bf16 layer's exact products from bf16 dot products,
 // cpu/amx_logits.h; with ScoringMath::kInteger int8 products on AVX-512 VNNI,
 // cpu/int8_logits.h), then a causal row softmax (online over the chunks) whose rows are
@@ -357,7 +357,7 @@ std::string_view LogitsPathName(LogitsPath path) {
     case LogitsPath::kInt8Dot:
       return "avx512-vnni int8 dot products";
     case LogitsPath::kF32Fma:
-      return "avx512 fp32 fma";
+      return CpuIsaAtLeast(CpuIsa::kAvx512) ? "avx512 fp32 fma" : "avx2 fp32 fma";
   }
   return "unknown";
 }

@@ -1,8 +1,8 @@
-// The fp32 AVX-512 logits kernel (kernels/cpu/f32_logits.h): the packed key and query layouts
-// against the documented index formulas, and the logits against a double-precision reference
-// within fp32 summation rounding for fp16, bf16 and fp32 keys a stride apart (as in an NHD
-// cache), ragged row and key counts (every remainder of the 12-row blocks and of the 32-key
-// groups) and head_dim 16..256. On a CPU without AVX-512 the tests skip, naming what it has.
+// The fp32 logits kernels (kernels/cpu/f32_logits.h), AVX2 and AVX-512, each level this CPU has:
+// the packed key and query layouts against the documented index formulas, and the logits against
+// a double-precision reference within fp32 summation rounding for fp16, bf16 and fp32 keys a
+// stride apart (as in an NHD cache), ragged row and key counts (every remainder of the row blocks
+// and of the key groups) and head_dim 16..256. Levels the CPU lacks skip, naming what it has.
 #include "cpu/f32_logits.h"
 
 #include <cmath>
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/isa_util.h"
 #include "kvc/convert.h"
 #include "kvc/cpu_isa.h"
 #include "kvc/dtype.h"
@@ -18,13 +19,22 @@
 namespace kvc::cpu {
 namespace {
 
-#define SKIP_WITHOUT_AVX512()                                                                  \
-  do {                                                                                         \
-    if (!f32::Usable(16)) {                                                                    \
-      GTEST_SKIP() << "no AVX-512 path here: the kernels run at " << CpuIsaDescription() << " (" \
-                   << CpuFeatureList() << ")";                                                 \
-    }                                                                                          \
-  } while (0)
+// The kernels' levels: AVX2 and AVX-512 (above AVX-512 the same kernels run).
+class F32LogitsTest : public ::testing::TestWithParam<CpuIsa> {
+ protected:
+  void SetUp() override {
+    if (!testing_isa::Supported(GetParam())) {
+      GTEST_SKIP() << "this CPU lacks " << CpuIsaName(GetParam()) << " (it has "
+                   << CpuFeatureList() << ")";
+    }
+    previous_ = SetCpuIsaCap(GetParam());
+    ASSERT_TRUE(f32::Usable(16));
+  }
+  void TearDown() override { SetCpuIsaCap(previous_); }
+
+ private:
+  CpuIsa previous_ = kBestCpuIsa;
+};
 
 std::vector<float> Random(size_t n, uint32_t seed, float scale) {
   std::mt19937 rng(seed);
@@ -56,14 +66,20 @@ Rows MakeRows(DType t, int count, int d, size_t stride, uint32_t seed) {
 }
 
 #if defined(__x86_64__)
-TEST(F32LogitsTest, BuiltOnX86) { EXPECT_TRUE(f32::Built()); }
+TEST(F32LogitsBuildTest, BuiltOnX86) { EXPECT_TRUE(f32::Built()); }
 #endif
 
-// Key j, channel e sits at tile j / 16, element e * 16 + j % 16; padding keys up to 32 are zero.
-// Query row r of block b = r / 12 (width w: 12, or the rows left in the last block) sits at
-// b * 12 * d + e * w + r % 12.
-TEST(F32LogitsTest, PackedLayoutsFollowTheirFormulas) {
-  SKIP_WITHOUT_AVX512();
+TEST_P(F32LogitsTest, TileAndRowBlockFollowTheLevel) {
+  const bool avx512 = GetParam() == CpuIsa::kAvx512;
+  EXPECT_EQ(f32::KeyTile(), avx512 ? 16 : 8);
+  EXPECT_EQ(f32::RowBlock(), avx512 ? 12 : 6);
+}
+
+// With tile width T and row block R: key j, channel e sits at tile j / T, element e * T + j % T;
+// padding keys up to 32 are zero. Query row r of block b = r / R (width w: R, or the rows left in
+// the last block) sits at b * R * d + e * w + r % R.
+TEST_P(F32LogitsTest, PackedLayoutsFollowTheirFormulas) {
+  const int T = f32::KeyTile(), R = f32::RowBlock();
   for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
     SCOPED_TRACE(DTypeName(t));
     const int n = 37, d = 48;
@@ -75,7 +91,7 @@ TEST(F32LogitsTest, PackedLayoutsFollowTheirFormulas) {
     for (int j = 0; j < 64; ++j) {
       for (int e = 0; e < d; ++e) {
         const float want = j < n ? keys.values[static_cast<size_t>(j) * d + e] : 0.0f;
-        ASSERT_EQ(packed[(static_cast<size_t>(j / 16) * d + e) * 16 + j % 16], want)
+        ASSERT_EQ(packed[(static_cast<size_t>(j / T) * d + e) * T + j % T], want)
             << "key " << j << " channel " << e;
       }
     }
@@ -85,9 +101,9 @@ TEST(F32LogitsTest, PackedLayoutsFollowTheirFormulas) {
   std::vector<float> qp(q.size(), -1.0f);
   f32::PackQueries(q.data(), rows, d, qp.data());
   for (int r = 0; r < rows; ++r) {
-    const int b = r / 12, w = b < rows / 12 ? 12 : rows % 12;
+    const int b = r / R, w = b < rows / R ? R : rows % R;
     for (int e = 0; e < d; ++e) {
-      ASSERT_EQ(qp[static_cast<size_t>(b) * 12 * d + e * w + r % 12], q[r * d + e])
+      ASSERT_EQ(qp[static_cast<size_t>(b) * R * d + e * w + r % R], q[r * d + e])
           << "row " << r << " channel " << e;
     }
   }
@@ -96,14 +112,13 @@ TEST(F32LogitsTest, PackedLayoutsFollowTheirFormulas) {
 // Each logit within the fp32 summation bound of the double reference: (d + 2) * 2^-24 of
 // scale * sum_d |q_d k_d| (d additions and the final scaling, each rounding once), and nothing
 // written outside the rows' n columns.
-TEST(F32LogitsTest, LogitsMatchDoubleReference) {
-  SKIP_WITHOUT_AVX512();
+TEST_P(F32LogitsTest, LogitsMatchDoubleReference) {
   struct Case {
     int rows, n, d;
   };
-  const Case cases[] = {{1, 1, 16},    {11, 17, 64},     {12, 32, 64},   {13, 33, 128},
-                        {25, 47, 96},  {128, 1024, 128}, {37, 300, 256}, {7, 15, 32},
-                        {24, 64, 16},  {35, 31, 80}};
+  const Case cases[] = {{1, 1, 16},   {11, 17, 64},     {12, 32, 64},   {13, 33, 128},
+                        {25, 47, 96}, {128, 1024, 128}, {37, 300, 256}, {7, 15, 32},
+                        {24, 64, 16}, {35, 31, 80},     {5, 9, 48},     {6, 16, 32}};
   for (DType t : {DType::kF16, DType::kF32, DType::kBF16}) {
     for (const Case& c : cases) {
       SCOPED_TRACE(testing::Message() << DTypeName(t) << " " << c.rows << "x" << c.n << " d "
@@ -137,6 +152,9 @@ TEST(F32LogitsTest, LogitsMatchDoubleReference) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Levels, F32LogitsTest, ::testing::Values(CpuIsa::kAvx2, CpuIsa::kAvx512),
+                         testing_isa::IsaName);
 
 }  // namespace
 }  // namespace kvc::cpu

@@ -398,7 +398,7 @@ void ExpectSameSelectionUpToTies(const std::vector<float>& scores, const LayerSh
 }
 
 // Scores of a 4K-token layer of type t at instruction-set level `fast` (whose logits path must be
-// `path`) against sgemm's (capped at AVX2): equal to float rounding (1e-5 relative), not
+// `path`) against sgemm's (the portable level's): equal to float rounding (1e-5 relative), not
 // bit-identical (else the path was not taken), and the kept sets at keep 0.25 the same, or
 // different only between tokens whose sgemm scores tie to that rounding at the cut.
 void ExpectSgemmSelections(DType t, CpuIsa fast, cpu::LogitsPath path) {
@@ -423,7 +423,7 @@ void ExpectSgemmSelections(DType t, CpuIsa fast, cpu::LogitsPath path) {
       got_sel = SelectTokens(layer.input(), full);
     }
     {
-      const testing_isa::ScopedIsaCap cap(CpuIsa::kAvx2);
+      const testing_isa::ScopedIsaCap cap(CpuIsa::kPortable);
       ASSERT_EQ(cpu::ScoringLogitsPath(t, 128), cpu::LogitsPath::kSgemm);
       fp32 = ScoreTokens(layer.input(), spec);
       fp32_sel = SelectTokens(layer.input(), full);
@@ -451,21 +451,20 @@ TEST(ScoreTokensTest, Bf16DotProductsKeepTheSgemmSelections) {
   ExpectSgemmSelections(DType::kBF16, CpuIsa::kAvx512Bf16, cpu::LogitsPath::kBf16Dot);
 }
 
-// fp16 layers from AVX-512 up (and bf16 ones below AVX-512 BF16) take the fp32 multiply-adds of
-// cpu/f32_logits.h: the same exact fp32 operands as sgemm, summed in another order.
+// fp16 layers from AVX2 up without AMX (and bf16 ones below AVX-512 BF16) take the fp32
+// multiply-adds of cpu/f32_logits.h: the same exact fp32 operands as sgemm, summed in another
+// order. Each kernel: AVX2, and AVX-512 where the CPU has it.
 TEST(ScoreTokensTest, F32MultiplyAddsKeepTheSgemmSelections) {
-  if (!testing_isa::Supported(CpuIsa::kAvx512)) {
-    GTEST_SKIP() << "this CPU lacks avx512 (it has " << CpuIsaName(DetectedCpuIsa()) << ": "
-                 << CpuFeatureList() << ")";
-  }
-  {
-    SCOPED_TRACE("f16, the best level");
-    if (!testing_isa::Supported(CpuIsa::kAmx)) {
-      ExpectSgemmSelections(DType::kF16, kBestCpuIsa, cpu::LogitsPath::kF32Fma);
+  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (!testing_isa::Supported(isa)) {
+      GTEST_SKIP() << "this CPU lacks " << CpuIsaName(isa) << " (it has "
+                   << CpuIsaName(DetectedCpuIsa()) << ": " << CpuFeatureList() << ")";
+    }
+    for (DType t : {DType::kF16, DType::kBF16}) {
+      SCOPED_TRACE(std::string(CpuIsaName(isa)) + " " + std::string(DTypeName(t)));
+      ExpectSgemmSelections(t, isa, cpu::LogitsPath::kF32Fma);
     }
   }
-  SCOPED_TRACE("bf16 at avx512");
-  ExpectSgemmSelections(DType::kBF16, CpuIsa::kAvx512, cpu::LogitsPath::kF32Fma);
 }
 
 // ScoringMath::kInteger (int8 logits on AVX-512 VNNI, cpu/int8_logits.h) against the exact path

@@ -26,7 +26,7 @@ TEST(KvcdCpuIsaTest, AValidCapIsPrintedAtStartUp) {
   auto p = KvcdProcess::Start(opts);
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_THAT((*p)->output(), HasSubstr("kvcd: cpu kernels: portable"));
-  // Below avx512 every dtype's scoring logits come from sgemm, and the line says so.
+  // Below avx2 every dtype's scoring logits come from sgemm, and the line says so.
   EXPECT_THAT((*p)->output(), HasSubstr("(scoring logits: f32 f16 bf16: sgemm fp32)"));
 }
 
@@ -57,7 +57,7 @@ TEST(KvcdCpuIsaTest, ScoringMathNamesItsPathAtStartUp) {
   opts.env = {"KVC_CPU_ISA=avx2"};  // no VNNI at this cap: the exact path, and the line says so
   auto p = KvcdProcess::Start(opts);
   ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_THAT((*p)->output(), HasSubstr("(scoring logits: f32 f16 bf16: sgemm fp32)"));
+  EXPECT_THAT((*p)->output(), HasSubstr("(scoring logits: f32 f16 bf16: avx2 fp32 fma)"));
   if (DetectedCpuIsa() < CpuIsa::kAvx512Vnni) {
     GTEST_SKIP() << "this CPU lacks avx512vnni (" << CpuFeatureList()
                  << "): the int8 path's line is not checked";

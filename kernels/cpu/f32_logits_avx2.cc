@@ -1,0 +1,213 @@
+// The fp32 scoring logits (see f32_logits.h): the AVX2 kernels and the entry points, which take
+// the AVX-512 kernels of f32_logits.cc from that level up. Compiled with AVX2, FMA and F16C;
+// scoring.cc calls it only when f32::Usable (level kAvx2 or above).
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "cpu/f32_logits.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVC_F32_LOGITS_AVX2_BUILT 1
+#endif
+
+#if KVC_F32_LOGITS_AVX2_BUILT
+#include <immintrin.h>
+
+namespace kvc::cpu::f32 {
+namespace {
+
+// Keys per tile and query rows per register block: 6 rows x 16 keys (two tiles) take 12
+// accumulators, two key registers and a broadcast of the 16 ymm registers.
+constexpr int kTile = 8;
+constexpr int kRowBlock = 6;
+
+bool UseAvx512() { return CpuIsaAtLeast(CpuIsa::kAvx512) && internal::Avx512Built(); }
+
+// 8 elements of type t at p as floats (exact).
+inline __m256 Load8(const uint8_t* p, DType t) {
+  switch (t) {
+    case DType::kF32:
+      return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+    case DType::kF16:
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    case DType::kBF16:
+      return _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
+  return _mm256_setzero_ps();
+}
+
+// In-register transpose of an 8 x 8 matrix of floats: r[i][j] -> r[j][i].
+inline void Transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
+
+void PackKeysAvx2(const void* src, DType t, size_t row_stride, int n, int head_dim, float* out) {
+  const auto* base = static_cast<const uint8_t*>(src);
+  const size_t esize = DTypeSize(t);
+  const int tiles = (n + 31) / 32 * (32 / kTile);
+  for (int kt = 0; kt < tiles; ++kt) {
+    float* tile = out + static_cast<size_t>(kt) * head_dim * kTile;
+    internal::PrefetchRows(base, (kt + 1) * kTile, kTile, n, row_stride * esize, head_dim * esize);
+    for (int d0 = 0; d0 < head_dim; d0 += 8) {
+      // Rows: 8 keys' channels d0 .. d0 + 7 -> rows: channels, lanes: keys.
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) {
+        const int key = kt * kTile + i;
+        r[i] = key < n ? Load8(base + (static_cast<size_t>(key) * row_stride + d0) * esize, t)
+                       : _mm256_setzero_ps();
+      }
+      Transpose8(r);
+      for (int d = 0; d < 8; ++d) _mm256_storeu_ps(tile + (d0 + d) * kTile, r[d]);
+    }
+  }
+}
+
+// MR query rows, packed [head_dim][MR], against the 16 keys of two packed tiles (k: the first;
+// the second head_dim * 8 floats on): per channel one load of each tile's 8 keys and one
+// broadcast per row, two multiply-adds per row. `keys` (< 16 for the last group) of the 16
+// columns are stored.
+template <int MR>
+void Block(const float* qt, int head_dim, const float* k, float scale, float* dst, size_t ldc,
+           int keys) {
+  __m256 acc0[MR], acc1[MR];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    acc0[r] = _mm256_setzero_ps();
+    acc1[r] = _mm256_setzero_ps();
+  }
+  const float* k1 = k + static_cast<size_t>(head_dim) * kTile;
+  for (int d = 0; d < head_dim; ++d) {
+    const __m256 b0 = _mm256_loadu_ps(k + d * kTile);
+    const __m256 b1 = _mm256_loadu_ps(k1 + d * kTile);
+    const float* a = qt + d * MR;
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 ar = _mm256_broadcast_ss(a + r);
+      acc0[r] = _mm256_fmadd_ps(ar, b0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(ar, b1, acc1[r]);
+    }
+  }
+  const __m256 s = _mm256_set1_ps(scale);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    float* o = dst + static_cast<size_t>(r) * ldc;
+    if (keys >= 16) {
+      _mm256_storeu_ps(o, _mm256_mul_ps(acc0[r], s));
+      _mm256_storeu_ps(o + 8, _mm256_mul_ps(acc1[r], s));
+    } else {  // the last group: only its keys' columns
+      alignas(32) float tmp[16];
+      _mm256_store_ps(tmp, _mm256_mul_ps(acc0[r], s));
+      _mm256_store_ps(tmp + 8, _mm256_mul_ps(acc1[r], s));
+      std::memcpy(o, tmp, static_cast<size_t>(keys) * sizeof(float));
+    }
+  }
+}
+
+// Block for exactly `rows` (<= MR) rows.
+template <int MR>
+void Rows(const float* q, int rows, int head_dim, const float* k, float scale, float* dst,
+          size_t ldc, int keys) {
+  if constexpr (MR > 0) {
+    if (rows >= MR) {
+      Block<MR>(q, head_dim, k, scale, dst, ldc, keys);
+    } else {
+      Rows<MR - 1>(q, rows, head_dim, k, scale, dst, ldc, keys);
+    }
+  }
+}
+
+void LogitsAvx2(const float* q, int rows, const float* k, int n, int head_dim, float scale,
+                float* dst, size_t ldc) {
+  // A group's 16 keys (head_dim * 64 bytes) stay in L1 across the row blocks.
+  for (int j0 = 0; j0 < n; j0 += 2 * kTile) {
+    const int keys = std::min(2 * kTile, n - j0);
+    const float* kg = k + static_cast<size_t>(j0) * head_dim;  // tile j0 / 8
+    float* out = dst + j0;
+    int r = 0;
+    for (; r + kRowBlock <= rows; r += kRowBlock) {
+      Block<kRowBlock>(q + static_cast<size_t>(r) * head_dim, head_dim, kg, scale,
+                       out + static_cast<size_t>(r) * ldc, ldc, keys);
+    }
+    if (r < rows) {  // the last 1..5 rows, as one block of that many
+      Rows<kRowBlock - 1>(q + static_cast<size_t>(r) * head_dim, rows - r, head_dim, kg, scale,
+                          out + static_cast<size_t>(r) * ldc, ldc, keys);
+    }
+  }
+}
+
+}  // namespace
+
+namespace internal {
+
+void PrefetchRows(const uint8_t* base, int first, int count, int n, size_t stride,
+                  size_t row_bytes) {
+  for (int i = first; i < first + count && i < n; ++i) {
+    const uint8_t* row = base + static_cast<size_t>(i) * stride;
+    for (size_t off = 0; off < row_bytes; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + off), _MM_HINT_T0);
+    }
+  }
+}
+
+}  // namespace internal
+
+bool Built() { return true; }
+
+int KeyTile() { return UseAvx512() ? 16 : kTile; }
+int RowBlock() { return UseAvx512() ? 12 : kRowBlock; }
+
+void PackKeys(const void* src, DType t, size_t row_stride, int n, int head_dim, float* out) {
+  if (UseAvx512()) return internal::PackKeysAvx512(src, t, row_stride, n, head_dim, out);
+  PackKeysAvx2(src, t, row_stride, n, head_dim, out);
+}
+
+void PackQueries(const float* q, int rows, int head_dim, float* out) {
+  const int block = RowBlock();
+  for (int r0 = 0; r0 < rows; r0 += block) {
+    const int mr = std::min(block, rows - r0);
+    float* o = out + static_cast<size_t>(r0) * head_dim;
+    for (int d = 0; d < head_dim; ++d) {
+      for (int r = 0; r < mr; ++r) o[d * mr + r] = q[static_cast<size_t>(r0 + r) * head_dim + d];
+    }
+  }
+}
+
+void Logits(const float* q, int rows, const float* k, int n, int head_dim, float scale, float* dst,
+            size_t ldc) {
+  if (UseAvx512()) return internal::LogitsAvx512(q, rows, k, n, head_dim, scale, dst, ldc);
+  LogitsAvx2(q, rows, k, n, head_dim, scale, dst, ldc);
+}
+
+}  // namespace kvc::cpu::f32
+
+#else  // built without AVX2: Built() and so Usable() are false; nothing below is ever called.
+
+namespace kvc::cpu::f32 {
+namespace internal {
+void PrefetchRows(const uint8_t*, int, int, int, size_t, size_t) { std::abort(); }
+}  // namespace internal
+bool Built() { return false; }
+int KeyTile() { std::abort(); }
+int RowBlock() { std::abort(); }
+void PackKeys(const void*, DType, size_t, int, int, float*) { std::abort(); }
+void PackQueries(const float*, int, int, float*) { std::abort(); }
+void Logits(const float*, int, const float*, int, int, float, float*, size_t) { std::abort(); }
+}  // namespace kvc::cpu::f32
+
+#endif
