@@ -17,6 +17,7 @@
 #include <immintrin.h>
 
 #include "cpu/avx512_rows.h"
+#include "cpu/row_blocks.h"
 
 namespace kvc::cpu::amx {
 
@@ -223,41 +224,19 @@ void DotBlock(const uint16_t* q, int head_dim, const uint16_t* k, float scale, f
   }
 }
 
-// DotBlock for exactly `rows` (<= MR) rows.
-template <int MR>
-void DotRows(const uint16_t* q, int rows, int head_dim, const uint16_t* k, float scale, float* dst,
-             size_t ldc, __mmask16 m0, __mmask16 m1) {
-  if constexpr (MR > 0) {
-    if (rows >= MR) {
-      DotBlock<MR>(q, head_dim, k, scale, dst, ldc, m0, m1);
-    } else {
-      DotRows<MR - 1>(q, rows, head_dim, k, scale, dst, ldc, m0, m1);
-    }
-  }
-}
-
 }  // namespace
 
 void DotLogits(const uint16_t* q, int rows, const uint16_t* k, int n, int head_dim, float scale,
                float* dst, size_t ldc) {
   // 12 rows x 32 keys: 24 accumulators, two key registers and one broadcast query pair of the
   // 32 zmm registers; a group's 32 keys (2 * head_dim * 2 bytes) stay in L1 across the rows.
-  constexpr int kRows = 12;
-  for (int j0 = 0; j0 < n; j0 += 32) {
+  ForRowBlocks<12>(rows, n, 32, [&](auto mr, int r, int j0) {
     __mmask16 m0, m1;
     avx512::TilePairMasks(n - j0, &m0, &m1);
-    const uint16_t* kg = k + static_cast<size_t>(j0) * head_dim;  // tile j0 / 16
-    float* out = dst + j0;
-    int r = 0;
-    for (; r + kRows <= rows; r += kRows) {
-      DotBlock<kRows>(q + static_cast<size_t>(r) * head_dim, head_dim, kg, scale,
-                      out + static_cast<size_t>(r) * ldc, ldc, m0, m1);
-    }
-    if (r < rows) {  // the last 1..11 rows, as one block of that many
-      DotRows<kRows - 1>(q + static_cast<size_t>(r) * head_dim, rows - r, head_dim, kg, scale,
-                         out + static_cast<size_t>(r) * ldc, ldc, m0, m1);
-    }
-  }
+    DotBlock<decltype(mr)::value>(q + static_cast<size_t>(r) * head_dim, head_dim,
+                                  k + static_cast<size_t>(j0) * head_dim,  // tile j0 / 16
+                                  scale, dst + static_cast<size_t>(r) * ldc + j0, ldc, m0, m1);
+  });
 }
 
 }  // namespace kvc::cpu::amx

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include "cpu/avx512_rows.h"
+#include "cpu/row_blocks.h"
 
 namespace kvc::cpu::f32::internal {
 namespace {
@@ -82,39 +83,17 @@ void Block(const float* qt, int head_dim, const float* k, float scale, float* ds
   }
 }
 
-// Block for exactly `rows` (<= MR) rows.
-template <int MR>
-void Rows(const float* q, int rows, int head_dim, const float* k, float scale, float* dst,
-          size_t ldc, __mmask16 m0, __mmask16 m1) {
-  if constexpr (MR > 0) {
-    if (rows >= MR) {
-      Block<MR>(q, head_dim, k, scale, dst, ldc, m0, m1);
-    } else {
-      Rows<MR - 1>(q, rows, head_dim, k, scale, dst, ldc, m0, m1);
-    }
-  }
-}
-
 }  // namespace
 
 void LogitsAvx512(const float* q, int rows, const float* k, int n, int head_dim, float scale,
                   float* dst, size_t ldc) {
-  // A group's 32 keys (head_dim * 128 bytes) stay in L1 across the row blocks.
-  for (int j0 = 0; j0 < n; j0 += 32) {
+  ForRowBlocks<kRowBlock>(rows, n, 32, [&](auto mr, int r, int j0) {
     __mmask16 m0, m1;
     avx512::TilePairMasks(n - j0, &m0, &m1);
-    const float* kg = k + static_cast<size_t>(j0) * head_dim;  // tile j0 / 16
-    float* out = dst + j0;
-    int r = 0;
-    for (; r + kRowBlock <= rows; r += kRowBlock) {
-      Block<kRowBlock>(q + static_cast<size_t>(r) * head_dim, head_dim, kg, scale,
-                       out + static_cast<size_t>(r) * ldc, ldc, m0, m1);
-    }
-    if (r < rows) {  // the last 1..11 rows, as one block of that many
-      Rows<kRowBlock - 1>(q + static_cast<size_t>(r) * head_dim, rows - r, head_dim, kg, scale,
-                          out + static_cast<size_t>(r) * ldc, ldc, m0, m1);
-    }
-  }
+    Block<decltype(mr)::value>(q + static_cast<size_t>(r) * head_dim, head_dim,
+                               k + static_cast<size_t>(j0) * head_dim, scale,
+                               dst + static_cast<size_t>(r) * ldc + j0, ldc, m0, m1);
+  });
 }
 
 }  // namespace kvc::cpu::f32::internal

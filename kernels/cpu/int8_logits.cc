@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include "cpu/avx512_rows.h"
+#include "cpu/row_blocks.h"
 
 namespace kvc::cpu::i8 {
 
@@ -81,20 +82,6 @@ void DotBlock(const uint8_t* q, const float* q_scales, int head_dim, const int8_
     const __m512 v1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc1[r], o1));
     _mm512_mask_storeu_ps(out, m0, _mm512_mul_ps(_mm512_mul_ps(v0, s0), qs));
     _mm512_mask_storeu_ps(out + 16, m1, _mm512_mul_ps(_mm512_mul_ps(v1, s1), qs));
-  }
-}
-
-// DotBlock for exactly `rows` (<= MR) rows.
-template <int MR>
-void DotRows(const uint8_t* q, const float* q_scales, int rows, int head_dim, const int8_t* k,
-             const float* k_scales, const int32_t* k_offsets, float* dst, size_t ldc,
-             __mmask16 m0, __mmask16 m1) {
-  if constexpr (MR > 0) {
-    if (rows >= MR) {
-      DotBlock<MR>(q, q_scales, head_dim, k, k_scales, k_offsets, dst, ldc, m0, m1);
-    } else {
-      DotRows<MR - 1>(q, q_scales, rows, head_dim, k, k_scales, k_offsets, dst, ldc, m0, m1);
-    }
   }
 }
 
@@ -170,24 +157,14 @@ void Logits(const uint8_t* q_codes, const float* q_scales, int rows, const int8_
             size_t ldc) {
   // 12 rows x 32 keys: 24 accumulators, two key registers and one broadcast query quad of the 32
   // zmm registers; a group pair's 32 keys (head_dim * 32 bytes) stay in L1 across the rows.
-  constexpr int kRows = 12;
-  for (int j0 = 0; j0 < n; j0 += 32) {
+  ForRowBlocks<12>(rows, n, 32, [&](auto mr, int r, int j0) {
     __mmask16 m0, m1;
     avx512::TilePairMasks(n - j0, &m0, &m1);
-    const int8_t* kg = k_codes + static_cast<size_t>(j0) * head_dim;
-    const float* ks = k_scales + j0;
-    const int32_t* ko = k_offsets + j0;
-    float* out = dst + j0;
-    int r = 0;
-    for (; r + kRows <= rows; r += kRows) {
-      DotBlock<kRows>(q_codes + static_cast<size_t>(r) * head_dim, q_scales + r, head_dim, kg, ks,
-                      ko, out + static_cast<size_t>(r) * ldc, ldc, m0, m1);
-    }
-    if (r < rows) {  // the last 1..11 rows, as one block of that many
-      DotRows<kRows - 1>(q_codes + static_cast<size_t>(r) * head_dim, q_scales + r, rows - r,
-                         head_dim, kg, ks, ko, out + static_cast<size_t>(r) * ldc, ldc, m0, m1);
-    }
-  }
+    DotBlock<decltype(mr)::value>(q_codes + static_cast<size_t>(r) * head_dim, q_scales + r,
+                                  head_dim, k_codes + static_cast<size_t>(j0) * head_dim,
+                                  k_scales + j0, k_offsets + j0,
+                                  dst + static_cast<size_t>(r) * ldc + j0, ldc, m0, m1);
+  });
 }
 
 }  // namespace kvc::cpu::i8
