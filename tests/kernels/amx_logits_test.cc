@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,13 +31,7 @@ namespace {
     }                                                                                        \
   } while (0)
 
-std::vector<float> Random(size_t n, uint32_t seed, float scale) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
+using testing_logits::Random;
 
 // Rounds every element to the given key dtype (the values a converted fp16 / bf16 cache holds).
 void RoundTo(DType t, std::vector<float>* v) {

@@ -7,7 +7,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -37,13 +36,7 @@ class F32LogitsTest : public ::testing::TestWithParam<CpuIsa> {
   CpuIsa previous_ = kBestCpuIsa;
 };
 
-std::vector<float> Random(size_t n, uint32_t seed, float scale) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
+using testing_logits::Random;
 
 // `count` values of type t at a stride of `stride` elements (the gaps hold other values), and
 // the floats they hold.

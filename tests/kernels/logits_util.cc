@@ -1,10 +1,19 @@
 #include "logits_util.h"
 
 #include <cmath>
+#include <random>
 
 #include "gtest/gtest.h"
 
 namespace kvc::testing_logits {
+
+std::vector<float> Random(size_t n, uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
 
 void ExpectLogitsWithinFp32Rounding(const float* q, const float* k, int rows, int n, int d,
                                     float scale, const float* out, size_t ldc) {

@@ -1,11 +1,16 @@
-// Checks shared by the scoring kernels' tests (amx_logits_test, f32_logits_test): a logits
-// matrix against a double-precision reference.
+// What the scoring kernels' tests share (amx_logits_test, f32_logits_test): random operands, and
+// a logits matrix checked against a double-precision reference.
 #ifndef KVC_TESTS_KERNELS_LOGITS_UTIL_H_
 #define KVC_TESTS_KERNELS_LOGITS_UTIL_H_
 
 #include <cstddef>
+#include <cstdint>
+#include <vector>
 
 namespace kvc::testing_logits {
+
+// n normal values of standard deviation `scale` from the seed.
+std::vector<float> Random(size_t n, uint32_t seed, float scale);
 
 // out[r * ldc + 1 + j] (r < rows, j < n) against scale * sum_d q[r][d] * k[j][d] in double
 // (q [rows][d], k [n][d] row-major, the exact values the kernel read): each within the fp32
