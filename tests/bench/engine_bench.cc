@@ -5,7 +5,7 @@
 // BM_ScoreVsSgemm times scoring and sgemm 2048^2 back to back in one loop (vs_sgemm: their
 // median FLOP/s ratio); the instruction set in use (kvc/cpu_isa.h, capped by KVC_CPU_ISA) is in
 // its label. BM_ChunkLogits does the same for the scoring GEMM's chunks alone (sgemm's path and
-// the AVX-512 fp32 kernel's).
+// the fp32 kernels', AVX2 or AVX-512).
 //
 // Counters: bytes_per_second is the layer's input (K + V, plus Q_obs for stages that read it);
 // FLOPS counts 2*M*N*K of the GEMMs; pack reports out_bytes_per_second too (bytes of the packed
@@ -217,17 +217,44 @@ void BM_SgemmScoreShape(benchmark::State& state) {
   state.counters["blas_threads"] = threads;
 }
 
-double ThreadCpuSeconds();
+double ThreadCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// The median of v (the mean of the middle two for an even count; 0 when empty).
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t k = v.size();
+  return k == 0 ? 0 : (k % 2 == 1 ? v[k / 2] : 0.5 * (v[k / 2 - 1] + v[k / 2]));
+}
+
+// The baseline the *VsSgemm rows time in their own loop: sgemm 2048^2 (OpenBLAS, with the
+// threads it is set to).
+struct SquareSgemm {
+  static constexpr int kN = 2048;
+  std::vector<float> a = std::vector<float>(static_cast<size_t>(kN) * kN, 0.5f);
+  std::vector<float> b = std::vector<float>(a.size(), 0.25f);
+  std::vector<float> c = std::vector<float>(a.size());
+  static constexpr double kFlops = 2.0 * kN * kN * kN;
+  void Run() {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, kN, kN, kN, 1.0f, a.data(), kN, b.data(),
+                kN, 0.0f, c.data(), kN);
+    benchmark::DoNotOptimize(c.data());
+  }
+};
 
 // The scoring GEMM's chunks alone, one thread, CPU time: the 32K fp16 layer's keys, each KV
-// head's against the same 128 observation rows in 1,024-key chunks, (arg 0) as the sgemm path computes them (each
-// chunk converted to fp32, then cblas_sgemm 128 x 1024 x 128) or (arg 1) as cpu/f32_logits.h does
-// (each chunk packed, then its kernel), with sgemm 2048^2 in the same loop: vs_sgemm is the median
-// of their FLOP/s ratios (the share of sgemm's own speed each reaches on this shape).
+// head's against the same 128 observation rows in 1,024-key chunks, (arg 0) as the sgemm path
+// computes them (each chunk converted to fp32, then cblas_sgemm 128 x 1024 x 128) or (arg 1) as
+// cpu/f32_logits.h does at the active level (each chunk packed, then its kernel), with sgemm
+// 2048^2 in the same loop: vs_sgemm is the median of their FLOP/s ratios (the share of sgemm's
+// own speed each reaches on this shape).
 void BM_ChunkLogits(benchmark::State& state) {
   const bool f32_path = state.range(0) != 0;
   if (f32_path && !cpu::f32::Usable(kHeadDim)) {
-    state.SkipWithError(absl::StrCat("no AVX-512 at this level: ", CpuIsaDescription()).c_str());
+    state.SkipWithError(absl::StrCat("no AVX2 at this level: ", CpuIsaDescription()).c_str());
     return;
   }
   const Layer& layer = GetLayer(32768);
@@ -237,15 +264,13 @@ void BM_ChunkLogits(benchmark::State& state) {
   ToFloat(layer.q.data(), layer.dtype, q.size(), q.data());
   std::vector<float> k(cpu::f32::PackedKeyElems(kChunk, kHeadDim));
   std::vector<float> logits(static_cast<size_t>(rows) * S);
-  const int n = 2048;
-  std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size());
+  SquareSgemm square;
   const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
   openblas_set_num_threads(1);
   std::vector<double> ratios;
   for (auto _ : state) {
     const double t0 = ThreadCpuSeconds();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
-                0.0f, c.data(), n);
+    square.Run();
     const double t1 = ThreadCpuSeconds();
     if (f32_path) cpu::f32::PackQueries(q.data(), rows, kHeadDim, qp.data());
     for (int h = 0; h < kKvHeads; ++h) {  // the same rows against each head's keys
@@ -264,14 +289,10 @@ void BM_ChunkLogits(benchmark::State& state) {
     }
     const double t2 = ThreadCpuSeconds();
     benchmark::DoNotOptimize(logits.data());
-    benchmark::DoNotOptimize(c.data());
     ratios.push_back((2.0 * rows * S * kHeadDim * kKvHeads / (t2 - t1)) /
-                     (2.0 * n * n * n / (t1 - t0)));
+                     (SquareSgemm::kFlops / (t1 - t0)));
   }
-  std::sort(ratios.begin(), ratios.end());
-  const size_t m = ratios.size();
-  state.counters["vs_sgemm"] =
-      m == 0 ? 0 : (m % 2 == 1 ? ratios[m / 2] : 0.5 * (ratios[m / 2 - 1] + ratios[m / 2]));
+  state.counters["vs_sgemm"] = Median(ratios);
   state.SetLabel(absl::StrCat(f32_path ? "f32 pack + kernel" : "fp32 copy + sgemm",
                               ", fp16 keys, 1 thread, CPU time, ", CpuIsaDescription()));
 }
@@ -385,38 +406,26 @@ void BM_ScoreVsSgemm(benchmark::State& state) {
   const Layer& layer = GetLayer(static_cast<int>(state.range(0)), BenchDType(state));
   EvictionSpec spec;
   spec.policy = static_cast<EvictionPolicy>(state.range(1));
-  const int n = 2048;
-  std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size());
+  SquareSgemm square;
   std::vector<double> ratios;
   double score_s = 0;
   for (auto _ : state) {
     openblas_set_num_threads(HardwareThreads());
     const auto t0 = std::chrono::steady_clock::now();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
-                0.0f, c.data(), n);
+    square.Run();
     const auto t1 = std::chrono::steady_clock::now();
     absl::StatusOr<std::vector<float>> s = ScoreTokens(layer.input(), spec);
     const auto t2 = std::chrono::steady_clock::now();
     if (!s.ok()) state.SkipWithError(std::string(s.status().message()).c_str());
-    benchmark::DoNotOptimize(c.data());
     const double ts = std::chrono::duration<double>(t2 - t1).count();
     const double tg = std::chrono::duration<double>(t1 - t0).count();
     score_s += ts;
-    ratios.push_back((ScoreFlops(layer.shape) / ts) / (2.0 * n * n * n / tg));
+    ratios.push_back((ScoreFlops(layer.shape) / ts) / (SquareSgemm::kFlops / tg));
   }
-  std::sort(ratios.begin(), ratios.end());
-  const size_t k = ratios.size();
-  state.counters["vs_sgemm"] =
-      k == 0 ? 0 : (k % 2 == 1 ? ratios[k / 2] : 0.5 * (ratios[k / 2 - 1] + ratios[k / 2]));
+  state.counters["vs_sgemm"] = Median(ratios);
   state.counters["FLOPS"] =
       ScoreFlops(layer.shape) * static_cast<double>(state.iterations()) / score_s;
   state.SetLabel(ScoreLabel(layer, spec, ""));
-}
-
-double ThreadCpuSeconds() {
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
 // The same ratio on one thread (OpenBLAS and the engine's pool), timed in this thread's CPU time:
@@ -430,8 +439,7 @@ void BM_ScoreVsSgemmCpu(benchmark::State& state) {
   input.scoring_math = math;
   EvictionSpec spec;
   spec.policy = static_cast<EvictionPolicy>(state.range(1));
-  const int n = 2048;
-  std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size());
+  SquareSgemm square;
   ThreadPool one(1);
   std::vector<float> scores;
   std::vector<double> ratios;
@@ -439,20 +447,15 @@ void BM_ScoreVsSgemmCpu(benchmark::State& state) {
   for (auto _ : state) {
     openblas_set_num_threads(1);
     const double t0 = ThreadCpuSeconds();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
-                0.0f, c.data(), n);
+    square.Run();
     const double t1 = ThreadCpuSeconds();
     cpu::ScoreTokensImpl(input, spec, &one, &scores);
     const double t2 = ThreadCpuSeconds();
-    benchmark::DoNotOptimize(c.data());
     benchmark::DoNotOptimize(scores.data());
     score_s += t2 - t1;
-    ratios.push_back((ScoreFlops(layer.shape) / (t2 - t1)) / (2.0 * n * n * n / (t1 - t0)));
+    ratios.push_back((ScoreFlops(layer.shape) / (t2 - t1)) / (SquareSgemm::kFlops / (t1 - t0)));
   }
-  std::sort(ratios.begin(), ratios.end());
-  const size_t k = ratios.size();
-  state.counters["vs_sgemm"] =
-      k == 0 ? 0 : (k % 2 == 1 ? ratios[k / 2] : 0.5 * (ratios[k / 2 - 1] + ratios[k / 2]));
+  state.counters["vs_sgemm"] = Median(ratios);
   state.counters["FLOPS_cpu"] =
       ScoreFlops(layer.shape) * static_cast<double>(state.iterations()) / score_s;
   state.SetLabel(ScoreLabel(layer, spec, ", 1 thread, CPU time", math));
