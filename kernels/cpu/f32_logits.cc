@@ -17,10 +17,11 @@
 namespace kvc::cpu::f32::internal {
 namespace {
 
-// Query rows per register block (PackQueries groups them so, RowBlock() says 12 at this level):
-// 12 rows x 32 keys take 24 accumulators, two key registers and a broadcast of the 32 zmm
-// registers.
-constexpr int kRowBlock = 12;
+// Query rows per register block (PackQueries groups them so): 12 rows x 32 keys take 24
+// accumulators, two key registers and a broadcast of the 32 zmm registers. Tiles are 16 keys, a
+// zmm register's lanes.
+constexpr int kRowBlock = kAvx512RowBlock;
+static_assert(kAvx512Tile == 16);
 
 }  // namespace
 

@@ -32,8 +32,9 @@
 
 namespace kvc::cpu::f32 {
 
-// Whether f32_logits.cc and f32_logits_avx2.cc were compiled with their instructions (on x86-64
-// they are); without them their functions abort, so Usable() must be checked first.
+// Whether f32_logits_avx2.cc was compiled with AVX2 (on x86-64 it is; its entry points take the
+// AVX-512 kernels of f32_logits.cc from that level up where those were built); without it its
+// functions abort, so Usable() must be checked first.
 bool Built();
 
 // True when this path runs now for this head_dim (the active level is kAvx2 or above).
@@ -63,6 +64,9 @@ void Logits(const float* q, int rows, const float* k, int n, int head_dim, float
             size_t ldc);
 
 namespace internal {  // the two levels' kernels (f32_logits.cc: AVX-512, f32_logits_avx2.cc)
+// Their tile widths and row blocks (KeyTile() and RowBlock() at each level).
+inline constexpr int kAvx512Tile = 16, kAvx512RowBlock = 12;
+inline constexpr int kAvx2Tile = 8, kAvx2RowBlock = 6;
 // Fetches rows [first, min(first + count, n)) of `row_bytes` bytes each, row i at
 // base + i * stride bytes: PackKeys asks for the next tile's keys while it transposes the current
 // ones, whose loads otherwise waited on memory (60% of the AVX-512 packer's time on a Zen 4, keys

@@ -20,8 +20,9 @@ namespace {
 
 // Keys per tile and query rows per register block: 6 rows x 16 keys (two tiles) take 12
 // accumulators, two key registers and a broadcast of the 16 ymm registers.
-constexpr int kTile = 8;
-constexpr int kRowBlock = 6;
+constexpr int kTile = internal::kAvx2Tile;  // a ymm register's lanes
+constexpr int kRowBlock = internal::kAvx2RowBlock;
+static_assert(kTile == 8);
 
 bool UseAvx512() { return CpuIsaAtLeast(CpuIsa::kAvx512) && internal::Avx512Built(); }
 
@@ -150,8 +151,8 @@ void PrefetchRows(const uint8_t* base, int first, int count, int n, size_t strid
 
 bool Built() { return true; }
 
-int KeyTile() { return UseAvx512() ? 16 : kTile; }
-int RowBlock() { return UseAvx512() ? 12 : kRowBlock; }
+int KeyTile() { return UseAvx512() ? internal::kAvx512Tile : kTile; }
+int RowBlock() { return UseAvx512() ? internal::kAvx512RowBlock : kRowBlock; }
 
 void PackKeys(const void* src, DType t, size_t row_stride, int n, int head_dim, float* out) {
   if (UseAvx512()) return internal::PackKeysAvx512(src, t, row_stride, n, head_dim, out);
