@@ -54,7 +54,9 @@ bool GumbelExpSumAvx2(float* x, size_t n, float m, uint64_t seed, uint32_t layer
                       uint32_t row, uint32_t col0, float* sum);
 bool GumbelExpSumAvx512(float* x, size_t n, float m, uint64_t seed, uint32_t layer, uint32_t head,
                         uint32_t row, uint32_t col0, float* sum);
-// y[i] = log(x[i]) (x[i] positive and normal) with the AVX-512 paths' table-driven logarithm.
+// y[i] = log(x[i]) (x[i] positive and normal) with the AVX2 or AVX-512 paths' table-driven
+// logarithm.
+bool LogAvx2(const float* x, float* y, size_t n);
 bool LogAvx512(const float* x, float* y, size_t n);
 // The portable paths (kvc/noise.h's NoiseLog, libm expf).
 float AddGumbelScalar(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t head,

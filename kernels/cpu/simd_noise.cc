@@ -20,22 +20,38 @@ using detail::Exp8;
 using detail::HorizontalSum;
 using detail::TailMask;
 
-// 64-bit lane multiply (low 64 bits) from 32x32->64 products: AVX2 has no vpmullq.
-__attribute__((target("avx2,fma"))) inline __m256i Mul64(__m256i a, __m256i b) {
-  const __m256i lo = _mm256_mul_epu32(a, b);
-  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), b),
-                                         _mm256_mul_epu32(a, _mm256_srli_epi64(b, 32)));
-  return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
+// 64-bit lane multiply (low 64 bits) by a constant b, from 32-bit products (AVX2 has no vpmullq):
+// a * b = lo(a) * lo(b) + ((hi(a) * lo(b) + lo(a) * hi(b)) << 32) mod 2^64, where one vpmulld
+// against b with its halves swapped gives both cross products' low words.
+__attribute__((target("avx2,fma"))) inline __m256i Mul64(__m256i a, uint64_t b) {
+  const __m256i full = _mm256_mul_epu32(a, _mm256_set1_epi64x(static_cast<int64_t>(b)));
+  const __m256i cross =
+      _mm256_mullo_epi32(a, _mm256_set1_epi64x(static_cast<int64_t>((b << 32) | (b >> 32))));
+  // The high word of cross + (cross << 32) is the two cross products' sum; keep only it.
+  const __m256i sum = _mm256_add_epi64(cross, _mm256_slli_epi64(cross, 32));
+  return _mm256_add_epi64(full, _mm256_blend_epi32(_mm256_setzero_si256(), sum, 0xaa));
 }
 
-// Mix64 of kvc/noise.h on four lanes.
-__attribute__((target("avx2,fma"))) inline __m256i Mix64x4(__m256i x) {
+// Mix64 of kvc/noise.h on four lanes, without its final x ^= x >> 31: that step leaves bits
+// 33..63 unchanged, and the uniforms use only bits 40..63.
+__attribute__((target("avx2,fma"))) inline __m256i Mix64High4(__m256i x) {
   x = _mm256_add_epi64(x, _mm256_set1_epi64x(static_cast<int64_t>(0x9e3779b97f4a7c15ull)));
-  x = Mul64(_mm256_xor_si256(x, _mm256_srli_epi64(x, 30)),
-            _mm256_set1_epi64x(static_cast<int64_t>(0xbf58476d1ce4e5b9ull)));
-  x = Mul64(_mm256_xor_si256(x, _mm256_srli_epi64(x, 27)),
-            _mm256_set1_epi64x(static_cast<int64_t>(0x94d049bb133111ebull)));
-  return _mm256_xor_si256(x, _mm256_srli_epi64(x, 31));
+  x = Mul64(_mm256_xor_si256(x, _mm256_srli_epi64(x, 30)), 0xbf58476d1ce4e5b9ull);
+  return Mul64(_mm256_xor_si256(x, _mm256_srli_epi64(x, 27)), 0x94d049bb133111ebull);
+}
+
+// table[i & 31] for each lane i of idx, from registers: the lane's bits 3 and 4 are the sign bits
+// of sel3 and sel4. Four in-lane permutes and three blends; an AVX2 gather of the same eight
+// floats took about a third of the noise's time on the machines measured (docs/performance.md).
+__attribute__((target("avx2,fma"))) inline __m256 Lookup32(const float* table, __m256i idx,
+                                                           __m256 sel3, __m256 sel4) {
+  const __m256 t01 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_load_ps(table), idx),
+                                      _mm256_permutevar8x32_ps(_mm256_load_ps(table + 8), idx),
+                                      sel3);
+  const __m256 t23 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_load_ps(table + 16), idx),
+                                      _mm256_permutevar8x32_ps(_mm256_load_ps(table + 24), idx),
+                                      sel3);
+  return _mm256_blendv_ps(t01, t23, sel4);
 }
 
 // NoiseLog of kvc/noise.h on eight lanes, operation for operation (so the results are
@@ -51,9 +67,12 @@ __attribute__((target("avx2,fma"))) inline __m256 Log8(__m256 x) {
                              _mm256_and_si256(big, _mm256_set1_epi32(0x00800000)))));
   const __m256 e = _mm256_cvtepi32_ps(
       _mm256_sub_epi32(_mm256_sub_epi32(_mm256_srli_epi32(xi, 23), _mm256_set1_epi32(127)), big));
-  const __m256i idx = _mm256_and_si256(_mm256_srli_epi32(mant, 18), _mm256_set1_epi32(31));
-  const __m256 inv_c = _mm256_i32gather_ps(kNoiseInvC, idx, 4);
-  const __m256 log_c = _mm256_i32gather_ps(kNoiseLogC, idx, 4);
+  // The index is mantissa bits 18..22: permutes read bits 18..20, the blends bits 21 and 22.
+  const __m256i idx = _mm256_srli_epi32(xi, 18);
+  const __m256 sel3 = _mm256_castsi256_ps(_mm256_slli_epi32(xi, 10));
+  const __m256 sel4 = _mm256_castsi256_ps(_mm256_slli_epi32(xi, 9));
+  const __m256 inv_c = Lookup32(kNoiseInvC, idx, sel3, sel4);
+  const __m256 log_c = Lookup32(kNoiseLogC, idx, sel3, sel4);
   const __m256 r = _mm256_fmsub_ps(m, inv_c, _mm256_set1_ps(1.0f));
   __m256 p = _mm256_set1_ps(0.2f);
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(-0.25f));
@@ -64,16 +83,24 @@ __attribute__((target("avx2,fma"))) inline __m256 Log8(__m256 x) {
   return _mm256_add_ps(hi, _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), log1p));
 }
 
-// CounterUniform for columns c .. c + 7 of the row whose hash key is `key` (see noise.h).
-__attribute__((target("avx2,fma"))) inline __m256 Uniform8(__m256i key, size_t c0) {
-  const auto c = static_cast<int64_t>(c0);
-  const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-  const __m256i h0 = Mix64x4(_mm256_xor_si256(key, _mm256_setr_epi64x(c, c + 1, c + 2, c + 3)));
-  const __m256i h1 = Mix64x4(_mm256_xor_si256(key, _mm256_setr_epi64x(c + 4, c + 5, c + 6, c + 7)));
-  // Top 24 bits of each hash, gathered into eight 32-bit lanes in column order.
-  const __m256i b0 = _mm256_permutevar8x32_epi32(_mm256_srli_epi64(h0, 40), even);
-  const __m256i b1 = _mm256_permutevar8x32_epi32(_mm256_srli_epi64(h1, 40), even);
-  const __m256i bits = _mm256_permute2x128_si256(b0, b1, 0x20);
+// Columns c .. c + 3 as 64-bit lanes, the counter Uniform8 takes.
+__attribute__((target("avx2,fma"))) inline __m256i Columns(size_t c0) {
+  return _mm256_add_epi64(_mm256_set1_epi64x(static_cast<int64_t>(c0)),
+                          _mm256_setr_epi64x(0, 1, 2, 3));
+}
+
+// CounterUniform for columns c .. c + 7 of the row whose hash key is `key` (see noise.h), where
+// `cols` holds c .. c + 3 (Columns).
+__attribute__((target("avx2,fma"))) inline __m256 Uniform8(__m256i key, __m256i cols) {
+  const __m256i h0 = Mix64High4(_mm256_xor_si256(key, cols));
+  const __m256i h1 =
+      Mix64High4(_mm256_xor_si256(key, _mm256_add_epi64(cols, _mm256_set1_epi64x(4))));
+  // Top 24 bits of each hash: columns c..c+3 into the even 32-bit lanes, c+4..c+7 into the odd
+  // ones, then into column order.
+  const __m256i mixed =
+      _mm256_blend_epi32(_mm256_srli_epi64(h0, 40), _mm256_srli_epi64(h1, 8), 0xaa);
+  const __m256i bits =
+      _mm256_permutevar8x32_epi32(mixed, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
   // As CounterUniform: the one value that rounds up to 1 becomes the largest float below 1.
   return _mm256_min_ps(_mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(bits), _mm256_set1_ps(0.5f)),
                                      _mm256_set1_ps(1.0f / 16777216.0f)),
@@ -85,6 +112,12 @@ inline uint64_t RowKey(uint64_t seed, uint32_t layer, uint32_t head, uint32_t ro
   return Mix64(seed ^ Mix64((uint64_t{layer} << 32) | head)) ^ (uint64_t{row} << 32);
 }
 
+// CounterGumbel for the columns of `cols` (Uniform8): -log(-log(u)).
+__attribute__((target("avx2,fma"))) inline __m256 Gumbel8(__m256i key, __m256i cols) {
+  const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, cols)));
+  return _mm256_sub_ps(_mm256_setzero_ps(), Log8(neg_log_u));
+}
+
 __attribute__((target("avx2,fma"))) float AddGumbelAvx2Impl(float* x, size_t n, uint64_t seed,
                                                             uint32_t layer, uint32_t head,
                                                             uint32_t row, uint32_t col0,
@@ -93,10 +126,9 @@ __attribute__((target("avx2,fma"))) float AddGumbelAvx2Impl(float* x, size_t n, 
   const __m256 vtau = _mm256_set1_ps(inv_tau);
   __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   size_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, col0 + j)));
-    const __m256 g = _mm256_sub_ps(_mm256_setzero_ps(), Log8(neg_log_u));
-    const __m256 y = _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(x + j), g), vtau);
+  __m256i cols = Columns(col0);
+  for (; j + 8 <= n; j += 8, cols = _mm256_add_epi64(cols, _mm256_set1_epi64x(8))) {
+    const __m256 y = _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(x + j), Gumbel8(key, cols)), vtau);
     _mm256_storeu_ps(x + j, y);
     vmax = _mm256_max_ps(vmax, y);
   }
@@ -110,15 +142,20 @@ __attribute__((target("avx2,fma"))) float AddGumbelAvx2Impl(float* x, size_t n, 
     alignas(32) float tail[8] = {};
     const size_t rest = n - j;
     for (size_t k = 0; k < rest; ++k) tail[k] = x[j + k];
-    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, col0 + j)));
-    const __m256 g = _mm256_sub_ps(_mm256_setzero_ps(), Log8(neg_log_u));
-    _mm256_store_ps(tail, _mm256_mul_ps(_mm256_add_ps(_mm256_load_ps(tail), g), vtau));
+    _mm256_store_ps(tail,
+                    _mm256_mul_ps(_mm256_add_ps(_mm256_load_ps(tail), Gumbel8(key, cols)), vtau));
     for (size_t k = 0; k < rest; ++k) {
       x[j + k] = tail[k];
       m = tail[k] > m ? tail[k] : m;
     }
   }
   return m;
+}
+
+// exp(d) / -log(u) for the columns of `cols` (Uniform8), d = x - m.
+__attribute__((target("avx2,fma"))) inline __m256 GumbelExp8(__m256 d, __m256i key, __m256i cols) {
+  const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, cols)));
+  return _mm256_div_ps(Exp8(d), neg_log_u);
 }
 
 // exp(x + g - m) computed as exp(x - m) / -log(u), g = -log(-log(u)): one logarithm, not two.
@@ -128,27 +165,47 @@ __attribute__((target("avx2,fma"))) float GumbelExpSumAvx2Impl(float* x, size_t 
                                                                uint32_t col0) {
   const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(RowKey(seed, layer, head, row)));
   const __m256 vm = _mm256_set1_ps(m);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
   size_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, col0 + j)));
-    const __m256 e = _mm256_div_ps(Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm)), neg_log_u);
+  __m256i cols = Columns(col0);
+  // Two independent vectors per iteration: each is one long dependency chain (hash, log, exp).
+  for (; j + 16 <= n; j += 16, cols = _mm256_add_epi64(cols, _mm256_set1_epi64x(16))) {
+    const __m256 e0 = GumbelExp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm), key, cols);
+    const __m256 e1 = GumbelExp8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8), vm), key,
+                                 _mm256_add_epi64(cols, _mm256_set1_epi64x(8)));
+    _mm256_storeu_ps(x + j, e0);
+    _mm256_storeu_ps(x + j + 8, e1);
+    acc = _mm256_add_ps(acc, e0);
+    acc2 = _mm256_add_ps(acc2, e1);
+  }
+  for (; j + 8 <= n; j += 8, cols = _mm256_add_epi64(cols, _mm256_set1_epi64x(8))) {
+    const __m256 e = GumbelExp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm), key, cols);
     _mm256_storeu_ps(x + j, e);
     acc = _mm256_add_ps(acc, e);
   }
-  float sum = HorizontalSum(acc);
+  float sum = HorizontalSum(_mm256_add_ps(acc, acc2));
   if (j < n) {  // tail through the same polynomials
     alignas(32) float tail[8];
     const size_t rest = n - j;
     for (size_t k = 0; k < 8; ++k) tail[k] = k < rest ? x[j + k] - m : -100.0f;
-    const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, col0 + j)));
-    _mm256_store_ps(tail, _mm256_div_ps(Exp8(_mm256_load_ps(tail)), neg_log_u));
+    _mm256_store_ps(tail, GumbelExp8(_mm256_load_ps(tail), key, cols));
     for (size_t k = 0; k < rest; ++k) {
       x[j + k] = tail[k];
       sum += tail[k];
     }
   }
   return sum;
+}
+
+__attribute__((target("avx2,fma"))) void LogAvx2Impl(const float* x, float* y, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, Log8(_mm256_loadu_ps(x + i)));
+  if (i < n) {
+    alignas(32) float tail[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    for (size_t k = i; k < n; ++k) tail[k - i] = x[k];
+    _mm256_store_ps(tail, Log8(_mm256_load_ps(tail)));
+    for (size_t k = i; k < n; ++k) y[k] = tail[k - i];
+  }
 }
 
 // GCC 12 reports the self-initialized placeholder operand inside its AVX-512 intrinsics
@@ -345,6 +402,16 @@ bool AddGumbelAvx512(float* x, size_t n, uint64_t seed, uint32_t layer, uint32_t
 #ifdef KVC_X86
   if (HaveAvx512()) {
     *max = AddGumbelAvx512Impl(x, n, seed, layer, head, row, col0, inv_tau);
+    return true;
+  }
+#endif
+  return false;
+}
+
+bool LogAvx2(const float* x, float* y, size_t n) {
+#ifdef KVC_X86
+  if (HaveAvx2()) {
+    LogAvx2Impl(x, y, n);
     return true;
   }
 #endif
