@@ -511,17 +511,17 @@ inline void Interleave4(__m256i x0, __m256i x1, __m256i x2, __m256i x3, __m256i*
   v[3] = _mm256_unpackhi_epi16(u1, u3);
 }
 
-// A row's per-group floats (ng of 1, 2, 4, 8) in the lanes l of a half, group l % ng.
-inline __m256 GroupLanes(const float* row, int ng) {
-  switch (ng) {
-    case 1:
-      return _mm256_broadcast_ss(row);
-    case 2:
-      return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(row)));
-    case 4:
-      return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(row));
-    default:
-      return _mm256_loadu_ps(row);
+// A row's per-group floats (NG of 1, 2, 4, 8) in the lanes l of a half, group l % NG.
+template <int NG>
+inline __m256 GroupLanes(const float* row) {
+  if constexpr (NG == 1) {
+    return _mm256_broadcast_ss(row);
+  } else if constexpr (NG == 2) {
+    return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(row)));
+  } else if constexpr (NG == 4) {
+    return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(row));
+  } else {
+    return _mm256_loadu_ps(row);
   }
 }
 
@@ -594,6 +594,63 @@ void BlockSums(const ValueLanes& L, int ng, int steps, int v0, const __m256i (*b
   }
 }
 
+// The weights of a block's rows b0 + j, j < nb, for queries a0 .. a0 + QB: w[j][l] = p[a][b0 + j]
+// * scale[b0 + j][g] in lane l = a * NG + g, with the lanes' max (wmax) and sum (wsum), and
+// zacc += p * zero. NG (groups a row) is fixed at compile time so that the row loop has no branch
+// on it; the running values stay in registers.
+template <int QB, int NG>
+void BlockWeights(const ValueArgs& A, int a0, int b0, int nb, const int32_t (*qidx)[2][8],
+                  float (*w)[16], __m256* wmax, __m256* wsum, __m256* zacc) {
+  const int rb = static_cast<int>(A.row_bytes);
+  __m256 max0 = _mm256_setzero_ps(), max1 = _mm256_setzero_ps();
+  __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+  __m256 z0 = zacc[0], z1 = zacc[1];
+  const uint8_t* codes = A.codes + static_cast<size_t>(b0) * A.row_bytes;
+  const float* scale = A.scale + static_cast<size_t>(b0) * NG;
+  const float* zero = A.zero + static_cast<size_t>(b0) * NG;
+  for (int j0 = 0; j0 < nb; j0 += 8) {
+    __m256 pa[4];
+    for (int a = 0; a < 4; ++a) {
+      pa[a] = a < QB ? _mm256_maskload_ps(A.p + static_cast<size_t>(a0 + a) * A.ps + b0 + j0,
+                                          LaneMask(nb - j0))
+                     : _mm256_setzero_ps();
+    }
+    const __m256 t0 = _mm256_unpacklo_ps(pa[0], pa[1]), t1 = _mm256_unpackhi_ps(pa[0], pa[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(pa[2], pa[3]), t3 = _mm256_unpackhi_ps(pa[2], pa[3]);
+    __m256 ur[4];  // ur[r] lane 4L + a = p[a][row 4L + r]
+    ur[0] = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t2)));
+    ur[1] = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t2)));
+    ur[2] = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(t1), _mm256_castps_pd(t3)));
+    ur[3] = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(t1), _mm256_castps_pd(t3)));
+    const int n8 = Min(8, nb - j0);
+    for (int r = 0; r < n8; ++r) {
+      const int j = j0 + r;
+      for (int off = 0; off < rb; off += 64) {  // read right after this loop: fetch now
+        _mm_prefetch(reinterpret_cast<const char*>(codes + off), _MM_HINT_T0);
+      }
+      codes += A.row_bytes;
+      const __m256 sv = GroupLanes<NG>(scale + static_cast<size_t>(j) * NG);
+      const __m256 zv = GroupLanes<NG>(zero + static_cast<size_t>(j) * NG);
+      const __m256 pv0 = _mm256_permutevar8x32_ps(
+          ur[r % 4], _mm256_load_si256(reinterpret_cast<const __m256i*>(qidx[r / 4][0])));
+      const __m256 pv1 = _mm256_permutevar8x32_ps(
+          ur[r % 4], _mm256_load_si256(reinterpret_cast<const __m256i*>(qidx[r / 4][1])));
+      const __m256 w0 = _mm256_mul_ps(pv0, sv), w1 = _mm256_mul_ps(pv1, sv);
+      _mm256_store_ps(w[j], w0);
+      _mm256_store_ps(w[j] + 8, w1);
+      max0 = _mm256_max_ps(max0, w0);
+      max1 = _mm256_max_ps(max1, w1);
+      sum0 = _mm256_add_ps(sum0, w0);
+      sum1 = _mm256_add_ps(sum1, w1);
+      z0 = _mm256_fmadd_ps(pv0, zv, z0);
+      z1 = _mm256_fmadd_ps(pv1, zv, z1);
+    }
+  }
+  wmax[0] = max0, wmax[1] = max1;
+  wsum[0] = sum0, wsum[1] = sum1;
+  zacc[0] = z0, zacc[1] = z1;
+}
+
 // Queries a0 .. a0 + QB, QB * groups <= 16 lanes (a, g).
 template <int Bits, int QB>
 void ValueQueries(const ValueArgs& A, const ValueLanes& L, int a0) {
@@ -621,41 +678,20 @@ void ValueQueries(const ValueArgs& A, const ValueLanes& L, int a0) {
   alignas(32) __m256i buf[P][kValueBlock / 4][4];  // one piece of a block, by plane (8 KiB at most)
   for (int b0 = 0; b0 < A.rows; b0 += kValueBlock) {
     const int nb = Min(kValueBlock, A.rows - b0);
-    __m256 wmax[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m256 wsum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int j0 = 0; j0 < nb; j0 += 8) {
-      __m256 pa[4];
-      for (int a = 0; a < 4; ++a) {
-        pa[a] = a < QB ? _mm256_maskload_ps(A.p + static_cast<size_t>(a0 + a) * A.ps + b0 + j0,
-                                            LaneMask(nb - j0))
-                       : _mm256_setzero_ps();
-      }
-      const __m256 t0 = _mm256_unpacklo_ps(pa[0], pa[1]), t1 = _mm256_unpackhi_ps(pa[0], pa[1]);
-      const __m256 t2 = _mm256_unpacklo_ps(pa[2], pa[3]), t3 = _mm256_unpackhi_ps(pa[2], pa[3]);
-      __m256 ur[4];  // ur[r] lane 4L + a = p[a][row 4L + r]
-      ur[0] = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t2)));
-      ur[1] = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t2)));
-      ur[2] = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(t1), _mm256_castps_pd(t3)));
-      ur[3] = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(t1), _mm256_castps_pd(t3)));
-      const int n8 = Min(8, nb - j0);
-      for (int r = 0; r < n8; ++r) {
-        const int j = j0 + r;
-        const size_t g0 = static_cast<size_t>(b0 + j) * ng;
-        const uint8_t* codes = A.codes + static_cast<size_t>(b0 + j) * A.row_bytes;
-        for (int off = 0; off < rb; off += 64) {  // read right after this loop: fetch now
-          _mm_prefetch(reinterpret_cast<const char*>(codes + off), _MM_HINT_T0);
-        }
-        const __m256 sv = GroupLanes(A.scale + g0, ng), zv = GroupLanes(A.zero + g0, ng);
-        for (int h = 0; h < 2; ++h) {
-          const __m256 pv = _mm256_permutevar8x32_ps(
-              ur[r % 4], _mm256_load_si256(reinterpret_cast<const __m256i*>(qidx[r / 4][h])));
-          const __m256 wj = _mm256_mul_ps(pv, sv);
-          _mm256_store_ps(w[j] + 8 * h, wj);
-          wmax[h] = _mm256_max_ps(wmax[h], wj);
-          wsum[h] = _mm256_add_ps(wsum[h], wj);
-          zacc[h] = _mm256_fmadd_ps(pv, zv, zacc[h]);
-        }
-      }
+    __m256 wmax[2], wsum[2];
+    switch (ng) {
+      case 1:
+        BlockWeights<QB, 1>(A, a0, b0, nb, qidx, w, wmax, wsum, zacc);
+        break;
+      case 2:
+        BlockWeights<QB, 2>(A, a0, b0, nb, qidx, w, wmax, wsum, zacc);
+        break;
+      case 4:
+        BlockWeights<QB, 4>(A, a0, b0, nb, qidx, w, wmax, wsum, zacc);
+        break;
+      default:
+        BlockWeights<QB, 8>(A, a0, b0, nb, qidx, w, wmax, wsum, zacc);
+        break;
     }
     __m256 beta[2], inv[2];
     for (int h = 0; h < 2; ++h) {
