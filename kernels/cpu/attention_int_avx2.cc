@@ -284,9 +284,9 @@ void PrepareKeysWideChunks(const KeyQueryArgs& A) {
   }
 }
 
-// 8-bit codes, queries a0 .. a0 + NQ against every row: pieces of 16 bytes widened to int16 against
-// the query's int16 [piece][16]; lane l of piece k holds channels 16k + 2l, 2l + 1 (block 4k + l/2),
-// and each lane's integer sum is scaled by its block's alpha.
+// 8-bit codes, queries a0 .. a0 + NQ against every row: pieces of 16 bytes widened to int16
+// against the query's int16 [piece][16]; lane l of piece k holds channels 16k + 2l, 2l + 1 (block
+// 4k + l/2), and each lane's integer sum is scaled by its block's alpha.
 template <int NQ>
 void KeyRows8(const KeyArgs& A, int a0) {
   const int rb = static_cast<int>(A.row_bytes);
