@@ -265,6 +265,39 @@ absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view) {
   return out;
 }
 
+bool DenseRunsOf(const CompactLayerView& view, DenseRuns* runs) {
+  *runs = DenseRuns{};
+  if (view.key_bits() != 0 || view.value_bits() != 0) return false;
+  const int d = view.head_dim();
+  const int n = view.max_kept();
+  const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(view.dtype());
+  const auto add = [](std::vector<absl::Span<const uint8_t>>* to, const void* at, size_t bytes) {
+    if (bytes == 0) return;
+    const auto* p = static_cast<const uint8_t*>(at);
+    if (!to->empty() && to->back().data() + to->back().size() == p) {
+      to->back() = absl::MakeConstSpan(to->back().data(), to->back().size() + bytes);
+    } else {
+      to->push_back(absl::MakeConstSpan(p, bytes));
+    }
+  };
+  for (int h = 0; h < view.num_kv_heads(); ++h) {
+    const CompactHead hd = view.head(h);
+    // Channel indices are strictly ascending below D (Parse), so D of them are all of them.
+    if (hd.n_kept != n || hd.key_channels != d || hd.value_channels != d) {
+      *runs = DenseRuns{};
+      return false;
+    }
+    const size_t old_bytes = static_cast<size_t>(n - hd.n_recent) * row_bytes;
+    const size_t recent_bytes = static_cast<size_t>(hd.n_recent) * row_bytes;
+    add(&runs->k, hd.key_old, old_bytes);
+    add(&runs->k, hd.key_recent, recent_bytes);
+    add(&runs->v, hd.value_old, old_bytes);
+    add(&runs->v, hd.value_recent, recent_bytes);
+    add(&runs->positions, hd.positions, sizeof(int32_t) * static_cast<size_t>(n));
+  }
+  return true;
+}
+
 void UnpackHeadToFloat(const CompactLayerView& view, int h, float* keys, float* values) {
   const CompactHead hd = view.head(h);
   const int d = view.head_dim();

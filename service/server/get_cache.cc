@@ -1,7 +1,10 @@
 // GetCache: a server-streaming raw reactor. Holds the store lease for the whole stream (the entry
 // cannot be evicted or freed meanwhile), keeps exactly one write in flight and produces the next
 // message from OnWriteDone. PACKED chunks reference the stored blob in place; DENSE chunks
-// reference the exported layer, which lives until gRPC releases the last slice.
+// reference the exported layer, which lives until gRPC releases the last slice, or, for a layer
+// that needs no export (nothing quantized or pruned, every head the same count: kvc/compact.h
+// DenseRunsOf), the blob's own runs of K, V and positions, verified block by block as they go
+// out, as PACKED's are.
 //
 // DENSE export runs on the worker pool, never on a gRPC callback thread, one layer ahead of the
 // layer being sent: while layer L streams, layer L+1 is exported, so at most two exported layers
@@ -22,8 +25,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/optional.h"
+#include "absl/types/span.h"
 #include "kvc/compact.h"
 #include "kvc/contiguous_export.h"
+#include "kvc/status_macros.h"
 #include "server/contiguous.h"
 #include "server/convert.h"
 #include "server/service_impl.h"
@@ -111,6 +116,9 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   // The export of one layer, handed from a pool job to the reactor. Whichever of the two comes
   // second continues: the reactor takes a finished result, or the job resumes a parked reactor.
   struct Export {
+    // Set (with ready) when the layer is sent from the blob itself; nothing runs on the pool.
+    absl::optional<DenseRuns> runs;
+    int n_kept = 0, heads = 0;
     absl::Mutex mu;
     bool ready ABSL_GUARDED_BY(mu) = false;
     bool reactor_waiting ABSL_GUARDED_BY(mu) = false;
@@ -124,6 +132,21 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   // only to resume it when parked on this export, and a parked reactor cannot finish.
   std::shared_ptr<Export> StartExport(uint32_t index) {
     auto ex = std::make_shared<Export>();
+    if (!rope_) {
+      // Parse is safe on unverified bytes; a blob it refuses goes to the job, which names the
+      // corrupt block. The runs' blocks, and those of the header they were read from, are
+      // verified as they are sent (LoadLayer, NextWrite).
+      auto view = CompactLayerView::Parse(keep_->lease.entry().layers[index]);
+      DenseRuns runs;
+      if (view.ok() && DenseRunsOf(*view, &runs)) {
+        ex->runs = std::move(runs);
+        ex->n_kept = view->max_kept();
+        ex->heads = view->num_kv_heads();
+        absl::MutexLock lock(&ex->mu);
+        ex->ready = true;
+        return ex;
+      }
+    }
     // On the I/O pool: a download never waits behind compressions.
     ThreadPool* pool = state_->io_pool != nullptr ? state_->io_pool : state_->pool;
     pool->Schedule([this, ex, keep = keep_, index, rope = rope_] {
@@ -254,9 +277,10 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
             absl::StrCat("layer ", layer_, ": ", std::string(view.status().message())));
       }
       kept_tokens_ = view->max_kept();
-      parts_.push_back({kvcache::v1::PART_PACKED, blob.data(), blob.size(), keep_});
+      parts_.push_back({kvcache::v1::PART_PACKED, blob.data(), blob.size(), keep_, {}});
     } else {
       std::shared_ptr<const DenseLayer> owned;
+      std::shared_ptr<Export> in_place;
       {
         absl::MutexLock lock(&next_export_->mu);
         if (!next_export_->ready) {
@@ -264,17 +288,36 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
           *parked = true;
           return grpc::Status::OK;
         }
-        if (!next_export_->result.ok()) return ToGrpc(next_export_->result.status(), ns_);
-        owned = *std::move(next_export_->result);
+        if (next_export_->runs) {
+          in_place = next_export_;
+        } else {
+          if (!next_export_->result.ok()) return ToGrpc(next_export_->result.status(), ns_);
+          owned = *std::move(next_export_->result);
+        }
+      }
+      next_export_ = layer_ + 1 < layer_end_ ? StartExport(layer_ + 1) : nullptr;
+      if (in_place) {
+        // The header and head table the runs were read from are checked before any run goes
+        // out; each run's own blocks as it is sent.
+        verified_.assign(entry.block_checksums[layer_].size(), 0);
+        const uint64_t table_end =
+            sizeof(LayerHeader) + sizeof(HeadDesc) * static_cast<uint64_t>(in_place->heads);
+        if (absl::Status s = VerifyRange(0, table_end); !s.ok()) return ToGrpc(s, ns_);
+        kept_tokens_ = in_place->n_kept;
+        const DenseRuns& runs = *in_place->runs;
+        parts_.push_back(RunsPart(kvcache::v1::PART_K, runs.k));
+        parts_.push_back(RunsPart(kvcache::v1::PART_V, runs.v));
+        parts_.push_back(RunsPart(kvcache::v1::PART_POSITIONS, runs.positions));
+        part_ = run_ = 0;
+        offset_ = run_offset_ = 0;
+        return grpc::Status::OK;
       }
       kept_tokens_ = owned->n_kept;
-      // Export the following layer while this one streams.
-      next_export_ = layer_ + 1 < layer_end_ ? StartExport(layer_ + 1) : nullptr;
-      parts_.push_back({kvcache::v1::PART_K, owned->k.data(), owned->k.size(), owned});
-      parts_.push_back({kvcache::v1::PART_V, owned->v.data(), owned->v.size(), owned});
+      parts_.push_back({kvcache::v1::PART_K, owned->k.data(), owned->k.size(), owned, {}});
+      parts_.push_back({kvcache::v1::PART_V, owned->v.data(), owned->v.size(), owned, {}});
       parts_.push_back({kvcache::v1::PART_POSITIONS,
                         reinterpret_cast<const uint8_t*>(owned->positions.data()),
-                        owned->positions.size() * sizeof(int32_t), owned});
+                        owned->positions.size() * sizeof(int32_t), owned, {}});
     }
     part_ = 0;
     offset_ = 0;
@@ -311,7 +354,25 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       const Part& p = parts_[part_];
       // An empty part still gets one (empty) message so the client learns its size.
       if (offset_ < p.size || (p.size == 0 && offset_ == 0 && !sent_empty_)) {
-        const size_t n = std::min<uint64_t>(chunk_, p.size - offset_);
+        size_t n = std::min<uint64_t>(chunk_, p.size - offset_);
+        const uint8_t* data = p.data == nullptr ? nullptr : p.data + offset_;
+        if (!p.runs.empty()) {
+          // One message never spans two runs; the blocks it reaches are verified first.
+          const absl::Span<const uint8_t> run = p.runs[run_];
+          n = std::min<uint64_t>(n, run.size() - run_offset_);
+          data = run.data() + run_offset_;
+          const uint8_t* blob = keep_->lease.entry().layers[layer_].data();
+          const auto at = static_cast<uint64_t>(data - blob);
+          if (absl::Status s = VerifyRange(at, at + n); !s.ok()) {
+            FinishOnce(ToGrpc(s, ns_));
+            return;
+          }
+          run_offset_ += n;
+          if (run_offset_ == run.size()) {
+            ++run_;
+            run_offset_ = 0;
+          }
+        }
         if (p.kind == kvcache::v1::PART_PACKED) {
           // The blocks this chunk reaches into are verified now, while the kernel is about to
           // read them anyway: a corrupt block ends the stream before any of its bytes go out.
@@ -332,7 +393,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
         chunk.set_offset(offset_);
         chunk.set_total_bytes(p.size);
         chunk.set_kept_tokens(kept_tokens_);
-        pending_ = MakeChunkResponse(chunk, p.data + offset_, n, p.owner);
+        pending_ = MakeChunkResponse(chunk, data, n, p.owner);
         offset_ += n;
         last_data_bytes_ = n;
         sent_empty_ = p.size == 0;
@@ -341,6 +402,8 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       }
       ++part_;
       offset_ = 0;
+      run_ = 0;
+      run_offset_ = 0;
       sent_empty_ = false;
     }
   }
@@ -357,7 +420,28 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     const uint8_t* data;
     size_t size;
     std::shared_ptr<const void> owner;
+    // DENSE from the blob: the part's bytes are these runs of it, in order (data unused).
+    std::vector<absl::Span<const uint8_t>> runs;
   };
+
+  Part RunsPart(kvcache::v1::LayerPart kind, const std::vector<absl::Span<const uint8_t>>& runs) {
+    size_t size = 0;
+    for (const auto& r : runs) size += r.size();
+    return Part{kind, nullptr, size, keep_, runs};
+  }
+
+  // Verifies the checksum blocks of the current layer's blob that bytes [begin, end) reach
+  // into and that were not verified yet (DENSE from the blob).
+  absl::Status VerifyRange(uint64_t begin, uint64_t end) {
+    if (end <= begin) return absl::OkStatus();
+    const CacheEntry& entry = keep_->lease.entry();
+    for (uint64_t b = begin / kChecksumBlockBytes; b < NumChecksumBlocks(end); ++b) {
+      if (verified_[b]) continue;
+      RETURN_IF_ERROR(VerifyBlocks(entry, layer_, b, b + 1));
+      verified_[b] = 1;
+    }
+    return absl::OkStatus();
+  }
 
   ServiceState* const state_;
   grpc::CallbackServerContext* const context_;
@@ -379,6 +463,9 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   size_t part_ = 0;
   uint64_t offset_ = 0;
   uint64_t verified_blocks_ = 0;  // PACKED: blocks of the current layer checked so far
+  std::vector<uint8_t> verified_;  // DENSE from the blob: which blocks are checked
+  size_t run_ = 0;                 // DENSE from the blob: the run of the part being sent
+  uint64_t run_offset_ = 0;        // and the bytes of it sent
   bool sent_empty_ = false;
   grpc::ByteBuffer pending_;
   bool has_pending_ = false;

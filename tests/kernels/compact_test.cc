@@ -372,6 +372,78 @@ TEST(CompactTest, ExportDense) {
   }
 }
 
+// The concatenated runs of a DenseRuns part.
+std::vector<uint8_t> Joined(const std::vector<absl::Span<const uint8_t>>& runs) {
+  std::vector<uint8_t> out;
+  for (const auto& r : runs) out.insert(out.end(), r.begin(), r.end());
+  return out;
+}
+
+// DENSE without a copy: where DenseRunsOf accepts a layer (no quantization, no pruning, every
+// head the same count) its runs are ExportDense's bytes exactly, and they lie in the blob; it
+// refuses quantized, pruned and ragged layers. A layer kept whole is one K and one V run a head.
+TEST(CompactTest, DenseRunsAreExportDenseInPlace) {
+  std::mt19937 rng(23);
+  int accepted = 0;
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (int bits : {0, 4}) {
+      for (const auto& [tk, tv] : {std::pair{16, 16}, {16, 10}, {9, 16}}) {
+        for (int budget : {30, 64}) {
+          SCOPED_TRACE(testing::Message() << "dtype " << static_cast<int>(dt) << " bits " << bits
+                                          << " channels " << tk << "/" << tv << " kept " << budget);
+          const PackLayerData layer = MakePackLayer(3, 64, 16, dt, Layout::kHND, 4);
+          const TokenSelection tokens = RandomTokens(3, 64, budget, &rng);
+          const ChannelSelection channels = RandomChannels(3, 16, tk, tv, &rng);
+          absl::StatusOr<CompactLayer> p =
+              PackLayer(layer.input(), tokens, channels, Spec(bits, 5));
+          ASSERT_TRUE(p.ok());
+          absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(p->bytes);
+          ASSERT_TRUE(view.ok());
+          DenseRuns runs;
+          const bool in_place = DenseRunsOf(*view, &runs);
+          ASSERT_EQ(in_place, bits == 0 && tk == 16 && tv == 16);
+          if (!in_place) {
+            EXPECT_TRUE(runs.k.empty() && runs.v.empty() && runs.positions.empty());
+            continue;
+          }
+          ++accepted;
+          absl::StatusOr<DenseLayer> dense = ExportDense(*view);
+          ASSERT_TRUE(dense.ok());
+          EXPECT_EQ(Joined(runs.k), std::vector<uint8_t>(dense->k.begin(), dense->k.end()));
+          EXPECT_EQ(Joined(runs.v), std::vector<uint8_t>(dense->v.begin(), dense->v.end()));
+          std::vector<uint8_t> pos(dense->positions.size() * sizeof(int32_t));
+          std::memcpy(pos.data(), dense->positions.data(), pos.size());
+          EXPECT_EQ(Joined(runs.positions), pos);
+          for (const auto* part : {&runs.k, &runs.v, &runs.positions}) {
+            for (const auto& r : *part) {
+              EXPECT_GE(r.data(), p->bytes.data());
+              EXPECT_LE(r.data() + r.size(), p->bytes.data() + p->bytes.size());
+            }
+          }
+          // Rows are 16-byte multiples here, so a head's recent rows follow its old ones.
+          EXPECT_EQ(runs.k.size(), 3u);
+          EXPECT_EQ(runs.v.size(), 3u);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(accepted, 6);
+  // Ragged heads (head-adaptive budgets) are padded by ExportDense: refused.
+  const PackLayerData layer = MakePackLayer(2, 40, 16, DType::kF16, Layout::kHND, 4);
+  TokenSelection ragged;
+  ragged.num_kv_heads = 2;
+  ragged.budget = 6;
+  ragged.counts = {6, 4};
+  ragged.positions = {1, 5, 9, 20, 30, 39, 2, 3, 38, 39};
+  absl::StatusOr<CompactLayer> p =
+      PackLayer(layer.input(), ragged, RandomChannels(2, 16, 16, 16, &rng), Spec(0, 2));
+  ASSERT_TRUE(p.ok()) << p.status();
+  absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(p->bytes);
+  ASSERT_TRUE(view.ok());
+  DenseRuns runs;
+  EXPECT_FALSE(DenseRunsOf(*view, &runs));
+}
+
 // A valid 2-head, 4-bit, pruned blob to corrupt.
 class CompactParseTest : public ::testing::Test {
  protected:

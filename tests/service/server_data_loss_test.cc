@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -107,7 +108,8 @@ TEST_F(ServerDataLossTest, TamperedBlockTableIsDataLossBeforeAnything) {
   EXPECT_EQ(bad.messages, 0);
 }
 
-TEST_F(ServerDataLossTest, DenseExportVerifiesTheLayerFirst) {
+// DENSE checks a layer's header blocks before any of its bytes go out.
+TEST_F(ServerDataLossTest, DenseVerifiesTheLayersHeaderFirst) {
   Stored().layers[1][100] ^= 1;
   get_.set_format(kvcache::v1::FORMAT_DENSE);
   testing::Fetched dense_good, bad;
@@ -119,6 +121,31 @@ TEST_F(ServerDataLossTest, DenseExportVerifiesTheLayerFirst) {
   EXPECT_THAT(s.error_message(), ::testing::HasSubstr("layer 1 block 0"));
   EXPECT_EQ(bad.part(0, kvcache::v1::PART_K), dense_good.part(0, kvcache::v1::PART_K));
   EXPECT_EQ(bad.parts.count({1, kvcache::v1::PART_K}), 0u);
+}
+
+// A layer stored whole goes out DENSE from the blob itself (no export): its header blocks are
+// verified before anything of it is sent, each run's blocks as they go out, so a corrupt block in
+// the middle of the keys ends the stream after the keys' chunks before it, none of its own.
+TEST_F(ServerDataLossTest, DenseFromTheBlobVerifiesEachBlockAsItGoes) {
+  get_.set_format(kvcache::v1::FORMAT_DENSE);
+  testing::Fetched dense_good, bad;
+  ASSERT_TRUE(testing::Get(stub_, get_, &dense_good).ok());
+  ByteVector& blob = Stored().layers[1];
+  const size_t at = blob.size() / 4;  // inside the keys: positions and indices come first
+  ASSERT_LT(at, blob.size() / 2);
+  blob[at] ^= 0x10;
+  grpc::Status s = testing::Get(stub_, get_, &bad);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
+  EXPECT_THAT(s.error_message(),
+              ::testing::HasSubstr(absl::StrCat("layer 1 block ", at / kChecksumBlockBytes)));
+  EXPECT_EQ(bad.part(0, kvcache::v1::PART_K), dense_good.part(0, kvcache::v1::PART_K));
+  EXPECT_EQ(bad.part(0, kvcache::v1::PART_V), dense_good.part(0, kvcache::v1::PART_V));
+  // Some of layer 1's keys went out (an export would have sent none), all before the block.
+  const std::string& partial = bad.part(1, kvcache::v1::PART_K);
+  EXPECT_GT(partial.size(), 0u);
+  EXPECT_LT(partial.size(), dense_good.part(1, kvcache::v1::PART_K).size());
+  EXPECT_EQ(partial, dense_good.part(1, kvcache::v1::PART_K).substr(0, partial.size()));
+  EXPECT_EQ(bad.parts.count({1, kvcache::v1::PART_V}), 0u);
 }
 
 class ServerDataLossTenantTest : public ServerDataLossTest {

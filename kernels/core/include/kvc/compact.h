@@ -250,6 +250,16 @@ struct DenseLayer {
 };
 absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view);
 
+// DENSE export without a copy. When every head keeps the same count and nothing is quantized or
+// pruned (an upload stored whole, or evicted only), ExportDense's K, V and positions are runs of
+// the blob's own bytes: head by head, the old rows then the recent ones. The runs of each, in
+// order, adjacent runs merged (empty when the layer keeps no token); false when the layer needs
+// ExportDense. The spans point into view.blob().
+struct DenseRuns {
+  std::vector<absl::Span<const uint8_t>> k, v, positions;
+};
+bool DenseRunsOf(const CompactLayerView& view, DenseRuns* runs);
+
 // Dequantized float copy of head h: keys and values [n_kept, D] with pruned channels zero. The
 // buffers must hold desc(h).n_kept * head_dim floats each.
 void UnpackHeadToFloat(const CompactLayerView& view, int h, float* keys, float* values);
