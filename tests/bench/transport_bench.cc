@@ -120,13 +120,22 @@ class SinkService final : public grpc::CallbackGenericService {
         Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no request"));
         return;
       }
+      // The 8-byte count may arrive split over slices (as the transport's reads fell).
       std::vector<grpc::Slice> s;
-      (void)in_.Dump(&s);
-      if (s.empty() || s[0].size() < 8) {
+      uint8_t count[8];
+      size_t have = 0;
+      if (in_.Dump(&s).ok()) {
+        for (const grpc::Slice& piece : s) {
+          const size_t take = std::min(piece.size(), sizeof(count) - have);
+          std::memcpy(count + have, piece.begin(), take);
+          have += take;
+        }
+      }
+      if (have < sizeof(count)) {
         Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "bad request"));
         return;
       }
-      std::memcpy(&total_, s[0].begin(), 8);
+      std::memcpy(&total_, count, sizeof(count));
       total_ = std::min<uint64_t>(total_, source_->size());
       Next();
     }
