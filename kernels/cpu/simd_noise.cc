@@ -112,10 +112,14 @@ inline uint64_t RowKey(uint64_t seed, uint32_t layer, uint32_t head, uint32_t ro
   return Mix64(seed ^ Mix64((uint64_t{layer} << 32) | head)) ^ (uint64_t{row} << 32);
 }
 
-// CounterGumbel for the columns of `cols` (Uniform8): -log(-log(u)).
+// -log(u) for the columns of `cols` (Uniform8).
+__attribute__((target("avx2,fma"))) inline __m256 NegLogU8(__m256i key, __m256i cols) {
+  return _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, cols)));
+}
+
+// CounterGumbel for the columns of `cols`: -log(-log(u)).
 __attribute__((target("avx2,fma"))) inline __m256 Gumbel8(__m256i key, __m256i cols) {
-  const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, cols)));
-  return _mm256_sub_ps(_mm256_setzero_ps(), Log8(neg_log_u));
+  return _mm256_sub_ps(_mm256_setzero_ps(), Log8(NegLogU8(key, cols)));
 }
 
 __attribute__((target("avx2,fma"))) float AddGumbelAvx2Impl(float* x, size_t n, uint64_t seed,
@@ -154,8 +158,7 @@ __attribute__((target("avx2,fma"))) float AddGumbelAvx2Impl(float* x, size_t n, 
 
 // exp(d) / -log(u) for the columns of `cols` (Uniform8), d = x - m.
 __attribute__((target("avx2,fma"))) inline __m256 GumbelExp8(__m256 d, __m256i key, __m256i cols) {
-  const __m256 neg_log_u = _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, cols)));
-  return _mm256_div_ps(Exp8(d), neg_log_u);
+  return _mm256_div_ps(Exp8(d), NegLogU8(key, cols));
 }
 
 // exp(x + g - m) computed as exp(x - m) / -log(u), g = -log(-log(u)): one logarithm, not two.
@@ -165,25 +168,15 @@ __attribute__((target("avx2,fma"))) float GumbelExpSumAvx2Impl(float* x, size_t 
                                                                uint32_t col0) {
   const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(RowKey(seed, layer, head, row)));
   const __m256 vm = _mm256_set1_ps(m);
-  __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+  __m256 acc = _mm256_setzero_ps();
   size_t j = 0;
   __m256i cols = Columns(col0);
-  // Two independent vectors per iteration: each is one long dependency chain (hash, log, exp).
-  for (; j + 16 <= n; j += 16, cols = _mm256_add_epi64(cols, _mm256_set1_epi64x(16))) {
-    const __m256 e0 = GumbelExp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm), key, cols);
-    const __m256 e1 = GumbelExp8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8), vm), key,
-                                 _mm256_add_epi64(cols, _mm256_set1_epi64x(8)));
-    _mm256_storeu_ps(x + j, e0);
-    _mm256_storeu_ps(x + j + 8, e1);
-    acc = _mm256_add_ps(acc, e0);
-    acc2 = _mm256_add_ps(acc2, e1);
-  }
   for (; j + 8 <= n; j += 8, cols = _mm256_add_epi64(cols, _mm256_set1_epi64x(8))) {
     const __m256 e = GumbelExp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm), key, cols);
     _mm256_storeu_ps(x + j, e);
     acc = _mm256_add_ps(acc, e);
   }
-  float sum = HorizontalSum(_mm256_add_ps(acc, acc2));
+  float sum = HorizontalSum(acc);
   if (j < n) {  // tail through the same polynomials
     alignas(32) float tail[8];
     const size_t rest = n - j;
