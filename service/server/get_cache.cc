@@ -255,14 +255,15 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     return grpc::Status::OK;
   }
 
-  // Loads the parts of the current layer: the blob for PACKED, the three exported arrays for
-  // DENSE. Sets *parked (DENSE only) when the export is still running: the export job calls
-  // NextWrite again when it is done.
+  // Loads the parts of the current layer: the blob for PACKED; for DENSE the blob's runs of K, V
+  // and positions (DenseRunsOf) or the three exported arrays. Sets *parked (DENSE only) when the
+  // export is still running: the export job calls NextWrite again when it is done.
   grpc::Status LoadLayer(bool* parked) {
     *parked = false;
     const CacheEntry& entry = keep_->lease.entry();
     const auto& blob = entry.layers[layer_];
     parts_.clear();
+    verified_.assign(entry.block_checksums[layer_].size(), 0);
     if (!dense_) {
       // Parse is safe on any bytes; its blocks are verified chunk by chunk as they are sent.
       auto view = CompactLayerView::Parse(blob);
@@ -277,7 +278,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
             absl::StrCat("layer ", layer_, ": ", std::string(view.status().message())));
       }
       kept_tokens_ = view->max_kept();
-      parts_.push_back({kvcache::v1::PART_PACKED, blob.data(), blob.size(), keep_, {}});
+      parts_.push_back(BlobPart(kvcache::v1::PART_PACKED, {absl::MakeConstSpan(blob)}));
     } else {
       std::shared_ptr<const DenseLayer> owned;
       std::shared_ptr<Export> in_place;
@@ -299,29 +300,28 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       if (in_place) {
         // The header and head table the runs were read from are checked before any run goes
         // out; each run's own blocks as it is sent.
-        verified_.assign(entry.block_checksums[layer_].size(), 0);
         const uint64_t table_end =
             sizeof(LayerHeader) + sizeof(HeadDesc) * static_cast<uint64_t>(in_place->heads);
         if (absl::Status s = VerifyRange(0, table_end); !s.ok()) return ToGrpc(s, ns_);
         kept_tokens_ = in_place->n_kept;
         const DenseRuns& runs = *in_place->runs;
-        parts_.push_back(RunsPart(kvcache::v1::PART_K, runs.k));
-        parts_.push_back(RunsPart(kvcache::v1::PART_V, runs.v));
-        parts_.push_back(RunsPart(kvcache::v1::PART_POSITIONS, runs.positions));
-        part_ = run_ = 0;
-        offset_ = run_offset_ = 0;
-        return grpc::Status::OK;
+        parts_.push_back(BlobPart(kvcache::v1::PART_K, runs.k));
+        parts_.push_back(BlobPart(kvcache::v1::PART_V, runs.v));
+        parts_.push_back(BlobPart(kvcache::v1::PART_POSITIONS, runs.positions));
+      } else {
+        kept_tokens_ = owned->n_kept;
+        const auto positions = absl::MakeConstSpan(
+            reinterpret_cast<const uint8_t*>(owned->positions.data()),
+            owned->positions.size() * sizeof(int32_t));
+        parts_.push_back(ExportedPart(kvcache::v1::PART_K, absl::MakeConstSpan(owned->k), owned));
+        parts_.push_back(ExportedPart(kvcache::v1::PART_V, absl::MakeConstSpan(owned->v), owned));
+        parts_.push_back(ExportedPart(kvcache::v1::PART_POSITIONS, positions, owned));
       }
-      kept_tokens_ = owned->n_kept;
-      parts_.push_back({kvcache::v1::PART_K, owned->k.data(), owned->k.size(), owned, {}});
-      parts_.push_back({kvcache::v1::PART_V, owned->v.data(), owned->v.size(), owned, {}});
-      parts_.push_back({kvcache::v1::PART_POSITIONS,
-                        reinterpret_cast<const uint8_t*>(owned->positions.data()),
-                        owned->positions.size() * sizeof(int32_t), owned, {}});
     }
     part_ = 0;
     offset_ = 0;
-    verified_blocks_ = 0;
+    run_ = 0;
+    run_offset_ = 0;
     return grpc::Status::OK;
   }
 
@@ -354,37 +354,28 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       const Part& p = parts_[part_];
       // An empty part still gets one (empty) message so the client learns its size.
       if (offset_ < p.size || (p.size == 0 && offset_ == 0 && !sent_empty_)) {
-        size_t n = std::min<uint64_t>(chunk_, p.size - offset_);
-        const uint8_t* data = p.data == nullptr ? nullptr : p.data + offset_;
-        if (!p.runs.empty()) {
-          // One message never spans two runs; the blocks it reaches are verified first.
+        size_t n = 0;
+        const uint8_t* data = nullptr;
+        if (p.size > 0) {
+          // One message never spans two runs.
           const absl::Span<const uint8_t> run = p.runs[run_];
-          n = std::min<uint64_t>(n, run.size() - run_offset_);
+          n = std::min<uint64_t>(chunk_, run.size() - run_offset_);
           data = run.data() + run_offset_;
-          const uint8_t* blob = keep_->lease.entry().layers[layer_].data();
-          const auto at = static_cast<uint64_t>(data - blob);
-          if (absl::Status s = VerifyRange(at, at + n); !s.ok()) {
-            FinishOnce(ToGrpc(s, ns_));
-            return;
+          if (p.in_blob) {
+            // The blocks this chunk reaches into are verified now, while the kernel is about to
+            // read them anyway: a corrupt block ends the stream before any of its bytes go out.
+            const uint8_t* blob = keep_->lease.entry().layers[layer_].data();
+            const auto at = static_cast<uint64_t>(data - blob);
+            if (absl::Status s = VerifyRange(at, at + n); !s.ok()) {
+              // The message names the cache by the caller's id, never the tenant-qualified one.
+              FinishOnce(ToGrpc(s, ns_));
+              return;
+            }
           }
           run_offset_ += n;
           if (run_offset_ == run.size()) {
             ++run_;
             run_offset_ = 0;
-          }
-        }
-        if (p.kind == kvcache::v1::PART_PACKED) {
-          // The blocks this chunk reaches into are verified now, while the kernel is about to
-          // read them anyway: a corrupt block ends the stream before any of its bytes go out.
-          const uint64_t upto = NumChecksumBlocks(offset_ + n);
-          if (upto > verified_blocks_) {
-            const CacheEntry& entry = keep_->lease.entry();
-            if (absl::Status s = VerifyBlocks(entry, layer_, verified_blocks_, upto); !s.ok()) {
-              // The message names the cache by the caller's id, never the tenant-qualified one.
-              FinishOnce(ToGrpc(s, ns_));
-              return;
-            }
-            verified_blocks_ = upto;
           }
         }
         kvcache::v1::LayerChunk chunk;
@@ -415,23 +406,30 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     });
   }
 
+  // One part of a layer: its bytes are `runs`, in order, of `size` bytes in all. in_blob: the
+  // runs lie in the stored blob (PACKED, DENSE sent from the blob), whose checksum blocks are
+  // verified as they go out; otherwise they are an exported layer that `owner` keeps alive.
   struct Part {
     kvcache::v1::LayerPart kind;
-    const uint8_t* data;
-    size_t size;
-    std::shared_ptr<const void> owner;
-    // DENSE from the blob: the part's bytes are these runs of it, in order (data unused).
     std::vector<absl::Span<const uint8_t>> runs;
+    size_t size;
+    bool in_blob;
+    std::shared_ptr<const void> owner;
   };
 
-  Part RunsPart(kvcache::v1::LayerPart kind, const std::vector<absl::Span<const uint8_t>>& runs) {
+  Part BlobPart(kvcache::v1::LayerPart kind, std::vector<absl::Span<const uint8_t>> runs) {
     size_t size = 0;
     for (const auto& r : runs) size += r.size();
-    return Part{kind, nullptr, size, keep_, runs};
+    return Part{kind, std::move(runs), size, /*in_blob=*/true, keep_};
+  }
+
+  static Part ExportedPart(kvcache::v1::LayerPart kind, absl::Span<const uint8_t> bytes,
+                           std::shared_ptr<const void> owner) {
+    return Part{kind, {bytes}, bytes.size(), /*in_blob=*/false, std::move(owner)};
   }
 
   // Verifies the checksum blocks of the current layer's blob that bytes [begin, end) reach
-  // into and that were not verified yet (DENSE from the blob).
+  // into and that were not verified yet.
   absl::Status VerifyRange(uint64_t begin, uint64_t end) {
     if (end <= begin) return absl::OkStatus();
     const CacheEntry& entry = keep_->lease.entry();
@@ -462,9 +460,8 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   std::shared_ptr<Export> next_export_;  // DENSE: the export of the next layer to load
   size_t part_ = 0;
   uint64_t offset_ = 0;
-  uint64_t verified_blocks_ = 0;  // PACKED: blocks of the current layer checked so far
-  std::vector<uint8_t> verified_;  // DENSE from the blob: which blocks are checked
-  size_t run_ = 0;                 // DENSE from the blob: the run of the part being sent
+  std::vector<uint8_t> verified_;  // which blocks of the current layer's blob are checked
+  size_t run_ = 0;                 // the run of the part being sent
   uint64_t run_offset_ = 0;        // and the bytes of it sent
   bool sent_empty_ = false;
   grpc::ByteBuffer pending_;
