@@ -5,12 +5,14 @@ import asyncio
 import json
 import os
 import re
+import struct
 
 import numpy as np
 import pytest
 import torch
 
 import harness
+from kvc import spec as kvc_spec
 from kvc.vllm import spec as S
 from kvc.vllm.config import ConnectorConfig
 from kvc.vllm.packed import unpack_layer
@@ -260,10 +262,52 @@ def test_packed_reader_equals_kvcd_dense(plain_kvcd, dtype):
             assert torch.equal(k, torch.as_tensor(d.k)), text
             assert torch.equal(v, torch.as_tensor(d.v)), text
         c.delete(cid)
+    # Shapes at the edges: every token in the recent block (no codes at all); 40 channels in
+    # groups of 8; 2-bit codes of 77 tokens (a last key group of 13 rows).
+    odd = [(torch.randn(2, 20, 40, generator=g).to(dtype),
+            torch.randn(2, 20, 40, generator=g).to(dtype)),
+           (torch.randn(2, 77, 40, generator=g).to(dtype),
+            torch.randn(2, 77, 40, generator=g).to(dtype))]
+    for n, text in enumerate(["q4g8", "q2g8+r=4", "l1:0.3+q4v2g8+r=0"]):
+        cid = f"packed/{dtype}/odd{n}"
+        for layers_ in ([odd[0]], [odd[1]]):
+            c.put(cid, layers_, compression=S.parse_spec(text).config)
+            d = c.get(cid, format="dense", tensors="torch").layers[0]
+            k, v, pos = unpack_layer(c.get(cid, format="packed").layers[0].packed)
+            assert np.array_equal(pos, d.positions), text
+            assert torch.equal(k, torch.as_tensor(d.k)) and torch.equal(v, torch.as_tensor(d.v))
+            # Token-major storage: the [tokens, heads, head_dim] view needs no copy.
+            assert k.transpose(0, 1).is_contiguous() and v.transpose(0, 1).is_contiguous()
+            c.delete(cid)
+    # Value channels pruned to 28 of 40 (groups of 8 over them, the last one of 4), which needs
+    # observation queries: not a spec vLLM can send, but a blob the reader must read.
+    q = torch.randn(4, 8, 40, generator=g).to(dtype)
+    c.put(f"packed/{dtype}/vthink", [odd[1] + (q,)], compression=kvc_spec.parse("vthink:0.3+q4g8"))
+    d = c.get(f"packed/{dtype}/vthink", format="dense", tensors="torch").layers[0]
+    k, v, _ = unpack_layer(c.get(f"packed/{dtype}/vthink", format="packed").layers[0].packed)
+    assert torch.equal(k, torch.as_tensor(d.k)) and torch.equal(v, torch.as_tensor(d.v))
+    c.delete(f"packed/{dtype}/vthink")
     blob = bytearray(packed[0].packed.tobytes())
     for cut in (10, 100, len(blob) - 5):
         with pytest.raises(ValueError):
             unpack_layer(bytes(blob[:cut]))
+    # A count far beyond what the sections hold is refused before the dense layer is allocated
+    # (2^28 tokens here would be tens of GB), and so is a count the caller did not expect.
+    huge = bytearray(blob)
+    struct.pack_into("<i", huge, 20, 2**31 - 1)  # seq_len
+    for h in range(struct.unpack_from("<i", huge, 12)[0]):
+        struct.pack_into("<i", huge, 64 + 32 * h, 2**28)
+    with pytest.raises(ValueError, match="head 0 descriptor"):
+        unpack_layer(bytes(huge))
+    kept = struct.unpack_from("<i", blob, 64)[0]
+    with pytest.raises(ValueError, match=f"{kept} tokens, expected {kept - 1}"):
+        unpack_layer(bytes(blob), tokens=kept - 1)
+    assert unpack_layer(bytes(blob), tokens=kept)[0].shape[1] == kept
+    # Head 0's section moved 4 bytes: blocks must stay 16-byte aligned (the format's rule).
+    moved = bytearray(blob)
+    struct.pack_into("<Q", moved, 64 + 16, struct.unpack_from("<Q", moved, 64 + 16)[0] + 4)
+    with pytest.raises(ValueError, match="head 0 descriptor"):
+        unpack_layer(bytes(moved))
     blob[0] ^= 0xFF
     with pytest.raises(ValueError, match="magic"):
         unpack_layer(bytes(blob))

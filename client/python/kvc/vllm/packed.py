@@ -12,7 +12,7 @@ corrupt blob raises ValueError, never reads out of bounds.
 """
 
 import struct
-import warnings
+import sys
 
 import numpy as np
 import torch
@@ -33,8 +33,11 @@ def _groups(n, g):
 
 
 class _Section:
-    def __init__(self, blob, start, size):
-        self.blob, self.start, self.end, self.off = blob, start, start + size, 0
+    """One head's blocks: `take` hands out the next block as a slice of the blob's uint8
+    tensor (blocks start 16-byte aligned, so a slice can be viewed as any element type)."""
+
+    def __init__(self, u8, start, size):
+        self.u8, self.start, self.end, self.off = u8, start, start + size, 0
 
     def take(self, nbytes):
         at = self.start + self.off
@@ -42,90 +45,111 @@ class _Section:
             raise ValueError(f"compact layer: head section overruns its {self.end - self.start} "
                              f"bytes")
         self.off = _align(self.off + nbytes)
-        return self.blob[at:at + nbytes]
-
-
-def _codes(raw, rows, t, bits):
-    """uint8 [rows, ceil(t*bits/8)] -> uint8 [rows, t] codes (element 0 in the lowest bits)."""
-    rb = (t * bits + 7) // 8
-    a = np.frombuffer(raw, np.uint8).reshape(rows, rb)
-    if bits == 8:
-        return a[:, :t]
-    per, mask = 8 // bits, (1 << bits) - 1
-    out = np.empty((rows, rb, per), np.uint8)
-    for j in range(per):
-        np.bitwise_and(np.right_shift(a, j * bits), mask, out=out[:, :, j])
-    return out.reshape(rows, rb * per)[:, :t]
+        return self.u8[at:at + nbytes]
 
 
 def _tensor(raw, dtype, esz, shape):
+    """The uint8 slice `raw` as a dtype tensor of `shape` (a view, no copy)."""
     n = int(np.prod(shape))
-    if len(raw) != n * esz:
+    if raw.numel() != n * esz:
         raise ValueError("compact layer: block size mismatch")
     if n == 0:
         return torch.zeros(shape, dtype=dtype)
-    with warnings.catch_warnings():  # read-only source: only copied from
-        warnings.simplefilter("ignore")
-        return torch.frombuffer(raw, dtype=dtype).view(*shape)
+    return raw.view(dtype).view(*shape)
 
 
-def _dequant(codes, scale, zero, group, per_row, out):
-    """out[i, c] = codes[i, c] * scale + zero (float32), the group's scale/zero: per_row (keys,
-    groups of `group` rows per channel) or per column (values, groups of `group` channels)."""
+# Codes to bytes in element order, on little-endian hosts: each code byte widened to 16 (4-bit)
+# or 32 bits (2-bit) with its codes moved into consecutive bytes, so that a byte view of the
+# wide integers lists them element by element (element 0 was in the lowest bits).
+_LITTLE = sys.byteorder == "little"
+
+
+def _codes(raw, rows, t, bits):
+    """uint8 [rows, ceil(t*bits/8)] -> uint8 torch [rows, t] codes (element 0 in the lowest
+    bits)."""
+    rb = (t * bits + 7) // 8
+    a = _tensor(raw, torch.uint8, 1, (rows, rb))
+    if bits == 8:
+        return a[:, :t]
+    if _LITTLE and bits == 4:
+        x = a.to(torch.int16)
+        y = (x & 0x0F) | ((x & 0xF0) << 4)
+    elif _LITTLE:
+        x = a.to(torch.int32)
+        y = (x & 0x03) | ((x & 0x0C) << 6) | ((x & 0x30) << 12) | ((x & 0xC0) << 18)
+    else:
+        per, mask = 8 // bits, (1 << bits) - 1
+        y = torch.stack([(a >> (j * bits)) & mask for j in range(per)], dim=-1)
+    return y.view(torch.uint8).view(rows, rb * (8 // bits))[:, :t]
+
+
+def _dequant(codes, scale, zero, group, per_row):
+    """codes[i, c] * scale + zero as a new float32 [m, t] tensor, the group's scale/zero:
+    per_row (keys, groups of `group` rows per channel) or per column (values, groups of `group`
+    channels). A multiply, then an add, each rounded, as kvcd's own export computes it. Done in
+    a contiguous tensor: torch's loops over a strided destination with these broadcasts ran
+    several times slower."""
     m, t = codes.shape
+    out = codes.to(torch.float32)
     if per_row:
         full = (m // group) * group
         if full:
-            c3, o3 = codes[:full].reshape(-1, group, t), out[:full].reshape(-1, group, t)
-            np.multiply(c3, scale[:full // group, None, :], out=o3)
-            np.add(o3, zero[:full // group, None, :], out=o3)
+            o3 = out[:full].view(full // group, group, t)
+            o3.mul_(scale[:full // group, None, :]).add_(zero[:full // group, None, :])
         if full < m:
-            np.multiply(codes[full:], scale[full // group], out=out[full:])
-            np.add(out[full:], zero[full // group], out=out[full:])
+            out[full:].mul_(scale[full // group]).add_(zero[full // group])
     elif t % group == 0:
-        c3, o3 = codes.reshape(m, -1, group), out.reshape(m, -1, group)
-        np.multiply(c3, scale[:, :, None], out=o3)
-        np.add(o3, zero[:, :, None], out=o3)
+        o3 = out.view(m, t // group, group)
+        o3.mul_(scale[:, :, None]).add_(zero[:, :, None])
     else:
-        cols = np.arange(t) // group
-        np.multiply(codes, scale[:, cols], out=out)
-        np.add(out, zero[:, cols], out=out)
+        cols = torch.arange(t) // group
+        out.mul_(scale[:, cols]).add_(zero[:, cols])
+    return out
 
 
 def _block(dst, m, idx, D, dtype, esz, sec, bits, G, per_row):
-    """Fills dst[:m] (torch [n, D]) from the old block of one head's keys or values."""
+    """Fills dst[:m] (torch [n, D], any row stride) from the old block of one head's keys or
+    values."""
     t = len(idx)
     full = t == D and bool((idx == np.arange(D)).all())
     if not full:
         dst[:m].zero_()
     if bits == 0:
         src = _tensor(sec.take(m * t * esz), dtype, esz, (m, t))
-        if full:
-            dst[:m] = src
-        else:
-            dst[:m, torch.from_numpy(idx)] = src
-        return
-    g = _groups(m, G) if per_row else _groups(t, G)
-    shape = (g, t) if per_row else (m, g)
-    scale = np.frombuffer(sec.take(4 * g * (t if per_row else m)), np.float32).reshape(shape)
-    zero = np.frombuffer(sec.take(4 * g * (t if per_row else m)), np.float32).reshape(shape)
-    codes = _codes(sec.take(m * ((t * bits + 7) // 8)), m, t, bits)
-    if full and dtype == torch.float32:
-        _dequant(codes, scale, zero, G, per_row, dst[:m].numpy())
-        return
-    deq = np.empty((m, t), np.float32)
-    _dequant(codes, scale, zero, G, per_row, deq)
-    if full:
-        dst[:m] = torch.from_numpy(deq)
     else:
-        dst[:m, torch.from_numpy(idx)] = torch.from_numpy(deq).to(dtype)
+        g = _groups(m, G) if per_row else _groups(t, G)
+        shape = (g, t) if per_row else (m, g)
+        scale = _tensor(sec.take(4 * g * (t if per_row else m)), torch.float32, 4, shape)
+        zero = _tensor(sec.take(4 * g * (t if per_row else m)), torch.float32, 4, shape)
+        codes = _codes(sec.take(m * ((t * bits + 7) // 8)), m, t, bits)
+        src = _dequant(codes, scale, zero, G, per_row)
+    if full:
+        dst[:m].copy_(src)  # rounded to the cache's dtype here
+    else:
+        dst[:m, torch.from_numpy(idx)] = src.to(dtype)
 
 
-def unpack_layer(blob):
+def _as_u8(blob):
+    """The blob as a flat uint8 tensor: shared with a writable numpy array (what the client
+    hands over), copied from anything else (bytes), so that torch never views read-only
+    memory."""
+    if isinstance(blob, np.ndarray) and blob.dtype == np.uint8 and blob.ndim == 1 and \
+            blob.flags.writeable and blob.flags.c_contiguous:
+        return torch.from_numpy(blob)
+    return torch.from_numpy(np.frombuffer(memoryview(blob).cast("B"), np.uint8).copy())
+
+
+def unpack_layer(blob, out=None, tokens=None):
     """(k, v, positions) of one compact layer: k, v torch [H, n, D] in the cache's dtype (pruned
     channels zero, quantized blocks dequantized), positions int32 numpy [H, n]. All heads must
-    keep the same count n (ValueError otherwise)."""
-    blob = memoryview(blob).cast("B")
+    keep the same count n (ValueError otherwise). k and v are views of token-major [n, H, D]
+    storage, so that their transpose(0, 1), the [tokens, heads, head_dim] a paged cache update
+    takes, is contiguous without a copy. `out`: that storage from an earlier call, (k, v) [n, H,
+    D], overwritten and returned when this layer has the same shape and dtype (a reader of many
+    layers then writes into memory it has touched before, not into fresh pages). `tokens`: the
+    count the caller expects, checked before anything is allocated."""
+    u8 = _as_u8(blob)
+    blob = u8.numpy()
     if len(blob) < _HEADER.size:
         raise ValueError("compact layer: shorter than its header")
     magic, version, dt, bits, _, H, D, seq_len, G, _, _, vbits = _HEADER.unpack_from(blob, 0)
@@ -149,18 +173,27 @@ def unpack_layer(blob):
     n = descs[0][0]
     if any(d[0] != n for d in descs):
         raise ValueError("compact layer: heads keep different token counts")
-    k = torch.empty(H, n, D, dtype=dtype)
-    v = torch.empty(H, n, D, dtype=dtype)
-    ps = np.empty((H, n), np.int32)
+    if tokens is not None and n != tokens:
+        raise ValueError(f"compact layer: {n} tokens, expected {tokens}")
+    # Every descriptor before the output is allocated: a section holds at least its positions,
+    # so the dense layer a blob can ask for is bounded by the blob's own size.
     for h, (n, r, tk, tv, off, size) in enumerate(descs):
         if not (0 <= r <= n <= seq_len and 1 <= tk <= D and 1 <= tv <= D) or \
-                off + size > len(blob):
+                off + size > len(blob) or off % _ALIGN or 4 * n > size:
             raise ValueError(f"compact layer: head {h} descriptor out of range")
-        sec = _Section(blob, off, size)
+    if out is not None and all(t.shape == (n, H, D) and t.dtype == dtype and t.is_contiguous()
+                               for t in out):
+        k, v = out[0].transpose(0, 1), out[1].transpose(0, 1)
+    else:
+        k = torch.empty(n, H, D, dtype=dtype).transpose(0, 1)
+        v = torch.empty(n, H, D, dtype=dtype).transpose(0, 1)
+    ps = np.empty((H, n), np.int32)
+    for h, (n, r, tk, tv, off, size) in enumerate(descs):
+        sec = _Section(u8, off, size)
         m = n - r
-        ps[h] = np.frombuffer(sec.take(4 * n), np.int32)
-        kidx = np.frombuffer(sec.take(4 * tk), np.int32).astype(np.int64)
-        vidx = np.frombuffer(sec.take(4 * tv), np.int32).astype(np.int64)
+        ps[h] = _tensor(sec.take(4 * n), torch.int32, 4, (n,)).numpy()
+        kidx = _tensor(sec.take(4 * tk), torch.int32, 4, (tk,)).numpy().astype(np.int64)
+        vidx = _tensor(sec.take(4 * tv), torch.int32, 4, (tv,)).numpy().astype(np.int64)
         if (kidx >= D).any() or (vidx >= D).any() or (kidx < 0).any() or (vidx < 0).any():
             raise ValueError(f"compact layer: head {h} channel index out of range")
         _block(k[h], m, kidx, D, dtype, esz, sec, bits, G, per_row=True)

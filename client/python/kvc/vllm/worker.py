@@ -239,17 +239,20 @@ class WorkerSide:
                                 f"{s.seq_len}; expected {len(self.names)}, {job.seq_len}")
             slots = slots_for(job.block_ids, self.manager_block_size, job.start, job.end)
             count = 0
+            storage = None  # the last layer's token-major k, v: reused by the next one
             for layer in stream:
                 if layer.kept_tokens != job.kept_tokens:
                     raise SpecError(f"cache {job.cache_id} layer {layer.layer}: "
                                     f"{layer.kept_tokens} tokens, expected {job.kept_tokens}")
                 name = self.names[layer.layer]
                 if job.fmt == "packed":
-                    lk, lv, _ = unpack_layer(layer.packed)
+                    try:
+                        lk, lv, _ = unpack_layer(layer.packed, out=storage,
+                                                 tokens=job.kept_tokens)
+                    except ValueError as e:
+                        raise SpecError(f"cache {job.cache_id} layer {layer.layer}: {e}") from None
+                    storage = (lk.transpose(0, 1), lv.transpose(0, 1))
                     run.bytes += len(layer.packed)
-                    if lk.shape[1] != job.kept_tokens:
-                        raise SpecError(f"cache {job.cache_id} layer {layer.layer}: "
-                                        f"{lk.shape[1]} tokens, expected {job.kept_tokens}")
                 else:
                     lk, lv = torch.as_tensor(layer.k), torch.as_tensor(layer.v)
                     run.bytes += layer.k.nbytes + layer.v.nbytes + layer.positions.nbytes
