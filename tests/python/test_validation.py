@@ -211,3 +211,49 @@ def test_unknown_tensor_kinds_are_refused(client, server):
                 await c.stat(5)
             invalid(e, "cache_id")
     asyncio.run(main())
+
+
+def test_get_stream_sizes_come_from_the_cache_info():
+    """A GetCache answer's part sizes are checked against its CacheInfo before any buffer is
+    allocated, as the C++ client does: a server's bare total_bytes is never trusted."""
+    from kvc._common import Assembler
+    from kvc._pb import pb
+
+    info = pb.CacheInfo(cache_id="c", dtype=pb.DTYPE_F16, stored_bytes=5000,
+                        shape=pb.ModelShape(num_layers=1, num_kv_heads=2, num_q_heads=4,
+                                            head_dim=8, seq_len=32))
+
+    def message(**kw):
+        return pb.GetCacheResponse(**kw).SerializeToString()
+
+    def chunk(part, total, kept=32, data=b""):
+        return message(chunk=pb.LayerChunk(layer=0, part=part, offset=0, total_bytes=total,
+                                           kept_tokens=kept), data=data)
+
+    def fed(fmt, *messages):
+        asm = Assembler(fmt, "numpy", pb.GetCacheRequest(cache_id="c"))
+        asm.add(message(info=info))
+        out = None
+        for m in messages:
+            out = asm.add(m)
+        return out
+
+    def refused(fmt, m, words):
+        with pytest.raises(kvc.KvcError) as e:
+            fed(fmt, m)
+        assert e.value.code == grpc.StatusCode.INTERNAL and words in e.value.details, e.value
+
+    # Dense K of 2 heads x 32 tokens x 8 channels x 2 bytes is 1,024 bytes, nothing else.
+    refused("dense", chunk(pb.PART_K, 2**50), "total_bytes 1125899906842624 != expected 1024")
+    refused("dense", chunk(pb.PART_K, 2048), "!= expected 1024")
+    refused("dense", chunk(pb.PART_POSITIONS, 2**40, kept=2**31), "outside [0, seq_len 32]")
+    refused("dense", chunk(pb.PART_PACKED, 100), "unexpected part")
+    refused("packed", chunk(pb.PART_PACKED, 2**50), "exceeds stored_bytes 5000")
+    refused("packed", chunk(pb.PART_K, 100), "unexpected part")
+    # The right sizes assemble: a dense layer of 16 tokens, and a packed one within the bytes.
+    k = np.arange(2 * 16 * 8, dtype=np.float16).tobytes()
+    pos = np.tile(np.arange(16, dtype=np.int32), 2).tobytes()
+    layer = fed("dense", chunk(pb.PART_K, len(k), 16, k), chunk(pb.PART_V, len(k), 16, k),
+                chunk(pb.PART_POSITIONS, len(pos), 16, pos))
+    assert layer.k.shape == (2, 16, 8) and layer.counts.tolist() == [16, 16]
+    assert fed("packed", chunk(pb.PART_PACKED, 5000, 32, bytes(5000))).packed.size == 5000

@@ -428,6 +428,7 @@ class Assembler:
             raise self._fail(f"layer {layer} kept_tokens changed")
         p = chunk.part
         if p not in parts:
+            self._check_total(layer, chunk)
             parts[p] = np.empty(chunk.total_bytes, dtype=np.uint8)
             got[p] = 0
         buf = parts[p]
@@ -443,6 +444,31 @@ class Assembler:
         self.expected_layer = layer + 1
         self.delivered += 1
         return self._layer(layer, kept, parts)
+
+    def _check_total(self, layer, chunk):
+        """A part's size follows from the CacheInfo (as the C++ client checks it), before its
+        buffer is allocated: a bare total_bytes is never trusted."""
+        want = (pb.PART_K, pb.PART_V, pb.PART_POSITIONS) if self.dense else (pb.PART_PACKED,)
+        if chunk.part not in want:
+            raise self._fail(f"unexpected part {chunk.part} for layer {layer}")
+        if not self.dense:
+            cap = self.info.stored_bytes
+            if cap and chunk.total_bytes > cap:
+                raise self._fail(f"layer {layer} total_bytes {chunk.total_bytes} exceeds "
+                                 f"stored_bytes {cap}")
+            return
+        s = self.info.shape
+        if chunk.kept_tokens > s.seq_len:
+            raise self._fail(f"layer {layer} kept_tokens {chunk.kept_tokens} outside [0, "
+                             f"seq_len {s.seq_len}]")
+        if self.info.dtype not in tensors.ELEM_BYTES:
+            raise self._fail(f"CacheInfo dtype {self.info.dtype} unknown")
+        esz = 4 if chunk.part == pb.PART_POSITIONS else \
+            s.head_dim * tensors.ELEM_BYTES[self.info.dtype]
+        expected = s.num_kv_heads * chunk.kept_tokens * esz
+        if chunk.total_bytes != expected:
+            raise self._fail(f"layer {layer} part {chunk.part} total_bytes {chunk.total_bytes} "
+                             f"!= expected {expected}")
 
     def _layer(self, layer, kept, parts):
         if not self.dense:
