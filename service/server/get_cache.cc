@@ -11,7 +11,8 @@
 // (plus whatever gRPC still holds) exist at a time. When the next layer is not ready yet the
 // reactor parks, and the export job resumes it. DENSE_CONTIGUOUS is DENSE with the keys
 // re-rotated (kvc/contiguous_export.h), its RopeSpec and kept counts checked up front
-// (server/contiguous.h).
+// (server/contiguous.h); for a layer DenseRunsOf accepts only the keys are exported (turned
+// straight from the blob, their blocks verified first), V and positions go out from the blob.
 //
 // A client that stops reading leaves a write outstanding (flow control): after
 // --stream_idle_seconds the reaper (server/stream_guard.h) ends the stream, which releases the
@@ -116,8 +117,11 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   // The export of one layer, handed from a pool job to the reactor. Whichever of the two comes
   // second continues: the reactor takes a finished result, or the job resumes a parked reactor.
   struct Export {
-    // Set (with ready) when the layer is sent from the blob itself; nothing runs on the pool.
+    // Set when the layer is sent from the blob itself: with ready, nothing runs on the pool; for
+    // DENSE_CONTIGUOUS V and positions are sent from the blob and `result` holds the keys alone,
+    // turned on the pool (keys_only).
     absl::optional<DenseRuns> runs;
+    bool keys_only = false;
     int n_kept = 0, heads = 0;
     absl::Mutex mu;
     bool ready ABSL_GUARDED_BY(mu) = false;
@@ -132,16 +136,18 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   // only to resume it when parked on this export, and a parked reactor cannot finish.
   std::shared_ptr<Export> StartExport(uint32_t index) {
     auto ex = std::make_shared<Export>();
-    if (!rope_) {
-      // Parse is safe on unverified bytes; a blob it refuses goes to the job, which names the
-      // corrupt block. The runs' blocks, and those of the header they were read from, are
-      // verified as they are sent (LoadLayer, NextWrite).
-      auto view = CompactLayerView::Parse(keep_->lease.entry().layers[index]);
-      DenseRuns runs;
-      if (view.ok() && DenseRunsOf(*view, &runs)) {
-        ex->runs = std::move(runs);
-        ex->n_kept = view->max_kept();
-        ex->heads = view->num_kv_heads();
+    // Parse is safe on unverified bytes; a blob it refuses goes to the job, which names the
+    // corrupt block. The runs' blocks, and those of the header they were read from, are verified
+    // as they are sent (LoadLayer, NextWrite); the keys a contiguous export turns, by the job
+    // before it reads them.
+    auto view = CompactLayerView::Parse(keep_->lease.entry().layers[index]);
+    DenseRuns runs;
+    if (view.ok() && DenseRunsOf(*view, &runs)) {
+      ex->runs = std::move(runs);
+      ex->n_kept = view->max_kept();
+      ex->heads = view->num_kv_heads();
+      ex->keys_only = rope_.has_value();
+      if (!ex->keys_only) {
         absl::MutexLock lock(&ex->mu);
         ex->ready = true;
         return ex;
@@ -153,9 +159,32 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       absl::StatusOr<std::shared_ptr<const DenseLayer>> result;
       const CacheEntry& entry = keep->lease.entry();
       absl::StatusOr<CompactLayerView> view = absl::UnknownError("not parsed");
-      if (absl::Status verified =
-              VerifyBlocks(entry, index, 0, entry.block_checksums[index].size());
-          !verified.ok()) {
+      if (ex->keys_only) {
+        // The header and head table the runs came from, then the key runs, are checked before
+        // the keys are read; V and positions are checked as they are sent.
+        const auto& blob = entry.layers[index];
+        const uint64_t table_end =
+            sizeof(LayerHeader) + sizeof(HeadDesc) * static_cast<uint64_t>(ex->heads);
+        absl::Status verified = VerifyBlocks(entry, index, 0, NumChecksumBlocks(table_end));
+        for (const auto& run : ex->runs->k) {
+          if (!verified.ok()) break;
+          const auto at = static_cast<uint64_t>(run.data() - blob.data());
+          verified = VerifyBlocks(entry, index, at / kChecksumBlockBytes,
+                                  NumChecksumBlocks(at + run.size()));
+        }
+        if (!verified.ok()) {
+          result = verified;
+        } else if (view = CompactLayerView::Parse(blob); !view.ok()) {
+          result = absl::DataLossError(
+              absl::StrCat("layer ", index, ": ", std::string(view.status().message())));
+        } else if (auto keys = ExportKeysContiguous(*view, *ex->runs, *rope); !keys.ok()) {
+          result = keys.status();
+        } else {
+          result = std::make_shared<const DenseLayer>(*std::move(keys));
+        }
+      } else if (absl::Status verified =
+                     VerifyBlocks(entry, index, 0, entry.block_checksums[index].size());
+                 !verified.ok()) {
         result = verified;
       } else if (view = CompactLayerView::Parse(entry.layers[index]); !view.ok()) {
         result = absl::DataLossError(
@@ -289,9 +318,8 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
           *parked = true;
           return grpc::Status::OK;
         }
-        if (next_export_->runs) {
-          in_place = next_export_;
-        } else {
+        if (next_export_->runs) in_place = next_export_;
+        if (!next_export_->runs || next_export_->keys_only) {
           if (!next_export_->result.ok()) return ToGrpc(next_export_->result.status(), ns_);
           owned = *std::move(next_export_->result);
         }
@@ -305,7 +333,12 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
         if (absl::Status s = VerifyRange(0, table_end); !s.ok()) return ToGrpc(s, ns_);
         kept_tokens_ = in_place->n_kept;
         const DenseRuns& runs = *in_place->runs;
-        parts_.push_back(BlobPart(kvcache::v1::PART_K, runs.k));
+        if (owned != nullptr) {  // DENSE_CONTIGUOUS: the turned keys
+          parts_.push_back(
+              ExportedPart(kvcache::v1::PART_K, absl::MakeConstSpan(owned->k), owned));
+        } else {
+          parts_.push_back(BlobPart(kvcache::v1::PART_K, runs.k));
+        }
         parts_.push_back(BlobPart(kvcache::v1::PART_V, runs.v));
         parts_.push_back(BlobPart(kvcache::v1::PART_POSITIONS, runs.positions));
       } else {

@@ -697,10 +697,17 @@ int main(int argc, char** argv) {
     cases.push_back({"plain gRPC stream download (K+V)", true,
                      [&] { return PlainDownload(ch.get(), down, kv_total, dst.data()); },
                      kv_total});
-    auto get_case = [&](const std::string& name, const std::string& id, kvc::CacheFormat f) {
+    auto get_case = [&](const std::string& name, const std::string& id, kvc::CacheFormat f,
+                        bool contiguous = false) {
       Case* c = &cases.emplace_back(name, true, nullptr, 0);
       kvc::GetOptions o;
       o.format = f;
+      if (contiguous) {  // the engine-ready export a stock decode engine (vLLM) fetches
+        pb::RopeSpec rope;
+        rope.set_theta(500000);  // Llama 3's
+        rope.set_style(pb::ROPE_HALF_SPLIT);
+        o.contiguous_rope = rope;
+      }
       c->run = [&, o, id, c] {
         uint64_t got = 0;
         absl::Status st = (*client)->GetCacheStreaming(id, o, nullptr, [&](kvc::LayerData&& l) {
@@ -718,6 +725,9 @@ int main(int argc, char** argv) {
     get_case("kvc GetCache PACKED, none", id_none, kvc::CacheFormat::kPacked);
     get_case("kvc GetCache DENSE, none", id_none, kvc::CacheFormat::kDense);
     get_case("kvc GetCache PACKED, snapkv keep 0.25", id_snap, kvc::CacheFormat::kPacked);
+    get_case("kvc GetCache DENSE, snapkv keep 0.25", id_snap, kvc::CacheFormat::kDense);
+    get_case("kvc GetCache DENSE_CONTIGUOUS, snapkv keep 0.25", id_snap, kvc::CacheFormat::kDense,
+             /*contiguous=*/true);
     cases.push_back({"Redis GET (K, V per layer)", true,
                      [&] {
                        for (size_t t = 0; t < tensors.size(); ++t) {

@@ -11,7 +11,9 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/pack_util.h"
 #include "kvc/dtype.h"
+#include "kvc/selection.h"
 
 namespace kvc {
 namespace {
@@ -114,8 +116,106 @@ TEST_P(RotateKeysTest, HalfPrecisionRoundsOnce) {
   }
 }
 
+// The computation RotateKeys is defined by, element by element: each pair in double from the
+// stored values, rounded to float, then stored in the dtype.
+void RotateKeysByElement(const RopeParams& r, int shift, DenseLayer* layer) {
+  const int d = layer->head_dim, rd = r.rotary_dims == 0 ? d : r.rotary_dims, half = rd / 2;
+  const size_t rows = static_cast<size_t>(layer->num_kv_heads) * layer->n_kept;
+  for (size_t row = 0; row < rows; ++row) {
+    for (int p = 0; p < half; ++p) {
+      const double a = -static_cast<double>(shift) / r.linear_factor * std::pow(r.theta,
+                                                                                -2.0 * p / rd);
+      const size_t i0 = row * d + (r.half_split ? p : 2 * p);
+      const size_t i1 = row * d + (r.half_split ? p + half : 2 * p + 1);
+      const double x0 = LoadAsFloat(layer->k.data(), layer->dtype, i0);
+      const double x1 = LoadAsFloat(layer->k.data(), layer->dtype, i1);
+      StoreFromFloat(layer->k.data(), layer->dtype, i0,
+                     static_cast<float>(x0 * std::cos(a) - x1 * std::sin(a)));
+      StoreFromFloat(layer->k.data(), layer->dtype, i1,
+                     static_cast<float>(x0 * std::sin(a) + x1 * std::cos(a)));
+    }
+  }
+}
+
+// Blocks of rows through float buffers give the element-by-element result bit for bit: every
+// dtype, partial rotary dims, a row count that is not a multiple of the block.
+TEST_P(RotateKeysTest, BlocksEqualTheElementByElementComputation) {
+  for (const DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (const int rotary_dims : {0, 48}) {
+      RopeParams r;
+      r.theta = 500000;
+      r.rotary_dims = rotary_dims;
+      r.half_split = GetParam();
+      r.linear_factor = rotary_dims == 0 ? 1.0 : 2.0;
+      const int d = 64, kept = 301, seq_len = 5000;
+      Fixture a = Make(r, dt, 3, kept, d, seq_len);
+      Fixture b = Make(r, dt, 3, kept, d, seq_len);
+      ASSERT_TRUE(RotateKeys(r, seq_len - kept, &a.layer).ok());
+      RotateKeysByElement(r, seq_len - kept, &b.layer);
+      ASSERT_EQ(a.layer.k.size(), b.layer.k.size());
+      EXPECT_EQ(std::memcmp(a.layer.k.data(), b.layer.k.data(), a.layer.k.size()), 0)
+          << DTypeName(dt) << " rotary_dims " << rotary_dims;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Pairs, RotateKeysTest, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "HalfSplit" : "Interleaved"; });
+
+// The keys-only export from the blob's runs (what GetCache sends with V and positions from the
+// blob) is ExportDenseContiguous's keys byte for byte: every dtype, both pair conventions,
+// partial rotary dims, a layer kept whole (no turn) and evicted ones.
+TEST(ExportKeysContiguousTest, EqualsTheFullExportsKeys) {
+  std::mt19937 rng(5);
+  int compared = 0;
+  for (const DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (const bool half_split : {false, true}) {
+      for (const int budget : {64, 23}) {
+        SCOPED_TRACE(testing::Message() << DTypeName(dt) << " half_split " << half_split
+                                        << " kept " << budget);
+        const testing_pack::PackLayerData layer =
+            testing_pack::MakePackLayer(3, 64, 32, dt, Layout::kHND, 4);
+        const TokenSelection tokens = testing_pack::RandomTokens(3, 64, budget, &rng);
+        const ChannelSelection channels = testing_pack::RandomChannels(3, 32, 32, 32, &rng);
+        absl::StatusOr<CompactLayer> packed =
+            PackLayer(layer.input(), tokens, channels, CompressionSpec{});
+        ASSERT_TRUE(packed.ok()) << packed.status();
+        absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(packed->bytes);
+        ASSERT_TRUE(view.ok());
+        DenseRuns runs;
+        ASSERT_TRUE(DenseRunsOf(*view, &runs));
+        RopeParams r;
+        r.theta = 10000;
+        r.half_split = half_split;
+        r.rotary_dims = budget == 23 ? 16 : 0;
+        absl::StatusOr<DenseLayer> full = ExportDenseContiguous(*view, r);
+        absl::StatusOr<DenseLayer> keys = ExportKeysContiguous(*view, runs, r);
+        ASSERT_TRUE(full.ok() && keys.ok());
+        EXPECT_EQ(keys->n_kept, full->n_kept);
+        ASSERT_EQ(keys->k.size(), full->k.size());
+        EXPECT_EQ(std::memcmp(keys->k.data(), full->k.data(), full->k.size()), 0);
+        EXPECT_TRUE(keys->v.empty() && keys->positions.empty());
+        ++compared;
+      }
+    }
+  }
+  EXPECT_EQ(compared, 12);
+  // Runs that are not the view's: refused, nothing read past them.
+  const testing_pack::PackLayerData layer =
+      testing_pack::MakePackLayer(2, 16, 16, DType::kF16, Layout::kHND, 4);
+  std::mt19937 rng2(1);
+  absl::StatusOr<CompactLayer> packed =
+      PackLayer(layer.input(), testing_pack::RandomTokens(2, 16, 8, &rng2),
+                testing_pack::RandomChannels(2, 16, 16, 16, &rng2), CompressionSpec{});
+  ASSERT_TRUE(packed.ok());
+  absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(packed->bytes);
+  ASSERT_TRUE(view.ok());
+  DenseRuns runs;
+  ASSERT_TRUE(DenseRunsOf(*view, &runs));
+  runs.k.pop_back();
+  EXPECT_EQ(ExportKeysContiguous(*view, runs, RopeParams{}).status().code(),
+            absl::StatusCode::kInternal);
+}
 
 TEST(RopeParamsTest, RejectsBadRope) {
   Fixture f = Make(RopeParams{}, DType::kF32, 1, 4, 16, 8);

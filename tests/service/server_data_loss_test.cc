@@ -148,6 +148,41 @@ TEST_F(ServerDataLossTest, DenseFromTheBlobVerifiesEachBlockAsItGoes) {
   EXPECT_EQ(bad.parts.count({1, kvcache::v1::PART_V}), 0u);
 }
 
+// DENSE_CONTIGUOUS of a layer kept whole or evicted only: the keys are turned on the pool from
+// the blob (their blocks verified first, so a corrupt key block sends none of the layer's
+// keys), the values and positions go out from the blob, verified block by block as they go.
+TEST_F(ServerDataLossTest, ContiguousVerifiesTheKeysBeforeTurningThemAndTheValuesAsTheyGo) {
+  get_.set_format(kvcache::v1::FORMAT_DENSE_CONTIGUOUS);
+  get_.mutable_rope()->set_theta(10000);
+  get_.mutable_rope()->set_style(kvcache::v1::ROPE_HALF_SPLIT);
+  testing::Fetched good;
+  ASSERT_TRUE(testing::Get(stub_, get_, &good).ok());
+  ByteVector& blob = Stored().layers[1];
+  for (const size_t at : {blob.size() / 4, blob.size() * 3 / 4}) {  // in the keys, the values
+    const bool in_keys = at < blob.size() / 2;
+    SCOPED_TRACE(in_keys ? "a key block" : "a value block");
+    blob[at] ^= 0x10;
+    testing::Fetched bad;
+    grpc::Status s = testing::Get(stub_, get_, &bad);
+    blob[at] ^= 0x10;
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
+    EXPECT_THAT(s.error_message(),
+                ::testing::HasSubstr(absl::StrCat("layer 1 block ", at / kChecksumBlockBytes)));
+    for (auto part : {kvcache::v1::PART_K, kvcache::v1::PART_V, kvcache::v1::PART_POSITIONS}) {
+      EXPECT_EQ(bad.part(0, part), good.part(0, part));
+    }
+    if (in_keys) {
+      EXPECT_EQ(bad.parts.count({1, kvcache::v1::PART_K}), 0u);
+    } else {
+      EXPECT_EQ(bad.part(1, kvcache::v1::PART_K), good.part(1, kvcache::v1::PART_K));
+      const std::string& partial = bad.part(1, kvcache::v1::PART_V);
+      EXPECT_GT(partial.size(), 0u);
+      EXPECT_LT(partial.size(), good.part(1, kvcache::v1::PART_V).size());
+      EXPECT_EQ(partial, good.part(1, kvcache::v1::PART_V).substr(0, partial.size()));
+    }
+  }
+}
+
 class ServerDataLossTenantTest : public ServerDataLossTest {
  protected:
   std::string Tenant() const override { return "alpha"; }

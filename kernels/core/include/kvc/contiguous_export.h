@@ -31,6 +31,14 @@ absl::Status RotateKeys(const RopeParams& rope, int shift, DenseLayer* layer);
 absl::StatusOr<DenseLayer> ExportDenseContiguous(const CompactLayerView& view,
                                                  const RopeParams& rope);
 
+// The keys of ExportDenseContiguous(view, rope) for a layer DenseRunsOf accepts (`runs` its
+// runs), turned straight from the blob into `k` of the result ([num_kv_heads, n_kept,
+// head_dim]); v and positions stay empty: they are the blob's own runs, which the contiguous
+// export leaves as they are. INVALID_ARGUMENT from ValidateRope; INTERNAL when `runs` are not
+// the view's.
+absl::StatusOr<DenseLayer> ExportKeysContiguous(const CompactLayerView& view,
+                                                const DenseRuns& runs, const RopeParams& rope);
+
 }  // namespace kvc
 
 #endif  // KVC_CONTIGUOUS_EXPORT_H_
