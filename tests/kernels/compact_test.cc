@@ -324,7 +324,7 @@ TEST(CompactTest, RecentOnlyWhenReduced) {
 TEST(CompactTest, ExportDense) {
   std::mt19937 rng(21);
   for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
-    for (int bits : {0, 8}) {
+    for (int bits : {0, 8, 4, 2}) {
       for (const auto& [tk, tv] : {std::pair{9, 12}, {16, 16}, {16, 10}}) {
         SCOPED_TRACE(testing::Message() << "dtype " << static_cast<int>(dt) << " bits " << bits
                                         << " channels " << tk << "/" << tv);
