@@ -10,6 +10,7 @@
 // as selects). On x86-64 with GCC or Clang each hot loop is also compiled for AVX2+FMA and
 // kvc/cpu_isa.h picks the build at run time (both give identical codes: no contraction applies).
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
 #define KVC_QUANT_AVX2 1
 #define KVC_INLINE_BODY inline __attribute__((always_inline))
 #else
@@ -158,9 +159,66 @@ void QuantizeValues(const float* x, int m, int t, int bits, int g, float* scale,
   }
 }
 
+namespace {
+
+#ifdef KVC_QUANT_AVX2
+// The low 8 bytes of `codes` as 8 floats at o; all 16 as 16.
+__attribute__((target("avx2"))) inline void Put8(__m128i codes, float* o) {
+  _mm256_storeu_ps(o, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)));
+}
+__attribute__((target("avx2"))) inline void Put16(__m128i codes, float* o) {
+  Put8(codes, o);
+  Put8(_mm_srli_si128(codes, 8), o + 8);
+}
+
+// UnpackCodes with AVX2: 8-bit codes 8 at a time, 4-bit 32 (16 bytes split into their nibbles
+// and interleaved), 2-bit 32 (8 bytes, four planes interleaved), widened to int32 and converted
+// (exact, as the scalar loop). Returns how many leading codes it wrote; the caller does the rest.
+__attribute__((target("avx2"))) int UnpackCodesAvx2(const uint8_t* row, int n, int bits,
+                                                    float* out) {
+  int i = 0;
+  if (bits == 8) {
+    for (; i + 8 <= n; i += 8) {
+      Put8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i)), out + i);
+    }
+  } else if (bits == 4) {
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    for (; i + 32 <= n; i += 32) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2));
+      const __m128i lo = _mm_and_si128(b, mask);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+      Put16(_mm_unpacklo_epi8(lo, hi), out + i);
+      Put16(_mm_unpackhi_epi8(lo, hi), out + i + 16);
+    }
+  } else {  // bits == 2
+    const __m128i mask = _mm_set1_epi8(0x03);
+    for (; i + 32 <= n; i += 32) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i / 4));
+      const __m128i c0 = _mm_and_si128(b, mask);
+      const __m128i c1 = _mm_and_si128(_mm_srli_epi16(b, 2), mask);
+      const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+      const __m128i c3 = _mm_and_si128(_mm_srli_epi16(b, 6), mask);
+      const __m128i c01 = _mm_unpacklo_epi8(c0, c1);  // byte j: codes 4j, 4j + 1
+      const __m128i c23 = _mm_unpacklo_epi8(c2, c3);  // byte j: codes 4j + 2, 4j + 3
+      Put16(_mm_unpacklo_epi16(c01, c23), out + i);
+      Put16(_mm_unpackhi_epi16(c01, c23), out + i + 16);
+    }
+  }
+  return i;
+}
+#endif
+
+}  // namespace
+
 void UnpackCodes(const uint8_t* row, int n, int bits, float* out) {
   // One specialized loop per width (constant shifts), so the compiler unrolls and vectorizes.
   int i = 0;
+#ifdef KVC_QUANT_AVX2
+  if (CpuIsaAtLeast(CpuIsa::kAvx2)) {
+    i = UnpackCodesAvx2(row, n, bits, out);
+    if (i == n) return;
+  }
+#endif
   if (bits == 8) {
     for (; i < n; ++i) out[i] = static_cast<float>(row[i]);
     return;
@@ -183,12 +241,47 @@ void UnpackCodes(const uint8_t* row, int n, int bits, float* out) {
   for (; i < n; ++i) out[i] = static_cast<float>(CodeAt(row, i, bits));
 }
 
+namespace {
+
+// x[c] = x[c] * s[c] + z[c] (keys: a scale and zero per channel), and the same with one scale and
+// zero (a value group): a multiply, then an add, each rounded. The AVX2 builds take no FMA (its
+// target has none to contract into), so every build gives the same bits.
+KVC_INLINE_BODY void AffineBody(float* x, const float* s, const float* z, int n) {
+  for (int c = 0; c < n; ++c) x[c] = x[c] * s[c] + z[c];
+}
+KVC_INLINE_BODY void AffineOneBody(float* x, float s, float z, int n) {
+  for (int c = 0; c < n; ++c) x[c] = x[c] * s + z;
+}
+#ifdef KVC_QUANT_AVX2
+void AffinePortable(float* x, const float* s, const float* z, int n) { AffineBody(x, s, z, n); }
+__attribute__((target("avx2"))) void AffineAvx2(float* x, const float* s, const float* z, int n) {
+  AffineBody(x, s, z, n);
+}
+void AffineOnePortable(float* x, float s, float z, int n) { AffineOneBody(x, s, z, n); }
+__attribute__((target("avx2"))) void AffineOneAvx2(float* x, float s, float z, int n) {
+  AffineOneBody(x, s, z, n);
+}
+void Affine(float* x, const float* s, const float* z, int n) {
+  if (CpuIsaAtLeast(CpuIsa::kAvx2)) return AffineAvx2(x, s, z, n);
+  AffinePortable(x, s, z, n);
+}
+void AffineOne(float* x, float s, float z, int n) {
+  if (CpuIsaAtLeast(CpuIsa::kAvx2)) return AffineOneAvx2(x, s, z, n);
+  AffineOnePortable(x, s, z, n);
+}
+#else
+void Affine(float* x, const float* s, const float* z, int n) { AffineBody(x, s, z, n); }
+void AffineOne(float* x, float s, float z, int n) { AffineOneBody(x, s, z, n); }
+#endif
+
+}  // namespace
+
 void DequantizeKeyRow(const float* scale, const float* zero, const uint8_t* codes, int j, int t,
                       int bits, int g, float* out) {
   UnpackCodes(codes + static_cast<size_t>(j) * CodeRowBytes(t, bits), t, bits, out);
   const float* sc = scale + static_cast<size_t>(j / g) * t;
   const float* ze = zero + static_cast<size_t>(j / g) * t;
-  for (int c = 0; c < t; ++c) out[c] = out[c] * sc[c] + ze[c];
+  Affine(out, sc, ze, t);
 }
 
 void DequantizeValueRow(const float* scale, const float* zero, const uint8_t* codes, int j, int t,
@@ -198,9 +291,7 @@ void DequantizeValueRow(const float* scale, const float* zero, const uint8_t* co
   const float* sc = scale + static_cast<size_t>(j) * groups;
   const float* ze = zero + static_cast<size_t>(j) * groups;
   for (int gi = 0, c0 = 0; gi < groups; ++gi, c0 += g) {
-    const int c1 = std::min(t, c0 + g);
-    const float s = sc[gi], z = ze[gi];
-    for (int c = c0; c < c1; ++c) out[c] = out[c] * s + z;
+    AffineOne(out + c0, sc[gi], ze[gi], std::min(t, c0 + g) - c0);
   }
 }
 

@@ -678,6 +678,16 @@ int main(int argc, char** argv) {
     const std::string id_none = put_case("kvc PutCache, none", "none", 0);
     const std::string id_snap = put_case("kvc PutCache, snapkv keep 0.25", "snapkv", 0.25);
     put_case("kvc PutCache, keyformer keep 0.25", "keyformer", 0.25);
+    // A cache kept whole in 4 bits, for the downloads of a quantized cache (its upload is not a
+    // row: it is put once, untimed).
+    std::string id_q4;
+    {
+      pb::PutCacheHeader h = base;
+      h.set_cache_id(absl::StrCat("bench-", tokens, "-q4"));
+      h.mutable_compression()->mutable_eviction()->set_policy("none");
+      h.mutable_compression()->mutable_quant()->set_bits(4);
+      if ((*client)->PutCache(h, views).ok()) id_q4 = h.cache_id();
+    }
     cases.push_back({"Redis SET (K, V, Q_obs per layer)", false,
                      [&] {
                        for (size_t t = 0; t < tensors.size(); ++t) {
@@ -728,6 +738,8 @@ int main(int argc, char** argv) {
     get_case("kvc GetCache DENSE, snapkv keep 0.25", id_snap, kvc::CacheFormat::kDense);
     get_case("kvc GetCache DENSE_CONTIGUOUS, snapkv keep 0.25", id_snap, kvc::CacheFormat::kDense,
              /*contiguous=*/true);
+    get_case("kvc GetCache PACKED, q4", id_q4, kvc::CacheFormat::kPacked);
+    get_case("kvc GetCache DENSE, q4 (dequantized by kvcd)", id_q4, kvc::CacheFormat::kDense);
     cases.push_back({"Redis GET (K, V per layer)", true,
                      [&] {
                        for (size_t t = 0; t < tensors.size(); ++t) {

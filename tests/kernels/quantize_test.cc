@@ -6,9 +6,11 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kvc/cpu_isa.h"
 
 namespace kvc::quant {
 namespace {
@@ -164,14 +166,68 @@ TEST(QuantizeTest, ValueGroupExtremesFollowTheSequentialFold) {
   }
 }
 
+// Every width and length, on the vector path (32 codes at a time, then the scalar tail) and
+// capped at the portable one.
 TEST(QuantizeTest, UnpackMatchesCodeAt) {
   std::mt19937 rng(4);
-  for (int bits : {2, 4, 8}) {
-    std::vector<uint8_t> row(CodeRowBytes(29, bits));
-    for (uint8_t& b : row) b = static_cast<uint8_t>(rng());
-    std::vector<float> out(29);
-    UnpackCodes(row.data(), 29, bits, out.data());
-    for (int i = 0; i < 29; ++i) EXPECT_EQ(out[i], static_cast<float>(CodeAt(row.data(), i, bits)));
+  for (const CpuIsa cap : {kBestCpuIsa, CpuIsa::kPortable}) {
+    const CpuIsa before = SetCpuIsaCap(cap);
+    for (int bits : {2, 4, 8}) {
+      for (int n : {7, 29, 32, 64, 77, 128, 131}) {
+        std::vector<uint8_t> row(CodeRowBytes(n, bits));
+        for (uint8_t& b : row) b = static_cast<uint8_t>(rng());
+        std::vector<float> out(n + 1, -1.0f);
+        UnpackCodes(row.data(), n, bits, out.data());
+        for (int i = 0; i < n; ++i) {
+          ASSERT_EQ(out[i], static_cast<float>(CodeAt(row.data(), i, bits)))
+              << "bits " << bits << " n " << n << " i " << i << " " << CpuIsaName(cap);
+        }
+        EXPECT_EQ(out[n], -1.0f) << "wrote past n";
+      }
+    }
+    SetCpuIsaCap(before);
+  }
+}
+
+// A dequantized element is float(code) * scale, rounded, then + zero, rounded: on the AVX2 path
+// (32 codes at a time, no fused multiply-add) as on the portable one, bit for bit, keys (a scale
+// per channel and group of rows) and values (a scale per row and group of channels).
+TEST(QuantizeTest, DequantizedRowsAreMultiplyThenAdd) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> gauss(0.0f, 3.0f);
+  for (const CpuIsa cap : {kBestCpuIsa, CpuIsa::kPortable}) {
+    const CpuIsa before = SetCpuIsaCap(cap);
+    for (int bits : {2, 4, 8}) {
+      for (const auto& [t, g] : {std::pair{128, 32}, {77, 16}, {40, 8}}) {
+        const int rows = 2 * g + 3;
+        std::vector<uint8_t> codes(rows * CodeRowBytes(t, bits));
+        for (uint8_t& b : codes) b = static_cast<uint8_t>(rng());
+        std::vector<float> ks(NumGroups(rows, g) * t), kz(ks.size()), vs(rows * NumGroups(t, g)),
+            vz(vs.size()), row(t);
+        for (auto* v : {&ks, &kz, &vs, &vz}) {
+          for (float& x : *v) x = gauss(rng);
+        }
+        for (int j = 0; j < rows; ++j) {
+          const uint8_t* r = codes.data() + j * CodeRowBytes(t, bits);
+          DequantizeKeyRow(ks.data(), kz.data(), codes.data(), j, t, bits, g, row.data());
+          for (int c = 0; c < t; ++c) {
+            const float prod = static_cast<float>(CodeAt(r, c, bits)) * ks[(j / g) * t + c];
+            const float want = prod + kz[(j / g) * t + c];
+            ASSERT_EQ(std::memcmp(&row[c], &want, 4), 0)
+                << "keys bits " << bits << " t " << t << " " << CpuIsaName(cap);
+          }
+          DequantizeValueRow(vs.data(), vz.data(), codes.data(), j, t, bits, g, row.data());
+          for (int c = 0; c < t; ++c) {
+            const size_t gi = static_cast<size_t>(j) * NumGroups(t, g) + c / g;
+            const float prod = static_cast<float>(CodeAt(r, c, bits)) * vs[gi];
+            const float want = prod + vz[gi];
+            ASSERT_EQ(std::memcmp(&row[c], &want, 4), 0)
+                << "values bits " << bits << " t " << t << " " << CpuIsaName(cap);
+          }
+        }
+      }
+    }
+    SetCpuIsaCap(before);
   }
 }
 
