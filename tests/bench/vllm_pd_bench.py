@@ -89,7 +89,7 @@ def ttft(stack, lengths, specs, repeat):
     return rows
 
 
-def throughput(kvcd, tokens, repeat, specs=("none", "q4")):
+def throughput(kvcd, tokens, repeat, specs=("none", "q4", "keydiff:0.5")):
     """The connector's worker code on real vLLM CPU-backend caches vs kvc.Client put/get."""
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -126,8 +126,9 @@ def throughput(kvcd, tokens, repeat, specs=("none", "q4")):
         plain.append((k, v))
     cfg = ConnectorConfig({"target": kvcd.address}, "fail")
     replicas = Replicas(kvcd.address, cfg.client_options)
+    rope = {"theta": 100000.0, "style": "ROPE_HALF_SPLIT"}  # SmolLM2's, for evicted loads
     model = types.SimpleNamespace(num_layers=L, num_kv_heads=H, num_q_heads=HQ, head_dim=D,
-                                  layer_names=names, rope=None, rope_error=None)
+                                  layer_names=names, rope=rope, rope_error=None)
     ws = WorkerSide(cfg, model, replicas, None, types.SimpleNamespace(
         cache_config=types.SimpleNamespace(block_size=BS)))
     ws.kv, ws.names, ws.dtype = kv, names, torch.float32
@@ -153,16 +154,21 @@ def throughput(kvcd, tokens, repeat, specs=("none", "q4")):
             t = time.perf_counter()
             client.put(cid + "/r", plain, layout="NHD", compression=config)
             t_raw_put.append(time.perf_counter() - t)
-            fmt = "dense" if spec == "none" else "packed"
-            lj = LoadJob("req", cid + "/c", kvcd.address, "full", tokens, tokens, 0, tokens,
-                         block_ids, False, fmt)
+            # Lossless caches load DENSE, full-length lossy ones PACKED, evicted ones as the
+            # contiguous export (keys re-rotated by kvcd), as the connector fetches them.
+            kept = client.stat(cid + "/c").kept_tokens[0]
+            evicted = kept < tokens
+            fmt = "contiguous" if evicted else "dense" if spec == "none" else "packed"
+            lj = LoadJob("req", cid + "/c", kvcd.address, "evicted" if evicted else "full",
+                         tokens, kept, 0, kept, block_ids, False, fmt)
             run = _Load(lj, L, time.monotonic() + 600)
             t = time.perf_counter()
             ws._load(run)
             t_conn_load.append(time.perf_counter() - t)
             assert run.error is None, run.error
             t = time.perf_counter()
-            client.get(cid + "/r", format=fmt, tensors="torch")
+            client.get(cid + "/r", format=fmt, tensors="torch",
+                       **({"rope": rope} if evicted else {}))
             t_raw_get.append(time.perf_counter() - t)
             client.delete(cid + "/c")
             client.delete(cid + "/r")
