@@ -17,19 +17,22 @@
 #define KVC_INLINE_BODY inline
 #endif
 
-// Defines Name (the dispatcher), with the body compiled once for the baseline and once for AVX2.
+// Defines Name (the dispatcher), with the body compiled once for the baseline and once for
+// `Target` (an AVX2 target string). KVC_DISPATCH takes AVX2+FMA, for loops no contraction
+// applies to.
 #ifdef KVC_QUANT_AVX2
-#define KVC_DISPATCH(Name, Params, Args)                                          \
-  void Name##Portable Params { Name##Body Args; }                                 \
-  __attribute__((target("avx2,fma"))) void Name##Avx2 Params { Name##Body Args; } \
-  void Name Params {                                                              \
-    if (CpuIsaAtLeast(CpuIsa::kAvx2)) return Name##Avx2 Args;                     \
-    Name##Portable Args;                                                          \
+#define KVC_DISPATCH_TARGET(Name, Target, Params, Args)                       \
+  void Name##Portable Params { Name##Body Args; }                             \
+  __attribute__((target(Target))) void Name##Avx2 Params { Name##Body Args; } \
+  void Name Params {                                                          \
+    if (CpuIsaAtLeast(CpuIsa::kAvx2)) return Name##Avx2 Args;                 \
+    Name##Portable Args;                                                      \
   }
 #else
-#define KVC_DISPATCH(Name, Params, Args) \
+#define KVC_DISPATCH_TARGET(Name, Target, Params, Args) \
   void Name Params { Name##Body Args; }
 #endif
+#define KVC_DISPATCH(Name, Params, Args) KVC_DISPATCH_TARGET(Name, "avx2,fma", Params, Args)
 
 namespace kvc::quant {
 namespace {
@@ -252,27 +255,9 @@ KVC_INLINE_BODY void AffineBody(float* x, const float* s, const float* z, int n)
 KVC_INLINE_BODY void AffineOneBody(float* x, float s, float z, int n) {
   for (int c = 0; c < n; ++c) x[c] = x[c] * s + z;
 }
-#ifdef KVC_QUANT_AVX2
-void AffinePortable(float* x, const float* s, const float* z, int n) { AffineBody(x, s, z, n); }
-__attribute__((target("avx2"))) void AffineAvx2(float* x, const float* s, const float* z, int n) {
-  AffineBody(x, s, z, n);
-}
-void AffineOnePortable(float* x, float s, float z, int n) { AffineOneBody(x, s, z, n); }
-__attribute__((target("avx2"))) void AffineOneAvx2(float* x, float s, float z, int n) {
-  AffineOneBody(x, s, z, n);
-}
-void Affine(float* x, const float* s, const float* z, int n) {
-  if (CpuIsaAtLeast(CpuIsa::kAvx2)) return AffineAvx2(x, s, z, n);
-  AffinePortable(x, s, z, n);
-}
-void AffineOne(float* x, float s, float z, int n) {
-  if (CpuIsaAtLeast(CpuIsa::kAvx2)) return AffineOneAvx2(x, s, z, n);
-  AffineOnePortable(x, s, z, n);
-}
-#else
-void Affine(float* x, const float* s, const float* z, int n) { AffineBody(x, s, z, n); }
-void AffineOne(float* x, float s, float z, int n) { AffineOneBody(x, s, z, n); }
-#endif
+KVC_DISPATCH_TARGET(Affine, "avx2", (float* x, const float* s, const float* z, int n),
+                    (x, s, z, n))
+KVC_DISPATCH_TARGET(AffineOne, "avx2", (float* x, float s, float z, int n), (x, s, z, n))
 
 }  // namespace
 
