@@ -397,6 +397,8 @@ class Assembler:
 
     def __init__(self, fmt, tensor_kind, request):
         self.dense = fmt != "packed"
+        # The parts a layer of this format has; it is complete when each has all its bytes.
+        self.parts = (pb.PART_K, pb.PART_V, pb.PART_POSITIONS) if self.dense else (pb.PART_PACKED,)
         self.kind = _validate.tensor_kind(tensor_kind)
         self.request = request  # GetCacheRequest: its layer range says how many layers to expect
         self.info = None
@@ -437,8 +439,7 @@ class Assembler:
             raise self._fail(f"layer {layer} part {p}: chunk at {chunk.offset} out of place")
         buf[chunk.offset:chunk.offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
         got[p] += len(data)
-        want = (pb.PART_K, pb.PART_V, pb.PART_POSITIONS) if self.dense else (pb.PART_PACKED,)
-        if any(q not in parts or got[q] < len(parts[q]) for q in want):
+        if any(q not in parts or got[q] < len(parts[q]) for q in self.parts):
             return None
         self.cur = None
         self.expected_layer = layer + 1
@@ -448,8 +449,7 @@ class Assembler:
     def _check_total(self, layer, chunk):
         """A part's size follows from the CacheInfo (as the C++ client checks it), before its
         buffer is allocated: a bare total_bytes is never trusted."""
-        want = (pb.PART_K, pb.PART_V, pb.PART_POSITIONS) if self.dense else (pb.PART_PACKED,)
-        if chunk.part not in want:
+        if chunk.part not in self.parts:
             raise self._fail(f"unexpected part {chunk.part} for layer {layer}")
         if not self.dense:
             cap = self.info.stored_bytes
