@@ -11,6 +11,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/isa_util.h"
 #include "kernels/pack_util.h"
 #include "kvc/dtype.h"
 #include "kvc/selection.h"
@@ -138,23 +139,27 @@ void RotateKeysByElement(const RopeParams& r, int shift, DenseLayer* layer) {
 }
 
 // Blocks of rows through float buffers give the element-by-element result bit for bit: every
-// dtype, partial rotary dims, a row count that is not a multiple of the block.
+// dtype, partial rotary dims, a row count that is not a multiple of the block, on each of the
+// rotation's builds (the CPU's best, AVX2, portable).
 TEST_P(RotateKeysTest, BlocksEqualTheElementByElementComputation) {
-  for (const DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
-    for (const int rotary_dims : {0, 48}) {
-      RopeParams r;
-      r.theta = 500000;
-      r.rotary_dims = rotary_dims;
-      r.half_split = GetParam();
-      r.linear_factor = rotary_dims == 0 ? 1.0 : 2.0;
-      const int d = 64, kept = 301, seq_len = 5000;
-      Fixture a = Make(r, dt, 3, kept, d, seq_len);
-      Fixture b = Make(r, dt, 3, kept, d, seq_len);
-      ASSERT_TRUE(RotateKeys(r, seq_len - kept, &a.layer).ok());
-      RotateKeysByElement(r, seq_len - kept, &b.layer);
-      ASSERT_EQ(a.layer.k.size(), b.layer.k.size());
-      EXPECT_EQ(std::memcmp(a.layer.k.data(), b.layer.k.data(), a.layer.k.size()), 0)
-          << DTypeName(dt) << " rotary_dims " << rotary_dims;
+  for (const CpuIsa cap : {kBestCpuIsa, CpuIsa::kAvx2, CpuIsa::kPortable}) {
+    const testing_isa::ScopedIsaCap scoped(cap);
+    for (const DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+      for (const int rotary_dims : {0, 48}) {
+        RopeParams r;
+        r.theta = 500000;
+        r.rotary_dims = rotary_dims;
+        r.half_split = GetParam();
+        r.linear_factor = rotary_dims == 0 ? 1.0 : 2.0;
+        const int d = 64, kept = 301, seq_len = 5000;
+        Fixture a = Make(r, dt, 3, kept, d, seq_len);
+        Fixture b = Make(r, dt, 3, kept, d, seq_len);
+        ASSERT_TRUE(RotateKeys(r, seq_len - kept, &a.layer).ok());
+        RotateKeysByElement(r, seq_len - kept, &b.layer);
+        ASSERT_EQ(a.layer.k.size(), b.layer.k.size());
+        EXPECT_EQ(std::memcmp(a.layer.k.data(), b.layer.k.data(), a.layer.k.size()), 0)
+            << DTypeName(dt) << " rotary_dims " << rotary_dims << " " << CpuIsaName(cap);
+      }
     }
   }
 }

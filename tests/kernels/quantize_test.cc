@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kvc/cpu_isa.h"
+#include "kernels/isa_util.h"
 
 namespace kvc::quant {
 namespace {
@@ -171,7 +171,7 @@ TEST(QuantizeTest, ValueGroupExtremesFollowTheSequentialFold) {
 TEST(QuantizeTest, UnpackMatchesCodeAt) {
   std::mt19937 rng(4);
   for (const CpuIsa cap : {kBestCpuIsa, CpuIsa::kPortable}) {
-    const CpuIsa before = SetCpuIsaCap(cap);
+    const testing_isa::ScopedIsaCap scoped(cap);
     for (int bits : {2, 4, 8}) {
       for (int n : {7, 29, 32, 64, 77, 128, 131}) {
         std::vector<uint8_t> row(CodeRowBytes(n, bits));
@@ -185,7 +185,6 @@ TEST(QuantizeTest, UnpackMatchesCodeAt) {
         EXPECT_EQ(out[n], -1.0f) << "wrote past n";
       }
     }
-    SetCpuIsaCap(before);
   }
 }
 
@@ -196,7 +195,7 @@ TEST(QuantizeTest, DequantizedRowsAreMultiplyThenAdd) {
   std::mt19937 rng(9);
   std::normal_distribution<float> gauss(0.0f, 3.0f);
   for (const CpuIsa cap : {kBestCpuIsa, CpuIsa::kPortable}) {
-    const CpuIsa before = SetCpuIsaCap(cap);
+    const testing_isa::ScopedIsaCap scoped(cap);
     for (int bits : {2, 4, 8}) {
       for (const auto& [t, g] : {std::pair{128, 32}, {77, 16}, {40, 8}}) {
         const int rows = 2 * g + 3;
@@ -227,7 +226,6 @@ TEST(QuantizeTest, DequantizedRowsAreMultiplyThenAdd) {
         }
       }
     }
-    SetCpuIsaCap(before);
   }
 }
 
