@@ -13,6 +13,13 @@
 #include "kvc/dtype.h"
 #include "kvc/spec.h"
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+
+#include "core/convert_x86_inl.h"
+#define KVC_TURN_X86 1
+#endif
+
 namespace kvc {
 
 namespace {
@@ -20,6 +27,11 @@ namespace {
 // The turn of every key of a layer by -shift positions: one angle per channel pair.
 struct Turn {
   std::vector<double> cs, sn;
+  // The same per rotary channel i, for the fused kernels: out[i] = x[i] * ch_c[i] +
+  // x[partner(i)] * ch_s[i], partner(i) the other channel of i's pair and ch_s = -sn on the
+  // pair's first channel. x0 * c + x1 * (-s) rounds as x0 * c - x1 * s does, and x1 * c + x0 * s
+  // as x0 * s + x1 * c: the same bits as RotateRowBody.
+  std::vector<double> ch_c, ch_s;
   int half = 0;
   bool half_split = false;
 };
@@ -39,6 +51,14 @@ absl::optional<Turn> MakeTurn(const RopeParams& rope, int d, int shift) {
     const double angle = -static_cast<double>(shift) / rope.linear_factor * freq;
     t.cs[p] = std::cos(angle);
     t.sn[p] = std::sin(angle);
+  }
+  t.ch_c.resize(2 * t.half);
+  t.ch_s.resize(2 * t.half);
+  for (int p = 0; p < t.half; ++p) {
+    const int i0 = t.half_split ? p : 2 * p, i1 = t.half_split ? p + t.half : 2 * p + 1;
+    t.ch_c[i0] = t.ch_c[i1] = t.cs[p];
+    t.ch_s[i0] = -t.sn[p];
+    t.ch_s[i1] = t.sn[p];
   }
   return t;
 }
@@ -87,12 +107,106 @@ RotateRowFn PickRotateRow() {
   return RotateRowPortable;
 }
 
-// `rows` rows of d elements of dt from src, turned, into dst (src == dst allowed). Blocks of rows
-// go through a float buffer with the bulk conversions of kvc/convert.h (vectorized where the CPU
-// allows): element-by-element loads and stores through a dtype switch made a contiguous download
-// several times slower than a dense one. Channels past rotary_dims go through float and back
-// unchanged.
+#ifdef KVC_TURN_X86
+#define KVC_TURN_AVX2_INL __attribute__((target("avx2,f16c"), always_inline)) inline
+
+// Eight channels of a row (elements of T from i) as floats, and back, rounded to T.
+template <DType T>
+KVC_TURN_AVX2_INL __m256 Load8(const uint8_t* row, int i) {
+  if constexpr (T == DType::kF32) return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
+  const auto* h = reinterpret_cast<const uint16_t*>(row) + i;
+  if constexpr (T == DType::kF16) return convert_x86::HalfToFloat8(h);
+  return convert_x86::BFloat16ToFloat8(h);
+}
+
+template <DType T>
+KVC_TURN_AVX2_INL void Store8(uint8_t* row, int i, __m256 v) {
+  if constexpr (T == DType::kF32) {
+    _mm256_storeu_ps(reinterpret_cast<float*>(row) + i, v);
+  } else if constexpr (T == DType::kF16) {
+    convert_x86::FloatToHalf8(v, reinterpret_cast<uint16_t*>(row) + i);
+  } else {
+    convert_x86::FloatToBFloat16x8(v, reinterpret_cast<uint16_t*>(row) + i);
+  }
+}
+
+// x * c + partner * s on eight channels, in double, each rounded to float once.
+KVC_TURN_AVX2_INL __m256 Turn8(__m256 x, __m256 partner, const double* c, const double* s) {
+  const __m256d xl = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+  const __m256d xh = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+  const __m256d pl = _mm256_cvtps_pd(_mm256_castps256_ps128(partner));
+  const __m256d ph = _mm256_cvtps_pd(_mm256_extractf128_ps(partner, 1));
+  const __m256d rl = _mm256_add_pd(_mm256_mul_pd(xl, _mm256_loadu_pd(c)),
+                                   _mm256_mul_pd(pl, _mm256_loadu_pd(s)));
+  const __m256d rh = _mm256_add_pd(_mm256_mul_pd(xh, _mm256_loadu_pd(c + 4)),
+                                   _mm256_mul_pd(ph, _mm256_loadu_pd(s + 4)));
+  return _mm256_set_m128(_mm256_cvtpd_ps(rh), _mm256_cvtpd_ps(rl));
+}
+
+// RotateRows in registers, straight from src to dst (no float buffer: a pass over the keys
+// instead of three), for a turn whose rotary channels come in groups of eight (FusedTurnFits).
+// Channels past the rotary ones are copied (the buffer path's trip through float leaves them as
+// they are, NaN payloads aside).
+template <DType T>
+__attribute__((target("avx2,f16c"))) void TurnRowsAvx2(const Turn& t, int d, const uint8_t* src,
+                                                      size_t rows, uint8_t* dst) {
+  constexpr size_t kElem = T == DType::kF32 ? 4 : 2;
+  const size_t row_bytes = static_cast<size_t>(d) * kElem;
+  const int half = t.half, rd = 2 * half;
+  const double* c = t.ch_c.data();
+  const double* s = t.ch_s.data();
+  for (size_t r = 0; r < rows; ++r) {
+    const uint8_t* in = src + r * row_bytes;
+    uint8_t* out = dst + r * row_bytes;
+    if (t.half_split) {  // pairs (p, p + half): both halves read before either is written
+      for (int i = 0; i < half; i += 8) {
+        const __m256 lo = Load8<T>(in, i), hi = Load8<T>(in, half + i);
+        Store8<T>(out, i, Turn8(lo, hi, c + i, s + i));
+        Store8<T>(out, half + i, Turn8(hi, lo, c + half + i, s + half + i));
+      }
+    } else {  // pairs (2p, 2p + 1): the partner is the neighbour within the pair
+      for (int i = 0; i < rd; i += 8) {
+        const __m256 x = Load8<T>(in, i);
+        Store8<T>(out, i, Turn8(x, _mm256_permute_ps(x, 0xb1), c + i, s + i));
+      }
+    }
+    if (rd < d && in != out) {
+      std::memcpy(out + static_cast<size_t>(rd) * kElem, in + static_cast<size_t>(rd) * kElem,
+                  static_cast<size_t>(d - rd) * kElem);
+    }
+  }
+}
+#endif  // KVC_TURN_X86
+
+// Whether the fused kernels take this turn: AVX2 and the rotary channels of each pair style in
+// groups of eight.
+bool FusedTurnFits(const Turn& t) {
+#ifdef KVC_TURN_X86
+  return CpuIsaAtLeast(CpuIsa::kAvx2) && (t.half_split ? t.half % 8 == 0 : t.half % 4 == 0);
+#else
+  (void)t;
+  return false;
+#endif
+}
+
+// `rows` rows of d elements of dt from src, turned, into dst (src == dst allowed). The fused
+// kernels where they fit; otherwise blocks of rows go through a float buffer with the bulk
+// conversions of kvc/convert.h (vectorized where the CPU allows): element-by-element loads and
+// stores through a dtype switch made a contiguous download several times slower than a dense one.
+// Channels past rotary_dims go through float and back unchanged.
 void RotateRows(const Turn& t, DType dt, int d, const uint8_t* src, size_t rows, uint8_t* dst) {
+#ifdef KVC_TURN_X86
+  if (FusedTurnFits(t)) {
+    switch (dt) {
+      case DType::kF32:
+        return TurnRowsAvx2<DType::kF32>(t, d, src, rows, dst);
+      case DType::kF16:
+        return TurnRowsAvx2<DType::kF16>(t, d, src, rows, dst);
+      case DType::kBF16:
+        return TurnRowsAvx2<DType::kBF16>(t, d, src, rows, dst);
+    }
+  }
+#endif
   const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(dt);
   const size_t block_rows = std::max<size_t>(1, 16384 / static_cast<size_t>(d));
   std::vector<float> buf(std::min(block_rows, rows) * d);

@@ -35,6 +35,7 @@
 #include "kvc/backend.h"
 #include "kvc/buffer_pool.h"
 #include "kvc/compact.h"
+#include "kvc/contiguous_export.h"
 #include "kvc/convert.h"
 #include "kvc/cpu_isa.h"
 #include "kvc/dtype.h"
@@ -124,6 +125,41 @@ void BM_Memcpy(benchmark::State& state) {
   }
   state.counters["bytes_per_second"] =
       benchmark::Counter(static_cast<double>(n) * state.iterations(), benchmark::Counter::kIsRate);
+}
+
+// Turning the keys a DENSE_CONTIGUOUS download sends (kvc/contiguous_export.h): the keys of the
+// 32K layer, a quarter of them kept (8 heads x 8,192 x 128, Llama-3's RoPE), fp16 (arg 0) or
+// bf16 (arg 1), turned in place by -(32768 - 8192) positions; bytes_per_second counts the keys
+// (compare BM_Memcpy's, which counts K and V).
+void BM_TurnKeys(benchmark::State& state) {
+  const DType dt = state.range(0) != 0 ? DType::kBF16 : DType::kF16;
+  const Layer& layer = GetLayer(32768, dt);
+  DenseLayer keys;
+  keys.num_kv_heads = kKvHeads;
+  keys.head_dim = kHeadDim;
+  keys.seq_len = layer.shape.seq_len;
+  keys.n_kept = layer.shape.seq_len / 4;
+  keys.dtype = dt;
+  const size_t bytes = static_cast<size_t>(kKvHeads) * keys.n_kept * kHeadDim * sizeof(uint16_t);
+  keys.k.resize(bytes);
+  std::memcpy(keys.k.data(), layer.k.data(), bytes);
+  RopeParams rope;
+  rope.theta = 500000;
+  rope.half_split = true;
+  for (auto _ : state) {
+    // Alternate the direction: the keys stay in range however long the run.
+    const int shift = (state.iterations() % 2 == 0 ? 1 : -1) * (keys.seq_len - keys.n_kept);
+    if (absl::Status s = RotateKeys(rope, shift, &keys); !s.ok()) {
+      state.SkipWithError(std::string(s.message()).c_str());
+      return;
+    }
+    benchmark::DoNotOptimize(keys.k.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["bytes_per_second"] = benchmark::Counter(
+      static_cast<double>(bytes) * state.iterations(), benchmark::Counter::kIsRate);
+  state.SetLabel(absl::StrCat(std::string(DTypeName(dt)), " keys, ",
+                              std::string(CpuIsaName(ActiveCpuIsa()))));
 }
 
 // Packing keys for the AMX / AVX-512 BF16 logits (cpu/amx_logits.h): every 1024-key chunk of one
@@ -565,6 +601,7 @@ void BM_Pipeline(benchmark::State& state) {
 
 // Short runs: 32K iterations take ~0.1-1 s each on a small machine.
 BENCHMARK(BM_Memcpy)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_TurnKeys)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_ReceiveCopy)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_PackKeys)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_SgemmSquare)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
