@@ -213,11 +213,21 @@ void ScatterOld(const CompactLayerView& view, const CompactHead& hd, bool keys, 
   // Each row dequantized into floats, then written whole by the bulk conversion (kvc/convert.h,
   // bit-identical to StoreFromFloat element by element, which cost several times the rest):
   // with pruned channels through a full-D row whose other channels are +0, the bytes the
-  // caller's zero fill would leave.
-  std::vector<float> row(t), full(t == d ? 0 : d, 0.0f);
+  // caller's zero fill would leave. Nothing pruned: the head's rows in one call, which takes the
+  // fused kernels where they fit (quant::DequantizeKeysTo).
   bool all_in_order = t == d;
   for (int c = 0; all_in_order && c < t; ++c) all_in_order = idx[c] == c;
   const int g = view.header().quant_group;
+  if (all_in_order) {
+    if (keys) {
+      quant::DequantizeKeysTo(hd.key_scale, hd.key_zero, hd.key_codes, m, t, bits, g, dt, dst);
+    } else {
+      quant::DequantizeValuesTo(hd.value_scale, hd.value_zero, hd.value_codes, m, t, bits, g, dt,
+                                dst);
+    }
+    return;
+  }
+  std::vector<float> row(t), full(d, 0.0f);
   for (int j = 0; j < m; ++j) {
     if (keys) {
       quant::DequantizeKeyRow(hd.key_scale, hd.key_zero, hd.key_codes, j, t, bits, g, row.data());
@@ -225,13 +235,8 @@ void ScatterOld(const CompactLayerView& view, const CompactHead& hd, bool keys, 
       quant::DequantizeValueRow(hd.value_scale, hd.value_zero, hd.value_codes, j, t, bits, g,
                                 row.data());
     }
-    uint8_t* out = dst + static_cast<size_t>(j) * d * elem;
-    if (all_in_order) {
-      FromFloat(row.data(), dt, static_cast<size_t>(d), out);
-    } else {
-      for (int c = 0; c < t; ++c) full[idx[c]] = row[c];
-      FromFloat(full.data(), dt, static_cast<size_t>(d), out);
-    }
+    for (int c = 0; c < t; ++c) full[idx[c]] = row[c];
+    FromFloat(full.data(), dt, static_cast<size_t>(d), dst + static_cast<size_t>(j) * d * elem);
   }
 }
 

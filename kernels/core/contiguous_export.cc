@@ -110,25 +110,8 @@ RotateRowFn PickRotateRow() {
 #ifdef KVC_TURN_X86
 #define KVC_TURN_AVX2_INL __attribute__((target("avx2,f16c"), always_inline)) inline
 
-// Eight channels of a row (elements of T from i) as floats, and back, rounded to T.
-template <DType T>
-KVC_TURN_AVX2_INL __m256 Load8(const uint8_t* row, int i) {
-  if constexpr (T == DType::kF32) return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
-  const auto* h = reinterpret_cast<const uint16_t*>(row) + i;
-  if constexpr (T == DType::kF16) return convert_x86::HalfToFloat8(h);
-  return convert_x86::BFloat16ToFloat8(h);
-}
-
-template <DType T>
-KVC_TURN_AVX2_INL void Store8(uint8_t* row, int i, __m256 v) {
-  if constexpr (T == DType::kF32) {
-    _mm256_storeu_ps(reinterpret_cast<float*>(row) + i, v);
-  } else if constexpr (T == DType::kF16) {
-    convert_x86::FloatToHalf8(v, reinterpret_cast<uint16_t*>(row) + i);
-  } else {
-    convert_x86::FloatToBFloat16x8(v, reinterpret_cast<uint16_t*>(row) + i);
-  }
-}
+using convert_x86::LoadFloat8;
+using convert_x86::StoreFloat8;
 
 // x * c + partner * s on eight channels, in double, each rounded to float once.
 KVC_TURN_AVX2_INL __m256 Turn8(__m256 x, __m256 partner, const double* c, const double* s) {
@@ -160,14 +143,14 @@ __attribute__((target("avx2,f16c"))) void TurnRowsAvx2(const Turn& t, int d, con
     uint8_t* out = dst + r * row_bytes;
     if (t.half_split) {  // pairs (p, p + half): both halves read before either is written
       for (int i = 0; i < half; i += 8) {
-        const __m256 lo = Load8<T>(in, i), hi = Load8<T>(in, half + i);
-        Store8<T>(out, i, Turn8(lo, hi, c + i, s + i));
-        Store8<T>(out, half + i, Turn8(hi, lo, c + half + i, s + half + i));
+        const __m256 lo = LoadFloat8<T>(in, i), hi = LoadFloat8<T>(in, half + i);
+        StoreFloat8<T>(out, i, Turn8(lo, hi, c + i, s + i));
+        StoreFloat8<T>(out, half + i, Turn8(hi, lo, c + half + i, s + half + i));
       }
     } else {  // pairs (2p, 2p + 1): the partner is the neighbour within the pair
       for (int i = 0; i < rd; i += 8) {
-        const __m256 x = Load8<T>(in, i);
-        Store8<T>(out, i, Turn8(x, _mm256_permute_ps(x, 0xb1), c + i, s + i));
+        const __m256 x = LoadFloat8<T>(in, i);
+        StoreFloat8<T>(out, i, Turn8(x, _mm256_permute_ps(x, 0xb1), c + i, s + i));
       }
     }
     if (rd < d && in != out) {

@@ -8,7 +8,10 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
+#include <cstddef>
 #include <cstdint>
+
+#include "kvc/dtype.h"
 
 #define KVC_CONVERT_AVX2_INL __attribute__((target("avx2,f16c"), always_inline)) inline
 
@@ -41,6 +44,26 @@ KVC_CONVERT_AVX2_INL void FloatToBFloat16x8(__m256 v, uint16_t* d) {
   // packus works per 128-bit lane; permute restores element order.
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(d), _mm256_castsi256_si128(packed));
+}
+
+// Elements [i, i + 8) of an array of T as floats, and floats rounded into them.
+template <DType T>
+KVC_CONVERT_AVX2_INL __m256 LoadFloat8(const void* base, size_t i) {
+  if constexpr (T == DType::kF32) return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  const auto* h = static_cast<const uint16_t*>(base) + i;
+  if constexpr (T == DType::kF16) return HalfToFloat8(h);
+  return BFloat16ToFloat8(h);
+}
+
+template <DType T>
+KVC_CONVERT_AVX2_INL void StoreFloat8(void* base, size_t i, __m256 v) {
+  if constexpr (T == DType::kF32) {
+    _mm256_storeu_ps(static_cast<float*>(base) + i, v);
+  } else if constexpr (T == DType::kF16) {
+    FloatToHalf8(v, static_cast<uint16_t*>(base) + i);
+  } else {
+    FloatToBFloat16x8(v, static_cast<uint16_t*>(base) + i);
+  }
 }
 
 }  // namespace kvc::convert_x86

@@ -4,13 +4,17 @@
 #include <cstring>
 #include <vector>
 
+#include "kvc/convert.h"
 #include "kvc/cpu_isa.h"
+#include "kvc/dtype.h"
 
 // The inner loops are written so that the compiler vectorizes them (no branches on data, clamps
 // as selects). On x86-64 with GCC or Clang each hot loop is also compiled for AVX2+FMA and
 // kvc/cpu_isa.h picks the build at run time (both give identical codes: no contraction applies).
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
+
+#include "core/convert_x86_inl.h"
 #define KVC_QUANT_AVX2 1
 #define KVC_INLINE_BODY inline __attribute__((always_inline))
 #else
@@ -174,9 +178,36 @@ __attribute__((target("avx2"))) inline void Put16(__m128i codes, float* o) {
   Put8(_mm_srli_si128(codes, 8), o + 8);
 }
 
-// UnpackCodes with AVX2: 8-bit codes 8 at a time, 4-bit 32 (16 bytes split into their nibbles
-// and interleaved), 2-bit 32 (8 bytes, four planes interleaved), widened to int32 and converted
-// (exact, as the scalar loop). Returns how many leading codes it wrote; the caller does the rest.
+// Codes i .. i + 31 of a packed row of 4- or 2-bit codes as bytes, in order: [i, i + 16) in *a,
+// [i + 16, i + 32) in *b. 4-bit: 16 bytes split into their nibbles and interleaved; 2-bit: 8
+// bytes, four planes interleaved.
+__attribute__((target("avx2"), always_inline)) inline void Codes32(const uint8_t* row, int i,
+                                                                  int bits, __m128i* a,
+                                                                  __m128i* b) {
+  if (bits == 4) {
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2));
+    const __m128i lo = _mm_and_si128(x, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(x, 4), mask);
+    *a = _mm_unpacklo_epi8(lo, hi);
+    *b = _mm_unpackhi_epi8(lo, hi);
+  } else {  // bits == 2
+    const __m128i mask = _mm_set1_epi8(0x03);
+    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i / 4));
+    const __m128i c0 = _mm_and_si128(x, mask);
+    const __m128i c1 = _mm_and_si128(_mm_srli_epi16(x, 2), mask);
+    const __m128i c2 = _mm_and_si128(_mm_srli_epi16(x, 4), mask);
+    const __m128i c3 = _mm_and_si128(_mm_srli_epi16(x, 6), mask);
+    const __m128i c01 = _mm_unpacklo_epi8(c0, c1);  // byte j: codes 4j, 4j + 1
+    const __m128i c23 = _mm_unpacklo_epi8(c2, c3);  // byte j: codes 4j + 2, 4j + 3
+    *a = _mm_unpacklo_epi16(c01, c23);
+    *b = _mm_unpackhi_epi16(c01, c23);
+  }
+}
+
+// UnpackCodes with AVX2: 8-bit codes 8 at a time, 4- and 2-bit 32 (Codes32), widened to int32 and
+// converted (exact, as the scalar loop). Returns how many leading codes it wrote; the caller does
+// the rest.
 __attribute__((target("avx2"))) int UnpackCodesAvx2(const uint8_t* row, int n, int bits,
                                                     float* out) {
   int i = 0;
@@ -184,27 +215,12 @@ __attribute__((target("avx2"))) int UnpackCodesAvx2(const uint8_t* row, int n, i
     for (; i + 8 <= n; i += 8) {
       Put8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i)), out + i);
     }
-  } else if (bits == 4) {
-    const __m128i mask = _mm_set1_epi8(0x0f);
+  } else {
     for (; i + 32 <= n; i += 32) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2));
-      const __m128i lo = _mm_and_si128(b, mask);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-      Put16(_mm_unpacklo_epi8(lo, hi), out + i);
-      Put16(_mm_unpackhi_epi8(lo, hi), out + i + 16);
-    }
-  } else {  // bits == 2
-    const __m128i mask = _mm_set1_epi8(0x03);
-    for (; i + 32 <= n; i += 32) {
-      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i / 4));
-      const __m128i c0 = _mm_and_si128(b, mask);
-      const __m128i c1 = _mm_and_si128(_mm_srli_epi16(b, 2), mask);
-      const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-      const __m128i c3 = _mm_and_si128(_mm_srli_epi16(b, 6), mask);
-      const __m128i c01 = _mm_unpacklo_epi8(c0, c1);  // byte j: codes 4j, 4j + 1
-      const __m128i c23 = _mm_unpacklo_epi8(c2, c3);  // byte j: codes 4j + 2, 4j + 3
-      Put16(_mm_unpacklo_epi16(c01, c23), out + i);
-      Put16(_mm_unpackhi_epi16(c01, c23), out + i + 16);
+      __m128i a, b;
+      Codes32(row, i, bits, &a, &b);
+      Put16(a, out + i);
+      Put16(b, out + i + 16);
     }
   }
   return i;
@@ -277,6 +293,95 @@ void DequantizeValueRow(const float* scale, const float* zero, const uint8_t* co
   const float* ze = zero + static_cast<size_t>(j) * groups;
   for (int gi = 0, c0 = 0; gi < groups; ++gi, c0 += g) {
     AffineOne(out + c0, sc[gi], ze[gi], std::min(t, c0 + g) - c0);
+  }
+}
+
+
+namespace {
+
+#ifdef KVC_QUANT_AVX2
+// DequantizeKeysTo / DequantizeValuesTo in registers: 32 codes unpacked at a time, each eight
+// widened, multiplied by their scale, added to their zero (no FMA: the target has none, so the
+// same two roundings as Affine) and rounded into T. Needs t % 32 == 0 and, for values, g % 8 == 0
+// (eight channels never straddle two groups).
+template <DType T, bool kKeys>
+__attribute__((target("avx2,f16c"))) void DequantRowsAvx2(const float* scale, const float* zero,
+                                                         const uint8_t* codes, int m, int t,
+                                                         int bits, int g, void* dst) {
+  const size_t code_row = CodeRowBytes(t, bits);
+  const int groups = NumGroups(t, g);
+  for (int j = 0; j < m; ++j) {
+    const uint8_t* row = codes + static_cast<size_t>(j) * code_row;
+    const size_t at = static_cast<size_t>(kKeys ? j / g : j) * (kKeys ? t : groups);
+    const float* sc = scale + at;
+    const float* ze = zero + at;
+    const size_t out = static_cast<size_t>(j) * t;
+    for (int i = 0; i < t; i += 32) {
+      __m128i a, b;
+      if (bits == 8) {
+        a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
+        b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16));
+      } else {
+        Codes32(row, i, bits, &a, &b);
+      }
+      const __m128i eights[4] = {a, _mm_srli_si128(a, 8), b, _mm_srli_si128(b, 8)};
+      for (int k = 0; k < 4; ++k) {
+        const int c = i + 8 * k;
+        const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eights[k]));
+        const __m256 s = kKeys ? _mm256_loadu_ps(sc + c) : _mm256_set1_ps(sc[c / g]);
+        const __m256 z = kKeys ? _mm256_loadu_ps(ze + c) : _mm256_set1_ps(ze[c / g]);
+        convert_x86::StoreFloat8<T>(dst, out + c, _mm256_add_ps(_mm256_mul_ps(x, s), z));
+      }
+    }
+  }
+}
+
+template <bool kKeys>
+bool DequantRowsFused(const float* scale, const float* zero, const uint8_t* codes, int m, int t,
+                      int bits, int g, DType dt, void* dst) {
+  if (!CpuIsaAtLeast(CpuIsa::kAvx2) || t % 32 != 0 || (!kKeys && g % 8 != 0)) return false;
+  switch (dt) {
+    case DType::kF32:
+      DequantRowsAvx2<DType::kF32, kKeys>(scale, zero, codes, m, t, bits, g, dst);
+      return true;
+    case DType::kF16:
+      DequantRowsAvx2<DType::kF16, kKeys>(scale, zero, codes, m, t, bits, g, dst);
+      return true;
+    case DType::kBF16:
+      DequantRowsAvx2<DType::kBF16, kKeys>(scale, zero, codes, m, t, bits, g, dst);
+      return true;
+  }
+  return false;
+}
+#else
+template <bool kKeys>
+bool DequantRowsFused(const float*, const float*, const uint8_t*, int, int, int, int, DType,
+                      void*) {
+  return false;
+}
+#endif
+
+}  // namespace
+
+void DequantizeKeysTo(const float* scale, const float* zero, const uint8_t* codes, int m, int t,
+                      int bits, int g, DType dt, void* dst) {
+  if (DequantRowsFused<true>(scale, zero, codes, m, t, bits, g, dt, dst)) return;
+  std::vector<float> row(t);
+  for (int j = 0; j < m; ++j) {
+    DequantizeKeyRow(scale, zero, codes, j, t, bits, g, row.data());
+    FromFloat(row.data(), dt, t, static_cast<uint8_t*>(dst) + static_cast<size_t>(j) * t *
+                                                                 DTypeSize(dt));
+  }
+}
+
+void DequantizeValuesTo(const float* scale, const float* zero, const uint8_t* codes, int m, int t,
+                        int bits, int g, DType dt, void* dst) {
+  if (DequantRowsFused<false>(scale, zero, codes, m, t, bits, g, dt, dst)) return;
+  std::vector<float> row(t);
+  for (int j = 0; j < m; ++j) {
+    DequantizeValueRow(scale, zero, codes, j, t, bits, g, row.data());
+    FromFloat(row.data(), dt, t, static_cast<uint8_t*>(dst) + static_cast<size_t>(j) * t *
+                                                                 DTypeSize(dt));
   }
 }
 

@@ -11,6 +11,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kvc/dtype.h"
+
 namespace kvc::quant {
 
 // Bytes of one packed row of n codes.
@@ -48,6 +50,15 @@ void DequantizeKeyRow(const float* scale, const float* zero, const uint8_t* code
 // Dequantizes value row j into out[t].
 void DequantizeValueRow(const float* scale, const float* zero, const uint8_t* codes, int j, int t,
                         int bits, int g, float* out);
+
+// Rows [0, m) of a head's quantized keys (values), dequantized and rounded to dt: row j at element
+// j * t of dst. The bits of DequantizeKeyRow (DequantizeValueRow) followed by kvc/convert.h's
+// FromFloat, row by row; AVX2 kernels do both in registers where t % 32 == 0 (and, for values,
+// g % 8 == 0).
+void DequantizeKeysTo(const float* scale, const float* zero, const uint8_t* codes, int m, int t,
+                      int bits, int g, DType dt, void* dst);
+void DequantizeValuesTo(const float* scale, const float* zero, const uint8_t* codes, int m, int t,
+                        int bits, int g, DType dt, void* dst);
 
 }  // namespace kvc::quant
 

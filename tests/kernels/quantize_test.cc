@@ -11,6 +11,8 @@
 
 #include "gtest/gtest.h"
 #include "kernels/isa_util.h"
+#include "kvc/convert.h"
+#include "kvc/dtype.h"
 
 namespace kvc::quant {
 namespace {
@@ -227,6 +229,64 @@ TEST(QuantizeTest, DequantizedRowsAreMultiplyThenAdd) {
       }
     }
   }
+}
+
+// A head's rows dequantized and rounded in one call (the fused kernels where t % 32 == 0 and a
+// value group is a multiple of 8; the row path otherwise) are the row path's floats rounded by
+// FromFloat, bit for bit: every dtype and width, on each build. Scales span subnormal to
+// overflowing results in fp16 and bf16; a NaN need only stay NaN.
+TEST(QuantizeTest, DequantizedHeadsAreTheRowsRounded) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> gauss(0.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-30, 20);
+  int fused_shapes = 0;
+  for (const CpuIsa cap : {kBestCpuIsa, CpuIsa::kAvx2, CpuIsa::kPortable}) {
+    const testing_isa::ScopedIsaCap scoped(cap);
+    for (const DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+      for (int bits : {2, 4, 8}) {
+        for (const auto& [t, g] : {std::pair{128, 32}, {64, 64}, {96, 12}, {40, 8}}) {
+          SCOPED_TRACE(testing::Message() << DTypeName(dt) << " bits " << bits << " t " << t
+                                          << " g " << g << " " << CpuIsaName(cap));
+          fused_shapes += t % 32 == 0 && g % 8 == 0;
+          const int rows = 2 * g + 5;
+          std::vector<uint8_t> codes(rows * CodeRowBytes(t, bits));
+          for (uint8_t& b : codes) b = static_cast<uint8_t>(rng());
+          std::vector<float> ks(NumGroups(rows, g) * t), kz(ks.size()),
+              vs(rows * NumGroups(t, g)), vz(vs.size()), row(t);
+          for (auto* v : {&ks, &kz, &vs, &vz}) {
+            for (float& x : *v) x = std::ldexp(gauss(rng), exponent(rng));
+          }
+          const size_t esize = DTypeSize(dt), n = static_cast<size_t>(rows) * t;
+          std::vector<uint8_t> got(n * esize), want(n * esize);
+          for (const bool keys : {true, false}) {
+            if (keys) {
+              DequantizeKeysTo(ks.data(), kz.data(), codes.data(), rows, t, bits, g, dt,
+                               got.data());
+            } else {
+              DequantizeValuesTo(vs.data(), vz.data(), codes.data(), rows, t, bits, g, dt,
+                                 got.data());
+            }
+            for (int j = 0; j < rows; ++j) {
+              if (keys) {
+                DequantizeKeyRow(ks.data(), kz.data(), codes.data(), j, t, bits, g, row.data());
+              } else {
+                DequantizeValueRow(vs.data(), vz.data(), codes.data(), j, t, bits, g, row.data());
+              }
+              internal::FromFloatScalar(row.data(), dt, t, want.data() + j * t * esize);
+            }
+            size_t differ = 0;
+            for (size_t i = 0; i < n; ++i) {
+              if (std::memcmp(&got[i * esize], &want[i * esize], esize) == 0) continue;
+              differ += !(std::isnan(LoadAsFloat(got.data(), dt, i)) &&
+                          std::isnan(LoadAsFloat(want.data(), dt, i)));
+            }
+            EXPECT_EQ(differ, 0u) << (keys ? "keys" : "values");
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(fused_shapes, 3 * 3 * 3 * 2);
 }
 
 }  // namespace
