@@ -361,28 +361,33 @@ bool DequantRowsFused(const float*, const float*, const uint8_t*, int, int, int,
 }
 #endif
 
+// The fused kernels where they fit; otherwise each row dequantized into floats, then rounded.
+template <bool kKeys>
+void DequantRowsTo(const float* scale, const float* zero, const uint8_t* codes, int m, int t,
+                   int bits, int g, DType dt, void* dst) {
+  if (DequantRowsFused<kKeys>(scale, zero, codes, m, t, bits, g, dt, dst)) return;
+  std::vector<float> row(t);
+  const size_t row_bytes = static_cast<size_t>(t) * DTypeSize(dt);
+  for (int j = 0; j < m; ++j) {
+    if constexpr (kKeys) {
+      DequantizeKeyRow(scale, zero, codes, j, t, bits, g, row.data());
+    } else {
+      DequantizeValueRow(scale, zero, codes, j, t, bits, g, row.data());
+    }
+    FromFloat(row.data(), dt, t, static_cast<uint8_t*>(dst) + j * row_bytes);
+  }
+}
+
 }  // namespace
 
 void DequantizeKeysTo(const float* scale, const float* zero, const uint8_t* codes, int m, int t,
                       int bits, int g, DType dt, void* dst) {
-  if (DequantRowsFused<true>(scale, zero, codes, m, t, bits, g, dt, dst)) return;
-  std::vector<float> row(t);
-  for (int j = 0; j < m; ++j) {
-    DequantizeKeyRow(scale, zero, codes, j, t, bits, g, row.data());
-    FromFloat(row.data(), dt, t, static_cast<uint8_t*>(dst) + static_cast<size_t>(j) * t *
-                                                                 DTypeSize(dt));
-  }
+  DequantRowsTo<true>(scale, zero, codes, m, t, bits, g, dt, dst);
 }
 
 void DequantizeValuesTo(const float* scale, const float* zero, const uint8_t* codes, int m, int t,
                         int bits, int g, DType dt, void* dst) {
-  if (DequantRowsFused<false>(scale, zero, codes, m, t, bits, g, dt, dst)) return;
-  std::vector<float> row(t);
-  for (int j = 0; j < m; ++j) {
-    DequantizeValueRow(scale, zero, codes, j, t, bits, g, row.data());
-    FromFloat(row.data(), dt, t, static_cast<uint8_t*>(dst) + static_cast<size_t>(j) * t *
-                                                                 DTypeSize(dt));
-  }
+  DequantRowsTo<false>(scale, zero, codes, m, t, bits, g, dt, dst);
 }
 
 }  // namespace kvc::quant
