@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -74,10 +75,15 @@ void Safetensors() {
   Write("safetensors_fuzz", "empty.safetensors", bytes.data(), bytes.size());
 }
 
-void Compact() {
-  // 2 KV heads, 6 tokens, D = 8; specs that exercise each block kind.
-  kvc::LayerShape shape{2, 4, 6, 8, 2};
-  const size_t n = size_t{2} * 6 * 8;
+struct CompactCase {
+  const char* name;
+  int budget, tk, tv, bits, group, recent, value_bits = 0;
+};
+
+// 2 KV heads, 6 tokens, head_dim d; one blob per case.
+void Compact(int d, std::initializer_list<CompactCase> cases) {
+  kvc::LayerShape shape{2, 4, 6, d, 2};
+  const size_t n = size_t{2} * 6 * d;
   std::vector<uint16_t> k(n), v(n);
   for (size_t i = 0; i < n; ++i) {
     k[i] = Half(static_cast<float>(static_cast<int>(i % 7) - 3) * 0.5f);
@@ -88,22 +94,15 @@ void Compact() {
   in.dtype = kvc::DType::kF16;
   in.k = k.data();
   in.v = v.data();
-  struct Case {
-    const char* name;
-    int budget, tk, tv, bits, group, recent, value_bits = 0;
-  } cases[] = {{"whole", 6, 8, 8, 0, 32, 0},        {"evicted", 4, 8, 8, 0, 32, 0},
-               {"pruned", 5, 4, 6, 0, 32, 2},       {"quant4", 6, 8, 8, 4, 4, 2},
-               {"quant2_pruned", 4, 4, 4, 2, 2, 1}, {"quant8", 3, 8, 8, 8, 8, 0},
-               {"quant8v4", 6, 8, 6, 8, 4, 1, 4}};
-  for (const Case& c : cases) {
+  for (const CompactCase& c : cases) {
     kvc::TokenSelection tokens{2, c.budget, {}};
     for (int h = 0; h < 2; ++h) {
       for (int t = 0; t < c.budget; ++t) tokens.positions.push_back(6 - c.budget + t);
     }
     kvc::ChannelSelection channels{c.tk, c.tv, {}, {}};
     for (int h = 0; h < 2; ++h) {
-      for (int i = 0; i < c.tk && c.tk < 8; ++i) channels.key_idx.push_back(i * 2);
-      for (int i = 0; i < c.tv && c.tv < 8; ++i) channels.value_idx.push_back(i);
+      for (int i = 0; i < c.tk && c.tk < d; ++i) channels.key_idx.push_back(i * 2);
+      for (int i = 0; i < c.tv && c.tv < d; ++i) channels.value_idx.push_back(i);
     }
     kvc::CompressionSpec spec;
     spec.quant.bits = c.bits;
@@ -117,6 +116,21 @@ void Compact() {
     }
     Write("compact_fuzz", std::string(c.name) + ".blob", blob->bytes.data(), blob->bytes.size());
   }
+}
+
+void Compact() {
+  // D = 8: specs that exercise each block kind.
+  Compact(8, {{"whole", 6, 8, 8, 0, 32, 0},
+              {"evicted", 4, 8, 8, 0, 32, 0},
+              {"pruned", 5, 4, 6, 0, 32, 2},
+              {"quant4", 6, 8, 8, 4, 4, 2},
+              {"quant2_pruned", 4, 4, 4, 2, 2, 1},
+              {"quant8", 3, 8, 8, 8, 8, 0},
+              {"quant8v4", 6, 8, 6, 8, 4, 1, 4}});
+  // D = 32, every channel kept, value groups of 8: the shapes the fused dequantization takes.
+  Compact(32, {{"d32_quant4", 6, 32, 32, 4, 8, 1},
+               {"d32_quant2", 6, 32, 32, 2, 8, 0},
+               {"d32_quant8v4", 5, 32, 32, 8, 8, 1, 4}});
 }
 
 kvcache::v1::PutCacheHeader Header() {
