@@ -12,7 +12,13 @@
 #include "core/quantize.h"
 #include "kvc/compact.h"
 #include "kvc/convert.h"
+#include "kvc/cpu_isa.h"
 #include "kvc/status_macros.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define KVC_COMPACT_X86 1
+#endif
 
 namespace kvc {
 namespace {
@@ -184,8 +190,88 @@ CompactHead CompactLayerView::head(int h) const {
 
 namespace {
 
+// Rows [0, m) of t kept channels (elements of kElem bytes, channel c of a row going to channel
+// idx[c], idx ascending below d) from src into full rows of d at dst, the other channels +0.
+template <size_t kElem>
+void ScatterRowsScalar(const uint8_t* src, int j0, int m, int t, int d, const int32_t* idx,
+                       uint8_t* dst) {
+  for (int j = j0; j < m; ++j) {
+    const uint8_t* row = src + static_cast<size_t>(j) * t * kElem;
+    uint8_t* out = dst + static_cast<size_t>(j) * d * kElem;
+    std::memset(out, 0, static_cast<size_t>(d) * kElem);
+    for (int c = 0; c < t; ++c) std::memcpy(out + idx[c] * kElem, row + c * kElem, kElem);
+  }
+}
+
+#ifdef KVC_COMPACT_X86
+// The same, 16 bytes of output at a time (8 fp16/bf16 or 4 fp32 channels): each 16-byte chunk
+// of an output row takes the next kept elements of the source row through one byte shuffle whose
+// control the chunk's kept-channel mask picks from a table (zero bytes where a channel was
+// pruned). A chunk reads 16 source bytes from its first kept element, which may run past the row:
+// rows whose reads could pass the end of the block take the scalar loop.
+template <size_t kElem>
+struct ExpandControls {
+  static constexpr int kLanes = 16 / kElem;
+  uint8_t ctl[1 << kLanes][16];
+  ExpandControls() {
+    for (int mask = 0; mask < (1 << kLanes); ++mask) {
+      for (int lane = 0, next = 0; lane < kLanes; ++lane) {
+        const bool kept = (mask >> lane) & 1;
+        for (size_t b = 0; b < kElem; ++b) {
+          ctl[mask][lane * kElem + b] = kept ? static_cast<uint8_t>(next * kElem + b) : 0x80;
+        }
+        next += kept;
+      }
+    }
+  }
+};
+
+template <size_t kElem>
+__attribute__((target("ssse3"))) void ScatterRowsShuffle(const uint8_t* src, int m, int t, int d,
+                                                         const int32_t* idx, uint8_t* dst) {
+  static const ExpandControls<kElem> table;
+  constexpr int kLanes = ExpandControls<kElem>::kLanes;
+  const int chunks = d / kLanes;
+  std::vector<uint8_t> mask(chunks, 0);
+  // The source element a chunk reads from: its first kept element; a chunk that keeps nothing
+  // reads the row's start (its control is all zeroing bytes) and never past the last kept one.
+  std::vector<int> first(chunks, 0);
+  for (int c = 0; c < t; ++c) mask[idx[c] / kLanes] |= 1u << (idx[c] % kLanes);
+  size_t read_end = 16;  // bytes past a row's start that its chunks read
+  for (int k = 0, kept = 0; k < chunks; ++k) {
+    if (mask[k] == 0) continue;
+    first[k] = kept;
+    kept += __builtin_popcount(mask[k]);
+    read_end = std::max(read_end, first[k] * kElem + 16);
+  }
+  const size_t row_bytes = static_cast<size_t>(t) * kElem, block = m * row_bytes;
+  int safe = 0;  // rows [0, safe) read only inside the block
+  if (block >= read_end) safe = std::min<size_t>(m, (block - read_end) / row_bytes + 1);
+  for (int j = 0; j < safe; ++j) {
+    const uint8_t* row = src + j * row_bytes;
+    uint8_t* out = dst + static_cast<size_t>(j) * d * kElem;
+    for (int k = 0; k < chunks; ++k) {
+      const __m128i ctl = _mm_loadu_si128(reinterpret_cast<const __m128i*>(table.ctl[mask[k]]));
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + first[k] * kElem));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k * 16), _mm_shuffle_epi8(x, ctl));
+    }
+  }
+  ScatterRowsScalar<kElem>(src, safe, m, t, d, idx, dst);
+}
+#endif
+
+template <size_t kElem>
+void ScatterRows(const uint8_t* src, int m, int t, int d, const int32_t* idx, uint8_t* dst) {
+#ifdef KVC_COMPACT_X86
+  if (CpuIsaAtLeast(CpuIsa::kAvx2) && d % (16 / kElem) == 0) {
+    return ScatterRowsShuffle<kElem>(src, m, t, d, idx, dst);
+  }
+#endif
+  ScatterRowsScalar<kElem>(src, 0, m, t, d, idx, dst);
+}
+
 // Writes the old block of one tensor (keys or values) as full-D rows in the blob dtype, pruned
-// channels left as they are (the caller zero-fills). Without quantization the elements are copied
+// channels +0 (every byte of the m rows written). Without quantization the elements are copied
 // bit for bit.
 void ScatterOld(const CompactLayerView& view, const CompactHead& hd, bool keys, uint8_t* dst) {
   const int d = view.head_dim();
@@ -203,17 +289,13 @@ void ScatterOld(const CompactLayerView& view, const CompactHead& hd, bool keys, 
       std::memcpy(dst, src, static_cast<size_t>(m) * d * elem);
       return;
     }
-    for (int j = 0; j < m; ++j) {
-      const uint8_t* row = src + static_cast<size_t>(j) * t * elem;
-      uint8_t* out = dst + static_cast<size_t>(j) * d * elem;
-      for (int c = 0; c < t; ++c) std::memcpy(out + idx[c] * elem, row + c * elem, elem);
-    }
-    return;
+    // The element size a constant (DTypeSize is 2 or 4): a load and a store per element, no call.
+    if (elem == 2) return ScatterRows<2>(src, m, t, d, idx, dst);
+    return ScatterRows<4>(src, m, t, d, idx, dst);
   }
   // Each row dequantized into floats, then written whole by the bulk conversion (kvc/convert.h,
   // bit-identical to StoreFromFloat element by element, which cost several times the rest):
-  // with pruned channels through a full-D row whose other channels are +0, the bytes the
-  // caller's zero fill would leave. Nothing pruned: the head's rows in one call, which takes the
+  // with pruned channels through a full-D row whose other channels are +0. Nothing pruned: the head's rows in one call, which takes the
   // fused kernels where they fit (quant::DequantizeKeysTo).
   bool all_in_order = t == d;
   for (int c = 0; all_in_order && c < t; ++c) all_in_order = idx[c] == c;
@@ -256,8 +338,8 @@ absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view) {
   const size_t elem = DTypeSize(out.dtype);
   const size_t row_bytes = static_cast<size_t>(out.head_dim) * elem;
   const size_t head_bytes = static_cast<size_t>(out.n_kept) * row_bytes;
-  // Not zero-filled up front: a head's rows are only zeroed where channels were pruned and where
-  // a ragged head's padding rows are.
+  // Not zero-filled up front: ScatterOld writes whole rows (pruned channels +0), and a ragged
+  // head's padding rows are zeroed below.
   out.k.resize(head_bytes * out.num_kv_heads);
   out.v.resize(head_bytes * out.num_kv_heads);
   out.positions.resize(static_cast<size_t>(out.n_kept) * out.num_kv_heads);
@@ -269,8 +351,6 @@ absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view) {
     std::fill(pos + hd.n_kept, pos + out.n_kept, -1);
     uint8_t* k = out.k.data() + h * head_bytes;
     uint8_t* v = out.v.data() + h * head_bytes;
-    if (hd.key_channels < out.head_dim) std::memset(k, 0, m * row_bytes);
-    if (hd.value_channels < out.head_dim) std::memset(v, 0, m * row_bytes);
     ScatterOld(view, hd, /*keys=*/true, k);
     ScatterOld(view, hd, /*keys=*/false, v);
     std::memcpy(k + m * row_bytes, hd.key_recent, hd.n_recent * row_bytes);

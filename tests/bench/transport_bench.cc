@@ -688,6 +688,17 @@ int main(int argc, char** argv) {
       h.mutable_compression()->mutable_quant()->set_bits(4);
       if ((*client)->PutCache(h, views).ok()) id_q4 = h.cache_id();
     }
+    // A cache with half its key channels pruned (ThinK), every token kept: a DENSE download
+    // scatters the kept channels into full rows.
+    std::string id_think;
+    {
+      pb::PutCacheHeader h = base;
+      h.set_cache_id(absl::StrCat("bench-", tokens, "-think"));
+      h.mutable_compression()->mutable_eviction()->set_policy("none");
+      h.mutable_compression()->mutable_channels()->set_key_policy("think");
+      h.mutable_compression()->mutable_channels()->set_key_lambda(0.5);
+      if ((*client)->PutCache(h, views).ok()) id_think = h.cache_id();
+    }
     cases.push_back({"Redis SET (K, V, Q_obs per layer)", false,
                      [&] {
                        for (size_t t = 0; t < tensors.size(); ++t) {
@@ -740,6 +751,9 @@ int main(int argc, char** argv) {
              /*contiguous=*/true);
     get_case("kvc GetCache PACKED, q4", id_q4, kvc::CacheFormat::kPacked);
     get_case("kvc GetCache DENSE, q4 (dequantized by kvcd)", id_q4, kvc::CacheFormat::kDense);
+    get_case("kvc GetCache PACKED, think 0.5", id_think, kvc::CacheFormat::kPacked);
+    get_case("kvc GetCache DENSE, think 0.5 (keys scattered by kvcd)", id_think,
+             kvc::CacheFormat::kDense);
     cases.push_back({"Redis GET (K, V per layer)", true,
                      [&] {
                        for (size_t t = 0; t < tensors.size(); ++t) {

@@ -9,7 +9,10 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/isa_util.h"
 #include "kernels/pack_util.h"
+#include "kvc/buffer_pool.h"
+#include "kvc/cpu_isa.h"
 
 namespace kvc {
 namespace {
@@ -382,6 +385,69 @@ std::vector<uint8_t> Joined(const std::vector<absl::Span<const uint8_t>>& runs) 
 // DENSE without a copy: where DenseRunsOf accepts a layer (no quantization, no pruning, every
 // head the same count) its runs are ExportDense's bytes exactly, and they lie in the blob; it
 // refuses quantized, pruned and ragged layers. A layer kept whole is one K and one V run a head.
+// ExportDense writes every byte of the rows it returns: pruned channels come back +0 even when
+// the buffer it writes into is reused and dirty (the process-wide pool hands back the previous
+// export's buffers, filled with 0xAB first). Channel sets with whole 16-byte chunks pruned, on
+// the shuffle path (the CPU's best level) and the scalar one (portable); fp16 and fp32; a head
+// dimension whose rows are not whole chunks for fp16 (the scalar path at every level).
+TEST(CompactTest, ExportDenseWritesEveryByteOfReusedBuffers) {
+  const uint64_t cap_before = LargeBuffers().cap_bytes();
+  LargeBuffers().set_cap(uint64_t{64} << 20);
+  std::mt19937 rng(29);
+  for (const CpuIsa cap : {kBestCpuIsa, CpuIsa::kPortable}) {
+    const testing_isa::ScopedIsaCap scoped(cap);
+    for (const DType dt : {DType::kF16, DType::kF32}) {
+      for (const int d : {128, 132}) {
+        SCOPED_TRACE(testing::Message() << DTypeName(dt) << " d " << d << " " << CpuIsaName(cap));
+        const int heads = 8, seq = 1100, kept = 1024, recent = 3;
+        const PackLayerData layer = MakePackLayer(heads, seq, d, dt, Layout::kHND, 6);
+        const TokenSelection tokens = RandomTokens(heads, seq, kept, &rng);
+        // Keys: a few runs with whole chunks pruned between them; values: every third channel.
+        ChannelSelection channels{0, 0, {}, {}};
+        std::vector<int32_t> kc, vc;
+        for (int c = 0; c < d; ++c) {
+          if (c < 8 || (c >= 16 && c < 21) || c == 40 || c == 77 || c >= d - 20) kc.push_back(c);
+          if (c % 3 == 1) vc.push_back(c);
+        }
+        channels.key_channels = static_cast<int>(kc.size());
+        channels.value_channels = static_cast<int>(vc.size());
+        for (int h = 0; h < heads; ++h) {
+          channels.key_idx.insert(channels.key_idx.end(), kc.begin(), kc.end());
+          channels.value_idx.insert(channels.value_idx.end(), vc.begin(), vc.end());
+        }
+        absl::StatusOr<CompactLayer> p =
+            PackLayer(layer.input(), tokens, channels, Spec(0, recent));
+        ASSERT_TRUE(p.ok()) << p.status();
+        absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(p->bytes);
+        ASSERT_TRUE(view.ok());
+        const void* reused = nullptr;
+        {
+          absl::StatusOr<DenseLayer> first = ExportDense(*view);
+          ASSERT_TRUE(first.ok());
+          ASSERT_GE(first->k.size(), BufferPool::kMinPooledBytes);  // pooled, so reused below
+          std::memset(first->k.data(), 0xab, first->k.size());
+          std::memset(first->v.data(), 0xab, first->v.size());
+          reused = first->k.data();
+        }
+        absl::StatusOr<DenseLayer> dense = ExportDense(*view);
+        ASSERT_TRUE(dense.ok());
+        const bool dirty = dense->k.data() == reused || dense->v.data() == reused;
+        EXPECT_TRUE(dirty) << "the pool did not hand back the dirtied buffer";
+        std::vector<float> wk, wv;
+        for (int h = 0; h < heads; ++h) {
+          ExpectedHeadRows(layer, tokens, channels, h, recent, &wk, &wv);
+          for (size_t i = 0; i < wk.size(); ++i) {
+            const size_t at = static_cast<size_t>(h) * kept * d + i;
+            ASSERT_EQ(LoadAsFloat(dense->k.data(), dt, at), wk[i]) << "key element " << i;
+            ASSERT_EQ(LoadAsFloat(dense->v.data(), dt, at), wv[i]) << "value element " << i;
+          }
+        }
+      }
+    }
+  }
+  LargeBuffers().set_cap(cap_before);
+}
+
 TEST(CompactTest, DenseRunsAreExportDenseInPlace) {
   std::mt19937 rng(23);
   int accepted = 0;
