@@ -295,8 +295,9 @@ void ScatterOld(const CompactLayerView& view, const CompactHead& hd, bool keys, 
   }
   // Each row dequantized into floats, then written whole by the bulk conversion (kvc/convert.h,
   // bit-identical to StoreFromFloat element by element, which cost several times the rest):
-  // with pruned channels through a full-D row whose other channels are +0. Nothing pruned: the head's rows in one call, which takes the
-  // fused kernels where they fit (quant::DequantizeKeysTo).
+  // with pruned channels through a full-D row whose other channels are +0. Nothing pruned: the
+  // head's rows in one call, which takes the fused kernels where they fit
+  // (quant::DequantizeKeysTo).
   bool all_in_order = t == d;
   for (int c = 0; all_in_order && c < t; ++c) all_in_order = idx[c] == c;
   const int g = view.header().quant_group;
