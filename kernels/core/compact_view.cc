@@ -281,10 +281,10 @@ void ScatterOld(const CompactLayerView& view, const CompactHead& hd, bool keys, 
   const DType dt = view.dtype();
   const size_t elem = DTypeSize(dt);
   const int bits = keys ? view.key_bits() : view.value_bits();
+  bool all_in_order = t == d;
+  for (int c = 0; all_in_order && c < t; ++c) all_in_order = idx[c] == c;
   if (bits == 0) {
     const uint8_t* src = static_cast<const uint8_t*>(keys ? hd.key_old : hd.value_old);
-    bool all_in_order = t == d;
-    for (int c = 0; all_in_order && c < t; ++c) all_in_order = idx[c] == c;
     if (all_in_order) {  // nothing pruned: the rows are already full-D
       std::memcpy(dst, src, static_cast<size_t>(m) * d * elem);
       return;
@@ -298,8 +298,6 @@ void ScatterOld(const CompactLayerView& view, const CompactHead& hd, bool keys, 
   // with pruned channels through a full-D row whose other channels are +0. Nothing pruned: the
   // head's rows in one call, which takes the fused kernels where they fit
   // (quant::DequantizeKeysTo).
-  bool all_in_order = t == d;
-  for (int c = 0; all_in_order && c < t; ++c) all_in_order = idx[c] == c;
   const int g = view.header().quant_group;
   if (all_in_order) {
     if (keys) {

@@ -296,7 +296,6 @@ void DequantizeValueRow(const float* scale, const float* zero, const uint8_t* co
   }
 }
 
-
 namespace {
 
 #ifdef KVC_QUANT_AVX2
