@@ -165,15 +165,10 @@ TEST_P(RotateKeysTest, BlocksEqualTheElementByElementComputation) {
         ASSERT_TRUE(RotateKeys(r, seq_len - kept, &a.layer).ok());
         RotateKeysByElement(r, seq_len - kept, &b.layer);
         ASSERT_EQ(a.layer.k.size(), b.layer.k.size());
-        size_t differ = 0;
-        for (size_t i = 0; i < a.layer.k.size() / esize; ++i) {
-          if (std::memcmp(&a.layer.k[i * esize], &b.layer.k[i * esize], esize) == 0) continue;
-          const float x = LoadAsFloat(a.layer.k.data(), dt, i);
-          const float y = LoadAsFloat(b.layer.k.data(), dt, i);
-          if (!(std::isnan(x) && std::isnan(y))) ++differ;
-        }
-        EXPECT_EQ(differ, 0u) << DTypeName(dt) << " rotary_dims " << rotary_dims << " "
-                              << CpuIsaName(cap);
+        EXPECT_EQ(testing_pack::ElementsDiffering(a.layer.k.data(), b.layer.k.data(), dt,
+                                                  a.layer.k.size() / esize),
+                  0u)
+            << DTypeName(dt) << " rotary_dims " << rotary_dims << " " << CpuIsaName(cap);
       }
     }
   }

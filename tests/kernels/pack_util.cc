@@ -168,6 +168,16 @@ std::vector<float> ReferenceAttention(const std::vector<std::vector<float>>& key
   return out;
 }
 
+size_t ElementsDiffering(const uint8_t* a, const uint8_t* b, DType dt, size_t n) {
+  const size_t e = DTypeSize(dt);
+  size_t differ = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (std::memcmp(a + i * e, b + i * e, e) == 0) continue;
+    differ += !(std::isnan(LoadAsFloat(a, dt, i)) && std::isnan(LoadAsFloat(b, dt, i)));
+  }
+  return differ;
+}
+
 std::vector<uint8_t> ConcatHeads(const std::vector<std::vector<uint8_t>>& blobs) {
   const size_t n = blobs.size();
   const size_t begin = sizeof(LayerHeader) + n * sizeof(HeadDesc);

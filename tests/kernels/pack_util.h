@@ -4,6 +4,7 @@
 #ifndef KVC_TESTS_KERNELS_PACK_UTIL_H_
 #define KVC_TESTS_KERNELS_PACK_UTIL_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -52,6 +53,10 @@ std::vector<float> ReferenceAttention(const std::vector<std::vector<float>>& key
                                       const std::vector<float>& v_new);
 
 std::vector<float> UniformFloats(size_t n, float amp, std::mt19937* rng);
+
+// How many of the n elements of dtype dt at a and b differ in their bytes, two NaNs counting as
+// equal (a NaN's payload may differ between two paths that both keep it NaN).
+size_t ElementsDiffering(const uint8_t* a, const uint8_t* b, DType dt, size_t n);
 
 // Joins single-head blobs (same header fields otherwise) into one multi-head blob, so tests can
 // build layers whose heads keep different counts, which PackLayer never produces.
