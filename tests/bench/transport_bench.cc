@@ -678,27 +678,24 @@ int main(int argc, char** argv) {
     const std::string id_none = put_case("kvc PutCache, none", "none", 0);
     const std::string id_snap = put_case("kvc PutCache, snapkv keep 0.25", "snapkv", 0.25);
     put_case("kvc PutCache, keyformer keep 0.25", "keyformer", 0.25);
-    // A cache kept whole in 4 bits, for the downloads of a quantized cache (its upload is not a
-    // row: it is put once, untimed).
-    std::string id_q4;
-    {
+    // Caches that only the download rows read: every token kept, compressed by `spec`, put once
+    // and untimed (their uploads are not rows). The id, or empty when the upload failed.
+    auto put_untimed = [&](const std::string& suffix, const auto& spec) {
       pb::PutCacheHeader h = base;
-      h.set_cache_id(absl::StrCat("bench-", tokens, "-q4"));
+      h.set_cache_id(absl::StrCat("bench-", tokens, "-", suffix));
       h.mutable_compression()->mutable_eviction()->set_policy("none");
-      h.mutable_compression()->mutable_quant()->set_bits(4);
-      if ((*client)->PutCache(h, views).ok()) id_q4 = h.cache_id();
-    }
-    // A cache with half its key channels pruned (ThinK), every token kept: a DENSE download
-    // scatters the kept channels into full rows.
-    std::string id_think;
-    {
-      pb::PutCacheHeader h = base;
-      h.set_cache_id(absl::StrCat("bench-", tokens, "-think"));
-      h.mutable_compression()->mutable_eviction()->set_policy("none");
-      h.mutable_compression()->mutable_channels()->set_key_policy("think");
-      h.mutable_compression()->mutable_channels()->set_key_lambda(0.5);
-      if ((*client)->PutCache(h, views).ok()) id_think = h.cache_id();
-    }
+      spec(h.mutable_compression());
+      return (*client)->PutCache(h, views).ok() ? h.cache_id() : std::string();
+    };
+    // Kept whole in 4 bits: the downloads of a quantized cache.
+    const std::string id_q4 =
+        put_untimed("q4", [](pb::CompressionConfig* c) { c->mutable_quant()->set_bits(4); });
+    // Half its key channels pruned (ThinK): a DENSE download places the kept channels in full
+    // rows.
+    const std::string id_think = put_untimed("think", [](pb::CompressionConfig* c) {
+      c->mutable_channels()->set_key_policy("think");
+      c->mutable_channels()->set_key_lambda(0.5);
+    });
     cases.push_back({"Redis SET (K, V, Q_obs per layer)", false,
                      [&] {
                        for (size_t t = 0; t < tensors.size(); ++t) {
