@@ -321,9 +321,8 @@ void ScatterOld(const CompactLayerView& view, const CompactHead& hd, bool keys, 
   }
 }
 
-}  // namespace
-
-absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view) {
+// ExportDense, the values (and positions) too or the keys alone.
+DenseLayer ExportDenseParts(const CompactLayerView& view, bool values) {
   DenseLayer out;
   out.num_kv_heads = view.num_kv_heads();
   out.head_dim = view.head_dim();
@@ -340,30 +339,36 @@ absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view) {
   // Not zero-filled up front: ScatterOld writes whole rows (pruned channels +0), and a ragged
   // head's padding rows are zeroed below.
   out.k.resize(head_bytes * out.num_kv_heads);
-  out.v.resize(head_bytes * out.num_kv_heads);
-  out.positions.resize(static_cast<size_t>(out.n_kept) * out.num_kv_heads);
+  if (values) {
+    out.v.resize(head_bytes * out.num_kv_heads);
+    out.positions.resize(static_cast<size_t>(out.n_kept) * out.num_kv_heads);
+  }
   for (int h = 0; h < out.num_kv_heads; ++h) {
     const CompactHead hd = view.head(h);
     const int m = hd.n_kept - hd.n_recent;
+    const size_t pad = static_cast<size_t>(out.n_kept - hd.n_kept) * row_bytes;
+    uint8_t* k = out.k.data() + h * head_bytes;
+    ScatterOld(view, hd, /*keys=*/true, k);
+    std::memcpy(k + m * row_bytes, hd.key_recent, hd.n_recent * row_bytes);
+    std::memset(k + hd.n_kept * row_bytes, 0, pad);
+    if (!values) continue;
     int32_t* pos = out.positions.data() + static_cast<size_t>(h) * out.n_kept;
     std::memcpy(pos, hd.positions, sizeof(int32_t) * hd.n_kept);
     std::fill(pos + hd.n_kept, pos + out.n_kept, -1);
-    uint8_t* k = out.k.data() + h * head_bytes;
     uint8_t* v = out.v.data() + h * head_bytes;
-    ScatterOld(view, hd, /*keys=*/true, k);
     ScatterOld(view, hd, /*keys=*/false, v);
-    std::memcpy(k + m * row_bytes, hd.key_recent, hd.n_recent * row_bytes);
     std::memcpy(v + m * row_bytes, hd.value_recent, hd.n_recent * row_bytes);
-    const size_t pad = static_cast<size_t>(out.n_kept - hd.n_kept) * row_bytes;
-    std::memset(k + hd.n_kept * row_bytes, 0, pad);
     std::memset(v + hd.n_kept * row_bytes, 0, pad);
   }
   return out;
 }
 
-bool DenseRunsOf(const CompactLayerView& view, DenseRuns* runs) {
+// DenseRunsOf's runs, of the keys too or of the values and positions alone; false where the
+// tensors asked for are pruned, anything is quantized, or the heads keep different counts.
+bool RunsOf(const CompactLayerView& view, bool keys, DenseRuns* runs) {
   *runs = DenseRuns{};
-  if (view.key_bits() != 0 || view.value_bits() != 0) return false;
+  // Values are never quantized without the keys; a quantized layer is not a run either way.
+  if (view.value_bits() != 0 || view.key_bits() != 0) return false;
   const int d = view.head_dim();
   const int n = view.max_kept();
   const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(view.dtype());
@@ -379,19 +384,39 @@ bool DenseRunsOf(const CompactLayerView& view, DenseRuns* runs) {
   for (int h = 0; h < view.num_kv_heads(); ++h) {
     const CompactHead hd = view.head(h);
     // Channel indices are strictly ascending below D (Parse), so D of them are all of them.
-    if (hd.n_kept != n || hd.key_channels != d || hd.value_channels != d) {
+    if (hd.n_kept != n || hd.value_channels != d || (keys && hd.key_channels != d)) {
       *runs = DenseRuns{};
       return false;
     }
     const size_t old_bytes = static_cast<size_t>(n - hd.n_recent) * row_bytes;
     const size_t recent_bytes = static_cast<size_t>(hd.n_recent) * row_bytes;
-    add(&runs->k, hd.key_old, old_bytes);
-    add(&runs->k, hd.key_recent, recent_bytes);
+    if (keys) {
+      add(&runs->k, hd.key_old, old_bytes);
+      add(&runs->k, hd.key_recent, recent_bytes);
+    }
     add(&runs->v, hd.value_old, old_bytes);
     add(&runs->v, hd.value_recent, recent_bytes);
     add(&runs->positions, hd.positions, sizeof(int32_t) * static_cast<size_t>(n));
   }
   return true;
+}
+
+}  // namespace
+
+absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view) {
+  return ExportDenseParts(view, /*values=*/true);
+}
+
+absl::StatusOr<DenseLayer> ExportDenseKeys(const CompactLayerView& view) {
+  return ExportDenseParts(view, /*values=*/false);
+}
+
+bool DenseRunsOf(const CompactLayerView& view, DenseRuns* runs) {
+  return RunsOf(view, /*keys=*/true, runs);
+}
+
+bool DenseValueRunsOf(const CompactLayerView& view, DenseRuns* runs) {
+  return RunsOf(view, /*keys=*/false, runs);
 }
 
 void UnpackHeadToFloat(const CompactLayerView& view, int h, float* keys, float* values) {

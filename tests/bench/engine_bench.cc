@@ -162,6 +162,55 @@ void BM_TurnKeys(benchmark::State& state) {
                               std::string(CpuIsaName(ActiveCpuIsa()))));
 }
 
+// The keys a DENSE download of a channel-pruned cache exports (ExportDenseKeys; the values go
+// out from the blob): the 32K layer with every token kept and half of each head's key channels
+// (ThinK 0.5: a different half per head), fp16; bytes_per_second counts the dense keys written
+// (compare BM_Memcpy's, which counts K and V copied).
+void BM_ExportDenseKeys(benchmark::State& state) {
+  const Layer& layer = GetLayer(32768);
+  const int seq = layer.shape.seq_len;
+  TokenSelection tokens;
+  tokens.num_kv_heads = kKvHeads;
+  tokens.budget = seq;
+  for (int h = 0; h < kKvHeads; ++h) {
+    for (int t = 0; t < seq; ++t) tokens.positions.push_back(t);
+  }
+  ChannelSelection channels{kHeadDim / 2, kHeadDim, {}, {}};
+  for (int h = 0; h < kKvHeads; ++h) {
+    for (int c = 0; c < kHeadDim; ++c) {
+      if ((c * 7 + h) % 4 < 2) channels.key_idx.push_back(c);  // every chunk mixed
+      channels.value_idx.push_back(c);
+    }
+  }
+  CompressionSpec spec;
+  spec.recent_tokens = 32;
+  absl::StatusOr<CompactLayer> blob = PackLayer(layer.input(), tokens, channels, spec);
+  if (!blob.ok()) {
+    state.SkipWithError(std::string(blob.status().message()).c_str());
+    return;
+  }
+  absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(blob->bytes);
+  if (!view.ok()) {
+    state.SkipWithError(std::string(view.status().message()).c_str());
+    return;
+  }
+  size_t bytes = 0;
+  for (auto _ : state) {
+    absl::StatusOr<DenseLayer> keys = ExportDenseKeys(*view);
+    if (!keys.ok()) {
+      state.SkipWithError(std::string(keys.status().message()).c_str());
+      return;
+    }
+    bytes = keys->k.size();
+    benchmark::DoNotOptimize(keys->k.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["bytes_per_second"] = benchmark::Counter(
+      static_cast<double>(bytes) * state.iterations(), benchmark::Counter::kIsRate);
+  state.SetLabel(absl::StrCat("fp16 keys, half the channels, ",
+                              std::string(CpuIsaName(ActiveCpuIsa()))));
+}
+
 // Packing keys for the AMX / AVX-512 BF16 logits (cpu/amx_logits.h): every 1024-key chunk of one
 // head of the 32K layer (HND), fp16 keys into bf16 hi and lo parts (arg 0) or bf16 keys as their
 // own hi part (arg 1); bytes_per_second counts the keys read (compare BM_Memcpy's).
@@ -602,6 +651,7 @@ void BM_Pipeline(benchmark::State& state) {
 // Short runs: 32K iterations take ~0.1-1 s each on a small machine.
 BENCHMARK(BM_Memcpy)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_TurnKeys)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_ExportDenseKeys)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_ReceiveCopy)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_PackKeys)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_SgemmSquare)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();

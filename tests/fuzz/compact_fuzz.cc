@@ -58,6 +58,33 @@ void CheckExports(const kvc::CompactLayerView& view, const std::vector<std::vect
       }
     }
   }
+  // The keys-only export and the value runs the server sends beside it (a key-pruned layer).
+  absl::StatusOr<kvc::DenseLayer> keys_alone = kvc::ExportDenseKeys(view);
+  Check(keys_alone.ok() && keys_alone->k.size() == dense->k.size(),
+        "ExportDenseKeys differs from ExportDense's keys in size");
+  Check(dense->k.empty() ||
+            std::memcmp(keys_alone->k.data(), dense->k.data(), dense->k.size()) == 0,
+        "ExportDenseKeys differs from ExportDense's keys");
+  kvc::DenseRuns value_runs;
+  if (kvc::DenseValueRunsOf(view, &value_runs)) {
+    size_t at = 0;
+    for (const auto& run : value_runs.v) {
+      Check(at + run.size() <= dense->v.size() &&
+                std::memcmp(run.data(), dense->v.data() + at, run.size()) == 0,
+            "DenseValueRunsOf's values differ from ExportDense's");
+      at += run.size();
+    }
+    Check(at == dense->v.size(), "DenseValueRunsOf's values do not cover ExportDense's");
+    at = 0;
+    const auto* pos = reinterpret_cast<const uint8_t*>(dense->positions.data());
+    const size_t pos_bytes = dense->positions.size() * sizeof(int32_t);
+    for (const auto& run : value_runs.positions) {
+      Check(at + run.size() <= pos_bytes && std::memcmp(run.data(), pos + at, run.size()) == 0,
+            "DenseValueRunsOf's positions differ from ExportDense's");
+      at += run.size();
+    }
+    Check(at == pos_bytes, "DenseValueRunsOf's positions do not cover ExportDense's");
+  }
   kvc::RopeParams rope;
   rope.theta = 100.0 + static_cast<double>(size % 1000) * 10;
   rope.half_split = (size / 3) % 2 == 0;

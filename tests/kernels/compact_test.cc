@@ -385,6 +385,8 @@ std::vector<uint8_t> Joined(const std::vector<absl::Span<const uint8_t>>& runs) 
 // DENSE without a copy: where DenseRunsOf accepts a layer (no quantization, no pruning, every
 // head the same count) its runs are ExportDense's bytes exactly, and they lie in the blob; it
 // refuses quantized, pruned and ragged layers. A layer kept whole is one K and one V run a head.
+// DenseValueRunsOf gives ExportDense's V and positions as runs for layers that prune key channels
+// only, and ExportDenseKeys is ExportDense's keys for every layer.
 // ExportDense writes every byte of the rows it returns: pruned channels come back +0 even when
 // the buffer it writes into is reused and dirty (the process-wide pool hands back the previous
 // export's buffers, filled with 0xAB first). Channel sets with whole 16-byte chunks pruned, on
@@ -449,7 +451,7 @@ TEST(CompactTest, ExportDenseWritesEveryByteOfReusedBuffers) {
 
 TEST(CompactTest, DenseRunsAreExportDenseInPlace) {
   std::mt19937 rng(23);
-  int accepted = 0;
+  int accepted = 0, values_accepted = 0;
   for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (int bits : {0, 4}) {
       for (const auto& [tk, tv] : {std::pair{16, 16}, {16, 10}, {9, 16}}) {
@@ -464,6 +466,30 @@ TEST(CompactTest, DenseRunsAreExportDenseInPlace) {
           ASSERT_TRUE(p.ok());
           absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(p->bytes);
           ASSERT_TRUE(view.ok());
+          absl::StatusOr<DenseLayer> dense = ExportDense(*view);
+          ASSERT_TRUE(dense.ok());
+          std::vector<uint8_t> pos(dense->positions.size() * sizeof(int32_t));
+          std::memcpy(pos.data(), dense->positions.data(), pos.size());
+          // The keys alone, for every layer: ExportDense's bytes, nothing else.
+          absl::StatusOr<DenseLayer> keys = ExportDenseKeys(*view);
+          ASSERT_TRUE(keys.ok());
+          EXPECT_EQ(keys->k, dense->k);
+          EXPECT_EQ(keys->n_kept, dense->n_kept);
+          EXPECT_EQ(keys->counts, dense->counts);
+          EXPECT_TRUE(keys->v.empty() && keys->positions.empty());
+          // Values in place: refused only for quantized layers and pruned values.
+          DenseRuns value_runs;
+          const bool values_in_place = DenseValueRunsOf(*view, &value_runs);
+          ASSERT_EQ(values_in_place, bits == 0 && tv == 16);
+          EXPECT_TRUE(value_runs.k.empty());
+          if (values_in_place) {
+            ++values_accepted;
+            EXPECT_EQ(Joined(value_runs.v),
+                      std::vector<uint8_t>(dense->v.begin(), dense->v.end()));
+            EXPECT_EQ(Joined(value_runs.positions), pos);
+          } else {
+            EXPECT_TRUE(value_runs.v.empty() && value_runs.positions.empty());
+          }
           DenseRuns runs;
           const bool in_place = DenseRunsOf(*view, &runs);
           ASSERT_EQ(in_place, bits == 0 && tk == 16 && tv == 16);
@@ -472,12 +498,8 @@ TEST(CompactTest, DenseRunsAreExportDenseInPlace) {
             continue;
           }
           ++accepted;
-          absl::StatusOr<DenseLayer> dense = ExportDense(*view);
-          ASSERT_TRUE(dense.ok());
           EXPECT_EQ(Joined(runs.k), std::vector<uint8_t>(dense->k.begin(), dense->k.end()));
           EXPECT_EQ(Joined(runs.v), std::vector<uint8_t>(dense->v.begin(), dense->v.end()));
-          std::vector<uint8_t> pos(dense->positions.size() * sizeof(int32_t));
-          std::memcpy(pos.data(), dense->positions.data(), pos.size());
           EXPECT_EQ(Joined(runs.positions), pos);
           for (const auto* part : {&runs.k, &runs.v, &runs.positions}) {
             for (const auto& r : *part) {
@@ -493,7 +515,9 @@ TEST(CompactTest, DenseRunsAreExportDenseInPlace) {
     }
   }
   EXPECT_EQ(accepted, 6);
-  // Ragged heads (head-adaptive budgets) are padded by ExportDense: refused.
+  EXPECT_EQ(values_accepted, 12);
+  // Ragged heads (head-adaptive budgets) are padded by ExportDense: refused, the keys exported
+  // padded as ExportDense pads them.
   const PackLayerData layer = MakePackLayer(2, 40, 16, DType::kF16, Layout::kHND, 4);
   TokenSelection ragged;
   ragged.num_kv_heads = 2;
@@ -507,6 +531,11 @@ TEST(CompactTest, DenseRunsAreExportDenseInPlace) {
   ASSERT_TRUE(view.ok());
   DenseRuns runs;
   EXPECT_FALSE(DenseRunsOf(*view, &runs));
+  EXPECT_FALSE(DenseValueRunsOf(*view, &runs));
+  absl::StatusOr<DenseLayer> dense = ExportDense(*view);
+  absl::StatusOr<DenseLayer> keys = ExportDenseKeys(*view);
+  ASSERT_TRUE(dense.ok() && keys.ok());
+  EXPECT_EQ(keys->k, dense->k);
 }
 
 // A valid 2-head, 4-bit, pruned blob to corrupt.

@@ -260,6 +260,17 @@ struct DenseRuns {
 };
 bool DenseRunsOf(const CompactLayerView& view, DenseRuns* runs);
 
+// DENSE with the values in place. When every head keeps the same count and nothing but key
+// channels is pruned (ThinK on the keys alone, its default), ExportDense's V and positions are
+// still runs of the blob: `runs->v` and `runs->positions` as DenseRunsOf gives them, `runs->k`
+// empty, and ExportDenseKeys exports the rest. false (runs empty) when anything is quantized,
+// value channels are pruned or the heads keep different counts.
+bool DenseValueRunsOf(const CompactLayerView& view, DenseRuns* runs);
+
+// ExportDense(view)'s keys alone: the shape, counts and `k` as ExportDense fills them; `v` and
+// `positions` stay empty.
+absl::StatusOr<DenseLayer> ExportDenseKeys(const CompactLayerView& view);
+
 // Dequantized float copy of head h: keys and values [n_kept, D] with pruned channels zero. The
 // buffers must hold desc(h).n_kept * head_dim floats each.
 void UnpackHeadToFloat(const CompactLayerView& view, int h, float* keys, float* values);
