@@ -9,14 +9,18 @@
 // DENSE export runs on the worker pool, never on a gRPC callback thread, one layer ahead of the
 // layer being sent: while layer L streams, layer L+1 is exported, so at most two exported layers
 // (plus whatever gRPC still holds) exist at a time. When the next layer is not ready yet the
-// reactor parks, and the export job resumes it. DENSE_CONTIGUOUS is DENSE with the keys
-// re-rotated (kvc/contiguous_export.h), its RopeSpec and kept counts checked up front
-// (server/contiguous.h); for a layer DenseRunsOf accepts only the keys are exported (turned
-// straight from the blob, their blocks verified first), V and positions go out from the blob.
+// reactor parks, and the export job resumes it. A layer whose only change is pruned key
+// channels, every head keeping one count (kvc/compact.h DenseValueRunsOf: ThinK on the keys),
+// exports its keys only; V and positions go out from the blob. The job verifies every block of
+// such a layer that is not wholly inside those runs before it reads the keys. DENSE_CONTIGUOUS
+// is DENSE with the keys re-rotated (kvc/contiguous_export.h), its RopeSpec and kept counts
+// checked up front (server/contiguous.h); for a layer DenseRunsOf accepts the keys are turned
+// straight from the blob.
 //
 // A client that stops reading leaves a write outstanding (flow control): after
 // --stream_idle_seconds the reaper (server/stream_guard.h) ends the stream, which releases the
 // lease even if the entry was deleted meanwhile.
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -117,11 +121,13 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   // The export of one layer, handed from a pool job to the reactor. Whichever of the two comes
   // second continues: the reactor takes a finished result, or the job resumes a parked reactor.
   struct Export {
-    // Set when the layer is sent from the blob itself: with ready, nothing runs on the pool; for
-    // DENSE_CONTIGUOUS V and positions are sent from the blob and `result` holds the keys alone,
-    // turned on the pool (keys_only).
+    // Set when the layer is sent from the blob itself: with ready, nothing runs on the pool. With
+    // keys_only V and positions are sent from the blob and `result` holds the keys alone,
+    // exported (and for DENSE_CONTIGUOUS turned) on the pool: from `runs->k` when DenseRunsOf
+    // gave them (keys_in_place), else by ExportDenseKeys.
     absl::optional<DenseRuns> runs;
     bool keys_only = false;
+    bool keys_in_place = false;
     int n_kept = 0, heads = 0;
     absl::Mutex mu;
     bool ready ABSL_GUARDED_BY(mu) = false;
@@ -143,15 +149,20 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     auto view = CompactLayerView::Parse(keep_->lease.entry().layers[index]);
     DenseRuns runs;
     if (view.ok() && DenseRunsOf(*view, &runs)) {
+      ex->keys_in_place = true;
+      ex->keys_only = rope_.has_value();
+    } else if (view.ok() && DenseValueRunsOf(*view, &runs)) {
+      ex->keys_only = true;
+    }
+    if (ex->keys_in_place || ex->keys_only) {
       ex->runs = std::move(runs);
       ex->n_kept = view->max_kept();
       ex->heads = view->num_kv_heads();
-      ex->keys_only = rope_.has_value();
-      if (!ex->keys_only) {
-        absl::MutexLock lock(&ex->mu);
-        ex->ready = true;
-        return ex;
-      }
+    }
+    if (ex->runs && !ex->keys_only) {
+      absl::MutexLock lock(&ex->mu);
+      ex->ready = true;
+      return ex;
     }
     // On the I/O pool: a download never waits behind compressions.
     ThreadPool* pool = state_->io_pool != nullptr ? state_->io_pool : state_->pool;
@@ -160,25 +171,26 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       const CacheEntry& entry = keep->lease.entry();
       absl::StatusOr<CompactLayerView> view = absl::UnknownError("not parsed");
       if (ex->keys_only) {
-        // The header and head table the runs came from, then the key runs, are checked before
-        // the keys are read; V and positions are checked as they are sent.
-        const auto& blob = entry.layers[index];
-        const uint64_t table_end =
-            sizeof(LayerHeader) + sizeof(HeadDesc) * static_cast<uint64_t>(ex->heads);
-        absl::Status verified = VerifyBlocks(entry, index, 0, NumChecksumBlocks(table_end));
-        for (const auto& run : ex->runs->k) {
-          if (!verified.ok()) break;
-          const auto at = static_cast<uint64_t>(run.data() - blob.data());
-          verified = VerifyBlocks(entry, index, at / kChecksumBlockBytes,
-                                  NumChecksumBlocks(at + run.size()));
-        }
-        if (!verified.ok()) {
+        // Everything the keys are read from (the header, the head table, the key rows, codes,
+        // scales and channel indices) is checked before they are read; V and positions are
+        // checked as they are sent.
+        absl::StatusOr<DenseLayer> keys = absl::UnknownError("not exported");
+        if (absl::Status verified = VerifyAllButRuns(entry, index, ex->heads, *ex->runs);
+            !verified.ok()) {
           result = verified;
-        } else if (view = CompactLayerView::Parse(blob); !view.ok()) {
+        } else if (view = CompactLayerView::Parse(entry.layers[index]); !view.ok()) {
           result = absl::DataLossError(
               absl::StrCat("layer ", index, ": ", std::string(view.status().message())));
-        } else if (auto keys = ExportKeysContiguous(*view, *ex->runs, *rope); !keys.ok()) {
+        } else if (keys = ex->keys_in_place ? ExportKeysContiguous(*view, *ex->runs, *rope)
+                                            : ExportDenseKeys(*view);
+                   !keys.ok()) {
           result = keys.status();
+        } else if (absl::Status turned = !ex->keys_in_place && rope
+                                             ? RotateKeys(*rope, keys->seq_len - keys->n_kept,
+                                                          &*keys)
+                                             : absl::OkStatus();
+                   !turned.ok()) {
+          result = turned;
         } else {
           result = std::make_shared<const DenseLayer>(*std::move(keys));
         }
@@ -333,7 +345,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
         if (absl::Status s = VerifyRange(0, table_end); !s.ok()) return ToGrpc(s, ns_);
         kept_tokens_ = in_place->n_kept;
         const DenseRuns& runs = *in_place->runs;
-        if (owned != nullptr) {  // DENSE_CONTIGUOUS: the turned keys
+        if (owned != nullptr) {  // the exported (for DENSE_CONTIGUOUS turned) keys
           parts_.push_back(
               ExportedPart(kvcache::v1::PART_K, absl::MakeConstSpan(owned->k), owned));
         } else {
@@ -459,6 +471,42 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   static Part ExportedPart(kvcache::v1::LayerPart kind, absl::Span<const uint8_t> bytes,
                            std::shared_ptr<const void> owner) {
     return Part{kind, {bytes}, bytes.size(), /*in_blob=*/false, std::move(owner)};
+  }
+
+  // Verifies the blocks of layer `index` that do not lie wholly inside one of the runs of V and
+  // positions (those are verified as they are sent): everything a keys-only export reads. The
+  // header and head table the runs were read from (`heads` descriptors) are verified always.
+  static absl::Status VerifyAllButRuns(const CacheEntry& entry, uint32_t index, int heads,
+                                       const DenseRuns& runs) {
+    const auto& blob = entry.layers[index];
+    const uint64_t blocks = entry.block_checksums[index].size();
+    const uint64_t table_end =
+        sizeof(LayerHeader) + sizeof(HeadDesc) * static_cast<uint64_t>(heads);
+    std::vector<uint8_t> skip(blocks, 0);
+    for (const auto* part : {&runs.v, &runs.positions}) {
+      for (const auto& run : *part) {
+        const auto at = static_cast<uint64_t>(run.data() - blob.data());
+        const uint64_t end = at + run.size();
+        // Whole blocks only; the blob's last block is whole when the run reaches its end.
+        const uint64_t last =
+            end == blob.size() ? NumChecksumBlocks(end) : end / kChecksumBlockBytes;
+        for (uint64_t b = std::max(NumChecksumBlocks(at), NumChecksumBlocks(table_end));
+             b < last && b < blocks; ++b) {
+          skip[b] = 1;
+        }
+      }
+    }
+    for (uint64_t b = 0; b < blocks;) {
+      if (skip[b]) {
+        ++b;
+        continue;
+      }
+      uint64_t e = b + 1;
+      while (e < blocks && !skip[e]) ++e;
+      RETURN_IF_ERROR(VerifyBlocks(entry, index, b, e));
+      b = e;
+    }
+    return absl::OkStatus();
   }
 
   // Verifies the checksum blocks of the current layer's blob that bytes [begin, end) reach

@@ -2,12 +2,14 @@
 // engine's own, DENSE equal to ExportDense, layer ranges, chunk limits, concurrent clients.
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kvc/backend.h"
 #include "kvc/compact.h"
+#include "kvc/contiguous_export.h"
 #include "testing/kvc_rpc.h"
 #include "testing/kvcd_process.h"
 #include "testing/shared_kvcd.h"
@@ -155,40 +157,64 @@ TEST_F(KvcdPutGetTest, PackedEqualsTheEnginesCompressOutput) {
   EXPECT_EQ(got.info.compression().eviction().policy(), "snapkv");
 }
 
+// DENSE and DENSE_CONTIGUOUS of a cache that needs an export: quantized and key-pruned (the
+// whole layer exported), and key-pruned alone (the keys exported, V and positions sent from the
+// blob: DenseValueRunsOf). Each equals the engine's export of the same blob.
 TEST_F(KvcdPutGetTest, DenseEqualsExportDenseAndHonoursTheLayerRange) {
-  TestCache cache = testing::MakeTestCache("dense/a", testing::Shape(4, 2, 4, 64, 128, 16),
-                                           kvcache::v1::DTYPE_BF16, kvcache::v1::LAYOUT_HND, 9);
-  *cache.header.mutable_compression() = testing::FullCompression();
-  ASSERT_TRUE(testing::PutCache(stub_.get(), cache).ok());
-  const std::vector<CompactLayer> blobs = CompressLocally(cache, CompressedSpec());
-  GetCacheRequest req;
-  req.set_cache_id("dense/a");
-  req.set_format(kvcache::v1::FORMAT_DENSE);
-  req.set_layer_begin(1);
-  req.set_layer_end(3);
-  Fetched got;
-  grpc::Status s = testing::Get(stub_.get(), req, &got);
-  ASSERT_TRUE(s.ok()) << s.error_message();
-  EXPECT_EQ(got.parts.size(), 6u);  // layers 1 and 2, three parts each
-  for (uint32_t l = 1; l < 3; ++l) {
-    auto view = CompactLayerView::Parse(blobs[l].bytes);
-    ASSERT_TRUE(view.ok()) << view.status();
-    auto dense = ExportDense(*view);
-    ASSERT_TRUE(dense.ok()) << dense.status();
-    EXPECT_EQ(got.part(l, kvcache::v1::PART_K), Bytes(dense->k)) << "layer " << l;
-    EXPECT_EQ(got.part(l, kvcache::v1::PART_V), Bytes(dense->v)) << "layer " << l;
-    EXPECT_EQ(got.part(l, kvcache::v1::PART_POSITIONS),
-              std::string(reinterpret_cast<const char*>(dense->positions.data()),
-                          dense->positions.size() * 4));
+  for (const bool quantized : {true, false}) {
+    SCOPED_TRACE(quantized ? "snapkv + think + q4" : "snapkv + think");
+    const std::string id = quantized ? "dense/a" : "dense/b";
+    TestCache cache = testing::MakeTestCache(id, testing::Shape(4, 2, 4, 64, 128, 16),
+                                             kvcache::v1::DTYPE_BF16, kvcache::v1::LAYOUT_HND, 9);
+    *cache.header.mutable_compression() = testing::FullCompression();
+    CompressionSpec spec = CompressedSpec();
+    if (!quantized) {
+      cache.header.mutable_compression()->clear_quant();
+      spec.quant.bits = 0;
+    }
+    ASSERT_TRUE(testing::PutCache(stub_.get(), cache).ok());
+    const std::vector<CompactLayer> blobs = CompressLocally(cache, spec);
+    for (const bool contiguous : {false, true}) {
+      SCOPED_TRACE(contiguous ? "DENSE_CONTIGUOUS" : "DENSE");
+      RopeParams rope;
+      rope.half_split = true;
+      GetCacheRequest req;
+      req.set_cache_id(id);
+      req.set_format(contiguous ? kvcache::v1::FORMAT_DENSE_CONTIGUOUS
+                                : kvcache::v1::FORMAT_DENSE);
+      if (contiguous) {
+        req.mutable_rope()->set_theta(rope.theta);
+        req.mutable_rope()->set_style(kvcache::v1::ROPE_HALF_SPLIT);
+      }
+      req.set_layer_begin(1);
+      req.set_layer_end(3);
+      Fetched got;
+      grpc::Status s = testing::Get(stub_.get(), req, &got);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      EXPECT_EQ(got.parts.size(), 6u);  // layers 1 and 2, three parts each
+      for (uint32_t l = 1; l < 3; ++l) {
+        auto view = CompactLayerView::Parse(blobs[l].bytes);
+        ASSERT_TRUE(view.ok()) << view.status();
+        DenseRuns runs;
+        EXPECT_EQ(DenseValueRunsOf(*view, &runs), !quantized);
+        auto dense = contiguous ? ExportDenseContiguous(*view, rope) : ExportDense(*view);
+        ASSERT_TRUE(dense.ok()) << dense.status();
+        EXPECT_EQ(got.part(l, kvcache::v1::PART_K), Bytes(dense->k)) << "layer " << l;
+        EXPECT_EQ(got.part(l, kvcache::v1::PART_V), Bytes(dense->v)) << "layer " << l;
+        EXPECT_EQ(got.part(l, kvcache::v1::PART_POSITIONS),
+                  std::string(reinterpret_cast<const char*>(dense->positions.data()),
+                              dense->positions.size() * 4));
+      }
+      EXPECT_LE(got.max_data_bytes, kChunkLimit);
+      // An empty range sends only the info message.
+      req.set_layer_begin(2);
+      req.set_layer_end(2);
+      Fetched none;
+      ASSERT_TRUE(testing::Get(stub_.get(), req, &none).ok());
+      EXPECT_EQ(none.messages, 1);
+      EXPECT_TRUE(none.parts.empty());
+    }
   }
-  EXPECT_LE(got.max_data_bytes, kChunkLimit);
-  // An empty range sends only the info message.
-  req.set_layer_begin(2);
-  req.set_layer_end(2);
-  Fetched none;
-  ASSERT_TRUE(testing::Get(stub_.get(), req, &none).ok());
-  EXPECT_EQ(none.messages, 1);
-  EXPECT_TRUE(none.parts.empty());
 }
 
 TEST_F(KvcdPutGetTest, ConcurrentClientsDoNotSeeEachOthersBytes) {

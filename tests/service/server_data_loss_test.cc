@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "kvc/backend.h"
 #include "kvc/cache_store.h"
+#include "kvc/compact.h"
 #include "kvc/thread_pool.h"
 #include "server/auth.h"
 #include "server/service_impl.h"
@@ -164,6 +165,63 @@ TEST_F(ServerDataLossTest, ContiguousVerifiesTheKeysBeforeTurningThemAndTheValue
     blob[at] ^= 0x10;
     testing::Fetched bad;
     grpc::Status s = testing::Get(stub_, get_, &bad);
+    blob[at] ^= 0x10;
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
+    EXPECT_THAT(s.error_message(),
+                ::testing::HasSubstr(absl::StrCat("layer 1 block ", at / kChecksumBlockBytes)));
+    for (auto part : {kvcache::v1::PART_K, kvcache::v1::PART_V, kvcache::v1::PART_POSITIONS}) {
+      EXPECT_EQ(bad.part(0, part), good.part(0, part));
+    }
+    if (in_keys) {
+      EXPECT_EQ(bad.parts.count({1, kvcache::v1::PART_K}), 0u);
+    } else {
+      EXPECT_EQ(bad.part(1, kvcache::v1::PART_K), good.part(1, kvcache::v1::PART_K));
+      const std::string& partial = bad.part(1, kvcache::v1::PART_V);
+      EXPECT_GT(partial.size(), 0u);
+      EXPECT_LT(partial.size(), good.part(1, kvcache::v1::PART_V).size());
+      EXPECT_EQ(partial, good.part(1, kvcache::v1::PART_V).substr(0, partial.size()));
+    }
+  }
+}
+
+// DENSE of a layer whose only change is pruned key channels (ThinK on the keys): the keys are
+// exported on the pool after every block outside the value and position runs is verified (a
+// corrupt key block sends none of the layer's keys); the values go out from the blob, verified
+// block by block as they go (a corrupt value block ends the stream after the layer's keys and
+// the values before it). A whole-layer export would have sent none of layer 1 in either case.
+TEST_F(ServerDataLossTest, KeyPrunedDenseVerifiesTheKeysBeforeExportingAndTheValuesAsTheyGo) {
+  auto cache = testing::MakeTestCache("t", testing::Shape(2, 1, 1, 64, 2048, 16),
+                                      kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 2);
+  cache.header.mutable_compression()->mutable_channels()->set_key_policy("think");
+  cache.header.mutable_compression()->mutable_channels()->set_key_lambda(0.5);
+  ASSERT_TRUE(testing::PutCache(stub_, cache).ok());
+  auto entry = loopback_.store()->Peek(Tenant().empty() ? "t" : Tenant() + "/t");
+  ASSERT_TRUE(entry.ok());
+  ByteVector& blob = const_cast<CacheEntry&>(**entry).layers[1];
+  absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(blob);
+  ASSERT_TRUE(view.ok()) << view.status();
+  DenseRuns runs;
+  ASSERT_TRUE(DenseValueRunsOf(*view, &runs));  // keys pruned, values whole
+  const CompactHead head = view->head(0);
+  ASSERT_LT(head.key_channels, 64);
+  const auto offset = [&](const void* p, size_t rows, size_t row_bytes) {
+    return static_cast<size_t>(static_cast<const uint8_t*>(p) - blob.data()) +
+           rows / 2 * row_bytes;
+  };
+  const int old_rows = head.n_kept - head.n_recent;
+  const size_t key_at = offset(head.key_old, old_rows, head.key_channels * 2);
+  const size_t value_at = offset(head.value_old, old_rows, 64 * 2);
+  kvcache::v1::GetCacheRequest get;
+  get.set_cache_id("t");
+  get.set_format(kvcache::v1::FORMAT_DENSE);
+  testing::Fetched good;
+  ASSERT_TRUE(testing::Get(stub_, get, &good).ok());
+  for (const size_t at : {key_at, value_at}) {
+    const bool in_keys = at == key_at;
+    SCOPED_TRACE(in_keys ? "a key block" : "a value block");
+    blob[at] ^= 0x10;
+    testing::Fetched bad;
+    grpc::Status s = testing::Get(stub_, get, &bad);
     blob[at] ^= 0x10;
     EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
     EXPECT_THAT(s.error_message(),
