@@ -89,7 +89,7 @@ def ttft(stack, lengths, specs, repeat):
     return rows
 
 
-def throughput(kvcd, tokens, repeat, specs=("none", "q4", "keydiff:0.5")):
+def throughput(kvcd, tokens, repeat, specs=("none", "q4", "l2:0.5", "keydiff:0.5")):
     """The connector's worker code on real vLLM CPU-backend caches vs kvc.Client put/get."""
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
