@@ -363,8 +363,42 @@ DenseLayer ExportDenseParts(const CompactLayerView& view, bool values) {
   return out;
 }
 
+// The constant bytes a ragged head's padding is sent from: zeros for K and V rows, 0xff for
+// positions (-1 in int32). A padding longer than one buffer takes several spans of it.
+constexpr size_t kPaddingBytes = size_t{1} << 20;
+const uint8_t* PaddingBuffer(bool ones) {
+  static const auto* buffers = [] {
+    auto* b = new uint8_t[2 * kPaddingBytes];
+    std::memset(b, 0, kPaddingBytes);
+    std::memset(b + kPaddingBytes, 0xff, kPaddingBytes);
+    return b;
+  }();
+  return buffers + (ones ? kPaddingBytes : 0);
+}
+
+// Appends `bytes` of the blob at `at` to `to`, merged with the run before when adjacent in the
+// blob.
+void AddRun(std::vector<absl::Span<const uint8_t>>* to, const void* at, size_t bytes) {
+  if (bytes == 0) return;
+  const auto* p = static_cast<const uint8_t*>(at);
+  if (!to->empty() && !IsDensePadding(to->back()) &&
+      to->back().data() + to->back().size() == p) {
+    to->back() = absl::MakeConstSpan(to->back().data(), to->back().size() + bytes);
+  } else {
+    to->push_back(absl::MakeConstSpan(p, bytes));
+  }
+}
+
+// Appends `bytes` of padding (zeros, or 0xff bytes when `ones`) to `to`.
+void AddPadding(std::vector<absl::Span<const uint8_t>>* to, size_t bytes, bool ones) {
+  for (size_t n; bytes > 0; bytes -= n) {
+    n = std::min(bytes, kPaddingBytes);
+    to->push_back(absl::MakeConstSpan(PaddingBuffer(ones), n));
+  }
+}
+
 // DenseRunsOf's runs, of the keys too or of the values and positions alone; false where the
-// tensors asked for are pruned, anything is quantized, or the heads keep different counts.
+// tensors asked for are pruned or anything is quantized.
 bool RunsOf(const CompactLayerView& view, bool keys, DenseRuns* runs) {
   *runs = DenseRuns{};
   // Values are never quantized without the keys; a quantized layer is not a run either way.
@@ -372,31 +406,26 @@ bool RunsOf(const CompactLayerView& view, bool keys, DenseRuns* runs) {
   const int d = view.head_dim();
   const int n = view.max_kept();
   const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(view.dtype());
-  const auto add = [](std::vector<absl::Span<const uint8_t>>* to, const void* at, size_t bytes) {
-    if (bytes == 0) return;
-    const auto* p = static_cast<const uint8_t*>(at);
-    if (!to->empty() && to->back().data() + to->back().size() == p) {
-      to->back() = absl::MakeConstSpan(to->back().data(), to->back().size() + bytes);
-    } else {
-      to->push_back(absl::MakeConstSpan(p, bytes));
-    }
-  };
   for (int h = 0; h < view.num_kv_heads(); ++h) {
     const CompactHead hd = view.head(h);
     // Channel indices are strictly ascending below D (Parse), so D of them are all of them.
-    if (hd.n_kept != n || hd.value_channels != d || (keys && hd.key_channels != d)) {
+    if (hd.value_channels != d || (keys && hd.key_channels != d)) {
       *runs = DenseRuns{};
       return false;
     }
-    const size_t old_bytes = static_cast<size_t>(n - hd.n_recent) * row_bytes;
+    const size_t old_bytes = static_cast<size_t>(hd.n_kept - hd.n_recent) * row_bytes;
     const size_t recent_bytes = static_cast<size_t>(hd.n_recent) * row_bytes;
+    const size_t pad_rows = static_cast<size_t>(n - hd.n_kept);
     if (keys) {
-      add(&runs->k, hd.key_old, old_bytes);
-      add(&runs->k, hd.key_recent, recent_bytes);
+      AddRun(&runs->k, hd.key_old, old_bytes);
+      AddRun(&runs->k, hd.key_recent, recent_bytes);
+      AddPadding(&runs->k, pad_rows * row_bytes, /*ones=*/false);
     }
-    add(&runs->v, hd.value_old, old_bytes);
-    add(&runs->v, hd.value_recent, recent_bytes);
-    add(&runs->positions, hd.positions, sizeof(int32_t) * static_cast<size_t>(n));
+    AddRun(&runs->v, hd.value_old, old_bytes);
+    AddRun(&runs->v, hd.value_recent, recent_bytes);
+    AddPadding(&runs->v, pad_rows * row_bytes, /*ones=*/false);
+    AddRun(&runs->positions, hd.positions, sizeof(int32_t) * static_cast<size_t>(hd.n_kept));
+    AddPadding(&runs->positions, sizeof(int32_t) * pad_rows, /*ones=*/true);
   }
   return true;
 }
@@ -417,6 +446,12 @@ bool DenseRunsOf(const CompactLayerView& view, DenseRuns* runs) {
 
 bool DenseValueRunsOf(const CompactLayerView& view, DenseRuns* runs) {
   return RunsOf(view, /*keys=*/false, runs);
+}
+
+bool IsDensePadding(absl::Span<const uint8_t> run) {
+  const auto b = reinterpret_cast<uintptr_t>(PaddingBuffer(false));
+  const auto p = reinterpret_cast<uintptr_t>(run.data());
+  return p >= b && p < b + 2 * kPaddingBytes;
 }
 
 void UnpackHeadToFloat(const CompactLayerView& view, int h, float* keys, float* values) {

@@ -2,16 +2,15 @@
 // cannot be evicted or freed meanwhile), keeps exactly one write in flight and produces the next
 // message from OnWriteDone. PACKED chunks reference the stored blob in place; DENSE chunks
 // reference the exported layer, which lives until gRPC releases the last slice, or, for a layer
-// that needs no export (nothing quantized or pruned, every head the same count: kvc/compact.h
-// DenseRunsOf), the blob's own runs of K, V and positions, verified block by block as they go
-// out, as PACKED's are.
+// that needs no export (nothing quantized or pruned: kvc/compact.h DenseRunsOf), the blob's own
+// runs of K, V and positions, verified block by block as they go out, as PACKED's are (a ragged
+// head's padding comes from constant bytes outside the blob, which have no checksum).
 //
 // DENSE export runs on the worker pool, never on a gRPC callback thread, one layer ahead of the
 // layer being sent: while layer L streams, layer L+1 is exported, so at most two exported layers
 // (plus whatever gRPC still holds) exist at a time. When the next layer is not ready yet the
 // reactor parks, and the export job resumes it. A layer whose only change is pruned key
-// channels, every head keeping one count (kvc/compact.h DenseValueRunsOf: ThinK on the keys),
-// exports its keys only; V and positions go out from the blob. The job verifies every block of
+// channels (kvc/compact.h DenseValueRunsOf: ThinK on the keys) exports its keys only; V and positions go out from the blob. The job verifies every block of
 // such a layer that is not wholly inside those runs before it reads the keys. DENSE_CONTIGUOUS
 // is DENSE with the keys re-rotated (kvc/contiguous_export.h), its RopeSpec and kept counts
 // checked up front (server/contiguous.h); for a layer DenseRunsOf accepts the keys are turned
@@ -406,7 +405,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
           const absl::Span<const uint8_t> run = p.runs[run_];
           n = std::min<uint64_t>(chunk_, run.size() - run_offset_);
           data = run.data() + run_offset_;
-          if (p.in_blob) {
+          if (p.in_blob && !IsDensePadding(run)) {
             // The blocks this chunk reaches into are verified now, while the kernel is about to
             // read them anyway: a corrupt block ends the stream before any of its bytes go out.
             const uint8_t* blob = keep_->lease.entry().layers[layer_].data();
@@ -453,7 +452,8 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
 
   // One part of a layer: its bytes are `runs`, in order, of `size` bytes in all. in_blob: the
   // runs lie in the stored blob (PACKED, DENSE sent from the blob), whose checksum blocks are
-  // verified as they go out; otherwise they are an exported layer that `owner` keeps alive.
+  // verified as they go out, or are DenseRunsOf's constant padding; otherwise they are an
+  // exported layer that `owner` keeps alive.
   struct Part {
     kvcache::v1::LayerPart kind;
     std::vector<absl::Span<const uint8_t>> runs;
@@ -485,6 +485,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     std::vector<uint8_t> skip(blocks, 0);
     for (const auto* part : {&runs.v, &runs.positions}) {
       for (const auto& run : *part) {
+        if (IsDensePadding(run)) continue;
         const auto at = static_cast<uint64_t>(run.data() - blob.data());
         const uint64_t end = at + run.size();
         // Whole blocks only; the blob's last block is whole when the run reaches its end.

@@ -696,6 +696,15 @@ int main(int argc, char** argv) {
       c->mutable_channels()->set_key_policy("think");
       c->mutable_channels()->set_key_lambda(0.5);
     });
+    // SnapKV 0.25 with head-adaptive budgets (a 0.2 floor per head): the heads keep different
+    // counts, and DENSE pads each to the largest (zero rows, positions -1).
+    const std::string id_ada = put_untimed("ada", [](pb::CompressionConfig* c) {
+      auto* e = c->mutable_eviction();
+      e->set_policy("snapkv");
+      e->set_keep_ratio(0.25);
+      e->set_adaptive(true);
+      e->set_adaptive_floor(0.2);
+    });
     cases.push_back({"Redis SET (K, V, Q_obs per layer)", false,
                      [&] {
                        for (size_t t = 0; t < tensors.size(); ++t) {
@@ -750,6 +759,9 @@ int main(int argc, char** argv) {
     get_case("kvc GetCache DENSE, q4 (dequantized by kvcd)", id_q4, kvc::CacheFormat::kDense);
     get_case("kvc GetCache PACKED, think 0.5", id_think, kvc::CacheFormat::kPacked);
     get_case("kvc GetCache DENSE, think 0.5 (keys scattered by kvcd)", id_think,
+             kvc::CacheFormat::kDense);
+    get_case("kvc GetCache PACKED, snapkv 0.25 head-adaptive", id_ada, kvc::CacheFormat::kPacked);
+    get_case("kvc GetCache DENSE, snapkv 0.25 head-adaptive (padded)", id_ada,
              kvc::CacheFormat::kDense);
     cases.push_back({"Redis GET (K, V per layer)", true,
                      [&] {

@@ -36,6 +36,19 @@ bool SameElement(const uint8_t* a, const uint8_t* b, kvc::DType t, size_t i) {
   return std::isnan(kvc::LoadAsFloat(a, t, i)) && std::isnan(kvc::LoadAsFloat(b, t, i));
 }
 
+// Whether `runs`, joined, are the `size` bytes at `bytes`.
+bool RunsAre(const std::vector<absl::Span<const uint8_t>>& runs, const uint8_t* bytes,
+             size_t size) {
+  size_t at = 0;
+  for (const auto& run : runs) {
+    if (run.size() > size - at || std::memcmp(run.data(), bytes + at, run.size()) != 0) {
+      return false;
+    }
+    at += run.size();
+  }
+  return at == size;
+}
+
 // The dense exports of an accepted blob: ExportDense against the unpacked floats, and for a blob
 // whose heads keep the same count the contiguous exports under a RoPE taken from the input.
 void CheckExports(const kvc::CompactLayerView& view, const std::vector<std::vector<float>>& keys,
@@ -65,32 +78,26 @@ void CheckExports(const kvc::CompactLayerView& view, const std::vector<std::vect
   Check(dense->k.empty() ||
             std::memcmp(keys_alone->k.data(), dense->k.data(), dense->k.size()) == 0,
         "ExportDenseKeys differs from ExportDense's keys");
-  kvc::DenseRuns value_runs;
-  if (kvc::DenseValueRunsOf(view, &value_runs)) {
-    size_t at = 0;
-    for (const auto& run : value_runs.v) {
-      Check(at + run.size() <= dense->v.size() &&
-                std::memcmp(run.data(), dense->v.data() + at, run.size()) == 0,
-            "DenseValueRunsOf's values differ from ExportDense's");
-      at += run.size();
-    }
-    Check(at == dense->v.size(), "DenseValueRunsOf's values do not cover ExportDense's");
-    at = 0;
-    const auto* pos = reinterpret_cast<const uint8_t*>(dense->positions.data());
-    const size_t pos_bytes = dense->positions.size() * sizeof(int32_t);
-    for (const auto& run : value_runs.positions) {
-      Check(at + run.size() <= pos_bytes && std::memcmp(run.data(), pos + at, run.size()) == 0,
-            "DenseValueRunsOf's positions differ from ExportDense's");
-      at += run.size();
-    }
-    Check(at == pos_bytes, "DenseValueRunsOf's positions do not cover ExportDense's");
+  // The runs a server sends in place of an export (a ragged head's padding included): the
+  // exported bytes, in order.
+  const auto* pos = reinterpret_cast<const uint8_t*>(dense->positions.data());
+  const size_t pos_bytes = dense->positions.size() * sizeof(int32_t);
+  kvc::DenseRuns runs;
+  if (kvc::DenseRunsOf(view, &runs)) {
+    Check(RunsAre(runs.k, dense->k.data(), dense->k.size()), "DenseRunsOf's keys differ");
+    Check(RunsAre(runs.v, dense->v.data(), dense->v.size()), "DenseRunsOf's values differ");
+    Check(RunsAre(runs.positions, pos, pos_bytes), "DenseRunsOf's positions differ");
+  }
+  if (kvc::DenseValueRunsOf(view, &runs)) {
+    Check(runs.k.empty(), "DenseValueRunsOf gave key runs");
+    Check(RunsAre(runs.v, dense->v.data(), dense->v.size()), "DenseValueRunsOf's values differ");
+    Check(RunsAre(runs.positions, pos, pos_bytes), "DenseValueRunsOf's positions differ");
   }
   kvc::RopeParams rope;
   rope.theta = 100.0 + static_cast<double>(size % 1000) * 10;
   rope.half_split = (size / 3) % 2 == 0;
   rope.rotary_dims = (size / 5) % 2 == 0 ? 0 : (d / 2) & ~1;
   absl::StatusOr<kvc::DenseLayer> full = kvc::ExportDenseContiguous(view, rope);
-  kvc::DenseRuns runs;
   if (!full.ok() || !kvc::DenseRunsOf(view, &runs)) return;
   absl::StatusOr<kvc::DenseLayer> turned = kvc::ExportKeysContiguous(view, runs, rope);
   Check(turned.ok(), "ExportKeysContiguous refused what ExportDenseContiguous took");

@@ -516,8 +516,10 @@ TEST(CompactTest, DenseRunsAreExportDenseInPlace) {
   }
   EXPECT_EQ(accepted, 6);
   EXPECT_EQ(values_accepted, 12);
-  // Ragged heads (head-adaptive budgets) are padded by ExportDense: refused, the keys exported
-  // padded as ExportDense pads them.
+  // Ragged heads (head-adaptive budgets), which ExportDense pads to the largest count: the
+  // padding comes as spans of constant bytes outside the blob (zero rows, positions -1), longer
+  // ones in several spans. Here head 1 keeps 4 of 6 tokens, and a second layer of 3,000-token
+  // heads keeps 2,900 in one and 100 in the other (2,800 rows of padding: more than one span).
   const PackLayerData layer = MakePackLayer(2, 40, 16, DType::kF16, Layout::kHND, 4);
   TokenSelection ragged;
   ragged.num_kv_heads = 2;
@@ -529,13 +531,49 @@ TEST(CompactTest, DenseRunsAreExportDenseInPlace) {
   ASSERT_TRUE(p.ok()) << p.status();
   absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(p->bytes);
   ASSERT_TRUE(view.ok());
-  DenseRuns runs;
-  EXPECT_FALSE(DenseRunsOf(*view, &runs));
-  EXPECT_FALSE(DenseValueRunsOf(*view, &runs));
-  absl::StatusOr<DenseLayer> dense = ExportDense(*view);
-  absl::StatusOr<DenseLayer> keys = ExportDenseKeys(*view);
-  ASSERT_TRUE(dense.ok() && keys.ok());
-  EXPECT_EQ(keys->k, dense->k);
+  const auto check_ragged = [](const CompactLayerView& view, const ByteVector& blob,
+                               size_t min_padding_spans) {
+    DenseRuns runs, value_runs;
+    ASSERT_TRUE(DenseRunsOf(view, &runs));
+    ASSERT_TRUE(DenseValueRunsOf(view, &value_runs));
+    absl::StatusOr<DenseLayer> dense = ExportDense(view);
+    absl::StatusOr<DenseLayer> keys = ExportDenseKeys(view);
+    ASSERT_TRUE(dense.ok() && keys.ok());
+    EXPECT_EQ(keys->k, dense->k);
+    std::vector<uint8_t> pos(dense->positions.size() * sizeof(int32_t));
+    std::memcpy(pos.data(), dense->positions.data(), pos.size());
+    EXPECT_EQ(Joined(runs.k), std::vector<uint8_t>(dense->k.begin(), dense->k.end()));
+    EXPECT_EQ(Joined(runs.v), std::vector<uint8_t>(dense->v.begin(), dense->v.end()));
+    EXPECT_EQ(Joined(runs.positions), pos);
+    EXPECT_EQ(Joined(value_runs.v), Joined(runs.v));
+    EXPECT_EQ(Joined(value_runs.positions), pos);
+    size_t padding = 0;
+    for (const auto* part : {&runs.k, &runs.v, &runs.positions}) {
+      for (const auto& r : *part) {
+        const bool in_blob =
+            r.data() >= blob.data() && r.data() + r.size() <= blob.data() + blob.size();
+        EXPECT_NE(in_blob, IsDensePadding(r));
+        padding += IsDensePadding(r);
+      }
+    }
+    EXPECT_GE(padding, min_padding_spans);
+  };
+  check_ragged(*view, p->bytes, 3);  // K, V and positions padded once each
+  const PackLayerData large = MakePackLayer(2, 3000, 128, DType::kF32, Layout::kHND, 4);
+  TokenSelection uneven;
+  uneven.num_kv_heads = 2;
+  uneven.budget = 2900;
+  uneven.counts = {2900, 100};
+  for (int h = 0; h < 2; ++h) {
+    for (int t = 0; t < uneven.counts[h]; ++t) uneven.positions.push_back(t * 3000 / 2900);
+  }
+  absl::StatusOr<CompactLayer> q =
+      PackLayer(large.input(), uneven, RandomChannels(2, 128, 128, 128, &rng), Spec(0, 2));
+  ASSERT_TRUE(q.ok()) << q.status();
+  absl::StatusOr<CompactLayerView> large_view = CompactLayerView::Parse(q->bytes);
+  ASSERT_TRUE(large_view.ok());
+  // 2,800 fp32 rows of 128 are 1.4 MiB of padding in K and in V: two spans each.
+  check_ragged(*large_view, q->bytes, 5);
 }
 
 // A valid 2-head, 4-bit, pruned blob to corrupt.

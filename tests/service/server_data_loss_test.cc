@@ -241,6 +241,47 @@ TEST_F(ServerDataLossTest, KeyPrunedDenseVerifiesTheKeysBeforeExportingAndTheVal
   }
 }
 
+// DENSE of a head-adaptive layer from the blob: the padding of the head that keeps fewer tokens
+// goes out from constant bytes, and the blob's own runs are still verified as they go, so a
+// corrupt value block ends the stream after the layer's keys and the values before it.
+TEST_F(ServerDataLossTest, RaggedDenseFromTheBlobVerifiesTheBlobsRuns) {
+  auto cache = testing::MakeTestCache("r", testing::Shape(2, 2, 2, 64, 2048, 16),
+                                      kvcache::v1::DTYPE_F16, kvcache::v1::LAYOUT_HND, 3);
+  auto* e = cache.header.mutable_compression()->mutable_eviction();
+  e->set_policy("h2o");
+  e->set_keep_ratio(0.5);
+  e->set_adaptive(true);
+  e->set_adaptive_floor(0.1);
+  ASSERT_TRUE(testing::PutCache(stub_, cache).ok());
+  auto entry = loopback_.store()->Peek(Tenant().empty() ? "r" : Tenant() + "/r");
+  ASSERT_TRUE(entry.ok());
+  ByteVector& blob = const_cast<CacheEntry&>(**entry).layers[1];
+  absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(blob);
+  ASSERT_TRUE(view.ok()) << view.status();
+  ASSERT_NE(view->desc(0).n_kept, view->desc(1).n_kept) << "the heads keep the same count";
+  // The last old value row of the last head: the chunks of V before it have gone out.
+  const CompactHead head = view->head(1);
+  const size_t at = static_cast<size_t>(static_cast<const uint8_t*>(head.value_old) -
+                                        blob.data()) +
+                    static_cast<size_t>(head.n_kept - head.n_recent - 1) * 64 * 2;
+  kvcache::v1::GetCacheRequest get;
+  get.set_cache_id("r");
+  get.set_format(kvcache::v1::FORMAT_DENSE);
+  testing::Fetched good, bad;
+  ASSERT_TRUE(testing::Get(stub_, get, &good).ok());
+  blob[at] ^= 0x10;
+  grpc::Status s = testing::Get(stub_, get, &bad);
+  blob[at] ^= 0x10;
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
+  EXPECT_THAT(s.error_message(),
+              ::testing::HasSubstr(absl::StrCat("layer 1 block ", at / kChecksumBlockBytes)));
+  EXPECT_EQ(bad.part(1, kvcache::v1::PART_K), good.part(1, kvcache::v1::PART_K));
+  const std::string& partial = bad.part(1, kvcache::v1::PART_V);
+  EXPECT_GT(partial.size(), 0u);
+  EXPECT_LT(partial.size(), good.part(1, kvcache::v1::PART_V).size());
+  EXPECT_EQ(partial, good.part(1, kvcache::v1::PART_V).substr(0, partial.size()));
+}
+
 class ServerDataLossTenantTest : public ServerDataLossTest {
  protected:
   std::string Tenant() const override { return "alpha"; }

@@ -250,21 +250,25 @@ struct DenseLayer {
 };
 absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view);
 
-// DENSE export without a copy. When every head keeps the same count and nothing is quantized or
-// pruned (an upload stored whole, or evicted only), ExportDense's K, V and positions are runs of
-// the blob's own bytes: head by head, the old rows then the recent ones. The runs of each, in
-// order, adjacent runs merged (empty when the layer keeps no token); false when the layer needs
-// ExportDense. The spans point into view.blob().
+// DENSE export without a copy. When nothing is quantized or pruned (an upload stored whole, or
+// evicted only), ExportDense's K, V and positions are runs of the blob's own bytes: head by head,
+// the old rows then the recent ones, then, for a head that keeps fewer tokens than the largest
+// count (head-adaptive budgets), its padding as spans of constant bytes outside the blob (zeros
+// for K and V, 0xff bytes, i.e. -1, for positions; IsDensePadding tells them apart). The runs of
+// each, in order, adjacent blob runs merged (empty when the layer keeps no token); false when the
+// layer needs ExportDense.
 struct DenseRuns {
   std::vector<absl::Span<const uint8_t>> k, v, positions;
 };
 bool DenseRunsOf(const CompactLayerView& view, DenseRuns* runs);
 
-// DENSE with the values in place. When every head keeps the same count and nothing but key
-// channels is pruned (ThinK on the keys alone, its default), ExportDense's V and positions are
-// still runs of the blob: `runs->v` and `runs->positions` as DenseRunsOf gives them, `runs->k`
-// empty, and ExportDenseKeys exports the rest. false (runs empty) when anything is quantized,
-// value channels are pruned or the heads keep different counts.
+// True when `run` is a span of DenseRunsOf's constant padding, not of a blob.
+bool IsDensePadding(absl::Span<const uint8_t> run);
+
+// DENSE with the values in place. When nothing but key channels is pruned (ThinK on the keys
+// alone, its default), ExportDense's V and positions are still runs as DenseRunsOf gives them:
+// `runs->v` and `runs->positions`, `runs->k` empty, and ExportDenseKeys exports the rest. false
+// (runs empty) when anything is quantized or value channels are pruned.
 bool DenseValueRunsOf(const CompactLayerView& view, DenseRuns* runs);
 
 // ExportDense(view)'s keys alone: the shape, counts and `k` as ExportDense fills them; `v` and
