@@ -58,6 +58,34 @@ class ServerDataLossTest : public ::testing::Test {
     return const_cast<CacheEntry&>(**entry);
   }
 
+  // Flips a bit of layer 1's `blob` at `at` for one DENSE or DENSE_CONTIGUOUS `get` and checks
+  // how the stream ends against the intact `good` fetch: DATA_LOSS naming the block, layer 0
+  // whole, and of layer 1 no key when the bad block is one the keys' export reads (`in_keys`),
+  // else the keys whole and the values up to the bad block's chunk.
+  void ExpectLayerOneStopsAt(const kvcache::v1::GetCacheRequest& get, ByteVector& blob, size_t at,
+                             bool in_keys, const testing::Fetched& good) {
+    SCOPED_TRACE(in_keys ? "a key block" : "a value block");
+    blob[at] ^= 0x10;
+    testing::Fetched bad;
+    grpc::Status s = testing::Get(stub_, get, &bad);
+    blob[at] ^= 0x10;
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
+    EXPECT_THAT(s.error_message(),
+                ::testing::HasSubstr(absl::StrCat("layer 1 block ", at / kChecksumBlockBytes)));
+    for (auto part : {kvcache::v1::PART_K, kvcache::v1::PART_V, kvcache::v1::PART_POSITIONS}) {
+      EXPECT_EQ(bad.part(0, part), good.part(0, part));
+    }
+    if (in_keys) {
+      EXPECT_EQ(bad.parts.count({1, kvcache::v1::PART_K}), 0u);
+      return;
+    }
+    EXPECT_EQ(bad.part(1, kvcache::v1::PART_K), good.part(1, kvcache::v1::PART_K));
+    const std::string& partial = bad.part(1, kvcache::v1::PART_V);
+    EXPECT_GT(partial.size(), 0u);
+    EXPECT_LT(partial.size(), good.part(1, kvcache::v1::PART_V).size());
+    EXPECT_EQ(partial, good.part(1, kvcache::v1::PART_V).substr(0, partial.size()));
+  }
+
   // The tenant the calls authenticate as ("" = no authentication).
   virtual std::string Tenant() const { return ""; }
   static constexpr char kToken[] = "token-data-loss-0123";
@@ -160,27 +188,7 @@ TEST_F(ServerDataLossTest, ContiguousVerifiesTheKeysBeforeTurningThemAndTheValue
   ASSERT_TRUE(testing::Get(stub_, get_, &good).ok());
   ByteVector& blob = Stored().layers[1];
   for (const size_t at : {blob.size() / 4, blob.size() * 3 / 4}) {  // in the keys, the values
-    const bool in_keys = at < blob.size() / 2;
-    SCOPED_TRACE(in_keys ? "a key block" : "a value block");
-    blob[at] ^= 0x10;
-    testing::Fetched bad;
-    grpc::Status s = testing::Get(stub_, get_, &bad);
-    blob[at] ^= 0x10;
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
-    EXPECT_THAT(s.error_message(),
-                ::testing::HasSubstr(absl::StrCat("layer 1 block ", at / kChecksumBlockBytes)));
-    for (auto part : {kvcache::v1::PART_K, kvcache::v1::PART_V, kvcache::v1::PART_POSITIONS}) {
-      EXPECT_EQ(bad.part(0, part), good.part(0, part));
-    }
-    if (in_keys) {
-      EXPECT_EQ(bad.parts.count({1, kvcache::v1::PART_K}), 0u);
-    } else {
-      EXPECT_EQ(bad.part(1, kvcache::v1::PART_K), good.part(1, kvcache::v1::PART_K));
-      const std::string& partial = bad.part(1, kvcache::v1::PART_V);
-      EXPECT_GT(partial.size(), 0u);
-      EXPECT_LT(partial.size(), good.part(1, kvcache::v1::PART_V).size());
-      EXPECT_EQ(partial, good.part(1, kvcache::v1::PART_V).substr(0, partial.size()));
-    }
+    ExpectLayerOneStopsAt(get_, blob, at, /*in_keys=*/at < blob.size() / 2, good);
   }
 }
 
@@ -216,29 +224,8 @@ TEST_F(ServerDataLossTest, KeyPrunedDenseVerifiesTheKeysBeforeExportingAndTheVal
   get.set_format(kvcache::v1::FORMAT_DENSE);
   testing::Fetched good;
   ASSERT_TRUE(testing::Get(stub_, get, &good).ok());
-  for (const size_t at : {key_at, value_at}) {
-    const bool in_keys = at == key_at;
-    SCOPED_TRACE(in_keys ? "a key block" : "a value block");
-    blob[at] ^= 0x10;
-    testing::Fetched bad;
-    grpc::Status s = testing::Get(stub_, get, &bad);
-    blob[at] ^= 0x10;
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
-    EXPECT_THAT(s.error_message(),
-                ::testing::HasSubstr(absl::StrCat("layer 1 block ", at / kChecksumBlockBytes)));
-    for (auto part : {kvcache::v1::PART_K, kvcache::v1::PART_V, kvcache::v1::PART_POSITIONS}) {
-      EXPECT_EQ(bad.part(0, part), good.part(0, part));
-    }
-    if (in_keys) {
-      EXPECT_EQ(bad.parts.count({1, kvcache::v1::PART_K}), 0u);
-    } else {
-      EXPECT_EQ(bad.part(1, kvcache::v1::PART_K), good.part(1, kvcache::v1::PART_K));
-      const std::string& partial = bad.part(1, kvcache::v1::PART_V);
-      EXPECT_GT(partial.size(), 0u);
-      EXPECT_LT(partial.size(), good.part(1, kvcache::v1::PART_V).size());
-      EXPECT_EQ(partial, good.part(1, kvcache::v1::PART_V).substr(0, partial.size()));
-    }
-  }
+  ExpectLayerOneStopsAt(get, blob, key_at, /*in_keys=*/true, good);
+  ExpectLayerOneStopsAt(get, blob, value_at, /*in_keys=*/false, good);
 }
 
 // DENSE of a head-adaptive layer from the blob: the padding of the head that keeps fewer tokens
@@ -267,19 +254,9 @@ TEST_F(ServerDataLossTest, RaggedDenseFromTheBlobVerifiesTheBlobsRuns) {
   kvcache::v1::GetCacheRequest get;
   get.set_cache_id("r");
   get.set_format(kvcache::v1::FORMAT_DENSE);
-  testing::Fetched good, bad;
+  testing::Fetched good;
   ASSERT_TRUE(testing::Get(stub_, get, &good).ok());
-  blob[at] ^= 0x10;
-  grpc::Status s = testing::Get(stub_, get, &bad);
-  blob[at] ^= 0x10;
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
-  EXPECT_THAT(s.error_message(),
-              ::testing::HasSubstr(absl::StrCat("layer 1 block ", at / kChecksumBlockBytes)));
-  EXPECT_EQ(bad.part(1, kvcache::v1::PART_K), good.part(1, kvcache::v1::PART_K));
-  const std::string& partial = bad.part(1, kvcache::v1::PART_V);
-  EXPECT_GT(partial.size(), 0u);
-  EXPECT_LT(partial.size(), good.part(1, kvcache::v1::PART_V).size());
-  EXPECT_EQ(partial, good.part(1, kvcache::v1::PART_V).substr(0, partial.size()));
+  ExpectLayerOneStopsAt(get, blob, at, /*in_keys=*/false, good);
 }
 
 class ServerDataLossTenantTest : public ServerDataLossTest {
