@@ -128,11 +128,13 @@ void BM_Memcpy(benchmark::State& state) {
 }
 
 // Turning the keys a DENSE_CONTIGUOUS download sends (kvc/contiguous_export.h): the keys of the
-// 32K layer, a quarter of them kept (8 heads x 8,192 x 128, Llama-3's RoPE), fp16 (arg 0) or
-// bf16 (arg 1), turned in place by -(32768 - 8192) positions; bytes_per_second counts the keys
+// 32K layer, a quarter of them kept (8 heads x 8,192 x 128, Llama-3's RoPE), fp16 (first arg 0)
+// or bf16 (1), turned by -(32768 - 8192) positions in place (second arg 0) or from the layer's
+// keys into a buffer of their own, as the export does (1); bytes_per_second counts the keys
 // (compare BM_Memcpy's, which counts K and V).
 void BM_TurnKeys(benchmark::State& state) {
   const DType dt = state.range(0) != 0 ? DType::kBF16 : DType::kF16;
+  const bool apart = state.range(1) != 0;
   const Layer& layer = GetLayer(32768, dt);
   DenseLayer keys;
   keys.num_kv_heads = kKvHeads;
@@ -146,7 +148,43 @@ void BM_TurnKeys(benchmark::State& state) {
   RopeParams rope;
   rope.theta = 500000;
   rope.half_split = true;
+  // The export's case: every fourth token of the layer kept in a blob, whose key runs are turned
+  // into a buffer of their own.
+  absl::StatusOr<CompactLayer> blob = absl::UnknownError("not packed");
+  absl::StatusOr<CompactLayerView> view = absl::UnknownError("not packed");
+  DenseRuns runs;
+  if (apart) {
+    TokenSelection tokens;
+    tokens.num_kv_heads = kKvHeads;
+    tokens.budget = keys.n_kept;
+    for (int h = 0; h < kKvHeads; ++h) {
+      for (int t = 0; t < keys.n_kept; ++t) tokens.positions.push_back(4 * t + 3);
+    }
+    ChannelSelection channels{kHeadDim, kHeadDim, {}, {}};
+    for (int h = 0; h < kKvHeads; ++h) {
+      for (int c = 0; c < kHeadDim; ++c) {
+        channels.key_idx.push_back(c);
+        channels.value_idx.push_back(c);
+      }
+    }
+    blob = PackLayer(layer.input(), tokens, channels, CompressionSpec{});
+    if (blob.ok()) view = CompactLayerView::Parse(blob->bytes);
+    if (!view.ok() || !DenseRunsOf(*view, &runs)) {
+      state.SkipWithError("the kept layer did not pack into runs");
+      return;
+    }
+  }
   for (auto _ : state) {
+    if (apart) {
+      absl::StatusOr<DenseLayer> out = ExportKeysContiguous(*view, runs, rope);
+      if (!out.ok()) {
+        state.SkipWithError(std::string(out.status().message()).c_str());
+        return;
+      }
+      benchmark::DoNotOptimize(out->k.data());
+      benchmark::ClobberMemory();
+      continue;
+    }
     // Alternate the direction: the keys stay in range however long the run.
     const int shift = (state.iterations() % 2 == 0 ? 1 : -1) * (keys.seq_len - keys.n_kept);
     if (absl::Status s = RotateKeys(rope, shift, &keys); !s.ok()) {
@@ -158,8 +196,8 @@ void BM_TurnKeys(benchmark::State& state) {
   }
   state.counters["bytes_per_second"] = benchmark::Counter(
       static_cast<double>(bytes) * state.iterations(), benchmark::Counter::kIsRate);
-  state.SetLabel(absl::StrCat(std::string(DTypeName(dt)), " keys, ",
-                              std::string(CpuIsaName(ActiveCpuIsa()))));
+  state.SetLabel(absl::StrCat(std::string(DTypeName(dt)), " keys, ", apart ? "apart" : "in place",
+                              ", ", std::string(CpuIsaName(ActiveCpuIsa()))));
 }
 
 // The keys a DENSE download of a channel-pruned cache exports (ExportDenseKeys; the values go
@@ -650,7 +688,13 @@ void BM_Pipeline(benchmark::State& state) {
 
 // Short runs: 32K iterations take ~0.1-1 s each on a small machine.
 BENCHMARK(BM_Memcpy)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_TurnKeys)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_TurnKeys)
+    ->Args({0, 0})
+    ->Args({1, 0})
+    ->Args({0, 1})
+    ->Args({1, 1})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(BM_ExportDenseKeys)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_ReceiveCopy)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_PackKeys)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
