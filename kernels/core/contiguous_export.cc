@@ -159,7 +159,100 @@ __attribute__((target("avx2,f16c"))) void TurnRowsAvx2(const Turn& t, int d, con
     }
   }
 }
+
+// The same sixteen channels at a time with AVX-512 (twice the double lanes per instruction; the
+// turn is bound by its arithmetic, engine_bench BM_TurnKeys), the same products, sums and
+// roundings: the same bits.
+#define KVC_TURN_AVX512_INL \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"), always_inline)) inline
+
+template <DType T>
+KVC_TURN_AVX512_INL __m512 LoadFloat16(const void* base, size_t i) {
+  if constexpr (T == DType::kF32) return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+  const __m256i h =
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
+  if constexpr (T == DType::kF16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Rounded as StoreFloat8 rounds (bf16: to nearest even on the integer bits, NaN made quiet).
+template <DType T>
+KVC_TURN_AVX512_INL void StoreFloat16(void* base, size_t i, __m512 v) {
+  if constexpr (T == DType::kF32) {
+    _mm512_storeu_ps(static_cast<float*>(base) + i, v);
+    return;
+  }
+  auto* d = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i);
+  if constexpr (T == DType::kF16) {
+    _mm256_storeu_si256(d, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  } else {
+    const __m512i x = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+    const __m512i nan_bits = _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x40));
+    const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(
+        _mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    _mm256_storeu_si256(d, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded,
+                                                                          nan_bits)));
+  }
+}
+
+KVC_TURN_AVX512_INL __m512d Low8(__m512 x) { return _mm512_cvtps_pd(_mm512_castps512_ps256(x)); }
+KVC_TURN_AVX512_INL __m512d High8(__m512 x) {
+  return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+}
+
+KVC_TURN_AVX512_INL __m512 Turn16(__m512 x, __m512 partner, const double* c, const double* s) {
+  const __m512d rl = _mm512_add_pd(_mm512_mul_pd(Low8(x), _mm512_loadu_pd(c)),
+                                   _mm512_mul_pd(Low8(partner), _mm512_loadu_pd(s)));
+  const __m512d rh = _mm512_add_pd(_mm512_mul_pd(High8(x), _mm512_loadu_pd(c + 8)),
+                                   _mm512_mul_pd(High8(partner), _mm512_loadu_pd(s + 8)));
+  const __m512d lo = _mm512_castps_pd(_mm512_castps256_ps512(_mm512_cvtpd_ps(rl)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm512_cvtpd_ps(rh)), 1));
+}
+
+template <DType T>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"))) void TurnRowsAvx512(
+    const Turn& t, int d, const uint8_t* src, size_t rows, uint8_t* dst) {
+  constexpr size_t kElem = T == DType::kF32 ? 4 : 2;
+  const size_t row_bytes = static_cast<size_t>(d) * kElem;
+  const int half = t.half, rd = 2 * half;
+  const double* c = t.ch_c.data();
+  const double* s = t.ch_s.data();
+  for (size_t r = 0; r < rows; ++r) {
+    const uint8_t* in = src + r * row_bytes;
+    uint8_t* out = dst + r * row_bytes;
+    if (t.half_split) {
+      for (int i = 0; i < half; i += 16) {
+        const __m512 lo = LoadFloat16<T>(in, i), hi = LoadFloat16<T>(in, half + i);
+        StoreFloat16<T>(out, i, Turn16(lo, hi, c + i, s + i));
+        StoreFloat16<T>(out, half + i, Turn16(hi, lo, c + half + i, s + half + i));
+      }
+    } else {
+      for (int i = 0; i < rd; i += 16) {
+        const __m512 x = LoadFloat16<T>(in, i);
+        StoreFloat16<T>(out, i, Turn16(x, _mm512_permute_ps(x, 0xb1), c + i, s + i));
+      }
+    }
+    if (rd < d && in != out) {
+      std::memcpy(out + static_cast<size_t>(rd) * kElem, in + static_cast<size_t>(rd) * kElem,
+                  static_cast<size_t>(d - rd) * kElem);
+    }
+  }
+}
 #endif  // KVC_TURN_X86
+
+// Whether the AVX-512 kernels take this turn: the rotary channels of each pair style in groups
+// of sixteen.
+bool Avx512TurnFits(const Turn& t) {
+#ifdef KVC_TURN_X86
+  return CpuIsaAtLeast(CpuIsa::kAvx512) && (t.half_split ? t.half % 16 == 0 : t.half % 8 == 0);
+#else
+  (void)t;
+  return false;
+#endif
+}
 
 // Whether the fused kernels take this turn: AVX2 and the rotary channels of each pair style in
 // groups of eight.
@@ -179,6 +272,16 @@ bool FusedTurnFits(const Turn& t) {
 // Channels past rotary_dims go through float and back unchanged.
 void RotateRows(const Turn& t, DType dt, int d, const uint8_t* src, size_t rows, uint8_t* dst) {
 #ifdef KVC_TURN_X86
+  if (Avx512TurnFits(t)) {
+    switch (dt) {
+      case DType::kF32:
+        return TurnRowsAvx512<DType::kF32>(t, d, src, rows, dst);
+      case DType::kF16:
+        return TurnRowsAvx512<DType::kF16>(t, d, src, rows, dst);
+      case DType::kBF16:
+        return TurnRowsAvx512<DType::kBF16>(t, d, src, rows, dst);
+    }
+  }
   if (FusedTurnFits(t)) {
     switch (dt) {
       case DType::kF32:
