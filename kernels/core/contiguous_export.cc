@@ -112,6 +112,8 @@ RotateRowFn PickRotateRow() {
 
 using convert_x86::LoadFloat8;
 using convert_x86::StoreFloat8;
+using convert_x86::LoadFloat16;
+using convert_x86::StoreFloat16;
 
 // x * c + partner * s on eight channels, in double, each rounded to float once.
 KVC_TURN_AVX2_INL __m256 Turn8(__m256 x, __m256 partner, const double* c, const double* s) {
@@ -165,38 +167,6 @@ __attribute__((target("avx2,f16c"))) void TurnRowsAvx2(const Turn& t, int d, con
 // roundings: the same bits.
 #define KVC_TURN_AVX512_INL \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"), always_inline)) inline
-
-template <DType T>
-KVC_TURN_AVX512_INL __m512 LoadFloat16(const void* base, size_t i) {
-  if constexpr (T == DType::kF32) return _mm512_loadu_ps(static_cast<const float*>(base) + i);
-  const __m256i h =
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
-  if constexpr (T == DType::kF16) return _mm512_cvtph_ps(h);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// Rounded as StoreFloat8 rounds (bf16: to nearest even on the integer bits, NaN made quiet).
-template <DType T>
-KVC_TURN_AVX512_INL void StoreFloat16(void* base, size_t i, __m512 v) {
-  if constexpr (T == DType::kF32) {
-    _mm512_storeu_ps(static_cast<float*>(base) + i, v);
-    return;
-  }
-  auto* d = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i);
-  if constexpr (T == DType::kF16) {
-    _mm256_storeu_si256(d, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-  } else {
-    const __m512i x = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-    const __m512i nan_bits = _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x40));
-    const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(
-        _mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    _mm256_storeu_si256(d, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded,
-                                                                          nan_bits)));
-  }
-}
 
 KVC_TURN_AVX512_INL __m512d Low8(__m512 x) { return _mm512_cvtps_pd(_mm512_castps512_ps256(x)); }
 KVC_TURN_AVX512_INL __m512d High8(__m512 x) {

@@ -54,7 +54,7 @@ void DequantizeValueRow(const float* scale, const float* zero, const uint8_t* co
 // Rows [0, m) of a head's quantized keys (values), dequantized and rounded to dt: row j at element
 // j * t of dst. The bits of DequantizeKeyRow (DequantizeValueRow) followed by kvc/convert.h's
 // FromFloat, row by row; AVX2 kernels do both in registers where t % 32 == 0 (and, for values,
-// g % 8 == 0).
+// g % 8 == 0), AVX-512 ones where also, for values, g % 16 == 0.
 void DequantizeKeysTo(const float* scale, const float* zero, const uint8_t* codes, int m, int t,
                       int bits, int g, DType dt, void* dst);
 void DequantizeValuesTo(const float* scale, const float* zero, const uint8_t* codes, int m, int t,

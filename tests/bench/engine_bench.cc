@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "../../kernels/core/quantize.h"
 #include "../../kernels/cpu/amx_logits.h"
 #include "../../kernels/cpu/engine.h"
 #include "../../kernels/cpu/f32_logits.h"
@@ -246,6 +247,45 @@ void BM_ExportDenseKeys(benchmark::State& state) {
   state.counters["bytes_per_second"] = benchmark::Counter(
       static_cast<double>(bytes) * state.iterations(), benchmark::Counter::kIsRate);
   state.SetLabel(absl::StrCat("fp16 keys, half the channels, ",
+                              std::string(CpuIsaName(ActiveCpuIsa()))));
+}
+
+// Dequantizing what a DENSE download of a 4-bit cache exports (quant::DequantizeKeysTo and
+// DequantizeValuesTo): one 32K-token head's keys (per-channel scales over groups of 32 tokens)
+// and values (per-token scales over groups of 32 channels), head_dim 128, random codes, into
+// fp16 (arg 0) or bf16 (arg 1); bytes_per_second counts the dequantized bytes written (compare
+// BM_Memcpy's, which counts K and V copied).
+void BM_DequantizeHead(benchmark::State& state) {
+  const DType dt = state.range(0) != 0 ? DType::kBF16 : DType::kF16;
+  constexpr int kTokens = 32768, kBits = 4, kGroup = 32;
+  const size_t code_bytes = static_cast<size_t>(kTokens) * kHeadDim * kBits / 8;
+  std::vector<uint8_t> key_codes(code_bytes), value_codes(code_bytes);
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  for (auto* codes : {&key_codes, &value_codes}) {
+    for (uint8_t& b : *codes) {
+      x = x * 6364136223846793005ull + 1;
+      b = static_cast<uint8_t>(x >> 56);
+    }
+  }
+  // Keys: a scale and zero per channel and group of rows; values: per row and group of channels.
+  std::vector<float> key_scale(static_cast<size_t>(kTokens / kGroup) * kHeadDim, 0.01f);
+  std::vector<float> key_zero(key_scale.size(), -0.07f);
+  std::vector<float> value_scale(static_cast<size_t>(kTokens) * (kHeadDim / kGroup), 0.02f);
+  std::vector<float> value_zero(value_scale.size(), -0.15f);
+  const size_t out_bytes = static_cast<size_t>(kTokens) * kHeadDim * DTypeSize(dt);
+  std::vector<uint8_t> keys(out_bytes), values(out_bytes);
+  for (auto _ : state) {
+    quant::DequantizeKeysTo(key_scale.data(), key_zero.data(), key_codes.data(), kTokens,
+                            kHeadDim, kBits, kGroup, dt, keys.data());
+    quant::DequantizeValuesTo(value_scale.data(), value_zero.data(), value_codes.data(),
+                              kTokens, kHeadDim, kBits, kGroup, dt, values.data());
+    benchmark::DoNotOptimize(keys.data());
+    benchmark::DoNotOptimize(values.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["bytes_per_second"] = benchmark::Counter(
+      2.0 * static_cast<double>(out_bytes) * state.iterations(), benchmark::Counter::kIsRate);
+  state.SetLabel(absl::StrCat(std::string(DTypeName(dt)), ", 4-bit, ",
                               std::string(CpuIsaName(ActiveCpuIsa()))));
 }
 
@@ -696,6 +736,11 @@ BENCHMARK(BM_TurnKeys)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_ExportDenseKeys)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_DequantizeHead)
+    ->Arg(0)
+    ->Arg(1)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(BM_ReceiveCopy)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_PackKeys)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_SgemmSquare)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
