@@ -211,18 +211,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"))) void TurnRowsAvx5
     }
   }
 }
-#endif  // KVC_TURN_X86
 
-// Whether the AVX-512 kernels take this turn: the rotary channels of each pair style in groups
-// of sixteen.
-bool Avx512TurnFits(const Turn& t) {
-#ifdef KVC_TURN_X86
-  return CpuIsaAtLeast(CpuIsa::kAvx512) && (t.half_split ? t.half % 16 == 0 : t.half % 8 == 0);
-#else
-  (void)t;
-  return false;
-#endif
+// The AVX-512 kernel where the CPU has it and the rotary channels of each pair style come in
+// groups of sixteen, else the AVX2 one.
+template <DType T>
+void TurnRowsX86(const Turn& t, int d, const uint8_t* src, size_t rows, uint8_t* dst) {
+  if (CpuIsaAtLeast(CpuIsa::kAvx512) && (t.half_split ? t.half % 16 == 0 : t.half % 8 == 0)) {
+    return TurnRowsAvx512<T>(t, d, src, rows, dst);
+  }
+  TurnRowsAvx2<T>(t, d, src, rows, dst);
 }
+#endif  // KVC_TURN_X86
 
 // Whether the fused kernels take this turn: AVX2 and the rotary channels of each pair style in
 // groups of eight.
@@ -242,24 +241,14 @@ bool FusedTurnFits(const Turn& t) {
 // Channels past rotary_dims go through float and back unchanged.
 void RotateRows(const Turn& t, DType dt, int d, const uint8_t* src, size_t rows, uint8_t* dst) {
 #ifdef KVC_TURN_X86
-  if (Avx512TurnFits(t)) {
-    switch (dt) {
-      case DType::kF32:
-        return TurnRowsAvx512<DType::kF32>(t, d, src, rows, dst);
-      case DType::kF16:
-        return TurnRowsAvx512<DType::kF16>(t, d, src, rows, dst);
-      case DType::kBF16:
-        return TurnRowsAvx512<DType::kBF16>(t, d, src, rows, dst);
-    }
-  }
   if (FusedTurnFits(t)) {
     switch (dt) {
       case DType::kF32:
-        return TurnRowsAvx2<DType::kF32>(t, d, src, rows, dst);
+        return TurnRowsX86<DType::kF32>(t, d, src, rows, dst);
       case DType::kF16:
-        return TurnRowsAvx2<DType::kF16>(t, d, src, rows, dst);
+        return TurnRowsX86<DType::kF16>(t, d, src, rows, dst);
       case DType::kBF16:
-        return TurnRowsAvx2<DType::kBF16>(t, d, src, rows, dst);
+        return TurnRowsX86<DType::kBF16>(t, d, src, rows, dst);
     }
   }
 #endif
@@ -325,8 +314,11 @@ absl::StatusOr<DenseLayer> ExportKeysContiguous(const CompactLayerView& view,
   return out;
 }
 
-absl::StatusOr<DenseLayer> ExportDenseContiguous(const CompactLayerView& view,
-                                                 const RopeParams& rope) {
+namespace {
+
+// ExportDenseContiguous, or its keys alone (ExportDenseKeys then turned).
+absl::StatusOr<DenseLayer> ExportContiguous(const CompactLayerView& view, const RopeParams& rope,
+                                            bool keys_only) {
   if (absl::Status s = ValidateRope(rope, view.head_dim()); !s.ok()) return s;
   for (int h = 1; h < view.num_kv_heads(); ++h) {
     if (view.desc(h).n_kept != view.desc(0).n_kept) {
@@ -337,7 +329,7 @@ absl::StatusOr<DenseLayer> ExportDenseContiguous(const CompactLayerView& view,
           "fetch FORMAT_DENSE (padded) or FORMAT_PACKED"));
     }
   }
-  absl::StatusOr<DenseLayer> dense = ExportDense(view);
+  absl::StatusOr<DenseLayer> dense = keys_only ? ExportDenseKeys(view) : ExportDense(view);
   if (!dense.ok()) {
     if (dense.status().code() == absl::StatusCode::kInvalidArgument) {
       return absl::FailedPreconditionError(dense.status().message());
@@ -348,6 +340,18 @@ absl::StatusOr<DenseLayer> ExportDenseContiguous(const CompactLayerView& view,
     return s;
   }
   return dense;
+}
+
+}  // namespace
+
+absl::StatusOr<DenseLayer> ExportDenseContiguous(const CompactLayerView& view,
+                                                 const RopeParams& rope) {
+  return ExportContiguous(view, rope, /*keys_only=*/false);
+}
+
+absl::StatusOr<DenseLayer> ExportDenseKeysContiguous(const CompactLayerView& view,
+                                                     const RopeParams& rope) {
+  return ExportContiguous(view, rope, /*keys_only=*/true);
 }
 
 }  // namespace kvc

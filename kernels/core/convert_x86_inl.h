@@ -1,7 +1,8 @@
 // Eight elements at a time between fp16/bf16 and float on AVX2 + F16C, sixteen on AVX-512, for
 // kernels that convert in registers instead of through a float buffer (kvc/convert.h's bulk
-// conversions are built on the former). The same results as kvc/dtype.h's scalar conversions for every non-NaN input; NaN stays
-// NaN (bf16: a quiet one). Internal header: x86-64 only, callers carry the same target.
+// conversions are built on the former). The same results as kvc/dtype.h's scalar conversions for
+// every non-NaN input; NaN stays NaN (bf16: a quiet one). Internal header: x86-64 only, callers
+// carry the same target.
 #ifndef KVC_KERNELS_CORE_CONVERT_X86_INL_H_
 #define KVC_KERNELS_CORE_CONVERT_X86_INL_H_
 

@@ -369,32 +369,28 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"))) void DequantRowsA
   }
 }
 
+// The AVX-512 kernel where the CPU has it and the value groups allow it, else the AVX2 one.
+template <DType T, bool kKeys>
+void DequantRowsX86(bool wide, const float* scale, const float* zero, const uint8_t* codes, int m,
+                    int t, int bits, int g, void* dst) {
+  if (wide) return DequantRowsAvx512<T, kKeys>(scale, zero, codes, m, t, bits, g, dst);
+  DequantRowsAvx2<T, kKeys>(scale, zero, codes, m, t, bits, g, dst);
+}
+
 template <bool kKeys>
 bool DequantRowsFused(const float* scale, const float* zero, const uint8_t* codes, int m, int t,
                       int bits, int g, DType dt, void* dst) {
   if (!CpuIsaAtLeast(CpuIsa::kAvx2) || t % 32 != 0 || (!kKeys && g % 8 != 0)) return false;
-  if (CpuIsaAtLeast(CpuIsa::kAvx512) && (kKeys || g % 16 == 0)) {
-    switch (dt) {
-      case DType::kF32:
-        DequantRowsAvx512<DType::kF32, kKeys>(scale, zero, codes, m, t, bits, g, dst);
-        return true;
-      case DType::kF16:
-        DequantRowsAvx512<DType::kF16, kKeys>(scale, zero, codes, m, t, bits, g, dst);
-        return true;
-      case DType::kBF16:
-        DequantRowsAvx512<DType::kBF16, kKeys>(scale, zero, codes, m, t, bits, g, dst);
-        return true;
-    }
-  }
+  const bool wide = CpuIsaAtLeast(CpuIsa::kAvx512) && (kKeys || g % 16 == 0);
   switch (dt) {
     case DType::kF32:
-      DequantRowsAvx2<DType::kF32, kKeys>(scale, zero, codes, m, t, bits, g, dst);
+      DequantRowsX86<DType::kF32, kKeys>(wide, scale, zero, codes, m, t, bits, g, dst);
       return true;
     case DType::kF16:
-      DequantRowsAvx2<DType::kF16, kKeys>(scale, zero, codes, m, t, bits, g, dst);
+      DequantRowsX86<DType::kF16, kKeys>(wide, scale, zero, codes, m, t, bits, g, dst);
       return true;
     case DType::kBF16:
-      DequantRowsAvx2<DType::kBF16, kKeys>(scale, zero, codes, m, t, bits, g, dst);
+      DequantRowsX86<DType::kBF16, kKeys>(wide, scale, zero, codes, m, t, bits, g, dst);
       return true;
   }
   return false;

@@ -10,8 +10,9 @@
 // layer being sent: while layer L streams, layer L+1 is exported, so at most two exported layers
 // (plus whatever gRPC still holds) exist at a time. When the next layer is not ready yet the
 // reactor parks, and the export job resumes it. A layer whose only change is pruned key
-// channels (kvc/compact.h DenseValueRunsOf: ThinK on the keys) exports its keys only; V and positions go out from the blob. The job verifies every block of
-// such a layer that is not wholly inside those runs before it reads the keys. DENSE_CONTIGUOUS
+// channels (kvc/compact.h DenseValueRunsOf: ThinK on the keys) exports its keys only; V and
+// positions go out from the blob. The job verifies every block of such a layer that is not
+// wholly inside those runs before it reads the keys. DENSE_CONTIGUOUS
 // is DENSE with the keys re-rotated (kvc/contiguous_export.h), its RopeSpec and kept counts
 // checked up front (server/contiguous.h); for a layer DenseRunsOf accepts the keys are turned
 // straight from the blob.
@@ -181,15 +182,10 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
           result = absl::DataLossError(
               absl::StrCat("layer ", index, ": ", std::string(view.status().message())));
         } else if (keys = ex->keys_in_place ? ExportKeysContiguous(*view, *ex->runs, *rope)
+                          : rope            ? ExportDenseKeysContiguous(*view, *rope)
                                             : ExportDenseKeys(*view);
                    !keys.ok()) {
           result = keys.status();
-        } else if (absl::Status turned = !ex->keys_in_place && rope
-                                             ? RotateKeys(*rope, keys->seq_len - keys->n_kept,
-                                                          &*keys)
-                                             : absl::OkStatus();
-                   !turned.ok()) {
-          result = turned;
         } else {
           result = std::make_shared<const DenseLayer>(*std::move(keys));
         }

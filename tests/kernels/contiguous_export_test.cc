@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -179,7 +180,8 @@ INSTANTIATE_TEST_SUITE_P(Pairs, RotateKeysTest, ::testing::Bool(),
 
 // The keys-only export from the blob's runs (what GetCache sends with V and positions from the
 // blob) is ExportDenseContiguous's keys byte for byte: every dtype, both pair conventions,
-// partial rotary dims, a layer kept whole (no turn) and evicted ones.
+// partial rotary dims, a layer kept whole (no turn) and evicted ones. So is
+// ExportDenseKeysContiguous's, on those layers and on ones with key channels pruned.
 TEST(ExportKeysContiguousTest, EqualsTheFullExportsKeys) {
   std::mt19937 rng(5);
   int compared = 0;
@@ -210,6 +212,21 @@ TEST(ExportKeysContiguousTest, EqualsTheFullExportsKeys) {
         ASSERT_EQ(keys->k.size(), full->k.size());
         EXPECT_EQ(std::memcmp(keys->k.data(), full->k.data(), full->k.size()), 0);
         EXPECT_TRUE(keys->v.empty() && keys->positions.empty());
+        // The keys alone exported and turned (what GetCache sends beside a key-pruned layer's
+        // value runs; here with half the key channels pruned too): the full export's keys.
+        const ChannelSelection pruned = testing_pack::RandomChannels(3, 32, 16, 32, &rng);
+        absl::StatusOr<CompactLayer> pruned_packed =
+            PackLayer(layer.input(), tokens, pruned, CompressionSpec{});
+        ASSERT_TRUE(pruned_packed.ok()) << pruned_packed.status();
+        for (const auto* blob : {&packed->bytes, &pruned_packed->bytes}) {
+          absl::StatusOr<CompactLayerView> v = CompactLayerView::Parse(*blob);
+          ASSERT_TRUE(v.ok());
+          absl::StatusOr<DenseLayer> whole = ExportDenseContiguous(*v, r);
+          absl::StatusOr<DenseLayer> alone = ExportDenseKeysContiguous(*v, r);
+          ASSERT_TRUE(whole.ok() && alone.ok());
+          EXPECT_EQ(alone->k, whole->k);
+          EXPECT_TRUE(alone->v.empty() && alone->positions.empty());
+        }
         ++compared;
       }
     }
@@ -230,6 +247,25 @@ TEST(ExportKeysContiguousTest, EqualsTheFullExportsKeys) {
   runs.k.pop_back();
   EXPECT_EQ(ExportKeysContiguous(*view, runs, RopeParams{}).status().code(),
             absl::StatusCode::kInternal);
+  // Heads that keep different counts (head-adaptive budgets) have no contiguous layout: both the
+  // whole export and the keys alone refuse them, naming the head.
+  TokenSelection ragged;
+  ragged.num_kv_heads = 2;
+  ragged.budget = 6;
+  ragged.counts = {6, 4};
+  ragged.positions = {1, 5, 9, 11, 13, 15, 2, 3, 14, 15};
+  absl::StatusOr<CompactLayer> uneven = PackLayer(
+      layer.input(), ragged, testing_pack::RandomChannels(2, 16, 16, 16, &rng2), CompressionSpec{});
+  ASSERT_TRUE(uneven.ok()) << uneven.status();
+  absl::StatusOr<CompactLayerView> uneven_view = CompactLayerView::Parse(uneven->bytes);
+  ASSERT_TRUE(uneven_view.ok());
+  for (const auto& refused :
+       {ExportDenseContiguous(*uneven_view, RopeParams{}),
+        ExportDenseKeysContiguous(*uneven_view, RopeParams{})}) {
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(refused.status().message()),
+                ::testing::HasSubstr("head 1 keeps 4 tokens but head 0 keeps 6"));
+  }
 }
 
 TEST(RopeParamsTest, RejectsBadRope) {

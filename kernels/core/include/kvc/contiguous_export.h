@@ -31,6 +31,11 @@ absl::Status RotateKeys(const RopeParams& rope, int shift, DenseLayer* layer);
 absl::StatusOr<DenseLayer> ExportDenseContiguous(const CompactLayerView& view,
                                                  const RopeParams& rope);
 
+// ExportDenseContiguous(view, rope)'s keys alone (v and positions empty), for a layer whose
+// values go out as DenseValueRunsOf's runs; the same errors.
+absl::StatusOr<DenseLayer> ExportDenseKeysContiguous(const CompactLayerView& view,
+                                                     const RopeParams& rope);
+
 // The keys of ExportDenseContiguous(view, rope) for a layer DenseRunsOf accepts (`runs` its
 // runs), turned straight from the blob into `k` of the result ([num_kv_heads, n_kept,
 // head_dim]); v and positions stay empty: they are the blob's own runs, which the contiguous
