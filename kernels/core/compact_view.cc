@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <new>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -321,8 +324,10 @@ void ScatterOld(const CompactLayerView& view, const CompactHead& hd, bool keys, 
   }
 }
 
-// ExportDense, the values (and positions) too or the keys alone.
-DenseLayer ExportDenseParts(const CompactLayerView& view, bool values) {
+// The layer ExportDense fills (values) or ExportDenseKeys: every size set, no byte written (the
+// pieces write every byte: ScatterOld whole rows with pruned channels +0, a ragged head's padding
+// rows zeroed).
+DenseLayer AllocateDense(const CompactLayerView& view, bool values) {
   DenseLayer out;
   out.num_kv_heads = view.num_kv_heads();
   out.head_dim = view.head_dim();
@@ -333,34 +338,32 @@ DenseLayer ExportDenseParts(const CompactLayerView& view, bool values) {
     out.counts[h] = view.desc(h).n_kept;
     out.n_kept = std::max(out.n_kept, out.counts[h]);
   }
-  const size_t elem = DTypeSize(out.dtype);
-  const size_t row_bytes = static_cast<size_t>(out.head_dim) * elem;
-  const size_t head_bytes = static_cast<size_t>(out.n_kept) * row_bytes;
-  // Not zero-filled up front: ScatterOld writes whole rows (pruned channels +0), and a ragged
-  // head's padding rows are zeroed below.
+  const size_t head_bytes =
+      static_cast<size_t>(out.n_kept) * out.head_dim * DTypeSize(out.dtype);
   out.k.resize(head_bytes * out.num_kv_heads);
   if (values) {
     out.v.resize(head_bytes * out.num_kv_heads);
     out.positions.resize(static_cast<size_t>(out.n_kept) * out.num_kv_heads);
   }
-  for (int h = 0; h < out.num_kv_heads; ++h) {
-    const CompactHead hd = view.head(h);
-    const int m = hd.n_kept - hd.n_recent;
-    const size_t pad = static_cast<size_t>(out.n_kept - hd.n_kept) * row_bytes;
-    uint8_t* k = out.k.data() + h * head_bytes;
-    ScatterOld(view, hd, /*keys=*/true, k);
-    std::memcpy(k + m * row_bytes, hd.key_recent, hd.n_recent * row_bytes);
-    std::memset(k + hd.n_kept * row_bytes, 0, pad);
-    if (!values) continue;
-    int32_t* pos = out.positions.data() + static_cast<size_t>(h) * out.n_kept;
-    std::memcpy(pos, hd.positions, sizeof(int32_t) * hd.n_kept);
-    std::fill(pos + hd.n_kept, pos + out.n_kept, -1);
-    uint8_t* v = out.v.data() + h * head_bytes;
-    ScatterOld(view, hd, /*keys=*/false, v);
-    std::memcpy(v + m * row_bytes, hd.value_recent, hd.n_recent * row_bytes);
-    std::memset(v + hd.n_kept * row_bytes, 0, pad);
-  }
   return out;
+}
+
+// One head's keys, or its values and positions, as ExportDense writes them.
+void WriteDenseHead(const CompactLayerView& view, int h, bool keys, DenseLayer* out) {
+  const size_t row_bytes = static_cast<size_t>(out->head_dim) * DTypeSize(out->dtype);
+  const size_t head_bytes = static_cast<size_t>(out->n_kept) * row_bytes;
+  const CompactHead hd = view.head(h);
+  const int m = hd.n_kept - hd.n_recent;
+  const size_t pad = static_cast<size_t>(out->n_kept - hd.n_kept) * row_bytes;
+  uint8_t* rows = (keys ? out->k.data() : out->v.data()) + h * head_bytes;
+  ScatterOld(view, hd, keys, rows);
+  std::memcpy(rows + m * row_bytes, keys ? hd.key_recent : hd.value_recent,
+              hd.n_recent * row_bytes);
+  std::memset(rows + hd.n_kept * row_bytes, 0, pad);
+  if (keys) return;
+  int32_t* pos = out->positions.data() + static_cast<size_t>(h) * out->n_kept;
+  std::memcpy(pos, hd.positions, sizeof(int32_t) * hd.n_kept);
+  std::fill(pos + hd.n_kept, pos + out->n_kept, -1);
 }
 
 // The constant bytes a ragged head's padding is sent from: zeros for K and V rows, 0xff for
@@ -432,12 +435,63 @@ bool RunsOf(const CompactLayerView& view, bool keys, DenseRuns* runs) {
 
 }  // namespace
 
+DenseExporter::DenseExporter(std::shared_ptr<DenseLayer> layer, bool values, WriteFn write)
+    : layer_(std::move(layer)), values_(values), write_(std::move(write)) {}
+
+void DenseExporter::AddStep(WriteFn after) {
+  write_ = [write = std::move(write_), after = std::move(after)](int piece, DenseLayer* out) {
+    write(piece, out);
+    after(piece, out);
+  };
+}
+
+bool DenseExporter::WriteNext() {
+  if (written_ >= pieces()) return false;
+  write_(written_, layer_.get());
+  ++written_;
+  return true;
+}
+
+uint64_t DenseExporter::KeyBytesAfter(int n) const {
+  const int heads = layer_->num_kv_heads;
+  return static_cast<uint64_t>(std::clamp(n, 0, heads)) * (layer_->k.size() / std::max(heads, 1));
+}
+
+uint64_t DenseExporter::ValueBytesAfter(int n) const {
+  const int heads = layer_->num_kv_heads;
+  if (!values_) return 0;
+  return static_cast<uint64_t>(std::clamp(n - heads, 0, heads)) *
+         (layer_->v.size() / std::max(heads, 1));
+}
+
+DenseLayer DenseExporter::Finish() && {
+  while (WriteNext()) {
+  }
+  return std::move(*layer_);
+}
+
+absl::StatusOr<DenseExporter> MakeDenseExporter(const CompactLayerView& view, bool values) {
+  std::shared_ptr<DenseLayer> layer;
+  try {
+    layer = std::make_shared<DenseLayer>(AllocateDense(view, values));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "layer ", view.header().layer_index, ": cannot allocate its dense export"));
+  }
+  const int heads = layer->num_kv_heads;
+  return DenseExporter(std::move(layer), values, [view, heads](int piece, DenseLayer* out) {
+    WriteDenseHead(view, piece % heads, /*keys=*/piece < heads, out);
+  });
+}
+
 absl::StatusOr<DenseLayer> ExportDense(const CompactLayerView& view) {
-  return ExportDenseParts(view, /*values=*/true);
+  ASSIGN_OR_RETURN(DenseExporter exporter, MakeDenseExporter(view, /*values=*/true));
+  return std::move(exporter).Finish();
 }
 
 absl::StatusOr<DenseLayer> ExportDenseKeys(const CompactLayerView& view) {
-  return ExportDenseParts(view, /*values=*/false);
+  ASSIGN_OR_RETURN(DenseExporter exporter, MakeDenseExporter(view, /*values=*/false));
+  return std::move(exporter).Finish();
 }
 
 bool DenseRunsOf(const CompactLayerView& view, DenseRuns* runs) {

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <utility>
 #include <vector>
 
@@ -12,6 +14,7 @@
 #include "kvc/cpu_isa.h"
 #include "kvc/dtype.h"
 #include "kvc/spec.h"
+#include "kvc/status_macros.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -279,17 +282,16 @@ absl::Status RotateKeys(const RopeParams& rope, int shift, DenseLayer* layer) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<DenseLayer> ExportKeysContiguous(const CompactLayerView& view,
-                                                const DenseRuns& runs, const RopeParams& rope) {
+absl::StatusOr<DenseExporter> MakeKeysContiguousExporter(const CompactLayerView& view,
+                                                         const DenseRuns& runs,
+                                                         const RopeParams& rope) {
   if (absl::Status s = ValidateRope(rope, view.head_dim()); !s.ok()) return s;
-  DenseLayer out;
-  out.num_kv_heads = view.num_kv_heads();
-  out.head_dim = view.head_dim();
-  out.seq_len = view.seq_len();
-  out.dtype = view.dtype();
-  out.n_kept = view.max_kept();
-  out.counts.assign(out.num_kv_heads, out.n_kept);
-  const size_t row_bytes = static_cast<size_t>(out.head_dim) * DTypeSize(out.dtype);
+  const int heads = view.num_kv_heads();
+  const int d = view.head_dim();
+  const DType dt = view.dtype();
+  const int n_kept = view.max_kept();
+  const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(dt);
+  const size_t head_bytes = static_cast<size_t>(n_kept) * row_bytes;
   size_t total = 0;
   for (const auto& run : runs.k) {
     if (run.size() % row_bytes != 0) {
@@ -297,28 +299,56 @@ absl::StatusOr<DenseLayer> ExportKeysContiguous(const CompactLayerView& view,
     }
     total += run.size();
   }
-  if (total != static_cast<size_t>(out.num_kv_heads) * out.n_kept * row_bytes) {
+  if (total != static_cast<size_t>(heads) * head_bytes) {
     return absl::InternalError("ExportKeysContiguous: the key runs do not cover the layer");
   }
-  out.k.resize(total);
-  const absl::optional<Turn> turn = MakeTurn(rope, out.head_dim, out.seq_len - out.n_kept);
-  uint8_t* dst = out.k.data();
-  for (const auto& run : runs.k) {
-    if (turn) {
-      RotateRows(*turn, out.dtype, out.head_dim, run.data(), run.size() / row_bytes, dst);
-    } else {
-      std::memcpy(dst, run.data(), run.size());
-    }
-    dst += run.size();
+  auto layer = std::make_shared<DenseLayer>();
+  layer->num_kv_heads = heads;
+  layer->head_dim = d;
+  layer->seq_len = view.seq_len();
+  layer->dtype = dt;
+  layer->n_kept = n_kept;
+  layer->counts.assign(heads, n_kept);
+  try {
+    layer->k.resize(total);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "layer ", view.header().layer_index, ": cannot allocate its contiguous keys"));
   }
-  return out;
+  // Piece h: bytes [h, h + 1) * head_bytes of the runs laid end to end (runs are whole rows and
+  // may span heads), turned into the same bytes of `k`.
+  const absl::optional<Turn> turn = MakeTurn(rope, d, layer->seq_len - n_kept);
+  std::vector<absl::Span<const uint8_t>> k = runs.k;
+  return DenseExporter(
+      std::move(layer), /*values=*/false,
+      [k = std::move(k), turn, head_bytes, row_bytes, d, dt](int h, DenseLayer* out) {
+        const size_t begin = static_cast<size_t>(h) * head_bytes, end = begin + head_bytes;
+        size_t at = 0;  // where the run starts in the concatenation
+        for (const auto& run : k) {
+          const size_t lo = std::max(begin, at), hi = std::min(end, at + run.size());
+          if (lo < hi) {
+            const uint8_t* src = run.data() + (lo - at);
+            uint8_t* dst = out->k.data() + lo;
+            if (turn) {
+              RotateRows(*turn, dt, d, src, (hi - lo) / row_bytes, dst);
+            } else {
+              std::memcpy(dst, src, hi - lo);
+            }
+          }
+          at += run.size();
+          if (at >= end) break;
+        }
+      });
 }
 
-namespace {
+absl::StatusOr<DenseLayer> ExportKeysContiguous(const CompactLayerView& view,
+                                                const DenseRuns& runs, const RopeParams& rope) {
+  ASSIGN_OR_RETURN(DenseExporter exporter, MakeKeysContiguousExporter(view, runs, rope));
+  return std::move(exporter).Finish();
+}
 
-// ExportDenseContiguous, or its keys alone (ExportDenseKeys then turned).
-absl::StatusOr<DenseLayer> ExportContiguous(const CompactLayerView& view, const RopeParams& rope,
-                                            bool keys_only) {
+absl::StatusOr<DenseExporter> MakeContiguousExporter(const CompactLayerView& view,
+                                                     const RopeParams& rope, bool keys_only) {
   if (absl::Status s = ValidateRope(rope, view.head_dim()); !s.ok()) return s;
   for (int h = 1; h < view.num_kv_heads(); ++h) {
     if (view.desc(h).n_kept != view.desc(0).n_kept) {
@@ -329,29 +359,36 @@ absl::StatusOr<DenseLayer> ExportContiguous(const CompactLayerView& view, const 
           "fetch FORMAT_DENSE (padded) or FORMAT_PACKED"));
     }
   }
-  absl::StatusOr<DenseLayer> dense = keys_only ? ExportDenseKeys(view) : ExportDense(view);
-  if (!dense.ok()) {
-    if (dense.status().code() == absl::StatusCode::kInvalidArgument) {
-      return absl::FailedPreconditionError(dense.status().message());
-    }
-    return dense.status();
+  absl::StatusOr<DenseExporter> exporter = MakeDenseExporter(view, /*values=*/!keys_only);
+  if (!exporter.ok()) return exporter.status();
+  const DenseLayer& layer = *exporter->layer();
+  const int heads = layer.num_kv_heads, d = layer.head_dim;
+  const absl::optional<Turn> turn = MakeTurn(rope, d, layer.seq_len - layer.n_kept);
+  if (turn) {
+    // Each head's keys are turned as soon as they are written (RotateKeys, head by head).
+    const size_t rows = static_cast<size_t>(layer.n_kept);
+    const size_t head_bytes = rows * d * DTypeSize(layer.dtype);
+    exporter->AddStep([turn = *turn, heads, d, rows, head_bytes](int piece, DenseLayer* out) {
+      if (piece >= heads) return;
+      uint8_t* k = out->k.data() + static_cast<size_t>(piece) * head_bytes;
+      RotateRows(turn, out->dtype, d, k, rows, k);
+    });
   }
-  if (absl::Status s = RotateKeys(rope, dense->seq_len - dense->n_kept, &*dense); !s.ok()) {
-    return s;
-  }
-  return dense;
+  return exporter;
 }
-
-}  // namespace
 
 absl::StatusOr<DenseLayer> ExportDenseContiguous(const CompactLayerView& view,
                                                  const RopeParams& rope) {
-  return ExportContiguous(view, rope, /*keys_only=*/false);
+  ASSIGN_OR_RETURN(DenseExporter exporter,
+                   MakeContiguousExporter(view, rope, /*keys_only=*/false));
+  return std::move(exporter).Finish();
 }
 
 absl::StatusOr<DenseLayer> ExportDenseKeysContiguous(const CompactLayerView& view,
                                                      const RopeParams& rope) {
-  return ExportContiguous(view, rope, /*keys_only=*/true);
+  ASSIGN_OR_RETURN(DenseExporter exporter,
+                   MakeContiguousExporter(view, rope, /*keys_only=*/true));
+  return std::move(exporter).Finish();
 }
 
 }  // namespace kvc

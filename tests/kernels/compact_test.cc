@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/export_pieces_util.h"
 #include "kernels/isa_util.h"
 #include "kernels/pack_util.h"
 #include "kvc/buffer_pool.h"
@@ -447,6 +448,48 @@ TEST(CompactTest, ExportDenseWritesEveryByteOfReusedBuffers) {
     }
   }
   LargeBuffers().set_cap(cap_before);
+}
+
+// The piece-by-piece export (DenseExporter, what kvcd sends a DENSE layer from while it writes
+// the rest) finishes K head by head, then V head by head, each range equal to the one-shot
+// export's bytes and never written again: every dtype, quantized or not, key or value channels
+// pruned, a ragged layer (padding rows), the keys alone too.
+TEST(CompactTest, ExportersFinishPrefixesPieceByPiece) {
+  std::mt19937 rng(31);
+  int checked = 0;
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (int bits : {0, 4}) {
+      for (const auto& [tk, tv] : {std::pair{16, 16}, {9, 16}, {16, 10}}) {
+        SCOPED_TRACE(testing::Message() << DTypeName(dt) << " bits " << bits << " channels "
+                                        << tk << "/" << tv);
+        const PackLayerData layer = MakePackLayer(3, 64, 16, dt, Layout::kHND, 4);
+        TokenSelection tokens = RandomTokens(3, 64, 30, &rng);
+        if (tk == 9) {  // ragged: head 1 keeps 20 of its 30 tokens
+          std::vector<int32_t> positions;
+          for (int h = 0; h < 3; ++h) {
+            const auto first = tokens.positions.begin() + h * 30;
+            positions.insert(positions.end(), first, first + (h == 1 ? 20 : 30));
+          }
+          tokens.positions = positions;
+          tokens.counts = {30, 20, 30};
+        }
+        absl::StatusOr<CompactLayer> p = PackLayer(
+            layer.input(), tokens, RandomChannels(3, 16, tk, tv, &rng), Spec(bits, 5));
+        ASSERT_TRUE(p.ok()) << p.status();
+        absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(p->bytes);
+        ASSERT_TRUE(view.ok());
+        for (const bool values : {true, false}) {
+          absl::StatusOr<DenseLayer> want = values ? ExportDense(*view) : ExportDenseKeys(*view);
+          absl::StatusOr<DenseExporter> ex = MakeDenseExporter(*view, values);
+          ASSERT_TRUE(want.ok() && ex.ok());
+          EXPECT_EQ(ex->pieces(), values ? 6 : 3);
+          testing_pack::ExpectPiecesFinishPrefixes(*std::move(ex), *want);
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 36);
 }
 
 TEST(CompactTest, DenseRunsAreExportDenseInPlace) {

@@ -12,6 +12,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/export_pieces_util.h"
 #include "kernels/isa_util.h"
 #include "kernels/pack_util.h"
 #include "kvc/dtype.h"
@@ -208,6 +209,20 @@ TEST(ExportKeysContiguousTest, EqualsTheFullExportsKeys) {
         absl::StatusOr<DenseLayer> full = ExportDenseContiguous(*view, r);
         absl::StatusOr<DenseLayer> keys = ExportKeysContiguous(*view, runs, r);
         ASSERT_TRUE(full.ok() && keys.ok());
+        // Piece by piece (what GetCache sends from while the rest is written): each head's keys
+        // turned as they are written, finished in order, the bytes of the one-shot exports.
+        for (const bool keys_only : {false, true}) {
+          absl::StatusOr<DenseExporter> ex = MakeContiguousExporter(*view, r, keys_only);
+          ASSERT_TRUE(ex.ok());
+          absl::StatusOr<DenseLayer> want =
+              keys_only ? ExportDenseKeysContiguous(*view, r) : ExportDenseContiguous(*view, r);
+          ASSERT_TRUE(want.ok());
+          testing_pack::ExpectPiecesFinishPrefixes(*std::move(ex), *want);
+        }
+        absl::StatusOr<DenseExporter> from_runs = MakeKeysContiguousExporter(*view, runs, r);
+        ASSERT_TRUE(from_runs.ok());
+        EXPECT_EQ(from_runs->pieces(), 3);
+        testing_pack::ExpectPiecesFinishPrefixes(*std::move(from_runs), *keys);
         EXPECT_EQ(keys->n_kept, full->n_kept);
         ASSERT_EQ(keys->k.size(), full->k.size());
         EXPECT_EQ(std::memcmp(keys->k.data(), full->k.data(), full->k.size()), 0);

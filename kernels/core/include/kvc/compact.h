@@ -31,6 +31,8 @@
 #define KVC_COMPACT_H_
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -274,6 +276,45 @@ bool DenseValueRunsOf(const CompactLayerView& view, DenseRuns* runs);
 // ExportDense(view)'s keys alone: the shape, counts and `k` as ExportDense fills them; `v` and
 // `positions` stay empty.
 absl::StatusOr<DenseLayer> ExportDenseKeys(const CompactLayerView& view);
+
+// A DENSE export written piece by piece, so that its first bytes can go out while the rest are
+// being written (kvcd sends a layer's first heads while it dequantizes the others). Making one
+// allocates the layer (every size set, no byte written); pieces [0, heads) then write head h's
+// keys, pieces [heads, 2 * heads) (absent for a keys-only export) head h's values and positions.
+// Written in order, from one thread: after n pieces the first KeyBytesAfter(n) bytes of `k` and
+// ValueBytesAfter(n) of `v` are final and never written again, so another thread may read them
+// (with a happens-before edge from the writer); `positions` is final once every piece is
+// written. The view (and the blob it reads) must outlive the exporter. Its results are those of
+// the one-shot exports, which are made of it.
+class DenseExporter {
+ public:
+  // Writes piece `piece` of `out`.
+  using WriteFn = std::function<void(int piece, DenseLayer* out)>;
+  DenseExporter(std::shared_ptr<DenseLayer> layer, bool values, WriteFn write);
+
+  const std::shared_ptr<DenseLayer>& layer() const { return layer_; }
+  int pieces() const { return (values_ ? 2 : 1) * layer_->num_kv_heads; }
+  // Runs `after` on each piece right after it is written, before it counts as written: a later
+  // step over the same bytes (the contiguous export's turn of each head's keys).
+  void AddStep(WriteFn after);
+  // Writes the next piece; false (doing nothing) once every piece is written.
+  bool WriteNext();
+  int written() const { return written_; }
+  uint64_t KeyBytesAfter(int n) const;
+  uint64_t ValueBytesAfter(int n) const;
+  // Writes every remaining piece and gives the layer up.
+  DenseLayer Finish() &&;
+
+ private:
+  std::shared_ptr<DenseLayer> layer_;
+  bool values_;
+  WriteFn write_;
+  int written_ = 0;
+};
+
+// The exporter of ExportDense(view) (values) or of ExportDenseKeys(view). RESOURCE_EXHAUSTED when
+// the layer's memory cannot be allocated.
+absl::StatusOr<DenseExporter> MakeDenseExporter(const CompactLayerView& view, bool values);
 
 // Dequantized float copy of head h: keys and values [n_kept, D] with pruned channels zero. The
 // buffers must hold desc(h).n_kept * head_dim floats each.

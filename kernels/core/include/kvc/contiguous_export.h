@@ -44,6 +44,16 @@ absl::StatusOr<DenseLayer> ExportDenseKeysContiguous(const CompactLayerView& vie
 absl::StatusOr<DenseLayer> ExportKeysContiguous(const CompactLayerView& view,
                                                 const DenseRuns& runs, const RopeParams& rope);
 
+// The same exports written piece by piece (kvc/compact.h DenseExporter): the exporter of
+// ExportDenseContiguous (keys_only false) or ExportDenseKeysContiguous, each head's keys turned
+// as its piece is written, and of ExportKeysContiguous. Their errors, checked before anything is
+// allocated, and RESOURCE_EXHAUSTED when the layer's memory cannot be allocated.
+absl::StatusOr<DenseExporter> MakeContiguousExporter(const CompactLayerView& view,
+                                                     const RopeParams& rope, bool keys_only);
+absl::StatusOr<DenseExporter> MakeKeysContiguousExporter(const CompactLayerView& view,
+                                                         const DenseRuns& runs,
+                                                         const RopeParams& rope);
+
 }  // namespace kvc
 
 #endif  // KVC_CONTIGUOUS_EXPORT_H_
