@@ -6,10 +6,13 @@
 // runs of K, V and positions, verified block by block as they go out, as PACKED's are (a ragged
 // head's padding comes from constant bytes outside the blob, which have no checksum).
 //
-// DENSE export runs on the worker pool, never on a gRPC callback thread, one layer ahead of the
-// layer being sent: while layer L streams, layer L+1 is exported, so at most two exported layers
-// (plus whatever gRPC still holds) exist at a time. When the next layer is not ready yet the
-// reactor parks, and the export job resumes it. A layer whose only change is pruned key
+// DENSE export runs on the I/O pool, never on a gRPC callback thread, and is sent as it is
+// written: the job writes a layer head by head (each head's keys, then each head's values:
+// kvc/compact.h DenseExporter) and the reactor sends every finished prefix, so a download's first
+// bytes go out after one head's export instead of a whole layer's. Once layer L is written, layer
+// L+1 is exported while L streams, so at most two exported layers (plus whatever gRPC still
+// holds) exist at a time. When the reactor has sent all that is written it parks, and the export
+// job resumes it after its next piece. A layer whose only change is pruned key
 // channels (kvc/compact.h DenseValueRunsOf: ThinK on the keys) exports its keys only; V and
 // positions go out from the blob. The job verifies every block of such a layer that is not
 // wholly inside those runs before it reads the keys. DENSE_CONTIGUOUS
@@ -118,11 +121,13 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     CacheStore::Lease lease;
   };
 
-  // The export of one layer, handed from a pool job to the reactor. Whichever of the two comes
-  // second continues: the reactor takes a finished result, or the job resumes a parked reactor.
+  // The export of one layer, written by a pool job while the reactor sends it. The job allocates
+  // the layer and then writes it piece by piece (kvc/compact.h DenseExporter: each head's keys,
+  // then each head's values); the reactor sends each finished prefix as it comes and parks when
+  // it has caught up with the job, which resumes it after its next piece.
   struct Export {
-    // Set when the layer is sent from the blob itself: with ready, nothing runs on the pool. With
-    // keys_only V and positions are sent from the blob and `result` holds the keys alone,
+    // Set when the layer is sent from the blob itself: then nothing runs on the pool. With
+    // keys_only V and positions are sent from the blob and `layer` holds the keys alone,
     // exported (and for DENSE_CONTIGUOUS turned) on the pool: from `runs->k` when DenseRunsOf
     // gave them (keys_in_place), else by ExportDenseKeys.
     absl::optional<DenseRuns> runs;
@@ -130,10 +135,15 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     bool keys_in_place = false;
     int n_kept = 0, heads = 0;
     absl::Mutex mu;
-    bool ready ABSL_GUARDED_BY(mu) = false;
+    // started: `layer` is allocated (or `status` says why not) and its finished prefixes,
+    // k_ready and v_ready bytes, may be sent; done: every byte is written (or the export failed).
+    bool started ABSL_GUARDED_BY(mu) = false;
+    bool done ABSL_GUARDED_BY(mu) = false;
+    absl::Status status ABSL_GUARDED_BY(mu);
+    std::shared_ptr<const DenseLayer> layer ABSL_GUARDED_BY(mu);
+    uint64_t k_ready ABSL_GUARDED_BY(mu) = 0;
+    uint64_t v_ready ABSL_GUARDED_BY(mu) = 0;
     bool reactor_waiting ABSL_GUARDED_BY(mu) = false;
-    absl::StatusOr<std::shared_ptr<const DenseLayer>> result ABSL_GUARDED_BY(mu) =
-        absl::UnknownError("not exported");
   };
 
   // Starts exporting layer `index` on the pool. The job holds the lease (the blob stays valid)
@@ -161,55 +171,67 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     }
     if (ex->runs && !ex->keys_only) {
       absl::MutexLock lock(&ex->mu);
-      ex->ready = true;
+      ex->started = ex->done = true;
       return ex;
     }
     // On the I/O pool: a download never waits behind compressions.
     ThreadPool* pool = state_->io_pool != nullptr ? state_->io_pool : state_->pool;
     pool->Schedule([this, ex, keep = keep_, index, rope = rope_] {
-      absl::StatusOr<std::shared_ptr<const DenseLayer>> result;
-      const CacheEntry& entry = keep->lease.entry();
-      absl::StatusOr<CompactLayerView> view = absl::UnknownError("not parsed");
-      if (ex->keys_only) {
-        // Everything the keys are read from (the header, the head table, the key rows, codes,
-        // scales and channel indices) is checked before they are read; V and positions are
-        // checked as they are sent.
-        absl::StatusOr<DenseLayer> keys = absl::UnknownError("not exported");
-        if (absl::Status verified = VerifyAllButRuns(entry, index, ex->heads, *ex->runs);
-            !verified.ok()) {
-          result = verified;
-        } else if (view = CompactLayerView::Parse(entry.layers[index]); !view.ok()) {
-          result = absl::DataLossError(
-              absl::StrCat("layer ", index, ": ", std::string(view.status().message())));
-        } else if (keys = ex->keys_in_place ? ExportKeysContiguous(*view, *ex->runs, *rope)
-                          : rope            ? ExportDenseKeysContiguous(*view, *rope)
-                                            : ExportDenseKeys(*view);
-                   !keys.ok()) {
-          result = keys.status();
-        } else {
-          result = std::make_shared<const DenseLayer>(*std::move(keys));
+      // Publishes the job's progress; resumes the reactor when it is parked on this export.
+      const auto publish = [this, &ex](auto&& update) {
+        bool resume;
+        {
+          absl::MutexLock lock(&ex->mu);
+          update();
+          resume = std::exchange(ex->reactor_waiting, false);
         }
-      } else if (absl::Status verified =
-                     VerifyBlocks(entry, index, 0, entry.block_checksums[index].size());
-                 !verified.ok()) {
-        result = verified;
-      } else if (view = CompactLayerView::Parse(entry.layers[index]); !view.ok()) {
-        result = absl::DataLossError(
-            absl::StrCat("layer ", index, ": ", std::string(view.status().message())));
-      } else if (auto dense = rope ? ExportDenseContiguous(*view, *rope) : ExportDense(*view);
-                 !dense.ok()) {
-        result = dense.status();
-      } else {
-        result = std::make_shared<const DenseLayer>(*std::move(dense));
+        if (resume) NextWrite();  // the reactor is parked: no write in flight, nothing else runs
+      };
+      const auto fail = [&](absl::Status status) {
+        publish([&] {
+          ex->status = std::move(status);
+          ex->started = ex->done = true;
+        });
+      };
+      // Nothing may escape the job: a parked reactor would wait for it forever.
+      try {
+        const CacheEntry& entry = keep->lease.entry();
+        // Everything an export reads is checked before it is read: the whole blob, or for a
+        // keys-only export all but the runs of V and positions (the header, the head table, the
+        // key rows, codes, scales and channel indices), which are checked as they are sent.
+        if (absl::Status verified =
+                ex->keys_only
+                    ? VerifyAllButRuns(entry, index, ex->heads, *ex->runs)
+                    : VerifyBlocks(entry, index, 0, entry.block_checksums[index].size());
+            !verified.ok()) {
+          return fail(verified);
+        }
+        absl::StatusOr<CompactLayerView> view = CompactLayerView::Parse(entry.layers[index]);
+        if (!view.ok()) {
+          return fail(absl::DataLossError(
+              absl::StrCat("layer ", index, ": ", std::string(view.status().message()))));
+        }
+        absl::StatusOr<DenseExporter> exporter =
+            ex->keys_in_place ? MakeKeysContiguousExporter(*view, *ex->runs, *rope)
+            : rope            ? MakeContiguousExporter(*view, *rope, ex->keys_only)
+                              : MakeDenseExporter(*view, /*values=*/!ex->keys_only);
+        if (!exporter.ok()) return fail(exporter.status());
+        publish([&] {
+          ex->layer = exporter->layer();
+          ex->started = true;
+          ex->done = exporter->pieces() == 0;
+        });
+        while (exporter->WriteNext()) {
+          const int n = exporter->written();
+          publish([&] {
+            ex->k_ready = exporter->KeyBytesAfter(n);
+            ex->v_ready = exporter->ValueBytesAfter(n);
+            ex->done = n == exporter->pieces();
+          });
+        }
+      } catch (...) {
+        fail(StatusFromException(std::current_exception()));
       }
-      bool resume;
-      {
-        absl::MutexLock lock(&ex->mu);
-        ex->result = std::move(result);
-        ex->ready = true;
-        resume = std::exchange(ex->reactor_waiting, false);
-      }
-      if (resume) NextWrite();  // the reactor is parked: no write in flight, nothing else runs
     });
     return ex;
   }
@@ -318,20 +340,30 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     } else {
       std::shared_ptr<const DenseLayer> owned;
       std::shared_ptr<Export> in_place;
+      bool export_done;
+      // Not started yet when the layer before sent no exported byte that would have seen its
+      // export done (it kept no token).
+      if (next_export_ == nullptr) {
+        next_started_for_ = layer_;
+        next_export_ = StartExport(layer_);
+      }
       {
         absl::MutexLock lock(&next_export_->mu);
-        if (!next_export_->ready) {
+        if (!next_export_->started) {
           next_export_->reactor_waiting = true;
           *parked = true;
           return grpc::Status::OK;
         }
+        if (!next_export_->status.ok()) return ToGrpc(next_export_->status, ns_);
         if (next_export_->runs) in_place = next_export_;
-        if (!next_export_->runs || next_export_->keys_only) {
-          if (!next_export_->result.ok()) return ToGrpc(next_export_->result.status(), ns_);
-          owned = *std::move(next_export_->result);
-        }
+        owned = next_export_->layer;  // null when sent from the blob alone
+        export_done = next_export_->done;
       }
-      next_export_ = layer_ + 1 < layer_end_ ? StartExport(layer_ + 1) : nullptr;
+      // The layer being written is sent as its pieces finish; the next layer's export starts
+      // once this one is done (NextWrite), so that the two do not compete for the cores.
+      writing_ = std::move(next_export_);
+      next_export_ = nullptr;
+      if (export_done) StartNextExport();
       if (in_place) {
         // The header and head table the runs were read from are checked before any run goes
         // out; each run's own blocks as it is sent.
@@ -365,6 +397,37 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     return grpc::Status::OK;
   }
 
+  // Whether bytes [0, end) of exported part `kind` of the layer being sent are written; parks
+  // the reactor (*parked) when they are not. The export's error, if any.
+  grpc::Status AwaitWritten(kvcache::v1::LayerPart kind, uint64_t end, bool* parked) {
+    *parked = false;
+    bool done;
+    {
+      absl::MutexLock lock(&writing_->mu);
+      if (!writing_->status.ok()) return ToGrpc(writing_->status, ns_);
+      done = writing_->done;
+      const uint64_t written = done                         ? end
+                               : kind == kvcache::v1::PART_K ? writing_->k_ready
+                               : kind == kvcache::v1::PART_V ? writing_->v_ready
+                                                             : 0;  // positions: when done
+      if (written < end) {
+        writing_->reactor_waiting = true;
+        *parked = true;
+        return grpc::Status::OK;
+      }
+    }
+    if (done) StartNextExport();
+    return grpc::Status::OK;
+  }
+
+  // Starts the next layer's export (DENSE), once: when the layer being sent is written.
+  void StartNextExport() {
+    if (next_export_ == nullptr && layer_ + 1 < layer_end_ && next_started_for_ != layer_ + 1) {
+      next_started_for_ = layer_ + 1;
+      next_export_ = StartExport(layer_ + 1);
+    }
+  }
+
   void NextWrite() {
     if (has_pending_) {  // the info message
       has_pending_ = false;
@@ -394,6 +457,16 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       const Part& p = parts_[part_];
       // An empty part still gets one (empty) message so the client learns its size.
       if (offset_ < p.size || (p.size == 0 && offset_ == 0 && !sent_empty_)) {
+        // An exported part goes out as its export writes it, in the same whole messages.
+        if (!p.in_blob && p.size > 0) {
+          bool parked;
+          if (grpc::Status s = AwaitWritten(p.kind, std::min(p.size, offset_ + chunk_), &parked);
+              !s.ok()) {
+            FinishOnce(s);
+            return;
+          }
+          if (parked) return;  // the export job resumes NextWrite after its next piece
+        }
         size_t n = 0;
         const uint8_t* data = nullptr;
         if (p.size > 0) {
@@ -536,6 +609,8 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   int kept_tokens_ = 0;
   std::vector<Part> parts_;
   std::shared_ptr<Export> next_export_;  // DENSE: the export of the next layer to load
+  std::shared_ptr<Export> writing_;      // DENSE: the export of the layer being sent
+  uint32_t next_started_for_ = 0;        // the layer whose export StartNextExport started
   size_t part_ = 0;
   uint64_t offset_ = 0;
   std::vector<uint8_t> verified_;  // which blocks of the current layer's blob are checked

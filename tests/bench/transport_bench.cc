@@ -433,6 +433,9 @@ struct Case {
   std::function<void()> after;  // untimed, after each run (e.g. deleting what it uploaded)
   uint64_t bytes = 0;           // per run (for downloads: what arrived in the warm-up)
   std::vector<double> seconds;
+  // Downloads through kvc::Client: when the first layer had arrived whole, from the request
+  // (what a decode engine loading layer by layer waits for before it can start), per run.
+  std::vector<double> first_layer_seconds;
   std::string note;       // why it has no numbers, or what the server reported
   pid_t server_pid = -1;  // the process serving this case: kvcd, the sink or Redis
   ProcUsage server;       // its CPU time and page faults over the timed runs
@@ -737,7 +740,11 @@ int main(int argc, char** argv) {
       }
       c->run = [&, o, id, c] {
         uint64_t got = 0;
+        const absl::Time start = absl::Now();
         absl::Status st = (*client)->GetCacheStreaming(id, o, nullptr, [&](kvc::LayerData&& l) {
+          if (got == 0) {
+            c->first_layer_seconds.push_back(absl::ToDoubleSeconds(absl::Now() - start));
+          }
           got += l.packed.size() + l.k.size() + l.v.size() + 4 * l.positions.size();
           return absl::OkStatus();
         });
@@ -799,6 +806,11 @@ int main(int argc, char** argv) {
           absl::StrFormat("server cpu %.1f ms, %.0f faults; client %.1f ms, %.0f faults",
                           c.server.cpu_seconds / reps * 1e3, double(c.server.minor_faults) / reps,
                           c.client.cpu_seconds / reps * 1e3, double(c.client.minor_faults) / reps);
+      if (c.first_layer_seconds.size() > 1) {  // the first one is the warm-up run's
+        absl::StrAppendFormat(
+            &c.note, "; first layer %.2f ms",
+            Median({c.first_layer_seconds.begin() + 1, c.first_layer_seconds.end()}) * 1e3);
+      }
       auto it = server_seconds.find(c.name);
       if (it != server_seconds.end() && it->second.size() > 1) {
         // The first one is the warm-up run's.
