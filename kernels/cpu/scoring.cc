@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "cpu/amx_logits.h"
 #include "cpu/engine.h"
 #include "cpu/f32_logits.h"
@@ -425,11 +426,12 @@ std::string ScoringLogitsDescription(ScoringMath math) {
     auto it =
         std::find_if(paths.begin(), paths.end(), [&](const auto& p) { return p.first == path; });
     if (it == paths.end()) it = paths.insert(paths.end(), {path, ""});
-    it->second += (it->second.empty() ? "" : " ") + std::string(DTypeName(t));
+    absl::StrAppend(&it->second, it->second.empty() ? "" : " ", std::string(DTypeName(t)));
   }
   std::string out;
   for (const auto& [path, dtypes] : paths) {
-    out += (out.empty() ? "" : "; ") + dtypes + ": " + std::string(cpu::LogitsPathName(path));
+    absl::StrAppend(&out, out.empty() ? "" : "; ", dtypes, ": ",
+                    std::string(cpu::LogitsPathName(path)));
   }
   return out;
 }
