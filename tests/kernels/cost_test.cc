@@ -167,7 +167,8 @@ std::pair<std::string, int> KVzipPassesSpec(const std::string& head, int S, int 
   int w = 0;
   for (int lo = 0; lo < S; lo += chunk) {
     const int rows = std::min(chunk, S - lo) + (lo == 0 ? 9 : instruction);
-    passes += (passes.empty() ? "" : "/") + std::to_string(rows);
+    if (!passes.empty()) passes += '/';
+    passes += std::to_string(rows);
     w += rows;
   }
   return {head + ",passes=" + passes + ",chunk=" + std::to_string(chunk), w};

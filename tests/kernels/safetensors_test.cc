@@ -1,5 +1,6 @@
 #include "kvc/safetensors.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -41,11 +42,10 @@ StFile Sample() {
 
 // A file from a raw header string and a data section.
 std::vector<uint8_t> Raw(const std::string& header, size_t data_bytes) {
-  std::vector<uint8_t> out(8);
   const uint64_t n = header.size();
+  std::vector<uint8_t> out(8 + n + data_bytes, 0xab);
   for (int i = 0; i < 8; ++i) out[i] = static_cast<uint8_t>(n >> (8 * i));
-  out.insert(out.end(), header.begin(), header.end());
-  out.resize(out.size() + data_bytes, 0xab);
+  std::copy(header.begin(), header.end(), out.begin() + 8);
   return out;
 }
 

@@ -222,7 +222,7 @@ TEST_F(KvcdPutGetTest, ConcurrentClientsDoNotSeeEachOthersBytes) {
   std::vector<std::thread> threads;
   std::vector<std::string> failures(kClients);
   for (int i = 0; i < kClients; ++i) {
-    threads.emplace_back([this, i, &failures] {
+    threads.emplace_back([i, &failures] {
       auto stub = testing::NewStub(kvcd_->address());
       const std::string id = "concurrent/" + std::to_string(i);
       TestCache cache =
