@@ -324,9 +324,7 @@ void ScatterOld(const CompactLayerView& view, const CompactHead& hd, bool keys, 
   }
 }
 
-// The layer ExportDense fills (values) or ExportDenseKeys: every size set, no byte written (the
-// pieces write every byte: ScatterOld whole rows with pruned channels +0, a ragged head's padding
-// rows zeroed).
+// AllocateDenseExport without the allocation failure's status.
 DenseLayer AllocateDense(const CompactLayerView& view, bool values) {
   DenseLayer out;
   out.num_kv_heads = view.num_kv_heads();
@@ -470,14 +468,18 @@ DenseLayer DenseExporter::Finish() && {
   return std::move(*layer_);
 }
 
-absl::StatusOr<DenseExporter> MakeDenseExporter(const CompactLayerView& view, bool values) {
-  std::shared_ptr<DenseLayer> layer;
+absl::StatusOr<std::shared_ptr<DenseLayer>> AllocateDenseExport(const CompactLayerView& view,
+                                                                bool values) {
   try {
-    layer = std::make_shared<DenseLayer>(AllocateDense(view, values));
+    return std::make_shared<DenseLayer>(AllocateDense(view, values));
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "layer ", view.header().layer_index, ": cannot allocate its dense export"));
   }
+}
+
+absl::StatusOr<DenseExporter> MakeDenseExporter(const CompactLayerView& view, bool values) {
+  ASSIGN_OR_RETURN(std::shared_ptr<DenseLayer> layer, AllocateDenseExport(view, values));
   const int heads = layer->num_kv_heads;
   return DenseExporter(std::move(layer), values, [view, heads](int piece, DenseLayer* out) {
     WriteDenseHead(view, piece % heads, /*keys=*/piece < heads, out);

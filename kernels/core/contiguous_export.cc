@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
-#include <new>
 #include <utility>
 #include <vector>
 
@@ -267,6 +266,13 @@ void RotateRows(const Turn& t, DType dt, int d, const uint8_t* src, size_t rows,
   }
 }
 
+// Turns head h's keys of `layer` ([num_kv_heads, n_kept, head_dim]) in place.
+void TurnHeadKeys(const Turn& t, int h, DenseLayer* layer) {
+  const size_t rows = static_cast<size_t>(layer->n_kept);
+  uint8_t* k = layer->k.data() + h * rows * layer->head_dim * DTypeSize(layer->dtype);
+  RotateRows(t, layer->dtype, layer->head_dim, k, rows, k);
+}
+
 }  // namespace
 
 absl::Status RotateKeys(const RopeParams& rope, int shift, DenseLayer* layer) {
@@ -278,7 +284,7 @@ absl::Status RotateKeys(const RopeParams& rope, int shift, DenseLayer* layer) {
   if (layer->k.size() != rows * d * DTypeSize(layer->dtype)) {
     return absl::InvalidArgumentError("RotateKeys: key bytes do not match the layer's shape");
   }
-  RotateRows(*turn, layer->dtype, d, layer->k.data(), rows, layer->k.data());
+  for (int h = 0; h < layer->num_kv_heads; ++h) TurnHeadKeys(*turn, h, layer);
   return absl::OkStatus();
 }
 
@@ -302,19 +308,7 @@ absl::StatusOr<DenseExporter> MakeKeysContiguousExporter(const CompactLayerView&
   if (total != static_cast<size_t>(heads) * head_bytes) {
     return absl::InternalError("ExportKeysContiguous: the key runs do not cover the layer");
   }
-  auto layer = std::make_shared<DenseLayer>();
-  layer->num_kv_heads = heads;
-  layer->head_dim = d;
-  layer->seq_len = view.seq_len();
-  layer->dtype = dt;
-  layer->n_kept = n_kept;
-  layer->counts.assign(heads, n_kept);
-  try {
-    layer->k.resize(total);
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "layer ", view.header().layer_index, ": cannot allocate its contiguous keys"));
-  }
+  ASSIGN_OR_RETURN(std::shared_ptr<DenseLayer> layer, AllocateDenseExport(view, /*values=*/false));
   // Piece h: bytes [h, h + 1) * head_bytes of the runs laid end to end (runs are whole rows and
   // may span heads), turned into the same bytes of `k`.
   const absl::optional<Turn> turn = MakeTurn(rope, d, layer->seq_len - n_kept);
@@ -362,16 +356,12 @@ absl::StatusOr<DenseExporter> MakeContiguousExporter(const CompactLayerView& vie
   absl::StatusOr<DenseExporter> exporter = MakeDenseExporter(view, /*values=*/!keys_only);
   if (!exporter.ok()) return exporter.status();
   const DenseLayer& layer = *exporter->layer();
-  const int heads = layer.num_kv_heads, d = layer.head_dim;
-  const absl::optional<Turn> turn = MakeTurn(rope, d, layer.seq_len - layer.n_kept);
+  const int heads = layer.num_kv_heads;
+  const absl::optional<Turn> turn = MakeTurn(rope, layer.head_dim, layer.seq_len - layer.n_kept);
   if (turn) {
     // Each head's keys are turned as soon as they are written (RotateKeys, head by head).
-    const size_t rows = static_cast<size_t>(layer.n_kept);
-    const size_t head_bytes = rows * d * DTypeSize(layer.dtype);
-    exporter->AddStep([turn = *turn, heads, d, rows, head_bytes](int piece, DenseLayer* out) {
-      if (piece >= heads) return;
-      uint8_t* k = out->k.data() + static_cast<size_t>(piece) * head_bytes;
-      RotateRows(turn, out->dtype, d, k, rows, k);
+    exporter->AddStep([turn = *turn, heads](int piece, DenseLayer* out) {
+      if (piece < heads) TurnHeadKeys(turn, piece, out);
     });
   }
   return exporter;

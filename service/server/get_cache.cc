@@ -343,10 +343,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       bool export_done;
       // Not started yet when the layer before sent no exported byte that would have seen its
       // export done (it kept no token).
-      if (next_export_ == nullptr) {
-        next_started_for_ = layer_;
-        next_export_ = StartExport(layer_);
-      }
+      if (next_export_ == nullptr) next_export_ = StartExport(layer_);
       {
         absl::MutexLock lock(&next_export_->mu);
         if (!next_export_->started) {
@@ -420,12 +417,10 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     return grpc::Status::OK;
   }
 
-  // Starts the next layer's export (DENSE), once: when the layer being sent is written.
+  // Starts the next layer's export (DENSE), once: when the layer being sent is written. (Only
+  // LoadLayer takes next_export_, when it moves on to that layer.)
   void StartNextExport() {
-    if (next_export_ == nullptr && layer_ + 1 < layer_end_ && next_started_for_ != layer_ + 1) {
-      next_started_for_ = layer_ + 1;
-      next_export_ = StartExport(layer_ + 1);
-    }
+    if (next_export_ == nullptr && layer_ + 1 < layer_end_) next_export_ = StartExport(layer_ + 1);
   }
 
   void NextWrite() {
@@ -610,7 +605,6 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   std::vector<Part> parts_;
   std::shared_ptr<Export> next_export_;  // DENSE: the export of the next layer to load
   std::shared_ptr<Export> writing_;      // DENSE: the export of the layer being sent
-  uint32_t next_started_for_ = 0;        // the layer whose export StartNextExport started
   size_t part_ = 0;
   uint64_t offset_ = 0;
   std::vector<uint8_t> verified_;  // which blocks of the current layer's blob are checked

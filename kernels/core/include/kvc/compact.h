@@ -312,6 +312,12 @@ class DenseExporter {
   int written_ = 0;
 };
 
+// The layer a DENSE export of `view` fills (its values and positions too when `values`): every
+// size and count set, no byte written. RESOURCE_EXHAUSTED naming the layer when its memory cannot
+// be allocated.
+absl::StatusOr<std::shared_ptr<DenseLayer>> AllocateDenseExport(const CompactLayerView& view,
+                                                                bool values);
+
 // The exporter of ExportDense(view) (values) or of ExportDenseKeys(view). RESOURCE_EXHAUSTED when
 // the layer's memory cannot be allocated.
 absl::StatusOr<DenseExporter> MakeDenseExporter(const CompactLayerView& view, bool values);
