@@ -1,7 +1,9 @@
 // The AVX2 integer kernels of attention_int.h (vpmaddubsw + vpmaddwd). This file alone is
 // compiled with -mavx2 -mfma (kernels/CMakeLists.txt), so nothing here may run before the caller
-// checked the CPU, and nothing here may be shared with other files: it includes no header with
-// inline functions, and everything but the entry points is internal.
+// checked the CPU, and nothing here may be shared with other files: everything but the entry
+// points is internal, and the one header with inline functions it includes
+// (cpu/attention_int_blocks.h) keeps them in an unnamed namespace, so this file has its own
+// copy (one built for AVX-512 could otherwise be picked by the linker for everyone).
 #include <immintrin.h>
 
 #include <cstddef>
@@ -11,10 +13,10 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 
+#include "cpu/attention_int_blocks.h"
+
 namespace kvc::cpu::attn::isa {
 namespace {
-
-inline int Min(int a, int b) { return a < b ? a : b; }
 
 template <int Bits>
 inline __m256i Plane(__m256i x, int s) {
@@ -27,32 +29,6 @@ inline __m256i LoadPiece(const uint8_t* p, int bytes) {
   if (bytes >= 32) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-
-// The queries of one token group and up to four queries: the preparation's inputs and outputs.
-struct KeyQueryArgs {
-  const float* qm = nullptr;     // [nq, n]
-  const float* scale = nullptr;  // [n]
-  const float* zero = nullptr;   // [n]
-  int nq = 0, n = 0, bits = 0;
-  size_t row_bytes = 0;
-  float* alpha = nullptr;  // [nq, 64]: per block of 32 / bits channels (4 code bytes)
-  float* qz = nullptr;     // [nq]
-  // The int8 query as the row kernels read it: 2/4-bit codes int32 [nq][block][plane]
-  // (PrepareKeysWide), 8-bit codes int16 [nq][16 * pieces] (PrepareKeys8).
-  void* planes = nullptr;
-};
-
-// Rows of one token group against its prepared queries.
-struct KeyArgs {
-  const uint8_t* codes = nullptr;  // row j at codes + j * row_bytes
-  size_t row_bytes = 0;
-  int rows = 0, bits = 0, nq = 0;
-  const void* planes = nullptr;
-  const float* alpha = nullptr;  // [nq, 64]
-  const float* qz = nullptr;
-  float* s = nullptr;  // s[a * ss + j]
-  int ss = 0;
-};
 
 // ---- Keys -------------------------------------------------------------------------------------
 
@@ -779,73 +755,26 @@ void ValueBits(const ValueArgs& A, const ValueLanes& lanes) {
   }
 }
 
-// The next token group's scale, zero and code rows (from row r1 on), fetched while this group is
-// scored: the hardware prefetcher alone leaves the first loads of each group waiting on memory.
-void Prefetch(const KeyChunkArgs& C, int64_t next, int r1) {
-  if (next >= C.j1) return;
-  const size_t gi = static_cast<size_t>(next / C.group);
-  for (int c = 0; c < C.n; c += 16) {
-    _mm_prefetch(reinterpret_cast<const char*>(C.scale + gi * C.n + c), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(C.zero + gi * C.n + c), _MM_HINT_T0);
-  }
-  const int64_t end = next + C.group < C.j1 ? next + C.group : C.j1;
-  const uint8_t* first = C.codes + static_cast<size_t>(r1) * C.row_bytes;
-  const size_t bytes = static_cast<size_t>(end - r1) * C.row_bytes;
-  for (size_t off = 0; off < bytes && off < 8192; off += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(first + off), _MM_HINT_T0);
-  }
-}
-
 }  // namespace
 
 void ScoreKeysAvx2(const KeyChunkArgs& C) {
-  const int rb = static_cast<int>(C.row_bytes);
   // Written in full for every block the rows have; zeroed only so that nothing uninitialized is
   // ever read.
   alignas(32) int8_t planes[4 * 512] = {};
   alignas(32) float alpha[4 * 64 + 8] = {};  // per query, <= 64 blocks (zero past the last)
   float qz[4];
-  const int64_t G = C.group;
-  for (int64_t g0 = C.j0 / G * G; g0 < C.j1; g0 += G) {
-    const int r0 = static_cast<int>(g0 > C.j0 ? g0 : C.j0);
-    const int r1 = static_cast<int>(g0 + G < C.j1 ? g0 + G : C.j1);
-    const size_t gi = static_cast<size_t>(g0 / G);
-    Prefetch(C, g0 + G, r1);
-    for (int a0 = 0; a0 < C.nq; a0 += 4) {
-      KeyQueryArgs q;
-      q.qm = C.qm + static_cast<size_t>(a0) * C.n;
-      q.scale = C.scale + gi * C.n;
-      q.zero = C.zero + gi * C.n;
-      q.nq = Min(4, C.nq - a0);
-      q.n = C.n;
-      q.bits = C.bits;
-      q.row_bytes = C.row_bytes;
-      q.alpha = alpha;
-      q.qz = qz;
-      q.planes = planes;
-      KeyArgs k;
-      k.codes = C.codes + static_cast<size_t>(r0) * rb;
-      k.row_bytes = C.row_bytes;
-      k.rows = r1 - r0;
-      k.bits = C.bits;
-      k.nq = q.nq;
-      k.planes = planes;
-      k.alpha = alpha;
-      k.qz = qz;
-      k.s = C.s + static_cast<size_t>(a0) * C.ss + (r0 - C.j0);
-      k.ss = C.ss;
-      if (C.bits == 4) {
-        PrepareKeysWideChunks<2>(q);
-        KeyQueries<4>(k);
-      } else if (C.bits == 2) {
-        PrepareKeysWideChunks<4>(q);
-        KeyQueries<2>(k);
-      } else {
-        PrepareKeys8(q);
-        KeyQueries<8>(k);
-      }
+  ForEachKeyBlock(C, planes, alpha, qz, [&](const KeyQueryArgs& q, const KeyArgs& k) {
+    if (C.bits == 4) {
+      PrepareKeysWideChunks<2>(q);
+      KeyQueries<4>(k);
+    } else if (C.bits == 2) {
+      PrepareKeysWideChunks<4>(q);
+      KeyQueries<2>(k);
+    } else {
+      PrepareKeys8(q);
+      KeyQueries<8>(k);
     }
-  }
+  });
 }
 
 void AccumulateValuesAvx2(const ValueArgs& A) {

@@ -1,8 +1,9 @@
 // The AVX-512 VNNI integer kernels of attention_int.h. This file alone is compiled with
 // -mavx512{f,bw,dq,vl,vnni} (kernels/CMakeLists.txt), so nothing here may run before the caller
-// checked the CPU, and nothing here may be shared with other files: it includes no header with
-// inline functions (a copy built for AVX-512 could be picked by the linker for everyone), and
-// everything but the entry points is internal.
+// checked the CPU, and nothing here may be shared with other files: everything but the entry
+// points is internal, and the one header with inline functions it includes
+// (cpu/attention_int_blocks.h) keeps them in an unnamed namespace, so this file has its own
+// copy (one built for AVX-512 could otherwise be picked by the linker for everyone).
 #include <immintrin.h>
 
 #include <cstddef>
@@ -12,6 +13,8 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
+#include "cpu/attention_int_blocks.h"
+
 // GCC 12's own avx512fintrin.h trips -Wmaybe-uninitialized (_mm512_undefined_*): bug 105593.
 #if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -20,8 +23,6 @@
 
 namespace kvc::cpu::attn::isa {
 namespace {
-
-inline int Min(int a, int b) { return a < b ? a : b; }
 
 // Plane s of 64 packed code bytes: the codes of channels b * (8 / Bits) + s, one per byte.
 template <int Bits>
@@ -35,32 +36,6 @@ inline __m512i Plane(__m512i x, int s) {
 }
 
 inline __mmask64 BytesMask(int n) { return n >= 64 ? ~__mmask64{0} : ((__mmask64{1} << n) - 1); }
-
-// The queries of one token group and up to four queries: the preparation's inputs and outputs.
-struct KeyQueryArgs {
-  const float* qm = nullptr;     // [nq, n]
-  const float* scale = nullptr;  // [n]
-  const float* zero = nullptr;   // [n]
-  int nq = 0, n = 0, bits = 0;
-  size_t row_bytes = 0;
-  int rows_per_vector = 1;
-  float* alpha = nullptr;  // [nq, 64]: per block of 32 / bits channels (4 code bytes)
-  float* qz = nullptr;     // [nq]
-  void* planes = nullptr;  // the kernels' query layout
-};
-
-// Rows of one token group against its prepared queries.
-struct KeyArgs {
-  const uint8_t* codes = nullptr;  // row j at codes + j * row_bytes
-  size_t row_bytes = 0;
-  int rows = 0, bits = 0, nq = 0;
-  const void* planes = nullptr;
-  int rows_per_vector = 1, pieces = 1;
-  const float* alpha = nullptr;  // [nq, 64]
-  const float* qz = nullptr;
-  float* s = nullptr;  // s[a * ss + j]
-  int ss = 0;
-};
 
 // ---- Keys -----------------------------------------------------------------------------------
 
@@ -894,23 +869,6 @@ void ValueBits(const ValueArgs& A, const ValueLanes& lanes) {
   }
 }
 
-// The next token group's scale, zero and code rows (from row r1 on), fetched while this group is
-// scored: the hardware prefetcher alone leaves the first loads of each group waiting on memory.
-void Prefetch(const KeyChunkArgs& C, int64_t next, int r1) {
-  if (next >= C.j1) return;
-  const size_t gi = static_cast<size_t>(next / C.group);
-  for (int c = 0; c < C.n; c += 16) {
-    _mm_prefetch(reinterpret_cast<const char*>(C.scale + gi * C.n + c), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(C.zero + gi * C.n + c), _MM_HINT_T0);
-  }
-  const int64_t end = next + C.group < C.j1 ? next + C.group : C.j1;
-  const uint8_t* first = C.codes + static_cast<size_t>(r1) * C.row_bytes;
-  const size_t bytes = static_cast<size_t>(end - r1) * C.row_bytes;
-  for (size_t off = 0; off < bytes && off < 8192; off += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(first + off), _MM_HINT_T0);
-  }
-}
-
 }  // namespace
 
 void ScoreKeysVnni(const KeyChunkArgs& C) {
@@ -922,50 +880,21 @@ void ScoreKeysVnni(const KeyChunkArgs& C) {
   alignas(64) int8_t planes[4 * 256] = {};  // <= 256 bytes per query
   alignas(64) float alpha[4 * 64] = {};     // per query, <= 64 blocks (zero past the last)
   float qz[4];
-  const int64_t G = C.group;
-  for (int64_t g0 = C.j0 / G * G; g0 < C.j1; g0 += G) {
-    const int r0 = static_cast<int>(g0 > C.j0 ? g0 : C.j0);
-    const int r1 = static_cast<int>(g0 + G < C.j1 ? g0 + G : C.j1);
-    const size_t gi = static_cast<size_t>(g0 / G);
-    Prefetch(C, g0 + G, r1);
-    for (int a0 = 0; a0 < C.nq; a0 += 4) {
-      KeyQueryArgs q;
-      q.qm = C.qm + static_cast<size_t>(a0) * C.n;
-      q.scale = C.scale + gi * C.n;
-      q.zero = C.zero + gi * C.n;
-      q.nq = Min(4, C.nq - a0);
-      q.n = C.n;
-      q.bits = C.bits;
-      q.row_bytes = C.row_bytes;
-      q.rows_per_vector = R;
-      q.alpha = alpha;
-      q.qz = qz;
-      q.planes = planes;
-      KeyArgs k;
-      k.codes = C.codes + static_cast<size_t>(r0) * rb;
-      k.row_bytes = C.row_bytes;
-      k.rows = r1 - r0;
-      k.bits = C.bits;
-      k.nq = q.nq;
-      k.planes = planes;
-      k.rows_per_vector = R;
-      k.pieces = pieces;
-      k.alpha = alpha;
-      k.qz = qz;
-      k.s = C.s + static_cast<size_t>(a0) * C.ss + (r0 - C.j0);
-      k.ss = C.ss;
-      if (C.bits == 4) {
-        PrepareKeysChunks<2>(q);
-        KeyBits<4>(k);
-      } else if (C.bits == 2) {
-        PrepareKeysChunks<4>(q);
-        KeyBits<2>(k);
-      } else {
-        PrepareKeysChunks<1>(q);
-        KeyBits<8>(k);
-      }
+  ForEachKeyBlock(C, planes, alpha, qz, [&](KeyQueryArgs& q, KeyArgs& k) {
+    q.rows_per_vector = R;
+    k.rows_per_vector = R;
+    k.pieces = pieces;
+    if (C.bits == 4) {
+      PrepareKeysChunks<2>(q);
+      KeyBits<4>(k);
+    } else if (C.bits == 2) {
+      PrepareKeysChunks<4>(q);
+      KeyBits<2>(k);
+    } else {
+      PrepareKeysChunks<1>(q);
+      KeyBits<8>(k);
     }
-  }
+  });
 }
 
 void AccumulateValuesVnni(const ValueArgs& A) {
