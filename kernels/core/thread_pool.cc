@@ -116,7 +116,12 @@ void ThreadPool::RunClosure(const std::function<void()>& fn) {
     fn();
   } catch (...) {
     const absl::Status s = StatusFromException(std::current_exception());
-    std::fprintf(stderr, "kvc::ThreadPool: a scheduled closure threw: %s\n", s.ToString().c_str());
+    try {
+      std::fprintf(stderr, "kvc::ThreadPool: a scheduled closure threw: %s\n",
+                   s.ToString().c_str());
+    } catch (...) {  // the message's allocation failed: nothing may leave the worker
+      std::fputs("kvc::ThreadPool: a scheduled closure threw (out of memory)\n", stderr);
+    }
   }
 }
 
@@ -196,16 +201,23 @@ void ThreadPool::Schedule(std::function<void()> fn) {
   cv_.Signal();
 }
 
-absl::Status StatusFromException(std::exception_ptr e) {
+absl::Status StatusFromException(std::exception_ptr e) noexcept {
+  absl::StatusCode code = absl::StatusCode::kInternal;
   try {
-    std::rethrow_exception(e);
-  } catch (const std::bad_alloc& ex) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("out of memory: an allocation failed (", ex.what(), ")"));
-  } catch (const std::exception& ex) {
-    return absl::InternalError(absl::StrCat("unexpected exception: ", ex.what()));
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::bad_alloc& ex) {
+      code = absl::StatusCode::kResourceExhausted;
+      return absl::ResourceExhaustedError(
+          absl::StrCat("out of memory: an allocation failed (", ex.what(), ")"));
+    } catch (const std::exception& ex) {
+      return absl::InternalError(absl::StrCat("unexpected exception: ", ex.what()));
+    } catch (...) {
+      return absl::InternalError("unexpected exception of unknown type");
+    }
   } catch (...) {
-    return absl::InternalError("unexpected exception of unknown type");
+    // The message could not be built (memory is out): the code alone needs no allocation.
+    return absl::Status(code, "");
   }
 }
 

@@ -4,9 +4,12 @@
 #include "kvc/thread_pool.h"
 
 #include <atomic>
+#include <cstdlib>
+#include <exception>
 #include <new>
 #include <stdexcept>
 #include <thread>
+#include <string>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
@@ -124,5 +127,79 @@ TEST(CallNoThrowTest, MapsExceptionsToStatuses) {
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
 }
 
+// Allocations on this thread fail while it is set (the replacement operator new below).
+thread_local bool t_fail_allocations = false;
+
+TEST(StatusFromExceptionTest, GivesTheBareCodeWhenItsMessageCannotBeAllocated) {
+  std::exception_ptr oom, other;
+  try {
+    throw std::bad_alloc();
+  } catch (...) {
+    oom = std::current_exception();
+  }
+  try {
+    throw std::runtime_error("a message that needs memory");
+  } catch (...) {
+    other = std::current_exception();
+  }
+  t_fail_allocations = true;
+  const absl::Status a = StatusFromException(oom);
+  const absl::Status b = StatusFromException(other);
+  t_fail_allocations = false;
+  EXPECT_EQ(a.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(a.message().empty()) << a;
+  EXPECT_EQ(b.code(), absl::StatusCode::kInternal);
+  EXPECT_TRUE(b.message().empty()) << b;
+  // With memory, the messages are there.
+  EXPECT_THAT(std::string(StatusFromException(oom).message()), HasSubstr("out of memory"));
+  EXPECT_THAT(std::string(StatusFromException(other).message()), HasSubstr("needs memory"));
+}
+
+TEST(RunNoThrowTest, HandsTheExceptionToItsHandlerAndNothingEscapes) {
+  std::vector<absl::Status> seen;
+  RunNoThrow([] {}, [&](const absl::Status& s) { seen.push_back(s); });
+  EXPECT_TRUE(seen.empty());
+
+  RunNoThrow([] { throw std::bad_alloc(); }, [&](const absl::Status& s) { seen.push_back(s); });
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(seen[0].message()), HasSubstr("out of memory"));
+
+  // A handler that throws (memory is out) is called once more with the bare code.
+  seen.clear();
+  RunNoThrow([] { throw std::length_error("too long"); },
+             [&](const absl::Status& s) {
+               seen.push_back(s);
+               if (seen.size() == 1) throw std::bad_alloc();
+             });
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[0].code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(std::string(seen[0].message()), HasSubstr("too long"));
+  EXPECT_EQ(seen[1].code(), absl::StatusCode::kInternal);
+  EXPECT_TRUE(seen[1].message().empty());
+
+  // A handler that always throws: reported, and still nothing leaves RunNoThrow.
+  int calls = 0;
+  RunNoThrow([] { throw 7; },
+             [&](const absl::Status&) {
+               ++calls;
+               throw std::runtime_error("handler failed");
+             });
+  EXPECT_EQ(calls, 2);
+}
+
 }  // namespace
 }  // namespace kvc
+
+// Every allocation of this test binary goes through here, so that a test can make this thread's
+// allocations fail (t_fail_allocations).
+void* operator new(std::size_t n) {
+  if (kvc::t_fail_allocations) throw std::bad_alloc();
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t n) { return operator new(n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }

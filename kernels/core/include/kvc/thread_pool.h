@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -85,9 +86,11 @@ class ThreadPool {
   std::vector<std::thread> workers_;
 };
 
-// The status for an exception caught in `e`: RESOURCE_EXHAUSTED for std::bad_alloc (an allocation
-// failed), INTERNAL carrying what() for any other std::exception, INTERNAL for anything else.
-absl::Status StatusFromException(std::exception_ptr e);
+// The status for an exception caught in `e` (non-null): RESOURCE_EXHAUSTED for std::bad_alloc (an
+// allocation failed), INTERNAL carrying what() for any other std::exception, INTERNAL for
+// anything else. Never throws: when even the message cannot be built (memory is out), the same
+// code comes without a message, which needs no allocation.
+absl::Status StatusFromException(std::exception_ptr e) noexcept;
 
 // Calls fn() (returning absl::Status or absl::StatusOr<T>) and returns its result, or
 // StatusFromException for an exception escaping it: no exception leaves CallNoThrow.
@@ -97,6 +100,33 @@ auto CallNoThrow(F&& fn) -> decltype(fn()) {
     return fn();
   } catch (...) {
     return StatusFromException(std::current_exception());
+  }
+}
+
+// Runs body(); an exception escaping it goes to on_error(status) as StatusFromException's status,
+// so that code which must end something whatever happens inside it (a stream, an upload) can:
+// gRPC, for one, swallows an exception thrown by a reactor's reaction and then never calls its
+// OnDone, so the stream would hold its slots forever. Should on_error throw too (memory is out),
+// it is called once more with the bare status code, which needs no allocation; an exception from
+// that call is reported on stderr. Nothing leaves RunNoThrow.
+template <typename Body, typename OnError>
+void RunNoThrow(Body&& body, OnError&& on_error) noexcept {
+  absl::Status status;
+  try {
+    body();
+    return;
+  } catch (...) {
+    status = StatusFromException(std::current_exception());
+  }
+  try {
+    on_error(status);
+    return;
+  } catch (...) {
+  }
+  try {
+    on_error(absl::Status(status.code(), ""));
+  } catch (...) {
+    std::fputs("kvc: an exception's error handling failed too (out of memory?)\n", stderr);
   }
 }
 
