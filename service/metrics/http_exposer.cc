@@ -130,7 +130,15 @@ void HttpExposer::Serve() {
       Connection& c = conns[i];
       const short ev = fds[i + 1].revents;
       bool keep = true;
-      if (ev != 0) keep = c.responding ? OnWritable(c) : OnReadable(c);
+      if (ev != 0) {
+        // An exception (memory is out while rendering) drops this connection, not the thread.
+        try {
+          keep = c.responding ? OnWritable(c) : OnReadable(c);
+        } catch (...) {
+          keep = false;
+          dropped_.fetch_add(1);
+        }
+      }
       if (keep && now >= c.deadline) {
         keep = false;
         dropped_.fetch_add(1);

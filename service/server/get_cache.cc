@@ -37,6 +37,7 @@
 #include "kvc/compact.h"
 #include "kvc/contiguous_export.h"
 #include "kvc/status_macros.h"
+#include "kvc/thread_pool.h"
 #include "server/contiguous.h"
 #include "server/convert.h"
 #include "server/service_impl.h"
@@ -53,6 +54,27 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     StreamWatch::IdleFn on_idle = [this](absl::Duration idle) { OnIdle(idle); };
     watch_ = state_->reaper ? state_->reaper->Watch(std::move(on_idle))
                             : std::make_shared<StreamWatch>(std::move(on_idle));
+    // From here on the stream may hold slots and a lease: an exception must end it, so that
+    // OnDone runs (gRPC swallows a reactor's exceptions and then never calls OnDone).
+    RunNoThrow([&] { Start(*request); },
+               [&](const absl::Status& s) { FinishOnce(ToGrpc(s, ns_)); });
+  }
+
+  void OnWriteDone(bool ok) override {
+    RunNoThrow([&] { WriteDone(ok); },
+               [&](const absl::Status& s) { FinishOnce(ToGrpc(s, ns_)); });
+  }
+
+  void OnDone() override {
+    watch_->Detach();  // the reaper no longer calls OnIdle
+    if (holds_peer_) state_->peer_streams->Release(peer_);
+    if (holds_stream_) state_->ReleaseStream();
+    delete this;
+  }
+
+ private:
+  // The constructor's work once the stream is watched.
+  void Start(const grpc::ByteBuffer& request) {
     if (state_->draining) {
       if (state_->metrics) state_->metrics->RecordRejection(RejectionReason::kDraining);
       FinishOnce(grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvcd is shutting down"));
@@ -85,7 +107,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       holds_peer_ = true;
     }
     ns_ = *ns;
-    grpc::Status s = Begin(*request, *ns);
+    grpc::Status s = Begin(request, *ns);
     if (!s.ok()) {
       FinishOnce(s);
       return;
@@ -93,7 +115,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     NextWrite();
   }
 
-  void OnWriteDone(bool ok) override {
+  void WriteDone(bool ok) {
     // The reaper ended the stream while this write was outstanding: start nothing more (no
     // export either, whose job would outlive this reactor); OnDone follows.
     if (!watch_->Disarm()) return;
@@ -108,14 +130,6 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     NextWrite();
   }
 
-  void OnDone() override {
-    watch_->Detach();  // the reaper no longer calls OnIdle
-    if (holds_peer_) state_->peer_streams->Release(peer_);
-    if (holds_stream_) state_->ReleaseStream();
-    delete this;
-  }
-
- private:
   // What the slices of an in-flight message keep alive.
   struct Keepalive {
     CacheStore::Lease lease;
@@ -423,7 +437,14 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     if (next_export_ == nullptr && layer_ + 1 < layer_end_) next_export_ = StartExport(layer_ + 1);
   }
 
+  // Sends the next message, or parks, or ends the stream. Runs on the reactor's callbacks and, to
+  // resume a parked reactor, on the export job's thread; an exception ends the stream there too.
   void NextWrite() {
+    RunNoThrow([&] { SendNext(); },
+               [&](const absl::Status& s) { FinishOnce(ToGrpc(s, ns_)); });
+  }
+
+  void SendNext() {
     if (has_pending_) {  // the info message
       has_pending_ = false;
       last_data_bytes_ = 0;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "kvc/compact.h"
 #include "kvc/status_macros.h"
+#include "kvc/thread_pool.h"
 #include "kvc/xxh3.h"
 #include "server/convert.h"
 #include "server/work_budget.h"
@@ -89,6 +91,49 @@ absl::Status Upload::Reject(RejectReason reason, absl::Status status) {
 }
 
 absl::Status Upload::OnHeader(const kvcache::v1::PutCacheHeader& h, const std::string& store_id) {
+  try {
+    return AcceptHeader(h, store_id);
+  } catch (...) {
+    return FailedAt("header");
+  }
+}
+
+absl::Status Upload::OnChunk(const RawPutRequest& req) {
+  try {
+    return PlaceChunk(req);
+  } catch (...) {
+    return FailedAt("chunk");
+  }
+}
+
+absl::Status Upload::FailedAt(const char* where) {
+  const absl::Status thrown = StatusFromException(std::current_exception());
+  absl::Status why(thrown.code(), absl::StrCat(where, ": ", thrown.message()));
+  Cancel(why);  // no later chunk gets past OnChunk's first check
+  Broken(why);  // and a half-counted job is not waited for
+  return why;
+}
+
+template <typename Job>
+void Upload::ScheduleJob(ThreadPool* pool, Job job) {
+  pool->Schedule([self = shared_from_this(), job = std::move(job)]() mutable {
+    RunNoThrow(job, [&self](const absl::Status& s) { self->Broken(s); });
+  });
+}
+
+void Upload::Broken(const absl::Status& why) {
+  cancel_->Cancel(why);  // engine work of this upload stops at its next row block
+  absl::MutexLock lock(&mu_);
+  broken_ = true;
+  if (!aborted_ && compress_error_.ok()) {
+    compress_error_ = why;
+    if (reason_ == RejectReason::kNone) reason_ = RejectReason::kCompress;
+  }
+  MaybeFinalize();
+}
+
+absl::Status Upload::AcceptHeader(const kvcache::v1::PutCacheHeader& h,
+                                  const std::string& store_id) {
   auto invalid = [this](absl::Status s) { return Reject(RejectReason::kInvalid, std::move(s)); };
   // Every field mapped and checked by the protocol and the engine (kvc/protocol/convert.h).
   absl::StatusOr<UploadHeader> header = HeaderFromProto(h);
@@ -204,7 +249,7 @@ bool Upload::KeysComplete(const LayerState& layer) const {
   return true;
 }
 
-absl::Status Upload::OnChunk(const RawPutRequest& req) {
+absl::Status Upload::PlaceChunk(const RawPutRequest& req) {
   {
     absl::MutexLock lock(&mu_);
     if (aborted_) return cancel_->status();
@@ -354,7 +399,7 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
         absl::MutexLock lock(&mu_);
         ++pending_;
       }
-      io_pool_->Schedule([self = shared_from_this(), index] { self->CompleteInPlaceLayer(index); });
+      ScheduleJob(io_pool_, [this, index] { CompleteInPlaceLayer(index); });
     } else {
       bool compress_now = false;
       {
@@ -375,7 +420,7 @@ absl::Status Upload::OnChunk(const RawPutRequest& req) {
         }
       }
       if (compress_now) {
-        pool_->Schedule([self = shared_from_this(), index] { self->CompressLayer(index); });
+        ScheduleJob(pool_, [this, index] { CompressLayer(index); });
       }
       StartReady();
     }
@@ -425,9 +470,9 @@ void Upload::StartReady() {
   // Each job goes to the back of the pool's queue: the layers of different uploads take turns.
   for (const auto& [index, score] : start) {
     if (score) {
-      pool_->Schedule([self = shared_from_this(), index = index] { self->ScoreLayer(index); });
+      ScheduleJob(pool_, [this, index = index] { ScoreLayer(index); });
     } else {
-      pool_->Schedule([self = shared_from_this(), index = index] { self->CompressLayer(index); });
+      ScheduleJob(pool_, [this, index = index] { CompressLayer(index); });
     }
   }
 }
@@ -490,7 +535,7 @@ void Upload::ScoreLayer(int index) {
     MaybeFinalize();
   }
   if (compress_now) {
-    pool_->Schedule([self = shared_from_this(), index] { self->CompressLayer(index); });
+    ScheduleJob(pool_, [this, index] { CompressLayer(index); });
   }
 }
 
@@ -710,13 +755,20 @@ void Upload::Cancel(absl::Status why) {
 void Upload::Abort() { Cancel(absl::CancelledError("upload cancelled")); }
 
 void Upload::MaybeFinalize() {
-  if (!finishing_ || pending_ > 0 || !done_) return;
+  if (!finishing_ || !done_ || (pending_ > 0 && !broken_)) return;
   DoneCallback done = std::move(done_);
   done_ = nullptr;
-  auto result = Finalize();
+  // The callback is the only way the stream learns the outcome: an exception (a failed
+  // allocation) in Finalize becomes its status, and none may leave the callback, which runs
+  // with the lock released (an exception there would unwind through the caller's lock).
+  absl::StatusOr<kvcache::v1::PutCacheResponse> result = CallNoThrow([&] { return Finalize(); });
   // The callback may finish the RPC; run it without the lock so it can query this upload.
   mu_.Unlock();
-  done(std::move(result));
+  try {
+    done(std::move(result));
+  } catch (...) {
+    std::fputs("kvcd: an upload's completion callback threw\n", stderr);
+  }
   mu_.Lock();
 }
 
@@ -785,12 +837,8 @@ absl::StatusOr<kvcache::v1::PutCacheResponse> Upload::Finalize() {
   info.set_checksum(entry->checksum);
   entry->metadata = info.SerializeAsString();
 
-  if (absl::Status s = store_->Insert(entry, header_.overwrite()); !s.ok()) {
-    reason_ = s.code() == absl::StatusCode::kAlreadyExists ? RejectReason::kExists
-                                                           : RejectReason::kNoSpace;
-    return absl::Status(s.code(), absl::StrCat("store: ", std::string(s.message())));
-  }
-  staging_reservation_.Release();  // the staging is freed; the cache is charged to the store
+  // Everything that may fail is done before the insert: once the cache is in the store, the
+  // client is told so.
   kvcache::v1::PutCacheResponse resp;
   resp.set_cache_id(header_.cache_id());
   resp.set_input_bytes(entry->input_bytes);
@@ -804,7 +852,14 @@ absl::StatusOr<kvcache::v1::PutCacheResponse> Upload::Finalize() {
   st->set_total_seconds(timings_.total);
   resp.set_elapsed_seconds(absl::ToDoubleSeconds(absl::Now() - start_));
   resp.set_backend(backend_name_);
-  return resp;
+  absl::StatusOr<kvcache::v1::PutCacheResponse> result(std::move(resp));
+  if (absl::Status s = store_->Insert(entry, header_.overwrite()); !s.ok()) {
+    reason_ = s.code() == absl::StatusCode::kAlreadyExists ? RejectReason::kExists
+                                                           : RejectReason::kNoSpace;
+    return absl::Status(s.code(), absl::StrCat("store: ", std::string(s.message())));
+  }
+  staging_reservation_.Release();  // the staging is freed; the cache is charged to the store
+  return result;
 }
 
 }  // namespace kvc::server

@@ -189,6 +189,20 @@ class Upload : public std::enable_shared_from_this<Upload> {
   LayerInput InputOf(int index, bool values = true) const;
   // Schedules ready layers while fewer than max_running_ of this upload are compressing.
   void StartReady() ABSL_LOCKS_EXCLUDED(mu_);
+  // Runs job() on `pool` for this upload (kept alive meanwhile). An exception escaping the job
+  // (an allocation it could not make outside the engine) fails the upload at once (Broken): the
+  // job's bookkeeping may be half done, so nothing waits for it.
+  template <typename Job>
+  void ScheduleJob(ThreadPool* pool, Job job);
+  // Fails the upload with `why` without waiting for its jobs: they stop at their next check and
+  // drop their results, and a finishing upload answers now. ABSL_LOCKS_EXCLUDED(mu_).
+  void Broken(const absl::Status& why) ABSL_LOCKS_EXCLUDED(mu_);
+  // OnHeader/OnChunk with an exception (a failed allocation) made a status: the upload's state
+  // may be half updated, so it is cancelled (no later chunk reaches it).
+  absl::Status FailedAt(const char* where) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status AcceptHeader(const kvcache::v1::PutCacheHeader& header,
+                            const std::string& store_id);
+  absl::Status PlaceChunk(const RawPutRequest& chunk);
   void CompressLayer(int layer);  // on a pool thread
   void ScoreLayer(int layer);     // on a pool thread: Backend::ScoreKeys before V is complete
   // Layer-adaptive budgets (on a pool thread, in CompressLayer's slot): scores the complete
@@ -253,6 +267,8 @@ class Upload : public std::enable_shared_from_this<Upload> {
   CompressTimings timings_ ABSL_GUARDED_BY(mu_);
   absl::Status compress_error_ ABSL_GUARDED_BY(mu_);
   int pending_ ABSL_GUARDED_BY(mu_) = 0;
+  // Set by Broken: a job threw, so pending_ may never reach 0; the upload finalizes without it.
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;
   // Complete layers waiting for a compression job, the jobs running, and how many may run.
   std::deque<int> ready_ ABSL_GUARDED_BY(mu_);
   // Layers whose K and queries are complete, waiting for a slot to be scored early.

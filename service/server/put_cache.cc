@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "kvc/thread_pool.h"
 #include "kvc/transfer.h"
 #include "server/convert.h"
 #include "server/ingest.h"
@@ -72,12 +73,63 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     StreamWatch::IdleFn on_idle = [this](absl::Duration idle) { OnIdle(idle); };
     watch_ = state_->reaper ? state_->reaper->Watch(std::move(on_idle))
                             : std::make_shared<StreamWatch>(std::move(on_idle));
+    // From here on the stream may hold slots: an exception must end it, so that OnDone runs.
+    RunNoThrow([&] { Start(); }, [&](const absl::Status& s) { FailFromException(s); });
+  }
+
+  void OnReadDone(bool ok) override {
+    RunNoThrow([&] { ReadDone(ok); }, [&](const absl::Status& s) { FailFromException(s); });
+  }
+
+  void OnCancel() override {
+    // A cancelled upload must store nothing, even if its last layer is being finalized now; its
+    // compression stops at the next row block, and the stream ends now, not when it has.
+    RunNoThrow(
+        [&] {
+          if (upload_) upload_->Abort();
+          EndStream(grpc::Status(grpc::StatusCode::CANCELLED, "upload cancelled"));
+        },
+        [&](const absl::Status& s) { FailFromException(s); });
+  }
+
+  void OnDone() override {
+    if (table_key_ != 0) state_->uploads->Remove(table_key_);
+    {
+      absl::MutexLock lock(&link_->mu);  // waits for a callback using this reactor
+      link_->reactor = nullptr;
+    }
+    watch_->Detach();  // the reaper no longer calls OnIdle
+    CloseExternal().IgnoreError();
+    if (holds_peer_) state_->peer_streams->Release(peer_);
+    if (holds_stream_) state_->ReleaseStream();
+    delete this;
+  }
+
+  // The Upload finished (from its done callback, link lock held): answer the client.
+  void OnUploadDone(absl::StatusOr<kvcache::v1::PutCacheResponse> result) {
+    RunNoThrow([&] { UploadDone(std::move(result)); },
+               [&](const absl::Status& s) { FailFromException(s); });
+  }
+
+  // Ends the stream with `status` unless it has ended already. Safe from any thread (the watch
+  // serializes it with the reactor's own operations); the transfer registration, if any, is
+  // closed by the reactor itself (OnReadDone, OnDone).
+  void EndStream(const grpc::Status& status) {
+    watch_->End([&] {
+      rec_.Record(status.error_code());
+      Finish(status);
+    });
+  }
+
+ private:
+  // The constructor's work once the stream is watched.
+  void Start() {
     if (state_->draining) {
       Reject(absl::nullopt, grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvcd is shutting down"),
              RejectionReason::kDraining);
       return;
     }
-    auto ns = state_->Namespace(*context);
+    auto ns = state_->Namespace(*context_);
     if (!ns.ok()) {
       FinishOnce(ToGrpc(ns.status()));
       return;
@@ -115,7 +167,7 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     Read();
   }
 
-  void OnReadDone(bool ok) override {
+  void ReadDone(bool ok) {
     if (!watch_->Disarm()) {
       // The reaper ended the stream while this read was outstanding: discard the upload.
       CloseExternal().IgnoreError();
@@ -209,28 +261,7 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     Read();
   }
 
-  void OnCancel() override {
-    // A cancelled upload must store nothing, even if its last layer is being finalized now; its
-    // compression stops at the next row block, and the stream ends now, not when it has.
-    if (upload_) upload_->Abort();
-    EndStream(grpc::Status(grpc::StatusCode::CANCELLED, "upload cancelled"));
-  }
-
-  void OnDone() override {
-    if (table_key_ != 0) state_->uploads->Remove(table_key_);
-    {
-      absl::MutexLock lock(&link_->mu);  // waits for a callback using this reactor
-      link_->reactor = nullptr;
-    }
-    watch_->Detach();  // the reaper no longer calls OnIdle
-    CloseExternal().IgnoreError();
-    if (holds_peer_) state_->peer_streams->Release(peer_);
-    if (holds_stream_) state_->ReleaseStream();
-    delete this;
-  }
-
-  // The Upload finished (from its done callback, link lock held): answer the client.
-  void OnUploadDone(absl::StatusOr<kvcache::v1::PutCacheResponse> result) {
+  void UploadDone(absl::StatusOr<kvcache::v1::PutCacheResponse> result) {
     if (!result.ok()) {
       FinishWithError(ToGrpc(result.status(), namespace_));
       return;
@@ -250,17 +281,6 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     FinishOnce(grpc::Status::OK);
   }
 
-  // Ends the stream with `status` unless it has ended already. Safe from any thread (the watch
-  // serializes it with the reactor's own operations); the transfer registration, if any, is
-  // closed by the reactor itself (OnReadDone, OnDone).
-  void EndStream(const grpc::Status& status) {
-    watch_->End([&] {
-      rec_.Record(status.error_code());
-      Finish(status);
-    });
-  }
-
- private:
   // Waits for the client's next message; the stream is idle until it arrives.
   void Read() {
     watch_->Arm();
@@ -281,6 +301,15 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     if (state_->metrics) state_->metrics->RecordRejection(RejectionReason::kStreamIdle);
     rec_.Record(status.error_code());
     Finish(status);
+  }
+
+  // An exception escaped one of the reactor's reactions (a failed allocation: RESOURCE_EXHAUSTED,
+  // anything else: INTERNAL). gRPC would swallow it and never call OnDone, so the stream ends
+  // here, before anything else that could throw again, and the upload is dropped.
+  void FailFromException(const absl::Status& s) {
+    EndStream(ToGrpc(s));
+    CloseExternal().IgnoreError();
+    if (upload_) upload_->Abort();
   }
 
   // Fails the stream; the reason for the metric is the explicit one or the upload's.

@@ -1,10 +1,12 @@
 #include "server/stream_guard.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "kvc/thread_pool.h"
 
 namespace kvc::server {
 
@@ -32,8 +34,8 @@ bool StreamWatch::Run(absl::FunctionRef<void()> op) {
 bool StreamWatch::End(absl::FunctionRef<void()> finish) {
   absl::MutexLock lock(&mu_);
   if (ended_) return false;
+  finish();  // an exception (memory is out) leaves the stream open for a retry to end it
   ended_ = true;
-  finish();
   return true;
 }
 
@@ -49,9 +51,9 @@ void StreamWatch::MaybeReap(int64_t now_ns, absl::Duration idle) {
   if (detached_ || ended_) return;
   const int64_t since = armed_since_ns_.load();
   if (since == 0 || now_ns - since < absl::ToInt64Nanoseconds(idle)) return;
+  on_idle_(absl::Nanoseconds(now_ns - since));  // should it throw, the next sweep tries again
   ended_ = true;
   reaped_ = true;
-  on_idle_(absl::Nanoseconds(now_ns - since));
 }
 
 StreamReaper::StreamReaper(absl::Duration idle, absl::Duration period)
@@ -78,17 +80,27 @@ int StreamReaper::watched() const {
 
 void StreamReaper::Loop() {
   while (!stop_.WaitForNotificationWithTimeout(period_)) {
-    std::vector<std::shared_ptr<StreamWatch>> check;
-    {
-      absl::MutexLock lock(&mu_);
-      watches_.erase(std::remove_if(watches_.begin(), watches_.end(),
-                                    [](const auto& w) { return w->detached(); }),
-                     watches_.end());
-      check = watches_;
-    }
-    // Without the reaper's lock: an IdleFn calls into gRPC, and new streams must not wait on it.
-    const int64_t now = absl::GetCurrentTimeNanos();
-    for (const auto& w : check) w->MaybeReap(now, idle_);
+    // An exception (memory is out) would end this thread and with it kvcd: this sweep is
+    // skipped instead, and the next one tries again.
+    RunNoThrow(
+        [&] {
+          std::vector<std::shared_ptr<StreamWatch>> check;
+          {
+            absl::MutexLock lock(&mu_);
+            watches_.erase(std::remove_if(watches_.begin(), watches_.end(),
+                                          [](const auto& w) { return w->detached(); }),
+                           watches_.end());
+            check = watches_;
+          }
+          // Without the reaper's lock: an IdleFn calls into gRPC, and new streams must not wait
+          // on it.
+          const int64_t now = absl::GetCurrentTimeNanos();
+          for (const auto& w : check) w->MaybeReap(now, idle_);
+        },
+        [](const absl::Status& s) {
+          std::fprintf(stderr, "kvcd: the stream reaper's sweep failed: %s\n",
+                       s.ToString().c_str());
+        });
   }
 }
 

@@ -64,7 +64,8 @@ class StreamWatch {
   // returns whether it ran.
   bool Run(absl::FunctionRef<void()> op);
   // Ends the stream once: runs `finish` (which calls Finish) with the lock held and returns true
-  // the first time; returns false without running it when the stream had already ended.
+  // the first time; returns false without running it when the stream had already ended. When
+  // `finish` throws, the stream has not ended and the exception propagates.
   bool End(absl::FunctionRef<void()> finish);
   // True once the reaper has ended the stream.
   bool reaped() const { return reaped_.load(); }

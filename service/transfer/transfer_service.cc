@@ -166,7 +166,19 @@ class StreamReactor : public Base {
   StreamReactor(TransferServiceImpl* service, grpc::CallbackServerContext* ctx, const char* method);
   ~StreamReactor() override;
   bool admitted() const { return admitted_; }
-  void FinishWith(const grpc::Status& status) { this->Finish(rec_.Done(status)); }
+  // Finishes the stream once (a second call does nothing).
+  void FinishWith(const grpc::Status& status) {
+    if (finished_) return;
+    this->Finish(rec_.Done(status));
+    finished_ = true;  // after Finish: should it throw, a retry can still end the stream
+  }
+  // Runs one step of the stream (a reaction, or a worker's job): an exception escaping it ends
+  // the stream with its status. gRPC swallows a reaction's exception and then never calls
+  // OnDone, and the pool only logs a job's, so either would leave the stream open for good.
+  template <typename Step>
+  void Guarded(Step&& step) {
+    RunNoThrow(step, [this](const absl::Status& s) { FinishWith(ToGrpcStatus(s)); });
+  }
   void OnDone() override { delete this; }
   // Around each wait for the client's next message.
   void ArmIdle();
@@ -182,6 +194,8 @@ class StreamReactor : public Base {
 
  private:
   bool admitted_ = false;
+  // Set by FinishWith; the reactions and the worker take turns (one read or write at a time).
+  bool finished_ = false;
 };
 
 class TransferServiceImpl final : public kvcache::v1::KvCacheTransfer::CallbackService {
@@ -305,26 +319,30 @@ class TransferReactor final
   }
 
   void OnReadDone(bool ok) override {
-    DisarmIdle();
-    if (!ok) {
-      FinishWith(ReadFailed(grpc::Status::OK));
-      return;
-    }
-    service_->pool().Schedule([this] { HandleOne(); });
+    Guarded([&] {
+      DisarmIdle();
+      if (!ok) {
+        FinishWith(ReadFailed(grpc::Status::OK));
+        return;
+      }
+      service_->pool().Schedule([this] { Guarded([this] { HandleOne(); }); });
+    });
   }
 
   void OnWriteDone(bool ok) override {
     if (posted_.Complete(ok)) return;  // the POSTED ack, awaited by the worker
-    if (!ok) {
-      FinishWith(grpc::Status(grpc::StatusCode::CANCELLED, "client gone"));
-      return;
-    }
-    ArmIdle();
-    StartRead(&announcement_);
+    Guarded([&] {
+      if (!ok) {
+        FinishWith(grpc::Status(grpc::StatusCode::CANCELLED, "client gone"));
+        return;
+      }
+      ArmIdle();
+      StartRead(&announcement_);
+    });
   }
 
  private:
-  // On a worker thread.
+  // On a worker thread (Guarded: an allocation the announcement asks for may fail).
   void HandleOne() {
     const TransferAnnouncement& a = announcement_;
     auto posted = [&]() -> absl::Status {
@@ -374,6 +392,14 @@ class FetchReactor final
 
   void OnReadDone(bool ok) override {
     if (io_.Complete(ok)) return;  // a read of the fetch, awaited by the worker
+    Guarded([&] { StartDone(ok); });
+  }
+
+  void OnWriteDone(bool ok) override { io_.Complete(ok); }
+
+ private:
+  // The start message arrived (or the stream ended first).
+  void StartDone(bool ok) {
     DisarmIdle();
     if (!ok) {
       // A message that does not parse (e.g. a cache_id that is not UTF-8) also ends the reads.
@@ -389,13 +415,11 @@ class FetchReactor final
       return;
     }
     start_ = request_.start();
-    service_->pool().Schedule([this] { Run(); });
+    service_->pool().Schedule([this] { Guarded([this] { Run(); }); });
   }
 
-  void OnWriteDone(bool ok) override { io_.Complete(ok); }
-
- private:
-  // On a worker thread. One read or write is outstanding at a time, so one Pending serves both.
+  // On a worker thread (Guarded). One read or write is outstanding at a time, so one Pending
+  // serves both.
   void Run() {
     const absl::Duration timeout = service_->limits().recv_timeout;
     const auto cancel = [this] { ctx_->TryCancel(); };

@@ -13,6 +13,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "kvc/thread_pool.h"
 
 namespace kvc::transfer {
 
@@ -236,7 +237,10 @@ void TransferSessions::SweepLoop() {
       absl::MutexLock lock(&mu_);
       if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), period)) return;
     }
-    Sweep();
+    // An exception (memory is out) would end this thread and with it kvcd: try again later.
+    RunNoThrow([&] { Sweep(); }, [](const absl::Status& s) {
+      std::fprintf(stderr, "kvcd: the transfer session sweep failed: %s\n", s.ToString().c_str());
+    });
   }
 }
 

@@ -6,6 +6,7 @@
 // exactly as long as the fetch.
 #include <map>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -59,10 +60,15 @@ class FakeSource final : public TransferSource {
     absl::MutexLock lock(&mu_);
     return delivered_;
   }
+  void ThrowOnOpen(bool on) {
+    absl::MutexLock lock(&mu_);
+    throw_on_open_ = on;
+  }
 
   absl::StatusOr<std::unique_ptr<CacheReader>> Open(const std::string&,
                                                     const std::string& cache_id) override {
     absl::MutexLock lock(&mu_);
+    if (throw_on_open_) throw std::bad_alloc();  // as an allocation the source could not make
     auto it = caches_.find(cache_id);
     if (it == caches_.end()) {
       return absl::NotFoundError(absl::StrCat("cache '", cache_id, "' not found"));
@@ -106,6 +112,7 @@ class FakeSource final : public TransferSource {
   std::map<std::string, Cache> caches_ ABSL_GUARDED_BY(mu_);
   int live_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t delivered_ ABSL_GUARDED_BY(mu_) = 0;
+  bool throw_on_open_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 class NullSink final : public TransferSink {
@@ -287,6 +294,25 @@ TEST_F(TransferFetchTest, UnknownCacheAndBadRangeChangeNothing) {
     ASSERT_TRUE(good.ok()) << good.status();
     EXPECT_EQ(good->layers[0], kAll[0]);
     EXPECT_EQ(source_.delivered(), delivered + 300);
+    ASSERT_TRUE(client->Close().ok());
+  }
+}
+
+// An exception on the worker that runs a fetch (here the source's; in kvcd an allocation that
+// fails) ends the fetch with its status instead of leaving the stream open for good.
+TEST_F(TransferFetchTest, SourceThatThrowsEndsTheFetchAndTheServerCarriesOn) {
+  Start();
+  for (bool nccl : {true, false}) {
+    auto client = Client(nccl ? "throw-nccl" : "throw-bytes", nccl);
+    source_.ThrowOnOpen(true);
+    auto failed = client->Fetch("cache", 0, 1);
+    EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted) << failed.status();
+    EXPECT_NE(failed.status().message().find("out of memory"), std::string::npos)
+        << failed.status();
+    source_.ThrowOnOpen(false);
+    auto good = client->Fetch("cache", 0, 1);
+    ASSERT_TRUE(good.ok()) << good.status();
+    EXPECT_EQ(good->layers[0], kAll[0]);
     ASSERT_TRUE(client->Close().ok());
   }
 }

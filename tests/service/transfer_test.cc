@@ -10,6 +10,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -53,6 +54,7 @@ class RecordingSink final : public TransferSink {
  public:
   absl::Status Consume(const TensorHeader& h, absl::Span<const uint8_t> bytes) override {
     absl::MutexLock lock(&mu_);
+    if (throw_) throw std::bad_alloc();  // as an allocation the sink could not make
     if (!fail_.ok()) return fail_;
     got_.push_back({h, std::vector<uint8_t>(bytes.begin(), bytes.end())});
     return absl::OkStatus();
@@ -65,9 +67,14 @@ class RecordingSink final : public TransferSink {
     absl::MutexLock lock(&mu_);
     fail_ = std::move(s);
   }
+  void Throw(bool on) {
+    absl::MutexLock lock(&mu_);
+    throw_ = on;
+  }
 
  private:
   absl::Mutex mu_;
+  bool throw_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<Received> got_ ABSL_GUARDED_BY(mu_);
   absl::Status fail_ ABSL_GUARDED_BY(mu_);
 };
@@ -539,6 +546,24 @@ TEST_F(TransferTest, SinkErrorEndsTheStreamAndTheTensorCanBeResent) {
   const absl::Status s = client.Send("c", 0, kvcache::v1::TENSOR_K, x.data(), x.size());
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   sink_.Fail(absl::OkStatus());
+  ASSERT_TRUE(client.Open().ok());  // reopens the stream on the cached session
+  EXPECT_TRUE(client.Send("c", 0, kvcache::v1::TENSOR_K, x.data(), x.size()).ok());
+  EXPECT_EQ(sink_.got().size(), 1u);
+}
+
+// An exception on the worker that handles an announcement (here the sink's; in kvcd an
+// allocation that fails) ends the stream with its status. It used to be logged by the pool and
+// the stream left open for good: the client waited out its timeout and the stream kept its slot.
+TEST_F(TransferTest, SinkThatThrowsEndsTheStreamAndTheServerCarriesOn) {
+  Start();
+  TransferClient client(channel_, ClientOptions("t", /*with_factory=*/false));
+  ASSERT_TRUE(client.Open().ok());
+  sink_.Throw(true);
+  const std::vector<uint8_t> x = Bytes(10, 1);
+  const absl::Status s = client.Send("c", 0, kvcache::v1::TENSOR_K, x.data(), x.size());
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("out of memory"), std::string::npos) << s;
+  sink_.Throw(false);
   ASSERT_TRUE(client.Open().ok());  // reopens the stream on the cached session
   EXPECT_TRUE(client.Send("c", 0, kvcache::v1::TENSOR_K, x.data(), x.size()).ok());
   EXPECT_EQ(sink_.got().size(), 1u);
