@@ -63,6 +63,32 @@ constexpr size_t kSecretBytes = 16;
 
 }  // namespace
 
+// A stream's turn at its session's data plane (io_mu): the stream doing I/O and at most one
+// waiting for it. Every stream waits on a transfer worker, so without the cap one client could
+// open stream after stream on its own session and park every worker behind its own transfer,
+// while every other client's tensors queued behind them; the streams past the cap are refused
+// at once (UNAVAILABLE: the session is busy; a client uses one stream at a time anyway, as
+// sequences must follow each other).
+class TransferSessions::IoTurn {
+ public:
+  explicit IoTurn(std::atomic<int>* streams)
+      : streams_(streams), ok_(streams->fetch_add(1) < kMaxStreams) {}
+  ~IoTurn() { streams_->fetch_sub(1); }
+  IoTurn(const IoTurn&) = delete;
+  IoTurn& operator=(const IoTurn&) = delete;
+  absl::Status status(const std::string& session_id) const {
+    if (ok_) return absl::OkStatus();
+    return absl::UnavailableError(absl::StrCat(
+        "session_id: session '", session_id, "' is busy: another stream of it is transferring "
+        "and one more is waiting; send one tensor at a time per session"));
+  }
+
+ private:
+  static constexpr int kMaxStreams = 2;
+  std::atomic<int>* const streams_;
+  const bool ok_;
+};
+
 struct TransferSessions::Session {
   std::string id, client_id;
   std::string secret;  // kSecretBytes random bytes, known only to the opener
@@ -81,6 +107,8 @@ struct TransferSessions::Session {
 
   // Serializes the tensors of this session (concurrent streams cannot interleave sequences).
   absl::Mutex io_mu;
+  // Streams holding or waiting for io_mu (IoTurn): one does I/O, at most one more waits.
+  std::atomic<int> io_streams{0};
   // Written under io_mu; read without it by Open, which must not wait for a tensor in flight.
   std::atomic<uint64_t> next_sequence{0};
   // NCCL receive buffer of staging_bytes, reused by every tensor (at most max_tensor_bytes).
@@ -374,6 +402,8 @@ absl::StatusOr<uint64_t> TransferSessions::Handle(const TransferAnnouncement& a,
   if (!found.ok()) return found.status();
   const std::shared_ptr<Session>& s = *found;
   Use use(s.get(), clock_);
+  const IoTurn turn(&s->io_streams);
+  if (absl::Status t = turn.status(a.session_id()); !t.ok()) return t;
   absl::MutexLock io(&s->io_mu);
   if (absl::Status q = CheckNext(*s, a.session_id(), a.sequence(), a.cache_id()); !q.ok()) {
     return q;
@@ -468,6 +498,8 @@ absl::Status TransferSessions::Fetch(const FetchStart& f, const FetchIo& io) {
   }
   // The whole fetch holds the session: its data-plane operations must not interleave with
   // another stream's, or the two ranks would match sends and receives in different orders.
+  const IoTurn turn(&s->io_streams);
+  if (absl::Status t = turn.status(f.session_id()); !t.ok()) return t;
   absl::MutexLock io_lock(&s->io_mu);
   if (absl::Status q = CheckNext(*s, f.session_id(), f.sequence(), f.cache_id()); !q.ok()) {
     return q;

@@ -92,6 +92,7 @@ class TransferSessions {
 
  private:
   struct Session;
+  class IoTurn;
   class Use;
   std::shared_ptr<Session> Find(const std::string& session_id) const;
   // The session, if `secret` is its own and it has not expired: NOT_FOUND / PERMISSION_DENIED.

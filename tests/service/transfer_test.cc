@@ -6,6 +6,7 @@
 #include "kvc/transfer.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -17,6 +18,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvc/backend.h"
@@ -50,9 +53,38 @@ struct Received {
   std::vector<uint8_t> bytes;
 };
 
+// Holds the tensors that reach it until opened; counts them.
+struct Gate {
+  absl::Mutex mu;
+  bool open ABSL_GUARDED_BY(mu) = false;
+  int entered ABSL_GUARDED_BY(mu) = 0;
+  void Pass() {
+    absl::MutexLock lock(&mu);
+    ++entered;
+    mu.Await(absl::Condition(&open));
+  }
+  bool WaitEntered(absl::Duration timeout) {
+    absl::MutexLock lock(&mu);
+    return mu.AwaitWithTimeout(
+        absl::Condition(+[](Gate* g) ABSL_NO_THREAD_SAFETY_ANALYSIS { return g->entered > 0; },
+                        this),
+        timeout);
+  }
+  void Open() {
+    absl::MutexLock lock(&mu);
+    open = true;
+  }
+};
+
 class RecordingSink final : public TransferSink {
  public:
   absl::Status Consume(const TensorHeader& h, absl::Span<const uint8_t> bytes) override {
+    std::shared_ptr<Gate> gate;
+    {
+      absl::MutexLock lock(&mu_);
+      gate = gate_;
+    }
+    if (gate) gate->Pass();
     absl::MutexLock lock(&mu_);
     if (throw_) throw std::bad_alloc();  // as an allocation the sink could not make
     if (!fail_.ok()) return fail_;
@@ -71,9 +103,16 @@ class RecordingSink final : public TransferSink {
     absl::MutexLock lock(&mu_);
     throw_ = on;
   }
+  // From now on every tensor waits at the returned gate until it is opened.
+  std::shared_ptr<Gate> Hold() {
+    absl::MutexLock lock(&mu_);
+    gate_ = std::make_shared<Gate>();
+    return gate_;
+  }
 
  private:
   absl::Mutex mu_;
+  std::shared_ptr<Gate> gate_ ABSL_GUARDED_BY(mu_);
   bool throw_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<Received> got_ ABSL_GUARDED_BY(mu_);
   absl::Status fail_ ABSL_GUARDED_BY(mu_);
@@ -273,6 +312,61 @@ TEST_F(TransferRejectTest, DuplicateSequenceIsRejected) {
   ExpectRejected(rs.get(), Announce(open_.session_id(), 0, "c", 1, kvcache::v1::TENSOR_K, 3, "abc"),
                  grpc::StatusCode::INVALID_ARGUMENT, "sequence");
   EXPECT_EQ(sink_.got().size(), 1u);
+}
+
+// While one stream of a session transfers, one more may wait for it; a further one is refused at
+// once (UNAVAILABLE) instead of parking a transfer worker, so one client cannot park them all.
+TEST_F(TransferRejectTest, ASessionParksAtMostOneStreamBehindTheOneTransferring) {
+  const std::string sid = open_.session_id();
+  std::shared_ptr<Gate> gate = sink_.Hold();
+  auto first = Stream();
+  ASSERT_TRUE(first->s->Write(Announce(sid, 0, "c", 0, kvcache::v1::TENSOR_K, 3, "abc")));
+  ASSERT_TRUE(gate->WaitEntered(absl::Seconds(30)));  // its worker holds the session's I/O
+  struct Outcome {
+    bool acked = false;
+    TransferAck ack;
+    grpc::Status status;
+    absl::Notification done;
+  };
+  std::unique_ptr<RawStream> more[2];
+  Outcome out[2];
+  std::thread readers[2];
+  for (int i = 0; i < 2; ++i) {
+    more[i] = std::make_unique<RawStream>();
+    more[i]->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    more[i]->s = stub_->Transfer(&more[i]->ctx);
+    ASSERT_TRUE(more[i]->s->Write(Announce(sid, 1, "c", 1, kvcache::v1::TENSOR_K, 3, "def")));
+    readers[i] = std::thread([&, i] {
+      out[i].acked = more[i]->s->Read(&out[i].ack);
+      if (!out[i].acked) out[i].status = more[i]->s->Finish();
+      out[i].done.Notify();
+    });
+  }
+  // One of the two is refused while the first still holds the session (the gate is closed).
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  int refused = -1;
+  while (refused < 0 && absl::Now() < deadline) {
+    for (int i = 0; i < 2; ++i) {
+      if (out[i].done.HasBeenNotified()) refused = i;
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  gate->Open();
+  TransferAck ack;
+  EXPECT_TRUE(first->s->Read(&ack));
+  EXPECT_EQ(ack.state(), TransferAck::STATE_RECEIVED);
+  for (std::thread& t : readers) t.join();
+  ASSERT_GE(refused, 0) << "no stream was refused while the session was busy";
+  EXPECT_FALSE(out[refused].acked);
+  EXPECT_EQ(out[refused].status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << out[refused].status.error_message();
+  EXPECT_NE(out[refused].status.error_message().find("busy"), std::string::npos);
+  // The one that waited carries the next tensor once the first is done.
+  const Outcome& waited = out[1 - refused];
+  EXPECT_TRUE(waited.acked) << waited.status.error_message();
+  EXPECT_EQ(waited.ack.sequence(), 1u);
+  EXPECT_EQ(waited.ack.state(), TransferAck::STATE_RECEIVED);
+  EXPECT_EQ(sink_.got().size(), 2u);
 }
 
 TEST_F(TransferRejectTest, OutOfOrderSequenceIsRejected) {
