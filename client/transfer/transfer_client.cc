@@ -1,9 +1,12 @@
 #include "kvc/transfer_client.h"
 
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 
 namespace kvc::transfer {
 
@@ -16,6 +19,57 @@ using kvcache::v1::TransferAck;
 using kvcache::v1::TransferAnnouncement;
 using kvcache::v1::TransferTransport;
 
+// Bounds one blocking operation of a sync gRPC stream, which gRPC can only bound for the whole
+// call (a Transfer stream lives for many tensors): Arm before the operation, Disarm after; when
+// the deadline comes first the call is cancelled, which ends the operation, and Disarm says so.
+// One thread, asleep while nothing is armed.
+class TransferClient::StreamTimer {
+ public:
+  StreamTimer() : thread_([this] { Loop(); }) {}
+  ~StreamTimer() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+      cv_.Signal();
+    }
+    thread_.join();
+  }
+  void Arm(grpc::ClientContext* ctx, absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    ctx_ = ctx;
+    deadline_ = absl::Now() + timeout;
+    fired_ = false;
+    cv_.Signal();
+  }
+  // Whether the deadline came first (the call was cancelled).
+  bool Disarm() {
+    absl::MutexLock lock(&mu_);
+    ctx_ = nullptr;
+    return fired_;
+  }
+
+ private:
+  void Loop() {
+    absl::MutexLock lock(&mu_);
+    while (!stop_) {
+      if (ctx_ != nullptr && absl::Now() >= deadline_) {
+        ctx_->TryCancel();
+        ctx_ = nullptr;
+        fired_ = true;
+      }
+      cv_.WaitWithDeadline(&mu_, ctx_ != nullptr ? deadline_ : absl::InfiniteFuture());
+    }
+  }
+
+  absl::Mutex mu_;
+  absl::CondVar cv_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ClientContext* ctx_ ABSL_GUARDED_BY(mu_) = nullptr;
+  absl::Time deadline_ ABSL_GUARDED_BY(mu_);
+  bool fired_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;  // last: starts after the members it reads
+};
+
 TransferClient::TransferClient(std::shared_ptr<grpc::Channel> channel, Options options)
     : stub_(kvcache::v1::KvCacheTransfer::NewStub(channel)), options_(std::move(options)) {}
 
@@ -24,17 +78,38 @@ TransferClient::~TransferClient() {
   if (comm_ != nullptr) comm_->Close();
 }
 
+bool TransferClient::Bounded(grpc::ClientContext* ctx, bool* late,
+                             const std::function<bool()>& op) {
+  if (timer_ == nullptr) timer_ = std::make_unique<StreamTimer>();
+  timer_->Arm(ctx, options_.message_timeout);
+  const bool ok = op();
+  *late = timer_->Disarm();
+  return ok && !*late;
+}
+
+absl::Status TransferClient::LateError(const char* what) const {
+  return absl::DeadlineExceededError(
+      absl::StrCat("transfer: kvcd took longer than ", absl::FormatDuration(options_.message_timeout),
+                   " (message_timeout) over ", what, "; the stream was cancelled"));
+}
+
 absl::Status TransferClient::OpenSession(TransferTransport t, OpenTransferSessionResponse* resp) {
   OpenTransferSessionRequest req;
   req.set_client_id(options_.client_id);
   req.set_transport(t);
   req.set_session_secret(session_secret_);  // "" unless this client opened the session
   grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.message_timeout));
   return FromGrpcStatus(stub_->OpenTransferSession(&ctx, req, resp));
 }
 
 absl::Status TransferClient::Open() {
   if (stream_ != nullptr) return absl::FailedPreconditionError("transfer client: already open");
+  if (options_.message_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("message_timeout: ", absl::FormatDuration(options_.message_timeout),
+                     " must be > 0"));
+  }
   OpenTransferSessionResponse resp;
   transport_ = kvcache::v1::TRANSFER_TRANSPORT_GRPC_BYTES;
   fallback_reason_.clear();
@@ -47,6 +122,7 @@ absl::Status TransferClient::Open() {
     if (s.ok() && resp.reused() && comm_ == nullptr) {
       // The server's cached group was joined by an earlier client object: replace it.
       grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.message_timeout));
       kvcache::v1::CloseTransferSessionRequest close;
       close.set_client_id(options_.client_id);
       close.set_session_id(resp.session_id());
@@ -85,20 +161,27 @@ absl::Status TransferClient::Open() {
 
 absl::Status TransferClient::FinishStream() {
   if (stream_ == nullptr) return absl::OkStatus();
-  stream_->WritesDone();
-  TransferAck drain;
-  while (stream_->Read(&drain)) {
-  }
-  const grpc::Status s = stream_->Finish();
+  bool late = false;
+  Bounded(ctx_.get(), &late, [&] {
+    stream_->WritesDone();
+    TransferAck drain;
+    while (stream_->Read(&drain)) {
+    }
+    return true;
+  });
+  const grpc::Status s = stream_->Finish();  // at once after the reads ended or a cancel
   stream_.reset();
   ctx_.reset();
+  if (late) return LateError("the end of the stream");
   return FromGrpcStatus(s);
 }
 
 absl::Status TransferClient::ReadAck(uint64_t sequence, TransferAck::State state, uint64_t* bytes) {
   TransferAck ack;
-  if (!stream_->Read(&ack)) {
+  bool late = false;
+  if (!Bounded(ctx_.get(), &late, [&] { return stream_->Read(&ack); })) {
     absl::Status s = FinishStream();
+    if (late) return LateError("an ack");
     return s.ok() ? absl::UnavailableError("transfer: stream ended without an ack") : s;
   }
   if (ack.sequence() != sequence || ack.state() != state) {
@@ -126,8 +209,10 @@ absl::Status TransferClient::Send(const std::string& cache_id, uint32_t layer,
   a.set_tensor(tensor);
   a.set_num_bytes(bytes);
   if (!nccl) a.set_payload(static_cast<const char*>(data), bytes);
-  if (!stream_->Write(a)) {
+  bool late = false;
+  if (!Bounded(ctx_.get(), &late, [&] { return stream_->Write(a); })) {
     absl::Status s = FinishStream();
+    if (late) return LateError("the announcement");
     return s.ok() ? absl::UnavailableError("transfer: the stream closed") : s;
   }
   if (nccl) {
@@ -167,9 +252,18 @@ absl::Status TransferClient::Fetch(const std::string& cache_id, uint32_t layer_b
     const grpc::Status g = stream->Finish();
     return g.ok() || g.error_code() == grpc::StatusCode::CANCELLED ? s : FromGrpcStatus(g);
   };
-  // The stream ended or broke where a message was due: kvcd's status says why.
-  auto ended = [&](const char* what) -> absl::Status {
+  // Each read and write within message_timeout (Bounded); `late` once one was not.
+  bool late = false;
+  auto read = [&](FetchResponse* r) {
+    return Bounded(&ctx, &late, [&] { return stream->Read(r); });
+  };
+  auto write = [&](const FetchRequest& r) {
+    return Bounded(&ctx, &late, [&] { return stream->Write(r); });
+  };
+  // The stream ended or broke where a message was due: kvcd's status says why (or the timeout).
+  auto ended = [&](const std::string& what) -> absl::Status {
     const grpc::Status g = stream->Finish();
+    if (late) return LateError(what.c_str());
     if (!g.ok()) return FromGrpcStatus(g);
     return absl::InternalError(absl::StrCat("fetch: the stream ended before ", what));
   };
@@ -181,16 +275,16 @@ absl::Status TransferClient::Fetch(const std::string& cache_id, uint32_t layer_b
   start->set_cache_id(cache_id);
   start->set_layer_begin(layer_begin);
   if (layer_end.has_value()) start->set_layer_end(*layer_end);
-  if (!stream->Write(req)) return ended("the header");
+  if (!write(req)) return ended("the header");
   FetchResponse resp;
-  if (!stream->Read(&resp)) return ended("the header");
+  if (!read(&resp)) return ended("the header");
   if (!resp.has_header()) return fail(absl::InternalError("fetch: the first message is no header"));
   ++next_sequence_;  // kvcd accepted the fetch
   const uint32_t begin = resp.header().layer_begin(), end = resp.header().layer_end();
   if (absl::Status s = on_info(resp.header().info(), begin, end); !s.ok()) return fail(s);
   std::vector<uint8_t> blob;
   for (uint32_t layer = begin; layer < end; ++layer) {
-    if (!stream->Read(&resp)) return ended(absl::StrCat("layer ", layer).c_str());
+    if (!read(&resp)) return ended(absl::StrCat("layer ", layer));
     if (!resp.has_layer() || resp.layer().layer() != layer) {
       return fail(
           absl::InternalError(absl::StrCat("fetch: expected the announcement of layer ", layer)));
@@ -203,7 +297,7 @@ absl::Status TransferClient::Fetch(const std::string& cache_id, uint32_t layer_b
       posted.mutable_posted()->set_layer(layer);
       // Only after the announcement: kvcd sends nothing before it reads this, so a fetch that
       // fails before it never leaves a receive without a send.
-      if (!stream->Write(posted)) return ended(absl::StrCat("layer ", layer).c_str());
+      if (!write(posted)) return ended(absl::StrCat("layer ", layer));
       if (absl::Status s = comm_->Recv(blob.data(), n, options_.send_timeout); !s.ok()) {
         // The data plane's state is unknown: this client must be opened again.
         FinishStream().IgnoreError();
@@ -211,7 +305,7 @@ absl::Status TransferClient::Fetch(const std::string& cache_id, uint32_t layer_b
       }
     } else {
       for (uint64_t offset = 0; offset < n;) {
-        if (!stream->Read(&resp)) return ended(absl::StrCat("layer ", layer).c_str());
+        if (!read(&resp)) return ended(absl::StrCat("layer ", layer));
         const auto& p = resp.payload();
         if (!resp.has_payload() || p.layer() != layer || p.offset() != offset ||
             p.data().size() > n - offset || p.data().empty()) {
@@ -226,8 +320,14 @@ absl::Status TransferClient::Fetch(const std::string& cache_id, uint32_t layer_b
       return fail(s);
     }
   }
-  stream->WritesDone();
-  return FromGrpcStatus(stream->Finish());
+  grpc::Status g;
+  Bounded(&ctx, &late, [&] {
+    stream->WritesDone();
+    g = stream->Finish();
+    return true;
+  });
+  if (late) return LateError("the end of the fetch");
+  return FromGrpcStatus(g);
 }
 
 absl::StatusOr<TransferClient::FetchedCache> TransferClient::Fetch(
@@ -253,6 +353,7 @@ absl::Status TransferClient::Close() {
   absl::Status s = FinishStream();
   if (session_id_.empty()) return s;
   grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.message_timeout));
   kvcache::v1::CloseTransferSessionRequest req;
   req.set_client_id(options_.client_id);
   req.set_session_id(session_id_);

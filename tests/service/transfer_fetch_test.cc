@@ -8,16 +8,20 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvc/transfer.h"
 #include "kvc/transfer_client.h"
 #include "kvcache/v1/transfer.grpc.pb.h"
 #include "testing/fake_communicator.h"
+#include "testing/gate.h"
 
 namespace kvc::transfer {
 namespace {
@@ -64,9 +68,21 @@ class FakeSource final : public TransferSource {
     absl::MutexLock lock(&mu_);
     throw_on_open_ = on;
   }
+  // From now on every Open waits at the returned gate until it is opened.
+  std::shared_ptr<testing::Gate> Hold() {
+    absl::MutexLock lock(&mu_);
+    gate_ = std::make_shared<testing::Gate>();
+    return gate_;
+  }
 
   absl::StatusOr<std::unique_ptr<CacheReader>> Open(const std::string&,
                                                     const std::string& cache_id) override {
+    std::shared_ptr<testing::Gate> gate;
+    {
+      absl::MutexLock lock(&mu_);
+      gate = gate_;
+    }
+    if (gate) gate->Pass();
     absl::MutexLock lock(&mu_);
     if (throw_on_open_) throw std::bad_alloc();  // as an allocation the source could not make
     auto it = caches_.find(cache_id);
@@ -113,6 +129,7 @@ class FakeSource final : public TransferSource {
   int live_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t delivered_ ABSL_GUARDED_BY(mu_) = 0;
   bool throw_on_open_ ABSL_GUARDED_BY(mu_) = false;
+  std::shared_ptr<testing::Gate> gate_ ABSL_GUARDED_BY(mu_);
 };
 
 class NullSink final : public TransferSink {
@@ -315,6 +332,30 @@ TEST_F(TransferFetchTest, SourceThatThrowsEndsTheFetchAndTheServerCarriesOn) {
     EXPECT_EQ(good->layers[0], kAll[0]);
     ASSERT_TRUE(client->Close().ok());
   }
+}
+
+// kvcd that does not answer a fetch (here its source holds the cache's opening) no longer holds
+// the client: the fetch ends with DEADLINE_EXCEEDED after message_timeout.
+TEST_F(TransferFetchTest, FetchGivesUpPastItsMessageTimeout) {
+  Start();
+  TransferClient::Options o;
+  o.client_id = "slow-fetch";
+  o.message_timeout = absl::Seconds(1);
+  TransferClient client(channel_, o);
+  ASSERT_TRUE(client.Open().ok());
+  std::shared_ptr<testing::Gate> gate = source_.Hold();
+  absl::Notification finished;  // without the bound, the gate opens by itself after 30 s
+  std::thread backstop([gate, &finished] {
+    finished.WaitForNotificationWithTimeout(absl::Seconds(30));
+    gate->Open();
+  });
+  const absl::Time start = absl::Now();
+  auto fetched = client.Fetch("cache", 0, 1);
+  EXPECT_EQ(fetched.status().code(), absl::StatusCode::kDeadlineExceeded) << fetched.status();
+  EXPECT_NE(fetched.status().message().find("message_timeout"), std::string::npos);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  finished.Notify();
+  backstop.join();
 }
 
 TEST_F(TransferFetchTest, CorruptLayerEndsTheFetchBeforeItsBytesAndKeepsTheGroup) {

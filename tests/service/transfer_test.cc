@@ -26,6 +26,7 @@
 #include "kvc/transfer_client.h"
 #include "kvcache/v1/transfer.grpc.pb.h"
 #include "testing/fake_communicator.h"
+#include "testing/gate.h"
 #include "transfer/transfer_sessions.h"
 
 namespace kvc::transfer {
@@ -38,6 +39,7 @@ using kvcache::v1::TransferAck;
 using kvcache::v1::TransferAnnouncement;
 
 using testing::FakeFactory;
+using testing::Gate;
 
 // The secrets of the sessions this test opened, by session id, so announcements can carry them.
 std::map<std::string, std::string>& Secrets() {
@@ -51,29 +53,6 @@ void Remember(const OpenTransferSessionResponse& r) {
 struct Received {
   TensorHeader header;
   std::vector<uint8_t> bytes;
-};
-
-// Holds the tensors that reach it until opened; counts them.
-struct Gate {
-  absl::Mutex mu;
-  bool open ABSL_GUARDED_BY(mu) = false;
-  int entered ABSL_GUARDED_BY(mu) = 0;
-  void Pass() {
-    absl::MutexLock lock(&mu);
-    ++entered;
-    mu.Await(absl::Condition(&open));
-  }
-  bool WaitEntered(absl::Duration timeout) {
-    absl::MutexLock lock(&mu);
-    return mu.AwaitWithTimeout(
-        absl::Condition(+[](Gate* g) ABSL_NO_THREAD_SAFETY_ANALYSIS { return g->entered > 0; },
-                        this),
-        timeout);
-  }
-  void Open() {
-    absl::MutexLock lock(&mu);
-    open = true;
-  }
 };
 
 class RecordingSink final : public TransferSink {
@@ -661,6 +640,44 @@ TEST_F(TransferTest, SinkThatThrowsEndsTheStreamAndTheServerCarriesOn) {
   ASSERT_TRUE(client.Open().ok());  // reopens the stream on the cached session
   EXPECT_TRUE(client.Send("c", 0, kvcache::v1::TENSOR_K, x.data(), x.size()).ok());
   EXPECT_EQ(sink_.got().size(), 1u);
+}
+
+// kvcd that does not answer (here its sink holds the tensor) no longer holds the client: the
+// send ends with DEADLINE_EXCEEDED after message_timeout, and the client can open again and go
+// on once kvcd does.
+TEST_F(TransferTest, ClientGivesUpOnAnAckPastItsMessageTimeout) {
+  Start();
+  TransferClient::Options o = ClientOptions("slow", /*with_factory=*/false);
+  o.message_timeout = absl::Seconds(1);
+  TransferClient client(channel_, o);
+  ASSERT_TRUE(client.Open().ok());
+  std::shared_ptr<Gate> gate = sink_.Hold();
+  // Without the client's bound the send would wait for the gate: it opens by itself later, so
+  // that such a failure ends the test rather than hanging it.
+  absl::Notification finished;
+  std::thread backstop([gate, &finished] {
+    finished.WaitForNotificationWithTimeout(absl::Seconds(30));
+    gate->Open();
+  });
+  const std::vector<uint8_t> x = Bytes(10, 1);
+  const absl::Time start = absl::Now();
+  const absl::Status s = client.Send("c", 0, kvcache::v1::TENSOR_K, x.data(), x.size());
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find("message_timeout"), std::string::npos) << s;
+  EXPECT_LT(took, absl::Seconds(20));
+  EXPECT_FALSE(client.is_open());
+  gate->Open();
+  // kvcd took the tensor in the end (it was not cancelled on its side): the reopened session
+  // carries on from the next sequence.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (sink_.got().empty() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_EQ(sink_.got().size(), 1u);
+  ASSERT_TRUE(client.Open().ok());
+  EXPECT_TRUE(client.Send("c", 1, kvcache::v1::TENSOR_K, x.data(), x.size()).ok());
+  EXPECT_EQ(sink_.got().size(), 2u);
+  finished.Notify();
+  backstop.join();
 }
 
 TEST_F(TransferTest, OpenValidatesClientIdAndLimitsSessions) {

@@ -37,6 +37,11 @@ class TransferClient {
     CommunicatorFactory* factory = nullptr;  // null: never try NCCL
     absl::Duration join_timeout = absl::Seconds(60);
     absl::Duration send_timeout = absl::Seconds(60);
+    // How long kvcd may take over any one message: an answer (an ack, the next message of a
+    // fetch, a session RPC's reply) or a write its flow control holds back. Past it the stream is
+    // cancelled and the call returns DEADLINE_EXCEEDED, so a stalled kvcd or a silent network
+    // never holds the caller for good. Must be > 0.
+    absl::Duration message_timeout = absl::Seconds(60);
   };
 
   TransferClient(std::shared_ptr<grpc::Channel> channel, Options options);
@@ -94,6 +99,11 @@ class TransferClient {
   absl::Status Close();
 
  private:
+  class StreamTimer;
+  // Runs op(), one blocking operation of the call `ctx`, within options_.message_timeout: past it
+  // the call is cancelled (op then fails) and *late is set.
+  bool Bounded(grpc::ClientContext* ctx, bool* late, const std::function<bool()>& op);
+  absl::Status LateError(const char* what) const;
   absl::Status OpenSession(kvcache::v1::TransferTransport t,
                            kvcache::v1::OpenTransferSessionResponse* resp);
   absl::Status FinishStream();
@@ -107,6 +117,7 @@ class TransferClient {
   std::string session_secret_;
   uint64_t next_sequence_ = 0;
   std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<StreamTimer> timer_;  // started by the first Bounded operation
   std::unique_ptr<grpc::ClientContext> ctx_;
   std::unique_ptr<
       grpc::ClientReaderWriter<kvcache::v1::TransferAnnouncement, kvcache::v1::TransferAck>>
