@@ -1,6 +1,6 @@
-// An exception thrown outside the engine while a stream is served (std::bad_alloc from a failed
-// allocation, or anything else) ends that stream with RESOURCE_EXHAUSTED or INTERNAL and gives
-// back everything it held. Before, gRPC swallowed an exception thrown in a reactor's reaction (or
+// An exception thrown while a stream is served (std::bad_alloc from a failed allocation, or
+// anything else), in the engine or outside it, ends that stream with RESOURCE_EXHAUSTED or
+// INTERNAL and gives back everything it held; kvcd serves the next request. Before, gRPC swallowed an exception thrown in a reactor's reaction (or
 // its constructor) and never called OnDone, an exception in a pool job was only logged, and an
 // exception while finalizing an upload lost its completion: each left the stream open for good,
 // holding its --max_concurrent_streams slot (and a lease or the upload's staging), so the client
@@ -52,13 +52,14 @@ void MaybeThrow(const std::atomic<Throw>& what) {
   }
 }
 
-// The CPU engine, throwing from CanScoreKeys when asked: the upload's header asks it on the
-// PutCache reactor's own callback (OnReadDone), outside any pool job.
-class HeaderThrowingBackend final : public Backend {
+// The CPU engine, throwing when asked: from CanScoreKeys, which the upload's header asks on the
+// PutCache reactor's own callback (OnReadDone), outside any pool job; or from Compress, on the
+// pool, where the engine's exceptions are caught (CallNoThrow) and fail that upload.
+class ThrowingBackend final : public Backend {
  public:
-  explicit HeaderThrowingBackend(std::unique_ptr<Backend> real) : real_(std::move(real)) {}
-  std::string_view name() const override { return "header-throwing"; }
-  std::string description() const override { return "header-throwing"; }
+  explicit ThrowingBackend(std::unique_ptr<Backend> real) : real_(std::move(real)) {}
+  std::string_view name() const override { return "throwing"; }
+  std::string description() const override { return "throwing"; }
   bool CanScoreKeys() const override {
     MaybeThrow(on_header);
     return real_->CanScoreKeys();
@@ -68,10 +69,12 @@ class HeaderThrowingBackend final : public Backend {
   }
   absl::StatusOr<CompactLayer> CompressScored(const LayerInput& in, const CompressionSpec& spec,
                                               KeyScores scores, CompressTimings* t) override {
+    MaybeThrow(on_compress);
     return real_->CompressScored(in, spec, std::move(scores), t);
   }
   absl::StatusOr<CompactLayer> Compress(const LayerInput& in, const CompressionSpec& spec,
                                         CompressTimings* timings) override {
+    MaybeThrow(on_compress);
     return real_->Compress(in, spec, timings);
   }
   absl::Status Attend(const CompactLayerView& cache, const DecodeQuery& query,
@@ -79,6 +82,7 @@ class HeaderThrowingBackend final : public Backend {
     return real_->Attend(cache, query, out);
   }
   std::atomic<Throw> on_header{Throw::kNothing};
+  std::atomic<Throw> on_compress{Throw::kNothing};
 
  private:
   std::unique_ptr<Backend> real_;
@@ -130,7 +134,7 @@ class ServerStreamExceptionTest : public ::testing::Test {
   void SetUp() override {
     auto cpu = CreateCpuBackend(BackendOptions{});
     ASSERT_TRUE(cpu.ok()) << cpu.status();
-    backend_ = std::make_unique<HeaderThrowingBackend>(*std::move(cpu));
+    backend_ = std::make_unique<ThrowingBackend>(*std::move(cpu));
     ASSERT_TRUE(loopback_.Start(backend_.get(), &pool_, [this](ServiceState* state) {
       store_.real = state->store;
       state->store = &store_;
@@ -187,27 +191,36 @@ class ServerStreamExceptionTest : public ::testing::Test {
     EXPECT_EQ(fetched.info.cache_id(), id);
   }
 
-  std::unique_ptr<HeaderThrowingBackend> backend_;
+  std::unique_ptr<ThrowingBackend> backend_;
   ThrowingStore store_;
   ThreadPool pool_{3};
   testing::ServiceOnLoopback loopback_;  // declared last: stops serving first
   kvcache::v1::KvCache::Stub* stub_ = nullptr;
 };
 
-TEST_F(ServerStreamExceptionTest, AnExceptionOnThePutCacheReactorEndsTheStream) {
-  backend_->on_header = Throw::kBadAlloc;
-  grpc::Status s = Put("header-oom");
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
-  EXPECT_THAT(s.error_message(), HasSubstr("out of memory"));
+// An exception while a layer compresses on the pool (the engine: it once escaped the pool thread
+// and terminated kvcd) or on the PutCache reactor's callback (the header's query of the backend)
+// fails that upload, and the server keeps serving.
+TEST_F(ServerStreamExceptionTest, AnUploadsExceptionFailsItAndTheServerKeepsServing) {
+  for (std::atomic<Throw>* at : {&backend_->on_compress, &backend_->on_header}) {
+    const std::string where = at == &backend_->on_compress ? "engine" : "header";
+    SCOPED_TRACE(where);
+    *at = Throw::kBadAlloc;
+    grpc::Status s = Put(where + "-oom");
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("out of memory"));
 
-  backend_->on_header = Throw::kRuntimeError;
-  s = Put("header-boom");
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::INTERNAL) << s.error_message();
-  EXPECT_THAT(s.error_message(), HasSubstr("injected failure"));
-  EXPECT_EQ(testing::ViewStore(stub_).entries, 0u);
+    *at = Throw::kRuntimeError;
+    s = Put(where + "-boom");
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INTERNAL) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("injected failure"));
+    EXPECT_EQ(testing::ViewStore(stub_).entries, 0u);
 
-  backend_->on_header = Throw::kNothing;
-  ExpectServing("after-header");
+    *at = Throw::kNothing;
+    ExpectServing(where + "-fine");
+    EXPECT_EQ(testing::ViewStore(stub_).ids, std::vector<std::string>{where + "-fine"});
+    ASSERT_TRUE(loopback_.store()->Delete(where + "-fine").ok());
+  }
 }
 
 TEST_F(ServerStreamExceptionTest, AnExceptionWhileFinalizingAnUploadAnswersTheClient) {
