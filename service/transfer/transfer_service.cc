@@ -166,11 +166,17 @@ class StreamReactor : public Base {
   StreamReactor(TransferServiceImpl* service, grpc::CallbackServerContext* ctx, const char* method);
   ~StreamReactor() override;
   bool admitted() const { return admitted_; }
-  // Finishes the stream once (a second call does nothing).
+  // Finishes the stream once (a second call does nothing). Nothing of the reactor may be touched
+  // once Finish has returned: a worker's call may be followed at once by OnDone, which deletes it.
   void FinishWith(const grpc::Status& status) {
     if (finished_) return;
-    this->Finish(rec_.Done(status));
-    finished_ = true;  // after Finish: should it throw, a retry can still end the stream
+    finished_ = true;
+    try {
+      this->Finish(rec_.Done(status));
+    } catch (...) {  // not finished after all: a retry may still end the stream
+      finished_ = false;
+      throw;
+    }
   }
   // Runs one step of the stream (a reaction, or a worker's job): an exception escaping it ends
   // the stream with its status. gRPC swallows a reaction's exception and then never calls
