@@ -213,9 +213,11 @@ absl::Status Upload::AcceptHeader(const kvcache::v1::PutCacheHeader& h,
   // Layer-adaptive budgets: every layer is scored whole before any is selected.
   layer_adaptive_ = spec.eviction.layer_adaptive;
   if (layer_adaptive_) early_scoring_ = false;
-  layers_.resize(num_layers);
   {
+    // Under the lock with the stages: Cancel may run on another thread meanwhile (the stream's
+    // OnCancel, e.g. when a tiny deadline expires while this header is read) and walks them.
     absl::MutexLock lock(&mu_);
+    layers_.resize(num_layers);
     max_running_ = concurrent_layers;
     stage_.assign(num_layers, Stage::kReceiving);
     complete_.assign(num_layers, false);
@@ -682,7 +684,9 @@ void Upload::AllocateHeldLayers(std::vector<std::optional<KeyScores>> all) {
 }
 
 void Upload::DropHeldLayers() {
-  for (size_t l = 0; l < layers_.size(); ++l) {
+  // By the stages (guarded by mu_), not by layers_: Cancel may come from another thread while
+  // the header is still being accepted. A held layer's state was complete long before.
+  for (size_t l = 0; l < stage_.size(); ++l) {
     if (stage_[l] != Stage::kHeld) continue;
     stage_[l] = Stage::kCompressing;  // never scheduled again
     if (l < early_scores_.size()) early_scores_[l].reset();

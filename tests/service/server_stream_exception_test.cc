@@ -15,6 +15,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -351,6 +352,40 @@ TEST(UploadJobExceptionTest, FinalizingOnAPoolThreadAnswersWhenItThrows) {
   EXPECT_THAT(std::string(result->status().message()), HasSubstr("out of memory"));
   EXPECT_EQ(parts.real_store->GetStats().entries, 0u);
   EXPECT_TRUE(pool.WaitIdle(std::chrono::steady_clock::now() + std::chrono::seconds(60)));
+}
+
+// Cancel (the stream's OnCancel, which gRPC may run on another thread while a reaction runs,
+// e.g. when a tiny deadline expires) racing the header that sizes the upload's layers: the
+// cancellation walked the layers while the header was still sizing them, and kvcd crashed
+// (SIGSEGV in DropHeldLayers, seen in a soak with tiny deadlines). Many layers widen the window.
+TEST(UploadCancelRaceTest, CancelWhileTheHeaderIsAcceptedIsSafe) {
+  UploadParts parts;
+  ASSERT_NE(parts.backend, nullptr);
+  ThreadPool pool(3);
+  testing::TestCache cache = testing::MakeTestCache(
+      "race", testing::Shape(1, 1, 1, 32, 32, 8), kvcache::v1::DTYPE_F16,
+      kvcache::v1::LAYOUT_HND, 1);
+  *cache.header.mutable_compression() = testing::FullCompression();
+  kvcache::v1::PutCacheHeader header = cache.header;
+  header.mutable_shape()->set_num_layers(4096);
+  IngestLimits limits;
+  limits.max_cache_bytes = 1ull << 40;
+  limits.work_base_flops = 1e15;
+  limits.work_base_scratch_bytes = 1ull << 40;
+  for (int round = 0; round < 300; ++round) {
+    auto upload = std::make_shared<Upload>(parts.backend.get(), &parts.store, &pool, limits,
+                                           &parts.staging);
+    std::atomic<bool> go{false};
+    std::thread canceller([&] {
+      while (!go.load()) {
+      }
+      upload->Cancel(absl::CancelledError("cancelled while the header was read"));
+    });
+    go = true;
+    const absl::Status s = upload->OnHeader(header, "race");
+    canceller.join();
+    EXPECT_TRUE(s.ok() || s.code() == absl::StatusCode::kCancelled) << s;
+  }
 }
 
 }  // namespace
