@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdio>
 #include <new>
 #include <string>
 #include <utility>
@@ -112,17 +111,7 @@ void ThreadPool::RunJob(Job* job) {
 void ThreadPool::RunClosure(const std::function<void()>& fn) {
   // Nobody waits for a scheduled closure, so its exception has no one to go to: report it and
   // keep the worker (and the process) alive.
-  try {
-    fn();
-  } catch (...) {
-    const absl::Status s = StatusFromException(std::current_exception());
-    try {
-      std::fprintf(stderr, "kvc::ThreadPool: a scheduled closure threw: %s\n",
-                   s.ToString().c_str());
-    } catch (...) {  // the message's allocation failed: nothing may leave the worker
-      std::fputs("kvc::ThreadPool: a scheduled closure threw (out of memory)\n", stderr);
-    }
-  }
+  RunOrReport("kvc::ThreadPool: a scheduled closure threw", fn);
 }
 
 void ThreadPool::WorkerLoop() {

@@ -56,13 +56,11 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
                             : std::make_shared<StreamWatch>(std::move(on_idle));
     // From here on the stream may hold slots and a lease: an exception must end it, so that
     // OnDone runs (gRPC swallows a reactor's exceptions and then never calls OnDone).
-    RunNoThrow([&] { Start(*request); },
-               [&](const absl::Status& s) { FinishOnce(ToGrpc(s, ns_)); });
+    Guarded([&] { Start(*request); });
   }
 
   void OnWriteDone(bool ok) override {
-    RunNoThrow([&] { WriteDone(ok); },
-               [&](const absl::Status& s) { FinishOnce(ToGrpc(s, ns_)); });
+    Guarded([&] { WriteDone(ok); });
   }
 
   void OnDone() override {
@@ -73,6 +71,14 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   }
 
  private:
+  // Runs one of the reactor's steps; an exception escaping it ends the stream with its status
+  // (RESOURCE_EXHAUSTED for a failed allocation), which gRPC would otherwise swallow without ever
+  // calling OnDone.
+  template <typename Step>
+  void Guarded(Step&& step) {
+    RunNoThrow(step, [this](const absl::Status& s) { FinishOnce(ToGrpc(s, ns_)); });
+  }
+
   // The constructor's work once the stream is watched.
   void Start(const grpc::ByteBuffer& request) {
     if (state_->draining) {
@@ -440,8 +446,7 @@ class GetCacheReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   // Sends the next message, or parks, or ends the stream. Runs on the reactor's callbacks and, to
   // resume a parked reactor, on the export job's thread; an exception ends the stream there too.
   void NextWrite() {
-    RunNoThrow([&] { SendNext(); },
-               [&](const absl::Status& s) { FinishOnce(ToGrpc(s, ns_)); });
+    Guarded([&] { SendNext(); });
   }
 
   void SendNext() {

@@ -195,7 +195,7 @@ class Upload : public std::enable_shared_from_this<Upload> {
   template <typename Job>
   void ScheduleJob(ThreadPool* pool, Job job);
   // Fails the upload with `why` without waiting for its jobs: they stop at their next check and
-  // drop their results, and a finishing upload answers now. ABSL_LOCKS_EXCLUDED(mu_).
+  // drop their results, and a finishing upload answers now.
   void Broken(const absl::Status& why) ABSL_LOCKS_EXCLUDED(mu_);
   // OnHeader/OnChunk with an exception (a failed allocation) made a status: the upload's state
   // may be half updated, so it is cancelled (no later chunk reaches it).

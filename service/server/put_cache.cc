@@ -74,22 +74,20 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     watch_ = state_->reaper ? state_->reaper->Watch(std::move(on_idle))
                             : std::make_shared<StreamWatch>(std::move(on_idle));
     // From here on the stream may hold slots: an exception must end it, so that OnDone runs.
-    RunNoThrow([&] { Start(); }, [&](const absl::Status& s) { FailFromException(s); });
+    Guarded([&] { Start(); });
   }
 
   void OnReadDone(bool ok) override {
-    RunNoThrow([&] { ReadDone(ok); }, [&](const absl::Status& s) { FailFromException(s); });
+    Guarded([&] { ReadDone(ok); });
   }
 
   void OnCancel() override {
     // A cancelled upload must store nothing, even if its last layer is being finalized now; its
     // compression stops at the next row block, and the stream ends now, not when it has.
-    RunNoThrow(
-        [&] {
-          if (upload_) upload_->Abort();
-          EndStream(grpc::Status(grpc::StatusCode::CANCELLED, "upload cancelled"));
-        },
-        [&](const absl::Status& s) { FailFromException(s); });
+    Guarded([&] {
+      if (upload_) upload_->Abort();
+      EndStream(grpc::Status(grpc::StatusCode::CANCELLED, "upload cancelled"));
+    });
   }
 
   void OnDone() override {
@@ -107,8 +105,7 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
   // The Upload finished (from its done callback, link lock held): answer the client.
   void OnUploadDone(absl::StatusOr<kvcache::v1::PutCacheResponse> result) {
-    RunNoThrow([&] { UploadDone(std::move(result)); },
-               [&](const absl::Status& s) { FailFromException(s); });
+    Guarded([&] { UploadDone(std::move(result)); });
   }
 
   // Ends the stream with `status` unless it has ended already. Safe from any thread (the watch
@@ -303,9 +300,16 @@ class PutCacheReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     Finish(status);
   }
 
-  // An exception escaped one of the reactor's reactions (a failed allocation: RESOURCE_EXHAUSTED,
-  // anything else: INTERNAL). gRPC would swallow it and never call OnDone, so the stream ends
-  // here, before anything else that could throw again, and the upload is dropped.
+  // Runs one of the reactor's steps (a reaction, the constructor's work, the upload's answer).
+  // An exception escaping it (a failed allocation: RESOURCE_EXHAUSTED, anything else: INTERNAL)
+  // would be swallowed by gRPC, which then never calls OnDone: FailFromException ends the stream.
+  template <typename Step>
+  void Guarded(Step&& step) {
+    RunNoThrow(step, [this](const absl::Status& s) { FailFromException(s); });
+  }
+
+  // Ends the stream after an exception, before anything else that could throw again, and drops
+  // the upload.
   void FailFromException(const absl::Status& s) {
     EndStream(ToGrpc(s));
     CloseExternal().IgnoreError();

@@ -200,22 +200,17 @@ void KvcServer::SweepLoop() {
   const absl::Duration wait = reload_tls ? std::min(period, tls_period) : period;
   absl::Time next_tls = absl::Now() + tls_period;
   while (!stop_sweep_.WaitForNotificationWithTimeout(wait)) {
-    // An exception (memory is out) would end this thread and with it kvcd: the sweep is
-    // skipped instead, and the next one tries again.
-    RunNoThrow(
-        [&] {
-          store_->ExpireNow();  // evictions are counted by the store's on_evict callback
-          state_->RefreshStoreGauges();
-          if (reload_tls && absl::Now() >= next_tls) {
-            next_tls = absl::Now() + tls_period;
-            if (const std::string line = tls_->Poll(); !line.empty()) {
-              std::fprintf(stderr, "kvcd: %s\n", line.c_str());
-            }
-          }
-        },
-        [](const absl::Status& s) {
-          std::fprintf(stderr, "kvcd: the TTL sweep failed: %s\n", s.ToString().c_str());
-        });
+    // A failed round (memory is out) is reported and the next one tries again.
+    RunOrReport("kvcd: the TTL sweep failed", [&] {
+      store_->ExpireNow();  // evictions are counted by the store's on_evict callback
+      state_->RefreshStoreGauges();
+      if (reload_tls && absl::Now() >= next_tls) {
+        next_tls = absl::Now() + tls_period;
+        if (const std::string line = tls_->Poll(); !line.empty()) {
+          std::fprintf(stderr, "kvcd: %s\n", line.c_str());
+        }
+      }
+    });
   }
 }
 

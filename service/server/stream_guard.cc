@@ -1,7 +1,6 @@
 #include "server/stream_guard.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -80,27 +79,20 @@ int StreamReaper::watched() const {
 
 void StreamReaper::Loop() {
   while (!stop_.WaitForNotificationWithTimeout(period_)) {
-    // An exception (memory is out) would end this thread and with it kvcd: this sweep is
-    // skipped instead, and the next one tries again.
-    RunNoThrow(
-        [&] {
-          std::vector<std::shared_ptr<StreamWatch>> check;
-          {
-            absl::MutexLock lock(&mu_);
-            watches_.erase(std::remove_if(watches_.begin(), watches_.end(),
-                                          [](const auto& w) { return w->detached(); }),
-                           watches_.end());
-            check = watches_;
-          }
-          // Without the reaper's lock: an IdleFn calls into gRPC, and new streams must not wait
-          // on it.
-          const int64_t now = absl::GetCurrentTimeNanos();
-          for (const auto& w : check) w->MaybeReap(now, idle_);
-        },
-        [](const absl::Status& s) {
-          std::fprintf(stderr, "kvcd: the stream reaper's sweep failed: %s\n",
-                       s.ToString().c_str());
-        });
+    // A failed sweep (memory is out) is reported and the next one tries again.
+    RunOrReport("kvcd: the stream reaper's sweep failed", [&] {
+      std::vector<std::shared_ptr<StreamWatch>> check;
+      {
+        absl::MutexLock lock(&mu_);
+        watches_.erase(std::remove_if(watches_.begin(), watches_.end(),
+                                      [](const auto& w) { return w->detached(); }),
+                       watches_.end());
+        check = watches_;
+      }
+      // Without the reaper's lock: an IdleFn calls into gRPC, and new streams must not wait on it.
+      const int64_t now = absl::GetCurrentTimeNanos();
+      for (const auto& w : check) w->MaybeReap(now, idle_);
+    });
   }
 }
 

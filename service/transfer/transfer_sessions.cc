@@ -265,10 +265,8 @@ void TransferSessions::SweepLoop() {
       absl::MutexLock lock(&mu_);
       if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), period)) return;
     }
-    // An exception (memory is out) would end this thread and with it kvcd: try again later.
-    RunNoThrow([&] { Sweep(); }, [](const absl::Status& s) {
-      std::fprintf(stderr, "kvcd: the transfer session sweep failed: %s\n", s.ToString().c_str());
-    });
+    // A failed sweep (memory is out) is reported and the next one tries again.
+    RunOrReport("kvcd: the transfer session sweep failed", [&] { Sweep(); });
   }
 }
 

@@ -1,10 +1,11 @@
 // An exception thrown while a stream is served (std::bad_alloc from a failed allocation, or
 // anything else), in the engine or outside it, ends that stream with RESOURCE_EXHAUSTED or
-// INTERNAL and gives back everything it held; kvcd serves the next request. Before, gRPC swallowed an exception thrown in a reactor's reaction (or
-// its constructor) and never called OnDone, an exception in a pool job was only logged, and an
-// exception while finalizing an upload lost its completion: each left the stream open for good,
-// holding its --max_concurrent_streams slot (and a lease or the upload's staging), so the client
-// waited forever and kvcd refused new streams once the slots were gone.
+// INTERNAL and gives back everything it held; kvcd serves the next request. Before, gRPC
+// swallowed an exception thrown in a reactor's reaction (or its constructor) and never called
+// OnDone, an exception in a pool job was only logged, and an exception while finalizing an
+// upload lost its completion: each left the stream open for good, holding its
+// --max_concurrent_streams slot (and a lease or the upload's staging), so the client waited
+// forever and kvcd refused new streams once the slots were gone.
 //
 // The failures are injected in-process through the interfaces kvcd is built from (Backend,
 // CacheStore, the upload's compress observer), on a server that allows one stream at a time: a
@@ -273,19 +274,31 @@ absl::Status Feed(Upload* upload, const testing::TestCache& cache) {
   return absl::OkStatus();
 }
 
-// The upload's outcome, as its done callback gets it (DEADLINE_EXCEEDED when it never comes).
-absl::StatusOr<kvcache::v1::PutCacheResponse> Outcome(Upload* upload) {
-  auto done = std::make_shared<absl::Notification>();
-  auto result = std::make_shared<absl::StatusOr<kvcache::v1::PutCacheResponse>>();
-  upload->Finish([done, result](absl::StatusOr<kvcache::v1::PutCacheResponse> r) {
-    *result = std::move(r);
-    done->Notify();
-  });
-  if (!done->WaitForNotificationWithTimeout(kDeadline)) {
-    return absl::DeadlineExceededError("the upload never finished");
+// The upload's answer, as the done callback that Finish (called here) hands it.
+class Answer {
+ public:
+  explicit Answer(Upload* upload) {
+    upload->Finish(
+        [done = done_, result = result_](absl::StatusOr<kvcache::v1::PutCacheResponse> r) {
+          *result = std::move(r);
+          done->Notify();
+        });
   }
-  return *result;
-}
+  bool arrived() const { return done_->HasBeenNotified(); }
+  // The answer, or DEADLINE_EXCEEDED when it never comes.
+  absl::StatusOr<kvcache::v1::PutCacheResponse> Wait() const {
+    if (!done_->WaitForNotificationWithTimeout(kDeadline)) {
+      return absl::DeadlineExceededError("the upload never answered");
+    }
+    return *result_;
+  }
+
+ private:
+  // Shared with the callback, which may outlive the test's wait.
+  const std::shared_ptr<absl::Notification> done_ = std::make_shared<absl::Notification>();
+  const std::shared_ptr<absl::StatusOr<kvcache::v1::PutCacheResponse>> result_ =
+      std::make_shared<absl::StatusOr<kvcache::v1::PutCacheResponse>>();
+};
 
 struct UploadParts {
   UploadParts() {
@@ -319,7 +332,7 @@ TEST(UploadJobExceptionTest, AJobThatThrowsFailsTheUploadAtOnce) {
   });
   const absl::Status fed = Feed(upload.get(), Cache("job"));
   // A chunk after the failed job may already report it; otherwise the upload's answer does.
-  const absl::Status result = fed.ok() ? Outcome(upload.get()).status() : fed;
+  const absl::Status result = fed.ok() ? Answer(upload.get()).Wait().status() : fed;
   EXPECT_GE(thrown.load(), 1);
   EXPECT_EQ(result.code(), absl::StatusCode::kResourceExhausted) << result;
   EXPECT_EQ(parts.real_store->GetStats().entries, 0u);
@@ -339,17 +352,12 @@ TEST(UploadJobExceptionTest, FinalizingOnAPoolThreadAnswersWhenItThrows) {
   auto upload = std::make_shared<Upload>(parts.backend.get(), &parts.store, &pool, IngestLimits{},
                                          &parts.staging);
   ASSERT_TRUE(Feed(upload.get(), Cache("finalize")).ok());
-  auto done = std::make_shared<absl::Notification>();
-  auto result = std::make_shared<absl::StatusOr<kvcache::v1::PutCacheResponse>>();
-  upload->Finish([done, result](absl::StatusOr<kvcache::v1::PutCacheResponse> r) {
-    *result = std::move(r);
-    done->Notify();
-  });
-  EXPECT_FALSE(done->HasBeenNotified());  // its layers wait behind the held worker
+  const Answer answer(upload.get());
+  EXPECT_FALSE(answer.arrived());  // its layers wait behind the held worker
   release.Notify();
-  ASSERT_TRUE(done->WaitForNotificationWithTimeout(kDeadline)) << "the upload never answered";
-  EXPECT_EQ(result->status().code(), absl::StatusCode::kResourceExhausted) << result->status();
-  EXPECT_THAT(std::string(result->status().message()), HasSubstr("out of memory"));
+  const absl::Status result = answer.Wait().status();
+  EXPECT_EQ(result.code(), absl::StatusCode::kResourceExhausted) << result;
+  EXPECT_THAT(std::string(result.message()), HasSubstr("out of memory"));
   EXPECT_EQ(parts.real_store->GetStats().entries, 0u);
   EXPECT_TRUE(pool.WaitIdle(std::chrono::steady_clock::now() + std::chrono::seconds(60)));
 }

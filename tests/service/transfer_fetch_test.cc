@@ -344,18 +344,13 @@ TEST_F(TransferFetchTest, FetchGivesUpPastItsMessageTimeout) {
   TransferClient client(channel_, o);
   ASSERT_TRUE(client.Open().ok());
   std::shared_ptr<testing::Gate> gate = source_.Hold();
-  absl::Notification finished;  // without the bound, the gate opens by itself after 30 s
-  std::thread backstop([gate, &finished] {
-    finished.WaitForNotificationWithTimeout(absl::Seconds(30));
-    gate->Open();
-  });
+  // Without the bound the fetch would wait for the gate: it opens by itself after 30 s.
+  const testing::GateBackstop backstop(gate, absl::Seconds(30));
   const absl::Time start = absl::Now();
   auto fetched = client.Fetch("cache", 0, 1);
   EXPECT_EQ(fetched.status().code(), absl::StatusCode::kDeadlineExceeded) << fetched.status();
   EXPECT_NE(fetched.status().message().find("message_timeout"), std::string::npos);
   EXPECT_LT(absl::Now() - start, absl::Seconds(20));
-  finished.Notify();
-  backstop.join();
 }
 
 TEST_F(TransferFetchTest, CorruptLayerEndsTheFetchBeforeItsBytesAndKeepsTheGroup) {

@@ -654,11 +654,7 @@ TEST_F(TransferTest, ClientGivesUpOnAnAckPastItsMessageTimeout) {
   std::shared_ptr<Gate> gate = sink_.Hold();
   // Without the client's bound the send would wait for the gate: it opens by itself later, so
   // that such a failure ends the test rather than hanging it.
-  absl::Notification finished;
-  std::thread backstop([gate, &finished] {
-    finished.WaitForNotificationWithTimeout(absl::Seconds(30));
-    gate->Open();
-  });
+  const testing::GateBackstop backstop(gate, absl::Seconds(30));
   const std::vector<uint8_t> x = Bytes(10, 1);
   const absl::Time start = absl::Now();
   const absl::Status s = client.Send("c", 0, kvcache::v1::TENSOR_K, x.data(), x.size());
@@ -676,8 +672,6 @@ TEST_F(TransferTest, ClientGivesUpOnAnAckPastItsMessageTimeout) {
   ASSERT_TRUE(client.Open().ok());
   EXPECT_TRUE(client.Send("c", 1, kvcache::v1::TENSOR_K, x.data(), x.size()).ok());
   EXPECT_EQ(sink_.got().size(), 2u);
-  finished.Notify();
-  backstop.join();
 }
 
 TEST_F(TransferTest, OpenValidatesClientIdAndLimitsSessions) {

@@ -130,6 +130,16 @@ void RunNoThrow(Body&& body, OnError&& on_error) noexcept {
   }
 }
 
+// RunNoThrow for code whose failure can only be reported (a closure nobody waits for, a round of
+// a background loop, which must not end its thread and with it the process): an exception's
+// status goes to stderr as "`what`: STATUS".
+template <typename Body>
+void RunOrReport(const char* what, Body&& body) noexcept {
+  RunNoThrow(body, [what](const absl::Status& s) {
+    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
+  });
+}
+
 }  // namespace kvc
 
 #endif  // KVC_THREAD_POOL_H_
