@@ -674,6 +674,19 @@ TEST_F(TransferTest, ClientGivesUpOnAnAckPastItsMessageTimeout) {
   EXPECT_EQ(sink_.got().size(), 2u);
 }
 
+TEST_F(TransferTest, ClientRefusesANonPositiveMessageTimeout) {
+  Start();
+  for (absl::Duration t : {absl::ZeroDuration(), absl::Seconds(-1)}) {
+    TransferClient::Options o = ClientOptions("bad-timeout", /*with_factory=*/false);
+    o.message_timeout = t;
+    TransferClient client(channel_, o);
+    const absl::Status s = client.Open();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("message_timeout"), std::string::npos) << s;
+    EXPECT_FALSE(client.is_open());
+  }
+}
+
 TEST_F(TransferTest, OpenValidatesClientIdAndLimitsSessions) {
   TransferLimits l;
   l.max_sessions = 2;
