@@ -62,8 +62,9 @@ ABSL_FLAG(std::string, buffer_pool_bytes, "512MiB",
 ABSL_FLAG(std::string, backend, "auto", "compression backend: auto, cpu or cuda");
 ABSL_FLAG(int32_t, threads, 0, "engine and compression threads; 0 = hardware concurrency");
 ABSL_FLAG(std::string, scoring_math, "exact",
-          "attention scoring's logits on the CPU: exact, or integer (int8 dot products on AVX-512 "
-          "VNNI: about twice as fast, kept sets equal up to near-ties; exact elsewhere)");
+          "attention scoring's logits on the CPU: exact, or integer (int8 dot products, AVX-512 "
+          "VNNI or AVX2: about twice as fast, kept sets equal up to near-ties; exact below AVX2 "
+          "and on AMX)");
 ABSL_FLAG(double, drain_seconds, 5,
           "on SIGTERM, how long to wait for in-flight streams; uploads still compressing then "
           "are stopped (UNAVAILABLE) and their compression abandoned");

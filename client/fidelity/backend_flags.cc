@@ -12,7 +12,7 @@ ABSL_FLAG(std::string, attention_math, "auto",
           "exact (fp32 on the dequantized codes) or integer (integer dot products everywhere)");
 ABSL_FLAG(std::string, scoring_math, "exact",
           "compression: attention scoring's logits (h2o, snapkv, keyformer, kvzip): exact, or "
-          "integer (int8 dot products on AVX-512 VNNI; exact elsewhere)");
+          "integer (int8 dot products on AVX-512 VNNI or AVX2; exact below AVX2 and on AMX)");
 
 namespace kvc::fidelity {
 

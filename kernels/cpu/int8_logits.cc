@@ -1,5 +1,5 @@
-// The int8 attention-logit kernels (see int8_logits.h). Compiled with AVX-512 VNNI enabled;
-// called only when CpuIsaAtLeast(kAvx512Vnni).
+// The AVX-512 VNNI int8 attention-logit kernels (see int8_logits.h). Compiled with AVX-512 VNNI
+// enabled; int8_logits_avx2.cc's entry points call them only when CpuIsaAtLeast(kAvx512Vnni).
 #include "cpu/int8_logits.h"
 
 #include <cstdlib>
@@ -15,9 +15,9 @@
 #include "cpu/avx512_rows.h"
 #include "cpu/row_blocks.h"
 
-namespace kvc::cpu::i8 {
+namespace kvc::cpu::i8::internal {
 
-bool Built() { return true; }
+bool VnniBuilt() { return true; }
 
 namespace {
 
@@ -87,7 +87,7 @@ void DotBlock(const uint8_t* q, const float* q_scales, int head_dim, const int8_
 
 }  // namespace
 
-void PackQueries(const float* q, int rows, int head_dim, float scale, uint8_t* codes,
+void PackQueriesVnni(const float* q, int rows, int head_dim, float scale, uint8_t* codes,
                  float* scales) {
   const __m512i bias = _mm512_set1_epi32(128);
   for (int r = 0; r < rows; ++r) {
@@ -105,7 +105,7 @@ void PackQueries(const float* q, int rows, int head_dim, float scale, uint8_t* c
   }
 }
 
-void PackKeys(const void* src, DType t, size_t row_stride, int n, int head_dim, int8_t* codes,
+void PackKeysVnni(const void* src, DType t, size_t row_stride, int n, int head_dim, int8_t* codes,
               float* scales, int32_t* offsets) {
   const auto* base = static_cast<const uint8_t*>(src);
   const size_t esize = DTypeSize(t);
@@ -152,7 +152,7 @@ void PackKeys(const void* src, DType t, size_t row_stride, int n, int head_dim, 
   }
 }
 
-void Logits(const uint8_t* q_codes, const float* q_scales, int rows, const int8_t* k_codes,
+void LogitsVnni(const uint8_t* q_codes, const float* q_scales, int rows, const int8_t* k_codes,
             const float* k_scales, const int32_t* k_offsets, int n, int head_dim, float* dst,
             size_t ldc) {
   // 12 rows x 32 keys: 24 accumulators, two key registers and one broadcast query quad of the 32
@@ -167,18 +167,20 @@ void Logits(const uint8_t* q_codes, const float* q_scales, int rows, const int8_
   });
 }
 
-}  // namespace kvc::cpu::i8
+}  // namespace kvc::cpu::i8::internal
 
-#else  // built without AVX-512 VNNI: Built() and so Usable() are false; nothing below is called.
+#else  // built without AVX-512 VNNI: VnniBuilt() is false and nothing below is called.
 
-namespace kvc::cpu::i8 {
-bool Built() { return false; }
-void PackQueries(const float*, int, int, float, uint8_t*, float*) { std::abort(); }
-void PackKeys(const void*, DType, size_t, int, int, int8_t*, float*, int32_t*) { std::abort(); }
-void Logits(const uint8_t*, const float*, int, const int8_t*, const float*, const int32_t*, int,
-            int, float*, size_t) {
+namespace kvc::cpu::i8::internal {
+bool VnniBuilt() { return false; }
+void PackQueriesVnni(const float*, int, int, float, uint8_t*, float*) { std::abort(); }
+void PackKeysVnni(const void*, DType, size_t, int, int, int8_t*, float*, int32_t*) {
   std::abort();
 }
-}  // namespace kvc::cpu::i8
+void LogitsVnni(const uint8_t*, const float*, int, const int8_t*, const float*, const int32_t*,
+                int, int, float*, size_t) {
+  std::abort();
+}
+}  // namespace kvc::cpu::i8::internal
 
 #endif

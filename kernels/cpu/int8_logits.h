@@ -1,26 +1,35 @@
-// Attention logits from int8 dot products (ScoringMath::kInteger, CpuIsa::kAvx512Vnni and up):
-// logits[r][j] ~= scale * q_r . k_j with both operands rounded to 8 bits, for a compressing
-// upload that would rather score twice as fast than exactly.
+// Attention logits from int8 dot products (ScoringMath::kInteger, CpuIsa::kAvx2 and up):
+// logits[r][j] ~= scale * q_r . k_j with both operands rounded to integers, for a compressing
+// upload that would rather score faster than exactly. Two kernels, picked at run time:
+//
+// - AVX-512 VNNI (level kAvx512Vnni and up; int8_logits.cc): `vpdpbusd` multiplies unsigned by
+//   signed bytes, four products summed into each int32 lane, 64 multiply-adds an instruction
+//   against 32 for AVX-512 BF16. Queries are rounded to 8 bits (QueryCodeMax() 127).
+// - AVX2 (levels kAvx2 and kAvx512; int8_logits_avx2.cc): `vpmaddubsw` sums two u8 x s8 products
+//   into a saturating int16 lane and `vpmaddwd` against ones sums two of those into int32, 32
+//   multiply-adds for two multiplies where fp32 FMA needs four. No lane may saturate, so queries
+//   are rounded to 7 bits (QueryCodeMax() 63): two products of at most 127 * 127 fit in int16.
 //
 // Each key is quantized on its own, symmetric: s_j = max_d |k_jd| / 127, c_jd = round(k_jd / s_j)
-// in [-127, 127]; each query row the same way, s_r = max_d |q_rd| / 127, stored unsigned as
-// round(q_rd / s_r) + 128 in [1, 255] because `vpdpbusd` multiplies unsigned by signed bytes
-// (four products summed into each int32 lane, 64 multiply-adds an instruction against 32 for
-// AVX-512 BF16). The sum then holds sum_d c_rd c_jd + 128 sum_d c_jd; the second term is
-// precomputed per key (the keys' `offsets`) and subtracted, and the scales are applied after the
-// integer sum: logit = scale * s_r * s_j * (sum - offset_j). No lane overflows:
-// 255 * 127 * 256 < 2^31 for head_dim <= 256.
+// in [-127, 127]; each query row the same way with QueryCodeMax() M: s_r = max_d |q_rd| / M,
+// stored unsigned as round(q_rd / s_r) + QueryBias() (B = M + 1, so the codes lie in [1, 2M + 1]).
+// The integer sum then holds sum_d c_rd c_jd + B sum_d c_jd; the second term is precomputed per
+// key (the keys' `offsets`) and subtracted, and the scales are applied after the integer sum:
+// logit = scale * s_r * s_j * (sum - offset_j). No int32 lane overflows: 255 * 127 * 256 < 2^31
+// for head_dim <= 256.
 //
 // Error: each operand is off by at most half a step (s / 2) per element, so a logit is off by
-// at most scale * (sum_d |q_d| s_j + |k_d| s_r) / 2 + the product of the two errors; the test
-// (tests/kernels/int8_logits_test.cc) holds it against a double reference, and the kept sets of
-// real-model heads differ from the exact ones only near ties (docs/performance.md).
+// at most scale * (sum_d |q_d| s_j + |k_d| s_r) / 2 + the product of the two errors (the AVX2
+// kernel's query step is twice VNNI's, and so is its share of the bound); the test
+// (tests/kernels/int8_logits_test.cc) holds it against a double reference at both levels, and the
+// kept sets of real-model heads differ from the exact ones only near ties (docs/performance.md).
 //
 // Layouts: queries [rows][head_dim] uint8 row-major with their scales [rows] (times `scale`);
-// keys [RoundUp(n, 32) / 16 groups][head_dim / 4][16 keys][4] int8, so that one 64-byte load
-// holds four consecutive channels of 16 keys, with per-key scales and offsets [RoundUp(n, 32)]
-// (padding keys zero; the kernel reads two groups at a time). head_dim must be a multiple of 16
-// in [16, 256] (Usable says so).
+// keys in groups of KeyGroup() keys (16 for VNNI, 8 for AVX2), [RoundUp(n, 32) / KeyGroup()
+// groups][head_dim / 4][KeyGroup() keys][4] int8, so that one vector load holds four consecutive
+// channels of a group's keys, with per-key scales and offsets [RoundUp(n, 32)] (padding keys zero;
+// the kernels read 32 or 16 keys at a time). head_dim must be a multiple of 16 in [16, 256]
+// (Usable says so). Pack and multiply with the same Kernel: their layouts differ.
 #ifndef KVC_KERNELS_CPU_INT8_LOGITS_H_
 #define KVC_KERNELS_CPU_INT8_LOGITS_H_
 
@@ -32,30 +41,56 @@
 
 namespace kvc::cpu::i8 {
 
-// Whether int8_logits.cc was compiled with AVX-512 VNNI (on x86-64 it is); without it its
-// functions abort, so Usable() must be checked first.
+// Whether int8_logits_avx2.cc was compiled with AVX2 (on x86-64 it is); without it its functions
+// abort, so Usable() must be checked first.
 bool Built();
 
-// True when the int8 path can run now for this head_dim (the active level is kAvx512Vnni or
-// above, kvc/cpu_isa.h).
+namespace internal {
+// Whether int8_logits.cc was compiled with AVX-512 VNNI (on x86-64 it is).
+bool VnniBuilt();
+// The VNNI kernels (int8_logits.cc); the entry points below call them from level kAvx512Vnni.
+void PackQueriesVnni(const float* q, int rows, int head_dim, float scale, uint8_t* codes,
+                     float* scales);
+void PackKeysVnni(const void* src, DType t, size_t row_stride, int n, int head_dim, int8_t* codes,
+                  float* scales, int32_t* offsets);
+void LogitsVnni(const uint8_t* q_codes, const float* q_scales, int rows, const int8_t* k_codes,
+                const float* k_scales, const int32_t* k_offsets, int n, int head_dim, float* dst,
+                size_t ldc);
+}  // namespace internal
+
+// True when the int8 path can run now for this head_dim (the active level is kAvx2 or above,
+// kvc/cpu_isa.h).
 inline bool Usable(int head_dim) {
   return head_dim >= 16 && head_dim <= 256 && head_dim % 16 == 0 &&
-         CpuIsaAtLeast(CpuIsa::kAvx512Vnni) && Built();
+         CpuIsaAtLeast(CpuIsa::kAvx2) && Built();
 }
+
+// The two kernels. A caller picks one with ActiveKernel() and passes it to each call, so that
+// packing and multiplying agree even if the level's cap changes in between.
+enum class Kernel { kAvx2, kVnni };
+inline Kernel ActiveKernel() {
+  return CpuIsaAtLeast(CpuIsa::kAvx512Vnni) && internal::VnniBuilt() ? Kernel::kVnni
+                                                                      : Kernel::kAvx2;
+}
+inline const char* KernelName(Kernel k) { return k == Kernel::kVnni ? "avx512-vnni" : "avx2"; }
+// The kernel's query codes' largest magnitude and bias, and its keys per group.
+inline int QueryCodeMax(Kernel k) { return k == Kernel::kVnni ? 127 : 63; }
+inline int QueryBias(Kernel k) { return QueryCodeMax(k) + 1; }
+inline int KeyGroup(Kernel k) { return k == Kernel::kVnni ? 16 : 8; }
 
 // Keys (and their scales / offsets) the packed layout holds for n keys.
 inline size_t PaddedKeys(int n) { return (static_cast<size_t>(n) + 31) / 32 * 32; }
 
 // q: [rows][head_dim] fp32 -> codes [rows][head_dim] and scales[r] = scale * s_r.
-void PackQueries(const float* q, int rows, int head_dim, float scale, uint8_t* codes,
+void PackQueries(Kernel kernel, const float* q, int rows, int head_dim, float scale, uint8_t* codes,
                  float* scales);
 // Keys straight from the cache: n rows of head_dim elements of type t, row i at
 // src + i * row_stride elements -> codes (PaddedKeys(n) * head_dim bytes), scales and
 // offsets (PaddedKeys(n) each).
-void PackKeys(const void* src, DType t, size_t row_stride, int n, int head_dim, int8_t* codes,
+void PackKeys(Kernel kernel, const void* src, DType t, size_t row_stride, int n, int head_dim, int8_t* codes,
               float* scales, int32_t* offsets);
 // dst[r * ldc + j] = logit of query row r and key j, r < rows, j < n (nothing else written).
-void Logits(const uint8_t* q_codes, const float* q_scales, int rows, const int8_t* k_codes,
+void Logits(Kernel kernel, const uint8_t* q_codes, const float* q_scales, int rows, const int8_t* k_codes,
             const float* k_scales, const int32_t* k_offsets, int n, int head_dim, float* dst,
             size_t ldc);
 

@@ -4,8 +4,8 @@
 // the logits path of ScoringLogitsPath, cpu/engine.h: fp32 multiply-adds on AVX2 and AVX-512,
 // cpu/f32_logits.h, OpenBLAS sgemm on fp32 copies below them; on AMX the same products from bf16
 // tiles, and on AVX-512 BF16 a bf16 layer's exact products from bf16 dot products,
-// cpu/amx_logits.h; with ScoringMath::kInteger int8 products on AVX-512 VNNI,
-// cpu/int8_logits.h), then a causal row softmax (online over the chunks) whose rows are
+// cpu/amx_logits.h; with ScoringMath::kInteger int8 products from AVX2 up (AVX-512 VNNI or
+// AVX2's vpmaddubsw), cpu/int8_logits.h), then a causal row softmax (online over the chunks) whose rows are
 // accumulated into the head's score. Query rows are processed in blocks so the logits buffer
 // stays bounded even when W == S.
 #include <cblas.h>
@@ -85,7 +85,8 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
   // cpu/amx_logits.h). bf16 keys are exact in one bf16 part: their lo products are skipped.
   // AVX-512 BF16 without tiles: bf16 layers' logits from one bf16 dot product per element pair
   // (exact products, fp32 sums; cpu/amx_logits.h), other dtypes on sgemm.
-  // Int8 (ScoringMath::kInteger on AVX-512 VNNI): both operands rounded to 8 bits.
+  // Int8 (ScoringMath::kInteger, AVX2 and up): keys rounded to 8 bits, queries to 8 (AVX-512
+  // VNNI) or 7 (AVX2); the kernel picked once here, so that packing and products agree.
   const LogitsPath path = ScoringLogitsPath(in.dtype, D, in.scoring_math);
   const bool use_amx = path == LogitsPath::kAmx, use_dot = path == LogitsPath::kBf16Dot;
   const bool use_int8 = path == LogitsPath::kInt8Dot, use_f32 = path == LogitsPath::kF32Fma;
@@ -98,6 +99,7 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
   int8_t* k8 = nullptr;
   float *q8_scale = nullptr, *k8_scale = nullptr;
   int32_t* k8_offset = nullptr;
+  const i8::Kernel i8_kernel = i8::ActiveKernel();
   if (path == LogitsPath::kSgemm) {
     k = s.k.Get<float>(static_cast<size_t>(std::min(S, kTokenChunk)) * D);
   } else if (use_f32) {
@@ -146,7 +148,7 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
       const int nr = std::min(block, span.end - r0);
       LoadQueryRows(in, h, r0, nr, q);
       if (use_amx) amx::PackQueries(q, nr, D, scale, q_hi, q_lo);
-      if (use_int8) i8::PackQueries(q, nr, D, scale, q8, q8_scale);
+      if (use_int8) i8::PackQueries(i8_kernel, q, nr, D, scale, q8, q8_scale);
       if (use_f32) f32::PackQueries(q, nr, D, qf);
       // Unscaled (bf16 values, exact in one part): DotLogits scales the sums.
       if (use_dot) FromFloat(q, DType::kBF16, static_cast<size_t>(nr) * D, q_hi);
@@ -203,8 +205,8 @@ void AttentionScoreHead(const LayerInput& in, const EvictionSpec& spec, int h, f
             f32::PackKeys(rows, in.dtype, stride, n, D, k);
             f32::Logits(qf, nr, k, n, D, scale, dst, ldc);
           } else if (use_int8) {
-            i8::PackKeys(rows, in.dtype, stride, n, D, k8, k8_scale, k8_offset);
-            i8::Logits(q8, q8_scale, nr, k8, k8_scale, k8_offset, n, D, dst, ldc);
+            i8::PackKeys(i8_kernel, rows, in.dtype, stride, n, D, k8, k8_scale, k8_offset);
+            i8::Logits(i8_kernel, q8, q8_scale, nr, k8, k8_scale, k8_offset, n, D, dst, ldc);
           } else {
             amx::PackKeys(rows, in.dtype, stride, n, D, k_hi, k_lo);
             if (use_amx) {
@@ -356,7 +358,8 @@ std::string_view LogitsPathName(LogitsPath path) {
     case LogitsPath::kAmx:
       return "amx tiles (bf16 hi/lo)";
     case LogitsPath::kInt8Dot:
-      return "avx512-vnni int8 dot products";
+      return i8::ActiveKernel() == i8::Kernel::kVnni ? "avx512-vnni int8 dot products"
+                                                     : "avx2 int8 dot products (7-bit queries)";
     case LogitsPath::kF32Fma:
       return CpuIsaAtLeast(CpuIsa::kAvx512) ? "avx512 fp32 fma" : "avx2 fp32 fma";
   }

@@ -30,6 +30,7 @@
 #include "../../kernels/cpu/amx_logits.h"
 #include "../../kernels/cpu/engine.h"
 #include "../../kernels/cpu/f32_logits.h"
+#include "../../kernels/cpu/int8_logits.h"
 #include "../../kernels/cpu/pack.h"
 #include "absl/strings/str_cat.h"
 #include "benchmark/benchmark.h"
@@ -411,21 +412,28 @@ struct SquareSgemm {
 // The scoring GEMM's chunks alone, one thread, CPU time: the 32K fp16 layer's keys, each KV
 // head's against the same 128 observation rows in 1,024-key chunks, (arg 0) as the sgemm path
 // computes them (each chunk converted to fp32, then cblas_sgemm 128 x 1024 x 128) or (arg 1) as
-// cpu/f32_logits.h does at the active level (each chunk packed, then its kernel), with sgemm
-// 2048^2 in the same loop: vs_sgemm is the median of their FLOP/s ratios (the share of sgemm's
-// own speed each reaches on this shape).
+// cpu/f32_logits.h does at the active level (each chunk packed, then its kernel), or (arg 2) as
+// cpu/int8_logits.h does (ScoringMath::kInteger: queries and each chunk's keys rounded to
+// integers, then the AVX2 or AVX-512 VNNI kernel), with sgemm 2048^2 in the same loop: vs_sgemm
+// is the median of their FLOP/s ratios (the share of sgemm's own speed each reaches on this
+// shape).
 void BM_ChunkLogits(benchmark::State& state) {
-  const bool f32_path = state.range(0) != 0;
-  if (f32_path && !cpu::f32::Usable(kHeadDim)) {
+  const bool f32_path = state.range(0) == 1, int8_path = state.range(0) == 2;
+  if ((f32_path && !cpu::f32::Usable(kHeadDim)) || (int8_path && !cpu::i8::Usable(kHeadDim))) {
     state.SkipWithError(absl::StrCat("no AVX2 at this level: ", CpuIsaDescription()).c_str());
     return;
   }
+  const cpu::i8::Kernel i8_kernel = cpu::i8::ActiveKernel();
   const Layer& layer = GetLayer(32768);
   const int S = layer.shape.seq_len, rows = (kQHeads / kKvHeads) * kWindow;
   constexpr int kChunk = 1024;
   std::vector<float> q(static_cast<size_t>(rows) * kHeadDim), qp(q.size());
   ToFloat(layer.q.data(), layer.dtype, q.size(), q.data());
   std::vector<float> k(cpu::f32::PackedKeyElems(kChunk, kHeadDim));
+  std::vector<uint8_t> q8(q.size());
+  std::vector<float> q8_scales(rows), k8_scales(cpu::i8::PaddedKeys(kChunk));
+  std::vector<int8_t> k8(cpu::i8::PaddedKeys(kChunk) * kHeadDim);
+  std::vector<int32_t> k8_offsets(k8_scales.size());
   std::vector<float> logits(static_cast<size_t>(rows) * S);
   SquareSgemm square;
   const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
@@ -436,6 +444,10 @@ void BM_ChunkLogits(benchmark::State& state) {
     square.Run();
     const double t1 = ThreadCpuSeconds();
     if (f32_path) cpu::f32::PackQueries(q.data(), rows, kHeadDim, qp.data());
+    if (int8_path) {
+      cpu::i8::PackQueries(i8_kernel, q.data(), rows, kHeadDim, scale, q8.data(),
+                           q8_scales.data());
+    }
     for (int h = 0; h < kKvHeads; ++h) {  // the same rows against each head's keys
       for (int c0 = 0; c0 < S; c0 += kChunk) {
         const uint16_t* keys = layer.k.data() + (static_cast<size_t>(h) * S + c0) * kHeadDim;
@@ -443,6 +455,11 @@ void BM_ChunkLogits(benchmark::State& state) {
         if (f32_path) {
           cpu::f32::PackKeys(keys, layer.dtype, kHeadDim, kChunk, kHeadDim, k.data());
           cpu::f32::Logits(qp.data(), rows, k.data(), kChunk, kHeadDim, scale, dst, kChunk);
+        } else if (int8_path) {
+          cpu::i8::PackKeys(i8_kernel, keys, layer.dtype, kHeadDim, kChunk, kHeadDim, k8.data(),
+                            k8_scales.data(), k8_offsets.data());
+          cpu::i8::Logits(i8_kernel, q8.data(), q8_scales.data(), rows, k8.data(),
+                          k8_scales.data(), k8_offsets.data(), kChunk, kHeadDim, dst, kChunk);
         } else {
           ToFloat(keys, layer.dtype, static_cast<size_t>(kChunk) * kHeadDim, k.data());
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, kChunk, kHeadDim, scale,
@@ -456,7 +473,10 @@ void BM_ChunkLogits(benchmark::State& state) {
                      (SquareSgemm::kFlops / (t1 - t0)));
   }
   state.counters["vs_sgemm"] = Median(ratios);
-  state.SetLabel(absl::StrCat(f32_path ? "f32 pack + kernel" : "fp32 copy + sgemm",
+  state.SetLabel(absl::StrCat(f32_path    ? "f32 pack + kernel"
+                              : int8_path ? absl::StrCat("int8 pack + ",
+                                                         cpu::i8::KernelName(i8_kernel), " kernel")
+                                          : "fp32 copy + sgemm",
                               ", fp16 keys, 1 thread, CPU time, ", CpuIsaDescription()));
 }
 
@@ -744,7 +764,7 @@ BENCHMARK(BM_DequantizeHead)
 BENCHMARK(BM_ReceiveCopy)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_PackKeys)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_SgemmSquare)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_ChunkLogits)->Arg(0)->Arg(1)->Iterations(9)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ChunkLogits)->Arg(0)->Arg(1)->Arg(2)->Iterations(9)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SgemmScoreShape)
     ->Args({4096, 1})
     ->Args({32768, 1})

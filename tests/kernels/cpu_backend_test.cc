@@ -235,8 +235,8 @@ TEST(CpuBackendTest, ParsesAttentionMathNames) {
 
 // BackendOptions::scoring_math reaches scoring: a backend made with kInteger scores as
 // ScoreTokens does with the input's scoring_math set to it (whatever the caller's input says),
-// differently from the exact backend, and its description names the int8 path. Below
-// avx512vnni both backends score alike.
+// differently from the exact backend, and its description names the int8 kernel (AVX2 or AVX-512
+// VNNI). Below avx2, and on AMX (whose tiles kInteger leaves), both backends score alike.
 TEST(CpuBackendTest, ScoringUsesTheChosenScoringMath) {
   const TestLayer layer = RandomLayer({2, 8, 700, 64, 16}, 9, DType::kBF16);
   CompressionSpec spec;
@@ -245,7 +245,9 @@ TEST(CpuBackendTest, ScoringUsesTheChosenScoringMath) {
   for (CpuIsa isa : testing_isa::SupportedIsas()) {
     SCOPED_TRACE(std::string(CpuIsaName(isa)));
     const testing_isa::ScopedIsaCap cap(isa);
-    const bool int8 = isa == CpuIsa::kAvx512Vnni || isa == CpuIsa::kAvx512Bf16;
+    const bool int8 = isa != CpuIsa::kPortable && isa != CpuIsa::kAmx;
+    const char* kernel = isa >= CpuIsa::kAvx512Vnni ? "avx512-vnni int8 dot products"
+                                                    : "avx2 int8 dot products (7-bit queries)";
     std::vector<std::vector<float>> got;
     for (ScoringMath math : {ScoringMath::kExact, ScoringMath::kInteger}) {
       absl::StatusOr<std::unique_ptr<Backend>> b =
@@ -259,7 +261,7 @@ TEST(CpuBackendTest, ScoringUsesTheChosenScoringMath) {
       absl::StatusOr<std::vector<float>> want = ScoreTokens(in, spec.eviction);
       ASSERT_TRUE(want.ok());
       EXPECT_EQ(scores->scores, *want);
-      EXPECT_EQ((*b)->description().find("avx512-vnni int8 dot products") != std::string::npos,
+      EXPECT_EQ((*b)->description().find(kernel) != std::string::npos,
                 int8 && math == ScoringMath::kInteger)
           << (*b)->description();
       absl::StatusOr<CompactLayer> blob = (*b)->Compress(layer.input(), spec, nullptr);

@@ -2,8 +2,8 @@
 // packing, and the logits against a double-precision reference of the unrounded operands within
 // the header's bound (half a quantization step per element of each operand, plus float rounding)
 // for fp32, fp16 and bf16 keys in either layout's row stride, ragged row and key counts, and
-// head_dim 16..256. On a CPU without AVX-512 VNNI every test but the first skips, naming what the
-// CPU has.
+// head_dim 16..256, for each kernel: AVX2 (7-bit queries, 8-key groups) and AVX-512 VNNI (8-bit
+// queries, 16-key groups), each at its level. A level this CPU lacks skips, naming what it has.
 #include "cpu/int8_logits.h"
 
 #include <algorithm>
@@ -16,17 +16,24 @@
 #include "kvc/convert.h"
 #include "kvc/cpu_isa.h"
 #include "kvc/dtype.h"
+#include "kernels/isa_util.h"
 
 namespace kvc::cpu {
 namespace {
 
-#define SKIP_WITHOUT_VNNI()                                                                  \
-  do {                                                                                       \
-    if (!i8::Usable(16)) {                                                                   \
-      GTEST_SKIP() << "no int8 path here: the kernels run at " << CpuIsaDescription() << " (" \
-                   << CpuFeatureList() << ")";                                               \
-    }                                                                                        \
-  } while (0)
+// Each test at each kernel's level: avx2 (the AVX2 kernel, as on an AVX2-only CPU) and
+// avx512vnni.
+class Int8LogitsTest : public testing_isa::IsaTest {
+ protected:
+  void SetUp() override {
+    IsaTest::SetUp();
+    if (IsSkipped()) return;
+    ASSERT_TRUE(i8::Usable(16)) << CpuIsaDescription();
+    kernel_ = i8::ActiveKernel();
+    ASSERT_EQ(kernel_, GetParam() >= CpuIsa::kAvx512Vnni ? i8::Kernel::kVnni : i8::Kernel::kAvx2);
+  }
+  i8::Kernel kernel_ = i8::Kernel::kAvx2;
+};
 
 // The elements as stored in dtype t (raw bytes), and their float values (what the cache holds).
 std::vector<uint8_t> Store(DType t, std::vector<float>* v) {
@@ -42,9 +49,10 @@ float MaxAbs(const float* x, int n) {
   return m;
 }
 
-TEST(Int8LogitsTest, BuiltWithVnniOnX86) {
+TEST(Int8LogitsBuildTest, BuiltWithAvx2AndVnniOnX86) {
 #if defined(__x86_64__)
   EXPECT_TRUE(i8::Built());
+  EXPECT_TRUE(i8::internal::VnniBuilt());
 #else
   EXPECT_FALSE(i8::Built());
   EXPECT_FALSE(i8::Usable(16));
@@ -54,10 +62,10 @@ TEST(Int8LogitsTest, BuiltWithVnniOnX86) {
   EXPECT_FALSE(i8::Usable(272));  // above 256: the int32 sums could overflow
 }
 
-// Key j's codes: channels 4p..4p+3 at bytes [p * 64 + 4 * (j % 16), +4) of its group of 16; the
-// scale is max |k| / 127, the offset 128 * the sum of the codes; padding keys are zero.
-TEST(Int8LogitsTest, KeysArePackedFourChannelsPerLane) {
-  SKIP_WITHOUT_VNNI();
+// Key j's codes: channels 4p..4p+3 at bytes [p * 4G + 4 * (j % G), +4) of its group of G =
+// KeyGroup(); the scale is max |k| / 127, the offset QueryBias() * the sum of the codes; padding
+// keys are zero. Query codes are round(q / s) + QueryBias() with s = max |q| / QueryCodeMax().
+TEST_P(Int8LogitsTest, KeysAndQueriesArePackedAsDocumented) {
   const int n = 37, d = 48;
   std::vector<float> k = testing::RandomValues(static_cast<size_t>(n) * d, 9, 2.0f);
   for (int e = 0; e < d; ++e) k[5 * d + e] = 0.0f;  // an all-zero key
@@ -67,15 +75,17 @@ TEST(Int8LogitsTest, KeysArePackedFourChannelsPerLane) {
   std::vector<int8_t> codes(keys * d, 99);
   std::vector<float> scales(keys, -1.0f);
   std::vector<int32_t> offsets(keys, -1);
-  i8::PackKeys(raw.data(), DType::kF32, d, n, d, codes.data(), scales.data(), offsets.data());
+  i8::PackKeys(kernel_, raw.data(), DType::kF32, d, n, d, codes.data(), scales.data(),
+               offsets.data());
+  const int G = i8::KeyGroup(kernel_), bias = i8::QueryBias(kernel_);
   for (int j = 0; j < static_cast<int>(keys); ++j) {
     SCOPED_TRACE(::testing::Message() << "key " << j);
     const float m = j < n ? MaxAbs(k.data() + static_cast<size_t>(j) * d, d) : 0.0f;
     EXPECT_FLOAT_EQ(scales[j], m / 127.0f);
     int32_t sum = 0;
     for (int e = 0; e < d; ++e) {
-      const int8_t c = codes[static_cast<size_t>(j / 16) * 16 * d + (e / 4) * 64 + (j % 16) * 4 +
-                             e % 4];
+      const int8_t c =
+          codes[static_cast<size_t>(j / G) * G * d + (e / 4) * 4 * G + (j % G) * 4 + e % 4];
       const int want =
           j < n && m > 0.0f
               ? static_cast<int>(std::nearbyint(k[static_cast<size_t>(j) * d + e] * (127.0f / m)))
@@ -83,12 +93,32 @@ TEST(Int8LogitsTest, KeysArePackedFourChannelsPerLane) {
       ASSERT_EQ(c, want) << "channel " << e;
       sum += c;
     }
-    EXPECT_EQ(offsets[j], 128 * sum);
+    EXPECT_EQ(offsets[j], bias * sum);
   }
+  // Queries: a row with an outlier, a zero row.
+  const int rows = 3;
+  std::vector<float> q = testing::RandomValues(static_cast<size_t>(rows) * d, 4, 1.0f);
+  q[7] = -9.0f;
+  std::fill(q.begin() + 2 * d, q.end(), 0.0f);
+  std::vector<uint8_t> qc(static_cast<size_t>(rows) * d, 0);
+  std::vector<float> qs(rows, -1.0f);
+  i8::PackQueries(kernel_, q.data(), rows, d, 0.5f, qc.data(), qs.data());
+  const int qmax = i8::QueryCodeMax(kernel_);
+  for (int r = 0; r < rows; ++r) {
+    const float m = MaxAbs(q.data() + static_cast<size_t>(r) * d, d);
+    EXPECT_FLOAT_EQ(qs[r], 0.5f * (m / qmax)) << "row " << r;
+    for (int e = 0; e < d; ++e) {
+      const int code =
+          m > 0.0f ? static_cast<int>(std::nearbyint(q[static_cast<size_t>(r) * d + e] *
+                                                     (static_cast<float>(qmax) / m)))
+                   : 0;
+      ASSERT_EQ(qc[static_cast<size_t>(r) * d + e], code + bias) << "row " << r << " ch " << e;
+    }
+  }
+  EXPECT_EQ(qc[7], bias - qmax);  // the outlier at the codes' limit
 }
 
-TEST(Int8LogitsTest, LogitsMatchDoubleReferenceWithinTheQuantizationBound) {
-  SKIP_WITHOUT_VNNI();
+TEST_P(Int8LogitsTest, LogitsMatchDoubleReferenceWithinTheQuantizationBound) {
   struct Case {
     int rows, n, d;
     DType t;
@@ -115,18 +145,18 @@ TEST(Int8LogitsTest, LogitsMatchDoubleReferenceWithinTheQuantizationBound) {
     std::vector<int8_t> kc(keys * c.d);
     std::vector<float> ks(keys);
     std::vector<int32_t> ko(keys);
-    i8::PackQueries(q.data(), c.rows, c.d, scale, qc.data(), qs.data());
-    i8::PackKeys(raw.data(), c.t, stride, c.n, c.d, kc.data(), ks.data(), ko.data());
+    i8::PackQueries(kernel_, q.data(), c.rows, c.d, scale, qc.data(), qs.data());
+    i8::PackKeys(kernel_, raw.data(), c.t, stride, c.n, c.d, kc.data(), ks.data(), ko.data());
     const size_t ldc = static_cast<size_t>(c.n) + 2;
     std::vector<float> out(static_cast<size_t>(c.rows) * ldc, -7.0f);
-    i8::Logits(qc.data(), qs.data(), c.rows, kc.data(), ks.data(), ko.data(), c.n, c.d,
+    i8::Logits(kernel_, qc.data(), qs.data(), c.rows, kc.data(), ks.data(), ko.data(), c.n, c.d,
                out.data() + 1, ldc);
     double worst = 0;  // the largest error as a fraction of its bound
     for (int r = 0; r < c.rows; ++r) {
       ASSERT_EQ(out[r * ldc], -7.0f) << "row " << r;
       ASSERT_EQ(out[r * ldc + ldc - 1], -7.0f) << "row " << r;
       const float* qr = q.data() + static_cast<size_t>(r) * c.d;
-      const double sq = MaxAbs(qr, c.d) / 127.0;
+      const double sq = MaxAbs(qr, c.d) / i8::QueryCodeMax(kernel_);
       for (int j = 0; j < c.n; ++j) {
         const float* kj = k.data() + j * stride;
         const double sk = MaxAbs(kj, c.d) / 127.0;
@@ -148,8 +178,7 @@ TEST(Int8LogitsTest, LogitsMatchDoubleReferenceWithinTheQuantizationBound) {
 }
 
 // An all-zero key (or query row) has scale 0: its logits are exactly 0, never NaN.
-TEST(Int8LogitsTest, ZeroRowsGiveZeroLogits) {
-  SKIP_WITHOUT_VNNI();
+TEST_P(Int8LogitsTest, ZeroRowsGiveZeroLogits) {
   const int rows = 3, n = 5, d = 32;
   std::vector<float> q = testing::RandomValues(static_cast<size_t>(rows) * d, 1, 1.0f);
   std::vector<float> k = testing::RandomValues(static_cast<size_t>(n) * d, 2, 1.0f);
@@ -161,9 +190,10 @@ TEST(Int8LogitsTest, ZeroRowsGiveZeroLogits) {
   std::vector<float> qs(rows), ks(keys), out(static_cast<size_t>(rows) * n, -1.0f);
   std::vector<int8_t> kc(keys * d);
   std::vector<int32_t> ko(keys);
-  i8::PackQueries(q.data(), rows, d, 0.25f, qc.data(), qs.data());
-  i8::PackKeys(raw.data(), DType::kF32, d, n, d, kc.data(), ks.data(), ko.data());
-  i8::Logits(qc.data(), qs.data(), rows, kc.data(), ks.data(), ko.data(), n, d, out.data(), n);
+  i8::PackQueries(kernel_, q.data(), rows, d, 0.25f, qc.data(), qs.data());
+  i8::PackKeys(kernel_, raw.data(), DType::kF32, d, n, d, kc.data(), ks.data(), ko.data());
+  i8::Logits(kernel_, qc.data(), qs.data(), rows, kc.data(), ks.data(), ko.data(), n, d,
+             out.data(), n);
   for (int r = 0; r < rows; ++r) {
     for (int j = 0; j < n; ++j) {
       if (r == 1 || j == 2) {
@@ -174,6 +204,10 @@ TEST(Int8LogitsTest, ZeroRowsGiveZeroLogits) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Levels, Int8LogitsTest,
+                         ::testing::Values(CpuIsa::kAvx2, CpuIsa::kAvx512Vnni),
+                         testing_isa::IsaName);
 
 }  // namespace
 }  // namespace kvc::cpu

@@ -54,10 +54,19 @@ TEST(KvcdCpuIsaTest, ScoringMathNamesItsPathAtStartUp) {
   KvcdProcess::Options opts;
   opts.binary = KVCD_PATH;
   opts.flags = {"--scoring_math=integer"};
-  opts.env = {"KVC_CPU_ISA=avx2"};  // no VNNI at this cap: the exact path, and the line says so
+  opts.env = {"KVC_CPU_ISA=portable"};  // no int8 kernel below avx2: the exact path (sgemm)
   auto p = KvcdProcess::Start(opts);
   ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_THAT((*p)->output(), HasSubstr("(scoring logits: f32 f16 bf16: avx2 fp32 fma)"));
+  EXPECT_THAT((*p)->output(), HasSubstr("(scoring logits: f32 f16 bf16: sgemm fp32)"));
+  if (DetectedCpuIsa() < CpuIsa::kAvx2) {
+    GTEST_SKIP() << "this CPU lacks avx2 (" << CpuFeatureList()
+                 << "): the int8 paths' lines are not checked";
+  }
+  opts.env = {"KVC_CPU_ISA=avx2"};  // the AVX2 int8 kernel
+  p = KvcdProcess::Start(opts);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_THAT((*p)->output(),
+              HasSubstr("(scoring logits: f32 f16 bf16: avx2 int8 dot products (7-bit queries))"));
   if (DetectedCpuIsa() < CpuIsa::kAvx512Vnni) {
     GTEST_SKIP() << "this CPU lacks avx512vnni (" << CpuFeatureList()
                  << "): the int8 path's line is not checked";

@@ -36,9 +36,10 @@ enum class MemorySpace : uint8_t { kHost = 0, kDevice = 1 };
 
 // How the CPU engine computes attention scoring's logits (h2o, snapkv, keyformer, kvzip). kExact:
 // fp32 sums of exact products (near-fp32 on AMX; ScoringLogitsDescription names the path per
-// dtype); kInteger: both operands rounded to int8 and multiplied with AVX-512 VNNI where the CPU
-// has it (cpu/int8_logits.h: logits about twice as fast, kept sets equal up to near-ties),
-// kExact's path elsewhere and on AMX, whose tiles are faster still. A backend option
+// dtype); kInteger: both operands rounded to integers (keys 8 bits, queries 8 with AVX-512 VNNI or
+// 7 with AVX2) and multiplied in integer dot products (cpu/int8_logits.h: logits about twice as
+// fast, kept sets equal up to near-ties), kExact's path below AVX2 and on AMX, whose tiles are
+// faster still. A backend option
 // (BackendOptions::scoring_math, kvcd --scoring_math) that the CPU backend copies into each
 // LayerInput.
 enum class ScoringMath { kExact, kInteger };
