@@ -72,10 +72,11 @@ void PrepareBlas(const ThreadPool* pool);
 // How attention scoring (h2o, snapkv, keyformer, kvzip) computes its logits for a layer of this
 // dtype and head_dim at the active instruction-set level (kvc/cpu_isa.h): AMX tiles with bf16
 // hi/lo splits (near-fp32); with ScoringMath::kInteger and without AMX, int8 dot products from
-// AVX2 up (AVX-512 VNNI, else AVX2 with 7-bit queries; cpu/int8_logits.h); AVX-512 BF16 dot products on bf16 layers (exact products,
-// cpu/amx_logits.h); otherwise, from AVX2 up, fp32 multiply-adds from packed copies of the keys
-// (cpu/f32_logits.h: sgemm's values up to the order of the additions); below AVX2, sgemm on fp32
-// copies. LogitsPathName is what benchmarks and logs print (with the level for kF32Fma).
+// AVX2 up (AVX-512 VNNI, else AVX2 with 7-bit queries; cpu/int8_logits.h); AVX-512 BF16 dot
+// products on bf16 layers (exact products, cpu/amx_logits.h); otherwise, from AVX2 up, fp32
+// multiply-adds from packed copies of the keys (cpu/f32_logits.h: sgemm's values up to the order
+// of the additions); below AVX2, sgemm on fp32 copies. LogitsPathName is what benchmarks and logs
+// print (with the level for kF32Fma, the kernel for kInt8Dot).
 enum class LogitsPath { kSgemm, kBf16Dot, kAmx, kInt8Dot, kF32Fma };
 LogitsPath ScoringLogitsPath(DType dtype, int head_dim, ScoringMath math = ScoringMath::kExact);
 std::string_view LogitsPathName(LogitsPath path);

@@ -9,6 +9,8 @@
 //   into a saturating int16 lane and `vpmaddwd` against ones sums two of those into int32, 32
 //   multiply-adds for two multiplies where fp32 FMA needs four. No lane may saturate, so queries
 //   are rounded to 7 bits (QueryCodeMax() 63): two products of at most 127 * 127 fit in int16.
+//   Queries rather than keys: a query row's rounding error spreads over the keys and averages
+//   over the observation window's rows, where a key's would move its logit in every row alike.
 //
 // Each key is quantized on its own, symmetric: s_j = max_d |k_jd| / 127, c_jd = round(k_jd / s_j)
 // in [-127, 127]; each query row the same way with QueryCodeMax() M: s_r = max_d |q_rd| / M,
@@ -82,17 +84,17 @@ inline int KeyGroup(Kernel k) { return k == Kernel::kVnni ? 16 : 8; }
 inline size_t PaddedKeys(int n) { return (static_cast<size_t>(n) + 31) / 32 * 32; }
 
 // q: [rows][head_dim] fp32 -> codes [rows][head_dim] and scales[r] = scale * s_r.
-void PackQueries(Kernel kernel, const float* q, int rows, int head_dim, float scale, uint8_t* codes,
-                 float* scales);
+void PackQueries(Kernel kernel, const float* q, int rows, int head_dim, float scale,
+                 uint8_t* codes, float* scales);
 // Keys straight from the cache: n rows of head_dim elements of type t, row i at
 // src + i * row_stride elements -> codes (PaddedKeys(n) * head_dim bytes), scales and
 // offsets (PaddedKeys(n) each).
-void PackKeys(Kernel kernel, const void* src, DType t, size_t row_stride, int n, int head_dim, int8_t* codes,
-              float* scales, int32_t* offsets);
+void PackKeys(Kernel kernel, const void* src, DType t, size_t row_stride, int n, int head_dim,
+              int8_t* codes, float* scales, int32_t* offsets);
 // dst[r * ldc + j] = logit of query row r and key j, r < rows, j < n (nothing else written).
-void Logits(Kernel kernel, const uint8_t* q_codes, const float* q_scales, int rows, const int8_t* k_codes,
-            const float* k_scales, const int32_t* k_offsets, int n, int head_dim, float* dst,
-            size_t ldc);
+void Logits(Kernel kernel, const uint8_t* q_codes, const float* q_scales, int rows,
+            const int8_t* k_codes, const float* k_scales, const int32_t* k_offsets, int n,
+            int head_dim, float* dst, size_t ldc);
 
 }  // namespace kvc::cpu::i8
 

@@ -16,8 +16,12 @@
 #if KVC_INT8_LOGITS_AVX2_BUILT
 #include <immintrin.h>
 
+#include "cpu/avx2_rows.h"
+
 namespace kvc::cpu::i8 {
 namespace {
+
+using avx2::Load8;
 
 constexpr int kMaxDim = 256;
 constexpr int kGroup = 8;  // keys per packed group: a ymm register holds a quad of 8 keys
@@ -25,20 +29,6 @@ constexpr int kGroup = 8;  // keys per packed group: a ymm register holds a quad
 // registers, a broadcast, a product and the ones of the 16 ymm registers.
 constexpr int kRowBlock = 4;
 constexpr int kQueryMax = 63;  // QueryCodeMax(Kernel::kAvx2)
-
-// 8 elements of type t at p as floats (exact).
-inline __m256 Load8(const uint8_t* p, DType t) {
-  switch (t) {
-    case DType::kF32:
-      return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
-    case DType::kF16:
-      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    case DType::kBF16:
-      return _mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-  }
-  return _mm256_setzero_ps();
-}
 
 inline float ReduceMax(__m256 m) {
   __m128 x = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
@@ -80,25 +70,6 @@ inline __m256i Narrow(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
   // v3[0..3] v0[4..7] v1[4..7] v2[4..7] v3[4..7]; the permute puts them in order.
   const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v0, v1), _mm256_packs_epi32(v2, v3));
   return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-// In-register transpose of an 8 x 8 matrix of dwords: r[i][j] -> r[j][i].
-inline void Transpose8(__m256i r[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_castsi256_ps(_mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]));
-    t[2 * i + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]));
-  }
-  for (int i = 0; i < 2; ++i) {
-    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    r[c] = _mm256_castps_si256(_mm256_permute2f128_ps(u[c], u[4 + c], 0x20));
-    r[4 + c] = _mm256_castps_si256(_mm256_permute2f128_ps(u[c], u[4 + c], 0x31));
-  }
 }
 
 void PackQueriesAvx2(const float* q, int rows, int head_dim, float scale, uint8_t* codes,
@@ -152,22 +123,23 @@ void PackKeysAvx2(const void* src, DType t, size_t row_stride, int n, int head_d
           v[j] = Round(x[4 * b + j], inv);  // in [-127, 127]; zero past head_dim
           sum = _mm256_add_epi32(sum, v[j]);
         }
-        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 32 * b), Narrow(v[0], v[1], v[2], v[3]));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 32 * b),
+                           Narrow(v[0], v[1], v[2], v[3]));
       }
       scales[key] = m / 127.0f;
       offsets[key] = bias * ReduceAdd(sum);
     }
     int8_t* out = codes + static_cast<size_t>(g0) * head_dim;
     for (int b = 0; b < blocks; ++b) {
-      __m256i r[8];
+      __m256 r[8];  // dwords (four channel codes each) as floats, for the transpose
       for (int i = 0; i < kGroup; ++i) {
-        r[i] = _mm256_load_si256(
-            reinterpret_cast<const __m256i*>(rows + (static_cast<size_t>(i) * blocks + b) * 32));
+        r[i] = _mm256_load_ps(
+            reinterpret_cast<const float*>(rows + (static_cast<size_t>(i) * blocks + b) * 32));
       }
-      Transpose8(r);
+      avx2::Transpose8(r);
       for (int p = 0; p < 8 && b * 8 + p < quads; ++p) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + static_cast<size_t>(b * 8 + p) * 32),
-                            r[p]);
+        _mm256_storeu_ps(reinterpret_cast<float*>(out + static_cast<size_t>(b * 8 + p) * 32),
+                         r[p]);
       }
     }
   }
@@ -221,8 +193,10 @@ __attribute__((noinline)) void DotBlock(const uint8_t* q, const float* q_scales,
   for (int r = 0; r < MR; ++r) {
     const __m256 qs = _mm256_set1_ps(q_scales[r]);
     float* out = dst + static_cast<size_t>(r) * ldc;
-    const __m256 v0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc0[r], o0)), s0), qs);
-    const __m256 v1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc1[r], o1)), s1), qs);
+    const __m256 v0 =
+        _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc0[r], o0)), s0), qs);
+    const __m256 v1 =
+        _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc1[r], o1)), s1), qs);
     if (keys >= 2 * kGroup) {
       _mm256_storeu_ps(out, v0);
       _mm256_storeu_ps(out + 8, v1);

@@ -5,9 +5,9 @@
 // cpu/f32_logits.h, OpenBLAS sgemm on fp32 copies below them; on AMX the same products from bf16
 // tiles, and on AVX-512 BF16 a bf16 layer's exact products from bf16 dot products,
 // cpu/amx_logits.h; with ScoringMath::kInteger int8 products from AVX2 up (AVX-512 VNNI or
-// AVX2's vpmaddubsw), cpu/int8_logits.h), then a causal row softmax (online over the chunks) whose rows are
-// accumulated into the head's score. Query rows are processed in blocks so the logits buffer
-// stays bounded even when W == S.
+// AVX2's vpmaddubsw), cpu/int8_logits.h), then a causal row softmax (online over the chunks)
+// whose rows are accumulated into the head's score. Query rows are processed in blocks so the
+// logits buffer stays bounded even when W == S.
 #include <cblas.h>
 
 #include <algorithm>
