@@ -94,9 +94,9 @@ void PackQueriesVnni(const float* q, int rows, int head_dim, float scale, uint8_
     __m512 x[kMaxDim / 16];
     const float* row = q + static_cast<size_t>(r) * head_dim;
     const float m = LoadRow(reinterpret_cast<const uint8_t*>(row), DType::kF32, head_dim, x);
-    const float s = m / 127.0f;
-    const float inv = m > 0.0f ? 127.0f / m : 0.0f;
-    scales[r] = scale * s;
+    const bool zero = !(m >= kZeroRowMax);
+    const float inv = zero ? 0.0f : 127.0f / m;
+    scales[r] = zero ? 0.0f : scale * (m / 127.0f);
     uint8_t* out = codes + static_cast<size_t>(r) * head_dim;
     for (int c = 0; c < head_dim / 16; ++c) {
       const __m512i u = _mm512_add_epi32(Round(x[c], inv), bias);  // in [1, 255]
@@ -128,14 +128,15 @@ void PackKeysVnni(const void* src, DType t, size_t row_stride, int n, int head_d
       std::memset(dst + head_dim, 0, static_cast<size_t>(blocks) * 64 - head_dim);
       __m512 x[kMaxDim / 16];
       const float m = LoadRow(base + static_cast<size_t>(key) * row_stride * esize, t, head_dim, x);
-      const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+      const bool zero = !(m >= kZeroRowMax);
+      const float inv = zero ? 0.0f : 127.0f / m;
       __m512i sum = _mm512_setzero_si512();
       for (int c = 0; c < head_dim / 16; ++c) {
         const __m512i v = Round(x[c], inv);  // in [-127, 127]
         sum = _mm512_add_epi32(sum, v);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * c), _mm512_cvtsepi32_epi8(v));
       }
-      scales[key] = m / 127.0f;
+      scales[key] = zero ? 0.0f : m / 127.0f;
       offsets[key] = 128 * _mm512_reduce_add_epi32(sum);
     }
     int8_t* out = codes + static_cast<size_t>(g0) * head_dim;

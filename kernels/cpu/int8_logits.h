@@ -80,6 +80,11 @@ inline int QueryCodeMax(Kernel k) { return k == Kernel::kVnni ? 127 : 63; }
 inline int QueryBias(Kernel k) { return QueryCodeMax(k) + 1; }
 inline int KeyGroup(Kernel k) { return k == Kernel::kVnni ? 16 : 8; }
 
+// A key or query row whose largest magnitude is below this is coded as zero (scale and codes 0,
+// so its logits are exactly 0): 127 / max would overflow to infinity for denormal rows, and the
+// logits lost are below 1e-30 * sum |other row|.
+inline constexpr float kZeroRowMax = 1e-30f;
+
 // Keys (and their scales / offsets) the packed layout holds for n keys.
 inline size_t PaddedKeys(int n) { return (static_cast<size_t>(n) + 31) / 32 * 32; }
 

@@ -79,8 +79,9 @@ void PackQueriesAvx2(const float* q, int rows, int head_dim, float scale, uint8_
     __m256 x[kMaxDim / 8];
     const float* row = q + static_cast<size_t>(r) * head_dim;
     const float m = LoadRow(reinterpret_cast<const uint8_t*>(row), DType::kF32, head_dim, x);
-    const float inv = m > 0.0f ? kQueryMax / m : 0.0f;
-    scales[r] = scale * (m / kQueryMax);
+    const bool zero = !(m >= kZeroRowMax);
+    const float inv = zero ? 0.0f : kQueryMax / m;
+    scales[r] = zero ? 0.0f : scale * (m / kQueryMax);
     uint8_t* out = codes + static_cast<size_t>(r) * head_dim;
     for (int c = 0; c < head_dim / 8; c += 4) {
       __m256i v[4];
@@ -115,7 +116,8 @@ void PackKeysAvx2(const void* src, DType t, size_t row_stride, int n, int head_d
       }
       __m256 x[kMaxDim / 8];
       const float m = LoadRow(base + static_cast<size_t>(key) * row_stride * esize, t, head_dim, x);
-      const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+      const bool zero = !(m >= kZeroRowMax);
+      const float inv = zero ? 0.0f : 127.0f / m;
       __m256i sum = _mm256_setzero_si256();
       for (int b = 0; b < blocks; ++b) {
         __m256i v[4];
@@ -126,7 +128,7 @@ void PackKeysAvx2(const void* src, DType t, size_t row_stride, int n, int head_d
         _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 32 * b),
                            Narrow(v[0], v[1], v[2], v[3]));
       }
-      scales[key] = m / 127.0f;
+      scales[key] = zero ? 0.0f : m / 127.0f;
       offsets[key] = bias * ReduceAdd(sum);
     }
     int8_t* out = codes + static_cast<size_t>(g0) * head_dim;

@@ -177,13 +177,18 @@ TEST_P(Int8LogitsTest, LogitsMatchDoubleReferenceWithinTheQuantizationBound) {
   }
 }
 
-// An all-zero key (or query row) has scale 0: its logits are exactly 0, never NaN.
+// An all-zero key (or query row) has scale 0: its logits are exactly 0, never NaN. So have rows
+// whose largest magnitude is below 1e-30 (denormals: 127 / max would overflow to inf).
 TEST_P(Int8LogitsTest, ZeroRowsGiveZeroLogits) {
-  const int rows = 3, n = 5, d = 32;
+  const int rows = 4, n = 6, d = 32;
   std::vector<float> q = testing::RandomValues(static_cast<size_t>(rows) * d, 1, 1.0f);
   std::vector<float> k = testing::RandomValues(static_cast<size_t>(n) * d, 2, 1.0f);
   std::fill(q.begin() + d, q.begin() + 2 * d, 0.0f);  // row 1
   std::fill(k.begin() + 2 * d, k.begin() + 3 * d, 0.0f);  // key 2
+  for (int e = 0; e < d; ++e) {
+    q[3 * d + e] = (e % 2 ? -1 : 1) * 1e-40f * (e + 1);  // row 3: denormals
+    k[4 * d + e] = (e % 3 ? 1 : -1) * 1e-41f * (e + 1);  // key 4: denormals
+  }
   const std::vector<uint8_t> raw = Store(DType::kF32, &k);
   const size_t keys = i8::PaddedKeys(n);
   std::vector<uint8_t> qc(static_cast<size_t>(rows) * d);
@@ -196,7 +201,7 @@ TEST_P(Int8LogitsTest, ZeroRowsGiveZeroLogits) {
              out.data(), n);
   for (int r = 0; r < rows; ++r) {
     for (int j = 0; j < n; ++j) {
-      if (r == 1 || j == 2) {
+      if (r == 1 || r == 3 || j == 2 || j == 4) {
         EXPECT_EQ(out[r * n + j], 0.0f) << r << "," << j;
       } else {
         EXPECT_NE(out[r * n + j], 0.0f) << r << "," << j;
