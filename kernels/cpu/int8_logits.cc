@@ -88,25 +88,24 @@ void DotBlock(const uint8_t* q, const float* q_scales, int head_dim, const int8_
 }  // namespace
 
 void PackQueriesVnni(const float* q, int rows, int head_dim, float scale, uint8_t* codes,
-                 float* scales) {
-  const __m512i bias = _mm512_set1_epi32(128);
+                     float* scales) {
+  const __m512i bias = _mm512_set1_epi32(QueryBias(Kernel::kVnni));
   for (int r = 0; r < rows; ++r) {
     __m512 x[kMaxDim / 16];
     const float* row = q + static_cast<size_t>(r) * head_dim;
     const float m = LoadRow(reinterpret_cast<const uint8_t*>(row), DType::kF32, head_dim, x);
-    const bool zero = !(m >= kZeroRowMax);
-    const float inv = zero ? 0.0f : 127.0f / m;
-    scales[r] = zero ? 0.0f : scale * (m / 127.0f);
+    const RowStep st = StepFor(m, QueryCodeMax(Kernel::kVnni));
+    scales[r] = scale * st.step;
     uint8_t* out = codes + static_cast<size_t>(r) * head_dim;
     for (int c = 0; c < head_dim / 16; ++c) {
-      const __m512i u = _mm512_add_epi32(Round(x[c], inv), bias);  // in [1, 255]
+      const __m512i u = _mm512_add_epi32(Round(x[c], st.inv), bias);  // in [1, 255]
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * c), _mm512_cvtusepi32_epi8(u));
     }
   }
 }
 
 void PackKeysVnni(const void* src, DType t, size_t row_stride, int n, int head_dim, int8_t* codes,
-              float* scales, int32_t* offsets) {
+                  float* scales, int32_t* offsets) {
   const auto* base = static_cast<const uint8_t*>(src);
   const size_t esize = DTypeSize(t);
   const int padded = static_cast<int>(PaddedKeys(n));
@@ -128,16 +127,15 @@ void PackKeysVnni(const void* src, DType t, size_t row_stride, int n, int head_d
       std::memset(dst + head_dim, 0, static_cast<size_t>(blocks) * 64 - head_dim);
       __m512 x[kMaxDim / 16];
       const float m = LoadRow(base + static_cast<size_t>(key) * row_stride * esize, t, head_dim, x);
-      const bool zero = !(m >= kZeroRowMax);
-      const float inv = zero ? 0.0f : 127.0f / m;
+      const RowStep st = StepFor(m, kKeyCodeMax);
       __m512i sum = _mm512_setzero_si512();
       for (int c = 0; c < head_dim / 16; ++c) {
-        const __m512i v = Round(x[c], inv);  // in [-127, 127]
+        const __m512i v = Round(x[c], st.inv);  // in [-127, 127]
         sum = _mm512_add_epi32(sum, v);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * c), _mm512_cvtsepi32_epi8(v));
       }
-      scales[key] = zero ? 0.0f : m / 127.0f;
-      offsets[key] = 128 * _mm512_reduce_add_epi32(sum);
+      scales[key] = st.step;
+      offsets[key] = QueryBias(Kernel::kVnni) * _mm512_reduce_add_epi32(sum);
     }
     int8_t* out = codes + static_cast<size_t>(g0) * head_dim;
     for (int b = 0; b < blocks; ++b) {
@@ -154,8 +152,8 @@ void PackKeysVnni(const void* src, DType t, size_t row_stride, int n, int head_d
 }
 
 void LogitsVnni(const uint8_t* q_codes, const float* q_scales, int rows, const int8_t* k_codes,
-            const float* k_scales, const int32_t* k_offsets, int n, int head_dim, float* dst,
-            size_t ldc) {
+                const float* k_scales, const int32_t* k_offsets, int n, int head_dim, float* dst,
+                size_t ldc) {
   // 12 rows x 32 keys: 24 accumulators, two key registers and one broadcast query quad of the 32
   // zmm registers; a group pair's 32 keys (head_dim * 32 bytes) stay in L1 across the rows.
   ForRowBlocks<12>(rows, n, 32, [&](auto mr, int r, int j0) {

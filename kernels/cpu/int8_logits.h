@@ -76,14 +76,27 @@ inline Kernel ActiveKernel() {
 }
 inline const char* KernelName(Kernel k) { return k == Kernel::kVnni ? "avx512-vnni" : "avx2"; }
 // The kernel's query codes' largest magnitude and bias, and its keys per group.
-inline int QueryCodeMax(Kernel k) { return k == Kernel::kVnni ? 127 : 63; }
-inline int QueryBias(Kernel k) { return QueryCodeMax(k) + 1; }
-inline int KeyGroup(Kernel k) { return k == Kernel::kVnni ? 16 : 8; }
+constexpr int QueryCodeMax(Kernel k) { return k == Kernel::kVnni ? 127 : 63; }
+constexpr int QueryBias(Kernel k) { return QueryCodeMax(k) + 1; }
+constexpr int KeyGroup(Kernel k) { return k == Kernel::kVnni ? 16 : 8; }
+// The keys' codes' largest magnitude (both kernels).
+constexpr int kKeyCodeMax = 127;
 
 // A key or query row whose largest magnitude is below this is coded as zero (scale and codes 0,
 // so its logits are exactly 0): 127 / max would overflow to infinity for denormal rows, and the
 // logits lost are below 1e-30 * sum |other row|.
 inline constexpr float kZeroRowMax = 1e-30f;
+
+// How a row with largest magnitude `max_abs` is coded with codes of magnitude <= code_max: codes
+// round(x * inv), and `step` (max_abs / code_max) scales them back; both 0 below kZeroRowMax.
+struct RowStep {
+  float inv, step;
+};
+inline RowStep StepFor(float max_abs, int code_max) {
+  if (!(max_abs >= kZeroRowMax)) return {0.0f, 0.0f};
+  const auto c = static_cast<float>(code_max);
+  return {c / max_abs, max_abs / c};
+}
 
 // Keys (and their scales / offsets) the packed layout holds for n keys.
 inline size_t PaddedKeys(int n) { return (static_cast<size_t>(n) + 31) / 32 * 32; }

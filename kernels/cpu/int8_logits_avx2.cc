@@ -24,11 +24,13 @@ namespace {
 using avx2::Load8;
 
 constexpr int kMaxDim = 256;
-constexpr int kGroup = 8;  // keys per packed group: a ymm register holds a quad of 8 keys
+constexpr int kGroup = KeyGroup(Kernel::kAvx2);  // a ymm register holds a quad of 8 keys
+static_assert(kGroup == 8);
 // Query rows per register block: 4 rows x 16 keys (two groups) take 8 accumulators, two key
 // registers, a broadcast, a product and the ones of the 16 ymm registers.
 constexpr int kRowBlock = 4;
-constexpr int kQueryMax = 63;  // QueryCodeMax(Kernel::kAvx2)
+constexpr int kQueryMax = QueryCodeMax(Kernel::kAvx2);
+constexpr int kQueryBias = QueryBias(Kernel::kAvx2);
 
 inline float ReduceMax(__m256 m) {
   __m128 x = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
@@ -74,18 +76,19 @@ inline __m256i Narrow(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
 
 void PackQueriesAvx2(const float* q, int rows, int head_dim, float scale, uint8_t* codes,
                      float* scales) {
-  const __m256i bias = _mm256_set1_epi32(kQueryMax + 1);
+  const __m256i bias = _mm256_set1_epi32(kQueryBias);
   for (int r = 0; r < rows; ++r) {
     __m256 x[kMaxDim / 8];
     const float* row = q + static_cast<size_t>(r) * head_dim;
     const float m = LoadRow(reinterpret_cast<const uint8_t*>(row), DType::kF32, head_dim, x);
-    const bool zero = !(m >= kZeroRowMax);
-    const float inv = zero ? 0.0f : kQueryMax / m;
-    scales[r] = zero ? 0.0f : scale * (m / kQueryMax);
+    const RowStep st = StepFor(m, kQueryMax);
+    scales[r] = scale * st.step;
     uint8_t* out = codes + static_cast<size_t>(r) * head_dim;
     for (int c = 0; c < head_dim / 8; c += 4) {
       __m256i v[4];
-      for (int i = 0; i < 4; ++i) v[i] = _mm256_add_epi32(Round(x[c + i], inv), bias);  // [1, 127]
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_add_epi32(Round(x[c + i], st.inv), bias);  // in [1, 127]
+      }
       alignas(32) uint8_t bytes[32];
       _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), Narrow(v[0], v[1], v[2], v[3]));
       std::memcpy(out + 8 * c, bytes, std::min(32, head_dim - 8 * c));
@@ -102,7 +105,6 @@ void PackKeysAvx2(const void* src, DType t, size_t row_stride, int n, int head_d
   // A group's codes row by row, each row padded to whole 32-byte blocks, then transposed block
   // by block: 8 keys x 8 dwords (channel quads) -> 8 quads x 8 keys.
   const int blocks = (quads + 7) / 8;
-  const int32_t bias = kQueryMax + 1;
   for (int g0 = 0; g0 < padded; g0 += kGroup) {
     alignas(32) int8_t rows[kGroup * kMaxDim];
     for (int i = 0; i < kGroup; ++i) {
@@ -116,20 +118,19 @@ void PackKeysAvx2(const void* src, DType t, size_t row_stride, int n, int head_d
       }
       __m256 x[kMaxDim / 8];
       const float m = LoadRow(base + static_cast<size_t>(key) * row_stride * esize, t, head_dim, x);
-      const bool zero = !(m >= kZeroRowMax);
-      const float inv = zero ? 0.0f : 127.0f / m;
+      const RowStep st = StepFor(m, kKeyCodeMax);
       __m256i sum = _mm256_setzero_si256();
       for (int b = 0; b < blocks; ++b) {
         __m256i v[4];
         for (int j = 0; j < 4; ++j) {
-          v[j] = Round(x[4 * b + j], inv);  // in [-127, 127]; zero past head_dim
+          v[j] = Round(x[4 * b + j], st.inv);  // in [-127, 127]; zero past head_dim
           sum = _mm256_add_epi32(sum, v[j]);
         }
         _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 32 * b),
                            Narrow(v[0], v[1], v[2], v[3]));
       }
-      scales[key] = zero ? 0.0f : m / 127.0f;
-      offsets[key] = bias * ReduceAdd(sum);
+      scales[key] = st.step;
+      offsets[key] = kQueryBias * ReduceAdd(sum);
     }
     int8_t* out = codes + static_cast<size_t>(g0) * head_dim;
     for (int b = 0; b < blocks; ++b) {

@@ -39,9 +39,8 @@ enum class MemorySpace : uint8_t { kHost = 0, kDevice = 1 };
 // dtype); kInteger: both operands rounded to integers (keys 8 bits, queries 8 with AVX-512 VNNI or
 // 7 with AVX2) and multiplied in integer dot products (cpu/int8_logits.h: logits about twice as
 // fast, kept sets equal up to near-ties), kExact's path below AVX2 and on AMX, whose tiles are
-// faster still. A backend option
-// (BackendOptions::scoring_math, kvcd --scoring_math) that the CPU backend copies into each
-// LayerInput.
+// faster still. A backend option (BackendOptions::scoring_math, kvcd --scoring_math) that the CPU
+// backend copies into each LayerInput.
 enum class ScoringMath { kExact, kInteger };
 
 // Views of one layer's tensors, all post-RoPE, in host memory by default (the CUDA backend copies
