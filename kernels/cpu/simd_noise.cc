@@ -1,6 +1,7 @@
 // Keyformer's Gumbel noise, vectorized: the counter hash and the table-driven logarithm of
-// kvc/noise.h evaluated exactly on 4 (AVX2) or 8 (AVX-512DQ, native 64-bit multiplies) lanes, so
-// that every path, and the CUDA backend, produce bit-identical noise.
+// kvc/noise.h evaluated exactly on 8 lanes (AVX2: the 64-bit hash in 32-bit halves; AVX-512DQ:
+// native 64-bit multiplies), so that every path, and the CUDA backend, produce bit-identical noise.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -16,29 +17,9 @@ using detail::HaveAvx512;
 
 #ifdef KVC_X86
 using detail::Exp16;
-using detail::Exp8;
+using detail::ExpReduced;
 using detail::HorizontalSum;
 using detail::TailMask;
-
-// 64-bit lane multiply (low 64 bits) by a constant b, from 32-bit products (AVX2 has no vpmullq):
-// a * b = lo(a) * lo(b) + ((hi(a) * lo(b) + lo(a) * hi(b)) << 32) mod 2^64, where one vpmulld
-// against b with its halves swapped gives both cross products' low words.
-__attribute__((target("avx2,fma"))) inline __m256i Mul64(__m256i a, uint64_t b) {
-  const __m256i full = _mm256_mul_epu32(a, _mm256_set1_epi64x(static_cast<int64_t>(b)));
-  const __m256i cross =
-      _mm256_mullo_epi32(a, _mm256_set1_epi64x(static_cast<int64_t>((b << 32) | (b >> 32))));
-  // The high word of cross + (cross << 32) is the two cross products' sum; keep only it.
-  const __m256i sum = _mm256_add_epi64(cross, _mm256_slli_epi64(cross, 32));
-  return _mm256_add_epi64(full, _mm256_blend_epi32(_mm256_setzero_si256(), sum, 0xaa));
-}
-
-// Mix64 of kvc/noise.h on four lanes, without its final x ^= x >> 31: that step leaves bits
-// 33..63 unchanged, and the uniforms use only bits 40..63.
-__attribute__((target("avx2,fma"))) inline __m256i Mix64High4(__m256i x) {
-  x = _mm256_add_epi64(x, _mm256_set1_epi64x(static_cast<int64_t>(0x9e3779b97f4a7c15ull)));
-  x = Mul64(_mm256_xor_si256(x, _mm256_srli_epi64(x, 30)), 0xbf58476d1ce4e5b9ull);
-  return Mul64(_mm256_xor_si256(x, _mm256_srli_epi64(x, 27)), 0x94d049bb133111ebull);
-}
 
 // table[i & 31] for each lane i of idx, from registers: the lane's bits 3 and 4 are the sign bits
 // of sel3 and sel4. Four in-lane permutes and three blends; an AVX2 gather of the same eight
@@ -54,10 +35,13 @@ __attribute__((target("avx2,fma"))) inline __m256 Lookup32(const float* table, _
   return _mm256_blendv_ps(t01, t23, sel4);
 }
 
-// NoiseLog of kvc/noise.h on eight lanes, operation for operation (so the results are
+// -NoiseLog(x) of kvc/noise.h on eight lanes, operation for operation (so the results are
 // bit-identical): x = m * 2^e with m in [0.75, 1.5), the top five mantissa bits pick 1/c and
-// log(1/c) from the shared table, and a degree-5 series gives log1p(m/c - 1).
-__attribute__((target("avx2,fma"))) inline __m256 Log8(__m256 x) {
+// log(1/c) from the shared table, and a degree-5 series gives log1p(m/c - 1). The negation is
+// folded into the last three roundings: fnmsub rounds -(a * b + c) exactly as fmadd rounds
+// a * b + c, negated (round-to-nearest is symmetric), and the sum of negated parts is the
+// negated sum.
+__attribute__((target("avx2,fma"))) inline __m256 NegLog8(__m256 x) {
   const __m256i xi = _mm256_castps_si256(x);
   const __m256i mant = _mm256_and_si256(xi, _mm256_set1_epi32(0x007fffff));
   // big: the mantissa 1.f is >= 1.5, so m = 1.f / 2 and the exponent goes up by one.
@@ -78,33 +62,14 @@ __attribute__((target("avx2,fma"))) inline __m256 Log8(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(-0.25f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 3.0f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(-0.5f));
-  const __m256 log1p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
-  const __m256 hi = _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), log_c);
-  return _mm256_add_ps(hi, _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), log1p));
+  const __m256 neg_log1p = _mm256_fnmsub_ps(p, _mm256_mul_ps(r, r), r);
+  const __m256 neg_hi = _mm256_fnmsub_ps(e, _mm256_set1_ps(0.693359375f), log_c);
+  return _mm256_add_ps(neg_hi, _mm256_fmadd_ps(e, _mm256_set1_ps(2.12194440e-4f), neg_log1p));
 }
 
-// Columns c .. c + 3 as 64-bit lanes, the counter Uniform8 takes.
-__attribute__((target("avx2,fma"))) inline __m256i Columns(size_t c0) {
-  return _mm256_add_epi64(_mm256_set1_epi64x(static_cast<int64_t>(c0)),
-                          _mm256_setr_epi64x(0, 1, 2, 3));
-}
-
-// CounterUniform for columns c .. c + 7 of the row whose hash key is `key` (see noise.h), where
-// `cols` holds c .. c + 3 (Columns).
-__attribute__((target("avx2,fma"))) inline __m256 Uniform8(__m256i key, __m256i cols) {
-  const __m256i h0 = Mix64High4(_mm256_xor_si256(key, cols));
-  const __m256i h1 =
-      Mix64High4(_mm256_xor_si256(key, _mm256_add_epi64(cols, _mm256_set1_epi64x(4))));
-  // Top 24 bits of each hash: columns c..c+3 into the even 32-bit lanes, c+4..c+7 into the odd
-  // ones, then into column order.
-  const __m256i mixed =
-      _mm256_blend_epi32(_mm256_srli_epi64(h0, 40), _mm256_srli_epi64(h1, 8), 0xaa);
-  const __m256i bits =
-      _mm256_permutevar8x32_epi32(mixed, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
-  // As CounterUniform: the one value that rounds up to 1 becomes the largest float below 1.
-  return _mm256_min_ps(_mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(bits), _mm256_set1_ps(0.5f)),
-                                     _mm256_set1_ps(1.0f / 16777216.0f)),
-                       _mm256_set1_ps(kBelowOne));
+// NoiseLog on eight lanes (the sign flip is exact).
+__attribute__((target("avx2,fma"))) inline __m256 Log8(__m256 x) {
+  return _mm256_xor_ps(NegLog8(x), _mm256_set1_ps(-0.0f));
 }
 
 // The per-row hash key of CounterUniform: Mix64(h ^ ((row << 32) | col)) = Mix64(key ^ col).
@@ -112,82 +77,206 @@ inline uint64_t RowKey(uint64_t seed, uint32_t layer, uint32_t head, uint32_t ro
   return Mix64(seed ^ Mix64((uint64_t{layer} << 32) | head)) ^ (uint64_t{row} << 32);
 }
 
-// -log(u) for the columns of `cols` (Uniform8).
-__attribute__((target("avx2,fma"))) inline __m256 NegLogU8(__m256i key, __m256i cols) {
-  return _mm256_sub_ps(_mm256_setzero_ps(), Log8(Uniform8(key, cols)));
+// Mix64(key ^ col) on AVX2, eight columns at a time. AVX2 has no 64-bit multiply, and a 64-bit
+// lane holds only four columns, so every 64-bit value v is carried as two vectors of 32-bit
+// halves, lo(v) and hi(v). Within a row only lo(key ^ col) varies (col < 2^32): the first step,
+// z = (key ^ col) + kMixAdd, has hi(z) = hi(key) + hi(kMixAdd) + carry, one of two values, so
+// what depends on hi(z) alone is computed once per row for carry 0 and 1 and chosen per lane.
+
+struct RowHash {
+  __m256i key_lo;     // lo(key)
+  __m256i add_lo;  // lo(kMixAdd)
+  __m256i bound;      // lo(kMixAdd) - 2^31: "lo(z) < lo(kMixAdd)" (the carry) as a signed compare
+  __m256i shl2[2];    // hi(z) << 2, the bits that z >> 30 moves into lo(z ^ (z >> 30)), per carry
+  __m256i cross[2];   // lo(hi(a) * lo(kMixMul1)) for a = z ^ (z >> 30), per carry
+};
+
+// The low 32 bits of v in every lane.
+__attribute__((target("avx2,fma"))) inline __m256i Splat32(uint64_t v) {
+  return _mm256_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(v)));
 }
 
-// CounterGumbel for the columns of `cols`: -log(-log(u)).
-__attribute__((target("avx2,fma"))) inline __m256 Gumbel8(__m256i key, __m256i cols) {
-  return _mm256_sub_ps(_mm256_setzero_ps(), Log8(NegLogU8(key, cols)));
+__attribute__((target("avx2,fma"))) inline RowHash MakeRowHash(uint64_t key) {
+  RowHash rh;
+  rh.key_lo = Splat32(key);
+  rh.add_lo = Splat32(kMixAdd);
+  rh.bound = Splat32(kMixAdd ^ 0x80000000u);
+  for (uint32_t carry = 0; carry < 2; ++carry) {
+    const uint32_t hz =
+        static_cast<uint32_t>(key >> 32) + static_cast<uint32_t>(kMixAdd >> 32) + carry;
+    rh.shl2[carry] = Splat32(hz << 2);
+    rh.cross[carry] = Splat32((hz ^ (hz >> 30)) * static_cast<uint32_t>(kMixMul1));
+  }
+  return rh;
+}
+
+// Each lane's 64-bit product a * c of 32-bit values, as its halves (two vpmuludq, one per
+// parity of lanes; the low half costs a shift and a blend where a vpmulld would cost a multiply).
+__attribute__((target("avx2,fma"))) inline void MulWide32(__m256i a, __m256i c, __m256i* lo,
+                                                         __m256i* hi) {
+  const __m256i even = _mm256_mul_epu32(a, c);
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), c);
+  *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xaa);
+  *hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xaa);
+}
+
+// Bits 40..63 of Mix64(key ^ col) for the eight columns of `cols` (32-bit lanes), in bits 0..23.
+// Mix64's final x ^= x >> 31 is left out: it leaves bits 33..63 unchanged.
+__attribute__((target("avx2,fma"))) inline __m256i Hash24(const RowHash& rh, __m256i cols) {
+  // lo(z) and the carry out of it.
+  const __m256i z = _mm256_add_epi32(_mm256_xor_si256(rh.key_lo, cols), rh.add_lo);
+  const __m256i carry =
+      _mm256_cmpgt_epi32(rh.bound, _mm256_xor_si256(z, _mm256_set1_epi32(INT32_MIN)));
+  // a = z ^ (z >> 30); b = a * kMixMul1 (mod 2^64): with M = kMixMul1, lo(b) = lo(lo(a) lo(M))
+  // and hi(b) = hi(lo(a) lo(M)) + lo(lo(a) hi(M)) + lo(hi(a) lo(M)), the last the row's cross.
+  const __m256i a = _mm256_xor_si256(_mm256_xor_si256(z, _mm256_srli_epi32(z, 30)),
+                                     _mm256_blendv_epi8(rh.shl2[0], rh.shl2[1], carry));
+  __m256i b_lo, b_hi;
+  MulWide32(a, Splat32(kMixMul1), &b_lo, &b_hi);
+  b_hi = _mm256_add_epi32(
+      _mm256_add_epi32(b_hi, _mm256_mullo_epi32(a, Splat32(kMixMul1 >> 32))),
+      _mm256_blendv_epi8(rh.cross[0], rh.cross[1], carry));
+  // c = b ^ (b >> 27); hi(c * kMixMul2) the same way (its low half is not needed).
+  const __m256i c_lo = _mm256_xor_si256(_mm256_xor_si256(b_lo, _mm256_srli_epi32(b_lo, 27)),
+                                        _mm256_slli_epi32(b_hi, 5));
+  const __m256i c_hi = _mm256_xor_si256(b_hi, _mm256_srli_epi32(b_hi, 27));
+  __m256i d_lo, d_hi;
+  MulWide32(c_lo, Splat32(kMixMul2), &d_lo, &d_hi);
+  d_hi = _mm256_add_epi32(
+      _mm256_add_epi32(d_hi, _mm256_mullo_epi32(c_lo, Splat32(kMixMul2 >> 32))),
+      _mm256_mullo_epi32(c_hi, Splat32(kMixMul2)));
+  return _mm256_srli_epi32(d_hi, 8);
+}
+
+// CounterUniform for the eight columns of `cols`: (b + 0.5) * 2^-24 rounded once (the scaling is
+// exact, so one fma rounds as noise.h's add then multiply do), then the clamp below 1.
+__attribute__((target("avx2,fma"))) inline __m256 Uniform8(const RowHash& rh, __m256i cols) {
+  return _mm256_min_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(Hash24(rh, cols)),
+                                       _mm256_set1_ps(1.0f / 16777216.0f),
+                                       _mm256_set1_ps(0.5f / 16777216.0f)),
+                       _mm256_set1_ps(kBelowOne));
+}
+
+// Columns per pass of the AVX2 noise: 1 KiB of values, in L1.
+constexpr size_t kNoiseBlock = 256;
+
+// out[k] = -log(u) (NoiseLog) for columns col0 + k, k < n rounded up to a multiple of 8 (out holds
+// that many; columns past n are computed, for the caller to ignore). Two passes, hash then
+// logarithm: one loop doing both (or the caller's arithmetic too) keeps more constants live than
+// AVX2's 16 registers hold, and GCC's spills and reloads made it ~25% slower.
+__attribute__((target("avx2,fma"))) void NegLogUniforms(const RowHash& rh, uint32_t col0,
+                                                        size_t n, float* out) {
+  __m256i cols = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(col0)),
+                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (size_t k = 0; k < n; k += 8, cols = _mm256_add_epi32(cols, _mm256_set1_epi32(8))) {
+    _mm256_store_ps(out + k, Uniform8(rh, cols));
+  }
+  for (size_t k = 0; k < n; k += 8) _mm256_store_ps(out + k, NegLog8(_mm256_load_ps(out + k)));
+}
+
+// Exp8 for x <= 88 (GumbelExpSum's x - m <= 0): 2^n for n <= 127 fits one exponent field, so one
+// scaling does what Exp8's two halves do (each an exact multiply but the last; same results).
+__attribute__((target("avx2,fma"))) inline __m256 ExpBelow88(__m256 x) {
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447505531f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 p = ExpReduced(x, n);
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  return _mm256_mul_ps(
+      p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23)));
+}
+
+// The n < 8 last values of a row as one vector padded with `pad`, and back: a column's value
+// must not depend on where a caller splits the row, so the tail goes through the same operations
+// as full vectors.
+__attribute__((target("avx2,fma"))) inline __m256 LoadTail(const float* x, size_t n, float pad) {
+  alignas(32) float tail[8];
+  for (size_t i = 0; i < 8; ++i) tail[i] = i < n ? x[i] : pad;
+  return _mm256_load_ps(tail);
+}
+
+__attribute__((target("avx2,fma"))) inline void StoreTail(__m256 v, size_t n, float* x) {
+  alignas(32) float tail[8];
+  _mm256_store_ps(tail, v);
+  for (size_t i = 0; i < n; ++i) x[i] = tail[i];
+}
+
+__attribute__((target("avx2,fma"))) inline float MaxOfLanes(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float m = lanes[0];
+  for (int i = 1; i < 8; ++i) m = lanes[i] > m ? lanes[i] : m;
+  return m;
+}
+
+// (x + G) / tau, G = -log(-log(u)).
+__attribute__((target("avx2,fma"))) inline __m256 NoisyLogits8(__m256 x, const float* neg_log_u,
+                                                               __m256 inv_tau) {
+  return _mm256_mul_ps(_mm256_add_ps(x, NegLog8(_mm256_load_ps(neg_log_u))), inv_tau);
 }
 
 __attribute__((target("avx2,fma"))) float AddGumbelAvx2Impl(float* x, size_t n, uint64_t seed,
                                                             uint32_t layer, uint32_t head,
                                                             uint32_t row, uint32_t col0,
                                                             float inv_tau) {
-  const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(RowKey(seed, layer, head, row)));
+  const RowHash rh = MakeRowHash(RowKey(seed, layer, head, row));
   const __m256 vtau = _mm256_set1_ps(inv_tau);
   __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(32) float neg_log_u[kNoiseBlock];
   size_t j = 0;
-  __m256i cols = Columns(col0);
-  for (; j + 8 <= n; j += 8, cols = _mm256_add_epi64(cols, _mm256_set1_epi64x(8))) {
-    const __m256 y = _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(x + j), Gumbel8(key, cols)), vtau);
-    _mm256_storeu_ps(x + j, y);
-    vmax = _mm256_max_ps(vmax, y);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vmax);
-  float m = lanes[0];
-  for (int i = 1; i < 8; ++i) m = lanes[i] > m ? lanes[i] : m;
-  if (j < n) {
-    // The tail goes through the same polynomials as full vectors, so a column's value does not
-    // depend on where a caller splits the row (std::log would differ in the last bits).
-    alignas(32) float tail[8] = {};
-    const size_t rest = n - j;
-    for (size_t k = 0; k < rest; ++k) tail[k] = x[j + k];
-    _mm256_store_ps(tail,
-                    _mm256_mul_ps(_mm256_add_ps(_mm256_load_ps(tail), Gumbel8(key, cols)), vtau));
-    for (size_t k = 0; k < rest; ++k) {
-      x[j + k] = tail[k];
-      m = tail[k] > m ? tail[k] : m;
+  for (; j < n; j += kNoiseBlock) {
+    const size_t len = std::min(kNoiseBlock, n - j);
+    NegLogUniforms(rh, col0 + static_cast<uint32_t>(j), len, neg_log_u);
+    size_t k = 0;
+    for (; k + 8 <= len; k += 8) {
+      const __m256 y = NoisyLogits8(_mm256_loadu_ps(x + j + k), neg_log_u + k, vtau);
+      _mm256_storeu_ps(x + j + k, y);
+      vmax = _mm256_max_ps(vmax, y);
+    }
+    if (k < len) {  // the row's last vector
+      float m = MaxOfLanes(vmax);
+      float* t = x + j + k;
+      StoreTail(NoisyLogits8(LoadTail(t, len - k, 0.0f), neg_log_u + k, vtau), len - k, t);
+      for (size_t i = 0; i < len - k; ++i) m = t[i] > m ? t[i] : m;
+      return m;
     }
   }
-  return m;
+  return MaxOfLanes(vmax);
 }
 
-// exp(d) / -log(u) for the columns of `cols` (Uniform8), d = x - m.
-__attribute__((target("avx2,fma"))) inline __m256 GumbelExp8(__m256 d, __m256i key, __m256i cols) {
-  return _mm256_div_ps(Exp8(d), NegLogU8(key, cols));
+// exp(x - m) / -log(u), which is exp(x + g - m) for g = -log(-log(u)): one logarithm, not two.
+__attribute__((target("avx2,fma"))) inline __m256 GumbelExp8(__m256 x, __m256 m,
+                                                             const float* neg_log_u) {
+  return _mm256_div_ps(ExpBelow88(_mm256_sub_ps(x, m)), _mm256_load_ps(neg_log_u));
 }
 
-// exp(x + g - m) computed as exp(x - m) / -log(u), g = -log(-log(u)): one logarithm, not two.
 __attribute__((target("avx2,fma"))) float GumbelExpSumAvx2Impl(float* x, size_t n, float m,
                                                                uint64_t seed, uint32_t layer,
                                                                uint32_t head, uint32_t row,
                                                                uint32_t col0) {
-  const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(RowKey(seed, layer, head, row)));
+  const RowHash rh = MakeRowHash(RowKey(seed, layer, head, row));
   const __m256 vm = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
-  size_t j = 0;
-  __m256i cols = Columns(col0);
-  for (; j + 8 <= n; j += 8, cols = _mm256_add_epi64(cols, _mm256_set1_epi64x(8))) {
-    const __m256 e = GumbelExp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm), key, cols);
-    _mm256_storeu_ps(x + j, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  float sum = HorizontalSum(acc);
-  if (j < n) {  // tail through the same polynomials
-    alignas(32) float tail[8];
-    const size_t rest = n - j;
-    for (size_t k = 0; k < 8; ++k) tail[k] = k < rest ? x[j + k] - m : -100.0f;
-    _mm256_store_ps(tail, GumbelExp8(_mm256_load_ps(tail), key, cols));
-    for (size_t k = 0; k < rest; ++k) {
-      x[j + k] = tail[k];
-      sum += tail[k];
+  alignas(32) float neg_log_u[kNoiseBlock];
+  for (size_t j = 0; j < n; j += kNoiseBlock) {
+    const size_t len = std::min(kNoiseBlock, n - j);
+    NegLogUniforms(rh, col0 + static_cast<uint32_t>(j), len, neg_log_u);
+    size_t k = 0;
+    for (; k + 8 <= len; k += 8) {
+      const __m256 e = GumbelExp8(_mm256_loadu_ps(x + j + k), vm, neg_log_u + k);
+      _mm256_storeu_ps(x + j + k, e);
+      acc = _mm256_add_ps(acc, e);
+    }
+    if (k < len) {  // the row's last vector; its padding (-100 - m) is never read back
+      float sum = HorizontalSum(acc);
+      float* t = x + j + k;
+      StoreTail(GumbelExp8(LoadTail(t, len - k, -100.0f), vm, neg_log_u + k), len - k, t);
+      for (size_t i = 0; i < len - k; ++i) sum += t[i];
+      return sum;
     }
   }
-  return sum;
+  return HorizontalSum(acc);
 }
 
 __attribute__((target("avx2,fma"))) void LogAvx2Impl(const float* x, float* y, size_t n) {
@@ -208,15 +297,15 @@ __attribute__((target("avx2,fma"))) void LogAvx2Impl(const float* x, float* y, s
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
-// AVX-512: native 64-bit multiplies (vpmullq) make the counter hash ~8x cheaper than on AVX2.
-// Mix64 of kvc/noise.h on eight lanes, without its final x ^= x >> 31: that step leaves bits
-// 33..63 unchanged, and the uniforms use only bits 40..63.
+// AVX-512: native 64-bit multiplies (vpmullq). Mix64 of kvc/noise.h on eight lanes, without its
+// final x ^= x >> 31: that step leaves bits 33..63 unchanged, and the uniforms use only bits
+// 40..63.
 __attribute__((target("avx512f,avx512dq"))) inline __m512i Mix64High8(__m512i x) {
-  x = _mm512_add_epi64(x, _mm512_set1_epi64(static_cast<int64_t>(0x9e3779b97f4a7c15ull)));
+  x = _mm512_add_epi64(x, _mm512_set1_epi64(static_cast<int64_t>(kMixAdd)));
   x = _mm512_mullo_epi64(_mm512_xor_si512(x, _mm512_srli_epi64(x, 30)),
-                         _mm512_set1_epi64(static_cast<int64_t>(0xbf58476d1ce4e5b9ull)));
+                         _mm512_set1_epi64(static_cast<int64_t>(kMixMul1)));
   return _mm512_mullo_epi64(_mm512_xor_si512(x, _mm512_srli_epi64(x, 27)),
-                            _mm512_set1_epi64(static_cast<int64_t>(0x94d049bb133111ebull)));
+                            _mm512_set1_epi64(static_cast<int64_t>(kMixMul2)));
 }
 
 // Natural log for positive normal floats, table-driven: x = m * 2^e with m in [0.75, 1.5)

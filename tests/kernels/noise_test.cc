@@ -106,6 +106,55 @@ TEST(NoiseTest, VectorGumbelMatchesCounterGumbel) {
   ExpectMatchesCounterGumbel(parts, std::max(m0, m1));
 }
 
+// The AVX2 path carries the 64-bit hash in 32-bit halves and computes the part that depends only
+// on the high half once per row (for both values of the carry out of the low half), in blocks of
+// 256 columns: it must still equal CounterGumbel for extreme seeds and rows, columns up to
+// 2^32 - 1, and lengths on and around the block and vector boundaries.
+TEST(NoiseTest, Avx2NoiseMatchesCounterGumbelAcrossKeysColumnsAndBlocks) {
+  std::vector<float> x;
+  float max = 0;
+  if (!simd::internal::AddGumbelAvx2(x.data(), 0, 1, 0, 0, 0, 0, 1.0f, &max)) {
+    GTEST_SKIP() << "no AVX2 on this CPU";
+  }
+  int checked = 0;
+  for (uint64_t seed : {uint64_t{0}, uint64_t{1}, ~uint64_t{0}, uint64_t{0x9e3779b97f4a7c15}}) {
+    for (uint32_t row : {0u, 1u, 0xffffffffu}) {
+      for (size_t n : {size_t{7}, size_t{256}, size_t{257}, size_t{520}}) {
+        for (uint32_t col0 : {0u, static_cast<uint32_t>(0xffffffffu - n + 1)}) {
+          x.assign(n, 0.25f);
+          ASSERT_TRUE(simd::internal::AddGumbelAvx2(x.data(), n, seed, 4, 6, row, col0, 1.0f,
+                                                    &max));
+          float want_max = -INFINITY;
+          for (size_t j = 0; j < n; ++j) {
+            const float want =
+                0.25f + CounterGumbel(seed, 4, 6, row, col0 + static_cast<uint32_t>(j));
+            ASSERT_EQ(x[j], want) << seed << " " << row << " " << n << " " << col0 << " " << j;
+            want_max = std::max(want_max, want);
+            ++checked;
+          }
+          EXPECT_EQ(max, want_max);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 4 * 3 * 2 * (7 + 256 + 257 + 520));
+  // The columns where the carry out of lo(z), z = (key ^ col) + kMixAdd, starts and stops:
+  // lo(key ^ col) = 2^32 - lo(kMixAdd) - 1 (no carry, lo(z) = 2^32 - 1), 2^32 - lo(kMixAdd)
+  // (carry, lo(z) = 0), 0 and 2^32 - 1, each in a vector with its neighbours.
+  const uint64_t seed = 12345;
+  const uint32_t key_lo = static_cast<uint32_t>(Mix64(seed ^ Mix64((uint64_t{4} << 32) | 6)));
+  const auto add_lo = static_cast<uint32_t>(kMixAdd);
+  for (uint32_t t : {0u - add_lo - 1u, 0u - add_lo, 0u, 0xffffffffu}) {
+    const uint32_t col = key_lo ^ t;
+    const uint32_t col0 = std::min(col >= 3 ? col - 3 : 0u, 0xffffffffu - 10);  // col inside
+    x.assign(11, 0.25f);
+    ASSERT_TRUE(simd::internal::AddGumbelAvx2(x.data(), 11, seed, 4, 6, 9, col0, 1.0f, &max));
+    for (uint32_t j = 0; j < 11; ++j) {
+      ASSERT_EQ(x[j], 0.25f + CounterGumbel(seed, 4, 6, 9, col0 + j)) << t << " " << j;
+    }
+  }
+}
+
 // GumbelExpSum(x, m) = exp(x + G - m) elementwise (columns from 9 on), against double precision on
 // CounterGumbel's float values; logits spread over [-30, 0] so that the exp's argument range is
 // exercised.

@@ -123,11 +123,16 @@ KVC_HOST_DEVICE float LogC(uint32_t i) {
 
 }  // namespace noise_internal
 
+// Mix64's constants (the CPU's vector paths evaluate it with them too).
+inline constexpr uint64_t kMixAdd = 0x9e3779b97f4a7c15ull;
+inline constexpr uint64_t kMixMul1 = 0xbf58476d1ce4e5b9ull;
+inline constexpr uint64_t kMixMul2 = 0x94d049bb133111ebull;
+
 // splitmix64 finalizer: a bijective mix with good avalanche.
 KVC_HOST_DEVICE uint64_t Mix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  x += kMixAdd;
+  x = (x ^ (x >> 30)) * kMixMul1;
+  x = (x ^ (x >> 27)) * kMixMul2;
   return x ^ (x >> 31);
 }
 
