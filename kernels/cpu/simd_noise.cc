@@ -177,11 +177,8 @@ __attribute__((target("avx2,fma"))) void NegLogUniforms(const RowHash& rh, uint3
 // Exp8 for x <= 88 (GumbelExpSum's x - m <= 0): 2^n for n <= 127 fits one exponent field, so one
 // scaling does what Exp8's two halves do (each an exact multiply but the last; same results).
 __attribute__((target("avx2,fma"))) inline __m256 ExpBelow88(__m256 x) {
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447505531f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 p = ExpReduced(x, n);
+  __m256 n;
+  const __m256 p = ExpReduced(x, 88.0f, &n);
   const __m256i ni = _mm256_cvtps_epi32(n);
   return _mm256_mul_ps(
       p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23)));
