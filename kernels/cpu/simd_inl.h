@@ -26,35 +26,26 @@ __attribute__((target("avx2,fma"))) inline float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// exp(x) / 2^n for x clamped to [-87.34, hi] and *n = round(x / log 2): x reduced by n log 2 (in
-// two parts), then a degree-6 series. The callers scale by 2^n.
-__attribute__((target("avx2,fma"))) inline __m256 ExpReduced(__m256 x, float hi, __m256* n) {
-  x = _mm256_min_ps(x, _mm256_set1_ps(hi));
+// exp(x) for x clamped to [-87.34, 88]: n = round(x / log 2), x reduced by n log 2 (in two
+// parts), a degree-6 series, then 2^n applied as one exact multiply (n <= 127 fits the exponent
+// field). Saturates at the smallest normal float below and at exp(88) ~ 1.65e38 above (never
+// inf); the softmaxes that call it pass x - max <= 0.
+__attribute__((target("avx2,fma"))) inline __m256 Exp8(__m256 x) {
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447505531f));
-  *n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(*n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(*n, _mm256_set1_ps(-2.12194440e-4f), r);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
   __m256 p = _mm256_set1_ps(1.9875691500e-4f);
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  return _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-}
-
-__attribute__((target("avx2,fma"))) inline __m256 Exp8(__m256 x) {
-  __m256 n;
-  const __m256 p = ExpReduced(x, 88.3762626647949f, &n);
-  // n in [-127, 128]; 2^n built in two halves so that n = 128 does not overflow the exponent.
-  const __m256i ni = _mm256_cvtps_epi32(n);
-  const __m256i half = _mm256_srai_epi32(ni, 1);
-  const __m256 s1 =
-      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
-  const __m256 s2 = _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
-  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
 }
 
 // GCC 12 reports the self-initialized placeholder operand inside its AVX-512 intrinsics

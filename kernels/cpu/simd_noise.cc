@@ -17,7 +17,7 @@ using detail::HaveAvx512;
 
 #ifdef KVC_X86
 using detail::Exp16;
-using detail::ExpReduced;
+using detail::Exp8;
 using detail::HorizontalSum;
 using detail::TailMask;
 
@@ -174,16 +174,6 @@ __attribute__((target("avx2,fma"))) void NegLogUniforms(const RowHash& rh, uint3
   for (size_t k = 0; k < n; k += 8) _mm256_store_ps(out + k, NegLog8(_mm256_load_ps(out + k)));
 }
 
-// Exp8 for x <= 88 (GumbelExpSum's x - m <= 0): 2^n for n <= 127 fits one exponent field, so one
-// scaling does what Exp8's two halves do (each an exact multiply but the last; same results).
-__attribute__((target("avx2,fma"))) inline __m256 ExpBelow88(__m256 x) {
-  __m256 n;
-  const __m256 p = ExpReduced(x, 88.0f, &n);
-  const __m256i ni = _mm256_cvtps_epi32(n);
-  return _mm256_mul_ps(
-      p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23)));
-}
-
 // The n < 8 last values of a row as one vector padded with `pad`, and back: a column's value
 // must not depend on where a caller splits the row, so the tail goes through the same operations
 // as full vectors.
@@ -245,7 +235,7 @@ __attribute__((target("avx2,fma"))) float AddGumbelAvx2Impl(float* x, size_t n, 
 // exp(x - m) / -log(u), which is exp(x + g - m) for g = -log(-log(u)): one logarithm, not two.
 __attribute__((target("avx2,fma"))) inline __m256 GumbelExp8(__m256 x, __m256 m,
                                                              const float* neg_log_u) {
-  return _mm256_div_ps(ExpBelow88(_mm256_sub_ps(x, m)), _mm256_load_ps(neg_log_u));
+  return _mm256_div_ps(Exp8(_mm256_sub_ps(x, m)), _mm256_load_ps(neg_log_u));
 }
 
 __attribute__((target("avx2,fma"))) float GumbelExpSumAvx2Impl(float* x, size_t n, float m,
