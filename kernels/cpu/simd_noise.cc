@@ -82,13 +82,12 @@ inline uint64_t RowKey(uint64_t seed, uint32_t layer, uint32_t head, uint32_t ro
 // halves, lo(v) and hi(v). Within a row only lo(key ^ col) varies (col < 2^32): the first step,
 // z = (key ^ col) + kMixAdd, has hi(z) = hi(key) + hi(kMixAdd) + carry, one of two values, so
 // what depends on hi(z) alone is computed once per row for carry 0 and 1 and chosen per lane.
-
 struct RowHash {
-  __m256i key_lo;     // lo(key)
-  __m256i add_lo;  // lo(kMixAdd)
-  __m256i bound;      // lo(kMixAdd) - 2^31: "lo(z) < lo(kMixAdd)" (the carry) as a signed compare
-  __m256i shl2[2];    // hi(z) << 2, the bits that z >> 30 moves into lo(z ^ (z >> 30)), per carry
-  __m256i cross[2];   // lo(hi(a) * lo(kMixMul1)) for a = z ^ (z >> 30), per carry
+  __m256i key_lo;    // lo(key)
+  __m256i add_lo;    // lo(kMixAdd)
+  __m256i bound;     // lo(kMixAdd) - 2^31: "lo(z) < lo(kMixAdd)" (the carry) as a signed compare
+  __m256i shl2[2];   // hi(z) << 2, the bits that z >> 30 moves into lo(z ^ (z >> 30)), per carry
+  __m256i cross[2];  // lo(hi(a) * lo(kMixMul1)) for a = z ^ (z >> 30), per carry
 };
 
 // The low 32 bits of v in every lane.
@@ -211,8 +210,7 @@ __attribute__((target("avx2,fma"))) float AddGumbelAvx2Impl(float* x, size_t n, 
   const __m256 vtau = _mm256_set1_ps(inv_tau);
   __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   alignas(32) float neg_log_u[kNoiseBlock];
-  size_t j = 0;
-  for (; j < n; j += kNoiseBlock) {
+  for (size_t j = 0; j < n; j += kNoiseBlock) {
     const size_t len = std::min(kNoiseBlock, n - j);
     NegLogUniforms(rh, col0 + static_cast<uint32_t>(j), len, neg_log_u);
     size_t k = 0;
