@@ -131,7 +131,8 @@ void PrepareKeys8(const KeyQueryArgs& A) {
 }
 
 // The max of each of eight vectors, as the lanes of one: lane i = max over v[i]'s eight lanes.
-inline __m256 Max8x8(const __m256* v) {
+// Always inlined: called out of line, its eight inputs went through the stack on every call.
+inline __attribute__((always_inline)) __m256 Max8x8(const __m256* v) {
   __m256 t[4];
   for (int i = 0; i < 4; ++i) {
     t[i] = _mm256_max_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]),
@@ -162,17 +163,16 @@ void PrepareKeysWide(const KeyQueryArgs& A) {
   const float mid = static_cast<float>((1 << (8 / P)) - 1) / 2.0f;
   const int chunks = (n + 7) / 8;         // of 8 channels, <= 8 NC
   const int padded = (chunks + 3) / 4 * 4;  // to whole 32-channel vectors of int8
-  alignas(32) float qs[256];
   alignas(32) float inv[32], al[32];
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int a = 0; a < A.nq; ++a) {
     const float* q = A.qm + static_cast<size_t>(a) * n;
     __m256 zp[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m256 mag[8 * NC];
+    __m256 ys[8 * NC], mag[8 * NC];  // q * scale and its magnitude, by 8-channel chunk
 #pragma GCC unroll 32
     for (int i = 0; i < 8 * NC; ++i) {
       if (i >= chunks) {
-        mag[i] = _mm256_setzero_ps();
+        ys[i] = mag[i] = _mm256_setzero_ps();
         continue;
       }
       const int c0 = 8 * i;
@@ -188,11 +188,12 @@ void PrepareKeysWide(const KeyQueryArgs& A) {
         z = _mm256_maskload_ps(A.zero + c0, m);
       }
       const __m256 y = _mm256_mul_ps(x, sc);
-      _mm256_store_ps(qs + c0, y);
+      ys[i] = y;
       zp[i % 2] = _mm256_fmadd_ps(x, z, zp[i % 2]);
       mag[i] = _mm256_andnot_ps(sign, y);
     }
     const float qz = Tree16v(zp[0], zp[1]);
+    float* alpha = A.alpha + static_cast<size_t>(a) * 64;
 #pragma GCC unroll 4
     for (int i = 0; i < 8 * NC; i += 8) {
       if (i >= chunks) break;
@@ -201,10 +202,18 @@ void PrepareKeysWide(const KeyQueryArgs& A) {
       if constexpr (P == 4) amax = _mm256_max_ps(amax, _mm256_permute_ps(amax, 0xB1));
       const __m256 live = _mm256_cmp_ps(amax, _mm256_set1_ps(0x1p-100f), _CMP_GE_OQ);
       _mm256_store_ps(inv + i, _mm256_and_ps(live, _mm256_div_ps(_mm256_set1_ps(127.0f), amax)));
-      _mm256_store_ps(al + i, _mm256_and_ps(live, _mm256_div_ps(amax, _mm256_set1_ps(127.0f))));
+      const __m256 al8 = _mm256_and_ps(live, _mm256_div_ps(amax, _mm256_set1_ps(127.0f)));
+      _mm256_store_ps(al + i, al8);
+      // The block scales out: a chunk each with 2 planes; with 4, a block is two chunks
+      // (equal lanes 2b, 2b + 1), the even lanes. Stored whole: alpha has room (64 a query).
+      if constexpr (P == 2) {
+        _mm256_storeu_ps(alpha + i, al8);
+      } else {
+        _mm_storeu_ps(alpha + i / 2,
+                      _mm256_castps256_ps128(_mm256_permutevar8x32_ps(
+                          al8, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6))));
+      }
     }
-    float* alpha = A.alpha + static_cast<size_t>(a) * 64;
-    for (int b = 0; b < (chunks * 2 + P - 1) / P; ++b) alpha[b] = al[b * P / 2];
     __m256 cp[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     int32_t* out = static_cast<int32_t*>(A.planes) + static_cast<size_t>(a) * blocks * P;
     for (int v = 0; v < padded; v += 4) {
@@ -215,13 +224,13 @@ void PrepareKeysWide(const KeyQueryArgs& A) {
           i32[h] = _mm256_setzero_si256();
           continue;
         }
-        const __m256 y = _mm256_load_ps(qs + 8 * i);
+        const __m256 y = ys[i];
         // |y * inv| <= 127 (1 + 2^-23) rounds to at most 127: no upper clamp; the lower one maps
         // NaN to -127 as the portable kernel does.
         const __m256 x =
             _mm256_max_ps(_mm256_mul_ps(y, _mm256_broadcast_ss(inv + i)), _mm256_set1_ps(-127.0f));
         i32[h] = _mm256_cvtps_epi32(x);
-        // The rounding errors' sum (centring, attention_int.h): qs - alpha * qi, lane c mod 16
+        // The rounding errors' sum (centring, attention_int.h): y - alpha * qi, lane c mod 16
         // (cp[h % 2] is cp[i % 2]: v is a multiple of 4, and h a constant once unrolled).
         cp[h % 2] = _mm256_add_ps(
             cp[h % 2],
@@ -515,7 +524,23 @@ void InterleaveBlock(const ValueArgs& A, int b0, int nb, int k,
                      __m256i (*buf)[kValueBlock / 4][4]) {
   constexpr int P = 8 / Bits;
   const int bytes = Min(32, static_cast<int>(A.row_bytes) - 32 * k);
-  for (int q = 0; q < (nb + 3) / 4; ++q) {
+  const int steps = (nb + 3) / 4;
+  if (bytes == 32 && b0 + 4 * steps <= A.rows) {  // whole pieces of rows that all exist: no checks
+    const size_t rb = A.row_bytes;
+    const uint8_t* p = A.codes + static_cast<size_t>(b0) * rb + 32 * k;
+    for (int q = 0; q < steps; ++q, p += 4 * rb) {
+      __m256i v[4];
+      Interleave4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + rb)),
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * rb)),
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 3 * rb)), v);
+      for (int s = 0; s < P; ++s) {
+        for (int u = 0; u < 4; ++u) buf[s][q][u] = Plane<Bits>(v[u], s);
+      }
+    }
+    return;
+  }
+  for (int q = 0; q < steps; ++q) {
     const int row = b0 + 4 * q;
     __m256i v[4];
     Interleave4(LoadRow(A, row, k, bytes), LoadRow(A, row + 1, k, bytes),
@@ -573,21 +598,34 @@ void BlockSums(const ValueLanes& L, int ng, int steps, int v0, const __m256i (*b
 // The weights of a block's rows b0 + j, j < nb, for queries a0 .. a0 + QB: w[j][l] = p[a][b0 + j]
 // * scale[b0 + j][g] in lane l = a * NG + g, with the lanes' max (wmax) and sum (wsum), and
 // zacc += p * zero. NG (groups a row) is fixed at compile time so that the row loop has no branch
-// on it; the running values stay in registers.
+// on it.
+//
+// Eight rows at a time, the two 8-lane halves in turn, unrolled: a half's running values, its two
+// lane maps and the transposed probabilities then fit in registers. (Both halves in one loop over
+// the rows kept the maps and the probabilities on the stack, or spilt a running sum there, about
+// twice the instructions a row.) Each lane sees the same operations in the same order.
 template <int QB, int NG>
 void BlockWeights(const ValueArgs& A, int a0, int b0, int nb, const int32_t (*qidx)[2][8],
                   float (*w)[16], __m256* wmax, __m256* wsum, __m256* zacc) {
-  const int rb = static_cast<int>(A.row_bytes);
-  __m256 max0 = _mm256_setzero_ps(), max1 = _mm256_setzero_ps();
-  __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
-  __m256 z0 = zacc[0], z1 = zacc[1];
-  const uint8_t* codes = A.codes + static_cast<size_t>(b0) * A.row_bytes;
+  const size_t rb = A.row_bytes;
+  const float* const p = A.p;
+  const size_t ps = A.ps;
+  __m256 mx[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 sm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 zs[2] = {zacc[0], zacc[1]};
+  const uint8_t* codes = A.codes + static_cast<size_t>(b0) * rb;
   const float* scale = A.scale + static_cast<size_t>(b0) * NG;
   const float* zero = A.zero + static_cast<size_t>(b0) * NG;
   for (int j0 = 0; j0 < nb; j0 += 8) {
+    const int n8 = Min(8, nb - j0);
+    // These rows' codes are read right after this function: fetch them now.
+    const uint8_t* rows = codes + static_cast<size_t>(j0) * rb;
+    for (size_t off = 0; off < static_cast<size_t>(n8) * rb; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(rows + off), _MM_HINT_T0);
+    }
     __m256 pa[4];
     for (int a = 0; a < 4; ++a) {
-      pa[a] = a < QB ? _mm256_maskload_ps(A.p + static_cast<size_t>(a0 + a) * A.ps + b0 + j0,
+      pa[a] = a < QB ? _mm256_maskload_ps(p + static_cast<size_t>(a0 + a) * ps + b0 + j0,
                                           LaneMask(nb - j0))
                      : _mm256_setzero_ps();
     }
@@ -598,33 +636,34 @@ void BlockWeights(const ValueArgs& A, int a0, int b0, int nb, const int32_t (*qi
     ur[1] = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t2)));
     ur[2] = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(t1), _mm256_castps_pd(t3)));
     ur[3] = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(t1), _mm256_castps_pd(t3)));
-    const int n8 = Min(8, nb - j0);
-    for (int r = 0; r < n8; ++r) {
-      const int j = j0 + r;
-      for (int off = 0; off < rb; off += 64) {  // read right after this loop: fetch now
-        _mm_prefetch(reinterpret_cast<const char*>(codes + off), _MM_HINT_T0);
+    const float* sc = scale + static_cast<size_t>(j0) * NG;
+    const float* zr = zero + static_cast<size_t>(j0) * NG;
+    const auto half = [&](int h, int count) __attribute__((always_inline)) {
+      const __m256i ix0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(qidx[0][h]));
+      const __m256i ix1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(qidx[1][h]));
+      __m256 m = mx[h], s = sm[h], z = zs[h];
+#pragma GCC unroll 8
+      for (int r = 0; r < count; ++r) {
+        const __m256 pv = _mm256_permutevar8x32_ps(ur[r % 4], r < 4 ? ix0 : ix1);
+        const __m256 wv = _mm256_mul_ps(pv, GroupLanes<NG>(sc + r * NG));
+        _mm256_store_ps(w[j0 + r] + 8 * h, wv);
+        m = _mm256_max_ps(m, wv);
+        s = _mm256_add_ps(s, wv);
+        z = _mm256_fmadd_ps(pv, GroupLanes<NG>(zr + r * NG), z);
       }
-      codes += A.row_bytes;
-      const __m256 sv = GroupLanes<NG>(scale + static_cast<size_t>(j) * NG);
-      const __m256 zv = GroupLanes<NG>(zero + static_cast<size_t>(j) * NG);
-      const __m256 pv0 = _mm256_permutevar8x32_ps(
-          ur[r % 4], _mm256_load_si256(reinterpret_cast<const __m256i*>(qidx[r / 4][0])));
-      const __m256 pv1 = _mm256_permutevar8x32_ps(
-          ur[r % 4], _mm256_load_si256(reinterpret_cast<const __m256i*>(qidx[r / 4][1])));
-      const __m256 w0 = _mm256_mul_ps(pv0, sv), w1 = _mm256_mul_ps(pv1, sv);
-      _mm256_store_ps(w[j], w0);
-      _mm256_store_ps(w[j] + 8, w1);
-      max0 = _mm256_max_ps(max0, w0);
-      max1 = _mm256_max_ps(max1, w1);
-      sum0 = _mm256_add_ps(sum0, w0);
-      sum1 = _mm256_add_ps(sum1, w1);
-      z0 = _mm256_fmadd_ps(pv0, zv, z0);
-      z1 = _mm256_fmadd_ps(pv1, zv, z1);
+      mx[h] = m, sm[h] = s, zs[h] = z;
+    };
+    if (n8 == 8) {
+      half(0, 8);
+      half(1, 8);
+    } else {
+      half(0, n8);
+      half(1, n8);
     }
   }
-  wmax[0] = max0, wmax[1] = max1;
-  wsum[0] = sum0, wsum[1] = sum1;
-  zacc[0] = z0, zacc[1] = z1;
+  wmax[0] = mx[0], wmax[1] = mx[1];
+  wsum[0] = sm[0], wsum[1] = sm[1];
+  zacc[0] = zs[0], zacc[1] = zs[1];
 }
 
 // Queries a0 .. a0 + QB, QB * groups <= 16 lanes (a, g).
