@@ -653,7 +653,7 @@ void BlockWeights(const ValueArgs& A, int a0, int b0, int nb, const int32_t (*qi
       }
       mx[h] = m, sm[h] = s, zs[h] = z;
     };
-    if (n8 == 8) {
+    if (n8 == 8) {  // a constant count: the eight rows unroll
       half(0, 8);
       half(1, 8);
     } else {
