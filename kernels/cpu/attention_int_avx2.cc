@@ -516,38 +516,41 @@ inline __m256i LoadRow(const ValueArgs& A, int row, int k, int bytes) {
   return LoadPiece(A.codes + static_cast<size_t>(row) * A.row_bytes + 32 * k, bytes);
 }
 
+// Step q of InterleaveBlock: four rows' pieces interleaved, then split into the P planes.
+template <int Bits>
+inline void InterleaveStep(__m256i x0, __m256i x1, __m256i x2, __m256i x3, int q,
+                           __m256i (*buf)[kValueBlock / 4][4]) {
+  __m256i v[4];
+  Interleave4(x0, x1, x2, x3, v);
+  for (int s = 0; s < 8 / Bits; ++s) {
+    for (int u = 0; u < 4; ++u) buf[s][q][u] = Plane<Bits>(v[u], s);
+  }
+}
+
 // Piece k of the rows [b0, b0 + nb) of a block, interleaved four rows to a 32-bit lane, as the
 // P planes of its codes: buf[s][q][u] for step q (rows b0 + 4q ..) and vector u (Interleave4).
 // The bytes are interleaved once and the planes taken after (both act byte by byte).
 template <int Bits>
 void InterleaveBlock(const ValueArgs& A, int b0, int nb, int k,
                      __m256i (*buf)[kValueBlock / 4][4]) {
-  constexpr int P = 8 / Bits;
   const int bytes = Min(32, static_cast<int>(A.row_bytes) - 32 * k);
   const int steps = (nb + 3) / 4;
   if (bytes == 32 && b0 + 4 * steps <= A.rows) {  // whole pieces of rows that all exist: no checks
     const size_t rb = A.row_bytes;
     const uint8_t* p = A.codes + static_cast<size_t>(b0) * rb + 32 * k;
     for (int q = 0; q < steps; ++q, p += 4 * rb) {
-      __m256i v[4];
-      Interleave4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
-                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + rb)),
-                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * rb)),
-                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 3 * rb)), v);
-      for (int s = 0; s < P; ++s) {
-        for (int u = 0; u < 4; ++u) buf[s][q][u] = Plane<Bits>(v[u], s);
-      }
+      InterleaveStep<Bits>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + rb)),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * rb)),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 3 * rb)), q,
+                           buf);
     }
     return;
   }
   for (int q = 0; q < steps; ++q) {
     const int row = b0 + 4 * q;
-    __m256i v[4];
-    Interleave4(LoadRow(A, row, k, bytes), LoadRow(A, row + 1, k, bytes),
-                LoadRow(A, row + 2, k, bytes), LoadRow(A, row + 3, k, bytes), v);
-    for (int s = 0; s < P; ++s) {
-      for (int u = 0; u < 4; ++u) buf[s][q][u] = Plane<Bits>(v[u], s);
-    }
+    InterleaveStep<Bits>(LoadRow(A, row, k, bytes), LoadRow(A, row + 1, k, bytes),
+                         LoadRow(A, row + 2, k, bytes), LoadRow(A, row + 3, k, bytes), q, buf);
   }
 }
 
